@@ -1,0 +1,3 @@
+from segcli.cli import main
+
+main()

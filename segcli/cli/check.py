@@ -1,0 +1,5 @@
+"""Commands: (placeholder, filled in by its issue)."""
+
+import click
+
+COMMANDS = []
