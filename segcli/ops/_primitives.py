@@ -1,0 +1,279 @@
+"""JAX primitives over the Warp kernels, with one table of differentiation rules.
+
+Every primitive is linear or bilinear in its float operands, so its JVP is the sum of the
+primitive applied with one operand replaced by its tangent, and its transpose with respect
+to each operand is another primitive of the set:
+
+    sum(x)         x ↦ gather(ct)                     (segment sum ↔ broadcast back)
+    gather(y)      y ↦ sum(ct)
+    dot(x, y)      x ↦ scale(y, ct)      y ↦ scale(x, ct)
+    scale(x, y)    x ↦ scale(ct, y)      y ↦ dot(ct, x)
+    matvec(v, m)   v ↦ matvec(ct, mᵀ)    m ↦ outer(v, ct)
+    outer(a, b)    a ↦ matvec(b, ctᵀ)    b ↦ matvec(a, ct)
+
+JAX derives every higher derivative, forward or reverse, from these rules. Batching folds a
+vmapped axis into axis 1 of every float operand (the feature or group axis), which keeps the
+segment ids and their order; vmapped ids fall back to a loop over the batch.
+
+Operands are float arrays followed by int32 ids; parameters are `num_segments` (the length of
+the segment axis) and `indices_are_sorted`.
+"""
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from segcli.ops._kernels import callable_for
+
+
+def _kernel(name, dtype):
+    return callable_for(name, jnp.dtype(dtype).name)
+
+
+def _layout(idx, num_segments, indices_are_sorted):
+    """CSR offsets of the ids and a one-element flag saying whether they are non-decreasing."""
+    offsets = callable_for("layout")(idx, num_segments, output_dims={"out": (num_segments + 1,)})
+    if indices_are_sorted or idx.shape[0] < 2:
+        ordered = jnp.ones((1,), jnp.int32)
+    else:
+        ordered = jnp.all(idx[1:] >= idx[:-1]).astype(jnp.int32).reshape(1)
+    return offsets, ordered
+
+
+def _zeros_or(shape, dtype, empty, run):
+    """Zeros for empty inputs (no kernel launches on zero-size buffers), else `run()`."""
+    return jnp.zeros(shape, dtype) if empty or 0 in shape else run()
+
+
+def _reduction(name):
+    """Impl of a reduction kernel: layout, then the kernel into a zero-initialised output."""
+
+    def impl(*operands, num_segments, indices_are_sorted):
+        *floats, idx = operands
+        shape, dtype = _output_shape(name, floats, idx, num_segments), floats[0].dtype
+
+        def run():
+            offsets, ordered = _layout(idx, num_segments, indices_are_sorted)
+            return _kernel(name, dtype)(*floats, idx, offsets, ordered, jnp.zeros(shape, dtype))
+
+        return _zeros_or(shape, dtype, any(0 in f.shape for f in floats), run)
+
+    return impl
+
+
+def _elementwise(name):
+    """Impl of a gather-like kernel: one output row per id."""
+
+    def impl(*operands, num_segments, indices_are_sorted):
+        *floats, idx = operands
+        shape, dtype = _output_shape(name, floats, idx, num_segments), floats[0].dtype
+        run = lambda: _kernel(name, dtype)(*floats, idx, output_dims={"out": shape})  # noqa: E731
+        return _zeros_or(shape, dtype, any(0 in f.shape for f in floats), run)
+
+    return impl
+
+
+def _max_norm_impl(x, idx, *, num_segments, indices_are_sorted):
+    best_shape, mask_shape = _output_shape("max_norm", [x], idx, num_segments)
+    if 0 in x.shape or num_segments == 0:
+        return [jnp.zeros(best_shape, x.dtype), jnp.zeros(mask_shape, x.dtype)]
+    offsets, ordered = _layout(idx, num_segments, indices_are_sorted)
+    best, _, mask = _kernel("max_norm", x.dtype)(
+        x,
+        idx,
+        offsets,
+        ordered,
+        jnp.full(best_shape, -1, x.dtype),
+        jnp.full(best_shape, x.shape[0], jnp.int32),
+        jnp.zeros(mask_shape, x.dtype),
+    )
+    return [best, mask]
+
+
+# Output shape(s) of each primitive from its float operands' shapes s, M and the ids' length n.
+_SHAPES = {
+    "sum": lambda s, m, n: (m, s[0][1]),
+    "dot": lambda s, m, n: (m, s[0][1]),
+    "outer": lambda s, m, n: (m, s[0][1], s[0][2], s[1][2]),
+    "max_norm": lambda s, m, n: [(m, s[0][1]), (n, s[0][1])],
+    "gather": lambda s, m, n: (n, s[0][1]),
+    "scale": lambda s, m, n: s[0],
+    "matvec": lambda s, m, n: (n, s[0][1], s[1][3]),
+}
+
+
+def _output_shape(name, floats, idx, num_segments):
+    return _SHAPES[name]([tuple(f.shape) for f in floats], num_segments, idx.shape[0])
+
+
+@dataclass(frozen=True)
+class _Rule:
+    """A primitive over `arity` float operands and the ids; `transposes[j]` (if linear) maps a
+    cotangent, the other float operands, the ids and the parameters to operand j's cotangent."""
+
+    name: str
+    impl: object
+    arity: int
+    transposes: tuple = ()
+
+
+def _fold_batch(args, dims, arity):
+    """Move each float operand's batch axis into axis 1 (broadcasting unbatched ones)."""
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    folded = []
+    for a, d in zip(args[:arity], dims[:arity]):
+        a = jnp.moveaxis(a, d, 1) if d is not None else jnp.broadcast_to(a[:, None], (a.shape[0], size, *a.shape[1:]))
+        folded.append(a.reshape(a.shape[0], size * a.shape[2], *a.shape[3:]))
+    return folded, size
+
+
+def _unfold(out, size):
+    return out.reshape(out.shape[0], size, out.shape[1] // size, *out.shape[2:])
+
+
+def _loop_batch(prim, args, dims, params):
+    """Vmapped ids: run the primitive once per batch element."""
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    moved = [jnp.moveaxis(a, d, 0) if d is not None else jnp.broadcast_to(a, (size, *a.shape)) for a, d in zip(args, dims)]
+    out = jax.lax.map(lambda xs: prim.bind(*xs, **params), moved)
+    return out, [0] * len(out) if prim.multiple_results else 0
+
+
+def _register(rule):
+    prim = Primitive(f"segcli_{rule.name}")
+    prim.multiple_results = rule.name == "max_norm"
+    prim.def_impl(rule.impl)
+    mlir.register_lowering(prim, mlir.lower_fun(rule.impl, multiple_results=prim.multiple_results))
+
+    def abstract(*avals, num_segments, indices_are_sorted):
+        shapes = _output_shape(rule.name, avals[: rule.arity], avals[rule.arity], num_segments)
+        dtype = avals[0].dtype
+        if prim.multiple_results:
+            return [jax.core.ShapedArray(s, dtype) for s in shapes]
+        return jax.core.ShapedArray(shapes, dtype)
+
+    def batch(args, dims, **params):
+        if dims[rule.arity] is not None:
+            return _loop_batch(prim, args, dims, params)
+        folded, size = _fold_batch(args, dims, rule.arity)
+        out = prim.bind(*folded, args[rule.arity], **params)
+        if prim.multiple_results:
+            return [_unfold(o, size) for o in out], [1] * len(out)
+        return _unfold(out, size), 1
+
+    prim.def_abstract_eval(abstract)
+    batching.primitive_batchers[prim] = batch
+    return prim
+
+
+def _symbolic_zero(value):
+    return ad.Zero(jax.core.ShapedArray(value.shape, value.dtype))
+
+
+def _multilinear(rule):
+    """Register a primitive linear in each float operand, with its JVP and transposes."""
+    prim = _register(rule)
+
+    def jvp(primals, tangents, **params):
+        out = prim.bind(*primals, **params)
+        terms = [
+            prim.bind(*primals[:j], t, *primals[j + 1 :], **params)
+            for j, t in enumerate(tangents[: rule.arity])
+            if type(t) is not ad.Zero
+        ]
+        if not terms:
+            return out, _symbolic_zero(out)
+        total = terms[0]
+        for term in terms[1:]:
+            total = total + term
+        return out, total
+
+    def transpose(ct, *operands, **params):
+        *floats, idx = operands
+        j = next(k for k, f in enumerate(floats) if ad.is_undefined_primal(f))
+        if type(ct) is ad.Zero:
+            cotangent = ad.Zero(floats[j].aval)
+        else:
+            others = [f for k, f in enumerate(floats) if k != j]
+            cotangent = rule.transposes[j](ct, *others, idx, params)
+        return [None] * j + [cotangent] + [None] * (len(operands) - j - 1)
+
+    ad.primitive_jvps[prim] = jvp
+    ad.primitive_transposes[prim] = transpose
+    return prim
+
+
+def _swap(m):
+    return jnp.swapaxes(m, -1, -2)
+
+
+# The table of transposes; the lambdas refer to primitives defined further down.
+sum_p = _multilinear(_Rule("sum", _reduction("sum"), 1, (lambda ct, idx, p: gather_p.bind(ct, idx, **p),)))
+gather_p = _multilinear(_Rule("gather", _elementwise("gather"), 1, (lambda ct, idx, p: sum_p.bind(ct, idx, **p),)))
+dot_p = _multilinear(
+    _Rule(
+        "dot",
+        _reduction("dot"),
+        2,
+        (
+            lambda ct, y, idx, p: scale_p.bind(y, ct, idx, **p),
+            lambda ct, x, idx, p: scale_p.bind(x, ct, idx, **p),
+        ),
+    )
+)
+scale_p = _multilinear(
+    _Rule(
+        "scale",
+        _elementwise("scale"),
+        2,
+        (
+            lambda ct, y, idx, p: scale_p.bind(ct, y, idx, **p),
+            lambda ct, x, idx, p: dot_p.bind(ct, x, idx, **p),
+        ),
+    )
+)
+matvec_p = _multilinear(
+    _Rule(
+        "matvec",
+        _elementwise("matvec"),
+        2,
+        (
+            lambda ct, m, idx, p: matvec_p.bind(ct, _swap(m), idx, **p),
+            lambda ct, v, idx, p: outer_p.bind(v, ct, idx, **p),
+        ),
+    )
+)
+outer_p = _multilinear(
+    _Rule(
+        "outer",
+        _reduction("outer"),
+        2,
+        (
+            lambda ct, b, idx, p: matvec_p.bind(b, _swap(ct), idx, **p),
+            lambda ct, a, idx, p: matvec_p.bind(a, ct, idx, **p),
+        ),
+    )
+)
+
+# Largest squared norm per segment and group, and a 0/1 mask of the first row attaining it.
+# Piecewise constant in x: its derivative is zero (max_norm differentiates through `dot`).
+max_norm_p = _register(_Rule("max_norm", _max_norm_impl, 1))
+
+
+def _max_norm_jvp(primals, tangents, **params):
+    out = max_norm_p.bind(*primals, **params)
+    return out, [_symbolic_zero(o) for o in out]
+
+
+ad.primitive_jvps[max_norm_p] = _max_norm_jvp
+
+
+def count(idx, num_segments, indices_are_sorted):
+    """Ids per segment, int32 (not differentiable)."""
+    if idx.shape[0] == 0 or num_segments == 0:
+        return jnp.zeros((num_segments,), jnp.int32)
+    offsets, ordered = _layout(idx, num_segments, indices_are_sorted)
+    return callable_for("count")(idx, offsets, ordered, jnp.zeros((num_segments,), jnp.int32))
