@@ -1,0 +1,106 @@
+"""Files that ASE reads (extxyz, xyz, traj, db, cif, POSCAR, ...), streamed with ase.io.iread."""
+
+from functools import cached_property
+
+import numpy as np
+
+from segcli.errors import DataError
+from segcli.io.core import NUMERIC_KINDS, Batch, Chunk, Schema
+
+
+def ase_format(path):
+    """ASE's name for the format of a file, or DataError when ASE knows none."""
+    from ase.io.formats import UnknownFileTypeError, filetype, ioformats
+
+    try:
+        fmt = filetype(path, guess=False)
+    except UnknownFileTypeError:
+        fmt = None
+    if fmt not in ioformats or not ioformats[fmt].can_read:
+        raise DataError(f"{path}: neither HDF5 nor a file format that ASE can read")
+    return fmt
+
+
+def _numeric(value):
+    array = np.asarray(value)
+    return array if array.dtype.kind in NUMERIC_KINDS else None
+
+
+def atoms_piece(path, atoms, index):
+    """One structure as a Chunk: atoms.arrays and per-atom calculator results per atom; cell,
+    pbc, numeric atoms.info entries and the other calculator results per structure."""
+    from ase.outputs import all_outputs
+
+    n = len(atoms)
+    per_atom = {k: v for k, v in atoms.arrays.items() if v.dtype.kind in NUMERIC_KINDS}
+    per_structure = {"cell": atoms.cell.array[np.newaxis], "pbc": atoms.pbc[np.newaxis]}
+    for key, value in atoms.info.items():
+        array = _numeric(value)
+        if array is not None:
+            per_structure[key] = array[np.newaxis]
+    for key, value in getattr(atoms.calc, "results", {}).items():
+        array = _numeric(value)
+        if array is None:
+            continue
+        prop = all_outputs.get(key)
+        if (prop.shapespec[:1] == ("natoms",)) if prop else (array.shape[:1] == (n,)):
+            per_atom[key] = array
+        else:
+            per_structure[key] = array[np.newaxis]
+    both = per_atom.keys() & per_structure.keys()
+    if both:
+        raise DataError(f"{path}: structure {index} has '{sorted(both)[0]}' both per atom "
+                        "and per structure")
+    return Chunk(index, np.array([n], np.int64), per_atom, per_structure)
+
+
+class AseBatch(Batch):
+    """Structures of an ASE-readable file. `n_atoms` and `fields` cost one pass over the file
+    (cached); `iter_chunks` another."""
+
+    format = "ase"
+
+    def __init__(self, path, ase_format):
+        super().__init__(path)
+        self.ase_format = ase_format
+
+    @cached_property
+    def _scan(self):
+        n_atoms, schema = [], Schema()
+        for piece in self._pieces(0, None, None, None):
+            n_atoms.append(piece.n_atoms[0])
+            schema.add_piece(self.path, piece)
+        return np.array(n_atoms, np.int64), dict(schema)
+
+    @property
+    def n_atoms(self):
+        return self._scan[0]
+
+    @property
+    def _stored(self):
+        return self._scan[1]
+
+    def _pieces(self, start, stop, names, chunk_atoms):
+        import ase.io
+        from ase.io.formats import ioformats
+
+        single = ioformats[self.ase_format].single
+        frames = ase.io.iread(self.path, index=slice(None) if single else slice(start, stop),
+                              format=self.ase_format)
+        index = 0 if single else start
+        while stop is None or index < stop:
+            try:
+                atoms = next(frames)
+            except StopIteration:
+                return
+            except Exception as err:
+                raise DataError(f"{self.path}: ASE cannot read structure {index} as "
+                                f"{self.ase_format} ({type(err).__name__}: {err})") from err
+            if index >= start:
+                piece = atoms_piece(self.path, atoms, index)
+                if names is not None:
+                    piece = piece._replace(
+                        atoms={k: v for k, v in piece.atoms.items() if k in names},
+                        structures={k: v for k, v in piece.structures.items() if k in names})
+                yield piece
+            index += 1

@@ -1,0 +1,204 @@
+"""HDF5 files: the segcli-batch layout, and the conformer-group layout of ANI-1x, SPICE and
+Transition1x, read in place."""
+
+import h5py
+import numpy as np
+
+from segcli.errors import DataError
+from segcli.io.core import NUMERIC_KINDS, Batch, Chunk, FieldInfo, Schema, plan_chunks
+
+FORMAT = "segcli-batch"
+VERSION = 1
+POSITION_NAMES = ("coordinates", "conformations", "positions")
+NUMBER_NAMES = ("atomic_numbers", "species")
+
+
+def read_rows(path, ds, lo, hi):
+    """Rows [lo, hi) of a dataset; DataError if the file cannot give them."""
+    try:
+        return ds[lo:hi]
+    except OSError as err:
+        raise DataError(f"{path}: cannot read {ds.name} rows {lo}:{hi} ({err})") from err
+
+
+def plain(value):
+    """An HDF5 attribute as a JSON-friendly Python value."""
+    if isinstance(value, np.ndarray):
+        return [plain(v) for v in value.tolist()]
+    if isinstance(value, np.generic):
+        value = value.item()
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class SegcliBatch(Batch):
+    """A segcli-batch HDF5 file (SPEC §4)."""
+
+    format = "segcli"
+
+    def __init__(self, path, h5):
+        super().__init__(path)
+        self._h5 = h5
+        if h5.attrs["format"] != FORMAT:
+            raise DataError(f"{path}: attribute format is {h5.attrs['format']!r}, not {FORMAT!r}")
+        if h5.attrs.get("version") != VERSION:
+            raise DataError(f"{path}: version {h5.attrs.get('version')} of {FORMAT} is not "
+                            f"supported (this segcli reads version {VERSION})")
+        counts = h5.get("structures/n_atoms")
+        if not isinstance(counts, h5py.Dataset):
+            raise DataError(f"{path}: /structures/n_atoms is missing")
+        if counts.ndim != 1 or counts.dtype.kind not in "iu":
+            raise DataError(f"{path}: /structures/n_atoms must be a 1-D integer array, "
+                            f"not {counts.dtype} of shape {counts.shape}")
+        self.n_atoms = read_rows(path, counts, 0, len(counts)).astype(np.int64)
+        negative = np.flatnonzero(self.n_atoms < 0)
+        if len(negative):
+            s = negative[0]
+            raise DataError(f"{path}: /structures/n_atoms[{s}] is {self.n_atoms[s]}; "
+                            "atom counts cannot be negative")
+        self._offsets = np.concatenate([[0], np.cumsum(self.n_atoms)])
+        self._stored = {}
+        for per, group, rows in (("atom", "atoms", self._offsets[-1]),
+                                 ("structure", "structures", len(self.n_atoms))):
+            for name, ds in h5.get(group, {}).items():
+                if (not isinstance(ds, h5py.Dataset) or ds.dtype.kind not in NUMERIC_KINDS
+                        or (group, name) == ("structures", "n_atoms")):
+                    continue
+                if ds.ndim == 0 or ds.shape[0] != rows:
+                    length = ds.shape[0] if ds.ndim else "no"
+                    expected = ("/structures/n_atoms sums to" if per == "atom"
+                                else "/structures/n_atoms has")
+                    raise DataError(f"{path}: /{group}/{name} has {length} rows, but "
+                                    f"{expected} {rows}")
+                if name in self._stored:
+                    raise DataError(f"{path}: '{name}' is both in /atoms and in /structures")
+                self._stored[name] = FieldInfo(name, per, ds.shape[1:], ds.dtype)
+
+    def close(self):
+        self._h5.close()
+
+    @property
+    def results(self):
+        out = {}
+        if "results" in self._h5:
+            self._h5["results"].visititems(lambda name, obj: out.__setitem__(
+                name, {k: plain(v) for k, v in obj.attrs.items()})
+                if isinstance(obj, h5py.Dataset) else None)
+        return out
+
+    def _pieces(self, start, stop, names, chunk_atoms):
+        stop = self.n_structures if stop is None else stop
+        names = list(self._stored) if names is None else names
+        bounds = start + np.array(plan_chunks(self.n_atoms[start:stop], chunk_atoms))
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            lo, hi = self._offsets[a], self._offsets[b]
+            data = {"atom": {}, "structure": {}}
+            for name in names:
+                info = self._stored[name]
+                group, rows = ("atoms", (lo, hi)) if info.per == "atom" else ("structures", (a, b))
+                data[info.per][name] = read_rows(self.path, self._h5[group][name], *rows)
+            yield Chunk(int(a), self.n_atoms[a:b], data["atom"], data["structure"])
+
+
+class Molecule:
+    """One group of the conformer layout: C conformers of the same n atoms."""
+
+    def __init__(self, path, group):
+        self.name = group.name
+        ds = next(group[k] for k in NUMBER_NAMES if k in group)
+        numbers = ds[()]
+        if numbers.ndim != 1:
+            raise DataError(f"{path}: {ds.name} must be 1-D, not of shape {numbers.shape}")
+        if numbers.dtype.kind in "SUO":
+            from ase.data import atomic_numbers
+            try:
+                numbers = [atomic_numbers[s.decode() if isinstance(s, bytes) else s]
+                           for s in numbers]
+            except KeyError as err:
+                raise DataError(f"{path}: {ds.name} holds {err}, not a chemical symbol") from err
+        self.numbers = np.asarray(numbers, np.int64)
+        n = len(self.numbers)
+        found = [k for k in POSITION_NAMES if k in group]
+        if len(found) != 1:
+            raise DataError(f"{path}: group {group.name} must hold exactly one of "
+                            f"{', '.join(POSITION_NAMES)}; it holds {found or 'none'}")
+        positions = group[found[0]]
+        if positions.ndim != 3 or positions.shape[1:] != (n, 3):
+            raise DataError(f"{path}: {positions.name} has shape {positions.shape}, "
+                            f"not (conformers, {n}, 3) for the {n} atomic numbers")
+        self.n_conformers = positions.shape[0]
+        self.n_atoms = n
+        self.datasets = {"positions": (found[0], "atom")}
+        self.fields = [FieldInfo("numbers", "atom", (), np.dtype(np.int64)),
+                       FieldInfo("positions", "atom", (3,), positions.dtype)]
+        for key, ds in group.items():
+            if (key in NUMBER_NAMES or key in POSITION_NAMES or not isinstance(ds, h5py.Dataset)
+                    or ds.dtype.kind not in NUMERIC_KINDS or ds.ndim == 0
+                    or ds.shape[0] != self.n_conformers):
+                continue
+            per, trailing = ("atom", ds.shape[2:]) if ds.shape[1:2] == (n,) else (
+                "structure", ds.shape[1:])
+            self.datasets[key] = (key, per)
+            self.fields.append(FieldInfo(key, per, trailing, ds.dtype))
+
+
+def find_molecules(path, h5):
+    """Groups holding atomic numbers, at any depth, in file order (links not followed)."""
+    molecules = []
+
+    def walk(group):
+        if any(isinstance(group.get(k), h5py.Dataset) for k in NUMBER_NAMES):
+            molecules.append(Molecule(path, group))
+        for key in group:
+            if isinstance(group.get(key, getlink=True), h5py.HardLink) and isinstance(
+                    group[key], h5py.Group):
+                walk(group[key])
+
+    walk(h5)
+    return molecules
+
+
+class ConformerBatch(Batch):
+    """The conformer-group layout: each conformer of each molecule group is one structure."""
+
+    format = "conformers"
+
+    def __init__(self, path, h5):
+        super().__init__(path)
+        self._h5 = h5
+        self._molecules = find_molecules(path, h5)
+        if not self._molecules:
+            raise DataError(f"{path}: HDF5 file with neither the {FORMAT} layout (no format "
+                            "attribute) nor conformer groups (no atomic_numbers or species)")
+        self.n_atoms = np.repeat([m.n_atoms for m in self._molecules],
+                                 [m.n_conformers for m in self._molecules]).astype(np.int64)
+        self._first = np.cumsum([0] + [m.n_conformers for m in self._molecules])
+        schema = Schema()
+        for m, first in zip(self._molecules, self._first):
+            for info in m.fields:
+                schema.add(path, info, first)
+        self._stored = dict(schema)
+
+    def close(self):
+        self._h5.close()
+
+    def _pieces(self, start, stop, names, chunk_atoms):
+        stop = self.n_structures if stop is None else stop
+        m = int(np.searchsorted(self._first, start, side="right")) - 1
+        while start < stop:
+            mol, first = self._molecules[m], self._first[m]
+            group = self._h5[mol.name]
+            step = max(1, chunk_atoms // max(mol.n_atoms, 1))
+            end = min(stop, first + mol.n_conformers)
+            for a in range(start - first, end - first, step):
+                b = min(a + step, end - first)
+                data = {"atom": {}, "structure": {}}
+                if names is None or "numbers" in names:
+                    data["atom"]["numbers"] = np.tile(mol.numbers, b - a)
+                for name, (key, per) in mol.datasets.items():
+                    if names is None or name in names:
+                        array = read_rows(self.path, group[key], a, b)
+                        data[per][name] = (array.reshape(-1, *array.shape[2:]) if per == "atom"
+                                           else array)
+                yield Chunk(int(first + a), np.full(b - a, mol.n_atoms, np.int64),
+                            data["atom"], data["structure"])
+            start, m = end, m + 1

@@ -1,0 +1,247 @@
+"""Writing segcli HDF5 files safely: a temporary file beside the target, renamed over it only
+when all went well, so that a failure or a kill leaves no partial output and an intact input."""
+
+import os
+import shutil
+import tempfile
+from contextlib import ExitStack, contextmanager, suppress
+from datetime import datetime, timezone
+
+import numpy as np
+
+from segcli import __version__
+from segcli.errors import DataError
+from segcli.io.core import Schema, check_fill, merge_pieces
+
+FORMAT = "segcli-batch"
+VERSION = 1
+CHUNK_BYTES = 1 << 20
+CACHE_BYTES = 64 << 20
+
+
+def refuse_overwrite(path, force):
+    if os.path.exists(path) and not force:
+        raise DataError(f"{path}: already exists; use --force to overwrite it")
+
+
+def _fsync(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def atomic_output(target, copy_of=None):
+    """A temporary path beside `target` (a copy of `copy_of` if given), synced and renamed over
+    `target` when the block ends cleanly, removed when it fails."""
+    directory = os.path.dirname(os.path.abspath(target))
+    try:
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(target)}.",
+                                   suffix=".tmp")
+    except OSError as err:
+        raise DataError(f"{target}: cannot write there ({err.strerror})") from err
+    os.close(fd)
+    try:
+        if copy_of is None:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
+        else:
+            shutil.copyfile(copy_of, tmp)
+            shutil.copymode(copy_of, tmp)
+        yield tmp
+        _fsync(tmp)
+        os.replace(tmp, target)
+        _fsync(directory)
+    except BaseException:
+        with suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def _set_attrs(obj, attrs):
+    for key, value in attrs.items():
+        if value is not None:
+            obj.attrs[key] = value
+
+
+class ResultWriter:
+    """Writes /results/<name> datasets, either to a new file (`output_path`, which then also
+    holds /structures/n_atoms) or into the segcli HDF5 file `in_place_of`.
+
+    Everything goes to a temporary file beside the target, renamed over it only when the
+    `with` block ends cleanly: a failure leaves nothing behind and the input untouched.
+    """
+
+    def __init__(self, output_path=None, in_place_of=None, force=False):
+        if (output_path is None) == (in_place_of is None):
+            raise ValueError("give exactly one of output_path and in_place_of")
+        self.in_place = in_place_of is not None
+        self.path = os.fspath(in_place_of if self.in_place else output_path)
+        self.force = force
+        self._n_atoms = None
+
+    def __enter__(self):
+        import h5py
+
+        from segcli.io import open_batch
+
+        if self.in_place:
+            with open_batch(self.path) as batch:
+                if batch.format != "segcli":
+                    raise DataError(f"{self.path}: results can only be stored in a segcli HDF5 "
+                                    f"file; convert it first: segcli convert {self.path} -o OUT.h5")
+                self._n_atoms = batch.n_atoms
+        else:
+            refuse_overwrite(self.path, self.force)
+        with ExitStack() as stack:
+            tmp = stack.enter_context(atomic_output(self.path, self.path if self.in_place else None))
+            self._h5 = stack.enter_context(h5py.File(tmp, "r+" if self.in_place else "w"))
+            if not self.in_place:
+                _set_attrs(self._h5, {"format": FORMAT, "version": VERSION})
+            self._stack = stack.pop_all()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None and self._n_atoms is None:
+            exc = ValueError("ResultWriter: set_n_atoms() was not called")
+            self._stack.__exit__(ValueError, exc, None)
+            raise exc
+        return self._stack.__exit__(exc_type, exc, tb)
+
+    def set_n_atoms(self, n_atoms):
+        """Atoms per structure: stored in a new file, checked against an in-place one."""
+        n_atoms = np.asarray(n_atoms, np.int64)
+        if not self.in_place:
+            self._h5.create_dataset("structures/n_atoms", data=n_atoms)
+            self._n_atoms = n_atoms
+        elif not np.array_equal(n_atoms, self._n_atoms):
+            raise DataError(f"{self.path}: results stored in place must cover all its "
+                            f"{len(self._n_atoms)} structures, not {len(n_atoms)}")
+
+    def create(self, name, shape, dtype, attrs):
+        """Create /results/<name>; a result already there (or a result where one of its
+        groups would go) is replaced only with force."""
+        import h5py
+
+        parts = name.split("/")
+        for depth in range(1, len(parts) + 1):
+            key = "results/" + "/".join(parts[:depth])
+            obj = self._h5.get(key)
+            if obj is None:
+                break
+            if depth == len(parts) or isinstance(obj, h5py.Dataset):
+                if not self.force:
+                    raise DataError(f"{self.path}: result '{key[8:]}' already exists; "
+                                    "use --force to replace it")
+                del self._h5[key]
+                break
+        ds = self._h5.create_dataset(f"results/{name}", shape=shape, dtype=dtype)
+        _set_attrs(ds, {"segcli_version": __version__,
+                        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                        **attrs})
+
+    def write(self, name, start_row, array):
+        """Write rows [start_row, start_row + len(array)) of /results/<name>."""
+        self._h5[f"results/{name}"][start_row:start_row + len(array)] = array
+
+
+class BatchWriter:
+    """Appends chunks of structures to a new segcli HDF5 file, in resizable chunked datasets."""
+
+    def __init__(self, h5, compression=None, fill=None):
+        _set_attrs(h5, {"format": FORMAT, "version": VERSION})
+        for group in ("structures", "atoms"):
+            h5.create_group(group)
+        self._h5 = h5
+        self._fill = fill
+        self._filters = {"compression": compression, "shuffle": compression is not None}
+        self.schema = Schema()
+        self.n_structures = 0
+        self.n_atoms = 0
+        self._first_path = None
+
+    def append(self, path, pieces):
+        """Append consecutive structures of `path` (the pieces of one chunk)."""
+        self._first_path = self._first_path or path
+        known = set(self.schema)
+        for p in pieces:
+            self.schema.add_piece(path, p)
+        if self.n_structures:
+            for name in self.schema.keys() - known:
+                check_fill(self._first_path, 0, self.schema[name], self._fill)
+        chunk = merge_pieces(path, pieces, self.schema, self._fill)
+        self._extend("structures", "n_atoms", self.n_structures, chunk.n_atoms)
+        for name, info in self.schema.items():
+            if info.per == "atom":
+                self._extend("atoms", name, self.n_atoms, chunk.atoms[name])
+            else:
+                self._extend("structures", name, self.n_structures, chunk.structures[name])
+        self.n_structures += len(chunk.n_atoms)
+        self.n_atoms += int(chunk.n_atoms.sum())
+
+    def finish(self):
+        """Give a file without structures its empty /structures/n_atoms."""
+        if "n_atoms" not in self._h5["structures"]:
+            self._h5["structures"].create_dataset("n_atoms", data=np.zeros(0, np.int64))
+
+    def _extend(self, group, name, rows, array):
+        ds = self._h5[group].get(name)
+        if ds is None:
+            ds = self._create(group, name, array.dtype, array.shape[1:], len(array))
+            ds.resize(rows, axis=0)
+        elif ds.dtype != array.dtype:
+            ds = self._promote(ds, array.dtype)
+        ds.resize(rows + len(array), axis=0)
+        ds[rows:] = array
+
+    def _create(self, group, name, dtype, trailing, rows_hint):
+        row_bytes = max(1, int(np.prod(trailing)) * dtype.itemsize)
+        rows = int(np.clip(rows_hint, 1, max(1, CHUNK_BYTES // row_bytes)))
+        fill = self._fill if self._fill is not None and dtype.kind in "fc" else None
+        return self._h5[group].create_dataset(
+            name, shape=(0, *trailing), maxshape=(None, *trailing), dtype=dtype,
+            chunks=(rows, *trailing), fillvalue=fill, **self._filters)
+
+    def _promote(self, ds, dtype):
+        """Rewrite a dataset with a wider dtype (a field that was integer, then float)."""
+        group, name = ds.parent, ds.name.rsplit("/", 1)[1]
+        new = self._create(group.name, f"{name}.promoted", dtype, ds.shape[1:], ds.chunks[0])
+        new.resize(len(ds), axis=0)
+        step = ds.chunks[0] * 64
+        for lo in range(0, len(ds), step):
+            new[lo:lo + step] = ds[lo:lo + step]
+        del group[name]
+        group.move(f"{name}.promoted", name)
+        return group[name]
+
+
+def convert(inputs, output, *, compression=None, chunk_atoms=1_000_000, fill_missing=None,
+            force=False, progress=None):
+    """Write the structures of `inputs` (any files open_batch reads), concatenated in order,
+    to a new segcli HDF5 file `output`, streaming `chunk_atoms` atoms at a time.
+
+    `fill_missing` (NaN) fills fields that some structures lack; without it they raise
+    DataError. `progress(n)` is called with the structures of each chunk written.
+    Returns (structures, atoms, fields) written.
+    """
+    import h5py
+
+    from segcli.io import open_batch
+
+    output = os.fspath(output)
+    refuse_overwrite(output, force)
+    with ExitStack() as stack:
+        batches = [stack.enter_context(open_batch(path)) for path in inputs]
+        tmp = stack.enter_context(atomic_output(output))
+        h5 = stack.enter_context(h5py.File(tmp, "w", rdcc_nbytes=CACHE_BYTES))
+        writer = BatchWriter(h5, compression, fill_missing)
+        for batch in batches:
+            for pieces in batch.stream(chunk_atoms):
+                writer.append(batch.path, pieces)
+                if progress:
+                    progress(sum(len(p.n_atoms) for p in pieces))
+        writer.finish()
+    return writer.n_structures, writer.n_atoms, dict(writer.schema)
