@@ -13,7 +13,7 @@ def ase_format(path):
     from ase.io.formats import UnknownFileTypeError, filetype, ioformats
 
     try:
-        fmt = filetype(path, guess=False)
+        fmt = filetype(path)
     except UnknownFileTypeError:
         fmt = None
     if fmt not in ioformats or not ioformats[fmt].can_read:

@@ -127,18 +127,12 @@ class Molecule:
                             f"not (conformers, {n}, 3) for the {n} atomic numbers")
         self.n_conformers = positions.shape[0]
         self.n_atoms = n
-        self.datasets = {"positions": (found[0], "atom")}
-        self.fields = [FieldInfo("numbers", "atom", (), np.dtype(np.int64)),
-                       FieldInfo("positions", "atom", (3,), positions.dtype)]
+        self.datasets = {"positions": (found[0], positions.shape[1:], positions.dtype)}
         for key, ds in group.items():
-            if (key in NUMBER_NAMES or key in POSITION_NAMES or not isinstance(ds, h5py.Dataset)
-                    or ds.dtype.kind not in NUMERIC_KINDS or ds.ndim == 0
-                    or ds.shape[0] != self.n_conformers):
-                continue
-            per, trailing = ("atom", ds.shape[2:]) if ds.shape[1:2] == (n,) else (
-                "structure", ds.shape[1:])
-            self.datasets[key] = (key, per)
-            self.fields.append(FieldInfo(key, per, trailing, ds.dtype))
+            if (key not in NUMBER_NAMES + POSITION_NAMES and isinstance(ds, h5py.Dataset)
+                    and ds.dtype.kind in NUMERIC_KINDS and ds.ndim
+                    and ds.shape[0] == self.n_conformers):
+                self.datasets[key] = (key, ds.shape[1:], ds.dtype)
 
 
 def find_molecules(path, h5):
@@ -172,9 +166,17 @@ class ConformerBatch(Batch):
         self.n_atoms = np.repeat([m.n_atoms for m in self._molecules],
                                  [m.n_conformers for m in self._molecules]).astype(np.int64)
         self._first = np.cumsum([0] + [m.n_conformers for m in self._molecules])
+        # (C, n, ...) is per atom, unless the same name has another shape in another group
+        per_atom = {}
+        for m in self._molecules:
+            for name, (_, shape, _) in m.datasets.items():
+                per_atom[name] = per_atom.get(name, True) and shape[:1] == (m.n_atoms,)
         schema = Schema()
         for m, first in zip(self._molecules, self._first):
-            for info in m.fields:
+            schema.add(path, FieldInfo("numbers", "atom", (), np.dtype(np.int64)), first)
+            for name, (_, shape, dtype) in m.datasets.items():
+                info = (FieldInfo(name, "atom", shape[1:], dtype) if per_atom[name]
+                        else FieldInfo(name, "structure", shape, dtype))
                 schema.add(path, info, first)
         self._stored = dict(schema)
 
@@ -194,9 +196,10 @@ class ConformerBatch(Batch):
                 data = {"atom": {}, "structure": {}}
                 if names is None or "numbers" in names:
                     data["atom"]["numbers"] = np.tile(mol.numbers, b - a)
-                for name, (key, per) in mol.datasets.items():
+                for name, (key, _, _) in mol.datasets.items():
                     if names is None or name in names:
                         array = read_rows(self.path, group[key], a, b)
+                        per = self._stored[name].per
                         data[per][name] = (array.reshape(-1, *array.shape[2:]) if per == "atom"
                                            else array)
                 yield Chunk(int(first + a), np.full(b - a, mol.n_atoms, np.int64),

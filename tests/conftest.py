@@ -1,0 +1,64 @@
+"""Shared fixtures."""
+
+import numpy as np
+import pytest
+
+
+@pytest.fixture
+def frames():
+    """Fresh structures of varied sizes: periodic cells, a slab (one zero cell vector), molecules
+    without a cell and a single atom, with momenta, numeric and string info entries, and
+    calculator energy, forces and stress."""
+    from ase import Atoms
+    from ase.calculators.singlepoint import SinglePointCalculator
+
+    rng = np.random.default_rng(7)
+    out = []
+    for i, (n, kind) in enumerate([(5, "bulk"), (1, "atom"), (12, "molecule"), (4, "slab"),
+                                   (30, "bulk"), (7, "molecule"), (2, "bulk")]):
+        atoms = Atoms(numbers=rng.integers(1, 80, n), positions=rng.normal(0, 3, (n, 3)))
+        if kind == "bulk":
+            atoms.set_cell(np.diag(rng.uniform(6, 9, 3)) + rng.normal(0, 0.5, (3, 3)))
+            atoms.pbc = True
+        elif kind == "slab":
+            atoms.set_cell([[5.0, 0.0, 0.0], [1.0, 4.0, 0.0], [0.0, 0.0, 0.0]])
+            atoms.pbc = [True, True, False]
+        atoms.set_momenta(rng.normal(0, 1, (n, 3)))
+        atoms.info.update(temperature=float(rng.uniform(100, 900)), step=i, label=f"frame{i}")
+        atoms.calc = SinglePointCalculator(atoms, energy=float(rng.normal()),
+                                           forces=rng.normal(0, 1, (n, 3)),
+                                           stress=rng.normal(0, 0.1, 6))
+        out.append(atoms)
+    return out
+
+
+@pytest.fixture
+def ase_reference():
+    """Read a file with ase.io.read: (n_atoms, per-atom arrays, per-structure arrays), each
+    field concatenated over the structures, built from ASE's own accessors."""
+
+    def read(path, **kwargs):
+        import ase.io
+
+        images = ase.io.read(path, ":", **kwargs)
+        per_atom = {
+            "numbers": [a.numbers for a in images],
+            "positions": [a.positions for a in images],
+            "momenta": [a.get_momenta() for a in images],
+            "forces": [a.get_forces() for a in images],
+            "velocities": [a.get_velocities() for a in images],
+            "scaled_positions": [a.get_scaled_positions(wrap=False) for a in images],
+        }
+        per_structure = {
+            "cell": [a.cell.array for a in images],
+            "pbc": [a.pbc for a in images],
+            "energy": [a.get_potential_energy() for a in images],
+            "stress": [a.get_stress() for a in images],
+            "temperature": [a.info["temperature"] for a in images],
+            "step": [a.info["step"] for a in images],
+        }
+        return (np.array([len(a) for a in images]),
+                {k: np.concatenate(v) for k, v in per_atom.items()},
+                {k: np.stack(v) for k, v in per_structure.items()})
+
+    return read

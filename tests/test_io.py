@@ -1,0 +1,386 @@
+"""segcli.io against ase.io.read, h5py and NumPy, on files written fresh to tmp_path."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import ase.io
+import h5py
+import numpy as np
+import pytest
+from ase import Atoms
+
+from segcli.errors import DataError
+from segcli.io import ResultWriter, convert, open_batch
+
+ATOM_FIELDS = ["numbers", "positions", "momenta", "forces", "velocities", "scaled_positions"]
+STRUCTURE_FIELDS = ["cell", "pbc", "energy", "stress", "temperature", "step"]
+
+
+def read_all(batch, fields, **kwargs):
+    """Every chunk of a batch, checked to hold whole structures within the bound, concatenated."""
+    chunks = list(batch.iter_chunks(fields, **kwargs))
+    bound = kwargs.get("chunk_atoms", 1_000_000)
+    selected = batch.n_atoms[kwargs.get("structures", slice(None))]
+    first = kwargs.get("structures", slice(None)).start or 0
+    position = 0
+    for chunk in chunks:
+        assert chunk.start == first + position
+        assert np.array_equal(chunk.n_atoms, selected[position:position + len(chunk.n_atoms)])
+        total = chunk.n_atoms.sum()
+        assert total <= bound or len(chunk.n_atoms) == 1
+        position += len(chunk.n_atoms)
+        if position < len(selected):  # greedy: the next structure would not have fitted
+            assert total + selected[position] > bound or total > bound
+        for name, array in chunk.atoms.items():
+            assert len(array) == total, name
+        for name, array in chunk.structures.items():
+            assert len(array) == len(chunk.n_atoms), name
+    assert position == len(selected)
+    return {name: np.concatenate([c.atoms.get(name, c.structures.get(name)) for c in chunks])
+            for name in fields}
+
+
+def assert_same(got, expected):
+    for name, value in expected.items():
+        assert got[name].dtype == value.dtype, name
+        assert got[name].shape == value.shape, name
+        assert np.array_equal(got[name], value), name
+
+
+@pytest.fixture
+def extxyz(tmp_path, frames):
+    path = tmp_path / "frames.extxyz"
+    ase.io.write(path, frames, format="extxyz")
+    return path
+
+
+@pytest.mark.parametrize("chunk_atoms", [1, 13, 1_000_000])
+def test_extxyz_chunks_match_ase(extxyz, ase_reference, chunk_atoms):
+    n_atoms, per_atom, per_structure = ase_reference(extxyz)
+    with open_batch(extxyz) as batch:
+        assert batch.format == "ase" and batch.path == str(extxyz)
+        assert np.array_equal(batch.n_atoms, n_atoms) and batch.n_atoms.dtype == np.int64
+        assert batch.n_structures == len(n_atoms)
+        got = read_all(batch, ATOM_FIELDS + STRUCTURE_FIELDS, chunk_atoms=chunk_atoms)
+        fields = batch.fields
+        assert batch.results == {}
+    assert_same(got, {**per_atom, **per_structure})
+    assert {name: (f.per, f.shape, f.dtype) for name, f in fields.items()} == {
+        "numbers": ("atom", (), np.int64), "positions": ("atom", (3,), np.float64),
+        "momenta": ("atom", (3,), np.float64), "forces": ("atom", (3,), np.float64),
+        "velocities": ("atom", (3,), np.float64), "scaled_positions": ("atom", (3,), np.float64),
+        "cell": ("structure", (3, 3), np.float64), "pbc": ("structure", (3,), np.bool_),
+        "energy": ("structure", (), np.float64), "stress": ("structure", (6,), np.float64),
+        "temperature": ("structure", (), np.float64), "step": ("structure", (), np.int64)}
+
+
+def test_structure_selection(extxyz, ase_reference):
+    n_atoms, per_atom, per_structure = ase_reference(extxyz)
+    offsets = np.concatenate([[0], np.cumsum(n_atoms)])
+    with open_batch(extxyz) as batch:
+        got = read_all(batch, ["forces", "energy"], chunk_atoms=20, structures=slice(2, 5))
+        assert list(batch.iter_chunks(["forces"], structures=slice(4, 4))) == []
+    assert np.array_equal(got["forces"], per_atom["forces"][offsets[2]:offsets[5]])
+    assert np.array_equal(got["energy"], per_structure["energy"][2:5])
+
+
+def test_derived_fields_use_stored_masses(tmp_path, frames):
+    rng = np.random.default_rng(3)
+    masses = [rng.uniform(1, 100, len(atoms)) for atoms in frames]
+    for atoms, m in zip(frames, masses):
+        atoms.set_masses(m)
+    path = tmp_path / "masses.traj"
+    ase.io.write(path, frames)
+    got = read_all(open_batch(path), ["velocities", "scaled_positions", "masses"], chunk_atoms=9)
+    images = ase.io.read(path, ":")
+    assert np.array_equal(got["velocities"], np.concatenate([a.get_velocities() for a in images]))
+    assert np.array_equal(got["scaled_positions"], np.concatenate(
+        [a.get_scaled_positions(wrap=False) for a in images]))
+    assert np.array_equal(got["masses"], np.concatenate(masses))
+
+
+@pytest.mark.parametrize("fmt", ["traj", "db", "cif", "vasp"])
+def test_other_ase_formats(tmp_path, frames, fmt):
+    images = [a for a in frames if a.pbc.all()] if fmt in ("cif", "vasp") else frames
+    images = images[:1] if fmt == "vasp" else images
+    path = tmp_path / ("POSCAR" if fmt == "vasp" else f"frames.{fmt}")
+    ase.io.write(path, images, format=fmt)
+    reference = ase.io.read(path, ":")
+    got = read_all(open_batch(path), ["numbers", "positions", "cell", "pbc"], chunk_atoms=10)
+    assert np.array_equal(got["numbers"], np.concatenate([a.numbers for a in reference]))
+    assert np.array_equal(got["positions"], np.concatenate([a.positions for a in reference]))
+    assert np.array_equal(got["cell"], np.stack([a.cell.array for a in reference]))
+    assert np.array_equal(got["pbc"], np.stack([a.pbc for a in reference]))
+
+
+def test_convert_round_trip_is_bit_exact_and_follows_the_layout(extxyz, ase_reference):
+    out = extxyz.with_name("out.h5")
+    n, atoms, fields = convert([extxyz], out, chunk_atoms=10)
+    n_atoms, per_atom, per_structure = ase_reference(extxyz)
+    assert (n, atoms) == (len(n_atoms), n_atoms.sum())
+    with open_batch(out) as batch:
+        assert batch.format == "segcli"
+        assert batch.fields.keys() == fields.keys() | {"velocities", "scaled_positions"}
+        got = read_all(batch, ATOM_FIELDS + STRUCTURE_FIELDS, chunk_atoms=1_000)
+    assert_same(got, {**per_atom, **per_structure})
+    with h5py.File(out) as h5:
+        assert h5.attrs["format"] == "segcli-batch" and h5.attrs["version"] == 1
+        assert np.array_equal(h5["structures/n_atoms"][()], n_atoms)
+        assert h5["structures/n_atoms"].dtype == np.int64
+        assert sorted(h5["atoms"]) == ["forces", "momenta", "numbers", "positions"]
+        assert sorted(h5["structures"]) == ["cell", "energy", "n_atoms", "pbc", "step", "stress",
+                                            "temperature"]
+        assert h5["atoms/positions"].shape == (n_atoms.sum(), 3)
+        assert h5["atoms/positions"].chunks is not None
+        assert h5["atoms/positions"].maxshape == (None, 3)
+    assert [p for p in os.listdir(out.parent) if p.endswith(".tmp")] == []
+
+
+@pytest.mark.parametrize("compression", ["gzip", "lzf"])
+def test_convert_compressed(extxyz, ase_reference, compression):
+    out = extxyz.with_name("out.h5")
+    convert([extxyz], out, compression=compression)
+    with h5py.File(out) as h5:
+        assert h5["atoms/forces"].compression == compression
+    assert_same(read_all(open_batch(out), ["forces"]), {"forces": ase_reference(extxyz)[1]["forces"]})
+
+
+def test_convert_concatenates_inputs_of_every_kind(tmp_path, frames):
+    ase.io.write(tmp_path / "a.extxyz", frames[:3])
+    ase.io.write(tmp_path / "b.traj", frames[3:])
+    convert([tmp_path / "b.traj"], tmp_path / "b.h5")
+    convert([tmp_path / "a.extxyz", tmp_path / "b.h5", tmp_path / "b.traj"], tmp_path / "all.h5",
+            chunk_atoms=8)
+    images = [*ase.io.read(tmp_path / "a.extxyz", ":"), *ase.io.read(tmp_path / "b.traj", ":")]
+    images += images[3:]
+    got = read_all(open_batch(tmp_path / "all.h5"), ["positions", "forces", "energy", "cell"])
+    assert np.array_equal(got["positions"], np.concatenate([a.positions for a in images]))
+    assert np.array_equal(got["forces"], np.concatenate([a.get_forces() for a in images]))
+    assert np.array_equal(got["energy"], [a.get_potential_energy() for a in images])
+    assert np.array_equal(got["cell"], [a.cell.array for a in images])
+
+
+def test_field_in_some_structures(tmp_path, frames):
+    frames[2].info["charge"] = 1.5
+    frames[4].info["charge"] = -0.5
+    path = tmp_path / "partial.extxyz"
+    ase.io.write(path, frames)
+    with pytest.raises(DataError, match=r"partial.extxyz: structure 0 has no field 'charge'"):
+        convert([path], tmp_path / "out.h5")
+    del frames[2].info["charge"], frames[4].info["charge"]
+    frames[0].arrays.pop("momenta")
+    ase.io.write(path, frames)
+    with pytest.raises(DataError, match=r"structure 0 has no field 'momenta'"):
+        convert([path], tmp_path / "out.h5", chunk_atoms=3)
+    with pytest.raises(DataError, match=r"structure 0 has no field 'momenta'"):
+        list(open_batch(path).iter_chunks(["momenta"], structures=slice(0, 3)))
+    assert not (tmp_path / "out.h5").exists()
+    frames[0].set_momenta(np.ones((len(frames[0]), 3)))
+    frames[5].arrays.pop("momenta")
+    frames[3].info["charge"] = 2.0
+    ase.io.write(path, frames)
+    with pytest.raises(DataError, match=r"partial.extxyz: structure 5 has no field 'momenta'"):
+        convert([path], tmp_path / "out.h5")
+    convert([path], tmp_path / "out.h5", fill_missing=np.nan, chunk_atoms=6)
+    got = read_all(open_batch(tmp_path / "out.h5"), ["momenta", "charge"])
+    expected = [a.arrays.get("momenta", np.full((len(a), 3), np.nan))
+                for a in ase.io.read(path, ":")]
+    assert np.array_equal(got["momenta"], np.concatenate(expected), equal_nan=True)
+    assert np.array_equal(got["charge"], [np.nan] * 3 + [2.0] + [np.nan] * 3, equal_nan=True)
+    frames[1].info["flag"] = 3
+    ase.io.write(path, frames)
+    with pytest.raises(DataError, match=r"structure 0 has no field 'flag', and its dtype int64"):
+        convert([path], tmp_path / "out2.h5", fill_missing=np.nan)
+
+
+def test_convert_promotes_a_field_that_turns_float(tmp_path, frames):
+    for i, atoms in enumerate(frames):
+        atoms.info["order"] = i if i < 4 else i + 0.5
+    ase.io.write(tmp_path / "p.extxyz", frames)
+    convert([tmp_path / "p.extxyz"], tmp_path / "p.h5", chunk_atoms=5)
+    with open_batch(tmp_path / "p.h5") as batch:
+        assert batch.fields["order"].dtype == np.float64
+        got = read_all(batch, ["order"])["order"]
+    assert np.array_equal(got, [0, 1, 2, 3, 4.5, 5.5, 6.5])
+
+
+def write_conformers(path):
+    """A conformer-layout file and what each field must read as, in file order (groups are
+    created in the order h5py lists them; a soft link must not count twice)."""
+    rng = np.random.default_rng(5)
+    expected = {k: [] for k in ("numbers", "positions", "forces", "charges", "energy", "dipole")}
+    n_atoms = []
+    with h5py.File(path, "w") as h5:
+        for name, n, c, numbers_key, positions_key in [
+                ("C2H6", 8, 3, "atomic_numbers", "coordinates"),
+                ("nested/H2O", 3, 2, "species", "conformations"),
+                ("nested/deeper/CH4", 5, 4, "atomic_numbers", "positions"),
+                ("z/O2", 2, 1, "species", "coordinates")]:
+            g = h5.create_group(name)
+            numbers = rng.integers(1, 9, n)
+            symbols = np.array([Atoms(numbers=[z]).get_chemical_symbols()[0] for z in numbers], "S2")
+            g[numbers_key] = numbers.astype(np.uint8) if numbers_key == "atomic_numbers" else symbols
+            data = {"positions": rng.normal(size=(c, n, 3)), "forces": rng.normal(size=(c, n, 3)),
+                    "charges": rng.normal(size=(c, n)).astype(np.float32),
+                    "energy": rng.normal(size=c), "dipole": rng.normal(size=(c, 3))}
+            g[positions_key] = data.pop("positions")
+            positions = g[positions_key][()]
+            for key, value in data.items():
+                g[key] = value
+            g["formal_charges"] = np.zeros(n + 1)
+            g["smiles"] = np.array([b"C"] * c)
+            expected["numbers"].append(np.tile(numbers, c))
+            expected["positions"].append(positions.reshape(-1, 3))
+            expected["forces"].append(data["forces"].reshape(-1, 3))
+            expected["charges"].append(data["charges"].reshape(-1))
+            expected["energy"].append(data["energy"])
+            expected["dipole"].append(data["dipole"])
+            n_atoms += [n] * c
+        h5["nested/link"] = h5py.SoftLink("/C2H6")
+    return np.array(n_atoms), {k: np.concatenate(v) for k, v in expected.items()}
+
+
+@pytest.mark.parametrize("chunk_atoms", [1, 10, 1000])
+def test_conformer_layout(tmp_path, chunk_atoms):
+    n_atoms, expected = write_conformers(tmp_path / "conf.h5")
+    with open_batch(tmp_path / "conf.h5") as batch:
+        assert batch.format == "conformers"
+        assert np.array_equal(batch.n_atoms, n_atoms)
+        assert {n: (f.per, f.shape, f.dtype) for n, f in batch.fields.items()} == {
+            "numbers": ("atom", (), np.int64), "positions": ("atom", (3,), np.float64),
+            "forces": ("atom", (3,), np.float64), "charges": ("atom", (), np.float32),
+            "energy": ("structure", (), np.float64), "dipole": ("structure", (3,), np.float64)}
+        assert_same(read_all(batch, list(expected), chunk_atoms=chunk_atoms), expected)
+        got = read_all(batch, ["forces", "dipole"], chunk_atoms=chunk_atoms, structures=slice(2, 7))
+    offsets = np.concatenate([[0], np.cumsum(n_atoms)])
+    assert np.array_equal(got["forces"], expected["forces"][offsets[2]:offsets[7]])
+    assert np.array_equal(got["dipole"], expected["dipole"][2:7])
+
+
+def test_conformer_field_in_some_groups(tmp_path):
+    write_conformers(tmp_path / "conf.h5")
+    with h5py.File(tmp_path / "conf.h5", "a") as h5:
+        del h5["nested/H2O/dipole"]
+    with open_batch(tmp_path / "conf.h5") as batch:
+        assert "dipole" in batch.fields
+        with pytest.raises(DataError, match=r"conf.h5: structure 3 has no field 'dipole'"):
+            list(batch.iter_chunks(["dipole"]))
+
+
+def test_missing_field_lists_the_fields(tmp_path):
+    write_conformers(tmp_path / "conf.h5")
+    with open_batch(tmp_path / "conf.h5") as batch:
+        with pytest.raises(DataError, match=r"conf.h5: no field 'velocities'; its fields are: "
+                                            r"charges, dipole, energy, forces, numbers, positions"):
+            list(batch.iter_chunks(["forces", "velocities"]))
+
+
+def test_empty_inputs(tmp_path):
+    (tmp_path / "empty.extxyz").write_text("")
+    with open_batch(tmp_path / "empty.extxyz") as batch:
+        assert batch.n_structures == 0 and batch.fields == {}
+    convert([tmp_path / "empty.extxyz"], tmp_path / "empty.h5")
+    with open_batch(tmp_path / "empty.h5") as batch:
+        assert batch.format == "segcli" and batch.n_structures == 0
+        assert list(batch.iter_chunks([])) == []
+
+
+@pytest.fixture
+def batch_h5(extxyz):
+    out = extxyz.with_name("batch.h5")
+    convert([extxyz], out)
+    return out
+
+
+def test_result_writer_new_file(batch_h5, tmp_path):
+    n_atoms = open_batch(batch_h5).n_atoms
+    out = tmp_path / "results.h5"
+    values = np.arange(len(n_atoms) * 3, dtype=np.float64).reshape(-1, 3)
+    with ResultWriter(output_path=out) as w:
+        w.create("sum_forces", values.shape, values.dtype,
+                 {"op": "sum", "fields": ["forces"], "per": "structure"})
+        w.write("sum_forces", 0, values[:2])
+        w.write("sum_forces", 2, values[2:])
+        w.set_n_atoms(n_atoms)
+    with open_batch(out) as batch:
+        assert np.array_equal(batch.n_atoms, n_atoms)
+        attrs = batch.results["sum_forces"]
+    assert {k: attrs[k] for k in ("op", "fields", "per")} == {
+        "op": "sum", "fields": ["forces"], "per": "structure"}
+    assert {"segcli_version", "created"} <= attrs.keys()
+    with h5py.File(out) as h5:
+        assert np.array_equal(h5["results/sum_forces"][()], values)
+        assert h5.attrs["format"] == "segcli-batch"
+    with pytest.raises(DataError, match="results.h5: already exists; use --force"):
+        with ResultWriter(output_path=out) as w:
+            pass
+    with ResultWriter(output_path=out, force=True) as w:
+        w.set_n_atoms(n_atoms[:2])
+    assert open_batch(out).n_structures == 2
+
+
+def test_result_writer_leaves_nothing_on_failure(batch_h5, tmp_path):
+    out = tmp_path / "results.h5"
+    with pytest.raises(RuntimeError):
+        with ResultWriter(output_path=out) as w:
+            w.set_n_atoms([1, 2])
+            raise RuntimeError("boom")
+    with pytest.raises(ValueError, match="set_n_atoms"):
+        with ResultWriter(output_path=out):
+            pass
+    before = batch_h5.read_bytes()
+    with pytest.raises(RuntimeError):
+        with ResultWriter(in_place_of=batch_h5) as w:
+            w.create("x", (3,), np.float64, {"op": "sum"})
+            raise RuntimeError("boom")
+    assert batch_h5.read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["batch.h5", "frames.extxyz"]
+
+
+def test_result_writer_in_place(batch_h5, extxyz):
+    before = read_all(open_batch(batch_h5), ["forces", "energy"])
+    n_atoms = open_batch(batch_h5).n_atoms
+    with ResultWriter(in_place_of=batch_h5) as w:
+        w.create("sum_forces", (len(n_atoms), 3), np.float64, {"op": "sum", "per": "structure"})
+        w.write("sum_forces", 0, np.ones((len(n_atoms), 3)))
+        w.create("sum_forces_grad/d_forces", (n_atoms.sum(), 3), np.float64, {"op": "sum"})
+        w.set_n_atoms(n_atoms)
+    with open_batch(batch_h5) as batch:
+        assert sorted(batch.results) == ["sum_forces", "sum_forces_grad/d_forces"]
+        assert_same(read_all(batch, ["forces", "energy"]), before)
+    stored = batch_h5.read_bytes()
+    for name in ("sum_forces", "sum_forces_grad/d_forces", "sum_forces/x"):
+        with pytest.raises(DataError, match=f"result '{name.split('/x')[0]}' already exists"):
+            with ResultWriter(in_place_of=batch_h5) as w:
+                w.create(name, (1,), np.float64, {})
+    assert batch_h5.read_bytes() == stored
+    with pytest.raises(DataError, match="must cover all its 7 structures, not 2"):
+        with ResultWriter(in_place_of=batch_h5) as w:
+            w.set_n_atoms(n_atoms[:2])
+    with ResultWriter(in_place_of=batch_h5, force=True) as w:
+        w.create("sum_forces", (len(n_atoms),), np.int32, {"op": "count"})
+    with h5py.File(batch_h5) as h5:
+        assert h5["results/sum_forces"].dtype == np.int32
+        assert h5["results/sum_forces"].attrs["op"] == "count"
+    with pytest.raises(DataError, match="frames.extxyz: results can only be stored in a segcli "
+                                        "HDF5 file; convert it first"):
+        with ResultWriter(in_place_of=extxyz):
+            pass
+
+
+def test_result_writer_in_place_survives_sigkill(batch_h5):
+    before = batch_h5.read_bytes()
+    script = (
+        "import os, signal, numpy as np\n"
+        "from segcli.io import ResultWriter\n"
+        f"with ResultWriter(in_place_of={str(batch_h5)!r}) as w:\n"
+        "    w.create('big', (10**6, 3), np.float64, {'op': 'sum'})\n"
+        "    w.write('big', 0, np.ones((10**6, 3)))\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n")
+    result = subprocess.run([sys.executable, "-c", script])
+    assert result.returncode == -signal.SIGKILL
+    assert batch_h5.read_bytes() == before
+    with open_batch(batch_h5) as batch:
+        assert batch.results == {} and batch.n_structures == 7
