@@ -59,8 +59,8 @@ def info(file, as_json):
     click.echo("results:" + ("" if summary["results"] else " none"))
     for name, attrs in summary["results"].items():
         described = "  ".join(
-            f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}"
-            for k, v in attrs.items() if k in ("op", "fields", "per"))
+            f"{k}={','.join(map(str, attrs[k])) if isinstance(attrs[k], list) else attrs[k]}"
+            for k in ("op", "fields", "per") if k in attrs)
         click.echo(f"  {name}  {described}".rstrip())
 
 
