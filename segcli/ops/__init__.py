@@ -20,6 +20,7 @@ Semantics shared by all functions:
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -96,19 +97,24 @@ def _params(m, indices_are_sorted):
 
 def _safe_sqrt(s):
     """sqrt with every derivative 0 (never NaN) where s is 0."""
-    positive = s > 0
-    return jnp.where(positive, jnp.sqrt(jnp.where(positive, s, 1)), 0)
+    zero = s == 0
+    return jnp.where(zero, 0, jnp.sqrt(jnp.where(zero, 1, s)))
 
 
 def _grouped(x):
     """(N, *F) as (N, 1, K): one group of K = prod(F) features."""
-    return x.reshape(x.shape[0], 1, -1)
+    return x.reshape(x.shape[0], 1, math.prod(x.shape[1:]))
+
+
+def _rows(x):
+    """(N, *F) as (N, K)."""
+    return x.reshape(x.shape[0], math.prod(x.shape[1:]))
 
 
 def segmented_sum(x, idx, num_segments, *, indices_are_sorted=False):
     """Sum of the rows of x (N, *F) over each segment: (M, *F)."""
     x, idx, m, dtype = _common("x", x, idx, num_segments)
-    out = P.sum_p.bind(x.reshape(x.shape[0], -1), idx, **_params(m, indices_are_sorted))
+    out = P.sum_p.bind(_rows(x), idx, **_params(m, indices_are_sorted))
     return out.reshape(m, *x.shape[1:]).astype(dtype)
 
 
@@ -122,7 +128,7 @@ def segmented_mean(x, idx, num_segments, *, indices_are_sorted=False):
     """Mean of the rows of x (N, *F) over each segment: (M, *F); an empty segment gives 0."""
     x, idx, m, dtype = _common("x", x, idx, num_segments)
     params = _params(m, indices_are_sorted)
-    total = P.sum_p.bind(x.reshape(x.shape[0], -1), idx, **params)
+    total = P.sum_p.bind(_rows(x), idx, **params)
     count = jnp.maximum(P.count(idx, m, params["indices_are_sorted"]), 1).astype(x.dtype)
     return (total / count[:, None]).reshape(m, *x.shape[1:]).astype(dtype)
 

@@ -70,7 +70,7 @@ def _count_kernel(
         if t < m:
             lo, hi = _segment_range(offsets, t, n)
             out[t] = hi - lo
-    else:
+    elif t < stride:
         for i in range(t, n, stride):
             s = idx[i]
             if s >= 0 and s < m:
@@ -96,7 +96,7 @@ def _sum_kernel(
             for i in range(lo, hi):
                 acc += x[i, k]
             out[t, k] = acc
-    else:
+    elif t < stride:
         for i in range(t, n, stride):
             s = idx[i]
             if s >= 0 and s < m:
@@ -125,7 +125,7 @@ def _dot_kernel(
                 for k in range(nk):
                     acc += x[i, g, k] * y[i, g, k]
             out[t, g] = acc
-    else:
+    elif t < stride:
         for i in range(t, n, stride):
             s = idx[i]
             if s >= 0 and s < m:
@@ -155,7 +155,7 @@ def _outer_kernel(
             for i in range(lo, hi):
                 acc += a[i, g, k] * b[i, g, l]
             out[t, g, k, l] = acc
-    else:
+    elif t < stride:
         for i in range(t, n, stride):
             s = idx[i]
             if s >= 0 and s < m:

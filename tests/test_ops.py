@@ -1,0 +1,372 @@
+"""segcli.ops against an independent jax.ops.segment_sum reference: values, every transform, edge cases."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import segment_reference as ref
+
+from segcli import ops
+
+
+@pytest.fixture(autouse=True)
+def x64():
+    previous = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", previous)
+
+
+# name -> (segcli function, reference function, argument kinds); "atom" is (N, *F), "scalar" is (M,),
+# "vec3" is (N, 3), "mat3" is (M, 3, 3).
+OPS = {
+    "sum": (ops.segmented_sum, ref.segment_sum, ("atom",)),
+    "mean": (ops.segmented_mean, ref.mean, ("atom",)),
+    "dot": (ops.segmented_dot, ref.dot, ("atom", "atom")),
+    "mul": (ops.segmented_mul, ref.mul, ("atom", "scalar")),
+    "rms_norm": (ops.segmented_rms_norm, ref.rms_norm, ("atom",)),
+    "max_norm": (ops.segmented_max_norm, ref.max_norm, ("atom",)),
+    "matvec": (ops.segmented_matvec, ref.matvec, ("vec3", "mat3")),
+}
+NAMES = list(OPS)
+
+
+def make_args(rng, kinds, n, m, features=(3,), dtype=np.float64):
+    shapes = {"atom": (n, *features), "scalar": (m,), "vec3": (n, 3), "mat3": (m, 3, 3)}
+    return tuple(jnp.asarray(rng.normal(size=shapes[k]).astype(dtype)) for k in kinds)
+
+
+def sorted_ids(rng, n, m):
+    """Sorted ids over m segments, the second one left empty."""
+    ids = np.sort(rng.choice([s for s in range(m) if s != 1], size=n))
+    return jnp.asarray(ids, jnp.int32)
+
+
+def assert_close(actual, expected, rtol):
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape
+    assert np.all(np.isnan(actual) == np.isnan(expected))
+    a, e = np.nan_to_num(actual), np.nan_to_num(expected)
+    scale = max(np.linalg.norm(e), 1e-300)
+    assert np.linalg.norm(a - e) <= rtol * scale + 1e-300, (np.linalg.norm(a - e) / scale, actual, expected)
+
+
+def assert_tree_close(actual, expected, rtol=1e-10):
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        assert_close(a, e, rtol)
+
+
+def setup(name, seed=0, n=23, m=6, features=(3,), dtype=np.float64):
+    rng = np.random.default_rng(seed)
+    ours, theirs, kinds = OPS[name]
+    args = make_args(rng, kinds, n, m, features, dtype)
+    idx = sorted_ids(rng, n, m)
+    weights = jnp.asarray(rng.normal(size=np.shape(theirs(*args, idx, m))).astype(dtype))
+    tangents = make_args(rng, kinds, n, m, features, dtype)
+
+    def bind(function):
+        f = lambda *a: function(*a, idx, m)  # noqa: E731
+        loss = lambda *a: jnp.sum(weights * f(*a))  # noqa: E731
+        return f, loss
+
+    return args, tangents, bind(ours), bind(theirs), rng
+
+
+def _nested(loss, args, tangents, order):
+    """A scalar whose gradient is the `order`-th derivative of loss contracted with tangents."""
+    argnums = tuple(range(len(args)))
+    g = loss
+    for _ in range(order - 1):
+        g = (lambda h: lambda *a: sum(jnp.vdot(d, t) for d, t in zip(jax.grad(h, argnums)(*a), tangents)))(g)
+    return jax.grad(g, argnums)
+
+
+TRANSFORMS = {
+    "value": lambda f, loss, args, tangents: f(*args),
+    "jit": lambda f, loss, args, tangents: jax.jit(f)(*args),
+    "grad": lambda f, loss, args, tangents: _nested(loss, args, tangents, 1)(*args),
+    "grad_grad": lambda f, loss, args, tangents: _nested(loss, args, tangents, 2)(*args),
+    "grad_grad_grad": lambda f, loss, args, tangents: _nested(loss, args, tangents, 3)(*args),
+    "jit_grad_grad": lambda f, loss, args, tangents: jax.jit(_nested(loss, args, tangents, 2))(*args),
+    "jvp": lambda f, loss, args, tangents: jax.jvp(f, args, tangents),
+    "jacfwd": lambda f, loss, args, tangents: jax.jacfwd(f, tuple(range(len(args))))(*args),
+    "jacrev": lambda f, loss, args, tangents: jax.jacrev(f, tuple(range(len(args))))(*args),
+    "jacfwd_jacrev": lambda f, loss, args, tangents: jax.jacfwd(jax.jacrev(loss))(*args),
+    "hessian": lambda f, loss, args, tangents: jax.hessian(loss, tuple(range(len(args))))(*args),
+    "linearize": lambda f, loss, args, tangents: jax.linearize(f, *args)[1](*tangents),
+    "vjp": lambda f, loss, args, tangents: jax.vjp(f, *args)[1](f(*args)),
+    "scan": lambda f, loss, args, tangents: jax.lax.scan(
+        lambda carry, s: (carry + jnp.sum(f(*(a * s for a in args))), None), 0.0, jnp.linspace(0.5, 1.5, 3)
+    )[0],
+    "grad_scan": lambda f, loss, args, tangents: jax.grad(
+        lambda *a: jax.lax.scan(lambda c, s: (c + loss(*(x * s for x in a)), None), 0.0, jnp.linspace(0.5, 1.5, 3))[0],
+        tuple(range(len(args))),
+    )(*args),
+    "vmap": lambda f, loss, args, tangents: jax.vmap(f)(*(jnp.stack([a, 2 * a, -a]) for a in args)),
+    "vmap_one_arg": lambda f, loss, args, tangents: jax.vmap(lambda a0: f(a0, *args[1:]))(jnp.stack([args[0], 3 * args[0]])),
+    "vmap_grad": lambda f, loss, args, tangents: jax.vmap(jax.grad(loss, tuple(range(len(args)))))(
+        *(jnp.stack([a, 0.5 * a]) for a in args)
+    ),
+    "grad_vmap": lambda f, loss, args, tangents: jax.grad(
+        lambda *a: jnp.sum(jax.vmap(loss)(*(jnp.stack([x, x * x]) for x in a))), tuple(range(len(args)))
+    )(*args),
+}
+
+
+@pytest.mark.parametrize("transform", list(TRANSFORMS))
+@pytest.mark.parametrize("name", NAMES)
+def test_transform_matches_reference_float64(name, transform):
+    args, tangents, (f, loss), (f_ref, loss_ref), _ = setup(name, seed=hash((name, transform)) % 2**32)
+    ours = TRANSFORMS[transform](f, loss, args, tangents)
+    theirs = TRANSFORMS[transform](f_ref, loss_ref, args, tangents)
+    assert_tree_close(ours, theirs, rtol=1e-10)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_vmapped_ids(name):
+    """Each batch element with its own ids (and so its own segment layout)."""
+    rng = np.random.default_rng(7)
+    ours, theirs, kinds = OPS[name]
+    n, m = 15, 4
+    args = make_args(rng, kinds, n, m)
+    ids = jnp.asarray(np.stack([np.sort(rng.integers(0, m, n)), rng.integers(-1, m + 1, n)]), jnp.int32)
+    got = jax.vmap(lambda i: ours(*args, i, m))(ids)
+    want = jax.vmap(lambda i: theirs(*args, i, m))(ids)
+    assert_close(got, want, 1e-12)
+    grads = jax.vmap(lambda i: jax.grad(lambda a: jnp.sum(ours(a, *args[1:], i, m) ** 2))(args[0]))(ids)
+    grads_ref = jax.vmap(lambda i: jax.grad(lambda a: jnp.sum(theirs(a, *args[1:], i, m) ** 2))(args[0]))(ids)
+    assert_close(grads, grads_ref, 1e-10)
+
+
+@pytest.mark.parametrize("features", [(), (1,), (3,), (8,), (2, 4)])
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "matvec"])
+def test_trailing_shapes(name, features):
+    args, tangents, (f, loss), (f_ref, loss_ref), _ = setup(name, n=31, m=5, features=features)
+    assert_close(f(*args), f_ref(*args), 1e-12)
+    assert_tree_close(jax.grad(loss, (0, 1) if len(args) == 2 else 0)(*args), jax.grad(loss_ref, (0, 1) if len(args) == 2 else 0)(*args))
+
+
+@pytest.mark.parametrize("x64_mode", [True, False])
+@pytest.mark.parametrize("name", NAMES)
+def test_float32(name, x64_mode):
+    jax.config.update("jax_enable_x64", x64_mode)
+    args, tangents, (f, loss), (f_ref, loss_ref), _ = setup(name, n=200, m=9, dtype=np.float32)
+    out = f(*args)
+    assert out.dtype == jnp.float32
+    assert_close(out, f_ref(*args), 1e-5)
+    argnums = tuple(range(len(args)))
+    assert_tree_close(jax.grad(loss, argnums)(*args), jax.grad(loss_ref, argnums)(*args), 1e-5)
+    assert_tree_close(_nested(loss, args, tangents, 2)(*args), _nested(loss_ref, args, tangents, 2)(*args), 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("name", NAMES)
+def test_half_precision_accumulates_in_float32(name, dtype):
+    args, _, (f, _), (f_ref, _), _ = setup(name, n=300, m=4)
+    half = tuple(a.astype(dtype) for a in args)
+    out = f(*half)
+    assert out.dtype == dtype
+    # the float32 result of the same half inputs, rounded once to the half dtype
+    assert_close(out, f_ref(*(a.astype(jnp.float32) for a in half)).astype(dtype), 1e-2)
+    grad = jax.grad(lambda a: jnp.sum(f(a, *half[1:]).astype(jnp.float32)))(half[0])
+    assert grad.dtype == dtype
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_unsorted_ids_match_sorted(name):
+    rng = np.random.default_rng(3)
+    ours, theirs, kinds = OPS[name]
+    n, m = 60, 7
+    args = make_args(rng, kinds, n, m)
+    idx = rng.integers(0, m, n).astype(np.int32)
+    order = np.argsort(idx, kind="stable")
+    per_atom = [k in ("atom", "vec3") for k in kinds]
+    sorted_args = [a[order] if atom else a for a, atom in zip(args, per_atom)]
+    unsorted = ours(*args, jnp.asarray(idx), m)
+    in_order = ours(*sorted_args, jnp.asarray(idx[order]), m)
+    if name in ("mul", "matvec"):
+        in_order = jnp.zeros_like(in_order).at[order].set(in_order)
+    assert_close(unsorted, in_order, 1e-13)
+    assert_close(unsorted, theirs(*args, jnp.asarray(idx), m), 1e-13)
+    g = jax.grad(lambda *a: jnp.sum(ours(*a, jnp.asarray(idx), m) ** 2), tuple(range(len(args))))(*args)
+    g_ref = jax.grad(lambda *a: jnp.sum(theirs(*a, jnp.asarray(idx), m) ** 2), tuple(range(len(args))))(*args)
+    assert_tree_close(g, g_ref)
+
+
+@pytest.mark.parametrize("ids_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("sorted_", [True, False])
+@pytest.mark.parametrize("name", NAMES)
+def test_out_of_range_ids_are_dropped(name, ids_dtype, sorted_):
+    rng = np.random.default_rng(11)
+    ours, theirs, kinds = OPS[name]
+    n, m = 40, 5
+    args = make_args(rng, kinds, n, m)
+    bad = [-1, m, 2**31 - 1] + ([2**40, -(2**40)] if ids_dtype == np.int64 else [])
+    idx = rng.integers(0, m, n).astype(ids_dtype)
+    idx[rng.choice(n, size=len(bad) * 2, replace=False)] = bad * 2
+    if sorted_:
+        idx = np.sort(idx)
+    valid = (idx >= 0) & (idx < m)
+    got = ours(*args, idx, m, **({"indices_are_sorted": True} if sorted_ and name not in ("mul", "matvec") else {}))
+    # the reference on the valid rows only, with invalid rows giving 0 for per-atom results
+    per_atom = [k in ("atom", "vec3") for k in kinds]
+    kept = [a[valid] if atom else a for a, atom in zip(args, per_atom)]
+    want = theirs(*kept, jnp.asarray(idx[valid].astype(np.int32)), m)
+    if name in ("mul", "matvec"):
+        want = jnp.zeros((n, *want.shape[1:])).at[np.flatnonzero(valid)].set(want)
+    assert_close(got, want, 1e-13)
+    g = jax.grad(lambda a: jnp.sum(ours(a, *args[1:], idx, m) ** 2))(args[0])
+    assert np.all(np.asarray(g)[~valid] == 0)
+
+
+def test_int64_ids_equal_int32():
+    args, _, _, _, rng = setup("dot")
+    idx = sorted_ids(rng, 23, 6)
+    assert np.array_equal(ops.segmented_dot(*args, idx, 6), ops.segmented_dot(*args, idx.astype(jnp.int64), 6))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_no_rows(name):
+    ours, theirs, kinds = OPS[name]
+    args = make_args(np.random.default_rng(0), kinds, 0, 4)
+    idx = jnp.zeros((0,), jnp.int32)
+    assert_close(ours(*args, idx, 4), theirs(*args, idx, 4), 0)
+    grads = jax.grad(lambda *a: jnp.sum(ours(*a, idx, 4)), tuple(range(len(args))))(*args)
+    assert [g.shape for g in grads] == [a.shape for a in args]
+    assert all(np.all(np.asarray(g) == 0) for g in grads)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_no_segments(name):
+    ours, theirs, kinds = OPS[name]
+    rng = np.random.default_rng(0)
+    args = make_args(rng, kinds, 6, 0)
+    idx = jnp.zeros((6,), jnp.int32)
+    out = ours(*args, idx, 0)
+    assert_close(out, theirs(*args, idx, 0), 0)
+    grads = jax.grad(lambda *a: jnp.sum(ours(*a, idx, 0)), tuple(range(len(args))))(*args)
+    assert all(np.all(np.asarray(g) == 0) for g in grads)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_one_segment(name):
+    args, tangents, _, _, _ = setup(name, m=1)
+    ours, theirs, _ = OPS[name]
+    idx = jnp.zeros((23,), jnp.int32)
+    assert_close(ours(*args, idx, 1), theirs(*args, idx, 1), 1e-13)
+    h = jax.hessian(lambda a: jnp.sum(ours(a, *args[1:], idx, 1)))(args[0])
+    h_ref = jax.hessian(lambda a: jnp.sum(theirs(a, *args[1:], idx, 1)))(args[0])
+    assert_close(h, h_ref, 1e-10)
+
+
+@pytest.mark.parametrize("name", ["mean", "rms_norm", "max_norm"])
+def test_empty_segments_give_zero_and_finite_gradients(name):
+    ours = OPS[name][0]
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(5, 3)))
+    idx = jnp.asarray([0, 0, 2, 2, 2], jnp.int32)
+    out = ours(x, idx, 4)
+    assert np.all(np.asarray(out)[[1, 3]] == 0)
+    for derivative in (jax.grad, jax.hessian):
+        d = derivative(lambda a: jnp.sum(ours(a, idx, 4)))(x)
+        assert np.all(np.isfinite(d))
+
+
+@pytest.mark.parametrize("name", ["rms_norm", "max_norm"])
+def test_zero_vectors_have_zero_gradient(name):
+    ours = OPS[name][0]
+    x = jnp.zeros((6, 3)).at[4].set(jnp.asarray([1.0, -2.0, 0.5]))
+    idx = jnp.asarray([0, 0, 0, 1, 2, 2], jnp.int32)
+    f = lambda a: jnp.sum(ours(a, idx, 3))  # noqa: E731
+    g = jax.grad(f)(x)
+    assert np.all(np.asarray(g)[:4] == 0)
+    assert np.all(np.isfinite(jax.hessian(f)(x)))
+    third = jax.grad(lambda a: jnp.vdot(jax.grad(lambda b: jnp.vdot(jax.grad(f)(b), a))(a), a))(x)
+    assert np.all(np.isfinite(third))
+
+
+@pytest.mark.parametrize("name", ["sum", "mean", "dot", "rms_norm", "max_norm"])
+@pytest.mark.parametrize("sorted_", [True, False])
+def test_nan_stays_in_its_segment(name, sorted_):
+    ours, _, kinds = OPS[name]
+    rng = np.random.default_rng(5)
+    args = list(make_args(rng, kinds, 12, 3))
+    args[0] = args[0].at[5].set(jnp.nan)
+    idx = np.repeat(np.arange(3), 4).astype(np.int32)
+    if not sorted_:
+        perm = rng.permutation(12)
+        idx, args = idx[perm], [a[perm] for a in args]
+    out = np.asarray(ours(*args, jnp.asarray(idx), 3))
+    nan_rows = np.isnan(out).reshape(3, -1).any(axis=1)
+    assert nan_rows.tolist() == [False, True, False]
+
+
+def test_max_norm_gradient_goes_to_first_attaining_row():
+    x = jnp.asarray([[3.0, 4.0], [0.0, 5.0], [1.0, 0.0], [-5.0, 0.0], [0.0, 1.0]])
+    grad = lambda ids: np.asarray(jax.grad(lambda a: jnp.sum(ops.segmented_max_norm(a, ids, 2)))(x))  # noqa: E731
+    # segment 0 ties rows 0 and 1 (norm 5): row 0 takes the gradient
+    np.testing.assert_allclose(grad(jnp.asarray([0, 0, 0, 1, 1], jnp.int32)), [[0.6, 0.8], [0, 0], [0, 0], [-1, 0], [0, 0]])
+    # unsorted ids: segment 1 ties rows 0 and 3, row 0 wins; segment 0 is rows 1, 2, 4
+    np.testing.assert_allclose(grad(jnp.asarray([1, 0, 0, 1, 0], jnp.int32)), [[0.6, 0.8], [0, 1], [0, 0], [0, 0], [0, 0]])
+
+
+def test_sorted_results_are_bitwise_repeatable_and_flag_independent():
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.normal(size=(5000, 3)))
+    idx = jnp.asarray(np.sort(rng.integers(0, 50, 5000)), jnp.int32)
+    f = jax.jit(lambda a: (ops.segmented_sum(a, idx, 50), jax.grad(lambda b: jnp.sum(ops.segmented_rms_norm(b, idx, 50)))(a)))
+    first = f(x)
+    for _ in range(20):
+        assert all(np.array_equal(a, b) for a, b in zip(f(x), first))
+    promised = ops.segmented_sum(x, idx, 50, indices_are_sorted=True)
+    assert np.array_equal(promised, first[0])
+
+
+def test_matvec_gives_cartesian_positions():
+    rng = np.random.default_rng(4)
+    cells = jnp.asarray(rng.normal(size=(3, 3, 3)))
+    scaled = jnp.asarray(rng.random(size=(7, 3)))
+    idx = jnp.asarray([0, 0, 1, 1, 1, 2, 2], jnp.int32)
+    expected = np.stack([np.asarray(scaled[i]) @ np.asarray(cells[idx[i]]) for i in range(7)])
+    np.testing.assert_allclose(ops.segmented_matvec(scaled, cells, idx, 3), expected, rtol=1e-13)
+
+
+def test_count_and_segment_ids():
+    idx = jnp.asarray([2, 0, 2, -1, 5, 2], jnp.int32)
+    assert ops.segmented_count(idx, 4).tolist() == [1, 0, 3, 0]
+    assert ops.segmented_count(idx, 4).dtype == jnp.int32
+    assert ops.segmented_count(jnp.zeros((0,), jnp.int32), 3).tolist() == [0, 0, 0]
+    assert ops.segment_ids(np.asarray([2, 0, 3])).tolist() == [0, 0, 2, 2, 2]
+    assert ops.segment_ids(np.asarray([], np.int64)).shape == (0,)
+    with pytest.raises(ValueError, match="non-negative"):
+        ops.segment_ids(np.asarray([1, -2]))
+
+
+def test_check_segments_names_first_bad_position():
+    ops.check_segments(np.asarray([0, 1, 1]), 2)
+    with pytest.raises(ValueError, match=r"idx\[2\] = 7 is outside \[0, 3\)"):
+        ops.check_segments(np.asarray([0, 2, 7, -1]), 3)
+    with pytest.raises(ValueError, match=r"idx\[0\] = -1"):
+        ops.check_segments(np.asarray([-1]), 3)
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda: ops.segmented_sum(jnp.ones((3, 2), jnp.int32), jnp.zeros(3, jnp.int32), 2), TypeError, "x must be a real floating"),
+        (lambda: ops.segmented_sum(jnp.ones((3, 2), jnp.complex64), jnp.zeros(3, jnp.int32), 2), TypeError, "complex64"),
+        (lambda: ops.segmented_sum(jnp.ones((3, 2)), jnp.zeros(4, jnp.int32), 2), ValueError, r"idx has length 4 but x has 3 rows"),
+        (lambda: ops.segmented_sum(jnp.ones((3, 2)), jnp.zeros((3, 1), jnp.int32), 2), ValueError, r"one-dimensional.*\(3, 1\)"),
+        (lambda: ops.segmented_sum(jnp.ones((3, 2)), jnp.zeros(3), 2), TypeError, "idx must hold integers"),
+        (lambda: ops.segmented_sum(jnp.ones((3, 2)), jnp.zeros(3, jnp.int32), -1), ValueError, "num_segments must be a non-negative"),
+        (lambda: ops.segmented_dot(jnp.ones((3, 2)), jnp.ones((3, 3)), jnp.zeros(3, jnp.int32), 2), ValueError, r"x \(3, 2\) and y \(3, 3\)"),
+        (lambda: ops.segmented_mul(jnp.ones((3, 2)), jnp.ones(3), jnp.zeros(3, jnp.int32), 2), ValueError, r"y must have 2 rows.*\(3,\)"),
+        (lambda: ops.segmented_mul(jnp.ones((3, 2)), jnp.ones((2, 2)), jnp.zeros(3, jnp.int32), 2), ValueError, r"y must have shape \(num_segments,\)"),
+        (lambda: ops.segmented_matvec(jnp.ones((3, 3)), jnp.ones((2, 3, 2)), jnp.zeros(3, jnp.int32), 2), ValueError, r"m must have shape .*\(2, 3, 2\)"),
+        (lambda: ops.segmented_matvec(jnp.ones((3, 2)), jnp.ones((2, 3, 3)), jnp.zeros(3, jnp.int32), 2), ValueError, r"v must have shape \(N, 3\)"),
+        (lambda: ops.segmented_count(jnp.zeros((3, 1), jnp.int32), 2), ValueError, "one-dimensional"),
+        (lambda: jax.jit(lambda m: ops.segmented_sum(jnp.ones(3), jnp.zeros(3, jnp.int32), m))(2), TypeError, "static"),
+    ],
+)
+def test_bad_calls_raise_at_trace_time(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
