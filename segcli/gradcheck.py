@@ -88,7 +88,7 @@ class Report:
             groups.setdefault((row.function, row.order), []).append(row)
         rows = []
         for group in groups.values():
-            worst = max(group, key=lambda row: row.ratio)
+            worst = max(group, key=lambda row: (row.ratio, row.tolerance))
             notes = list(dict.fromkeys(row.note for row in group if row.note))
             failed = sum(not row.passed for row in group)
             if failed:

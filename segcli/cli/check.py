@@ -86,14 +86,15 @@ def _default_fields(spec, field, available):
     """Field names for each input: forces (else positions) and --field for the first per-atom
     input, positions for a second, energy for a per-structure scalar, scaled_positions × cell
     for matvec."""
-    first_atom = field or ("scaled_positions" if spec.inputs[0].shape == (3,)
-                           else "forces" if "forces" in available else "positions")
     names = []
     for position, wanted in enumerate(spec.inputs):
         if wanted.per == "structure":
             names.append("cell" if wanted.shape == (3, 3) else "energy")
+        elif position > 0:
+            names.append("positions")
         else:
-            names.append(first_atom if position == 0 else "positions")
+            names.append(field or ("scaled_positions" if wanted.shape == (3,)
+                                   else "forces" if "forces" in available else "positions"))
     return names
 
 
