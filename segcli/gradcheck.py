@@ -15,6 +15,7 @@ in reverse mode only. The first derivative of g_k is then checked one argument a
 
 import math
 from dataclasses import asdict, dataclass, replace
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,11 @@ DIRECTIONS = 3
 
 SAFETY = 10.0
 """Multiple of the estimated finite-difference error allowed on top of rtol and atol."""
+
+TRUNCATION_LIMIT = 1e-6
+"""Largest estimated truncation error, relative to the finite difference (or rtol if larger),
+that a finite difference may have and still be trusted: beyond it the function is not
+smooth enough at this step (a kink, a jump, or eps too large) and the check fails."""
 
 _UNAVAILABLE = (TypeError, NotImplementedError)
 """What JAX raises for a mode a function does not support (jvp of a `custom_vjp`, a missing rule)."""
@@ -214,6 +220,29 @@ def _norm(values):
     return float(jnp.max(jnp.abs(values))) if values.size else 0.0
 
 
+class _Sample(NamedTuple):
+    """One direction's comparison; `trusted` is False when the finite difference is not."""
+
+    error: float
+    scale: float
+    tolerance: float
+    note: str = ""
+    trusted: bool = True
+
+    @property
+    def ratio(self):
+        return _ratio(self.error, self.tolerance) if self.trusted else math.inf
+
+
+def _fd_sample(error, scale, truncation, roundoff, rtol, atol, note):
+    """A comparison with a finite difference of estimated truncation and roundoff errors."""
+    trusted = truncation <= max(TRUNCATION_LIMIT, rtol) * scale + SAFETY * roundoff + atol
+    if not trusted and not note:
+        note = (f"finite differences unreliable (estimated error {truncation:.1e} of {scale:.1e}): "
+                "not differentiable here, or eps too large")
+    return _Sample(error, scale, atol + rtol * scale + SAFETY * (truncation + roundoff), note, trusted)
+
+
 def _nonfinite_note(*products):
     for name, values in products:
         if not bool(jnp.all(jnp.isfinite(values))):
@@ -222,12 +251,13 @@ def _nonfinite_note(*products):
 
 
 def _row(function, order, argument, mode, samples, note):
-    """A row from per-direction samples (error, scale, tolerance, extra note): the direction
-    with the largest error / tolerance speaks for the row."""
-    error, scale, tolerance, extra = max(samples, key=lambda sample: _ratio(sample[0], sample[2]))
+    """A row from per-direction samples: the direction with the largest error / tolerance
+    (or an untrusted finite difference) speaks for the row."""
+    worst = max(samples, key=lambda sample: sample.ratio)
+    scale, error = worst.scale, worst.error
     rel = error / scale if scale > 0 else (0.0 if error == 0 else math.inf)
-    notes = "; ".join(part for part in (extra, note) if part)
-    return Row(function, order, argument, mode, error, rel, tolerance, bool(error <= tolerance), notes)
+    notes = "; ".join(part for part in (worst.note, note) if part)
+    return Row(function, order, argument, mode, error, rel, worst.tolerance, worst.ratio <= 1, notes)
 
 
 def _unavailable_rows(function, order, names, note):
@@ -260,6 +290,9 @@ def check_gradients(f, args, *, order=2, eps=None, rtol=None, atol=None, seed=0,
     near ε^(2/3) (4e-11) relative, so the default rtol = √ε (1.5e-8) leaves room for the
     roundoff of the AD products while any real derivative bug (1e-6 relative and up) fails;
     default atol = 0. Functions that compute in float32 internally get ε of float32.
+    A finite difference whose estimated truncation error exceeds TRUNCATION_LIMIT (or rtol)
+    of its magnitude, beyond roundoff, is not trusted and its row fails: the function is not
+    smooth there (a kink such as a norm at 0 or a tied maximum) or eps is too large.
     """
     if order < 1:
         raise ValueError(f"order must be at least 1, got {order}")
@@ -302,31 +335,29 @@ def _check_order(function, order, g, problem, key, eps, rtol, atol, chain_note):
             points = [value(*_replace(xs, a, xs[a] + t * step * v)) for t in (1, -1, 2, -2)]
             fd = (points[0] - points[1]) / (2 * step)
             fd_2h = (points[2] - points[3]) / (4 * step)
+            truncation = jnp.abs(fd - fd_2h) / 3
             roundoff = machine * jnp.max(jnp.abs(jnp.stack(points)), axis=0) / step
-            uncertainty = jnp.abs(fd - fd_2h) / 3 + roundoff
             fd_note = _nonfinite_note(("finite difference", fd))
             tangent, forward_note = (
                 _try(jvp, xs, _with_tangent(xs, a, v)) if forward_note is None else (None, forward_note)
             )
             if tangent is not None:
-                error = _norm(tangent - fd)
-                scale = _norm(fd)
-                tolerance = atol + rtol * scale + SAFETY * _norm(uncertainty)
-                note = fd_note or _nonfinite_note(("JVP", tangent))
-                samples[a, "jvp vs fd"].append((error, scale, tolerance, note))
+                samples[a, "jvp vs fd"].append(_fd_sample(
+                    _norm(tangent - fd), _norm(fd), _norm(truncation), _norm(roundoff), rtol, atol,
+                    fd_note or _nonfinite_note(("JVP", tangent))))
             if pullback is not None:
                 projected = float(jnp.vdot(pullback[a], v))
-                error = abs(projected - float(jnp.vdot(u, fd)))
-                scale = float(jnp.vdot(jnp.abs(u), jnp.abs(fd)))
-                tolerance = atol + rtol * scale + SAFETY * float(jnp.vdot(jnp.abs(u), uncertainty))
-                note = fd_note or _nonfinite_note(("VJP", pullback[a]))
-                samples[a, "vjp vs fd"].append((error, scale, tolerance, note))
+                weights = jnp.abs(u)
+                samples[a, "vjp vs fd"].append(_fd_sample(
+                    abs(projected - float(jnp.vdot(u, fd))), float(jnp.vdot(weights, jnp.abs(fd))),
+                    float(jnp.vdot(weights, truncation)), float(jnp.vdot(weights, roundoff)), rtol, atol,
+                    fd_note or _nonfinite_note(("VJP", pullback[a]))))
             if tangent is not None and pullback is not None:
                 error = abs(projected - float(jnp.vdot(u, tangent)))
                 scale = max(float(jnp.vdot(jnp.abs(u), jnp.abs(tangent))),
                             float(jnp.vdot(jnp.abs(pullback[a]), jnp.abs(v))))
                 note = _nonfinite_note(("JVP", tangent), ("VJP", pullback[a]))
-                samples[a, "vjp vs jvp"].append((error, scale, atol + rtol * scale, note))
+                samples[a, "vjp vs jvp"].append(_Sample(error, scale, atol + rtol * scale, note))
     notes = [chain_note]
     if forward_note:
         notes.append(f"forward mode unavailable ({forward_note})")
@@ -378,9 +409,9 @@ def _compared(function, order, argument, mode, actual, wanted, scale, rtol, atol
     if actual.shape != wanted.shape:
         return Row(function, order, argument, mode, math.nan, math.nan, math.nan, False,
                    f"size {actual.size} but the reference gives {wanted.size}")
-    error = _norm(actual - wanted)
     extra = _nonfinite_note(("result", actual), ("reference", wanted))
-    return _row(function, order, argument, mode, [(error, scale, atol + rtol * scale, extra)], note)
+    return _row(function, order, argument, mode, [_Sample(_norm(actual - wanted), scale, atol + rtol * scale, extra)],
+                note)
 
 
 def _compare_values(function, candidate, expected, key, rtol, atol):

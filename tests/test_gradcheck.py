@@ -253,3 +253,15 @@ def test_reference_max_norm_gradient_goes_to_first_maximum(x64, rng):
     gradient = jax.grad(lambda x: reference.segmented_max_norm(x, np.zeros(4, np.int32), 1)[0])(x)
     np.testing.assert_allclose(gradient[1], row / np.linalg.norm(row))
     assert np.all(np.asarray(gradient)[[0, 2, 3]] == 0)
+
+
+def test_kink_is_not_hidden_by_the_finite_difference_error_estimate(x64, rng):
+    x = rng.normal(size=(6, 3))
+    x[:2] = 0  # segment 0 has norm 0: rms_norm has a kink there
+    idx = np.array([0, 0, 1, 1, 1, 1], np.int32)
+    report = check_gradients(lambda x: reference.segmented_rms_norm(x, idx, 2), (x,), order=2)
+    assert all(row.passed for row in rows_of(report, 1))
+    assert failing(report) == {(2, "arg0", "jvp vs fd"), (2, "arg0", "vjp vs fd")}
+    assert all("finite differences unreliable" in row.note for row in report.failures)
+    x[:2] = rng.normal(size=(2, 3))
+    assert check_gradients(lambda x: reference.segmented_rms_norm(x, idx, 2), (x,), order=2).passed
