@@ -113,7 +113,7 @@ def write_batch(path, n_atoms, forces, positions):
         h5["atoms/positions"] = positions
 
 
-def test_non_differentiable_structures_are_left_out_of_finite_differences(tmp_path):
+def test_non_differentiable_structures_are_left_out_and_unfit_ops_skipped(tmp_path):
     rng = np.random.default_rng()
     n_atoms = [3, 4, 5, 2]
     forces = rng.normal(size=(14, 3))
@@ -122,11 +122,14 @@ def test_non_differentiable_structures_are_left_out_of_finite_differences(tmp_pa
     forces[10] = -10 * forces[0]
     path = tmp_path / "kinks.h5"
     write_batch(path, n_atoms, forces, rng.normal(size=(14, 3)))
-    result = run(path, "--op", "rms_norm,max_norm", "--json")
+    result = run(path, "--json")
     assert result.exit_code == 0, result.output
-    notes = {row["function"]: row["note"] for row in json.loads(result.output)["summary"] if row["order"] == 2}
+    data = json.loads(result.output)
+    notes = {row["function"]: row["note"] for row in data["summary"] if row["order"] == 2}
     assert "leave out 1 structure(s)" in notes["rms_norm"]
     assert "leave out 2 structure(s)" in notes["max_norm"]
+    assert {row["function"] for row in data["summary"]} == {"sum", "mean", "dot", "rms_norm", "max_norm", "count"}
+    assert set(data["skipped"]) == {"mul", "matvec"} and "no field 'energy'" in data["skipped"]["mul"]
 
 
 def test_field_option_picks_the_per_atom_field():

@@ -83,13 +83,16 @@ def _parameter_names(spec):
 
 
 def _default_fields(spec, field, available):
-    """Field names for each input: forces (else positions) and --field for the first per-atom
-    input, positions for a second, energy for a per-structure scalar, scaled_positions × cell
-    for matvec."""
+    """Field names for each input: --field, else forces (else positions), for the first per-atom
+    input, positions for a second, energy (else the first per-structure float scalar) for a
+    per-structure scalar, scaled_positions × cell for matvec."""
+    scalars = sorted(name for name, info in available.items()
+                     if info.per == "structure" and info.shape == () and info.dtype.kind == "f")
     names = []
     for position, wanted in enumerate(spec.inputs):
         if wanted.per == "structure":
-            names.append("cell" if wanted.shape == (3, 3) else "energy")
+            names.append("cell" if wanted.shape == (3, 3)
+                         else "energy" if "energy" in available or not scalars else scalars[0])
         elif position > 0:
             names.append("positions")
         else:
@@ -120,8 +123,10 @@ def _check_fit(path, spec, names, fields):
                             f"needs {wanted.describe()}")
 
 
-def _file_inputs(path, specs, field, structures):
-    """(n_atoms, {op: (labels, arrays)}) read from the file's structures[0]:structures[1]."""
+def _file_inputs(path, specs, field, structures, skip_unfit):
+    """(n_atoms, {op: (labels, arrays)}, {op: why skipped}) read from the file's
+    structures[0]:structures[1]. An op whose fields the file lacks or cannot fit raises
+    DataError, or with skip_unfit is skipped."""
     import numpy as np
 
     from segcli.errors import DataError
@@ -135,10 +140,16 @@ def _file_inputs(path, specs, field, structures):
             raise DataError(f"{path}: --structures {start}:{stop} selects no structure "
                             f"(the file has {total})")
         fields = batch.fields
-        chosen = {}
+        chosen, skipped = {}, {}
         for spec in specs:
             names = _default_fields(spec, field, fields)
-            _check_fit(path, spec, names, fields)
+            try:
+                _check_fit(path, spec, names, fields)
+            except DataError as error:
+                if not skip_unfit:
+                    raise
+                skipped[spec.name] = str(error)
+                continue
             chosen[spec.name] = names
         needed = sorted({name for names in chosen.values() for name in names})
         n_atoms = np.asarray(batch.n_atoms[start:stop], np.int64)
@@ -150,9 +161,10 @@ def _file_inputs(path, specs, field, structures):
     arrays = {name: np.concatenate(parts) for name, parts in data.items()}
     inputs = {}
     for spec in specs:
-        labels = [f"{parameter}={name}" for parameter, name in zip(_parameter_names(spec), chosen[spec.name])]
-        inputs[spec.name] = (labels, [arrays[name] for name in chosen[spec.name]])
-    return n_atoms, inputs
+        if spec.name in chosen:
+            labels = [f"{parameter}={name}" for parameter, name in zip(_parameter_names(spec), chosen[spec.name])]
+            inputs[spec.name] = (labels, [arrays[name] for name in chosen[spec.name]])
+    return n_atoms, inputs, skipped
 
 
 def _random_inputs(size, specs, seed):
@@ -306,27 +318,31 @@ def gradcheck(ctx, file, op_names, order, structures, field, random_size, device
     target = _device(device)
     if file is not None:
         structures = structures or _structure_range(ctx, None, DEFAULT_STRUCTURES)
-        n_atoms, inputs = _file_inputs(file, specs, field, structures)
+        all_ops = ctx.get_parameter_source("op_names") == click.core.ParameterSource.DEFAULT
+        n_atoms, inputs, skipped = _file_inputs(file, specs, field, structures, skip_unfit=all_ops)
         source = {"file": file, "structures": [structures[0], structures[0] + len(n_atoms)]}
     else:
         random_size = random_size or _random_size(ctx, None, DEFAULT_RANDOM)
         n_atoms, inputs = _random_inputs(random_size, specs, seed)
+        skipped = {}
         source = {"random": list(random_size)}
     report = Report(())
     with jax.default_device(target):
-        for name in _progress(op_names, quiet or as_json):
+        for name in _progress(list(inputs), quiet or as_json):
             labels, arrays = inputs[name]
             report += _check_op(OPS[name], labels, arrays, n_atoms, order, seed)
     summary = report.summary()
     if as_json:
         click.echo(json.dumps({**source, "order": order, "device": str(target), "atoms": int(n_atoms.sum()),
-                               **report.to_dict(), "summary": summary.to_dict()["rows"]}))
+                               **report.to_dict(), "summary": summary.to_dict()["rows"], "skipped": skipped}))
     elif not quiet:
         described = (f"{file}: structures {source['structures'][0]}:{source['structures'][1]} "
                      f"({int(n_atoms.sum())} atoms)" if file
                      else f"random data: {random_size[0]} atoms in {random_size[1]} structures")
         click.echo(f"{described}, order {order}, device {target}")
         click.echo(str(summary))
+        for name, reason in skipped.items():
+            click.echo(f"skipped {name}: {reason}")
     elif not summary.passed:
         click.echo(str(Report(summary.failures)), err=True)
     ctx.exit(0 if report.passed else 1)
