@@ -42,17 +42,19 @@ def _segment_range(offsets: wp.array(dtype=wp.int32), s: int, n: int):
 
 
 @wp.kernel
-def _layout_kernel(idx: wp.array(dtype=wp.int32), num_segments: int, offsets: wp.array(dtype=wp.int32)):
-    i = wp.tid()
-    n = idx.shape[0]
-    prev = int(-1)
-    if i > 0:
-        prev = wp.clamp(idx[i - 1], -1, num_segments)
-    cur = num_segments
-    if i < n:
-        cur = wp.clamp(idx[i], -1, num_segments)
-    for s in range(prev + 1, cur + 1):
-        offsets[s] = i
+def _layout_kernel(idx: wp.array(dtype=wp.int32), offsets: wp.array(dtype=wp.int32)):
+    # Binary search for the first id >= s; meaningful only for non-decreasing ids, but always
+    # within bounds, so unordered ids (whose offsets are never used) are harmless.
+    s = wp.tid()
+    lo = int(0)
+    hi = idx.shape[0]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if idx[mid] < s:
+            lo = mid + 1
+        else:
+            hi = mid
+    offsets[s] = lo
 
 
 @wp.kernel
@@ -261,12 +263,14 @@ def _mark_first_kernel(
 
 @wp.kernel
 def _gather_kernel(y: wp.array2d(dtype=Any), idx: wp.array(dtype=wp.int32), out: wp.array2d(dtype=Any)):
-    i, k = wp.tid()
+    i = wp.tid()
     s = idx[i]
-    if s >= 0 and s < y.shape[0]:
-        out[i, k] = y[s, k]
-    else:
-        out[i, k] = out.dtype(0.0)
+    valid = s >= 0 and s < y.shape[0]
+    for k in range(out.shape[1]):
+        if valid:
+            out[i, k] = y[s, k]
+        else:
+            out[i, k] = out.dtype(0.0)
 
 
 @wp.kernel
@@ -276,12 +280,15 @@ def _scale_kernel(
     idx: wp.array(dtype=wp.int32),
     out: wp.array3d(dtype=Any),
 ):
-    i, g, k = wp.tid()
+    i = wp.tid()
     s = idx[i]
-    if s >= 0 and s < y.shape[0]:
-        out[i, g, k] = x[i, g, k] * y[s, g]
-    else:
-        out[i, g, k] = out.dtype(0.0)
+    valid = s >= 0 and s < y.shape[0]
+    for g in range(x.shape[1]):
+        factor = out.dtype(0.0)
+        if valid:
+            factor = y[s, g]
+        for k in range(x.shape[2]):
+            out[i, g, k] = x[i, g, k] * factor
 
 
 @wp.kernel
@@ -291,13 +298,16 @@ def _matvec_kernel(
     idx: wp.array(dtype=wp.int32),
     out: wp.array3d(dtype=Any),
 ):
-    i, g, j = wp.tid()
+    i = wp.tid()
     s = idx[i]
-    acc = out.dtype(0.0)
-    if s >= 0 and s < m.shape[0]:
-        for k in range(v.shape[2]):
-            acc += v[i, g, k] * m[s, g, k, j]
-    out[i, g, j] = acc
+    valid = s >= 0 and s < m.shape[0]
+    for g in range(v.shape[1]):
+        for j in range(out.shape[2]):
+            acc = out.dtype(0.0)
+            if valid:
+                for k in range(v.shape[2]):
+                    acc += v[i, g, k] * m[s, g, k, j]
+            out[i, g, j] = acc
 
 
 def _declare_overloads():
@@ -343,8 +353,8 @@ def _count(idx, offsets, ordered, out):
     _launch(_count_kernel, max(out.shape[0], stride), [idx, offsets, ordered, stride, out], out.device)
 
 
-def _layout(idx, num_segments, offsets):
-    _launch(_layout_kernel, idx.shape[0] + 1, [idx, num_segments, offsets], offsets.device)
+def _layout(idx, offsets):
+    _launch(_layout_kernel, offsets.shape[0], [idx, offsets], offsets.device)
 
 
 def _max_norm(x, idx, offsets, ordered, best, first, mask):
@@ -360,7 +370,7 @@ def _max_norm(x, idx, offsets, ordered, best, first, mask):
 def _elementwise_launcher(kernel):
     def launch(*arrays):
         out = arrays[-1]
-        _launch(kernel, out.shape, list(arrays), out.device)
+        _launch(kernel, out.shape[0], list(arrays), out.device)
 
     return launch
 
@@ -371,9 +381,9 @@ def _array(ndim, dtype):
 
 # name -> (launcher, argument signature, names of in-out arguments); in the signature "f<d>"
 # is a float array of d dimensions in the call's dtype, "i<d>" an int32 array ("i": a vector),
-# "n" a static int. Arguments are named a0, a1, ..., and the last one "out".
+# Arguments are named a0, a1, ..., and the last one "out".
 _SIGNATURES = {
-    "layout": (_layout, ("i", "n", "i"), ()),
+    "layout": (_layout, ("i", "i"), ()),
     "count": (_count, ("i", "i", "i", "i"), ("out",)),
     "sum": (_reduce_launcher(_sum_kernel), ("f2", "i", "i", "i", "f2"), ("out",)),
     "dot": (_reduce_launcher(_dot_kernel), ("f3", "f3", "i", "i", "i", "f2"), ("out",)),
@@ -394,8 +404,6 @@ def callable_for(name, dtype="float32"):
     def annotation(code):
         if code[0] == "i":
             return _array(int(code[1:] or 1), wp.int32)
-        if code == "n":
-            return int
         return _array(int(code[1]), float_type)
 
     names = [f"a{j}" for j in range(len(signature) - 1)] + ["out"]

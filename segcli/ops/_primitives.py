@@ -35,7 +35,7 @@ def _kernel(name, dtype):
 
 def _layout(idx, num_segments, indices_are_sorted):
     """CSR offsets of the ids and a one-element flag saying whether they are non-decreasing."""
-    offsets = callable_for("layout")(idx, num_segments, output_dims={"out": (num_segments + 1,)})
+    offsets = callable_for("layout")(idx, output_dims={"out": (num_segments + 1,)})
     if indices_are_sorted or idx.shape[0] < 2:
         ordered = jnp.ones((1,), jnp.int32)
     else:

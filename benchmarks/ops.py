@@ -1,0 +1,162 @@
+"""Time forward, grad and grad-of-grad of every segment op against pure JAX (and the seed).
+
+    python benchmarks/ops.py --atoms 10000000 --dtype float32,float64 --out table.md
+
+Implementations, timed side by side in one process on the same inputs:
+  segcli     segcli.ops (Warp kernels through JAX primitives)
+  jax        segcli.reference (jax.ops.segment_sum / segment_max and jnp)
+  seed       nvalchemiops.jax.segment_ops, when importable (first column where it runs)
+
+Inputs: N atoms in structures of 1..63 atoms (32 on average), sorted ids, (N, 3) fields.
+Each cell is the median wall time of `--repeats` calls of a jitted function, each call
+followed by block_until_ready, after two warm-up calls.
+"""
+
+import argparse
+import datetime
+import importlib
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+OPS = ["sum", "mean", "dot", "mul", "rms_norm", "max_norm", "matvec", "count"]
+MODES = ["fwd", "grad", "grad2"]
+
+
+def inputs(n, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, 64, size=n // 16 + 2)
+    sizes = sizes[: np.searchsorted(np.cumsum(sizes), n) + 1]
+    sizes[-1] -= sizes.sum() - n
+    m = len(sizes)
+    idx = jnp.asarray(np.repeat(np.arange(m, dtype=np.int32), sizes))
+    arrays = {
+        "x": rng.normal(size=(n, 3)),
+        "y": rng.normal(size=(n, 3)),
+        "s": rng.normal(size=(m,)),
+        "cell": rng.normal(size=(m, 3, 3)),
+    }
+    return {k: jnp.asarray(v.astype(dtype)) for k, v in arrays.items()}, idx, m
+
+
+ARGS = {
+    "sum": ("x",),
+    "mean": ("x",),
+    "dot": ("x", "y"),
+    "mul": ("x", "s"),
+    "rms_norm": ("x",),
+    "max_norm": ("x",),
+    "matvec": ("x", "cell"),
+    "count": (),
+}
+
+
+def functions(module, op, idx, m, data):
+    """Jitted fwd, grad and grad-of-grad of op from `module` (None where it has no such op)."""
+    name = "segmented_" + op
+    f = getattr(module, name, None)
+    if f is None:
+        return {}
+    # ids are an argument, not a constant, so XLA cannot fold anything that depends on them
+    if op == "count":
+        return {"fwd": jax.jit(lambda ids: f(ids, m))}
+    call = lambda *a: f(*a[:-1], a[-1], m)  # noqa: E731
+    weights = jnp.ones(jax.eval_shape(call, *(data[k] for k in ARGS[op]), idx).shape, data["x"].dtype)
+    loss = lambda *a: jnp.sum(weights * call(*a))  # noqa: E731
+    grad = jax.grad(loss)
+    direction = data["y"]
+    return {
+        "fwd": jax.jit(call),
+        "grad": jax.jit(grad),
+        "grad2": jax.jit(jax.grad(lambda *a: jnp.vdot(grad(*a), direction))),
+    }
+
+
+def median_seconds(fn, args, repeats):
+    for _ in range(2):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def implementations():
+    impls = {"segcli": importlib.import_module("segcli.ops"), "jax": importlib.import_module("segcli.reference")}
+    try:
+        impls["seed"] = importlib.import_module("nvalchemiops.jax.segment_ops")
+    except Exception:  # noqa: BLE001 - any import failure means the seed is not available here
+        pass
+    return impls
+
+
+def run(atoms, dtypes, repeats, ops):
+    impls = implementations()
+    rows = []
+    for dtype in dtypes:
+        data, idx, m = inputs(atoms, dtype)
+        for op in ops:
+            args = (*(data[k] for k in ARGS[op]), idx)
+            per_impl = {name: functions(module, op, idx, m, data) for name, module in impls.items()}
+            for mode in MODES:
+                times = {}
+                for name, fns in per_impl.items():
+                    if mode not in fns:
+                        continue
+                    try:
+                        times[name] = median_seconds(fns[mode], args, repeats)
+                    except Exception as err:  # noqa: BLE001 - the seed fails on some ops/modes; record it
+                        times[name] = f"fails: {type(err).__name__}"
+                if times:
+                    rows.append((op, dtype, mode, times))
+    return rows, list(impls), m
+
+
+def fmt(t):
+    return f"{t * 1e6:.0f}" if isinstance(t, float) else t
+
+
+def table(rows, impl_names):
+    head = "| op | dtype | mode | " + " | ".join(f"{n} µs" for n in impl_names) + " | jax / segcli |"
+    lines = [head, "|" + " --- |" * (len(impl_names) + 4)]
+    for op, dtype, mode, times in rows:
+        cells = [fmt(times.get(n, "—")) for n in impl_names]
+        ratio = times.get("jax", 0) / times["segcli"] if isinstance(times.get("jax"), float) else float("nan")
+        lines.append(f"| {op} | {dtype} | {mode} | " + " | ".join(cells) + f" | {ratio:.2f} |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--atoms", type=int, default=1_000_000)
+    parser.add_argument("--dtype", default="float32,float64")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--ops", default=",".join(OPS))
+    parser.add_argument("--out", help="also write the table (with its heading) to this file")
+    args = parser.parse_args()
+    dtypes = args.dtype.split(",")
+    if "float64" in dtypes:
+        jax.config.update("jax_enable_x64", True)
+    rows, impl_names, m = run(args.atoms, dtypes, args.repeats, args.ops.split(","))
+    device = jax.devices()[0]
+    heading = (
+        f"### {datetime.date.today()} — {device.device_kind} ({device.platform}), "
+        f"N = {args.atoms:,} atoms, M = {m:,} structures, jax {jax.__version__}, {platform.python_version()}\n\n"
+        f"Median of {args.repeats} calls. Command: `python benchmarks/ops.py --atoms {args.atoms} "
+        f"--dtype {args.dtype} --repeats {args.repeats}`\n\n"
+    )
+    text = heading + table(rows, impl_names) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(text)
+
+
+if __name__ == "__main__":
+    main()
