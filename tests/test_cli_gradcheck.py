@@ -95,6 +95,9 @@ def test_wrong_gradient_of_an_op_fails_with_exit_1(monkeypatch):
     assert table.exit_code == 1
     assert ("sum", 1, "FAIL") in table_rows(table.output) and "FAILED" in table.output
 
+    quiet = run("--random", "24:4", "--op", "sum", "--order", "1", "--quiet")
+    assert quiet.exit_code == 1 and table_rows(quiet.output) == [("sum", 1, "FAIL")]
+
 
 def test_wrong_values_with_right_derivatives_fail_at_order_0_only(monkeypatch):
     correct = ops.segmented_mean

@@ -293,8 +293,10 @@ def gradcheck(ctx, file, op_names, order, structures, field, random_size, device
 
     FILE's own fields and structures are used: forces (else positions) for sum, mean,
     rms_norm and max_norm (--field picks another per-atom field), forces·positions for dot,
-    forces × energy for mul, scaled_positions × cell for matvec. Only --structures (default
-    0:16) are read. Where rms_norm or max_norm is not differentiable (a structure of zero
+    forces × energy (else another per-structure scalar) for mul, scaled_positions × cell
+    for matvec; ops whose fields FILE lacks are skipped, or an error if named in --op.
+    Only --structures (default 0:16, about 30 s on two CPU cores for the bundled
+    metals.h5 at order 2) are read. Where rms_norm or max_norm is not differentiable (a structure of zero
     vectors, two atoms tied for the largest norm) those structures are left out of the
     finite differences but still compared with the reference. Without FILE, random data of
     --random atoms and structures, with sorted ids and some empty structures.
