@@ -311,13 +311,23 @@ def test_max_norm_gradient_goes_to_first_attaining_row():
 
 def test_sorted_results_are_bitwise_repeatable_and_flag_independent():
     rng = np.random.default_rng(2)
-    x = jnp.asarray(rng.normal(size=(5000, 3)))
-    idx = jnp.asarray(np.sort(rng.integers(0, 50, 5000)), jnp.int32)
-    f = jax.jit(lambda a: (ops.segmented_sum(a, idx, 50), jax.grad(lambda b: jnp.sum(ops.segmented_rms_norm(b, idx, 50)))(a)))
+    x = jnp.asarray(rng.normal(size=(100_000, 3)))
+    idx = jnp.asarray(np.sort(rng.integers(0, 3000, 100_000)), jnp.int32)
+    cells = jnp.asarray(rng.normal(size=(3000, 3, 3)))
+
+    def f(a):
+        return (
+            ops.segmented_sum(a, idx, 3000),
+            ops.segmented_max_norm(a, idx, 3000),
+            jax.grad(lambda b: jnp.sum(ops.segmented_rms_norm(b, idx, 3000)))(a),
+            jax.grad(lambda c: jnp.sum(ops.segmented_matvec(a, c, idx, 3000) ** 2))(cells),
+        )
+
+    f = jax.jit(f)
     first = f(x)
     for _ in range(20):
         assert all(np.array_equal(a, b) for a, b in zip(f(x), first))
-    promised = ops.segmented_sum(x, idx, 50, indices_are_sorted=True)
+    promised = ops.segmented_sum(x, idx, 3000, indices_are_sorted=True)
     assert np.array_equal(promised, first[0])
 
 
