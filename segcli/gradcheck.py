@@ -42,7 +42,8 @@ class Row:
 
     Errors are ∞-norms over the output (or absolute values for projected scalars), maximised
     over random directions; `rel_error` divides by the magnitude of the quantity checked
-    against. A row passes when `abs_error <= tolerance`; NaN never passes.
+    against. A row passes when `abs_error <= tolerance` and, for finite-difference modes, the
+    finite differences could be trusted; NaN never passes.
     """
 
     function: str
@@ -87,14 +88,14 @@ class Report:
         return Report(self.rows + other.rows)
 
     def summary(self):
-        """One row per function and order: the worst check (largest error / tolerance), with
-        every distinct note of the group and how many checks failed."""
+        """One row per function and order: the worst check (failed first, then the largest
+        error / tolerance), with every distinct note of the group and how many checks failed."""
         groups = {}
         for row in self.rows:
             groups.setdefault((row.function, row.order), []).append(row)
         rows = []
         for group in groups.values():
-            worst = max(group, key=lambda row: (row.ratio, row.tolerance))
+            worst = max(group, key=lambda row: (not row.passed, row.ratio, row.tolerance))
             notes = list(dict.fromkeys(row.note for row in group if row.note))
             failed = sum(not row.passed for row in group)
             if failed:
@@ -270,7 +271,9 @@ def check_gradients(f, args, *, order=2, eps=None, rtol=None, atol=None, seed=0,
 
     f: a JAX function of array arguments returning an array, scalar or pytree of them.
     Floating-point arguments are upcast to float64 and checked one at a time; other
-    arguments (integer ids, ...) are held fixed. Runs under `jax.enable_x64`.
+    arguments (integer ids, ...) are held fixed. Runs under `jax.enable_x64`. `seed` fixes
+    the random directions; `argnames` names the arguments in the rows (default arg0, arg1,
+    ...) and `name` the function (default `f.__name__`).
 
     For each order k, argument a and `DIRECTIONS` random directions v (entries scaled to
     |x_a|) and cotangents u, with D_h = (g(x + h v) − g(x − h v)) / 2h along argument a:
