@@ -119,7 +119,9 @@ def write_batch(path, n_atoms, forces, positions):
 def test_non_differentiable_structures_are_left_out_and_unfit_ops_skipped(tmp_path):
     rng = np.random.default_rng()
     n_atoms = [3, 4, 5, 2]
-    forces = rng.normal(size=(14, 3))
+    directions = rng.normal(size=(14, 3))
+    norms = 1 + 0.1 * rng.permutation(14)  # no two atoms tie
+    forces = directions / np.linalg.norm(directions, axis=1, keepdims=True) * norms[:, None]
     forces[3:7] = 0  # structure 1: all zero, neither norm is differentiable there
     forces[8] = 10 * forces[0]  # structure 2: two atoms tie for the largest norm
     forces[10] = -10 * forces[0]
