@@ -78,7 +78,7 @@ def progress_bar(enabled, label):
               help="The segcli HDF5 file to write.")
 @click.option("--compression", type=click.Choice(["gzip", "lzf"]),
               help="Compress the datasets (default: none, fastest to read).")
-@click.option("--chunk-atoms", type=click.IntRange(min=1), default=1_000_000, show_default=True,
+@click.option("--chunk-atoms", type=click.IntRange(min=1), default=100_000, show_default=True,
               help="Atoms held in memory at a time (whole structures).")
 @click.option("--fill-missing", type=click.Choice(["nan"]),
               help="Fill fields that some structures lack with NaN instead of failing.")

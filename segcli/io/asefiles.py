@@ -86,7 +86,7 @@ class AseBatch(Batch):
 
         single = ioformats[self.ase_format].single
         frames = ase.io.iread(self.path, index=slice(None) if single else slice(start, stop),
-                              format=self.ase_format)
+                              format=self.ase_format, do_not_split_by_at_sign=True)
         index = 0 if single else start
         while stop is None or index < stop:
             try:

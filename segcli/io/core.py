@@ -69,6 +69,11 @@ def rechunk(pieces, chunk_atoms):
     structures with at most `chunk_atoms` atoms; the same runs as `plan_chunks`."""
     group, room = [], chunk_atoms
     for piece in pieces:
+        total = int(piece.n_atoms.sum())
+        if total <= room and len(piece.n_atoms):  # the common case: the whole piece fits
+            group.append(piece)
+            room -= total
+            continue
         while len(piece.n_atoms):
             k = int(np.searchsorted(np.cumsum(piece.n_atoms), room, side="right"))
             if k == 0 and group:
@@ -86,7 +91,8 @@ def rechunk(pieces, chunk_atoms):
 
 
 def merge_pieces(path, pieces, schema, fill=None):
-    """One Chunk from consecutive pieces, with every field of `schema` (name -> FieldInfo).
+    """One Chunk from consecutive pieces, with every field of `schema` (name -> FieldInfo), in
+    the schema's dtype or a wider one that the pieces need.
 
     A piece without a field raises DataError naming its first structure, or, given `fill`
     (NaN), gets the field filled with it.
@@ -94,21 +100,18 @@ def merge_pieces(path, pieces, schema, fill=None):
     n_atoms = np.concatenate([p.n_atoms for p in pieces]) if len(pieces) > 1 else pieces[0].n_atoms
     out = {"atom": {}, "structure": {}}
     for name, info in schema.items():
-        parts = []
-        for p in pieces:
-            data = p.atoms if info.per == "atom" else p.structures
-            if name in data:
-                part = data[name]
-                if part.shape[1:] != info.shape:
-                    raise DataError(f"{path}: field '{name}' has shape {part.shape[1:]} per "
-                                    f"{info.per} from structure {p.start}, {info.shape} before")
-                parts.append(part)
-            else:
-                check_fill(path, p.start, info, fill)
-                rows = int(p.n_atoms.sum()) if info.per == "atom" else len(p.n_atoms)
-                parts.append(np.full((rows, *info.shape), fill, info.dtype))
-        out[info.per][name] = (parts[0] if len(parts) == 1 else np.concatenate(parts)).astype(
-            info.dtype, copy=False)
+        parts = [(p.atoms if info.per == "atom" else p.structures).get(name) for p in pieces]
+        for i in [i for i, part in enumerate(parts) if part is None]:
+            check_fill(path, pieces[i].start, info, fill)
+            rows = int(pieces[i].n_atoms.sum()) if info.per == "atom" else len(pieces[i].n_atoms)
+            parts[i] = np.full((rows, *info.shape), fill, info.dtype)
+        shapes = {part.shape[1:] for part in parts}
+        if shapes != {info.shape}:
+            i = next(i for i, part in enumerate(parts) if part.shape[1:] != info.shape)
+            raise DataError(f"{path}: field '{name}' has shape {parts[i].shape[1:]} per "
+                            f"{info.per} in structure {pieces[i].start}, {info.shape} elsewhere")
+        merged = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        out[info.per][name] = merged.astype(np.result_type(info.dtype, merged.dtype), copy=False)
     return Chunk(pieces[0].start, n_atoms, out["atom"], out["structure"])
 
 

@@ -11,12 +11,11 @@ import numpy as np
 
 from segcli import __version__
 from segcli.errors import DataError
-from segcli.io.core import Schema, check_fill, merge_pieces
+from segcli.io.core import FieldInfo, Schema, check_fill, merge_pieces
 
 FORMAT = "segcli-batch"
 VERSION = 1
 CHUNK_BYTES = 1 << 20
-CACHE_BYTES = 64 << 20
 
 
 def refuse_overwrite(path, force):
@@ -34,8 +33,9 @@ def _fsync(path):
 
 @contextmanager
 def atomic_output(target, copy_of=None):
-    """A temporary path beside `target` (a copy of `copy_of` if given), synced and renamed over
-    `target` when the block ends cleanly, removed when it fails."""
+    """A temporary path beside `target` (a copy of `copy_of` if given), renamed over `target`
+    when the block ends cleanly, removed when it fails. A copy replacing its original is
+    synced to disk first, so that even a system crash leaves one of the two whole."""
     directory = os.path.dirname(os.path.abspath(target))
     try:
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(target)}.",
@@ -52,9 +52,11 @@ def atomic_output(target, copy_of=None):
             shutil.copyfile(copy_of, tmp)
             shutil.copymode(copy_of, tmp)
         yield tmp
-        _fsync(tmp)
+        if copy_of is not None:
+            _fsync(tmp)
         os.replace(tmp, target)
-        _fsync(directory)
+        if copy_of is not None:
+            _fsync(directory)
     except BaseException:
         with suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -166,19 +168,24 @@ class BatchWriter:
     def append(self, path, pieces):
         """Append consecutive structures of `path` (the pieces of one chunk)."""
         self._first_path = self._first_path or path
-        known = set(self.schema)
+        first_seen = {}
         for p in pieces:
-            self.schema.add_piece(path, p)
-        if self.n_structures:
-            for name in self.schema.keys() - known:
-                check_fill(self._first_path, 0, self.schema[name], self._fill)
+            for per, data in (("atom", p.atoms), ("structure", p.structures)):
+                for name in data:
+                    first_seen.setdefault(name, (per, p))
+        for name, (per, p) in first_seen.items():
+            array = (p.atoms if per == "atom" else p.structures)[name]
+            if name not in self.schema and self.n_structures:
+                check_fill(self._first_path, 0, FieldInfo(name, per, (), array.dtype), self._fill)
+            self.schema.add(path, FieldInfo(name, per, array.shape[1:], array.dtype), p.start)
         chunk = merge_pieces(path, pieces, self.schema, self._fill)
         self._extend("structures", "n_atoms", self.n_structures, chunk.n_atoms)
-        for name, info in self.schema.items():
-            if info.per == "atom":
-                self._extend("atoms", name, self.n_atoms, chunk.atoms[name])
-            else:
-                self._extend("structures", name, self.n_structures, chunk.structures[name])
+        for name, info in list(self.schema.items()):
+            array = (chunk.atoms if info.per == "atom" else chunk.structures)[name]
+            self.schema.add(path, info._replace(dtype=array.dtype), chunk.start)
+            rows = self.n_atoms if info.per == "atom" else self.n_structures
+            self._extend("atoms" if info.per == "atom" else "structures", name, rows,
+                         array.astype(self.schema[name].dtype, copy=False))
         self.n_structures += len(chunk.n_atoms)
         self.n_atoms += int(chunk.n_atoms.sum())
 
@@ -218,7 +225,7 @@ class BatchWriter:
         return group[name]
 
 
-def convert(inputs, output, *, compression=None, chunk_atoms=1_000_000, fill_missing=None,
+def convert(inputs, output, *, compression=None, chunk_atoms=100_000, fill_missing=None,
             force=False, progress=None):
     """Write the structures of `inputs` (any files open_batch reads), concatenated in order,
     to a new segcli HDF5 file `output`, streaming `chunk_atoms` atoms at a time.
@@ -236,7 +243,7 @@ def convert(inputs, output, *, compression=None, chunk_atoms=1_000_000, fill_mis
     with ExitStack() as stack:
         batches = [stack.enter_context(open_batch(path)) for path in inputs]
         tmp = stack.enter_context(atomic_output(output))
-        h5 = stack.enter_context(h5py.File(tmp, "w", rdcc_nbytes=CACHE_BYTES))
+        h5 = stack.enter_context(h5py.File(tmp, "w"))
         writer = BatchWriter(h5, compression, fill_missing)
         for batch in batches:
             for pieces in batch.stream(chunk_atoms):
