@@ -15,7 +15,6 @@ The generated files stay in --workdir (reused when present); nothing is written 
 import argparse
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -154,20 +153,21 @@ def main():
                                  "--chunk-atoms", str(args.chunk_atoms)])
     gbs = {k: size / v / 1e9 for k, v in read.items()}
     mb = os.path.getsize(files["convert"][0]) / 1e6
-    print(f"{time.strftime('%Y-%m-%d')}, {platform.node()}, {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} cores, Python {platform.python_version()}, h5py {h5py.__version__}, "
-          f"median of {args.runs} alternating runs\n")
+    print(f"{time.strftime('%Y-%m-%d')}, {platform.node()}, {platform.machine()}, "
+          f"{os.cpu_count()} cores, Python {platform.python_version()}, "
+          f"h5py {h5py.__version__}, median of {args.runs} alternating runs\n")
     print("| measurement | reference | segcli | segcli / reference | target |")
     print("| --- | --- | --- | --- | --- |")
     print(f"| read positions+forces, {args.atoms:.0e} atoms ({size / 1e9:.2f} GB) | bare h5py "
-          f"{read['bare']:.3f} s ({gbs['bare']:.2f} GB/s) | iter_chunks {read['iter_chunks']:.3f} s "
-          f"({gbs['iter_chunks']:.2f} GB/s) | {gbs['iter_chunks'] / gbs['bare']:.2f} (throughput) "
-          f"| >= 0.70 |")
+          f"{read['bare']:.3f} s ({gbs['bare']:.2f} GB/s) | iter_chunks "
+          f"{read['iter_chunks']:.3f} s ({gbs['iter_chunks']:.2f} GB/s) | "
+          f"{gbs['iter_chunks'] / gbs['bare']:.2f} (throughput) | >= 0.70 |")
     print(f"| convert extxyz, {args.convert_atoms:.0e} atoms ({mb:.0f} MB) | ase.io.read "
           f"{conv['ase_read']:.3f} s | convert {conv['convert']:.3f} s | "
           f"{conv['convert'] / conv['ase_read']:.2f} (time) | <= 1.00 |")
-    print(f"| peak RSS of convert, --chunk-atoms {args.chunk_atoms} | 1x chunk: {rss['mem1']:.0f} MiB "
-          f"| 10x chunk: {rss['mem10']:.0f} MiB | {rss['mem10'] / rss['mem1']:.2f} | <= 2.00 |")
+    print(f"| peak RSS of convert, --chunk-atoms {args.chunk_atoms} | 1x chunk: "
+          f"{rss['mem1']:.0f} MiB | 10x chunk: {rss['mem10']:.0f} MiB | "
+          f"{rss['mem10'] / rss['mem1']:.2f} | <= 2.00 |")
 
 
 if __name__ == "__main__":

@@ -260,6 +260,7 @@ def test_convert_subprocess_shows_progress_only_on_a_terminal(tmp_path):
 def test_commands_have_examples_and_import_light():
     for command in ("info", "convert"):
         assert "Example:" in run(command, "--help").stdout
-    code = "import sys, segcli.cli; print([m for m in ('h5py', 'ase', 'segcli.io') if m in sys.modules])"
+    code = ("import sys, segcli.cli; "
+            "print([m for m in ('h5py', 'ase', 'segcli.io') if m in sys.modules])")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.stdout == "[]\n", result.stderr

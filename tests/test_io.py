@@ -9,7 +9,7 @@ import ase.io
 import h5py
 import numpy as np
 import pytest
-from ase import Atoms
+from ase.data import chemical_symbols
 
 from segcli.errors import DataError
 from segcli.io import ResultWriter, convert, open_batch
@@ -144,7 +144,8 @@ def test_convert_compressed(extxyz, ase_reference, compression):
     convert([extxyz], out, compression=compression)
     with h5py.File(out) as h5:
         assert h5["atoms/forces"].compression == compression
-    assert_same(read_all(open_batch(out), ["forces"]), {"forces": ase_reference(extxyz)[1]["forces"]})
+    expected = {"forces": ase_reference(extxyz)[1]["forces"]}
+    assert_same(read_all(open_batch(out), ["forces"]), expected)
 
 
 def test_convert_concatenates_inputs_of_every_kind(tmp_path, frames):
@@ -220,8 +221,9 @@ def write_conformers(path):
                 ("z/O2", 2, 1, "species", "coordinates")]:
             g = h5.create_group(name)
             numbers = rng.integers(1, 9, n)
-            symbols = np.array([Atoms(numbers=[z]).get_chemical_symbols()[0] for z in numbers], "S2")
-            g[numbers_key] = numbers.astype(np.uint8) if numbers_key == "atomic_numbers" else symbols
+            symbols = np.array([chemical_symbols[z] for z in numbers], "S2")
+            g[numbers_key] = (numbers.astype(np.uint8) if numbers_key == "atomic_numbers"
+                              else symbols)
             data = {"positions": rng.normal(size=(c, n, 3)), "forces": rng.normal(size=(c, n, 3)),
                     "charges": rng.normal(size=(c, n)).astype(np.float32),
                     "energy": rng.normal(size=c), "dipole": rng.normal(size=(c, 3))}

@@ -6,7 +6,8 @@ import numpy as np
 
 from segcli.errors import DataError
 
-DERIVED = ("velocities", "scaled_positions")
+FORMAT = "segcli-batch"
+VERSION = 1
 NUMERIC_KINDS = "biufc"
 
 
@@ -20,7 +21,8 @@ class FieldInfo(NamedTuple):
 
 
 class Chunk(NamedTuple):
-    """Consecutive whole structures from `start`: per-atom arrays (N_c, ...), per-structure (S_c, ...)."""
+    """Consecutive whole structures from `start`: per-atom arrays (N_c, ...) and per-structure
+    arrays (S_c, ...)."""
 
     start: int
     n_atoms: np.ndarray

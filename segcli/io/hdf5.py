@@ -5,10 +5,9 @@ import h5py
 import numpy as np
 
 from segcli.errors import DataError
-from segcli.io.core import NUMERIC_KINDS, Batch, Chunk, FieldInfo, Schema, plan_chunks
+from segcli.io.core import (FORMAT, NUMERIC_KINDS, VERSION, Batch, Chunk, FieldInfo, Schema,
+                            plan_chunks)
 
-FORMAT = "segcli-batch"
-VERSION = 1
 POSITION_NAMES = ("coordinates", "conformations", "positions")
 NUMBER_NAMES = ("atomic_numbers", "species")
 

@@ -11,10 +11,8 @@ import numpy as np
 
 from segcli import __version__
 from segcli.errors import DataError
-from segcli.io.core import FieldInfo, Schema, check_fill, merge_pieces
+from segcli.io.core import FORMAT, VERSION, FieldInfo, Schema, check_fill, merge_pieces
 
-FORMAT = "segcli-batch"
-VERSION = 1
 CHUNK_BYTES = 1 << 20
 
 
@@ -99,7 +97,8 @@ class ResultWriter:
         else:
             refuse_overwrite(self.path, self.force)
         with ExitStack() as stack:
-            tmp = stack.enter_context(atomic_output(self.path, self.path if self.in_place else None))
+            copy_of = self.path if self.in_place else None
+            tmp = stack.enter_context(atomic_output(self.path, copy_of))
             self._h5 = stack.enter_context(h5py.File(tmp, "r+" if self.in_place else "w"))
             if not self.in_place:
                 _set_attrs(self._h5, {"format": FORMAT, "version": VERSION})
@@ -175,9 +174,10 @@ class BatchWriter:
                     first_seen.setdefault(name, (per, p))
         for name, (per, p) in first_seen.items():
             array = (p.atoms if per == "atom" else p.structures)[name]
+            info = FieldInfo(name, per, array.shape[1:], array.dtype)
             if name not in self.schema and self.n_structures:
-                check_fill(self._first_path, 0, FieldInfo(name, per, (), array.dtype), self._fill)
-            self.schema.add(path, FieldInfo(name, per, array.shape[1:], array.dtype), p.start)
+                check_fill(self._first_path, 0, info, self._fill)
+            self.schema.add(path, info, p.start)
         chunk = merge_pieces(path, pieces, self.schema, self._fill)
         self._extend("structures", "n_atoms", self.n_structures, chunk.n_atoms)
         for name, info in list(self.schema.items()):
