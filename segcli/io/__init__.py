@@ -35,7 +35,7 @@ def open_batch(path):
     if not h5py.is_hdf5(path):
         return AseBatch(path, ase_format(path))
     try:
-        h5 = h5py.File(path, "r")
+        h5 = h5py.File(path, "r", rdcc_nbytes=0)
     except OSError as err:
         raise DataError(f"{path}: truncated or corrupt HDF5 file ({err})") from err
     try:
