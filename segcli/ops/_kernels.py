@@ -21,9 +21,9 @@ float atomics over a grid-stride loop into a zero-initialised output.
 """
 
 import functools
-import inspect
 from typing import Any
 
+import jax.numpy as jnp
 import warp as wp
 
 wp.config.log_level = wp.LOG_ERROR
@@ -42,7 +42,7 @@ def _segment_range(offsets: wp.array(dtype=wp.int32), s: int, n: int):
 
 
 @wp.kernel
-def _layout_kernel(idx: wp.array(dtype=wp.int32), offsets: wp.array(dtype=wp.int32)):
+def _layout_kernel(idx: wp.array(dtype=wp.int32), out: wp.array(dtype=wp.int32)):
     # Binary search for the first id >= s; meaningful only for non-decreasing ids, but always
     # within bounds, so unordered ids (whose offsets are never used) are harmless.
     s = wp.tid()
@@ -54,7 +54,7 @@ def _layout_kernel(idx: wp.array(dtype=wp.int32), offsets: wp.array(dtype=wp.int
             lo = mid + 1
         else:
             hi = mid
-    offsets[s] = lo
+    out[s] = lo
 
 
 @wp.kernel
@@ -310,118 +310,62 @@ def _matvec_kernel(
             out[i, g, j] = acc
 
 
-def _declare_overloads():
-    """Instantiate every generic kernel for float32 and float64 up front, so the module is
-    compiled (and cached in ~/.cache/warp) once rather than once per new overload."""
-    for kernel in (
-        _sum_kernel, _dot_kernel, _outer_kernel, _max_norm_ordered_kernel, _max_key_kernel,
-        _first_attaining_kernel, _mark_first_kernel, _gather_kernel, _scale_kernel, _matvec_kernel,
-    ):
-        for dtype in _FLOATS.values():
-            wp.overload(
-                kernel,
-                {a.label: wp.array(dtype=dtype, ndim=a.type.ndim) for a in kernel.adj.args if getattr(a.type, "dtype", None) is Any},
-            )
+# Kernels by name; the generic ones (dtype Any) are instantiated for float32 and float64.
+_KERNELS = {
+    "layout": _layout_kernel,
+    "count": _count_kernel,
+    "sum": _sum_kernel,
+    "dot": _dot_kernel,
+    "outer": _outer_kernel,
+    "max_norm_ordered": _max_norm_ordered_kernel,
+    "max_key": _max_key_kernel,
+    "first_attaining": _first_attaining_kernel,
+    "mark_first": _mark_first_kernel,
+    "gather": _gather_kernel,
+    "scale": _scale_kernel,
+    "matvec": _matvec_kernel,
+}
 
 
-_declare_overloads()
+def _overload(kernel, dtype):
+    concrete = {
+        a.label: wp.array(dtype=dtype, ndim=a.type.ndim)
+        for a in kernel.adj.args
+        if getattr(a.type, "dtype", None) is Any
+    }
+    return wp.overload(kernel, concrete)
 
 
-def _stride(device, n):
-    """Threads of the unordered fallback's grid-stride loop: one on a CPU, many on a GPU."""
-    return 1 if device.is_cpu else max(1, min(n, _GPU_STRIDE_THREADS))
-
-
-def _launch(kernel, dim, inputs, device):
-    wp.launch(kernel, dim=dim, inputs=inputs, device=device)
-
-
-def _reduce_launcher(kernel):
-    """Launch a reduction over max(M, stride) rows; extra dims are the output's other axes."""
-
-    def launch(*arrays):
-        *ins, idx, offsets, ordered, out = arrays
-        stride = _stride(out.device, idx.shape[0])
-        rows = max(out.shape[0], stride)
-        _launch(kernel, (rows, *out.shape[1:]), [*ins, idx, offsets, ordered, stride, out], out.device)
-
-    return launch
-
-
-def _count(idx, offsets, ordered, out):
-    stride = _stride(out.device, idx.shape[0])
-    _launch(_count_kernel, max(out.shape[0], stride), [idx, offsets, ordered, stride, out], out.device)
-
-
-def _layout(idx, offsets):
-    _launch(_layout_kernel, offsets.shape[0], [idx, offsets], offsets.device)
-
-
-def _max_norm(x, idx, offsets, ordered, best, first, mask):
-    # best starts at -1 (below every key), first at N and mask at 0; the caller sets them.
-    m, groups = best.shape
-    stride = _stride(best.device, x.shape[0])
-    _launch(_max_norm_ordered_kernel, (m, groups), [x, offsets, ordered, best, mask], best.device)
-    _launch(_max_key_kernel, (stride, groups), [x, idx, ordered, stride, best], best.device)
-    _launch(_first_attaining_kernel, (stride, groups), [x, idx, ordered, stride, best, first], best.device)
-    _launch(_mark_first_kernel, (m, groups), [x, ordered, first, best, mask], best.device)
-
-
-def _elementwise_launcher(kernel):
-    def launch(*arrays):
-        out = arrays[-1]
-        _launch(kernel, out.shape[0], list(arrays), out.device)
-
-    return launch
-
-
-def _array(ndim, dtype):
-    return wp.array(dtype=dtype, ndim=ndim)
-
-
-# name -> (launcher, argument signature, names of in-out arguments); in the signature "f<d>"
-# is a float array of d dimensions in the call's dtype, "i<d>" an int32 array ("i": a vector),
-# Arguments are named a0, a1, ..., and the last one "out".
-_SIGNATURES = {
-    "layout": (_layout, ("i", "i"), ()),
-    "count": (_count, ("i", "i", "i", "i"), ("out",)),
-    "sum": (_reduce_launcher(_sum_kernel), ("f2", "i", "i", "i", "f2"), ("out",)),
-    "dot": (_reduce_launcher(_dot_kernel), ("f3", "f3", "i", "i", "i", "f2"), ("out",)),
-    "outer": (_reduce_launcher(_outer_kernel), ("f3", "f3", "i", "i", "i", "f4"), ("out",)),
-    "max_norm": (_max_norm, ("f3", "i", "i", "i", "f2", "i2", "f2"), ("a4", "a5", "out")),
-    "gather": (_elementwise_launcher(_gather_kernel), ("f2", "i", "f2"), ()),
-    "scale": (_elementwise_launcher(_scale_kernel), ("f3", "f2", "i", "f3"), ()),
-    "matvec": (_elementwise_launcher(_matvec_kernel), ("f3", "f4", "i", "f3"), ()),
+# Instantiate every generic kernel for both float types up front, so the module is compiled
+# (and cached in ~/.cache/warp) once rather than once per newly seen overload.
+_OVERLOADS = {
+    (name, dtype): _overload(kernel, wp_type)
+    for name, kernel in _KERNELS.items()
+    if kernel.is_generic
+    for dtype, wp_type in _FLOATS.items()
 }
 
 
 @functools.lru_cache(maxsize=None)
-def callable_for(name, dtype="float32"):
-    """The `warp.jax_callable` running kernel `name` on arrays of `dtype` (cached per pair)."""
-    launcher, signature, in_out = _SIGNATURES[name]
-    float_type = _FLOATS[dtype]
+def _ffi(name, dtype, in_out):
+    kernel = _OVERLOADS.get((name, dtype), _KERNELS[name])
+    outputs = len(in_out) + sum(1 for a in kernel.adj.args if a.label == "out" and "out" not in in_out)
+    return wp.jax_kernel(kernel, num_outputs=outputs, in_out_argnames=list(in_out), vmap_method="sequential")
 
-    def annotation(code):
-        if code[0] == "i":
-            return _array(int(code[1:] or 1), wp.int32)
-        return _array(int(code[1]), float_type)
 
-    names = [f"a{j}" for j in range(len(signature) - 1)] + ["out"]
+def launch(name, *args, dims, in_out=(), out=None):
+    """Launch kernel `name` over `dims` threads from JAX; returns its outputs (a list if several).
 
-    def function(*arrays):
-        launcher(*arrays)
+    The in-out arguments are updated copies of the arrays passed for them; `out`, if given,
+    is the shape of a pure output named "out". One FFI call is one kernel launch, so JAX
+    can capture it into its own CUDA graph."""
+    float_args = [a for a in args if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating)]
+    dtype = jnp.dtype(float_args[0].dtype).name if float_args else "float32"
+    call = _ffi(name, dtype, tuple(in_out))
+    result = call(*args, launch_dims=dims, output_dims=None if out is None else {"out": out})
+    return result[0] if len(result) == 1 else result
 
-    function.__name__ = function.__qualname__ = f"segcli_{name}_{dtype}"
-    function.__signature__ = inspect.Signature(
-        [inspect.Parameter(a, inspect.Parameter.POSITIONAL_OR_KEYWORD) for a in names]
-    )
-    function.__annotations__ = {a: annotation(c) for a, c in zip(names, signature)} | {"return": None}
-    num_outputs = len(in_out) + ("out" not in in_out)
-    call = wp.jax_callable(
-        function,
-        num_outputs=num_outputs,
-        graph_mode=wp.JaxCallableGraphMode.NONE,
-        vmap_method="sequential",
-        in_out_argnames=list(in_out),
-    )
-    return call if num_outputs > 1 else lambda *args, **kwargs: call(*args, **kwargs)[0]
+
+def stride(gpu, n):
+    """Threads of the unordered fallback's grid-stride loop: one on a CPU, many on a GPU."""
+    return max(1, min(n, _GPU_STRIDE_THREADS)) if gpu else 1

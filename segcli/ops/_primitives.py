@@ -19,6 +19,7 @@ Operands are float arrays followed by int32 ids; parameters are `num_segments` (
 the segment axis) and `indices_are_sorted`.
 """
 
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -26,16 +27,12 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from segcli.ops._kernels import callable_for
-
-
-def _kernel(name, dtype):
-    return callable_for(name, jnp.dtype(dtype).name)
+from segcli.ops._kernels import launch, stride
 
 
 def _layout(idx, num_segments, indices_are_sorted):
     """CSR offsets of the ids and a one-element flag saying whether they are non-decreasing."""
-    offsets = callable_for("layout")(idx, output_dims={"out": (num_segments + 1,)})
+    offsets = launch("layout", idx, dims=(num_segments + 1,), out=(num_segments + 1,))
     if indices_are_sorted or idx.shape[0] < 2:
         ordered = jnp.ones((1,), jnp.int32)
     else:
@@ -43,54 +40,77 @@ def _layout(idx, num_segments, indices_are_sorted):
     return offsets, ordered
 
 
-def _zeros_or(shape, dtype, empty, run):
-    """Zeros for empty inputs (no kernel launches on zero-size buffers), else `run()`."""
-    return jnp.zeros(shape, dtype) if empty or 0 in shape else run()
-
-
-def _reduction(name):
-    """Impl of a reduction kernel: layout, then the kernel into a zero-initialised output."""
-
-    def impl(*operands, num_segments, indices_are_sorted):
-        *floats, idx = operands
-        shape, dtype = _output_shape(name, floats, idx, num_segments), floats[0].dtype
-
-        def run():
-            offsets, ordered = _layout(idx, num_segments, indices_are_sorted)
-            return _kernel(name, dtype)(*floats, idx, offsets, ordered, jnp.zeros(shape, dtype))
-
-        return _zeros_or(shape, dtype, any(0 in f.shape for f in floats), run)
-
-    return impl
-
-
-def _elementwise(name):
-    """Impl of a gather-like kernel: one output row per id."""
-
-    def impl(*operands, num_segments, indices_are_sorted):
-        *floats, idx = operands
-        shape, dtype = _output_shape(name, floats, idx, num_segments), floats[0].dtype
-        run = lambda: _kernel(name, dtype)(*floats, idx, output_dims={"out": shape})  # noqa: E731
-        return _zeros_or(shape, dtype, any(0 in f.shape for f in floats), run)
-
-    return impl
-
-
-def _max_norm_impl(x, idx, *, num_segments, indices_are_sorted):
-    best_shape, mask_shape = _output_shape("max_norm", [x], idx, num_segments)
-    if 0 in x.shape or num_segments == 0:
-        return [jnp.zeros(best_shape, x.dtype), jnp.zeros(mask_shape, x.dtype)]
+def _reduce(name, floats, idx, shape, dtype, num_segments, indices_are_sorted, gpu):
+    """A reduction kernel: ordered rows per segment, else atomics into zeros."""
     offsets, ordered = _layout(idx, num_segments, indices_are_sorted)
-    best, _, mask = _kernel("max_norm", x.dtype)(
-        x,
+    threads = stride(gpu, idx.shape[0])
+    return launch(
+        name,
+        *floats,
         idx,
         offsets,
         ordered,
-        jnp.full(best_shape, -1, x.dtype),
-        jnp.full(best_shape, x.shape[0], jnp.int32),
-        jnp.zeros(mask_shape, x.dtype),
+        threads,
+        jnp.zeros(shape, dtype),
+        dims=(max(num_segments, threads), *shape[1:]),
+        in_out=("out",),
     )
+
+
+def _impl(name):
+    """The impl of primitive `name`: zeros for empty inputs, else its kernel(s)."""
+
+    def impl(*operands, num_segments, indices_are_sorted, gpu=False):
+        *floats, idx = operands
+        shape, dtype = _output_shape(name, floats, idx, num_segments), floats[0].dtype
+        if name == "max_norm":
+            return _max_norm(floats[0], idx, shape, num_segments, indices_are_sorted, gpu)
+        if 0 in shape or any(0 in f.shape for f in floats):
+            return jnp.zeros(shape, dtype)
+        if name in _REDUCTIONS:
+            return _reduce(name, floats, idx, shape, dtype, num_segments, indices_are_sorted, gpu)
+        return launch(name, *floats, idx, dims=(idx.shape[0],), out=shape)
+
+    return impl
+
+
+def _max_norm(x, idx, shapes, num_segments, indices_are_sorted, gpu):
+    (best_shape, mask_shape), dtype = shapes, x.dtype
+    if 0 in x.shape or num_segments == 0:
+        return [jnp.zeros(best_shape, dtype), jnp.zeros(mask_shape, dtype)]
+    offsets, ordered = _layout(idx, num_segments, indices_are_sorted)
+    threads = stride(gpu, x.shape[0])
+    groups = best_shape[1]
+    # Ordered ids: one pass per segment. Otherwise: atomic max of the key, atomic min of
+    # the first row attaining it, then mark that row. Each kernel returns at once when
+    # the flag says the other path applies.
+    best, mask = launch(
+        "max_norm_ordered",
+        x,
+        offsets,
+        ordered,
+        jnp.full(best_shape, -1, dtype),
+        jnp.zeros(mask_shape, dtype),
+        dims=best_shape,
+        in_out=("best", "mask"),
+    )
+    best = launch("max_key", x, idx, ordered, threads, best, dims=(threads, groups), in_out=("best",))
+    first = launch(
+        "first_attaining",
+        x,
+        idx,
+        ordered,
+        threads,
+        best,
+        jnp.full(best_shape, x.shape[0], jnp.int32),
+        dims=(threads, groups),
+        in_out=("first",),
+    )
+    best, mask = launch("mark_first", x, ordered, first, best, mask, dims=best_shape, in_out=("best", "mask"))
     return [best, mask]
+
+
+_REDUCTIONS = ("sum", "dot", "outer")
 
 
 # Output shape(s) of each primitive from its float operands' shapes s, M and the ids' length n.
@@ -102,6 +122,7 @@ _SHAPES = {
     "gather": lambda s, m, n: (n, s[0][1]),
     "scale": lambda s, m, n: s[0],
     "matvec": lambda s, m, n: (n, s[0][1], s[1][3]),
+    "count": lambda s, m, n: (m,),
 }
 
 
@@ -145,8 +166,10 @@ def _loop_batch(prim, args, dims, params):
 def _register(rule):
     prim = Primitive(f"segcli_{rule.name}")
     prim.multiple_results = rule.name == "max_norm"
-    prim.def_impl(rule.impl)
-    mlir.register_lowering(prim, mlir.lower_fun(rule.impl, multiple_results=prim.multiple_results))
+    prim.def_impl(lambda *args, **params: jax.jit(functools.partial(prim.bind, **params))(*args))
+    for platform, gpu in (("cpu", False), ("cuda", True)):
+        lowered = mlir.lower_fun(functools.partial(rule.impl, gpu=gpu), multiple_results=prim.multiple_results)
+        mlir.register_lowering(prim, lowered, platform=platform)
 
     def abstract(*avals, num_segments, indices_are_sorted):
         shapes = _output_shape(rule.name, avals[: rule.arity], avals[rule.arity], num_segments)
@@ -211,12 +234,12 @@ def _swap(m):
 
 
 # The table of transposes; the lambdas refer to primitives defined further down.
-sum_p = _multilinear(_Rule("sum", _reduction("sum"), 1, (lambda ct, idx, p: gather_p.bind(ct, idx, **p),)))
-gather_p = _multilinear(_Rule("gather", _elementwise("gather"), 1, (lambda ct, idx, p: sum_p.bind(ct, idx, **p),)))
+sum_p = _multilinear(_Rule("sum", _impl("sum"), 1, (lambda ct, idx, p: gather_p.bind(ct, idx, **p),)))
+gather_p = _multilinear(_Rule("gather", _impl("gather"), 1, (lambda ct, idx, p: sum_p.bind(ct, idx, **p),)))
 dot_p = _multilinear(
     _Rule(
         "dot",
-        _reduction("dot"),
+        _impl("dot"),
         2,
         (
             lambda ct, y, idx, p: scale_p.bind(y, ct, idx, **p),
@@ -227,7 +250,7 @@ dot_p = _multilinear(
 scale_p = _multilinear(
     _Rule(
         "scale",
-        _elementwise("scale"),
+        _impl("scale"),
         2,
         (
             lambda ct, y, idx, p: scale_p.bind(ct, y, idx, **p),
@@ -238,7 +261,7 @@ scale_p = _multilinear(
 matvec_p = _multilinear(
     _Rule(
         "matvec",
-        _elementwise("matvec"),
+        _impl("matvec"),
         2,
         (
             lambda ct, m, idx, p: matvec_p.bind(ct, _swap(m), idx, **p),
@@ -249,7 +272,7 @@ matvec_p = _multilinear(
 outer_p = _multilinear(
     _Rule(
         "outer",
-        _reduction("outer"),
+        _impl("outer"),
         2,
         (
             lambda ct, b, idx, p: matvec_p.bind(b, _swap(ct), idx, **p),
@@ -260,7 +283,7 @@ outer_p = _multilinear(
 
 # Largest squared norm per segment and group, and a 0/1 mask of the first row attaining it.
 # Piecewise constant in x: its derivative is zero (max_norm differentiates through `dot`).
-max_norm_p = _register(_Rule("max_norm", _max_norm_impl, 1))
+max_norm_p = _register(_Rule("max_norm", _impl("max_norm"), 1))
 
 
 def _max_norm_jvp(primals, tangents, **params):
@@ -275,5 +298,14 @@ def count(idx, num_segments, indices_are_sorted):
     """Ids per segment, int32 (not differentiable)."""
     if idx.shape[0] == 0 or num_segments == 0:
         return jnp.zeros((num_segments,), jnp.int32)
+    return count_p.bind(idx, num_segments=num_segments, indices_are_sorted=bool(indices_are_sorted))
+
+
+def _count_impl(idx, *, num_segments, indices_are_sorted, gpu=False):
     offsets, ordered = _layout(idx, num_segments, indices_are_sorted)
-    return callable_for("count")(idx, offsets, ordered, jnp.zeros((num_segments,), jnp.int32))
+    threads = stride(gpu, idx.shape[0])
+    zeros = jnp.zeros((num_segments,), jnp.int32)
+    return launch("count", idx, offsets, ordered, threads, zeros, dims=(max(num_segments, threads),), in_out=("out",))
+
+
+count_p = _register(_Rule("count", _count_impl, 0))
