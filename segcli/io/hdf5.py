@@ -37,8 +37,9 @@ class SegcliBatch(Batch):
     def __init__(self, path, h5):
         super().__init__(path)
         self._h5 = h5
-        if h5.attrs["format"] != FORMAT:
-            raise DataError(f"{path}: attribute format is {h5.attrs['format']!r}, not {FORMAT!r}")
+        if plain(h5.attrs["format"]) != FORMAT:
+            raise DataError(f"{path}: attribute format is {plain(h5.attrs['format'])!r}, "
+                            f"not {FORMAT!r}")
         if h5.attrs.get("version") != VERSION:
             raise DataError(f"{path}: version {h5.attrs.get('version')} of {FORMAT} is not "
                             f"supported (this segcli reads version {VERSION})")
@@ -78,10 +79,13 @@ class SegcliBatch(Batch):
     @property
     def results(self):
         out = {}
-        if "results" in self._h5:
-            self._h5["results"].visititems(lambda name, obj: out.__setitem__(
-                name, {k: plain(v) for k, v in obj.attrs.items()})
-                if isinstance(obj, h5py.Dataset) else None)
+
+        def collect(name, obj):
+            if isinstance(obj, h5py.Dataset):
+                out[name] = {k: plain(v) for k, v in obj.attrs.items()}
+
+        if isinstance(self._h5.get("results"), h5py.Group):
+            self._h5["results"].visititems(collect)
         return out
 
     def _pieces(self, start, stop, names, chunk_atoms):
