@@ -62,3 +62,23 @@ def ase_reference():
                 {k: np.stack(v) for k, v in per_structure.items()})
 
     return read
+
+
+@pytest.fixture
+def extxyz(tmp_path, frames):
+    """The `frames` written to tmp_path/frames.extxyz."""
+    import ase.io
+
+    path = tmp_path / "frames.extxyz"
+    ase.io.write(path, frames, format="extxyz")
+    return path
+
+
+@pytest.fixture
+def batch_h5(extxyz):
+    """`extxyz` converted to tmp_path/batch.h5."""
+    from segcli.io import convert
+
+    out = extxyz.with_name("batch.h5")
+    convert([extxyz], out)
+    return out

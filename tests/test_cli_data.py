@@ -35,20 +35,6 @@ def assert_data_error(result, *needles):
         assert needle in result.stderr, (needle, result.stderr)
 
 
-@pytest.fixture
-def extxyz(tmp_path, frames):
-    path = tmp_path / "frames.extxyz"
-    ase.io.write(path, frames, format="extxyz")
-    return path
-
-
-@pytest.fixture
-def batch_h5(extxyz):
-    out = extxyz.with_name("batch.h5")
-    convert([extxyz], out)
-    return out
-
-
 def test_info_text(batch_h5):
     n_atoms = open_batch(batch_h5).n_atoms
     with ResultWriter(in_place_of=batch_h5) as w:

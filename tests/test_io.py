@@ -49,13 +49,6 @@ def assert_same(got, expected):
         assert np.array_equal(got[name], value), name
 
 
-@pytest.fixture
-def extxyz(tmp_path, frames):
-    path = tmp_path / "frames.extxyz"
-    ase.io.write(path, frames, format="extxyz")
-    return path
-
-
 @pytest.mark.parametrize("chunk_atoms", [1, 13, 1_000_000])
 def test_extxyz_chunks_match_ase(extxyz, ase_reference, chunk_atoms):
     n_atoms, per_atom, per_structure = ase_reference(extxyz)
@@ -287,13 +280,6 @@ def test_empty_inputs(tmp_path):
     with open_batch(tmp_path / "empty.h5") as batch:
         assert batch.format == "segcli" and batch.n_structures == 0
         assert list(batch.iter_chunks([])) == []
-
-
-@pytest.fixture
-def batch_h5(extxyz):
-    out = extxyz.with_name("batch.h5")
-    convert([extxyz], out)
-    return out
 
 
 def test_result_writer_new_file(batch_h5, tmp_path):
