@@ -2,9 +2,23 @@
 
 This layer sits between `segcli.ops` (pure math) and the I/O and command layers. It never
 imports jax or warp at module level, so the command line starts fast.
+
+    job = plan(path, OPS["rms_norm"], ["forces"], batch.fields)
+    for chunk, outputs in run(batch, job, jax.devices("cpu")[0]):
+        outputs[""]  # (structures of the chunk,)
 """
 
+import contextlib
+import functools
+import inspect
+import queue
+import threading
 from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from segcli.errors import DataError
 
 
 @dataclass(frozen=True)
@@ -55,3 +69,280 @@ OPS = {
         OpSpec("count", "segmented_count", (), "structure", "(S,)", "atoms in each structure", differentiable=False),
     )
 }
+
+
+# --- Chunked evaluation --------------------------------------------------------------------
+
+PRECISIONS = ("float32", "float64")
+DEFAULT_CHUNK_ATOMS = 1 << 21
+"""Atoms per chunk: 2 Mi atoms of (N, 3) float64 are 48 MiB per field."""
+MIN_BUCKET = 1024
+
+
+def bucket(n):
+    """The padded size of a chunk axis of n rows: the next power of two, at least MIN_BUCKET, so
+    that a whole file compiles a handful of shapes rather than one per chunk."""
+    return max(MIN_BUCKET, 1 << max(n - 1, 0).bit_length())
+
+
+def _describe(info):
+    rows = "N" if info.per == "atom" else "S"
+    return f"({rows}{''.join(f', {d}' for d in info.shape)})"
+
+
+def _field(path, name, wanted, fields, needs_float, role):
+    """The FieldInfo of `name`, or DataError unless it exists and fits `wanted` (an InputSpec)
+    as `role` ("rms_norm", "dot's second field", "--weights") needs."""
+    if name not in fields:
+        raise DataError(f"{path}: no field '{name}'; its fields are: "
+                        f"{', '.join(sorted(fields)) or '(none)'}")
+    info = fields[name]
+    if info.per != wanted.per:
+        raise DataError(f"{path}: field '{name}' is per {info.per} {_describe(info)}, but {role} "
+                        f"must be per {wanted.per} {wanted.describe()}")
+    if wanted.shape is not None and tuple(info.shape) != wanted.shape:
+        raise DataError(f"{path}: field '{name}' has shape {_describe(info)}, but {role} must "
+                        f"be {wanted.describe()}")
+    if info.dtype.kind not in ("f" if needs_float else "biuf"):
+        what = "floating-point to be differentiated" if needs_float else "real numbers"
+        raise DataError(f"{path}: field '{name}' holds {info.dtype} values, but {role} must be "
+                        f"{what}")
+    return info
+
+
+@dataclass(frozen=True)
+class Job:
+    """One op over named fields of one file, checked against its fields (see `plan`).
+
+    order 0: the op's value; 1: the gradient of Σ_s w_s · OP(...)_s (summed over every entry of
+    each structure's result) with respect to each distinct per-atom input field; 2: that
+    gradient's derivative along `direction` (a Hessian-vector product), the direction being
+    applied to every per-atom input field at once.
+    """
+
+    path: str
+    spec: OpSpec
+    fields: tuple
+    infos: tuple
+    precision: str = "float64"
+    order: int = 0
+    weights: str | None = None
+    direction: str | None = None
+
+    @property
+    def wrt(self):
+        """The distinct per-atom input fields, in order: what gradients are taken against."""
+        return tuple(dict.fromkeys(n for n, i in zip(self.fields, self.infos) if i.per == "atom"))
+
+    @property
+    def read(self):
+        """Every field the job reads: the inputs, then the weights and the direction."""
+        return tuple(dict.fromkeys((*self.fields, *filter(None, (self.weights, self.direction)))))
+
+    @property
+    def outputs(self):
+        """label -> (per, trailing shape, dtype) of what each chunk gives: "" for the op's value,
+        "d_FIELD" for the derivative with respect to FIELD."""
+        dtype = np.dtype(self.precision)
+        if self.order:
+            shapes = dict(zip(self.fields, (i.shape for i in self.infos)))
+            return {f"d_{name}": ("atom", tuple(shapes[name]), dtype) for name in self.wrt}
+        tail = self.spec.output_shape.strip("()").split(", ")[1:]
+        shape = tuple(self.infos[0].shape) if tail == ["*F"] else tuple(int(d) for d in tail)
+        return {"": (self.spec.output_per, shape, np.dtype(np.int32) if not self.infos else dtype)}
+
+
+def plan(path, spec, names, fields, *, precision="float64", order=0, weights=None,
+         direction=None):
+    """A Job running `spec` on the fields `names` (one per input) of a file whose fields are
+    `fields` (name -> FieldInfo); DataError naming the file and field when one does not fit."""
+    names = tuple(names)
+    if len(names) != len(spec.inputs):
+        raise ValueError(f"{spec.name} takes {len(spec.inputs)} field(s), got {len(names)}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    roles = [spec.name] if len(names) == 1 else [f"{spec.name}'s {n} field"
+                                                   for n in ("first", "second")]
+    infos = tuple(_field(path, name, wanted, fields, order > 0 and wanted.per == "atom", role)
+                  for name, wanted, role in zip(names, spec.inputs, roles))
+    if spec.name == "dot" and infos[0].shape != infos[1].shape:
+        raise DataError(f"{path}: dot needs two fields of the same shape, but '{names[0]}' is "
+                        f"{_describe(infos[0])} and '{names[1]}' is {_describe(infos[1])}")
+    job = Job(path, spec, names, infos, precision, order, weights, direction)
+    if weights is not None:
+        _field(path, weights, InputSpec("structure", ()), fields, False, "--weights")
+    if direction is not None:
+        shape = tuple(fields[job.wrt[0]].shape)
+        _field(path, direction, InputSpec("atom", shape), fields, False,
+               f"--direction (the shape of '{job.wrt[0]}')")
+    return job
+
+
+class _Padded(NamedTuple):
+    """A chunk's inputs on the host, cast and padded to bucket sizes: (S_b,) per structure and
+    (N_b,) per atom, padding atoms having the id S_b (out of range, so dropped by the ops)."""
+
+    n_structures: int
+    n_rows: int
+    idx: np.ndarray
+    arrays: dict
+    weights: np.ndarray
+
+
+def _nan_count(array):
+    """NaN values in an array (a NaN-free array costs one fast sum)."""
+    if array.dtype.kind != "f" or not np.isnan(array.sum()):
+        return 0
+    return int(np.count_nonzero(np.isnan(array)))
+
+
+def _first_nan(job, chunk):
+    """(field, NaN count, first structure) of the first read field holding NaN, or None."""
+    for name in job.read:
+        array = chunk.atoms.get(name, chunk.structures.get(name))
+        count = _nan_count(array)
+        if count:
+            row = int(np.argmax(np.isnan(array.reshape(len(array), -1)).any(axis=1)))
+            if name in chunk.atoms:
+                row = int(np.searchsorted(np.cumsum(chunk.n_atoms), row, side="right"))
+            return name, count, chunk.start + row
+    return None
+
+
+def _pad(job, chunk):
+    """The chunk's inputs, cast to the job's precision and padded (see _Padded)."""
+    n_structures, n_rows = len(chunk.n_atoms), int(chunk.n_atoms.sum())
+    segments, rows = bucket(n_structures), bucket(n_rows)
+    idx = np.full(rows, segments, np.int32)
+    idx[:n_rows] = np.repeat(np.arange(n_structures, dtype=np.int32), chunk.n_atoms)
+    arrays = {}
+    for name in job.read:
+        data = chunk.atoms[name] if name in chunk.atoms else chunk.structures[name]
+        out = np.zeros((rows if name in chunk.atoms else segments, *data.shape[1:]),
+                       job.precision)
+        out[:len(data)] = data
+        arrays[name] = out
+    weights = arrays[job.weights] if job.weights else np.ones(segments, job.precision)
+    return _Padded(n_structures, n_rows, idx, arrays, weights)
+
+
+def _padded_chunks(batch, job, chunk_atoms, structures):
+    """(Chunk, _Padded) for each chunk; DataError if an input holds NaN, with the count over
+    the whole selection and the first structure."""
+    chunks = batch.iter_chunks(list(job.read), chunk_atoms=chunk_atoms, structures=structures)
+    for chunk in chunks:
+        bad = _first_nan(job, chunk)
+        if bad:
+            name, count, first = bad
+            count += sum(_nan_count({**c.atoms, **c.structures}[name]) for c in chunks)
+            raise DataError(f"{job.path}: field '{name}' holds {count} NaN value(s), the first "
+                            f"in structure {first}")
+        yield chunk, _pad(job, chunk)
+
+
+def prefetch(iterable):
+    """The items of `iterable`, each produced by a background thread while the caller works on
+    the one before (one item ahead, no more). An exception of the producer is raised in the
+    caller; a caller that stops early stops the producer."""
+    items = queue.SimpleQueue()
+    room = threading.Semaphore(0)
+    stop = threading.Event()
+    done = object()
+
+    def produce():
+        try:
+            for item in iterable:
+                items.put((item, None))
+                room.acquire()
+                if stop.is_set():
+                    return
+            items.put((done, None))
+        except BaseException as err:  # noqa: BLE001  (handed to the caller)
+            items.put((done, err))
+
+    worker = threading.Thread(target=produce, name="segcli-prefetch", daemon=True)
+    worker.start()
+    try:
+        while True:
+            item, err = items.get()
+            if err is not None:
+                raise err
+            if item is done:
+                return
+            room.release()
+            yield item
+    finally:
+        stop.set()
+        room.release()
+        worker.join()
+
+
+def _apply(spec, arrays, idx, num_segments):
+    """The op on padded arrays, promising sorted ids where the op takes that promise."""
+    from segcli import ops
+
+    function = getattr(ops, spec.function)
+    if "indices_are_sorted" in inspect.signature(function).parameters:
+        return function(*arrays, idx, num_segments, indices_are_sorted=True)
+    return function(*arrays, idx, num_segments)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(spec, layout, order, moving):
+    """A jitted function (values, weights, directions, idx, num_segments) -> tuple of outputs
+    for one op, where input j of the op is values[layout[j]]: its value (order 0), or its
+    gradient (order 1) or Hessian-vector product along `directions` (order 2) with respect
+    to the first `moving` values."""
+    import jax
+    import jax.numpy as jnp
+
+    from segcli import ops
+
+    def value(values, idx, num_segments):
+        return _apply(spec, [values[k] for k in layout], idx, num_segments)
+
+    def objective(wrt, values, weights, idx, num_segments):
+        out = value((*wrt, *values[moving:]), idx, num_segments)
+        if spec.output_per == "atom":
+            return jnp.sum(ops.segmented_mul(out, weights, idx, num_segments))
+        return jnp.sum(out * weights.reshape(-1, *(1,) * (out.ndim - 1)))
+
+    gradient = jax.grad(objective)
+
+    def outputs(values, weights, directions, idx, num_segments):
+        if order == 0:
+            return (value(values, idx, num_segments),)
+        wrt = tuple(values[:moving])
+        if order == 1:
+            return gradient(wrt, values, weights, idx, num_segments)
+        return jax.jvp(lambda w: gradient(w, values, weights, idx, num_segments),
+                       (wrt,), (directions,))[1]
+
+    return jax.jit(outputs, static_argnames="num_segments")
+
+
+def compute(job, padded, device):
+    """The job's outputs (label -> NumPy array, see Job.outputs) for one padded chunk, computed
+    on `device` (a jax.Device)."""
+    import jax
+
+    names = (*job.wrt, *(n for n in dict.fromkeys(job.fields) if n not in job.wrt))
+    layout = tuple(names.index(name) for name in job.fields)
+    directions = (padded.arrays[job.direction],) * len(job.wrt) if job.order == 2 else ()
+    function = _compiled(job.spec, layout, job.order, len(job.wrt))
+    with jax.enable_x64(True):
+        values, weights, directions, idx = jax.device_put(
+            (tuple(padded.arrays[name] for name in names), padded.weights, directions,
+             padded.idx), device)
+        out = function(values, weights, directions, idx, num_segments=len(padded.weights))
+        arrays = [np.asarray(o) for o in out]
+    rows = {"atom": padded.n_rows, "structure": padded.n_structures}
+    return {label: array[:rows[per]]
+            for (label, (per, _, _)), array in zip(job.outputs.items(), arrays)}
+
+
+def run(batch, job, device, *, chunk_atoms=DEFAULT_CHUNK_ATOMS, structures=slice(None)):
+    """Yield (Chunk, outputs) for each chunk of whole structures of `batch`, reading and
+    padding the next chunk in a background thread while this one is computed on `device`."""
+    for chunk, padded in prefetch(_padded_chunks(batch, job, chunk_atoms, structures)):
+        yield chunk, compute(job, padded, device)

@@ -1,5 +1,374 @@
-"""Commands: (placeholder, filled in by its issue)."""
+"""Commands: reduce (one op per structure over a whole file), grad (its per-atom derivatives)
+and ops (the table of ops)."""
+
+import contextlib
+import functools
+import json
+import os
+import sys
 
 import click
 
-COMMANDS = []
+# Shared option parsing, for now imported from the commands that defined it first.
+from segcli.cli.check import _device, _structure_range
+from segcli.cli.data import progress_bar
+
+DEFAULT_CHUNK_ATOMS = 1 << 21  # segcli.engine.DEFAULT_CHUNK_ATOMS, without importing numpy
+
+
+def _op(ctx, param, name):
+    from segcli.engine import OPS
+
+    if name not in OPS:
+        raise click.BadParameter(f"unknown op {name!r} (choose from {', '.join(OPS)})")
+    return OPS[name]
+
+
+def _result_name(ctx, param, name):
+    if name is not None and (not name or any(not part for part in name.split("/"))):
+        raise click.BadParameter(f"{name!r} is not a result name (NAME or GROUP/NAME)")
+    return name
+
+
+def _shared_options(command):
+    """The options reduce and grad share (SPEC §3)."""
+    options = [
+        click.option("-o", "--output", type=click.Path(dir_okay=False),
+                     help="Write a new segcli HDF5 file holding /structures/n_atoms and "
+                          "/results/NAME (instead of printing to stdout)."),
+        click.option("--in-place", is_flag=True,
+                     help="Add /results/NAME to FILE itself (a segcli HDF5 file); FILE is "
+                          "replaced only once the result is complete."),
+        click.option("--format", "fmt", type=click.Choice(["csv", "json", "npy"]),
+                     help="Stdout format (default csv): csv with a header line, json (one "
+                          "object per line) or npy (binary)."),
+        click.option("--name", callback=_result_name,
+                     help="Result name (default OP_FIELD[_FIELD2])."),
+        click.option("--force", is_flag=True,
+                     help="Overwrite an existing output file or result."),
+        click.option("--structures", callback=_structure_range, metavar="START:STOP",
+                     help="Only these structures (default: all; not with --in-place)."),
+        click.option("--chunk-atoms", type=click.IntRange(min=1), default=DEFAULT_CHUNK_ATOMS,
+                     show_default=True,
+                     help="Atoms read and computed at a time (whole structures): bounds memory."),
+        click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto",
+                     show_default=True, help="Where to compute (auto: a GPU when JAX sees one)."),
+        click.option("--precision", type=click.Choice(["float32", "float64"]),
+                     default="float64", show_default=True,
+                     help="Floating-point type of the computation and the results."),
+        click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors and results."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _check_usage(spec, fields, output, in_place, fmt, structures):
+    """UsageError (exit 2) for a command line that cannot be run."""
+    if len(fields) != len(spec.inputs):
+        wanted = " and ".join(f"a per-{i.per} {i.describe()}" for i in spec.inputs)
+        raise click.UsageError(f"{spec.name} takes {len(spec.inputs) or 'no'} field(s)"
+                               f"{': ' + wanted if wanted else ''}; got {len(fields)}")
+    if output and in_place:
+        raise click.UsageError("give -o/--output or --in-place, not both")
+    if fmt and (output or in_place):
+        raise click.UsageError("--format is for stdout; -o and --in-place write HDF5")
+    if in_place and structures:
+        raise click.UsageError("--in-place stores a result for every structure; "
+                               "--structures cannot be used with it")
+    if fmt == "npy" and sys.stdout.isatty():
+        raise click.UsageError("--format npy writes binary data; redirect stdout to a file")
+
+
+class _Hdf5Sink:
+    """Results into /results/<dataset> of a new file or, in place, of the input (ResultWriter)."""
+
+    def __init__(self, writer, outputs, datasets, n_atoms, attrs):
+        self._writer, self._outputs, self._datasets = writer, outputs, datasets
+        self._n_atoms, self._attrs = n_atoms, attrs
+        self._row = dict.fromkeys(outputs, 0)
+
+    def __enter__(self):
+        self._writer.__enter__()
+        try:
+            self._writer.set_n_atoms(self._n_atoms)
+            rows = {"atom": int(self._n_atoms.sum()), "structure": len(self._n_atoms)}
+            for label, (per, shape, dtype) in self._outputs.items():
+                self._writer.create(self._datasets[label], (rows[per], *shape), dtype,
+                                    {**self._attrs, "per": per})
+        except BaseException:
+            if not self._writer.__exit__(*sys.exc_info()):
+                raise
+        return self
+
+    def __exit__(self, *exc):
+        return self._writer.__exit__(*exc)
+
+    def write(self, chunk, arrays):
+        for label, array in arrays.items():
+            self._writer.write(self._datasets[label], self._row[label], array)
+            self._row[label] += len(array)
+
+
+def _printable(array):
+    """Values whose Python repr is the shortest text that reads back as the same value:
+    float32 goes through its own shortest decimal text."""
+    if array.dtype.kind == "f" and array.dtype.itemsize < 8:
+        return array.astype(str).astype("float64")
+    return array
+
+
+class _TextSink:
+    """Results on stdout as CSV (a header line, then one line per structure or atom) or JSON
+    lines, with the structure index (and the atom index within it) first."""
+
+    def __init__(self, fmt, outputs, columns):
+        self._fmt, self._outputs, self._columns = fmt, outputs, columns
+        self._per = next(iter(outputs.values()))[0]
+        self._keys = ["structure"] + (["atom"] if self._per == "atom" else [])
+        self._out = click.get_text_stream("stdout")
+
+    def __enter__(self):
+        import numpy as np
+
+        if self._fmt == "csv":
+            header = list(self._keys)
+            for label, (_, shape, _) in self._outputs.items():
+                base = self._columns[label]
+                header += ([base] if not shape else
+                           [f"{base}_{'_'.join(map(str, i))}" for i in np.ndindex(*shape)])
+            self._out.write(",".join(header) + "\n")
+        return self
+
+    def __exit__(self, *exc):
+        self._out.flush()
+
+    def write(self, chunk, arrays):
+        import numpy as np
+
+        structures = chunk.start + np.arange(len(chunk.n_atoms))
+        if self._per == "atom":
+            first = np.repeat(np.cumsum(chunk.n_atoms) - chunk.n_atoms, chunk.n_atoms)
+            index = [np.repeat(structures, chunk.n_atoms), np.arange(len(first)) - first]
+        else:
+            index = [structures]
+        index = np.stack(index, axis=1).tolist()
+        if self._fmt == "csv":
+            values = np.concatenate([_printable(a).reshape(len(a), -1).astype("float64")
+                                     if a.dtype.kind == "f" else a.reshape(len(a), -1)
+                                     for a in arrays.values()], axis=1).tolist()
+            lines = [",".join(map(repr, i + v)) for i, v in zip(index, values)]
+        else:
+            columns = [self._columns[label] for label in arrays]
+            values = [_printable(a).tolist() for a in arrays.values()]
+            lines = [json.dumps({**dict(zip(self._keys, i)), **dict(zip(columns, v))})
+                     for i, *v in zip(index, *values)]
+        if lines:
+            self._out.write("\n".join(lines) + "\n")
+
+
+class _NpySink:
+    """Results on stdout as one .npy array: (rows, *shape), or with several outputs one
+    structured array with a field per output."""
+
+    def __init__(self, outputs, columns, n_atoms):
+        import numpy as np
+
+        per = next(iter(outputs.values()))[0]
+        rows = int(n_atoms.sum()) if per == "atom" else len(n_atoms)
+        if len(outputs) == 1:
+            (_, shape, dtype), = outputs.values()
+            self._dtype, self._shape = np.dtype(dtype), (rows, *shape)
+        else:
+            self._dtype = np.dtype([(columns[label], dtype, shape)
+                                    for label, (_, shape, dtype) in outputs.items()])
+            self._shape = (rows,)
+        self._columns = columns
+        self._out = click.get_binary_stream("stdout")
+
+    def __enter__(self):
+        import numpy as np
+
+        header = {"descr": np.lib.format.dtype_to_descr(self._dtype), "fortran_order": False,
+                  "shape": self._shape}
+        np.lib.format.write_array_header_2_0(self._out, header)
+        return self
+
+    def __exit__(self, *exc):
+        self._out.flush()
+
+    def write(self, chunk, arrays):
+        import numpy as np
+
+        if len(arrays) == 1:
+            (array,), = [arrays.values()]
+            self._out.write(np.ascontiguousarray(array, self._dtype).tobytes())
+            return
+        out = np.empty(len(next(iter(arrays.values()))), self._dtype)
+        for label, array in arrays.items():
+            out[self._columns[label]] = array
+        self._out.write(out.tobytes())
+
+
+def _device_label(device):
+    return "cpu" if device.platform == "cpu" else f"{device.platform}:{device.id} ({device.device_kind})"
+
+
+def _execute(file, spec, fields, *, output, in_place, fmt, name, force, structures, chunk_atoms,
+             device, precision, quiet, order=0, weights=None, direction=None):
+    """Run one reduce or grad command: check, plan, stream the chunks, write the results."""
+    _check_usage(spec, fields, output, in_place, fmt, structures)
+    if output and os.path.exists(output) and os.path.exists(file) and os.path.samefile(output, file):
+        raise click.UsageError(f"-o {output} is FILE itself; use --in-place to add to it")
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    from segcli import engine
+    from segcli.errors import DataError
+    from segcli.io import ResultWriter, open_batch
+
+    target = _device(device)
+    name = name or "_".join((spec.name, *fields))
+    with open_batch(file) as batch:
+        job = engine.plan(file, spec, fields, batch.fields, precision=precision, order=order,
+                          weights=weights, direction=direction)
+        start, stop = structures or (0, None)
+        if structures and start >= batch.n_structures:
+            raise DataError(f"{file}: --structures {start}:{stop or ''} selects no structure "
+                            f"(the file has {batch.n_structures})")
+        selection = slice(start, stop)
+        n_atoms = batch.n_atoms[selection]
+        outputs = job.outputs
+        columns = {label: label or name for label in outputs}
+        if output or in_place:
+            writer = (ResultWriter(output_path=output, force=force) if output
+                      else ResultWriter(in_place_of=file, force=force))
+            attrs = {"op": spec.name, "fields": list(fields), "precision": precision,
+                     "device": _device_label(target)}
+            if order:
+                attrs.update(order=order, weights=weights, direction=direction)
+            datasets = {label: f"{name}/{label}" if label else name for label in outputs}
+            sink = _Hdf5Sink(writer, outputs, datasets, n_atoms, attrs)
+        elif fmt == "npy":
+            sink = _NpySink(outputs, columns, n_atoms)
+        else:
+            sink = _TextSink(fmt or "csv", outputs, columns)
+        results = engine.run(batch, job, target, chunk_atoms=chunk_atoms, structures=selection)
+        verb = "reducing" if not order else "differentiating"
+        with contextlib.closing(results), progress_bar(not quiet, f"{verb} {file}") as bar, sink:
+            for chunk, arrays in results:
+                sink.write(chunk, arrays)
+                if bar:
+                    bar.update(len(chunk.n_atoms))
+    if not quiet and (output or in_place):
+        written = ", ".join(f"/results/{d}" for d in datasets.values())
+        click.echo(f"{output or file}: {written} ({len(n_atoms)} structures, "
+                   f"{int(n_atoms.sum())} atoms)", err=True)
+
+
+def _stdout_guard(command):
+    """End quietly when stdout is closed early (`segcli reduce … | head`)."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(1)
+
+    return wrapper
+
+
+@click.command()
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.argument("op", callback=_op)
+@click.argument("fields", nargs=-1)
+@_shared_options
+@_stdout_guard
+def reduce(file, op, fields, **options):
+    """Run OP on FIELD [FIELD2] of every structure of FILE.
+
+    \b
+    OP and its fields (per-atom: N rows; per-structure: S rows):
+      sum, mean, rms_norm, max_norm FIELD   per atom (N, *F)   -> per structure
+      dot FIELD FIELD2                      per atom, same shape -> per structure
+      mul FIELD SCALAR                      per atom x per-structure (S,) -> per atom
+      matvec FIELD MATRIX                   per atom (N, 3) x per-structure (S, 3, 3)
+                                            -> per atom (scaled_positions cell = positions)
+      count                                 no field -> atoms per structure
+
+    FILE is a segcli HDF5 file or any file ASE reads. It is read in chunks of whole
+    structures (--chunk-atoms), the next chunk while this one computes, so files larger than
+    memory work. Results go to stdout (csv: `structure` first, `structure,atom` for per-atom
+    results, vector entries as NAME_0, NAME_1, ...), to a new file (-o) or into FILE
+    (--in-place); see `segcli ops`. Fields holding NaN are refused.
+
+    \b
+    Example:
+      segcli reduce sample_data/metals.h5 rms_norm forces | sort -t, -k2 -g | tail -3
+      segcli reduce sample_data/metals.h5 matvec scaled_positions cell -o positions.h5
+      segcli reduce batch.h5 dot forces velocities --in-place --name power
+    """
+    _execute(file, op, fields, **options)
+
+
+@click.command()
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.argument("op", callback=_op)
+@click.argument("fields", nargs=-1)
+@click.option("--weights", metavar="FIELD",
+              help="Per-structure scalar field w_s weighting each structure (default: 1).")
+@click.option("--order", type=click.IntRange(1, 2), default=1, show_default=True,
+              help="1: the gradient; 2: the Hessian-vector product along --direction.")
+@click.option("--direction", metavar="FIELD",
+              help="Per-atom field, the shape of the differentiated fields (--order 2).")
+@_shared_options
+@_stdout_guard
+def grad(file, op, fields, weights, order, direction, **options):
+    """Per-atom derivatives of Σ_s w_s · OP(FIELD [FIELD2])_s over the structures of FILE.
+
+    Writes, for each per-atom input field F, the gradient of the weighted sum (over every
+    entry of each structure's result) with respect to F, as /results/NAME/d_F with -o or
+    --in-place, or as columns d_F_0, d_F_1, ... on stdout (npy: one array, or a structured
+    array with a field per d_F). Per-structure inputs (mul's scalar, matvec's matrix) are
+    held fixed. With --order 2 --direction V, writes instead the Hessian-vector product: the
+    derivative of that gradient as every per-atom input moves along V. OPs and fields are
+    as for `segcli reduce`; count is not differentiable.
+
+    \b
+    Example:
+      segcli grad sample_data/metals.h5 rms_norm forces -o grad.h5
+      segcli grad sample_data/metals.h5 dot forces positions --weights energy
+      segcli grad sample_data/metals.h5 max_norm forces --order 2 --direction momenta
+    """
+    if not op.differentiable:
+        from segcli.engine import OPS
+
+        raise click.BadParameter(
+            f"{op.name} is not differentiable (choose from "
+            f"{', '.join(n for n, s in OPS.items() if s.differentiable)})", param_hint="'OP'")
+    if order == 2 and direction is None:
+        raise click.UsageError("--order 2 needs --direction FIELD")
+    if order == 1 and direction is not None:
+        raise click.UsageError("--direction is for --order 2")
+    _execute(file, op, fields, order=order, weights=weights, direction=direction, **options)
+
+
+@click.command()
+def ops():
+    """List the ops: their inputs (per atom: N rows; per structure: S rows) and output.
+
+    \b
+    Example:
+      segcli ops
+    """
+    from segcli.engine import OPS
+
+    rows = [("op", "inputs", "output", "derivatives", "")] + [
+        (s.name, " ".join(i.describe() for i in s.inputs) or "-", s.output_shape,
+         "yes" if s.differentiable else "no", s.summary) for s in OPS.values()]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    for row in rows:
+        click.echo(("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[4]).rstrip())
+
+
+COMMANDS = [reduce, grad, ops]

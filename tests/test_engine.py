@@ -1,0 +1,200 @@
+"""segcli.engine: planning and checking a job, padding to buckets, prefetching, chunked
+evaluation against an independent NumPy float64 reference."""
+
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+from batch_reference import random_batch, reduce_numpy, write_batch
+
+from segcli import engine
+from segcli.engine import OPS
+from segcli.errors import DataError
+from segcli.io import open_batch
+
+CPU = jax.devices("cpu")[0]
+FIELDS = {"sum": ["t"], "mean": ["x"], "dot": ["x", "y"], "mul": ["x", "s"], "rms_norm": ["x"],
+          "max_norm": ["t"], "matvec": ["x", "m"], "count": []}
+
+
+@pytest.fixture(scope="module")
+def batch_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("engine") / "random.h5"
+    return path, *random_batch(path, seed=11)
+
+
+def run_all(path, job, **kwargs):
+    """Every chunk's outputs of a job over a file, concatenated."""
+    with open_batch(path) as batch:
+        parts = [outputs for _, outputs in engine.run(batch, job, CPU, **kwargs)]
+    return {label: np.concatenate([p[label] for p in parts]) for label in parts[0]}
+
+
+def plan(path, op, names, **kwargs):
+    with open_batch(path) as batch:
+        return engine.plan(str(path), OPS[op], names, batch.fields, **kwargs)
+
+
+def test_bucket_sizes():
+    assert [engine.bucket(n) for n in (0, 1, 1024, 1025, 2048, 3000, 1 << 21)] == \
+        [1024, 1024, 1024, 2048, 2048, 4096, 1 << 21]
+
+
+@pytest.mark.parametrize("precision", ["float64", "float32"])
+@pytest.mark.parametrize("op", list(OPS))
+def test_every_op_matches_numpy_in_chunks_of_any_size(batch_file, op, precision):
+    path, n_atoms, data = batch_file
+    job = plan(path, op, FIELDS[op], precision=precision)
+    expected = reduce_numpy(op, n_atoms, *(data[name] for name in FIELDS[op]))
+    rtol = 1e-12 if precision == "float64" else 2e-6
+    for chunk_atoms in (1, 23, engine.DEFAULT_CHUNK_ATOMS):
+        got = run_all(path, job, chunk_atoms=chunk_atoms)[""]
+        assert got.dtype == (np.int32 if op == "count" else np.dtype(precision))
+        np.testing.assert_allclose(got, expected, rtol=rtol, atol=rtol * np.abs(expected).max())
+
+
+def test_selected_structures_and_a_float32_field(batch_file):
+    path, n_atoms, data = batch_file
+    job = plan(path, "sum", ["x32"])
+    got = run_all(path, job, chunk_atoms=17, structures=slice(5, 31))[""]
+    first = n_atoms[:5].sum()
+    expected = reduce_numpy("sum", n_atoms[5:31], data["x32"][first:first + n_atoms[5:31].sum()])
+    np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_integer_fields_are_reduced_as_floats(batch_file):
+    path, n_atoms, data = batch_file
+    got = run_all(path, plan(path, "sum", ["z"]))[""]
+    np.testing.assert_array_equal(got, reduce_numpy("sum", n_atoms, data["z"]))
+
+
+def test_one_compilation_per_bucket(tmp_path):
+    rng = np.random.default_rng(3)
+    n_atoms = rng.integers(1, 40, 600)
+    x = rng.normal(size=(n_atoms.sum(), 3))
+    path = write_batch(tmp_path / "b.h5", n_atoms, {"x": x})
+    job = plan(path, "rms_norm", ["x"])
+    engine._compiled.cache_clear()
+    chunk_atoms = 1500
+    got = run_all(path, job, chunk_atoms=chunk_atoms)[""]
+    np.testing.assert_allclose(got, reduce_numpy("rms_norm", n_atoms, x), rtol=1e-12)
+    with open_batch(path) as batch:
+        chunks = list(batch.iter_chunks(["x"], chunk_atoms=chunk_atoms))
+    shapes = {(engine.bucket(int(c.n_atoms.sum())), engine.bucket(len(c.n_atoms))) for c in chunks}
+    sizes = {int(c.n_atoms.sum()) for c in chunks}
+    assert len(chunks) > 4 and len(sizes) > len(shapes)
+    function = engine._compiled(job.spec, (0,), 0, 1)
+    assert function._cache_size() == len(shapes)
+
+
+def test_prefetch_runs_exactly_one_item_ahead():
+    produced = []
+
+    def items():
+        for i in range(5):
+            produced.append(i)
+            yield i
+
+    seen = []
+    for item in engine.prefetch(items()):
+        ahead = min(item + 2, 5)
+        deadline = time.monotonic() + 10
+        while len(produced) < ahead and time.monotonic() < deadline:
+            time.sleep(0.001)
+        time.sleep(0.02)
+        seen.append((item, list(produced)))
+    assert seen == [(k, list(range(min(k + 2, 5)))) for k in range(5)]
+
+
+def test_prefetch_raises_the_producers_error_and_stops_when_the_caller_does():
+    def failing():
+        yield 1
+        raise DataError("bad chunk")
+
+    got = []
+    with pytest.raises(DataError, match="bad chunk"):
+        for item in engine.prefetch(failing()):
+            got.append(item)
+    assert got == [1]
+    produced = []
+
+    def endless():
+        while True:
+            produced.append(len(produced))
+            yield produced[-1]
+
+    items = engine.prefetch(endless())
+    assert next(items) == 0
+    items.close()
+    assert not any(t.name == "segcli-prefetch" for t in threading.enumerate())
+    assert len(produced) <= 2
+
+
+def test_nan_is_counted_over_every_chunk_and_the_first_structure_named(tmp_path):
+    n_atoms = np.full(40, 5)
+    x = np.ones((200, 3))
+    x[[26, 27], 1] = np.nan  # structure 5
+    x[151, :] = np.nan  # structure 30
+    s = np.ones(40)
+    s[33] = np.nan
+    path = write_batch(tmp_path / "nan.h5", n_atoms, {"x": x}, {"s": s})
+    for chunk_atoms in (10, 1000):
+        with pytest.raises(DataError, match=r"nan.h5: field 'x' holds 5 NaN value\(s\), the "
+                                            r"first in structure 5$"):
+            run_all(path, plan(path, "rms_norm", ["x"]), chunk_atoms=chunk_atoms)
+    with pytest.raises(DataError, match=r"field 's' holds 1 NaN value\(s\), the first in "
+                                        r"structure 33$"):
+        run_all(path, plan(path, "mul", ["x", "s"]), structures=slice(31, 40))
+    got = run_all(path, plan(path, "sum", ["x"]), structures=slice(6, 30))[""]
+    np.testing.assert_array_equal(got, np.full((24, 3), 5.0))
+
+
+@pytest.mark.parametrize("op, names, kwargs, message", [
+    ("sum", ["nope"], {}, "no field 'nope'; its fields are: c, e, m, s, t, x, y, z"),
+    ("sum", ["e"], {}, "field 'e' is per structure (S), but sum must be per atom (N, *F)"),
+    ("mul", ["x", "y"], {}, "field 'y' is per atom (N, 3), but mul's second field must be "
+                            "per structure (S)"),
+    ("matvec", ["t", "m"], {}, "field 't' has shape (N, 2, 2), but matvec's first field must "
+                               "be (N, 3)"),
+    ("matvec", ["x", "s"], {}, "field 's' has shape (S, 3), but matvec's second field must "
+                               "be (S, 3, 3)"),
+    ("dot", ["x", "t"], {}, "dot needs two fields of the same shape, but 'x' is (N, 3) and "
+                            "'t' is (N, 2, 2)"),
+    ("sum", ["c"], {}, "field 'c' holds complex128 values, but sum must be real numbers"),
+    ("sum", ["z"], {"order": 1}, "field 'z' holds int64 values, but sum must be "
+                                 "floating-point to be differentiated"),
+    ("sum", ["x"], {"order": 1, "weights": "x"}, "field 'x' is per atom (N, 3), but --weights "
+                                                 "must be per structure (S)"),
+    ("sum", ["x"], {"order": 2, "direction": "t"}, "field 't' has shape (N, 2, 2), but "
+                                                   "--direction (the shape of 'x') must be (N, 3)"),
+])
+def test_plan_refuses_fields_that_do_not_fit(tmp_path, op, names, kwargs, message):
+    rng = np.random.default_rng(0)
+    path = write_batch(tmp_path / "b.h5", [2, 1],
+                       {"x": rng.normal(size=(3, 3)), "y": rng.normal(size=(3, 3)),
+                        "t": np.zeros((3, 2, 2)), "z": np.arange(3), "c": np.zeros(3, complex)},
+                       {"e": np.zeros(2), "s": np.zeros((2, 3)), "m": np.zeros((2, 3, 3))})
+    with pytest.raises(DataError) as error:
+        plan(path, op, names, **kwargs)
+    assert str(error.value) == f"{path}: {message}"
+
+
+def test_outputs_of_each_op_and_order(batch_file):
+    path = batch_file[0]
+    outputs = {op: plan(path, op, names).outputs for op, names in FIELDS.items()}
+    assert outputs == {
+        "sum": {"": ("structure", (2, 2), np.float64)},
+        "mean": {"": ("structure", (3,), np.float64)},
+        "dot": {"": ("structure", (), np.float64)},
+        "mul": {"": ("atom", (3,), np.float64)},
+        "rms_norm": {"": ("structure", (), np.float64)},
+        "max_norm": {"": ("structure", (), np.float64)},
+        "matvec": {"": ("atom", (3,), np.float64)},
+        "count": {"": ("structure", (), np.int32)},
+    }
+    job = plan(path, "dot", ["x", "x"], order=1, precision="float32")
+    assert job.wrt == ("x",) and job.outputs == {"d_x": ("atom", (3,), np.float32)}
+    job = plan(path, "dot", ["x", "y"], order=2, weights="w", direction="x")
+    assert job.read == ("x", "y", "w") and list(job.outputs) == ["d_x", "d_y"]
