@@ -97,3 +97,13 @@ def objective_jax(op, n_atoms, weights, *arrays):
     out = reduce_jax(op, n_atoms, *arrays)
     w = np.repeat(weights, n_atoms) if op in PER_ATOM_OUTPUT else weights
     return jnp.sum(out * jnp.asarray(w).reshape(-1, *(1,) * (out.ndim - 1)))
+
+
+def assert_reduced(got, op, n_atoms, arrays, precision):
+    """got == OP(arrays) within rounding: |error| <= rtol · OP(|arrays|) entry by entry (the
+    size of the terms summed, so cancelling sums are judged fairly), rtol for the precision."""
+    rtol = {"float64": 1e-12, "float32": 2e-6}[precision]
+    expected = reduce_numpy(op, n_atoms, *arrays)
+    bound = reduce_numpy(op, n_atoms, *(np.abs(a) for a in arrays))
+    np.testing.assert_array_less(np.abs(np.asarray(got, np.float64) - expected),
+                                 rtol * bound + 1e-300)

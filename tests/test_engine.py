@@ -7,7 +7,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from batch_reference import random_batch, reduce_numpy, write_batch
+from batch_reference import assert_reduced, random_batch, reduce_numpy, write_batch
 
 from segcli import engine
 from segcli.engine import OPS
@@ -47,12 +47,10 @@ def test_bucket_sizes():
 def test_every_op_matches_numpy_in_chunks_of_any_size(batch_file, op, precision):
     path, n_atoms, data = batch_file
     job = plan(path, op, FIELDS[op], precision=precision)
-    expected = reduce_numpy(op, n_atoms, *(data[name] for name in FIELDS[op]))
-    rtol = 1e-12 if precision == "float64" else 2e-6
     for chunk_atoms in (1, 23, engine.DEFAULT_CHUNK_ATOMS):
         got = run_all(path, job, chunk_atoms=chunk_atoms)[""]
         assert got.dtype == (np.int32 if op == "count" else np.dtype(precision))
-        np.testing.assert_allclose(got, expected, rtol=rtol, atol=rtol * np.abs(expected).max())
+        assert_reduced(got, op, n_atoms, [data[name] for name in FIELDS[op]], precision)
 
 
 def test_selected_structures_and_a_float32_field(batch_file):
@@ -60,8 +58,8 @@ def test_selected_structures_and_a_float32_field(batch_file):
     job = plan(path, "sum", ["x32"])
     got = run_all(path, job, chunk_atoms=17, structures=slice(5, 31))[""]
     first = n_atoms[:5].sum()
-    expected = reduce_numpy("sum", n_atoms[5:31], data["x32"][first:first + n_atoms[5:31].sum()])
-    np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
+    assert_reduced(got, "sum", n_atoms[5:31], [data["x32"][first:first + n_atoms[5:31].sum()]],
+                   "float64")
 
 
 def test_integer_fields_are_reduced_as_floats(batch_file):
@@ -79,7 +77,7 @@ def test_one_compilation_per_bucket(tmp_path):
     engine._compiled.cache_clear()
     chunk_atoms = 1500
     got = run_all(path, job, chunk_atoms=chunk_atoms)[""]
-    np.testing.assert_allclose(got, reduce_numpy("rms_norm", n_atoms, x), rtol=1e-12)
+    assert_reduced(got, "rms_norm", n_atoms, [x], "float64")
     with open_batch(path) as batch:
         chunks = list(batch.iter_chunks(["x"], chunk_atoms=chunk_atoms))
     shapes = {(engine.bucket(int(c.n_atoms.sum())), engine.bucket(len(c.n_atoms))) for c in chunks}

@@ -126,7 +126,7 @@ class _TextSink:
         self._fmt, self._outputs, self._columns = fmt, outputs, columns
         self._per = next(iter(outputs.values()))[0]
         self._keys = ["structure"] + (["atom"] if self._per == "atom" else [])
-        self._out = click.get_text_stream("stdout")
+        self._out = sys.stdout
 
     def __enter__(self):
         import numpy as np
@@ -184,7 +184,7 @@ class _NpySink:
                                     for label, (_, shape, dtype) in outputs.items()])
             self._shape = (rows,)
         self._columns = columns
-        self._out = click.get_binary_stream("stdout")
+        self._out = sys.stdout.buffer
 
     def __enter__(self):
         import numpy as np

@@ -1,0 +1,342 @@
+"""`segcli reduce` and `segcli ops` through click's CliRunner and as real processes, against an
+independent NumPy float64 reference (batch_reference) and ASE."""
+
+import hashlib
+import io
+import json
+import os
+import pty
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import ase.io
+import h5py
+import numpy as np
+import pytest
+from batch_reference import assert_reduced, random_batch, reduce_numpy, write_batch
+from click.testing import CliRunner
+
+from segcli import __version__
+from segcli.cli import main
+
+SAMPLES = Path(__file__).resolve().parent.parent / "sample_data"
+METALS = SAMPLES / "metals.h5"
+METAL_FIELDS = {"sum": ["forces"], "mean": ["momenta"], "dot": ["forces", "velocities"],
+                "mul": ["forces", "energy"], "rms_norm": ["forces"], "max_norm": ["forces"],
+                "matvec": ["scaled_positions", "cell"], "count": []}
+RANDOM_FIELDS = {"sum": ["t"], "mean": ["x32"], "dot": ["x", "y"], "mul": ["v", "s"],
+                 "rms_norm": ["x"], "max_norm": ["t"], "matvec": ["x", "m"], "count": []}
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def table(text):
+    """(header, rows as float64) of CSV text."""
+    lines = text.splitlines()
+    rows = np.array([[float(v) for v in line.split(",")] for line in lines[1:]])
+    return lines[0].split(","), rows.reshape(len(lines) - 1, -1)
+
+
+def assert_data_error(result, *needles):
+    """Exit 1, one or two lines on stderr naming the problem, no traceback, no stdout."""
+    assert result.exit_code == 1, (result.output, result.exception)
+    assert isinstance(result.exception, SystemExit)
+    lines = result.stderr.strip().splitlines()
+    assert 1 <= len(lines) <= 2 and lines[0].startswith("Error: "), result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    for needle in needles:
+        assert needle in result.stderr, (needle, result.stderr)
+
+
+def dataset_digests(path):
+    """sha256 of the bytes and the attributes of every dataset in an HDF5 file."""
+    out = {}
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda name, obj: out.__setitem__(
+            name, (hashlib.sha256(obj[()].tobytes()).hexdigest(), obj.dtype.str, obj.shape,
+                   sorted((k, str(v)) for k, v in obj.attrs.items())))
+            if isinstance(obj, h5py.Dataset) else None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def metals():
+    """n_atoms and fields of the sample structures, from ASE's own accessors."""
+    images = ase.io.read(SAMPLES / "metals.extxyz", ":")
+    per_atom = {"forces": lambda a: a.get_forces(), "momenta": lambda a: a.get_momenta(),
+                "velocities": lambda a: a.get_velocities(), "positions": lambda a: a.positions,
+                "scaled_positions": lambda a: a.get_scaled_positions(wrap=False)}
+    data = {name: np.concatenate([get(a) for a in images]) for name, get in per_atom.items()}
+    data["energy"] = np.array([a.get_potential_energy() for a in images])
+    data["cell"] = np.stack([a.cell.array for a in images])
+    return np.array([len(a) for a in images]), data
+
+
+@pytest.fixture(scope="module")
+def random_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("reduce") / "random.h5"
+    return path, *random_batch(path, seed=5, n_structures=60)
+
+
+@pytest.mark.parametrize("precision", ["float64", "float32"])
+@pytest.mark.parametrize("op", list(METAL_FIELDS))
+def test_every_op_on_the_sample_data_matches_numpy(metals, op, precision):
+    n_atoms, data = metals
+    fields = METAL_FIELDS[op]
+    result = run("reduce", METALS, op, *fields, "--precision", precision, "--chunk-atoms", 300)
+    assert result.exit_code == 0, result.output
+    header, rows = table(result.stdout)
+    expected = reduce_numpy(op, n_atoms, *(data[f] for f in fields))
+    name = "_".join([op, *fields])
+    if op in ("mul", "matvec"):
+        assert header == ["structure", "atom", f"{name}_0", f"{name}_1", f"{name}_2"]
+        np.testing.assert_array_equal(rows[:, 0], np.repeat(np.arange(len(n_atoms)), n_atoms))
+        np.testing.assert_array_equal(rows[:, 1], np.concatenate([np.arange(n) for n in n_atoms]))
+    else:
+        assert header == ["structure"] + ([f"{name}_{i}" for i in range(3)]
+                                          if op in ("sum", "mean") else [name])
+        np.testing.assert_array_equal(rows[:, 0], np.arange(len(n_atoms)))
+    keys = 2 if op in ("mul", "matvec") else 1
+    got = rows[:, keys:].reshape(expected.shape)
+    assert_reduced(got, op, n_atoms, [data[f] for f in fields], precision)
+
+
+@pytest.mark.parametrize("source", ["metals.h5", "metals.extxyz"])
+def test_matvec_of_scaled_positions_and_cell_gives_ases_positions(metals, source):
+    result = run("reduce", SAMPLES / source, "matvec", "scaled_positions", "cell", "--format", "npy")
+    assert result.exit_code == 0, result.stderr
+    positions = np.load(io.BytesIO(result.stdout_bytes))
+    np.testing.assert_allclose(positions, metals[1]["positions"], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("precision", ["float64", "float32"])
+def test_every_op_on_random_data_in_small_chunks_to_a_file(tmp_path, random_file, precision):
+    path, n_atoms, data = random_file
+    for op, fields in RANDOM_FIELDS.items():
+        out = tmp_path / f"{op}.h5"
+        result = run("reduce", path, op, *fields, "-o", out, "--chunk-atoms", 7,
+                     "--precision", precision, "--quiet")
+        assert result.exit_code == 0 and result.output == "", result.output
+        name = "_".join([op, *fields])
+        with h5py.File(out, "r") as f:
+            got = f[f"results/{name}"][()]
+            np.testing.assert_array_equal(f["structures/n_atoms"][()], n_atoms)
+        assert got.dtype == (np.int32 if op == "count" else np.dtype(precision))
+        assert_reduced(got, op, n_atoms, [data[f] for f in fields], precision)
+
+
+def test_selected_structures_name_json_and_npy(random_file):
+    path, n_atoms, data = random_file
+    first = n_atoms[:10].sum()
+    rows = slice(first, first + n_atoms[10:25].sum())
+    expected = reduce_numpy("sum", n_atoms[10:25], data["x"][rows])
+    result = run("reduce", path, "sum", "x", "--structures", "10:25", "--format", "json",
+                 "--name", "total")
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [line["structure"] for line in lines] == list(range(10, 25))
+    assert all(list(line) == ["structure", "total"] for line in lines)
+    np.testing.assert_allclose([line["total"] for line in lines], expected, rtol=1e-12)
+
+    result = run("reduce", path, "mul", "x", "s", "--structures", "10:25", "--format", "json")
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [(line["structure"], line["atom"]) for line in lines] == [
+        (s, a) for s in range(10, 25) for a in range(n_atoms[s])]
+    np.testing.assert_allclose([line["mul_x_s"] for line in lines],
+                               reduce_numpy("mul", n_atoms[10:25], data["x"][rows],
+                                            data["s"][10:25]), rtol=1e-12)
+
+    result = run("reduce", path, "rms_norm", "x", "--structures", "10:", "--format", "npy",
+                 "--precision", "float32")
+    got = np.load(io.BytesIO(result.stdout_bytes))
+    assert got.dtype == np.float32 and got.shape == (50,)
+    assert_reduced(got, "rms_norm", n_atoms[10:], [data["x"][first:]], "float32")
+
+
+def test_float32_csv_prints_the_shortest_float32_text(tmp_path):
+    x = np.array([[0.1], [0.2], [1e-8]])
+    path = write_batch(tmp_path / "b.h5", [1, 1, 1], {"x": x})
+    result = run("reduce", path, "sum", "x", "--precision", "float32")
+    assert result.stdout == "structure,sum_x_0\n0,0.1\n1,0.2\n2,1e-08\n"
+    result = run("reduce", path, "sum", "x")
+    assert result.stdout == "structure,sum_x_0\n0,0.1\n1,0.2\n2,1e-08\n"
+    result = run("reduce", path, "count", "--format", "json")
+    assert result.stdout == "".join(f'{{"structure": {s}, "count": 1}}\n' for s in range(3))
+
+
+def test_output_file_attributes_force_and_in_place(tmp_path, random_file):
+    path, n_atoms, data = random_file
+    out = tmp_path / "out.h5"
+    result = run("reduce", path, "dot", "x", "y", "-o", out, "--structures", "3:9")
+    assert result.exit_code == 0, result.output
+    assert result.stderr == f"{out}: /results/dot_x_y (6 structures, {n_atoms[3:9].sum()} atoms)\n"
+    with h5py.File(out, "r") as f:
+        assert dict(f.attrs) == {"format": "segcli-batch", "version": 1}
+        np.testing.assert_array_equal(f["structures/n_atoms"][()], n_atoms[3:9])
+        attrs = {k: v.tolist() if isinstance(v, np.ndarray) else v
+                 for k, v in f["results/dot_x_y"].attrs.items()}
+    created = attrs.pop("created")
+    assert attrs == {"op": "dot", "fields": ["x", "y"], "per": "structure", "precision": "float64",
+                     "device": "cpu", "segcli_version": __version__}
+    assert abs(datetime.now(timezone.utc) - datetime.fromisoformat(created)) < timedelta(hours=1)
+    before = out.read_bytes()
+    assert_data_error(run("reduce", path, "dot", "x", "y", "-o", out), "already exists",
+                      "--force")
+    assert out.read_bytes() == before
+    assert run("reduce", path, "count", "-o", out, "--force").exit_code == 0
+    with h5py.File(out, "r") as f:
+        assert list(f["results"]) == ["count"]
+
+    copy = tmp_path / "copy.h5"
+    copy.write_bytes(Path(path).read_bytes())
+    digests = dataset_digests(copy)
+    assert run("reduce", copy, "rms_norm", "x", "--in-place", "-q").exit_code == 0
+    after = dataset_digests(copy)
+    assert {k: v for k, v in after.items() if not k.startswith("results/")} == digests
+    with h5py.File(copy, "r") as f:
+        np.testing.assert_allclose(f["results/rms_norm_x"][()],
+                                   reduce_numpy("rms_norm", n_atoms, data["x"]), rtol=1e-12)
+        assert f["results/rms_norm_x"].attrs["per"] == "structure"
+    assert_data_error(run("reduce", copy, "rms_norm", "x", "--in-place"),
+                      "result 'rms_norm_x' already exists")
+    assert run("reduce", copy, "rms_norm", "y", "--in-place", "--name", "rms_norm_x",
+               "--force").exit_code == 0
+    with h5py.File(copy, "r") as f:
+        np.testing.assert_allclose(f["results/rms_norm_x"][()],
+                                   reduce_numpy("rms_norm", n_atoms, data["y"]), rtol=1e-12)
+    assert sorted(os.listdir(tmp_path)) == ["copy.h5", "out.h5"]
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["sum", "forcez"], ["metals.h5: no field 'forcez'; its fields are: cell, energies, energy,"]),
+    (["sum", "energy"], ["field 'energy' is per structure (S), but sum must be per atom"]),
+    (["mul", "forces", "positions"], ["field 'positions' is per atom (N, 3), but mul's second"]),
+    (["matvec", "forces", "stress"], ["field 'stress' has shape (S, 6), but matvec's second "
+                                      "field must be (S, 3, 3)"]),
+    (["dot", "forces", "energies"], ["dot needs two fields of the same shape"]),
+    (["sum", "forces", "--structures", "500:600"], ["selects no structure (the file has 199)"]),
+])
+def test_data_errors_exit_1_and_write_nothing(tmp_path, args, needles):
+    out = tmp_path / "out.h5"
+    assert_data_error(run("reduce", METALS, *args, "-o", out), *needles)
+    assert os.listdir(tmp_path) == []
+    assert_data_error(run("reduce", METALS, *args), *needles)
+
+
+def test_nan_and_bad_files_exit_1(tmp_path):
+    x = np.ones((30, 3))
+    x[[7, 8, 20]] = np.nan
+    path = write_batch(tmp_path / "nan.h5", [5] * 6, {"x": x})
+    out = tmp_path / "out.h5"
+    assert_data_error(run("reduce", path, "rms_norm", "x", "-o", out, "--chunk-atoms", 5),
+                      "nan.h5: field 'x' holds 9 NaN value(s), the first in structure 1")
+    copy = tmp_path / "copy.h5"
+    copy.write_bytes(path.read_bytes())
+    assert_data_error(run("reduce", copy, "rms_norm", "x", "--in-place"), "holds 9 NaN")
+    assert copy.read_bytes() == path.read_bytes()
+    assert sorted(os.listdir(tmp_path)) == ["copy.h5", "nan.h5"]
+    assert_data_error(run("reduce", SAMPLES / "metals.extxyz", "count", "--in-place"),
+                      "results can only be stored in a segcli HDF5 file")
+    assert_data_error(run("reduce", tmp_path / "missing.h5", "count"), "missing.h5: no such file")
+    result = run("--debug", "reduce", path, "sum", "x")
+    assert result.exit_code == 1 and "NaN" in str(result.exception)
+    assert type(result.exception).__name__ == "DataError"
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["frobnicate", "forces"], "unknown op 'frobnicate' (choose from sum, mean, dot,"),
+    (["sum"], "sum takes 1 field(s): a per-atom (N, *F); got 0"),
+    (["dot", "forces"], "dot takes 2 field(s)"),
+    (["count", "forces"], "count takes no field(s); got 1"),
+    (["sum", "forces", "-o", "a.h5", "--in-place"], "not both"),
+    (["sum", "forces", "-o", "a.h5", "--format", "json"], "--format is for stdout"),
+    (["sum", "forces", "--in-place", "--structures", "0:5"], "--structures cannot be used"),
+    (["sum", "forces", "--structures", "5:2"], "STOP must be greater than START"),
+    (["sum", "forces", "--format", "xml"], "'xml' is not one of"),
+    (["sum", "forces", "--chunk-atoms", "0"], "0 is not in the range x>=1"),
+    (["sum", "forces", "--name", "a//b"], "is not a result name"),
+])
+def test_usage_errors_exit_2(args, needle):
+    result = run("reduce", METALS, *args)
+    assert result.exit_code == 2, result.output
+    assert needle in result.stderr and "Traceback" not in result.stderr
+
+
+def test_ops_lists_every_op():
+    result = run("ops")
+    assert result.exit_code == 0
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["op", "inputs", "output", "derivatives"]
+    assert [line.split()[0] for line in lines[1:]] == list(METAL_FIELDS)
+    assert lines[7].split()[1:5] == ["(N,", "3)", "(S,", "3,"]
+    assert lines[8].split()[1:4] == ["-", "(S,)", "no"]
+
+
+def segcli_process(*args, **kwargs):
+    return subprocess.Popen([sys.executable, "-m", "segcli", *map(str, args)], **kwargs)
+
+
+def test_subprocess_pipeline_to_sort_and_progress_on_a_terminal(metals, tmp_path):
+    command = f"{sys.executable} -m segcli reduce {METALS} rms_norm forces | sort -t, -k2 -g | tail -3"
+    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    expected = reduce_numpy("rms_norm", metals[0], metals[1]["forces"])
+    top = np.argsort(expected)[-3:]
+    lines = result.stdout.splitlines()
+    assert [int(line.split(",")[0]) for line in lines] == list(top)
+    np.testing.assert_allclose([float(line.split(",")[1]) for line in lines], expected[top],
+                               rtol=1e-12)
+    leader, follower = pty.openpty()
+    process = segcli_process("reduce", METALS, "sum", "forces", "-o", tmp_path / "o.h5",
+                             stderr=follower, stdout=subprocess.PIPE)
+    assert process.wait() == 0
+    os.close(follower)
+    shown = os.read(leader, 100_000).decode()
+    os.close(leader)
+    assert "reducing" in shown and "199" in shown and process.stdout.read() == b""
+
+
+def test_in_place_survives_sigkill_at_any_moment(tmp_path):
+    """SIGKILL at several moments of an in-place run (start-up, copy, compute, write) never
+    damages the input; a later run succeeds."""
+    rng = np.random.default_rng(1)
+    n_atoms = rng.integers(1, 16, 150_000)
+    path = write_batch(tmp_path / "big.h5", n_atoms,
+                       {"forces": rng.normal(size=(n_atoms.sum(), 3))}, {"energy": np.zeros(150_000)})
+    digests = dataset_digests(path)
+    command = ["reduce", path, "rms_norm", "forces", "--in-place", "--force", "--chunk-atoms", 4096]
+
+    def temporary():
+        return [name for name in os.listdir(tmp_path) if name.endswith(".tmp")]
+
+    outcomes = []
+    for moment in (0.2, 0.5, 1.0, 2.0, "copy", "write"):
+        process = segcli_process(*command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        started, seen = time.monotonic(), len(temporary())
+        if isinstance(moment, float):
+            time.sleep(moment)
+        else:
+            while len(temporary()) == seen and process.poll() is None:
+                time.sleep(0.002)
+            time.sleep(0 if moment == "copy" else 0.3)
+        during = len(temporary()) > seen
+        process.send_signal(signal.SIGKILL)
+        outcomes.append((moment, process.wait(), during, round(time.monotonic() - started, 2)))
+        current = dataset_digests(path)
+        assert {k: v for k, v in current.items() if not k.startswith("results/")} == digests, \
+            outcomes
+    assert any(code == -signal.SIGKILL and during for _, code, during, _ in outcomes), outcomes
+    process = segcli_process(*command, stderr=subprocess.PIPE)
+    assert process.wait() == 0, process.stderr.read()
+    with h5py.File(path, "r") as f:
+        np.testing.assert_allclose(f["results/rms_norm_forces"][()],
+                                   reduce_numpy("rms_norm", n_atoms, f["atoms/forces"][()]),
+                                   rtol=1e-12)
+    assert {k: v for k, v in dataset_digests(path).items() if not k.startswith("results")} == \
+        digests
