@@ -66,6 +66,9 @@ def reduce_jax(op, n_atoms, *arrays):
     import jax
     import jax.numpy as jnp
 
+    def sqrt(a):  # SPEC §1: derivatives 0 (not NaN) where the norm is 0
+        return jnp.where(a > 0, jnp.sqrt(jnp.where(a > 0, a, 1)), 0)
+
     s = len(n_atoms)
     idx = np.repeat(np.arange(s), n_atoms)
     x = arrays[0]
@@ -81,9 +84,9 @@ def reduce_jax(op, n_atoms, *arrays):
     if op == "mul":
         return x * arrays[1][idx].reshape(-1, *trailing)
     if op == "rms_norm":
-        return jnp.sqrt(jax.ops.segment_sum(jnp.sum(flat * flat, axis=1), idx, s) / count)
+        return sqrt(jax.ops.segment_sum(jnp.sum(flat * flat, axis=1), idx, s) / count)
     if op == "max_norm":
-        best = jax.ops.segment_max(jnp.sqrt(jnp.sum(flat * flat, axis=1)), idx, s)
+        best = jax.ops.segment_max(sqrt(jnp.sum(flat * flat, axis=1)), idx, s)
         return jnp.where(np.asarray(n_atoms) > 0, best, 0.0)
     if op == "matvec":
         return jnp.einsum("ni,nij->nj", x, arrays[1][idx])
