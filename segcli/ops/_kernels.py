@@ -3,15 +3,17 @@
 Shapes (rows first, then a group axis G that vmap folds into, then features):
 
     layout   idx (N,)                          -> offsets (M+1,)   offsets[s] = first i with idx[i] >= s
+                                                  (a search per segment on CPUs, a scan of the ids on GPUs)
     sum      x (N, K)                          -> (M, K)           out[s] = Σ_{idx[i]=s} x[i]
     count    idx (N,)                          -> (M,)             out[s] = #{i : idx[i]=s}
-    dot      x, y (N, G, K)                    -> (M, G)           out[s,g] = Σ_{idx[i]=s} Σ_k x[i,g,k] y[i,g,k]
+    dot      x, y (N, G, K)                    -> (M, G, K)        out[s,g,k] = Σ_{idx[i]=s} x[i,g,k] y[i,g,k]
     outer    a (N, G, K), b (N, G, L)          -> (M, G, K, L)     out[s,g] = Σ_{idx[i]=s} a[i,g] ⊗ b[i,g]
     max_norm x (N, G, K)                       -> best (M, G), mask (N, G)
                                                   best[s,g] = max_{idx[i]=s} |x[i,g]|², mask 1 at the first i attaining it
     gather   y (R, K), idx (L,)                -> (L, K)           out[i] = y[idx[i]]
     scale    x (N, G, K), y (M, G)             -> (N, G, K)        out[i,g] = x[i,g] * y[idx[i],g]
     matvec   v (N, G, K), m (M, G, K, J)       -> (N, G, J)        out[i,g] = m[idx[i],g]ᵀ v[i,g]
+    gather3, scale3, matvec3                                      the same for G = 1, K = J = 3
 
 Ids outside [0, M) are skipped by reductions and give 0 in gathers; no id reads or writes
 outside an array. Reductions take `ordered`, a one-element flag computed from the ids: when it
@@ -42,9 +44,8 @@ def _segment_range(offsets: wp.array(dtype=wp.int32), s: int, n: int):
 
 
 @wp.kernel
-def _layout_kernel(idx: wp.array(dtype=wp.int32), out: wp.array(dtype=wp.int32)):
-    # Binary search for the first id >= s; meaningful only for non-decreasing ids, but always
-    # within bounds, so unordered ids (whose offsets are never used) are harmless.
+def _layout_search_kernel(idx: wp.array(dtype=wp.int32), out: wp.array(dtype=wp.int32)):
+    # One thread per segment: binary search for the first id >= s (few threads: for CPUs).
     s = wp.tid()
     lo = int(0)
     hi = idx.shape[0]
@@ -55,6 +56,23 @@ def _layout_kernel(idx: wp.array(dtype=wp.int32), out: wp.array(dtype=wp.int32))
         else:
             hi = mid
     out[s] = lo
+
+
+@wp.kernel
+def _layout_scan_kernel(idx: wp.array(dtype=wp.int32), out: wp.array(dtype=wp.int32)):
+    # One thread per boundary between rows i-1 and i: it writes the offsets of the segments
+    # starting there (coalesced reads: for GPUs). Each offset is written exactly once when the
+    # ids are non-decreasing; otherwise some stay unwritten, but they are then never used.
+    i = wp.tid()
+    m = out.shape[0] - 1
+    prev = int(-1)
+    if i > 0:
+        prev = wp.clamp(idx[i - 1], -1, m)
+    cur = m
+    if i < idx.shape[0]:
+        cur = wp.clamp(idx[i], -1, m)
+    for s in range(prev + 1, cur + 1):
+        out[s] = i
 
 
 @wp.kernel
@@ -113,28 +131,25 @@ def _dot_kernel(
     offsets: wp.array(dtype=wp.int32),
     ordered: wp.array(dtype=wp.int32),
     stride: int,
-    out: wp.array2d(dtype=Any),
+    out: wp.array3d(dtype=Any),
 ):
-    t, g = wp.tid()
+    # Partial dot products per feature k (summed over k by the caller): a thread per
+    # (segment, group, feature) keeps as many rows in flight as the sum kernel does.
+    t, g, k = wp.tid()
     n = x.shape[0]
     m = out.shape[0]
-    nk = x.shape[2]
     if ordered[0] != 0:
         if t < m:
             lo, hi = _segment_range(offsets, t, n)
             acc = out.dtype(0.0)
             for i in range(lo, hi):
-                for k in range(nk):
-                    acc += x[i, g, k] * y[i, g, k]
-            out[t, g] = acc
+                acc += x[i, g, k] * y[i, g, k]
+            out[t, g, k] = acc
     elif t < stride:
         for i in range(t, n, stride):
             s = idx[i]
             if s >= 0 and s < m:
-                acc = out.dtype(0.0)
-                for k in range(nk):
-                    acc += x[i, g, k] * y[i, g, k]
-                wp.atomic_add(out, s, g, acc)
+                wp.atomic_add(out, s, g, k, x[i, g, k] * y[i, g, k])
 
 
 @wp.kernel
@@ -310,9 +325,53 @@ def _matvec_kernel(
             out[i, g, j] = acc
 
 
+# The common case of one group of 3 features, with whole vectors and matrices per thread.
+
+
+@wp.kernel
+def _gather3_kernel(y: wp.array(dtype=Any), idx: wp.array(dtype=wp.int32), out: wp.array(dtype=Any)):
+    i = wp.tid()
+    s = idx[i]
+    if s >= 0 and s < y.shape[0]:
+        out[i] = y[s]
+    else:
+        out[i] = type(out[i])()
+
+
+@wp.kernel
+def _scale3_kernel(
+    x: wp.array(dtype=Any),
+    y: wp.array(dtype=Any),
+    idx: wp.array(dtype=wp.int32),
+    out: wp.array(dtype=Any),
+):
+    i = wp.tid()
+    s = idx[i]
+    factor = y.dtype(0.0)
+    if s >= 0 and s < y.shape[0]:
+        factor = y[s]
+    out[i] = x[i] * factor
+
+
+@wp.kernel
+def _matvec3_kernel(
+    v: wp.array(dtype=Any),
+    m: wp.array(dtype=Any),
+    idx: wp.array(dtype=wp.int32),
+    out: wp.array(dtype=Any),
+):
+    i = wp.tid()
+    s = idx[i]
+    if s >= 0 and s < m.shape[0]:
+        out[i] = wp.transpose(m[s]) @ v[i]
+    else:
+        out[i] = type(out[i])()
+
+
 # Kernels by name; the generic ones (dtype Any) are instantiated for float32 and float64.
 _KERNELS = {
-    "layout": _layout_kernel,
+    "layout_search": _layout_search_kernel,
+    "layout_scan": _layout_scan_kernel,
     "count": _count_kernel,
     "sum": _sum_kernel,
     "dot": _dot_kernel,
@@ -324,12 +383,24 @@ _KERNELS = {
     "gather": _gather_kernel,
     "scale": _scale_kernel,
     "matvec": _matvec_kernel,
+    "gather3": _gather3_kernel,
+    "scale3": _scale3_kernel,
+    "matvec3": _matvec3_kernel,
+}
+
+# Element types of the vec3 kernels' arguments (the others are plain float arrays).
+_VEC3_TYPES = {
+    "gather3": {"y": "vec3", "out": "vec3"},
+    "scale3": {"x": "vec3", "y": "scalar", "out": "vec3"},
+    "matvec3": {"v": "vec3", "m": "mat33", "out": "vec3"},
 }
 
 
-def _overload(kernel, dtype):
+def _overload(name, kernel, dtype):
+    element = {"scalar": dtype, "vec3": wp.types.vector(3, dtype), "mat33": wp.types.matrix((3, 3), dtype)}
+    kinds = _VEC3_TYPES.get(name, {})
     concrete = {
-        a.label: wp.array(dtype=dtype, ndim=a.type.ndim)
+        a.label: wp.array(dtype=element[kinds.get(a.label, "scalar")], ndim=a.type.ndim)
         for a in kernel.adj.args
         if getattr(a.type, "dtype", None) is Any
     }
@@ -339,7 +410,7 @@ def _overload(kernel, dtype):
 # Instantiate every generic kernel for both float types up front, so the module is compiled
 # (and cached in ~/.cache/warp) once rather than once per newly seen overload.
 _OVERLOADS = {
-    (name, dtype): _overload(kernel, wp_type)
+    (name, dtype): _overload(name, kernel, wp_type)
     for name, kernel in _KERNELS.items()
     if kernel.is_generic
     for dtype, wp_type in _FLOATS.items()

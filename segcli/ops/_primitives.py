@@ -30,9 +30,10 @@ from jax.interpreters import ad, batching, mlir
 from segcli.ops._kernels import launch, stride
 
 
-def _layout(idx, num_segments, indices_are_sorted):
+def _layout(idx, num_segments, indices_are_sorted, gpu):
     """CSR offsets of the ids and a one-element flag saying whether they are non-decreasing."""
-    offsets = launch("layout", idx, dims=(num_segments + 1,), out=(num_segments + 1,))
+    kernel, threads = ("layout_scan", idx.shape[0] + 1) if gpu else ("layout_search", num_segments + 1)
+    offsets = launch(kernel, idx, dims=(threads,), out=(num_segments + 1,))
     if indices_are_sorted or idx.shape[0] < 2:
         ordered = jnp.ones((1,), jnp.int32)
     else:
@@ -42,7 +43,7 @@ def _layout(idx, num_segments, indices_are_sorted):
 
 def _reduce(name, floats, idx, shape, dtype, num_segments, indices_are_sorted, gpu):
     """A reduction kernel: ordered rows per segment, else atomics into zeros."""
-    offsets, ordered = _layout(idx, num_segments, indices_are_sorted)
+    offsets, ordered = _layout(idx, num_segments, indices_are_sorted, gpu)
     threads = stride(gpu, idx.shape[0])
     return launch(
         name,
@@ -67,8 +68,15 @@ def _impl(name):
             return _max_norm(floats[0], idx, shape, num_segments, indices_are_sorted, gpu)
         if 0 in shape or any(0 in f.shape for f in floats):
             return jnp.zeros(shape, dtype)
+        if name == "dot":
+            partial = _reduce(name, floats, idx, (*shape, floats[0].shape[2]), dtype, num_segments, indices_are_sorted, gpu)
+            return jnp.sum(partial, axis=2)
         if name in _REDUCTIONS:
             return _reduce(name, floats, idx, shape, dtype, num_segments, indices_are_sorted, gpu)
+        if _is_vec3(name, floats):
+            # drop the group axis of 1 (gather has none): rows of vectors, scalars or matrices
+            flat = floats if name == "gather" else [f.reshape(f.shape[0], *f.shape[2:]) for f in floats]
+            return launch(name + "3", *flat, idx, dims=(idx.shape[0],), out=(idx.shape[0],)).reshape(shape)
         return launch(name, *floats, idx, dims=(idx.shape[0],), out=shape)
 
     return impl
@@ -78,7 +86,7 @@ def _max_norm(x, idx, shapes, num_segments, indices_are_sorted, gpu):
     (best_shape, mask_shape), dtype = shapes, x.dtype
     if 0 in x.shape or num_segments == 0:
         return [jnp.zeros(best_shape, dtype), jnp.zeros(mask_shape, dtype)]
-    offsets, ordered = _layout(idx, num_segments, indices_are_sorted)
+    offsets, ordered = _layout(idx, num_segments, indices_are_sorted, gpu)
     threads = stride(gpu, x.shape[0])
     groups = best_shape[1]
     # Ordered ids: one pass per segment. Otherwise: atomic max of the key, atomic min of
@@ -110,7 +118,14 @@ def _max_norm(x, idx, shapes, num_segments, indices_are_sorted, gpu):
     return [best, mask]
 
 
-_REDUCTIONS = ("sum", "dot", "outer")
+_REDUCTIONS = ("sum", "outer")
+
+
+def _is_vec3(name, floats):
+    """Whether an elementwise primitive has one group of 3 features (and 3x3 matrices)."""
+    if name == "gather":
+        return floats[0].shape[1] == 3
+    return floats[0].shape[1:] == (1, 3) and (name != "matvec" or floats[1].shape[1:] == (1, 3, 3))
 
 
 # Output shape(s) of each primitive from its float operands' shapes s, M and the ids' length n.
@@ -302,7 +317,7 @@ def count(idx, num_segments, indices_are_sorted):
 
 
 def _count_impl(idx, *, num_segments, indices_are_sorted, gpu=False):
-    offsets, ordered = _layout(idx, num_segments, indices_are_sorted)
+    offsets, ordered = _layout(idx, num_segments, indices_are_sorted, gpu)
     threads = stride(gpu, idx.shape[0])
     zeros = jnp.zeros((num_segments,), jnp.int32)
     return launch("count", idx, offsets, ordered, threads, zeros, dims=(max(num_segments, threads),), in_out=("out",))
