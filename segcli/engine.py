@@ -81,7 +81,7 @@ MIN_BUCKET = 1024
 
 def bucket(n):
     """The padded size of a chunk axis of n rows: the next power of two, at least MIN_BUCKET, so
-    that a whole file compiles a handful of shapes rather than one per chunk."""
+    that any file compiles one of a handful of shapes rather than one per chunk."""
     return max(MIN_BUCKET, 1 << max(n - 1, 0).bit_length())
 
 
@@ -209,10 +209,11 @@ def _first_nan(job, chunk):
     return None
 
 
-def _pad(job, chunk):
-    """The chunk's inputs, cast to the job's precision and padded (see _Padded)."""
+def _pad(job, chunk, least):
+    """The chunk's inputs, cast to the job's precision and padded (see _Padded) to at least
+    `least` = (rows, structures)."""
     n_structures, n_rows = len(chunk.n_atoms), int(chunk.n_atoms.sum())
-    segments, rows = bucket(n_structures), bucket(n_rows)
+    rows, segments = max(least[0], bucket(n_rows)), max(least[1], bucket(n_structures))
     idx = np.full(rows, segments, np.int32)
     idx[:n_rows] = np.repeat(np.arange(n_structures, dtype=np.int32), chunk.n_atoms)
     arrays = {}
@@ -226,9 +227,20 @@ def _pad(job, chunk):
     return _Padded(n_structures, n_rows, idx, arrays, weights)
 
 
+def padded_size(n_atoms, chunk_atoms):
+    """(rows, structures) every chunk of structures with `n_atoms` atoms is padded to: the
+    buckets of the largest chunk, so that a whole run compiles once."""
+    from segcli.io.core import plan_chunks
+
+    bounds = np.array(plan_chunks(n_atoms, chunk_atoms))
+    atoms = np.diff(np.concatenate([[0], np.cumsum(n_atoms)])[bounds])
+    return bucket(int(atoms.max(initial=0))), bucket(int(np.diff(bounds).max(initial=0)))
+
+
 def _padded_chunks(batch, job, chunk_atoms, structures):
     """(Chunk, _Padded) for each chunk; DataError if an input holds NaN, with the count over
     the whole selection and the first structure."""
+    least = padded_size(batch.n_atoms[structures], chunk_atoms)
     chunks = batch.iter_chunks(list(job.read), chunk_atoms=chunk_atoms, structures=structures)
     for chunk in chunks:
         bad = _first_nan(job, chunk)
@@ -237,7 +249,7 @@ def _padded_chunks(batch, job, chunk_atoms, structures):
             count += sum(_nan_count({**c.atoms, **c.structures}[name]) for c in chunks)
             raise DataError(f"{job.path}: field '{name}' holds {count} NaN value(s), the first "
                             f"in structure {first}")
-        yield chunk, _pad(job, chunk)
+        yield chunk, _pad(job, chunk, least)
 
 
 def prefetch(iterable):
@@ -343,6 +355,7 @@ def compute(job, padded, device):
 
 def run(batch, job, device, *, chunk_atoms=DEFAULT_CHUNK_ATOMS, structures=slice(None)):
     """Yield (Chunk, outputs) for each chunk of whole structures of `batch`, reading and
-    padding the next chunk in a background thread while this one is computed on `device`."""
+    padding the next chunk in a background thread while this one is computed on `device`.
+    Every chunk is padded to the same power-of-two sizes (`padded_size`): one compilation."""
     for chunk, padded in prefetch(_padded_chunks(batch, job, chunk_atoms, structures)):
         yield chunk, compute(job, padded, device)

@@ -108,7 +108,8 @@ def test_gradient_on_the_sample_data_in_place(tmp_path):
     energy = np.array([a.get_potential_energy() for a in images])
     copy = tmp_path / "metals.h5"
     copy.write_bytes((SAMPLES / "metals.h5").read_bytes())
-    result = run("grad", copy, "rms_norm", "forces", "--in-place", "--weights", "energy")
+    result = run("grad", copy, "rms_norm", "forces", "--in-place", "--weights", "energy",
+                 "--device", "cpu")
     assert result.exit_code == 0, result.output
     assert result.stderr == f"{copy}: /results/rms_norm_forces/d_forces (199 structures, " \
                             f"{n_atoms.sum()} atoms)\n"

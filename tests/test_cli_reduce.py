@@ -173,7 +173,8 @@ def test_float32_csv_prints_the_shortest_float32_text(tmp_path):
 def test_output_file_attributes_force_and_in_place(tmp_path, random_file):
     path, n_atoms, data = random_file
     out = tmp_path / "out.h5"
-    result = run("reduce", path, "dot", "x", "y", "-o", out, "--structures", "3:9")
+    result = run("reduce", path, "dot", "x", "y", "-o", out, "--structures", "3:9", "--device",
+                 "cpu")
     assert result.exit_code == 0, result.output
     assert result.stderr == f"{out}: /results/dot_x_y (6 structures, {n_atoms[3:9].sum()} atoms)\n"
     with h5py.File(out, "r") as f:

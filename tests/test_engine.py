@@ -68,23 +68,22 @@ def test_integer_fields_are_reduced_as_floats(batch_file):
     np.testing.assert_array_equal(got, reduce_numpy("sum", n_atoms, data["z"]))
 
 
-def test_one_compilation_per_bucket(tmp_path):
+def test_one_compilation_per_run_however_the_chunks_vary(tmp_path):
     rng = np.random.default_rng(3)
     n_atoms = rng.integers(1, 40, 600)
     x = rng.normal(size=(n_atoms.sum(), 3))
     path = write_batch(tmp_path / "b.h5", n_atoms, {"x": x})
     job = plan(path, "rms_norm", ["x"])
-    engine._compiled.cache_clear()
-    chunk_atoms = 1500
-    got = run_all(path, job, chunk_atoms=chunk_atoms)[""]
-    assert_reduced(got, "rms_norm", n_atoms, [x], "float64")
     with open_batch(path) as batch:
-        chunks = list(batch.iter_chunks(["x"], chunk_atoms=chunk_atoms))
-    shapes = {(engine.bucket(int(c.n_atoms.sum())), engine.bucket(len(c.n_atoms))) for c in chunks}
-    sizes = {int(c.n_atoms.sum()) for c in chunks}
-    assert len(chunks) > 4 and len(sizes) > len(shapes)
-    function = engine._compiled(job.spec, (0,), 0, 1)
-    assert function._cache_size() == len(shapes)
+        chunks = list(batch.iter_chunks(["x"], chunk_atoms=1500))
+    sizes = {(engine.bucket(int(c.n_atoms.sum())), engine.bucket(len(c.n_atoms))) for c in chunks}
+    assert len(chunks) > 4 and len(sizes) == 2  # chunks in two buckets: the last one is small
+    assert engine.padded_size(n_atoms, 1500) == (2048, 1024)
+    engine._compiled.cache_clear()
+    for chunk_atoms in (1500, 1400, 3000):
+        assert_reduced(run_all(path, job, chunk_atoms=chunk_atoms)[""], "rms_norm", n_atoms, [x],
+                       "float64")
+    assert engine._compiled(job.spec, (0,), 0, 1)._cache_size() == 2  # 2048 and 4096 rows
 
 
 def test_prefetch_runs_exactly_one_item_ahead():
