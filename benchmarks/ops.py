@@ -8,7 +8,8 @@ Implementations, timed side by side in one process on the same inputs:
   seed       nvalchemiops.jax.segment_ops, when importable (first column where it runs)
 
 Inputs: N atoms in structures of 1..63 atoms (32 on average), sorted ids, (N, 3) fields.
-Each cell is the median wall time of `--repeats` calls of a jitted function, each call
+grad is the gradient of Σ w·op(...) (w random) with respect to the first argument; grad2 the
+gradient of <grad, v>. Each cell is the median wall time of `--repeats` calls of a jitted function, each call
 followed by block_until_ready, after two warm-up calls.
 """
 
@@ -65,7 +66,9 @@ def functions(module, op, idx, m, data):
     if op == "count":
         return {"fwd": jax.jit(lambda ids: f(ids, m))}
     call = lambda *a: f(*a[:-1], a[-1], m)  # noqa: E731
-    weights = jnp.ones(jax.eval_shape(call, *(data[k] for k in ARGS[op]), idx).shape, data["x"].dtype)
+    # random weights: a constant cotangent would let XLA skip reading it
+    shape = jax.eval_shape(call, *(data[k] for k in ARGS[op]), idx).shape
+    weights = jnp.asarray(np.random.default_rng(1).normal(size=shape), data["x"].dtype)
     loss = lambda *a: jnp.sum(weights * call(*a))  # noqa: E731
     grad = jax.grad(loss)
     direction = data["y"]
