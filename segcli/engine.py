@@ -8,7 +8,6 @@ imports jax or warp at module level, so the command line starts fast.
         outputs[""]  # (structures of the chunk,)
 """
 
-import contextlib
 import functools
 import inspect
 import queue

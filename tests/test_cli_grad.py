@@ -12,7 +12,7 @@ import h5py
 import jax
 import numpy as np
 import pytest
-from batch_reference import PER_ATOM_OUTPUT, objective_jax, random_batch, write_batch
+from batch_reference import objective_jax, random_batch, write_batch
 from click.testing import CliRunner
 
 from segcli.cli import main
@@ -157,7 +157,8 @@ def test_stdout_formats(random_file):
     (["sum", "x", "--weights", "m"], 1, "field 'm' has shape (S, 3, 3), but --weights must be (S)"),
     (["sum", "x", "--weights", "nope"], 1, "no field 'nope'; its fields are: m, s, t, t2, v,"),
     (["sum", "z"], 1, "field 'z' holds int64 values, but sum must be floating-point"),
-    (["mul", "s", "v"], 1, "field 's' is per structure (S), but mul's first field must be per atom"),
+    (["mul", "s", "v"], 1,
+     "field 's' is per structure (S), but mul's first field must be per atom"),
 ])
 def test_errors(tmp_path, random_file, args, code, needle):
     out = tmp_path / "out.h5"

@@ -109,7 +109,8 @@ def test_every_op_on_the_sample_data_matches_numpy(metals, op, precision):
 
 @pytest.mark.parametrize("source", ["metals.h5", "metals.extxyz"])
 def test_matvec_of_scaled_positions_and_cell_gives_ases_positions(metals, source):
-    result = run("reduce", SAMPLES / source, "matvec", "scaled_positions", "cell", "--format", "npy")
+    result = run("reduce", SAMPLES / source, "matvec", "scaled_positions", "cell",
+                 "--format", "npy")
     assert result.exit_code == 0, result.stderr
     positions = np.load(io.BytesIO(result.stdout_bytes))
     np.testing.assert_allclose(positions, metals[1]["positions"], rtol=0, atol=1e-12)
@@ -283,8 +284,9 @@ def segcli_process(*args, **kwargs):
     return subprocess.Popen([sys.executable, "-m", "segcli", *map(str, args)], **kwargs)
 
 
-def test_subprocess_pipeline_to_sort_and_progress_on_a_terminal(metals, tmp_path):
-    command = f"{sys.executable} -m segcli reduce {METALS} rms_norm forces | sort -t, -k2 -g | tail -3"
+def test_subprocess_pipelines_and_progress_on_a_terminal(metals, tmp_path):
+    command = (f"{sys.executable} -m segcli reduce {METALS} rms_norm forces "
+               "| sort -t, -k2 -g | tail -3")
     result = subprocess.run(["bash", "-c", command], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     expected = reduce_numpy("rms_norm", metals[0], metals[1]["forces"])
@@ -293,6 +295,10 @@ def test_subprocess_pipeline_to_sort_and_progress_on_a_terminal(metals, tmp_path
     assert [int(line.split(",")[0]) for line in lines] == list(top)
     np.testing.assert_allclose([float(line.split(",")[1]) for line in lines], expected[top],
                                rtol=1e-12)
+    command = (f"{sys.executable} -m segcli reduce {METALS} mul forces energy | head -1; "
+               "echo ${PIPESTATUS[0]}")
+    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True)
+    assert result.stdout.splitlines()[1] == "141" and "Traceback" not in result.stderr
     leader, follower = pty.openpty()
     process = segcli_process("reduce", METALS, "sum", "forces", "-o", tmp_path / "o.h5",
                              stderr=follower, stdout=subprocess.PIPE)
@@ -309,7 +315,8 @@ def test_in_place_survives_sigkill_at_any_moment(tmp_path):
     rng = np.random.default_rng(1)
     n_atoms = rng.integers(1, 16, 150_000)
     path = write_batch(tmp_path / "big.h5", n_atoms,
-                       {"forces": rng.normal(size=(n_atoms.sum(), 3))}, {"energy": np.zeros(150_000)})
+                       {"forces": rng.normal(size=(n_atoms.sum(), 3))},
+                       {"energy": np.zeros(150_000)})
     digests = dataset_digests(path)
     command = ["reduce", path, "rms_norm", "forces", "--in-place", "--force", "--chunk-atoms", 4096]
 

@@ -5,6 +5,7 @@ import contextlib
 import functools
 import json
 import os
+import signal
 import sys
 
 import click
@@ -12,8 +13,6 @@ import click
 # Shared option parsing, for now imported from the commands that defined it first.
 from segcli.cli.check import _device, _structure_range
 from segcli.cli.data import progress_bar
-
-DEFAULT_CHUNK_ATOMS = 1 << 21  # segcli.engine.DEFAULT_CHUNK_ATOMS, without importing numpy
 
 
 def _op(ctx, param, name):
@@ -48,9 +47,9 @@ def _shared_options(command):
                      help="Overwrite an existing output file or result."),
         click.option("--structures", callback=_structure_range, metavar="START:STOP",
                      help="Only these structures (default: all; not with --in-place)."),
-        click.option("--chunk-atoms", type=click.IntRange(min=1), default=DEFAULT_CHUNK_ATOMS,
-                     show_default=True,
-                     help="Atoms read and computed at a time (whole structures): bounds memory."),
+        click.option("--chunk-atoms", type=click.IntRange(min=1),
+                     help="Atoms read and computed at a time (whole structures; default 2 Mi "
+                          "= 2097152): bounds memory."),
         click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto",
                      show_default=True, help="Where to compute (auto: a GPU when JAX sees one)."),
         click.option("--precision", type=click.Choice(["float32", "float64"]),
@@ -97,8 +96,8 @@ class _Hdf5Sink:
                 self._writer.create(self._datasets[label], (rows[per], *shape), dtype,
                                     {**self._attrs, "per": per})
         except BaseException:
-            if not self._writer.__exit__(*sys.exc_info()):
-                raise
+            self._writer.__exit__(*sys.exc_info())
+            raise
         return self
 
     def __exit__(self, *exc):
@@ -211,14 +210,18 @@ class _NpySink:
 
 
 def _device_label(device):
-    return "cpu" if device.platform == "cpu" else f"{device.platform}:{device.id} ({device.device_kind})"
+    """`cpu`, or e.g. `gpu:0 (NVIDIA H200)`, for the results' device attribute."""
+    if device.platform == "cpu":
+        return "cpu"
+    return f"{device.platform}:{device.id} ({device.device_kind})"
 
 
 def _execute(file, spec, fields, *, output, in_place, fmt, name, force, structures, chunk_atoms,
              device, precision, quiet, order=0, weights=None, direction=None):
     """Run one reduce or grad command: check, plan, stream the chunks, write the results."""
     _check_usage(spec, fields, output, in_place, fmt, structures)
-    if output and os.path.exists(output) and os.path.exists(file) and os.path.samefile(output, file):
+    if output and os.path.exists(output) and os.path.exists(file) and \
+            os.path.samefile(output, file):
         raise click.UsageError(f"-o {output} is FILE itself; use --in-place to add to it")
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     from segcli import engine
@@ -251,7 +254,8 @@ def _execute(file, spec, fields, *, output, in_place, fmt, name, force, structur
             sink = _NpySink(outputs, columns, n_atoms)
         else:
             sink = _TextSink(fmt or "csv", outputs, columns)
-        results = engine.run(batch, job, target, chunk_atoms=chunk_atoms, structures=selection)
+        results = engine.run(batch, job, target, structures=selection,
+                             chunk_atoms=chunk_atoms or engine.DEFAULT_CHUNK_ATOMS)
         verb = "reducing" if not order else "differentiating"
         with contextlib.closing(results), progress_bar(not quiet, f"{verb} {file}") as bar, sink:
             for chunk, arrays in results:
@@ -265,7 +269,7 @@ def _execute(file, spec, fields, *, output, in_place, fmt, name, force, structur
 
 
 def _stdout_guard(command):
-    """End quietly when stdout is closed early (`segcli reduce … | head`)."""
+    """End quietly, as if killed by SIGPIPE, when stdout is closed early (`… | head`)."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
@@ -273,7 +277,7 @@ def _stdout_guard(command):
             return command(*args, **kwargs)
         except BrokenPipeError:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            sys.exit(1)
+            sys.exit(128 + signal.SIGPIPE)
 
     return wrapper
 
