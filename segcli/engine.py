@@ -29,7 +29,7 @@ class InputSpec:
 
     def describe(self):
         rows = "N" if self.per == "atom" else "S"
-        tail = ", *F" if self.shape is None else "".join(f", {d}" for d in self.shape)
+        tail = ", *F" if self.shape is None else "".join(f", {d}" for d in self.shape) or ","
         return f"({rows}{tail})"
 
 
@@ -85,8 +85,7 @@ def bucket(n):
 
 
 def _describe(info):
-    rows = "N" if info.per == "atom" else "S"
-    return f"({rows}{''.join(f', {d}' for d in info.shape)})"
+    return InputSpec(info.per, tuple(info.shape)).describe()
 
 
 def _field(path, name, wanted, fields, needs_float, role):

@@ -153,12 +153,12 @@ def test_stdout_formats(random_file):
     (["sum", "x", "--direction", "y"], 2, "--direction is for --order 2"),
     (["sum", "x", "--order", "3", "--direction", "y"], 2, "3 is not in the range 1<=x<=2"),
     (["sum", "x", "--order", "2", "--direction", "v"], 1,
-     "field 'v' has shape (N), but --direction (the shape of 'x') must be (N, 3)"),
-    (["sum", "x", "--weights", "m"], 1, "field 'm' has shape (S, 3, 3), but --weights must be (S)"),
+     "field 'v' has shape (N,), but --direction (the shape of 'x') must be (N, 3)"),
+    (["sum", "x", "--weights", "m"], 1, "field 'm' has shape (S, 3, 3), but --weights must be (S,)"),
     (["sum", "x", "--weights", "nope"], 1, "no field 'nope'; its fields are: m, s, t, t2, v,"),
     (["sum", "z"], 1, "field 'z' holds int64 values, but sum must be floating-point"),
     (["mul", "s", "v"], 1,
-     "field 's' is per structure (S), but mul's first field must be per atom"),
+     "field 's' is per structure (S,), but mul's first field must be per atom"),
 ])
 def test_errors(tmp_path, random_file, args, code, needle):
     out = tmp_path / "out.h5"

@@ -167,9 +167,9 @@ def test_command_line_errors_exit_2(args, message):
 
 @pytest.mark.parametrize("args, message", [
     (["--field", "no_such_field", "--op", "sum"], "no field 'no_such_field'"),
-    (["--field", "energy", "--op", "sum"], "field 'energy' is per-structure"),
+    (["--field", "energy", "--op", "sum"], "field 'energy' is per structure (S,), but sum must be per atom"),
     (["--field", "numbers", "--op", "sum"], "field 'numbers' holds int64"),
-    (["--field", "energies", "--op", "matvec"], "field 'energies' has shape (N), but matvec needs (N, 3)"),
+    (["--field", "energies", "--op", "matvec"], "field 'energies' has shape (N,), but matvec's first field must be (N, 3)"),
     (["--structures", "500:600"], "selects no structure (the file has 199)"),
 ])
 def test_data_errors_exit_1_with_one_line(args, message):
@@ -183,7 +183,7 @@ def test_missing_default_field_is_a_data_error(tmp_path):
     path = tmp_path / "no_energy.h5"
     write_batch(path, [2, 3], np.ones((5, 3)), np.ones((5, 3)))
     result = run(path, "--op", "mul")
-    assert result.exit_code == 1 and "no field 'energy' (needed by mul" in result.output
+    assert result.exit_code == 1 and "no field 'energy'; its fields are: forces, positions" in result.output
 
 
 def test_device_choice():

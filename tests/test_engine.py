@@ -150,9 +150,9 @@ def test_nan_is_counted_over_every_chunk_and_the_first_structure_named(tmp_path)
 
 @pytest.mark.parametrize("op, names, kwargs, message", [
     ("sum", ["nope"], {}, "no field 'nope'; its fields are: c, e, m, s, t, x, y, z"),
-    ("sum", ["e"], {}, "field 'e' is per structure (S), but sum must be per atom (N, *F)"),
+    ("sum", ["e"], {}, "field 'e' is per structure (S,), but sum must be per atom (N, *F)"),
     ("mul", ["x", "y"], {}, "field 'y' is per atom (N, 3), but mul's second field must be "
-                            "per structure (S)"),
+                            "per structure (S,)"),
     ("matvec", ["t", "m"], {}, "field 't' has shape (N, 2, 2), but matvec's first field must "
                                "be (N, 3)"),
     ("matvec", ["x", "s"], {}, "field 's' has shape (S, 3), but matvec's second field must "
@@ -163,7 +163,7 @@ def test_nan_is_counted_over_every_chunk_and_the_first_structure_named(tmp_path)
     ("sum", ["z"], {"order": 1}, "field 'z' holds int64 values, but sum must be "
                                  "floating-point to be differentiated"),
     ("sum", ["x"], {"order": 1, "weights": "x"}, "field 'x' is per atom (N, 3), but --weights "
-                                                 "must be per structure (S)"),
+                                                 "must be per structure (S,)"),
     ("sum", ["x"], {"order": 2, "direction": "t"}, "field 't' has shape (N, 2, 2), but "
                                                    "--direction (the shape of 'x') must be (N, 3)"),
 ])

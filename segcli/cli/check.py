@@ -1,10 +1,11 @@
 """Command: gradcheck (values and derivatives of every op against finite differences and a reference)."""
 
 import json
-import os
-import sys
 
 import click
+
+from segcli.cli import common
+from segcli.cli.common import parse_pair, progress_bar, structure_range
 
 DEFAULT_STRUCTURES = "0:16"
 DEFAULT_RANDOM = "64:8"
@@ -13,34 +14,10 @@ MAX_NORM_GAP = 1e-3
 which move each entry by ~1e-5 relative, could cross it)."""
 
 
-def _parse_pair(text, name, allow_open):
-    """(a, b) from "A:B"; with allow_open, A defaults to 0 and B to None (the end)."""
-    parts = text.split(":")
-    if len(parts) != 2:
-        raise click.BadParameter(f"expected {name}, got {text!r}")
-    try:
-        values = [int(part) if part.strip() or not allow_open else None for part in parts]
-    except ValueError:
-        raise click.BadParameter(f"expected {name} (integers), got {text!r}") from None
-    start, stop = values
-    if any(value is not None and value < 0 for value in values):
-        raise click.BadParameter(f"expected {name} (non-negative integers), got {text!r}")
-    return start or 0, stop
-
-
-def _structure_range(ctx, param, text):
-    if text is None:
-        return None
-    start, stop = _parse_pair(text, "START:STOP", allow_open=True)
-    if stop is not None and stop <= start:
-        raise click.BadParameter(f"STOP must be greater than START, got {text!r}")
-    return start, stop
-
-
 def _random_size(ctx, param, text):
     if text is None:
         return None
-    atoms, structures = _parse_pair(text, "ATOMS:STRUCTURES", allow_open=False)
+    atoms, structures = parse_pair(text, "ATOMS:STRUCTURES", allow_open=False)
     if atoms < 1 or structures < 1:
         raise click.BadParameter(f"ATOMS and STRUCTURES must be at least 1, got {text!r}")
     return atoms, structures
@@ -57,19 +34,6 @@ def _op_names(ctx, param, text):
         raise click.BadParameter(f"unknown op {', '.join(map(repr, unknown)) or repr(text)} "
                                  f"(choose from {', '.join(OPS)})")
     return list(dict.fromkeys(names))
-
-
-def _device(choice):
-    import jax
-
-    if choice == "cpu":
-        return jax.devices("cpu")[0]
-    try:
-        return jax.devices("gpu")[0]
-    except RuntimeError:
-        if choice == "gpu":
-            raise click.BadParameter("no GPU is visible to JAX", param_hint="--device") from None
-        return jax.devices("cpu")[0]
 
 
 def _parameter_names(spec):
@@ -101,34 +65,13 @@ def _default_fields(spec, field, available):
     return names
 
 
-def _check_fit(path, spec, names, fields):
-    """DataError unless each named field exists, is floating-point and has the input's shape."""
-    from segcli.errors import DataError
-
-    for name, wanted in zip(names, spec.inputs):
-        if name not in fields:
-            raise DataError(f"{path}: no field '{name}' (needed by {spec.name}; its fields are: "
-                            f"{', '.join(sorted(fields)) or '(none)'})")
-        info = fields[name]
-        rows = "N" if wanted.per == "atom" else "S"
-        if info.per != wanted.per:
-            raise DataError(f"{path}: field '{name}' is per-{info.per}, but {spec.name} needs a "
-                            f"per-{wanted.per} array {wanted.describe()}")
-        if info.dtype.kind != "f":
-            raise DataError(f"{path}: field '{name}' holds {info.dtype} values; {spec.name} needs "
-                            "floating-point data")
-        if wanted.shape is not None and tuple(info.shape) != wanted.shape:
-            shape = "".join(f", {d}" for d in info.shape)
-            raise DataError(f"{path}: field '{name}' has shape ({rows}{shape}), but {spec.name} "
-                            f"needs {wanted.describe()}")
-
-
 def _file_inputs(path, specs, field, structures, skip_unfit):
     """(n_atoms, {op: (labels, arrays)}, {op: why skipped}) read from the file's
     structures[0]:structures[1]. An op whose fields the file lacks or cannot fit raises
     DataError, or with skip_unfit is skipped."""
     import numpy as np
 
+    from segcli.engine import plan
     from segcli.errors import DataError
     from segcli.io import open_batch
 
@@ -144,7 +87,7 @@ def _file_inputs(path, specs, field, structures, skip_unfit):
         for spec in specs:
             names = _default_fields(spec, field, fields)
             try:
-                _check_fit(path, spec, names, fields)
+                plan(path, spec, names, fields, order=int(spec.differentiable))
             except DataError as error:
                 if not skip_unfit:
                     raise
@@ -252,24 +195,13 @@ def _check_op(spec, labels, arrays, n_atoms, order, seed):
     return report + checked
 
 
-def _progress(items, quiet):
-    if quiet or not sys.stderr.isatty():
-        return items
-    return _bar(items)
-
-
-def _bar(items):
-    with click.progressbar(items, label="gradcheck", file=sys.stderr, item_show_func=lambda item: item) as bar:
-        yield from bar
-
-
 @click.command()
 @click.argument("file", required=False, type=click.Path(dir_okay=False))
 @click.option("--op", "op_names", callback=_op_names, metavar="OP[,OP...]",
               help="Ops to check (default: all): sum, mean, dot, mul, rms_norm, max_norm, matvec, count.")
 @click.option("--order", type=click.IntRange(min=1), default=2, show_default=True,
               help="Highest derivative order checked.")
-@click.option("--structures", callback=_structure_range, metavar="START:STOP",
+@click.option("--structures", callback=structure_range, metavar="START:STOP",
               help=f"Structures of FILE to check (default {DEFAULT_STRUCTURES}, which bounds the cost).")
 @click.option("--field", metavar="NAME",
               help="Per-atom field of FILE for the first input (default: forces, else positions; "
@@ -310,16 +242,15 @@ def gradcheck(ctx, file, op_names, order, structures, field, random_size, device
         raise click.UsageError("give FILE or --random, not both")
     if file is None and (structures is not None or field is not None):
         raise click.UsageError("--structures and --field need FILE")
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    target = common.device(device)
     import jax
 
     from segcli.engine import OPS
     from segcli.gradcheck import Report
 
     specs = [OPS[name] for name in op_names]
-    target = _device(device)
     if file is not None:
-        structures = structures or _structure_range(ctx, None, DEFAULT_STRUCTURES)
+        structures = structures or structure_range(ctx, None, DEFAULT_STRUCTURES)
         all_ops = ctx.get_parameter_source("op_names") == click.core.ParameterSource.DEFAULT
         n_atoms, inputs, skipped = _file_inputs(file, specs, field, structures, skip_unfit=all_ops)
         source = {"file": file, "structures": [structures[0], structures[0] + len(n_atoms)]}
@@ -329,10 +260,11 @@ def gradcheck(ctx, file, op_names, order, structures, field, random_size, device
         skipped = {}
         source = {"random": list(random_size)}
     report = Report(())
-    with jax.default_device(target):
-        for name in _progress(list(inputs), quiet or as_json):
-            labels, arrays = inputs[name]
+    with jax.default_device(target), progress_bar(not (quiet or as_json), "gradcheck") as bar:
+        for name, (labels, arrays) in inputs.items():
             report += _check_op(OPS[name], labels, arrays, n_atoms, order, seed)
+            if bar:
+                bar.update(1)
     summary = report.summary()
     if as_json:
         click.echo(json.dumps({**source, "order": order, "device": str(target), "atoms": int(n_atoms.sum()),

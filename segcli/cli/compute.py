@@ -11,8 +11,8 @@ import sys
 import click
 
 # Shared option parsing, for now imported from the commands that defined it first.
-from segcli.cli.check import _device, _structure_range
-from segcli.cli.data import progress_bar
+from segcli.cli import common
+from segcli.cli.common import progress_bar, structure_range
 
 
 def _op(ctx, param, name):
@@ -45,7 +45,7 @@ def _shared_options(command):
                      help="Result name (default OP_FIELD[_FIELD2])."),
         click.option("--force", is_flag=True,
                      help="Overwrite an existing output file or result."),
-        click.option("--structures", callback=_structure_range, metavar="START:STOP",
+        click.option("--structures", callback=structure_range, metavar="START:STOP",
                      help="Only these structures (default: all; not with --in-place)."),
         click.option("--chunk-atoms", type=click.IntRange(min=1),
                      help="Atoms read and computed at a time (whole structures; default 2 Mi "
@@ -223,12 +223,11 @@ def _execute(file, spec, fields, *, output, in_place, fmt, name, force, structur
     if output and os.path.exists(output) and os.path.exists(file) and \
             os.path.samefile(output, file):
         raise click.UsageError(f"-o {output} is FILE itself; use --in-place to add to it")
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     from segcli import engine
     from segcli.errors import DataError
     from segcli.io import ResultWriter, open_batch
 
-    target = _device(device)
+    target = common.device(device)
     name = name or "_".join((spec.name, *fields))
     with open_batch(file) as batch:
         job = engine.plan(file, spec, fields, batch.fields, precision=precision, order=order,

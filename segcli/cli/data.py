@@ -1,10 +1,10 @@
 """Commands: info (what a file holds) and convert (any input to segcli HDF5)."""
 
-import contextlib
 import json
-import sys
 
 import click
+
+from segcli.cli.common import progress_bar
 
 FORMAT_NAMES = {"segcli": "segcli HDF5", "ase": "ASE-readable file", "conformers":
                 "conformer-layout HDF5", "empty": "empty file"}
@@ -62,13 +62,6 @@ def info(file, as_json):
             f"{k}={','.join(map(str, attrs[k])) if isinstance(attrs[k], list) else attrs[k]}"
             for k in ("op", "fields", "per") if k in attrs)
         click.echo(f"  {name}  {described}".rstrip())
-
-
-def progress_bar(enabled, label):
-    """A progress bar on stderr when `enabled` and stderr is a terminal; else no bar (None)."""
-    if not enabled or not sys.stderr.isatty():
-        return contextlib.nullcontext()
-    return click.progressbar((x for x in ()), label=label, show_pos=True, file=sys.stderr)
 
 
 @click.command()

@@ -23,12 +23,35 @@ float atomics over a grid-stride loop into a zero-initialised output.
 """
 
 import functools
+import os
+import sys
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import warp as wp
 
 wp.config.log_level = wp.LOG_ERROR
+
+
+def _init_warp():
+    """Initialise Warp; where JAX runs on the CPU, without the native warning that no CUDA
+    driver was found (irrelevant there, and noise on every command's stderr)."""
+    if jax.default_backend() != "cpu":
+        wp.init()
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            wp.init()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+_init_warp()
 
 # Threads of the grid-stride loop of the unordered (atomic) fallback on a GPU.
 _GPU_STRIDE_THREADS = 1 << 17

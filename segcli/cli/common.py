@@ -1,0 +1,61 @@
+"""Helpers shared by the commands: option parsing, device choice, progress bars."""
+
+import contextlib
+import os
+import sys
+
+import click
+
+
+def parse_pair(text, name, allow_open):
+    """(a, b) from "A:B"; with allow_open, A defaults to 0 and B to None (the end)."""
+    parts = text.split(":")
+    if len(parts) != 2:
+        raise click.BadParameter(f"expected {name}, got {text!r}")
+    try:
+        values = [int(part) if part.strip() or not allow_open else None for part in parts]
+    except ValueError:
+        raise click.BadParameter(f"expected {name} (integers), got {text!r}") from None
+    start, stop = values
+    if any(value is not None and value < 0 for value in values):
+        raise click.BadParameter(f"expected {name} (non-negative integers), got {text!r}")
+    return start or 0, stop
+
+
+def structure_range(ctx, param, text):
+    """Click callback: (start, stop) from --structures START:STOP (stop None: to the end)."""
+    if text is None:
+        return None
+    start, stop = parse_pair(text, "START:STOP", allow_open=True)
+    if stop is not None and stop <= start:
+        raise click.BadParameter(f"STOP must be greater than START, got {text!r}")
+    return start, stop
+
+
+def device(choice):
+    """The JAX device for --device auto|cpu|gpu (auto: a GPU when JAX sees one).
+
+    Called before JAX starts, it leaves GPU memory to Warp's own allocations (no
+    preallocation) and lets XLA capture even a small program, such as one chunk's kernels,
+    into a CUDA graph, so that no kernel launch pays for a Python call."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_gpu_graph_min_graph_size" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_graph_min_graph_size=1".strip()
+    import jax
+
+    if choice == "cpu":
+        return jax.devices("cpu")[0]
+    try:
+        return jax.devices("gpu")[0]
+    except RuntimeError:
+        if choice == "gpu":
+            raise click.BadParameter("no GPU is visible to JAX", param_hint="--device") from None
+        return jax.devices("cpu")[0]
+
+
+def progress_bar(enabled, label):
+    """A progress bar on stderr when `enabled` and stderr is a terminal; else no bar (None)."""
+    if not enabled or not sys.stderr.isatty():
+        return contextlib.nullcontext()
+    return click.progressbar((x for x in ()), label=label, show_pos=True, file=sys.stderr)
