@@ -14,6 +14,8 @@ Shapes (rows first, then a group axis G that vmap folds into, then features):
     scale    x (N, G, K), y (M, G)             -> (N, G, K)        out[i,g] = x[i,g] * y[idx[i],g]
     matvec   v (N, G, K), m (M, G, K, J)       -> (N, G, J)        out[i,g] = m[idx[i],g]ᵀ v[i,g]
     gather3, scale3, matvec3                                      the same for G = 1, K = J = 3
+    sum3, dot3                                                    the same on CPUs (a GPU keeps more
+                                                                  rows in flight with a thread per feature)
 
 Ids outside [0, M) are skipped by reductions and give 0 in gathers; no id reads or writes
 outside an array. Reductions take `ordered`, a one-element flag computed from the ids: when it
@@ -391,6 +393,59 @@ def _matvec3_kernel(
         out[i] = type(out[i])()
 
 
+@wp.kernel
+def _sum3_kernel(
+    x: wp.array(dtype=Any),
+    idx: wp.array(dtype=wp.int32),
+    offsets: wp.array(dtype=wp.int32),
+    ordered: wp.array(dtype=wp.int32),
+    stride: int,
+    out: wp.array(dtype=Any),
+):
+    t = wp.tid()
+    n = x.shape[0]
+    m = out.shape[0]
+    if ordered[0] != 0:
+        if t < m:
+            lo, hi = _segment_range(offsets, t, n)
+            acc = type(out[t])()
+            for i in range(lo, hi):
+                acc += x[i]
+            out[t] = acc
+    elif t < stride:
+        for i in range(t, n, stride):
+            s = idx[i]
+            if s >= 0 and s < m:
+                wp.atomic_add(out, s, x[i])
+
+
+@wp.kernel
+def _dot3_kernel(
+    x: wp.array(dtype=Any),
+    y: wp.array(dtype=Any),
+    idx: wp.array(dtype=wp.int32),
+    offsets: wp.array(dtype=wp.int32),
+    ordered: wp.array(dtype=wp.int32),
+    stride: int,
+    out: wp.array(dtype=Any),
+):
+    t = wp.tid()
+    n = x.shape[0]
+    m = out.shape[0]
+    if ordered[0] != 0:
+        if t < m:
+            lo, hi = _segment_range(offsets, t, n)
+            acc = out.dtype(0.0)
+            for i in range(lo, hi):
+                acc += wp.dot(x[i], y[i])
+            out[t] = acc
+    elif t < stride:
+        for i in range(t, n, stride):
+            s = idx[i]
+            if s >= 0 and s < m:
+                wp.atomic_add(out, s, wp.dot(x[i], y[i]))
+
+
 # Kernels by name; the generic ones (dtype Any) are instantiated for float32 and float64.
 _KERNELS = {
     "layout_search": _layout_search_kernel,
@@ -409,6 +464,8 @@ _KERNELS = {
     "gather3": _gather3_kernel,
     "scale3": _scale3_kernel,
     "matvec3": _matvec3_kernel,
+    "sum3": _sum3_kernel,
+    "dot3": _dot3_kernel,
 }
 
 # Element types of the vec3 kernels' arguments (the others are plain float arrays).
@@ -416,6 +473,8 @@ _VEC3_TYPES = {
     "gather3": {"y": "vec3", "out": "vec3"},
     "scale3": {"x": "vec3", "y": "scalar", "out": "vec3"},
     "matvec3": {"v": "vec3", "m": "mat33", "out": "vec3"},
+    "sum3": {"x": "vec3", "out": "vec3"},
+    "dot3": {"x": "vec3", "y": "vec3", "out": "scalar"},
 }
 
 

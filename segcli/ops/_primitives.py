@@ -41,21 +41,13 @@ def _layout(idx, num_segments, indices_are_sorted, gpu):
     return offsets, ordered
 
 
-def _reduce(name, floats, idx, shape, dtype, num_segments, indices_are_sorted, gpu):
-    """A reduction kernel: ordered rows per segment, else atomics into zeros."""
+def _reduce(name, floats, idx, zeros, grid, num_segments, indices_are_sorted, gpu):
+    """A reduction kernel into `zeros`, over max(M, stride) rows × `grid` threads: ordered ids
+    a segment per row, else atomics."""
     offsets, ordered = _layout(idx, num_segments, indices_are_sorted, gpu)
     threads = stride(gpu, idx.shape[0])
-    return launch(
-        name,
-        *floats,
-        idx,
-        offsets,
-        ordered,
-        threads,
-        jnp.zeros(shape, dtype),
-        dims=(max(num_segments, threads), *shape[1:]),
-        in_out=("out",),
-    )
+    dims = (max(num_segments, threads), *grid)
+    return launch(name, *floats, idx, offsets, ordered, threads, zeros, dims=dims, in_out=("out",))
 
 
 def _impl(name):
@@ -68,11 +60,16 @@ def _impl(name):
             return _max_norm(floats[0], idx, shape, num_segments, indices_are_sorted, gpu)
         if 0 in shape or any(0 in f.shape for f in floats):
             return jnp.zeros(shape, dtype)
-        if name == "dot":
-            partial = _reduce(name, floats, idx, (*shape, floats[0].shape[2]), dtype, num_segments, indices_are_sorted, gpu)
-            return jnp.sum(partial, axis=2)
+        ordering = (num_segments, indices_are_sorted, gpu)
+        if name in ("sum", "dot") and not gpu and _is_vec3(name, floats):
+            vectors = [f.reshape(f.shape[0], 3) for f in floats]
+            zeros = jnp.zeros((num_segments, 3) if name == "sum" else (num_segments,), dtype)
+            return _reduce(name + "3", vectors, idx, zeros, (), *ordering).reshape(shape)
+        if name == "dot":  # partial sums per feature, added up here
+            zeros = jnp.zeros((*shape, floats[0].shape[2]), dtype)
+            return jnp.sum(_reduce(name, floats, idx, zeros, zeros.shape[1:], *ordering), axis=2)
         if name in _REDUCTIONS:
-            return _reduce(name, floats, idx, shape, dtype, num_segments, indices_are_sorted, gpu)
+            return _reduce(name, floats, idx, jnp.zeros(shape, dtype), shape[1:], *ordering)
         if _is_vec3(name, floats):
             # drop the group axis of 1 (gather has none): rows of vectors, scalars or matrices
             flat = floats if name == "gather" else [f.reshape(f.shape[0], *f.shape[2:]) for f in floats]
@@ -118,13 +115,14 @@ def _max_norm(x, idx, shapes, num_segments, indices_are_sorted, gpu):
     return [best, mask]
 
 
-_REDUCTIONS = ("sum", "outer")
+_REDUCTIONS = ("sum", "dot", "outer")
 
 
 def _is_vec3(name, floats):
-    """Whether an elementwise primitive has one group of 3 features (and 3x3 matrices)."""
-    if name == "gather":
-        return floats[0].shape[1] == 3
+    """Whether a primitive has one group of 3 features (and 3x3 matrices): the vec3 kernels'
+    case (for sum and dot, used on CPUs only)."""
+    if name in ("gather", "sum"):
+        return floats[0].shape[1:] == (3,)
     return floats[0].shape[1:] == (1, 3) and (name != "matvec" or floats[1].shape[1:] == (1, 3, 3))
 
 
@@ -317,10 +315,8 @@ def count(idx, num_segments, indices_are_sorted):
 
 
 def _count_impl(idx, *, num_segments, indices_are_sorted, gpu=False):
-    offsets, ordered = _layout(idx, num_segments, indices_are_sorted, gpu)
-    threads = stride(gpu, idx.shape[0])
     zeros = jnp.zeros((num_segments,), jnp.int32)
-    return launch("count", idx, offsets, ordered, threads, zeros, dims=(max(num_segments, threads),), in_out=("out",))
+    return _reduce("count", [], idx, zeros, (), num_segments, indices_are_sorted, gpu)
 
 
 count_p = _register(_Rule("count", _count_impl, 0))
