@@ -11,7 +11,9 @@ to each operand is another primitive of the set:
     matvec(v, m)   v ↦ matvec(ct, mᵀ)    m ↦ outer(v, ct)
     outer(a, b)    a ↦ matvec(b, ctᵀ)    b ↦ matvec(a, ct)
 
-JAX derives every higher derivative, forward or reverse, from these rules. Batching folds a
+JAX derives every higher derivative, forward or reverse, from these rules. Two more
+primitives have no derivative of their own: `max_norm` (the largest squared norm per segment
+and a mask of the row attaining it, piecewise constant in x) and `count`. Batching folds a
 vmapped axis into axis 1 of every float operand (the feature or group axis), which keeps the
 segment ids and their order; vmapped ids fall back to a loop over the batch.
 
@@ -88,7 +90,7 @@ def _max_norm(x, idx, shapes, num_segments, indices_are_sorted, gpu):
     groups = best_shape[1]
     # Ordered ids: one pass per segment. Otherwise: atomic max of the key, atomic min of
     # the first row attaining it, then mark that row. Each kernel returns at once when
-    # the flag says the other path applies.
+    # the flag says the other path applies; promised-sorted ids skip the other path.
     best, mask = launch(
         "max_norm_ordered",
         x,
@@ -99,6 +101,8 @@ def _max_norm(x, idx, shapes, num_segments, indices_are_sorted, gpu):
         dims=best_shape,
         in_out=("best", "mask"),
     )
+    if indices_are_sorted:
+        return [best, mask]
     best = launch("max_key", x, idx, ordered, threads, best, dims=(threads, groups), in_out=("best",))
     first = launch(
         "first_attaining",
