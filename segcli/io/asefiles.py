@@ -27,18 +27,24 @@ def _numeric(value):
 
 
 def atoms_piece(path, atoms, index):
-    """One structure as a Chunk: atoms.arrays and per-atom calculator results per atom; cell,
-    pbc, numeric atoms.info entries and the other calculator results per structure."""
+    """One structure as a Chunk (see `structure_piece`)."""
+    return structure_piece(path, index, len(atoms), atoms.arrays, atoms.cell.array, atoms.pbc,
+                           atoms.info, getattr(atoms.calc, "results", {}))
+
+
+def structure_piece(path, index, n, arrays, cell, pbc, info, results):
+    """One structure of n atoms as a Chunk: its numeric atoms.arrays and per-atom calculator
+    results per atom; cell, pbc, numeric atoms.info entries and the other calculator results
+    per structure."""
     from ase.outputs import all_outputs
 
-    n = len(atoms)
-    per_atom = {k: v for k, v in atoms.arrays.items() if v.dtype.kind in NUMERIC_KINDS}
-    per_structure = {"cell": atoms.cell.array[np.newaxis], "pbc": atoms.pbc[np.newaxis]}
-    for key, value in atoms.info.items():
+    per_atom = {k: v for k, v in arrays.items() if v.dtype.kind in NUMERIC_KINDS}
+    per_structure = {"cell": cell[np.newaxis], "pbc": pbc[np.newaxis]}
+    for key, value in info.items():
         array = _numeric(value)
         if array is not None:
             per_structure[key] = array[np.newaxis]
-    for key, value in getattr(atoms.calc, "results", {}).items():
+    for key, value in results.items():
         array = _numeric(value)
         if array is None:
             continue
@@ -81,6 +87,27 @@ class AseBatch(Batch):
         return self._scan[1]
 
     def _pieces(self, start, stop, names, chunk_atoms):
+        pieces = (self._extxyz_pieces(start, stop) if self.ase_format == "extxyz"
+                  else self._ase_pieces(start, stop, start))
+        for piece in pieces:
+            if names is not None:
+                piece = piece._replace(
+                    atoms={k: v for k, v in piece.atoms.items() if k in names},
+                    structures={k: v for k, v in piece.structures.items() if k in names})
+            yield piece
+
+    def _extxyz_pieces(self, start, stop):
+        """segcli's extxyz reader, and ASE from the first structure it leaves to ASE."""
+        from segcli.io.extxyz import Unsupported, pieces
+
+        try:
+            yield from pieces(self.path, start, stop)
+        except Unsupported as exc:
+            yield from self._ase_pieces(start, stop, exc.index)
+
+    def _ase_pieces(self, start, stop, resume):
+        """Pieces of the structures from `resume` to `stop`, reading with ASE from `start`
+        (ASE checks every frame header first, and reports a bad one at `start`)."""
         import ase.io
         from ase.io.formats import ioformats
 
@@ -96,11 +123,6 @@ class AseBatch(Batch):
             except Exception as err:
                 raise DataError(f"{self.path}: ASE cannot read structure {index} as "
                                 f"{self.ase_format} ({type(err).__name__}: {err})") from err
-            if index >= start:
-                piece = atoms_piece(self.path, atoms, index)
-                if names is not None:
-                    piece = piece._replace(
-                        atoms={k: v for k, v in piece.atoms.items() if k in names},
-                        structures={k: v for k, v in piece.structures.items() if k in names})
-                yield piece
+            if index >= resume:
+                yield atoms_piece(self.path, atoms, index)
             index += 1
