@@ -11,6 +11,7 @@ from ase.calculators.singlepoint import SinglePointCalculator
 from ase.constraints import FixAtoms, FixCartesian
 
 from segcli.errors import DataError
+from segcli.io import open_batch
 from segcli.io.asefiles import AseBatch
 from segcli.io.extxyz import Unsupported, pieces
 
@@ -107,6 +108,16 @@ def test_sample_data():
     assert_fast(SAMPLES / "metals.extxyz")
 
 
+def test_batches_read_extxyz_without_ase_io(monkeypatch, extxyz, ase_reference):
+    monkeypatch.setattr(ase.io, "iread", None)
+    n_atoms, per_atom, per_structure = ase_reference(extxyz)
+    with open_batch(extxyz) as batch:
+        assert np.array_equal(batch.n_atoms, n_atoms)
+        chunk, = batch.iter_chunks(["forces", "stress"])
+    assert np.array_equal(chunk.atoms["forces"], per_atom["forces"])
+    assert np.array_equal(chunk.structures["stress"], per_structure["stress"])
+
+
 def test_conftest_frames(extxyz):
     assert_fast(extxyz)
 
@@ -173,6 +184,8 @@ HANDWRITTEN = {
     "blank_line_ends": "1\n\nH 0 0 0\n\n1\n\nH 1 1 1\n",
     "charge_column": "2\nProperties=species:S:1:pos:R:3:charge:R:1:initial_charges:R:1\n"
                      "H 0 0 0 0.5 1\nH 1 1 1 -0.5 -1\n",
+    "move_mask": "2\nProperties=species:S:1:pos:R:3:move_mask:L:1\nH 0 0 0 T\nH 1 1 1 F\n"
+                 "2\nProperties=species:S:1:pos:R:3:move_mask:L:3\nH 0 0 0 T T T\nH 1 1 1 F T F\n",
     "energy_column": "2\nProperties=species:S:1:pos:R:3:energy:R:1 energy=4\n"
                      "H 0 0 0 1\nH 1 1 1 2\n",
 }
@@ -232,3 +245,15 @@ def test_compressed(tmp_path, extxyz):
     path.write_bytes(gzip.compress(extxyz.read_bytes()))
     assert_fast(path)
     assert_identical(batch_pieces(path), ase_pieces(extxyz))
+
+
+def test_fallback_in_the_middle_of_a_selection(tmp_path):
+    frames = varied_frames(9) * 2
+    path = tmp_path / "mixed.extxyz"
+    ase.io.write(path, frames, format="extxyz", columns=["symbols", "positions", "label"])
+    text = path.read_text().replace(" a3\n", ' "a 3"\n')  # a quoted string: ASE's way only
+    path.write_text(text)
+    first = next(i for i, atoms in enumerate(frames) if len(atoms) > 3)
+    assert_falls_back(path, first)
+    for start, stop in [(0, first), (0, first + 1), (1, None), (first, first + 2), (5, 12)]:
+        assert_identical(batch_pieces(path, start, stop), ase_pieces(path, start, stop))

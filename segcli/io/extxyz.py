@@ -1,5 +1,5 @@
 """Extended XYZ files read a structure at a time with NumPy: the same pieces, bit for bit, as
-`ase.io.iread(path, format="extxyz")` followed by `atoms_piece`, about three times faster.
+`ase.io.iread(path, format="extxyz")` followed by `atoms_piece`, in half the time.
 
 The comment line goes through ASE's own `key_val_str_to_dict` and `parse_properties`; the atom
 lines are split once and each column block converted by NumPy with Python's `float` and `int`
@@ -44,7 +44,7 @@ def columns(properties):
     for name, ptype in zip(names, properties.split(":")[1::3]):
         ase_name, cols = props[name]
         if cols < 1 or (ptype, cols) not in SPECIAL.get(ase_name, {(ptype, cols)}) or (
-                ptype == "S" and ase_name not in SPECIAL and ase_name in all_properties):
+                ptype == "S" and ase_name in all_properties):
             raise ValueError(f"property {name}:{ptype}:{cols}")
         out.append((ase_name, ptype, width, cols))
         width += cols
