@@ -36,6 +36,18 @@ def rattled(atoms, rng, stdev):
     return atoms
 
 
+def random_positions(n, rng, spacing=2.3):
+    """n points in a cube sized for the count, none closer than `spacing` Å (a loose cluster
+    or molecule, not overlapping atoms with forces of thousands of eV/Å)."""
+    side = spacing * 1.6 * n ** (1 / 3)
+    points = []
+    while len(points) < n:
+        candidate = rng.uniform(0, side, 3)
+        if all(np.linalg.norm(candidate - p) >= spacing for p in points):
+            points.append(candidate)
+    return np.array(points)
+
+
 def shapes(metal, rng):
     """Periodic cells (some strained or alloyed), a slab and clusters of one metal (only their
     numbers, positions, cell and pbc are used)."""
@@ -53,8 +65,7 @@ def shapes(metal, rng):
     if metal == "Cu":
         clusters.append(Icosahedron(metal, 3))
     for size in rng.integers(2, 9, 3):
-        clusters.append(Atoms(metal * int(size), positions=rng.uniform(0, 2.5 * size ** (1 / 3),
-                                                                        (size, 3))))
+        clusters.append(Atoms(metal * int(size), positions=random_positions(int(size), rng)))
     for cluster in clusters:
         cluster.center(vacuum=5.0)
         yield cluster
@@ -91,7 +102,7 @@ def conformers(rng, path):
             other = METALS[(i + 3) % len(METALS)]
             for n in (2, 4, 7):
                 symbols = [metal] * (n - n // 3) + [other] * (n // 3)
-                base = Atoms(symbols, positions=rng.uniform(0, 2.4 * n ** (1 / 3), (n, 3)))
+                base = Atoms(symbols, positions=random_positions(n, rng))
                 n_conformers = int(rng.integers(3, 9))
                 coordinates = np.empty((n_conformers, n, 3))
                 energies = np.empty(n_conformers)

@@ -229,7 +229,7 @@ def test_convert_subprocess_shows_progress_only_on_a_terminal(tmp_path):
     out = tmp_path / "out.h5"
     result = python_m_segcli("convert", SAMPLES / "metals.extxyz", "-o", out, "--chunk-atoms", 500)
     assert result.returncode == 0, result.stderr
-    assert result.stderr == f"{out}: 199 structures, 2757 atoms, fields: numbers, positions, " \
+    assert result.stderr == f"{out}: 199 structures, 2781 atoms, fields: numbers, positions, " \
                             "momenta, energies, forces, cell, pbc, temperature_K, energy, " \
                             "free_energy, stress\n"
     leader, follower = pty.openpty()
