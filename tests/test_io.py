@@ -1,6 +1,7 @@
 """segcli.io against ase.io.read, h5py and NumPy, on files written fresh to tmp_path."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -327,7 +328,7 @@ def test_result_writer_leaves_nothing_on_failure(batch_h5, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["batch.h5", "frames.extxyz"]
 
 
-def test_result_writer_in_place(batch_h5, extxyz):
+def test_result_writer_in_place(batch_h5, extxyz, monkeypatch):
     before = read_all(open_batch(batch_h5), ["forces", "energy"])
     n_atoms = open_batch(batch_h5).n_atoms
     with ResultWriter(in_place_of=batch_h5) as w:
@@ -344,6 +345,15 @@ def test_result_writer_in_place(batch_h5, extxyz):
             with ResultWriter(in_place_of=batch_h5) as w:
                 w.create(name, (1,), np.float64, {})
     assert batch_h5.read_bytes() == stored
+    # results named up front are refused before the input is copied
+    copies = []
+    monkeypatch.setattr(shutil, "copyfile", lambda *args: copies.append(args))
+    for name in ("sum_forces", "sum_forces/x"):
+        with pytest.raises(DataError, match="result 'sum_forces' already exists"):
+            with ResultWriter(in_place_of=batch_h5, names=["other", name]):
+                pass
+    assert copies == []
+    monkeypatch.undo()
     with pytest.raises(DataError, match="must cover all its 7 structures, not 2"):
         with ResultWriter(in_place_of=batch_h5) as w:
             w.set_n_atoms(n_atoms[:2])

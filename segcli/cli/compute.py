@@ -241,13 +241,13 @@ def _execute(file, spec, fields, *, output, in_place, fmt, name, force, structur
         outputs = job.outputs
         columns = {label: label or name for label in outputs}
         if output or in_place:
+            datasets = {label: f"{name}/{label}" if label else name for label in outputs}
             writer = (ResultWriter(output_path=output, force=force) if output
-                      else ResultWriter(in_place_of=file, force=force))
+                      else ResultWriter(in_place_of=file, force=force, names=datasets.values()))
             attrs = {"op": spec.name, "fields": list(fields), "precision": precision,
                      "device": _device_label(target)}
             if order:
                 attrs.update(order=order, weights=weights, direction=direction)
-            datasets = {label: f"{name}/{label}" if label else name for label in outputs}
             sink = _Hdf5Sink(writer, outputs, datasets, n_atoms, attrs)
         elif fmt == "npy":
             sink = _NpySink(outputs, columns, n_atoms)

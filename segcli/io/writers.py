@@ -67,21 +67,44 @@ def _set_attrs(obj, attrs):
             obj.attrs[key] = value
 
 
+def _existing_result(h5, name):
+    """The path of what stands where /results/<name> would go (the result itself, or a
+    dataset where one of its groups would be), or None."""
+    import h5py
+
+    parts = name.split("/")
+    for depth in range(1, len(parts) + 1):
+        key = "results/" + "/".join(parts[:depth])
+        obj = h5.get(key)
+        if obj is None:
+            return None
+        if depth == len(parts) or isinstance(obj, h5py.Dataset):
+            return key
+    return None
+
+
 class ResultWriter:
     """Writes /results/<name> datasets, either to a new file (`output_path`, which then also
     holds /structures/n_atoms) or into the segcli HDF5 file `in_place_of`.
 
     Everything goes to a temporary file beside the target, renamed over it only when the
     `with` block ends cleanly: a failure leaves nothing behind and the input untouched.
+    `names`, the results about to be created in place, are checked before the input is copied.
     """
 
-    def __init__(self, output_path=None, in_place_of=None, force=False):
+    def __init__(self, output_path=None, in_place_of=None, force=False, names=()):
         if (output_path is None) == (in_place_of is None):
             raise ValueError("give exactly one of output_path and in_place_of")
         self.in_place = in_place_of is not None
         self.path = os.fspath(in_place_of if self.in_place else output_path)
         self.force = force
+        self.names = tuple(names)
         self._n_atoms = None
+
+    def _refuse(self, key):
+        if not self.force:
+            raise DataError(f"{self.path}: result '{key[len('results/'):]}' already exists; "
+                            "use --force to replace it")
 
     def __enter__(self):
         import h5py
@@ -94,6 +117,12 @@ class ResultWriter:
                     raise DataError(f"{self.path}: results can only be stored in a segcli HDF5 "
                                     f"file; convert it first: segcli convert {self.path} -o OUT.h5")
                 self._n_atoms = batch.n_atoms
+            # refuse before copying a large file, where the results to be created are known
+            with h5py.File(self.path, "r") as h5:
+                for name in self.names:
+                    existing = _existing_result(h5, name)
+                    if existing is not None:
+                        self._refuse(existing)
         else:
             refuse_overwrite(self.path, self.force)
         with ExitStack() as stack:
@@ -125,20 +154,10 @@ class ResultWriter:
     def create(self, name, shape, dtype, attrs):
         """Create /results/<name>; a result already there (or a result where one of its
         groups would go) is replaced only with force."""
-        import h5py
-
-        parts = name.split("/")
-        for depth in range(1, len(parts) + 1):
-            key = "results/" + "/".join(parts[:depth])
-            obj = self._h5.get(key)
-            if obj is None:
-                break
-            if depth == len(parts) or isinstance(obj, h5py.Dataset):
-                if not self.force:
-                    raise DataError(f"{self.path}: result '{key[8:]}' already exists; "
-                                    "use --force to replace it")
-                del self._h5[key]
-                break
+        existing = _existing_result(self._h5, name)
+        if existing is not None:
+            self._refuse(existing)
+            del self._h5[existing]
         ds = self._h5.create_dataset(f"results/{name}", shape=shape, dtype=dtype)
         _set_attrs(ds, {"segcli_version": __version__,
                         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
