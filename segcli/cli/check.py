@@ -162,11 +162,10 @@ def _select_structures(spec, arrays, n_atoms, keep):
 
 def _bound(spec, n_atoms):
     """The op and its reference as functions of the op's arrays, for structures of n_atoms."""
-    import numpy as np
-
     from segcli import reference
+    from segcli.ops import segment_ids
 
-    idx = np.repeat(np.arange(len(n_atoms), dtype=np.int32), n_atoms)
+    idx = segment_ids(n_atoms)
     expected = getattr(reference, spec.function)
     return (lambda *arrays: spec.apply(*arrays, idx=idx, num_segments=len(n_atoms)),
             lambda *arrays: expected(*arrays, idx, len(n_atoms)))

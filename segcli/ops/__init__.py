@@ -95,6 +95,11 @@ def _params(m, indices_are_sorted):
     return {"num_segments": m, "indices_are_sorted": bool(indices_are_sorted)}
 
 
+def _nonzero_counts(idx, params, dtype):
+    """Rows per segment as `dtype`, with empty segments counted as 1 (so they average to 0)."""
+    return jnp.maximum(P.count(idx, params["num_segments"], params["indices_are_sorted"]), 1).astype(dtype)
+
+
 def _safe_sqrt(s):
     """sqrt with every derivative 0 (never NaN) where s is 0."""
     zero = s == 0
@@ -129,8 +134,7 @@ def segmented_mean(x, idx, num_segments, *, indices_are_sorted=False):
     x, idx, m, dtype = _common("x", x, idx, num_segments)
     params = _params(m, indices_are_sorted)
     total = P.sum_p.bind(_rows(x), idx, **params)
-    count = jnp.maximum(P.count(idx, m, params["indices_are_sorted"]), 1).astype(x.dtype)
-    return (total / count[:, None]).reshape(m, *x.shape[1:]).astype(dtype)
+    return (total / _nonzero_counts(idx, params, x.dtype)[:, None]).reshape(m, *x.shape[1:]).astype(dtype)
 
 
 def segmented_dot(x, y, idx, num_segments, *, indices_are_sorted=False):
@@ -160,8 +164,7 @@ def segmented_rms_norm(x, idx, num_segments, *, indices_are_sorted=False):
     params = _params(m, indices_are_sorted)
     g = _grouped(x)
     squares = P.dot_p.bind(g, g, idx, **params)[:, 0]
-    count = jnp.maximum(P.count(idx, m, params["indices_are_sorted"]), 1).astype(x.dtype)
-    return _safe_sqrt(squares / count).astype(dtype)
+    return _safe_sqrt(squares / _nonzero_counts(idx, params, x.dtype)).astype(dtype)
 
 
 def segmented_max_norm(x, idx, num_segments, *, indices_are_sorted=False):
