@@ -8,8 +8,8 @@ Implementations, timed side by side in one process on the same inputs:
   seed       nvalchemiops.jax.segment_ops, when importable (first column where it runs)
 
 Inputs: N atoms in structures of 1..63 atoms (32 on average), sorted ids, (N, 3) fields.
-grad is the gradient of Σ w·op(...) (w random) with respect to the first argument; grad2 the
-gradient of <grad, v>. Each cell is the median wall time of `--repeats` calls of a jitted function, each call
+grad is the gradient of Σ w·op(...) (w random, passed as an argument) with respect to the first
+argument; grad2 the gradient of <grad, v>. Each cell is the median wall time of `--repeats` calls of a jitted function, each call
 followed by block_until_ready, after two warm-up calls.
 """
 
@@ -56,27 +56,33 @@ ARGS = {
 }
 
 
-def functions(module, op, idx, m, data):
-    """Jitted fwd, grad and grad-of-grad of op from `module` (None where it has no such op)."""
+def functions(module, op, m):
+    """Jitted fwd, grad and grad-of-grad of op from `module` (None where it has no such op).
+
+    Each takes (w, v, *args): the weights w of the loss Σ w·op(args), the direction v of the
+    second order, then the op's arguments. w and v are arguments, not constants, as they are
+    in a training step (XLA would otherwise embed them in the program)."""
     name = "segmented_" + op
     f = getattr(module, name, None)
     if f is None:
         return {}
-    # ids are an argument, not a constant, so XLA cannot fold anything that depends on them
+    # ids are an argument too, so XLA cannot fold anything that depends on them
     if op == "count":
-        return {"fwd": jax.jit(lambda ids: f(ids, m))}
+        return {"fwd": jax.jit(lambda w, v, ids: f(ids, m))}
     call = lambda *a: f(*a[:-1], a[-1], m)  # noqa: E731
-    # random weights: a constant cotangent would let XLA skip reading it
-    shape = jax.eval_shape(call, *(data[k] for k in ARGS[op]), idx).shape
-    weights = jnp.asarray(np.random.default_rng(1).normal(size=shape), data["x"].dtype)
-    loss = lambda *a: jnp.sum(weights * call(*a))  # noqa: E731
-    grad = jax.grad(loss)
-    direction = data["y"]
+    grad = jax.grad(lambda *a, w: jnp.sum(w * call(*a)))
     return {
-        "fwd": jax.jit(call),
-        "grad": jax.jit(grad),
-        "grad2": jax.jit(jax.grad(lambda *a: jnp.vdot(grad(*a), direction))),
+        "fwd": jax.jit(lambda w, v, *a: call(*a)),
+        "grad": jax.jit(lambda w, v, *a: grad(*a, w=w)),
+        "grad2": jax.jit(lambda w, v, *a: jax.grad(lambda *b: jnp.vdot(grad(*b, w=w), v))(*a)),
     }
+
+
+def loss_weights(op, data, idx, m):
+    """Random weights w shaped like op's output (a constant cotangent would let XLA skip reading it)."""
+    f = getattr(importlib.import_module("segcli.reference"), "segmented_" + op)
+    shape = jax.eval_shape(lambda *a: f(*a[:-1], a[-1], m), *(data[k] for k in ARGS[op]), idx).shape
+    return jnp.asarray(np.random.default_rng(1).normal(size=shape), data["x"].dtype)
 
 
 def median_seconds(fn, args, repeats):
@@ -105,8 +111,9 @@ def run(atoms, dtypes, repeats, ops):
     for dtype in dtypes:
         data, idx, m = inputs(atoms, dtype)
         for op in ops:
-            args = (*(data[k] for k in ARGS[op]), idx)
-            per_impl = {name: functions(module, op, idx, m, data) for name, module in impls.items()}
+            w = loss_weights(op, data, idx, m) if op != "count" else data["s"]
+            args = (w, data["y"], *(data[k] for k in ARGS[op]), idx)
+            per_impl = {name: functions(module, op, m) for name, module in impls.items()}
             for mode in MODES:
                 times = {}
                 for name, fns in per_impl.items():

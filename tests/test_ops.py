@@ -7,6 +7,7 @@ import pytest
 import segment_reference as ref
 
 from segcli import ops
+from segcli.ops import _primitives
 
 
 @pytest.fixture(autouse=True)
@@ -329,6 +330,25 @@ def test_sorted_results_are_bitwise_repeatable_and_flag_independent():
         assert all(np.array_equal(a, b) for a, b in zip(f(x), first))
     promised = ops.segmented_sum(x, idx, 3000, indices_are_sorted=True)
     assert np.array_equal(promised, first[0])
+
+
+@pytest.fixture
+def gpu_code_paths():
+    """Lower the ops on this CPU with the code paths a GPU takes (scan layout, many-thread atomics)."""
+    _primitives.lower_cpu_as_gpu(True)
+    yield
+    _primitives.lower_cpu_as_gpu(False)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_gpu_code_paths(name, gpu_code_paths):
+    for transform in ("value", "grad", "grad_grad", "jvp", "vmap"):
+        test_transform_matches_reference_float64(name, transform)
+    test_unsorted_ids_match_sorted(name)
+    for sorted_ in (True, False):
+        test_out_of_range_ids_are_dropped(name, np.int32, sorted_)
+    test_no_segments(name)
+    test_one_segment(name)
 
 
 def test_matvec_gives_cartesian_positions():

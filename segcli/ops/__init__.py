@@ -162,9 +162,20 @@ def segmented_rms_norm(x, idx, num_segments, *, indices_are_sorted=False):
     """sqrt(Σ |x[i]|² / count) over each segment: (M,); an empty segment gives 0."""
     x, idx, m, dtype = _common("x", x, idx, num_segments)
     params = _params(m, indices_are_sorted)
-    g = _grouped(x)
-    squares = P.dot_p.bind(g, g, idx, **params)[:, 0]
+    squares = _squared_norms(_grouped(x), idx, tuple(params.items()))[:, 0]
     return _safe_sqrt(squares / _nonzero_counts(idx, params, x.dtype)).astype(dtype)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _squared_norms(g, idx, params):
+    """Σ |g[i]|² per segment and group: dot(g, g), with the JVP 2 dot(g, t) (one kernel, not two)."""
+    return P.dot_p.bind(g, g, idx, **dict(params))
+
+
+@_squared_norms.defjvp
+def _squared_norms_jvp(params, primals, tangents):
+    g, idx = primals
+    return _squared_norms(g, idx, params), 2 * P.dot_p.bind(g, tangents[0], idx, **dict(params))
 
 
 def segmented_max_norm(x, idx, num_segments, *, indices_are_sorted=False):
@@ -182,11 +193,17 @@ def _max_squared_norm(g, idx, params):
 
 @_max_squared_norm.defjvp
 def _max_squared_norm_jvp(params, primals, tangents):
-    # Through `dot` with the rows that attain the max, so every order differentiates correctly.
+    # Through the rows that attain the max (M of them), so every order differentiates correctly.
     g, idx = primals
-    _, mask = P.max_norm_p.bind(g, idx, **dict(params))
-    winners = jnp.where(mask[..., None] > 0, g, 0)
-    return P.dot_p.bind(winners, g, idx, **dict(params)), 2 * P.dot_p.bind(winners, tangents[0], idx, **dict(params))
+    _, first = P.max_norm_p.bind(g, idx, **dict(params))
+
+    def rows(a):
+        if a.shape[0] == 0:
+            return jnp.zeros((*first.shape, a.shape[2]), a.dtype)
+        return a.at[first, jnp.arange(a.shape[1])].get(mode="fill", fill_value=0)
+
+    winners, moves = rows(g), rows(tangents[0])
+    return jnp.sum(winners * winners, axis=-1), 2 * jnp.sum(winners * moves, axis=-1)
 
 
 def segmented_matvec(v, m, idx, num_segments):

@@ -3,13 +3,13 @@
 Shapes (rows first, then a group axis G that vmap folds into, then features):
 
     layout   idx (N,)                          -> offsets (M+1,)   offsets[s] = first i with idx[i] >= s
-                                                  (a search per segment on CPUs, a scan of the ids on GPUs)
     sum      x (N, K)                          -> (M, K)           out[s] = Σ_{idx[i]=s} x[i]
     count    idx (N,)                          -> (M,)             out[s] = #{i : idx[i]=s}
     dot      x, y (N, G, K)                    -> (M, G, K)        out[s,g,k] = Σ_{idx[i]=s} x[i,g,k] y[i,g,k]
     outer    a (N, G, K), b (N, G, L)          -> (M, G, K, L)     out[s,g] = Σ_{idx[i]=s} a[i,g] ⊗ b[i,g]
-    max_norm x (N, G, K)                       -> best (M, G), mask (N, G)
-                                                  best[s,g] = max_{idx[i]=s} |x[i,g]|², mask 1 at the first i attaining it
+    max_norm x (N, G, K)                       -> best (M, G), first (M, G) int32
+                                                  best[s,g] = max_{idx[i]=s} |x[i,g]|², first[s,g] the first i
+                                                  attaining it (N for an empty segment)
     gather   y (R, K), idx (L,)                -> (L, K)           out[i] = y[idx[i]]
     scale    x (N, G, K), y (M, G)             -> (N, G, K)        out[i,g] = x[i,g] * y[idx[i],g]
     matvec   v (N, G, K), m (M, G, K, J)       -> (N, G, J)        out[i,g] = m[idx[i],g]ᵀ v[i,g]
@@ -55,6 +55,10 @@ def _init_warp():
 
 _init_warp()
 
+# Threads per block on a GPU: 128 runs the gathers up to 15 % faster than 256 on an H200 and
+# the other kernels as fast (benchmarks/RESULTS.md).
+_BLOCK_DIM = 128
+
 # Threads of the grid-stride loop of the unordered (atomic) fallback on a GPU.
 _GPU_STRIDE_THREADS = 1 << 17
 
@@ -69,8 +73,9 @@ def _segment_range(offsets: wp.array(dtype=wp.int32), s: int, n: int):
 
 
 @wp.kernel
-def _layout_search_kernel(idx: wp.array(dtype=wp.int32), out: wp.array(dtype=wp.int32)):
-    # One thread per segment: binary search for the first id >= s (few threads: for CPUs).
+def _layout_kernel(idx: wp.array(dtype=wp.int32), out: wp.array(dtype=wp.int32)):
+    # One thread per segment: binary search for the first id >= s. (On a GPU this beats a
+    # thread per row writing the offsets at each boundary: 17 µs against 39 at N = 10⁷.)
     s = wp.tid()
     lo = int(0)
     hi = idx.shape[0]
@@ -81,23 +86,6 @@ def _layout_search_kernel(idx: wp.array(dtype=wp.int32), out: wp.array(dtype=wp.
         else:
             hi = mid
     out[s] = lo
-
-
-@wp.kernel
-def _layout_scan_kernel(idx: wp.array(dtype=wp.int32), out: wp.array(dtype=wp.int32)):
-    # One thread per boundary between rows i-1 and i: it writes the offsets of the segments
-    # starting there (coalesced reads: for GPUs). Each offset is written exactly once when the
-    # ids are non-decreasing; otherwise some stay unwritten, but they are then never used.
-    i = wp.tid()
-    m = out.shape[0] - 1
-    prev = int(-1)
-    if i > 0:
-        prev = wp.clamp(idx[i - 1], -1, m)
-    cur = m
-    if i < idx.shape[0]:
-        cur = wp.clamp(idx[i], -1, m)
-    for s in range(prev + 1, cur + 1):
-        out[s] = i
 
 
 @wp.kernel
@@ -232,7 +220,7 @@ def _max_norm_ordered_kernel(
     offsets: wp.array(dtype=wp.int32),
     ordered: wp.array(dtype=wp.int32),
     best: wp.array2d(dtype=Any),
-    mask: wp.array2d(dtype=Any),
+    first: wp.array2d(dtype=wp.int32),
 ):
     s, g = wp.tid()
     if ordered[0] != 0:
@@ -246,7 +234,7 @@ def _max_norm_ordered_kernel(
                 top = v
         best[s, g] = top
         if best_i >= 0:
-            mask[best_i, g] = mask.dtype(1.0)
+            first[s, g] = best_i
 
 
 @wp.kernel
@@ -284,19 +272,18 @@ def _first_attaining_kernel(
 
 
 @wp.kernel
-def _mark_first_kernel(
+def _norm_of_first_kernel(
     x: wp.array3d(dtype=Any),
     ordered: wp.array(dtype=wp.int32),
     first: wp.array2d(dtype=wp.int32),
     best: wp.array2d(dtype=Any),
-    mask: wp.array2d(dtype=Any),
 ):
+    # The squared norm of the row found (NaN where the key was a NaN's inf), or 0 if none.
     s, g = wp.tid()
     if ordered[0] == 0:
         i = first[s, g]
         if i < x.shape[0]:
             best[s, g] = _squared_norm(x, i, g)
-            mask[i, g] = mask.dtype(1.0)
         else:
             best[s, g] = best.dtype(0.0)
 
@@ -448,8 +435,7 @@ def _dot3_kernel(
 
 # Kernels by name; the generic ones (dtype Any) are instantiated for float32 and float64.
 _KERNELS = {
-    "layout_search": _layout_search_kernel,
-    "layout_scan": _layout_scan_kernel,
+    "layout": _layout_kernel,
     "count": _count_kernel,
     "sum": _sum_kernel,
     "dot": _dot_kernel,
@@ -457,7 +443,7 @@ _KERNELS = {
     "max_norm_ordered": _max_norm_ordered_kernel,
     "max_key": _max_key_kernel,
     "first_attaining": _first_attaining_kernel,
-    "mark_first": _mark_first_kernel,
+    "norm_of_first": _norm_of_first_kernel,
     "gather": _gather_kernel,
     "scale": _scale_kernel,
     "matvec": _matvec_kernel,
@@ -503,7 +489,9 @@ _OVERLOADS = {
 def _ffi(name, dtype, in_out):
     kernel = _OVERLOADS.get((name, dtype), _KERNELS[name])
     outputs = len(in_out) + sum(1 for a in kernel.adj.args if a.label == "out" and "out" not in in_out)
-    return wp.jax_kernel(kernel, num_outputs=outputs, in_out_argnames=list(in_out), vmap_method="sequential")
+    return wp.jax_kernel(
+        kernel, num_outputs=outputs, in_out_argnames=list(in_out), vmap_method="sequential", block_dim=_BLOCK_DIM
+    )
 
 
 def launch(name, *args, dims, in_out=(), out=None):

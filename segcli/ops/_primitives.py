@@ -13,7 +13,7 @@ to each operand is another primitive of the set:
 
 JAX derives every higher derivative, forward or reverse, from these rules. Two more
 primitives have no derivative of their own: `max_norm` (the largest squared norm per segment
-and a mask of the row attaining it, piecewise constant in x) and `count`. Batching folds a
+and the first row attaining it, piecewise constant in x) and `count`. Batching folds a
 vmapped axis into axis 1 of every float operand (the feature or group axis), which keeps the
 segment ids and their order; vmapped ids fall back to a loop over the batch.
 
@@ -32,21 +32,18 @@ from jax.interpreters import ad, batching, mlir
 from segcli.ops._kernels import launch, stride
 
 
-def _layout(idx, num_segments, indices_are_sorted, gpu):
+def _layout(idx, num_segments, indices_are_sorted):
     """CSR offsets of the ids and a one-element flag saying whether they are non-decreasing."""
-    kernel, threads = ("layout_scan", idx.shape[0] + 1) if gpu else ("layout_search", num_segments + 1)
-    offsets = launch(kernel, idx, dims=(threads,), out=(num_segments + 1,))
+    offsets = launch("layout", idx, dims=(num_segments + 1,), out=(num_segments + 1,))
     if indices_are_sorted or idx.shape[0] < 2:
-        ordered = jnp.ones((1,), jnp.int32)
-    else:
-        ordered = jnp.all(idx[1:] >= idx[:-1]).astype(jnp.int32).reshape(1)
-    return offsets, ordered
+        return offsets, jnp.ones((1,), jnp.int32)
+    return offsets, jnp.all(idx[1:] >= idx[:-1]).astype(jnp.int32).reshape(1)
 
 
 def _reduce(name, floats, idx, zeros, grid, num_segments, indices_are_sorted, gpu):
     """A reduction kernel into `zeros`, over max(M, stride) rows × `grid` threads: ordered ids
     a segment per row, else atomics."""
-    offsets, ordered = _layout(idx, num_segments, indices_are_sorted, gpu)
+    offsets, ordered = _layout(idx, num_segments, indices_are_sorted)
     threads = stride(gpu, idx.shape[0])
     dims = (max(num_segments, threads), *grid)
     return launch(name, *floats, idx, offsets, ordered, threads, zeros, dims=dims, in_out=("out",))
@@ -82,41 +79,31 @@ def _impl(name):
 
 
 def _max_norm(x, idx, shapes, num_segments, indices_are_sorted, gpu):
-    (best_shape, mask_shape), dtype = shapes, x.dtype
+    (shape, _), n = shapes, x.shape[0]
     if 0 in x.shape or num_segments == 0:
-        return [jnp.zeros(best_shape, dtype), jnp.zeros(mask_shape, dtype)]
-    offsets, ordered = _layout(idx, num_segments, indices_are_sorted, gpu)
-    threads = stride(gpu, x.shape[0])
-    groups = best_shape[1]
+        return [jnp.zeros(shape, x.dtype), jnp.full(shape, n, jnp.int32)]
+    offsets, ordered = _layout(idx, num_segments, indices_are_sorted)
+    threads = stride(gpu, n)
+    groups = shape[1]
     # Ordered ids: one pass per segment. Otherwise: atomic max of the key, atomic min of
-    # the first row attaining it, then mark that row. Each kernel returns at once when
+    # the first row attaining it, then that row's norm. Each kernel returns at once when
     # the flag says the other path applies; promised-sorted ids skip the other path.
-    best, mask = launch(
+    best, first = launch(
         "max_norm_ordered",
         x,
         offsets,
         ordered,
-        jnp.full(best_shape, -1, dtype),
-        jnp.zeros(mask_shape, dtype),
-        dims=best_shape,
-        in_out=("best", "mask"),
+        jnp.full(shape, -1, x.dtype),
+        jnp.full(shape, n, jnp.int32),
+        dims=shape,
+        in_out=("best", "first"),
     )
     if indices_are_sorted:
-        return [best, mask]
+        return [best, first]
     best = launch("max_key", x, idx, ordered, threads, best, dims=(threads, groups), in_out=("best",))
-    first = launch(
-        "first_attaining",
-        x,
-        idx,
-        ordered,
-        threads,
-        best,
-        jnp.full(best_shape, x.shape[0], jnp.int32),
-        dims=(threads, groups),
-        in_out=("first",),
-    )
-    best, mask = launch("mark_first", x, ordered, first, best, mask, dims=best_shape, in_out=("best", "mask"))
-    return [best, mask]
+    first = launch("first_attaining", x, idx, ordered, threads, best, first, dims=(threads, groups), in_out=("first",))
+    best = launch("norm_of_first", x, ordered, first, best, dims=shape, in_out=("best",))
+    return [best, first]
 
 
 _REDUCTIONS = ("sum", "dot", "outer")
@@ -135,7 +122,7 @@ _SHAPES = {
     "sum": lambda s, m, n: (m, s[0][1]),
     "dot": lambda s, m, n: (m, s[0][1]),
     "outer": lambda s, m, n: (m, s[0][1], s[0][2], s[1][2]),
-    "max_norm": lambda s, m, n: [(m, s[0][1]), (n, s[0][1])],
+    "max_norm": lambda s, m, n: [(m, s[0][1]), (m, s[0][1])],
     "gather": lambda s, m, n: (n, s[0][1]),
     "scale": lambda s, m, n: s[0],
     "matvec": lambda s, m, n: (n, s[0][1], s[1][3]),
@@ -180,19 +167,35 @@ def _loop_batch(prim, args, dims, params):
     return out, [0] * len(out) if prim.multiple_results else 0
 
 
+_IMPLS = {}  # primitive -> impl, for `lower_cpu_as_gpu`
+
+
+def _lower(prim, platform, gpu):
+    impl = functools.partial(_IMPLS[prim], gpu=gpu)
+    mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=prim.multiple_results), platform=platform)
+
+
+def lower_cpu_as_gpu(enabled):
+    """Lower the primitives on the CPU with their GPU code paths (many-thread atomics, the kernels
+    a GPU uses), so that a machine without one tests them; clears JAX's caches."""
+    for prim in _IMPLS:
+        _lower(prim, "cpu", gpu=enabled)
+    jax.clear_caches()
+
+
 def _register(rule):
     prim = Primitive(f"segcli_{rule.name}")
     prim.multiple_results = rule.name == "max_norm"
     prim.def_impl(lambda *args, **params: jax.jit(functools.partial(prim.bind, **params))(*args))
+    _IMPLS[prim] = rule.impl
     for platform, gpu in (("cpu", False), ("cuda", True)):
-        lowered = mlir.lower_fun(functools.partial(rule.impl, gpu=gpu), multiple_results=prim.multiple_results)
-        mlir.register_lowering(prim, lowered, platform=platform)
+        _lower(prim, platform, gpu)
 
     def abstract(*avals, num_segments, indices_are_sorted):
         shapes = _output_shape(rule.name, avals[: rule.arity], avals[rule.arity], num_segments)
         dtype = avals[0].dtype
-        if prim.multiple_results:
-            return [jax.core.ShapedArray(s, dtype) for s in shapes]
+        if prim.multiple_results:  # max_norm: the norms, and the rows attaining them
+            return [jax.core.ShapedArray(shapes[0], dtype), jax.core.ShapedArray(shapes[1], jnp.int32)]
         return jax.core.ShapedArray(shapes, dtype)
 
     def batch(args, dims, **params):
@@ -210,7 +213,7 @@ def _register(rule):
 
 
 def _symbolic_zero(value):
-    return ad.Zero(jax.core.ShapedArray(value.shape, value.dtype))
+    return ad.Zero(jax.typeof(value).to_tangent_aval())
 
 
 def _multilinear(rule):
@@ -298,8 +301,8 @@ outer_p = _multilinear(
     )
 )
 
-# Largest squared norm per segment and group, and a 0/1 mask of the first row attaining it.
-# Piecewise constant in x: its derivative is zero (max_norm differentiates through `dot`).
+# Largest squared norm per segment and group, and the first row attaining it. Piecewise
+# constant in x: its derivative is zero (max_norm differentiates through the rows it picks).
 max_norm_p = _register(_Rule("max_norm", _impl("max_norm"), 1))
 
 

@@ -1,0 +1,65 @@
+"""Where an op's time goes on a GPU: wall time and each device kernel's time, from JAX's profiler.
+
+    python benchmarks/profile_ops.py --atoms 10000000 --dtype float32 --ops sum,mul --logdir /tmp/prof
+
+For each op, mode (fwd, grad) and implementation (segcli, jax) of `benchmarks/ops.py`: the
+median wall time of 10 calls, then the kernels that 3 profiled calls ran, with each kernel's
+median duration and how many times a call launched it.
+"""
+
+import argparse
+import collections
+import glob
+import os
+import statistics
+
+import jax
+from jax.profiler import ProfileData
+
+import ops as bench
+
+
+def kernel_times(logdir):
+    """(name -> durations in µs) of every event on the GPU planes of the trace in logdir."""
+    times = collections.defaultdict(list)
+    for plane in ProfileData.from_file(glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)[0]).planes:
+        if plane.name.startswith("/device:GPU"):
+            for line in plane.lines:
+                for event in line.events:
+                    times[event.name].append(event.duration_ns / 1e3)
+    return times
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--atoms", type=int, default=10_000_000)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--ops", default="sum,mul")
+    parser.add_argument("--logdir", required=True)
+    args = parser.parse_args()
+    impls = {k: v for k, v in bench.implementations().items() if k in ("segcli", "jax")}
+    for dtype in args.dtype.split(","):
+        if dtype == "float64":
+            jax.config.update("jax_enable_x64", True)
+        data, idx, m = bench.inputs(args.atoms, dtype)
+        for op in args.ops.split(","):
+            w = bench.loss_weights(op, data, idx, m) if op != "count" else data["s"]
+            call_args = (w, data["y"], *(data[k] for k in bench.ARGS[op]), idx)
+            for name, module in impls.items():
+                for mode, fn in bench.functions(module, op, m).items():
+                    if mode == "grad2":
+                        continue
+                    wall = bench.median_seconds(fn, call_args, 10)
+                    logdir = os.path.join(args.logdir, f"{dtype}-{op}-{mode}-{name}")
+                    with jax.profiler.trace(logdir):
+                        for _ in range(3):
+                            jax.block_until_ready(fn(*call_args))
+                    kernels = kernel_times(logdir)
+                    busy = sum(sum(t) for t in kernels.values()) / 3
+                    print(f"{dtype} {op} {mode} {name}: wall {wall * 1e6:.0f} µs, kernels {busy:.0f} µs per call")
+                    for kernel, t in sorted(kernels.items(), key=lambda kv: -sum(kv[1])):
+                        print(f"    {len(t) / 3:4.1f}× {statistics.median(t):7.1f} µs  {kernel[:100]}")
+
+
+if __name__ == "__main__":
+    main()
