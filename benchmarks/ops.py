@@ -9,8 +9,9 @@ Implementations, timed side by side in one process on the same inputs:
 
 Inputs: N atoms in structures of 1..63 atoms (32 on average), sorted ids, (N, 3) fields.
 grad is the gradient of Σ w·op(...) (w random, passed as an argument) with respect to the first
-argument; grad2 the gradient of <grad, v>. Each cell is the median wall time of `--repeats` calls of a jitted function, each call
-followed by block_until_ready, after two warm-up calls.
+argument; grad2 the gradient of <grad, v>. Each cell is the median wall time of `--repeats`
+calls of a jitted function, each call followed by block_until_ready; the implementations of a
+cell are called in turns (see `median_seconds`).
 """
 
 import argparse
@@ -85,15 +86,26 @@ def loss_weights(op, data, idx, m):
     return jnp.asarray(np.random.default_rng(1).normal(size=shape), data["x"].dtype)
 
 
-def median_seconds(fn, args, repeats):
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def median_seconds(fns, args, repeats):
+    """name -> median wall time of fns[name](*args) (or why it fails). The functions are called
+    in turns, one call of each per round, so that all see the same GPU clocks and load; each is
+    first called twice (compilation) and then for `repeats` rounds unmeasured (warming the GPU)."""
+    failed, times = {}, {name: [] for name in fns}
+    for name, fn in fns.items():
+        try:
+            for _ in range(2):
+                jax.block_until_ready(fn(*args))
+        except Exception as err:  # noqa: BLE001 - the seed fails on some ops/modes; record it
+            failed[name] = f"fails: {type(err).__name__}"
+    running = {name: fn for name, fn in fns.items() if name not in failed}
+    for measured in (False, True):
+        for _ in range(repeats):
+            for name, fn in running.items():
+                start = time.perf_counter()
+                jax.block_until_ready(fn(*args))
+                if measured:
+                    times[name].append(time.perf_counter() - start)
+    return {**failed, **{name: statistics.median(times[name]) for name in running}}
 
 
 def implementations():
@@ -115,16 +127,9 @@ def run(atoms, dtypes, repeats, ops):
             args = (w, data["y"], *(data[k] for k in ARGS[op]), idx)
             per_impl = {name: functions(module, op, m) for name, module in impls.items()}
             for mode in MODES:
-                times = {}
-                for name, fns in per_impl.items():
-                    if mode not in fns:
-                        continue
-                    try:
-                        times[name] = median_seconds(fns[mode], args, repeats)
-                    except Exception as err:  # noqa: BLE001 - the seed fails on some ops/modes; record it
-                        times[name] = f"fails: {type(err).__name__}"
-                if times:
-                    rows.append((op, dtype, mode, times))
+                fns = {name: f[mode] for name, f in per_impl.items() if mode in f}
+                if fns:
+                    rows.append((op, dtype, mode, median_seconds(fns, args, repeats)))
     return rows, list(impls), m
 
 

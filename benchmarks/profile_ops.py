@@ -49,7 +49,7 @@ def main():
                 for mode, fn in bench.functions(module, op, m).items():
                     if mode == "grad2":
                         continue
-                    wall = bench.median_seconds(fn, call_args, 10)
+                    wall = bench.median_seconds({name: fn}, call_args, 10)[name]
                     logdir = os.path.join(args.logdir, f"{dtype}-{op}-{mode}-{name}")
                     with jax.profiler.trace(logdir):
                         for _ in range(3):

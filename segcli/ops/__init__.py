@@ -214,7 +214,7 @@ def segmented_matvec(v, m, idx, num_segments):
         raise ValueError(f"v must have shape (N, 3), got {v.shape}")
     if m.shape != (segments, 3, 3):
         raise ValueError(f"m must have shape (num_segments, 3, 3) = ({segments}, 3, 3), got {m.shape}")
-    out = P.matvec_p.bind(v[:, None], m.astype(v.dtype)[:, None], idx, **_params(segments, False))
+    out = P.matvec_p.bind(v[:, None], m.astype(v.dtype)[:, None], idx, **_params(segments, False), transpose=False)
     return out[:, 0].astype(dtype)
 
 

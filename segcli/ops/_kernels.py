@@ -5,17 +5,19 @@ Shapes (rows first, then a group axis G that vmap folds into, then features):
     layout   idx (N,)                          -> offsets (M+1,)   offsets[s] = first i with idx[i] >= s
     sum      x (N, K)                          -> (M, K)           out[s] = Σ_{idx[i]=s} x[i]
     count    idx (N,)                          -> (M,)             out[s] = #{i : idx[i]=s}
-    dot      x, y (N, G, K)                    -> (M, G, K)        out[s,g,k] = Σ_{idx[i]=s} x[i,g,k] y[i,g,k]
+    row_dot  x, y (N, G, K)                    -> (N, G)           out[i,g] = <x[i,g], y[i,g]>   (dot = sum of row_dot)
     outer    a (N, G, K), b (N, G, L)          -> (M, G, K, L)     out[s,g] = Σ_{idx[i]=s} a[i,g] ⊗ b[i,g]
     max_norm x (N, G, K)                       -> best (M, G), first (M, G) int32
                                                   best[s,g] = max_{idx[i]=s} |x[i,g]|², first[s,g] the first i
                                                   attaining it (N for an empty segment)
     gather   y (R, K), idx (L,)                -> (L, K)           out[i] = y[idx[i]]
     scale    x (N, G, K), y (M, G)             -> (N, G, K)        out[i,g] = x[i,g] * y[idx[i],g]
-    matvec   v (N, G, K), m (M, G, K, J)       -> (N, G, J)        out[i,g] = m[idx[i],g]ᵀ v[i,g]
-    gather3, scale3, matvec3                                      the same for G = 1, K = J = 3
-    sum3, dot3                                                    the same on CPUs (a GPU keeps more
-                                                                  rows in flight with a thread per feature)
+    matvec   v (N, G, K), m (M, G, K, K)       -> (N, G, K)        out[i,g] = v[i,g] @ m[idx[i],g]  (@ m[idx[i],g]ᵀ
+                                                                  with `transpose`)
+    gather3, scale3, matvec3                                      the same for G = 1, K = 3
+    sum3, dot3                                                    sum and dot for G = 1, K = 3, on CPUs (a GPU
+                                                                  keeps more rows in flight with a thread
+                                                                  per feature, and reads rows coalesced)
 
 Ids outside [0, M) are skipped by reductions and give 0 in gathers; no id reads or writes
 outside an array. Reductions take `ordered`, a one-element flag computed from the ids: when it
@@ -134,35 +136,6 @@ def _sum_kernel(
             s = idx[i]
             if s >= 0 and s < m:
                 wp.atomic_add(out, s, k, x[i, k])
-
-
-@wp.kernel
-def _dot_kernel(
-    x: wp.array3d(dtype=Any),
-    y: wp.array3d(dtype=Any),
-    idx: wp.array(dtype=wp.int32),
-    offsets: wp.array(dtype=wp.int32),
-    ordered: wp.array(dtype=wp.int32),
-    stride: int,
-    out: wp.array3d(dtype=Any),
-):
-    # Partial dot products per feature k (summed over k by the caller): a thread per
-    # (segment, group, feature) keeps as many rows in flight as the sum kernel does.
-    t, g, k = wp.tid()
-    n = x.shape[0]
-    m = out.shape[0]
-    if ordered[0] != 0:
-        if t < m:
-            lo, hi = _segment_range(offsets, t, n)
-            acc = out.dtype(0.0)
-            for i in range(lo, hi):
-                acc += x[i, g, k] * y[i, g, k]
-            out[t, g, k] = acc
-    elif t < stride:
-        for i in range(t, n, stride):
-            s = idx[i]
-            if s >= 0 and s < m:
-                wp.atomic_add(out, s, g, k, x[i, g, k] * y[i, g, k])
 
 
 @wp.kernel
@@ -319,10 +292,22 @@ def _scale_kernel(
 
 
 @wp.kernel
+def _row_dot_kernel(x: wp.array3d(dtype=Any), y: wp.array3d(dtype=Any), out: wp.array2d(dtype=Any)):
+    # Read row by row (coalesced on a GPU); `sum` then adds the rows of each segment.
+    i = wp.tid()
+    for g in range(x.shape[1]):
+        acc = out.dtype(0.0)
+        for k in range(x.shape[2]):
+            acc += x[i, g, k] * y[i, g, k]
+        out[i, g] = acc
+
+
+@wp.kernel
 def _matvec_kernel(
     v: wp.array3d(dtype=Any),
     m: wp.array4d(dtype=Any),
     idx: wp.array(dtype=wp.int32),
+    transpose: int,
     out: wp.array3d(dtype=Any),
 ):
     i = wp.tid()
@@ -333,7 +318,10 @@ def _matvec_kernel(
             acc = out.dtype(0.0)
             if valid:
                 for k in range(v.shape[2]):
-                    acc += v[i, g, k] * m[s, g, k, j]
+                    if transpose != 0:
+                        acc += v[i, g, k] * m[s, g, j, k]
+                    else:
+                        acc += v[i, g, k] * m[s, g, k, j]
             out[i, g, j] = acc
 
 
@@ -370,12 +358,16 @@ def _matvec3_kernel(
     v: wp.array(dtype=Any),
     m: wp.array(dtype=Any),
     idx: wp.array(dtype=wp.int32),
+    transpose: int,
     out: wp.array(dtype=Any),
 ):
     i = wp.tid()
     s = idx[i]
     if s >= 0 and s < m.shape[0]:
-        out[i] = wp.transpose(m[s]) @ v[i]
+        if transpose != 0:
+            out[i] = m[s] @ v[i]
+        else:
+            out[i] = wp.transpose(m[s]) @ v[i]
     else:
         out[i] = type(out[i])()
 
@@ -438,7 +430,7 @@ _KERNELS = {
     "layout": _layout_kernel,
     "count": _count_kernel,
     "sum": _sum_kernel,
-    "dot": _dot_kernel,
+    "row_dot": _row_dot_kernel,
     "outer": _outer_kernel,
     "max_norm_ordered": _max_norm_ordered_kernel,
     "max_key": _max_key_kernel,

@@ -8,8 +8,9 @@ to each operand is another primitive of the set:
     gather(y)      y ↦ sum(ct)
     dot(x, y)      x ↦ scale(y, ct)      y ↦ scale(x, ct)
     scale(x, y)    x ↦ scale(ct, y)      y ↦ dot(ct, x)
-    matvec(v, m)   v ↦ matvec(ct, mᵀ)    m ↦ outer(v, ct)
-    outer(a, b)    a ↦ matvec(b, ctᵀ)    b ↦ matvec(a, ct)
+    matvec(v, m)   v ↦ matvecᵀ(ct, m)    m ↦ outer(v, ct)   (matvec: v @ m per row; matvecᵀ: v @ mᵀ)
+    matvecᵀ(v, m)  v ↦ matvec(ct, m)     m ↦ outer(ct, v)
+    outer(a, b)    a ↦ matvecᵀ(b, ct)    b ↦ matvec(a, ct)
 
 JAX derives every higher derivative, forward or reverse, from these rules. Two more
 primitives have no derivative of their own: `max_norm` (the largest squared norm per segment
@@ -18,7 +19,7 @@ vmapped axis into axis 1 of every float operand (the feature or group axis), whi
 segment ids and their order; vmapped ids fall back to a loop over the batch.
 
 Operands are float arrays followed by int32 ids; parameters are `num_segments` (the length of
-the segment axis) and `indices_are_sorted`.
+the segment axis) and `indices_are_sorted`, and for matvec `transpose` (matvecᵀ above).
 """
 
 import functools
@@ -52,7 +53,7 @@ def _reduce(name, floats, idx, zeros, grid, num_segments, indices_are_sorted, gp
 def _impl(name):
     """The impl of primitive `name`: zeros for empty inputs, else its kernel(s)."""
 
-    def impl(*operands, num_segments, indices_are_sorted, gpu=False):
+    def impl(*operands, num_segments, indices_are_sorted, gpu=False, transpose=False):
         *floats, idx = operands
         shape, dtype = _output_shape(name, floats, idx, num_segments), floats[0].dtype
         if name == "max_norm":
@@ -64,16 +65,18 @@ def _impl(name):
             vectors = [f.reshape(f.shape[0], 3) for f in floats]
             zeros = jnp.zeros((num_segments, 3) if name == "sum" else (num_segments,), dtype)
             return _reduce(name + "3", vectors, idx, zeros, (), *ordering).reshape(shape)
-        if name == "dot":  # partial sums per feature, added up here
-            zeros = jnp.zeros((*shape, floats[0].shape[2]), dtype)
-            return jnp.sum(_reduce(name, floats, idx, zeros, zeros.shape[1:], *ordering), axis=2)
+        if name == "dot":  # products per row, then their segment sums
+            rows = launch("row_dot", *floats, dims=(idx.shape[0],), out=floats[0].shape[:2])
+            return _reduce("sum", [rows], idx, jnp.zeros(shape, dtype), shape[1:], *ordering)
         if name in _REDUCTIONS:
             return _reduce(name, floats, idx, jnp.zeros(shape, dtype), shape[1:], *ordering)
+        scalars = (int(transpose),) if name == "matvec" else ()
         if _is_vec3(name, floats):
             # drop the group axis of 1 (gather has none): rows of vectors, scalars or matrices
             flat = floats if name == "gather" else [f.reshape(f.shape[0], *f.shape[2:]) for f in floats]
-            return launch(name + "3", *flat, idx, dims=(idx.shape[0],), out=(idx.shape[0],)).reshape(shape)
-        return launch(name, *floats, idx, dims=(idx.shape[0],), out=shape)
+            out = launch(name + "3", *flat, idx, *scalars, dims=(idx.shape[0],), out=(idx.shape[0],))
+            return out.reshape(shape)
+        return launch(name, *floats, idx, *scalars, dims=(idx.shape[0],), out=shape)
 
     return impl
 
@@ -106,7 +109,7 @@ def _max_norm(x, idx, shapes, num_segments, indices_are_sorted, gpu):
     return [best, first]
 
 
-_REDUCTIONS = ("sum", "dot", "outer")
+_REDUCTIONS = ("sum", "outer")
 
 
 def _is_vec3(name, floats):
@@ -125,7 +128,7 @@ _SHAPES = {
     "max_norm": lambda s, m, n: [(m, s[0][1]), (m, s[0][1])],
     "gather": lambda s, m, n: (n, s[0][1]),
     "scale": lambda s, m, n: s[0],
-    "matvec": lambda s, m, n: (n, s[0][1], s[1][3]),
+    "matvec": lambda s, m, n: s[0],  # square matrices
     "count": lambda s, m, n: (m,),
 }
 
@@ -191,7 +194,7 @@ def _register(rule):
     for platform, gpu in (("cpu", False), ("cuda", True)):
         _lower(prim, platform, gpu)
 
-    def abstract(*avals, num_segments, indices_are_sorted):
+    def abstract(*avals, num_segments, indices_are_sorted, **_):
         shapes = _output_shape(rule.name, avals[: rule.arity], avals[rule.arity], num_segments)
         dtype = avals[0].dtype
         if prim.multiple_results:  # max_norm: the norms, and the rows attaining them
@@ -249,8 +252,9 @@ def _multilinear(rule):
     return prim
 
 
-def _swap(m):
-    return jnp.swapaxes(m, -1, -2)
+def _segments(p):
+    """The parameters every primitive takes (matvec's `transpose` dropped)."""
+    return {"num_segments": p["num_segments"], "indices_are_sorted": p["indices_are_sorted"]}
 
 
 # The table of transposes; the lambdas refer to primitives defined further down.
@@ -284,8 +288,8 @@ matvec_p = _multilinear(
         _impl("matvec"),
         2,
         (
-            lambda ct, m, idx, p: matvec_p.bind(ct, _swap(m), idx, **p),
-            lambda ct, v, idx, p: outer_p.bind(v, ct, idx, **p),
+            lambda ct, m, idx, p: matvec_p.bind(ct, m, idx, **{**p, "transpose": not p["transpose"]}),
+            lambda ct, v, idx, p: outer_p.bind(*((ct, v) if p["transpose"] else (v, ct)), idx, **_segments(p)),
         ),
     )
 )
@@ -295,8 +299,8 @@ outer_p = _multilinear(
         _impl("outer"),
         2,
         (
-            lambda ct, b, idx, p: matvec_p.bind(b, _swap(ct), idx, **p),
-            lambda ct, a, idx, p: matvec_p.bind(a, ct, idx, **p),
+            lambda ct, b, idx, p: matvec_p.bind(b, ct, idx, **p, transpose=True),
+            lambda ct, a, idx, p: matvec_p.bind(a, ct, idx, **p, transpose=False),
         ),
     )
 )
