@@ -82,3 +82,13 @@ def batch_h5(extxyz):
     out = extxyz.with_name("batch.h5")
     convert([extxyz], out)
     return out
+
+
+@pytest.fixture
+def device_label():
+    """The results' device attribute of a run on JAX's default device: `cpu`, or e.g.
+    `gpu:0 (NVIDIA H200)`."""
+    import jax
+
+    device = jax.devices()[0]
+    return "cpu" if device.platform == "cpu" else f"{device.platform}:{device.id} ({device.device_kind})"

@@ -99,7 +99,7 @@ def test_a_field_used_twice_gets_its_total_derivative(tmp_path, random_file):
     assert got.keys() == {"d_x"}
 
 
-def test_gradient_on_the_sample_data_in_place(tmp_path):
+def test_gradient_on_the_sample_data_in_place(tmp_path, device_label):
     import ase.io
 
     images = ase.io.read(SAMPLES / "metals.extxyz", ":")
@@ -109,7 +109,7 @@ def test_gradient_on_the_sample_data_in_place(tmp_path):
     copy = tmp_path / "metals.h5"
     copy.write_bytes((SAMPLES / "metals.h5").read_bytes())
     result = run("grad", copy, "rms_norm", "forces", "--in-place", "--weights", "energy",
-                 "--device", "cpu")
+                 "--device", "auto")
     assert result.exit_code == 0, result.output
     assert result.stderr == f"{copy}: /results/rms_norm_forces/d_forces (199 structures, " \
                             f"{n_atoms.sum()} atoms)\n"
@@ -121,7 +121,7 @@ def test_gradient_on_the_sample_data_in_place(tmp_path):
     assert {k: attrs[k] for k in ("op", "fields", "per", "precision", "device", "order",
                                   "weights")} == {
         "op": "rms_norm", "fields": ["forces"], "per": "atom", "precision": "float64",
-        "device": "cpu", "order": 1, "weights": "energy"}
+        "device": device_label, "order": 1, "weights": "energy"}
     assert "direction" not in attrs and "created" in attrs and "segcli_version" in attrs
 
 

@@ -171,11 +171,11 @@ def test_float32_csv_prints_the_shortest_float32_text(tmp_path):
     assert result.stdout == "".join(f'{{"structure": {s}, "count": 1}}\n' for s in range(3))
 
 
-def test_output_file_attributes_force_and_in_place(tmp_path, random_file):
+def test_output_file_attributes_force_and_in_place(tmp_path, random_file, device_label):
     path, n_atoms, data = random_file
     out = tmp_path / "out.h5"
     result = run("reduce", path, "dot", "x", "y", "-o", out, "--structures", "3:9", "--device",
-                 "cpu")
+                 "auto")
     assert result.exit_code == 0, result.output
     assert result.stderr == f"{out}: /results/dot_x_y (6 structures, {n_atoms[3:9].sum()} atoms)\n"
     with h5py.File(out, "r") as f:
@@ -185,7 +185,7 @@ def test_output_file_attributes_force_and_in_place(tmp_path, random_file):
                  for k, v in f["results/dot_x_y"].attrs.items()}
     created = attrs.pop("created")
     assert attrs == {"op": "dot", "fields": ["x", "y"], "per": "structure", "precision": "float64",
-                     "device": "cpu", "segcli_version": __version__}
+                     "device": device_label, "segcli_version": __version__}
     assert abs(datetime.now(timezone.utc) - datetime.fromisoformat(created)) < timedelta(hours=1)
     before = out.read_bytes()
     assert_data_error(run("reduce", path, "dot", "x", "y", "-o", out), "already exists",

@@ -14,7 +14,7 @@ from segcli.engine import OPS
 from segcli.errors import DataError
 from segcli.io import open_batch
 
-CPU = jax.devices("cpu")[0]
+DEVICE = jax.devices()[0]  # the CPU in CI, a GPU where JAX has one
 FIELDS = {"sum": ["t"], "mean": ["x"], "dot": ["x", "y"], "mul": ["x", "s"], "rms_norm": ["x"],
           "max_norm": ["t"], "matvec": ["x", "m"], "count": []}
 
@@ -28,7 +28,7 @@ def batch_file(tmp_path_factory):
 def run_all(path, job, **kwargs):
     """Every chunk's outputs of a job over a file, concatenated."""
     with open_batch(path) as batch:
-        parts = [outputs for _, outputs in engine.run(batch, job, CPU, **kwargs)]
+        parts = [outputs for _, outputs in engine.run(batch, job, DEVICE, **kwargs)]
     return {label: np.concatenate([p[label] for p in parts]) for label in parts[0]}
 
 
