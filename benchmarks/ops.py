@@ -1,11 +1,11 @@
-"""Time forward, grad and grad-of-grad of every segment op against pure JAX (and the seed).
+"""Time forward, grad and grad-of-grad of every segment op against pure JAX (and nvalchemiops).
 
     python benchmarks/ops.py --atoms 10000000 --dtype float32,float64 --out table.md
 
 Implementations, timed side by side in one process on the same inputs:
-  segcli     segcli.ops (Warp kernels through JAX primitives)
-  jax        segcli.reference (jax.ops.segment_sum / segment_max and jnp)
-  seed       nvalchemiops.jax.segment_ops, when importable (first column where it runs)
+  segcli         segcli.ops (Warp kernels through JAX primitives)
+  jax            segcli.reference (jax.ops.segment_sum / segment_max and jnp)
+  nvalchemiops   nvalchemiops.jax.segment_ops, when importable
 
 Inputs: N atoms in structures of 1..63 atoms (32 on average), sorted ids, (N, 3) fields.
 grad is the gradient of Σ w·op(...) (w random, passed as an argument) with respect to the first
@@ -95,7 +95,7 @@ def median_seconds(fns, args, repeats):
         try:
             for _ in range(2):
                 jax.block_until_ready(fn(*args))
-        except Exception as err:  # noqa: BLE001 - the seed fails on some ops/modes; record it
+        except Exception as err:  # noqa: BLE001 - nvalchemiops fails on some ops/modes; record it
             failed[name] = f"fails: {type(err).__name__}"
     running = {name: fn for name, fn in fns.items() if name not in failed}
     for measured in (False, True):
@@ -111,8 +111,8 @@ def median_seconds(fns, args, repeats):
 def implementations():
     impls = {"segcli": importlib.import_module("segcli.ops"), "jax": importlib.import_module("segcli.reference")}
     try:
-        impls["seed"] = importlib.import_module("nvalchemiops.jax.segment_ops")
-    except Exception:  # noqa: BLE001 - any import failure means the seed is not available here
+        impls["nvalchemiops"] = importlib.import_module("nvalchemiops.jax.segment_ops")
+    except Exception:  # noqa: BLE001 - any import failure means nvalchemiops is not available here
         pass
     return impls
 

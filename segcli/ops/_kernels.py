@@ -57,7 +57,7 @@ def _init_warp():
 
 _init_warp()
 
-# Threads per block on a GPU: 128 runs the gathers up to 15 % faster than 256 on an H200 and
+# Threads per block on a GPU: 128 runs the gathers up to 16 % faster than 256 on an H200 and
 # the other kernels as fast (benchmarks/RESULTS.md).
 _BLOCK_DIM = 128
 
