@@ -1,0 +1,75 @@
+"""Where one chunk's time goes in `segcli reduce FILE rms_norm forces`: read, pad, copy to the
+device, kernels, copy back; and engine.run's time per chunk with reading and computing overlapped.
+
+    python benchmarks/chunk_steps.py [--atoms 10000000] [--device auto|cpu|gpu] [--dir /tmp]
+
+Uses the file `benchmarks/reduce.py` generates (made here if missing). Every number is taken
+after a first pass, so imports, compilation and buffer allocation are left out.
+"""
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+from reduce import make_file
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--atoms", type=int, default=10_000_000)
+    parser.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
+    parser.add_argument("--dir", default=tempfile.gettempdir())
+    args = parser.parse_args()
+    path = os.path.join(args.dir, f"segcli-bench-{args.atoms}.h5")
+    if not os.path.exists(path):
+        make_file(path, args.atoms)
+
+    import jax
+
+    from segcli import engine
+    from segcli.io import open_batch
+
+    device = jax.devices(args.device)[0] if args.device != "auto" else jax.devices()[0]
+    with open_batch(path) as batch:
+        job = engine.plan(path, engine.OPS["rms_norm"], ["forces"], batch.fields)
+        runs = []
+        for _ in range(4):
+            start, chunks = time.perf_counter(), 0
+            for _ in engine.run(batch, job, device):
+                chunks += 1
+            runs.append((time.perf_counter() - start) / chunks)
+        least = engine.padded_size(batch.n_atoms, engine.DEFAULT_CHUNK_ATOMS)
+        ring, function = engine._BufferRing(), engine._compiled(job.spec, (0,), 0, 1)
+        steps = {k: [] for k in ("read", "pad", "device_put", "kernels", "to host")}
+        for slot in range(4):
+            t0 = time.perf_counter()
+            chunk = next(batch.iter_chunks(list(job.read), chunk_atoms=engine.DEFAULT_CHUNK_ATOMS))
+            t1 = time.perf_counter()
+            padded = engine._pad(job, chunk, least, ring, slot)
+            t2 = time.perf_counter()
+            with jax.enable_x64(True):
+                values = jax.block_until_ready(jax.device_put(
+                    (padded.arrays["forces"], padded.weights, padded.idx), device, may_alias=True))
+                t3 = time.perf_counter()
+                out = jax.block_until_ready(function((values[0],), values[1], (), values[2],
+                                                     num_segments=len(padded.weights)))
+                t4 = time.perf_counter()
+                [np.asarray(o) for o in out]
+                t5 = time.perf_counter()
+            if slot:  # the first fills the ring's buffers
+                for name, seconds in zip(steps, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
+                    steps[name].append(seconds)
+    print(f"{device}, {args.atoms} atoms, chunks of {engine.DEFAULT_CHUNK_ATOMS} atoms, float64; "
+          "median ms per chunk")
+    print("| " + " | ".join(steps) + " | engine.run per chunk |")
+    print("|" + " --- |" * (len(steps) + 1))
+    print("| " + " | ".join(f"{statistics.median(v) * 1e3:.1f}" for v in steps.values())
+          + f" | {statistics.median(runs[1:]) * 1e3:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
