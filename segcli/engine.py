@@ -309,6 +309,14 @@ def prefetch(iterable):
         worker.join()
 
 
+def runs_on(device):
+    """Whether the kernels can run on `device` (a jax.Device): a Warp build without its CPU
+    backend runs them on GPUs only."""
+    from segcli.ops import _kernels
+
+    return device.platform != "cpu" or _kernels.cpu_available()
+
+
 def _apply(spec, arrays, idx, num_segments):
     """The op on padded arrays, promising sorted ids where the op takes that promise."""
     from segcli import ops

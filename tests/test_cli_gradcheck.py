@@ -187,10 +187,25 @@ def test_missing_default_field_is_a_data_error(tmp_path):
 
 
 def test_device_choice():
-    assert run("--random", "8:2", "--op", "count", "--device", "cpu").exit_code == 0
+    import warp
+
+    result = run("--random", "8:2", "--op", "count", "--device", "cpu")
+    if warp.is_cpu_available():
+        assert result.exit_code == 0, result.output
+    else:  # a Warp build without its CPU backend (warp-clang): a usage error, not a traceback
+        assert result.exit_code == 2 and "no CPU backend" in result.output
     has_gpu = any(device.platform == "gpu" for device in jax.devices())
     result = run("--random", "8:2", "--op", "count", "--device", "gpu")
     assert result.exit_code == (0 if has_gpu else 2)
+
+
+def test_a_warp_build_without_cpu_backend_refuses_the_cpu(monkeypatch):
+    from segcli.ops import _kernels
+
+    monkeypatch.setattr(_kernels, "cpu_available", lambda: False)
+    result = run("--random", "8:2", "--op", "count", "--device", "cpu")
+    assert result.exit_code == 2 and "no CPU backend (warp-clang)" in result.output
+    assert "Traceback" not in result.output
 
 
 def test_subprocess_entry_point():

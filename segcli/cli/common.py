@@ -44,14 +44,22 @@ def device(choice):
         os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_graph_min_graph_size=1".strip()
     import jax
 
+    from segcli.engine import runs_on
+
     if choice == "cpu":
-        return jax.devices("cpu")[0]
-    try:
-        return jax.devices("gpu")[0]
-    except RuntimeError:
-        if choice == "gpu":
-            raise click.BadParameter("no GPU is visible to JAX", param_hint="--device") from None
-        return jax.devices("cpu")[0]
+        target = jax.devices("cpu")[0]
+    else:
+        try:
+            target = jax.devices("gpu")[0]
+        except RuntimeError:
+            if choice == "gpu":
+                raise click.BadParameter("no GPU is visible to JAX", param_hint="--device") from None
+            target = jax.devices("cpu")[0]
+    if not runs_on(target):
+        raise click.BadParameter("this Warp installation has no CPU backend (warp-clang), so its "
+                                 "kernels run on a GPU only; choose --device gpu",
+                                 param_hint="--device")
+    return target
 
 
 def progress_bar(enabled, label):

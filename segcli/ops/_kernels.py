@@ -57,6 +57,11 @@ def _init_warp():
 
 _init_warp()
 
+
+def cpu_available():
+    """Whether this Warp build can run kernels on the CPU (it needs Warp's LLVM backend)."""
+    return wp.is_cpu_available()
+
 # Threads per block on a GPU: 128 runs the gathers up to 16 % faster than 256 on an H200 and
 # the other kernels as fast (benchmarks/RESULTS.md).
 _BLOCK_DIM = 128
