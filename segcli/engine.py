@@ -9,7 +9,6 @@ imports jax or warp at module level, so the command line starts fast.
 """
 
 import functools
-import inspect
 import queue
 import threading
 from dataclasses import dataclass
@@ -44,12 +43,15 @@ class OpSpec:
     output_shape: str
     summary: str
     differentiable: bool = True
+    takes_sorted: bool = True  # the function has `indices_are_sorted` (the reductions do)
 
-    def apply(self, *arrays, idx, num_segments):
-        """Run the op on arrays (one per input) with segment ids `idx` and `num_segments` structures."""
+    def apply(self, *arrays, idx, num_segments, indices_are_sorted=False):
+        """Run the op on arrays (one per input) with segment ids `idx` and `num_segments`
+        structures; `indices_are_sorted` promises sorted ids to the ops that take the promise."""
         from segcli import ops
 
-        return getattr(ops, self.function)(*arrays, idx, num_segments)
+        promise = {"indices_are_sorted": indices_are_sorted} if self.takes_sorted else {}
+        return getattr(ops, self.function)(*arrays, idx, num_segments, **promise)
 
 
 _ATOM = InputSpec("atom")
@@ -61,10 +63,10 @@ OPS = {
         OpSpec("sum", "segmented_sum", (_ATOM,), "structure", "(S, *F)", "sum over each structure's atoms"),
         OpSpec("mean", "segmented_mean", (_ATOM,), "structure", "(S, *F)", "mean over each structure's atoms (0 if empty)"),
         OpSpec("dot", "segmented_dot", (_ATOM, _ATOM), "structure", "(S,)", "sum of <a_i, b_i> over each structure"),
-        OpSpec("mul", "segmented_mul", (_ATOM, InputSpec("structure", ())), "atom", "(N, *F)", "each atom's value times its structure's scalar"),
+        OpSpec("mul", "segmented_mul", (_ATOM, InputSpec("structure", ())), "atom", "(N, *F)", "each atom's value times its structure's scalar", takes_sorted=False),
         OpSpec("rms_norm", "segmented_rms_norm", (_ATOM,), "structure", "(S,)", "sqrt(mean over atoms of |x_i|^2)"),
         OpSpec("max_norm", "segmented_max_norm", (_ATOM,), "structure", "(S,)", "largest |x_i| over each structure's atoms"),
-        OpSpec("matvec", "segmented_matvec", (_VEC3, InputSpec("structure", (3, 3))), "atom", "(N, 3)", "m_sᵀ @ v_i, e.g. scaled_positions × cell"),
+        OpSpec("matvec", "segmented_matvec", (_VEC3, InputSpec("structure", (3, 3))), "atom", "(N, 3)", "m_sᵀ @ v_i, e.g. scaled_positions × cell", takes_sorted=False),
         OpSpec("count", "segmented_count", (), "structure", "(S,)", "atoms in each structure", differentiable=False),
     )
 }
@@ -317,16 +319,6 @@ def runs_on(device):
     return device.platform != "cpu" or _kernels.cpu_available()
 
 
-def _apply(spec, arrays, idx, num_segments):
-    """The op on padded arrays, promising sorted ids where the op takes that promise."""
-    from segcli import ops
-
-    function = getattr(ops, spec.function)
-    if "indices_are_sorted" in inspect.signature(function).parameters:
-        return function(*arrays, idx, num_segments, indices_are_sorted=True)
-    return function(*arrays, idx, num_segments)
-
-
 @functools.lru_cache(maxsize=None)
 def _compiled(spec, layout, order, moving):
     """A jitted function (values, weights, directions, idx, num_segments) -> tuple of outputs
@@ -339,7 +331,8 @@ def _compiled(spec, layout, order, moving):
     from segcli import ops
 
     def value(values, idx, num_segments):
-        return _apply(spec, [values[k] for k in layout], idx, num_segments)
+        return spec.apply(*(values[k] for k in layout), idx=idx, num_segments=num_segments,
+                          indices_are_sorted=True)
 
     def objective(wrt, values, weights, idx, num_segments):
         out = value((*wrt, *values[moving:]), idx, num_segments)

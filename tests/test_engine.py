@@ -1,6 +1,7 @@
 """segcli.engine: planning and checking a job, padding to buckets, prefetching, chunked
 evaluation against an independent NumPy float64 reference."""
 
+import inspect
 import threading
 import time
 
@@ -35,6 +36,14 @@ def run_all(path, job, **kwargs):
 def plan(path, op, names, **kwargs):
     with open_batch(path) as batch:
         return engine.plan(str(path), OPS[op], names, batch.fields, **kwargs)
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_sorted_promise_goes_to_the_ops_that_take_it(op):
+    from segcli import ops
+
+    parameters = inspect.signature(getattr(ops, OPS[op].function)).parameters
+    assert OPS[op].takes_sorted == ("indices_are_sorted" in parameters)
 
 
 def test_bucket_sizes():
