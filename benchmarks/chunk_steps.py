@@ -1,5 +1,7 @@
 """Where one chunk's time goes in `segcli reduce FILE rms_norm forces`: read, pad, copy to the
-device, kernels, copy back; and engine.run's time per chunk with reading and computing overlapped.
+device, kernels, copy back (each timed alone, with a fresh chunk read without the engine's
+in-place reads); the prefetch thread's work per chunk as engine.run does it (read in place,
+NaN check, pad); and engine.run's time per chunk, reading and computing overlapped.
 
     python benchmarks/chunk_steps.py [--atoms 10000000] [--device auto|cpu|gpu] [--dir /tmp]
 
@@ -42,6 +44,12 @@ def main():
             for _ in engine.run(batch, job, device):
                 chunks += 1
             runs.append((time.perf_counter() - start) / chunks)
+        producer = []  # the prefetch thread's work per chunk: read, NaN check and pad
+        for _ in range(4):
+            start, chunks = time.perf_counter(), 0
+            for _ in engine._padded_chunks(batch, job, engine.DEFAULT_CHUNK_ATOMS, slice(None)):
+                chunks += 1
+            producer.append((time.perf_counter() - start) / chunks)
         least = engine.padded_size(batch.n_atoms, engine.DEFAULT_CHUNK_ATOMS)
         ring, function = engine._BufferRing(), engine._compiled(job.spec, (0,), 0, 1)
         steps = {k: [] for k in ("read", "pad", "device_put", "kernels", "to host")}
@@ -65,10 +73,10 @@ def main():
                     steps[name].append(seconds)
     print(f"{device}, {args.atoms} atoms, chunks of {engine.DEFAULT_CHUNK_ATOMS} atoms, float64; "
           "median ms per chunk")
-    print("| " + " | ".join(steps) + " | engine.run per chunk |")
-    print("|" + " --- |" * (len(steps) + 1))
+    print("| " + " | ".join(steps) + " | prefetch thread per chunk | engine.run per chunk |")
+    print("|" + " --- |" * (len(steps) + 2))
     print("| " + " | ".join(f"{statistics.median(v) * 1e3:.1f}" for v in steps.values())
-          + f" | {statistics.median(runs[1:]) * 1e3:.1f} |")
+          + f" | {statistics.median(producer[1:]) * 1e3:.1f} | {statistics.median(runs[1:]) * 1e3:.1f} |")
 
 
 if __name__ == "__main__":

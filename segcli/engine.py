@@ -210,16 +210,17 @@ def _first_nan(job, chunk):
 
 
 class _BufferRing:
-    """Host buffers for padded chunks, reused round-robin over `slots` chunks (the one computing,
+    """Host buffers reused round-robin over `slots` chunks (the one computing, the one waiting,
     the one being read, one spare), so that steady state allocates nothing: no page faults.
     Aligned to 64 bytes, which lets XLA's CPU client take them without a staging copy."""
 
-    def __init__(self, slots=3):
+    def __init__(self, slots=4):
         self._slots = [{} for _ in range(slots)]
 
-    def take(self, slot, name, shape, dtype):
+    def take(self, slot, key, shape, dtype):
+        """The buffer `key` (any hashable) of `shape` and `dtype` in slot `slot`."""
         buffers = self._slots[slot % len(self._slots)]
-        key = (name, tuple(shape), np.dtype(dtype))
+        key = (key, tuple(shape), np.dtype(dtype))
         if key not in buffers:
             size = int(np.prod(shape)) * key[2].itemsize
             raw = np.empty(size + 64, np.uint8)
@@ -227,21 +228,34 @@ class _BufferRing:
             buffers[key] = raw[start:start + size].view(key[2]).reshape(shape)
         return buffers[key]
 
+    def holding(self, array):
+        """The buffer of this ring that `array` is the leading rows of, or None."""
+        for buffers in self._slots:
+            for buffer in buffers.values():
+                if (buffer.ctypes.data == array.ctypes.data and buffer.dtype == array.dtype
+                        and buffer.shape[1:] == array.shape[1:]):
+                    return buffer
+        return None
+
 
 def _pad(job, chunk, least, buffers, slot):
     """The chunk's inputs, cast to the job's precision and padded (see _Padded) to at least
-    `least` = (rows, structures), in `buffers`' slot `slot`."""
+    `least` = (rows, structures), in `buffers`' slot `slot`, or where the chunk was read in
+    place (see _padded_chunks)."""
     n_structures, n_rows = len(chunk.n_atoms), int(chunk.n_atoms.sum())
     rows, segments = max(least[0], bucket(n_rows)), max(least[1], bucket(n_structures))
-    idx = buffers.take(slot, None, (rows,), np.int32)
+    idx = buffers.take(slot, "idx", (rows,), np.int32)
     idx[:n_rows] = np.repeat(np.arange(n_structures, dtype=np.int32), chunk.n_atoms)
     idx[n_rows:] = segments
     arrays = {}
     for name in job.read:
-        data = chunk.atoms[name] if name in chunk.atoms else chunk.structures[name]
-        out = buffers.take(slot, name, (rows if name in chunk.atoms else segments, *data.shape[1:]),
-                           job.precision)
-        out[:len(data)] = data
+        per_atom = name in chunk.atoms
+        data = chunk.atoms[name] if per_atom else chunk.structures[name]
+        shape = (rows if per_atom else segments, *data.shape[1:])
+        out = buffers.holding(data) if per_atom else None
+        if out is None or out.shape != shape:
+            out = buffers.take(slot, ("pad", name), shape, job.precision)
+            out[:len(data)] = data
         out[len(data):] = 0
         arrays[name] = out
     weights = arrays[job.weights] if job.weights else np.ones(segments, job.precision)
@@ -262,8 +276,19 @@ def _padded_chunks(batch, job, chunk_atoms, structures):
     """(Chunk, _Padded) for each chunk; DataError if an input holds NaN, with the count over
     the whole selection and the first structure."""
     least = padded_size(batch.n_atoms[structures], chunk_atoms)
-    buffers = _BufferRing()
-    chunks = batch.iter_chunks(list(job.read), chunk_atoms=chunk_atoms, structures=structures)
+    buffers, fields, pieces = _BufferRing(), batch.fields, {}
+
+    def into(name, rows):
+        """A padded buffer to read the next piece of per-atom input `name` into, in a slot of
+        its own per piece (a format may read one piece ahead of the chunk it yields)."""
+        if name not in job.read:
+            return None
+        pieces[name] = pieces.get(name, -1) + 1
+        shape = (max(least[0], bucket(int(rows))), *fields[name].shape)  # as _pad pads it
+        return buffers.take(pieces[name], ("read", name), shape, job.precision)[:rows]
+
+    chunks = batch.iter_chunks(list(job.read), chunk_atoms=chunk_atoms, structures=structures,
+                               into=into)
     for slot, chunk in enumerate(chunks):
         bad = _first_nan(job, chunk)
         if bad:

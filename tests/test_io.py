@@ -382,3 +382,32 @@ def test_result_writer_in_place_survives_sigkill(batch_h5):
     assert batch_h5.read_bytes() == before
     with open_batch(batch_h5) as batch:
         assert batch.results == {} and batch.n_structures == 7
+
+
+def test_chunks_read_in_place_where_the_destination_fits(tmp_path):
+    rng = np.random.default_rng(5)
+    n_atoms = np.array([3, 1, 4, 2, 5])
+    forces = rng.normal(size=(n_atoms.sum(), 3))
+    path = tmp_path / "b.h5"
+    with h5py.File(path, "w") as f:
+        f.attrs.update(format="segcli-batch", version=1)
+        f["structures/n_atoms"] = n_atoms
+        f["atoms/forces"] = forces
+        f["atoms/numbers"] = np.arange(n_atoms.sum())
+    given = []
+
+    def into(name, rows):
+        given.append(np.full((rows + 2, 3), np.nan) if name == "forces" else np.zeros((rows, 7)))
+        return given[-1][:rows]
+
+    with open_batch(path) as batch:
+        chunks = list(batch.iter_chunks(["forces", "numbers"], chunk_atoms=6, into=into))
+    assert [len(c.n_atoms) for c in chunks] == [2, 2, 1]
+    offsets = np.concatenate([[0], np.cumsum([c.n_atoms.sum() for c in chunks])])
+    for k, chunk in enumerate(chunks):
+        np.testing.assert_array_equal(chunk.atoms["forces"], forces[offsets[k]:offsets[k + 1]])
+        assert chunk.atoms["forces"].ctypes.data == given[2 * k].ctypes.data  # read into it
+        assert np.isnan(given[2 * k][len(chunk.atoms["forces"]):]).all()  # and only its rows
+        # a destination of another shape is left alone
+        assert chunk.atoms["numbers"].ctypes.data != given[2 * k + 1].ctypes.data
+        np.testing.assert_array_equal(chunk.atoms["numbers"], np.arange(offsets[k], offsets[k + 1]))

@@ -86,7 +86,7 @@ class AseBatch(Batch):
     def _stored(self):
         return self._scan[1]
 
-    def _pieces(self, start, stop, names, chunk_atoms):
+    def _pieces(self, start, stop, names, chunk_atoms, into=None):
         pieces = (self._extxyz_pieces(start, stop) if self.ase_format == "extxyz"
                   else self._ase_pieces(start, stop, start))
         for piece in pieces:

@@ -195,8 +195,9 @@ class Batch:
     """The structures of one file, read as chunks of whole structures.
 
     Subclasses provide `n_atoms`, `_stored` (name -> FieldInfo of the fields in the file) and
-    `_pieces(start, stop, names, chunk_atoms)`, which yields Chunks of consecutive structures
-    from `start` to `stop` (None: the end) holding those of `names` (None: all) they have.
+    `_pieces(start, stop, names, chunk_atoms, into=None)`, which yields Chunks of consecutive
+    structures from `start` to `stop` (None: the end) holding those of `names` (None: all) they
+    have, reading a stored per-atom field into `into(name, rows)` where they can (see iter_chunks).
     """
 
     format = ""
@@ -232,9 +233,13 @@ class Batch:
         """name -> attrs of the results stored in the file."""
         return {}
 
-    def iter_chunks(self, fields, *, chunk_atoms=1_000_000, structures=slice(None)):
+    def iter_chunks(self, fields, *, chunk_atoms=1_000_000, structures=slice(None), into=None):
         """Yield Chunks of whole structures, at most `chunk_atoms` atoms each (a bigger structure
-        alone), holding the requested per-atom and per-structure fields."""
+        alone), holding the requested per-atom and per-structure fields.
+
+        `into(name, rows)`, if given, may return an array to read a chunk's stored per-atom field
+        into (or None); a format that can read in place (segcli HDF5, when the array has the
+        field's shape and dtype) then returns that array in the Chunk, saving a copy."""
         if isinstance(fields, str):
             fields = [fields]
         fields = list(dict.fromkeys(fields))
@@ -250,7 +255,7 @@ class Batch:
             raise ValueError(f"structures must be a slice with step 1, got {structures}")
         stored = self._stored
         read = {n: stored[n] for name in fields for n in needs(name, stored)}
-        pieces = self._pieces(start, max(start, stop), list(read), chunk_atoms)
+        pieces = self._pieces(start, max(start, stop), list(read), chunk_atoms, into)
         for group in rechunk(pieces, chunk_atoms):
             chunk = merge_pieces(self.path, group, read)
             out = {"atom": {}, "structure": {}}
@@ -272,5 +277,5 @@ class EmptyBatch(Batch):
     n_atoms = np.zeros(0, np.int64)
     _stored = {}
 
-    def _pieces(self, start, stop, names, chunk_atoms):
+    def _pieces(self, start, stop, names, chunk_atoms, into=None):
         return iter(())

@@ -12,10 +12,14 @@ POSITION_NAMES = ("coordinates", "conformations", "positions")
 NUMBER_NAMES = ("atomic_numbers", "species")
 
 
-def read_rows(path, ds, lo, hi):
-    """Rows [lo, hi) of a dataset; DataError if the file cannot give them."""
+def read_rows(path, ds, lo, hi, out=None):
+    """Rows [lo, hi) of a dataset, read into `out` when it is an array of their shape and dtype
+    (else a new array); DataError if the file cannot give them."""
     try:
-        return ds[lo:hi]
+        if out is None or hi <= lo or out.shape != (hi - lo, *ds.shape[1:]) or out.dtype != ds.dtype:
+            return ds[lo:hi]
+        ds.read_direct(out, np.s_[lo:hi])
+        return out
     except OSError as err:
         raise DataError(f"{path}: cannot read {ds.name} rows {lo}:{hi} ({err})") from err
 
@@ -88,7 +92,7 @@ class SegcliBatch(Batch):
             self._h5["results"].visititems(collect)
         return out
 
-    def _pieces(self, start, stop, names, chunk_atoms):
+    def _pieces(self, start, stop, names, chunk_atoms, into=None):
         stop = self.n_structures if stop is None else stop
         names = list(self._stored) if names is None else names
         bounds = start + np.array(plan_chunks(self.n_atoms[start:stop], chunk_atoms))
@@ -96,9 +100,11 @@ class SegcliBatch(Batch):
             lo, hi = self._offsets[a], self._offsets[b]
             data = {"atom": {}, "structure": {}}
             for name in names:
-                info = self._stored[name]
-                group, rows = ("atoms", (lo, hi)) if info.per == "atom" else ("structures", (a, b))
-                data[info.per][name] = read_rows(self.path, self._h5[group][name], *rows)
+                if self._stored[name].per == "atom":
+                    out = into(name, hi - lo) if into else None
+                    data["atom"][name] = read_rows(self.path, self._h5["atoms"][name], lo, hi, out)
+                else:
+                    data["structure"][name] = read_rows(self.path, self._h5["structures"][name], a, b)
             yield Chunk(int(a), self.n_atoms[a:b], data["atom"], data["structure"])
 
 
@@ -186,7 +192,7 @@ class ConformerBatch(Batch):
     def close(self):
         self._h5.close()
 
-    def _pieces(self, start, stop, names, chunk_atoms):
+    def _pieces(self, start, stop, names, chunk_atoms, into=None):
         stop = self.n_structures if stop is None else stop
         m = int(np.searchsorted(self._first, start, side="right")) - 1
         while start < stop:
