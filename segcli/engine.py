@@ -216,6 +216,7 @@ class _BufferRing:
 
     def __init__(self, slots=4):
         self._slots = [{} for _ in range(slots)]
+        self._lent = {}  # buffer address -> rows lent to a reader
 
     def take(self, slot, key, shape, dtype):
         """The buffer `key` (any hashable) of `shape` and `dtype` in slot `slot`."""
@@ -228,12 +229,19 @@ class _BufferRing:
             buffers[key] = raw[start:start + size].view(key[2]).reshape(shape)
         return buffers[key]
 
+    def lend(self, slot, key, shape, dtype, rows):
+        """The first `rows` rows of buffer `key`, for a reader to fill (see `holding`)."""
+        buffer = self.take(slot, key, shape, dtype)
+        self._lent[buffer.ctypes.data] = rows
+        return buffer[:rows]
+
     def holding(self, array):
-        """The buffer of this ring that `array` is the leading rows of, or None."""
+        """The buffer whose lent rows `array` is, exactly (not a part of them), or None."""
         for buffers in self._slots:
             for buffer in buffers.values():
                 if (buffer.ctypes.data == array.ctypes.data and buffer.dtype == array.dtype
-                        and buffer.shape[1:] == array.shape[1:]):
+                        and buffer.shape[1:] == array.shape[1:]
+                        and self._lent.get(buffer.ctypes.data) == len(array)):
                     return buffer
         return None
 
@@ -285,7 +293,7 @@ def _padded_chunks(batch, job, chunk_atoms, structures):
             return None
         pieces[name] = pieces.get(name, -1) + 1
         shape = (max(least[0], bucket(int(rows))), *fields[name].shape)  # as _pad pads it
-        return buffers.take(pieces[name], ("read", name), shape, job.precision)[:rows]
+        return buffers.lend(pieces[name], ("read", name), shape, job.precision, rows)
 
     chunks = batch.iter_chunks(list(job.read), chunk_atoms=chunk_atoms, structures=structures,
                                into=into)

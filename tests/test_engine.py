@@ -204,3 +204,20 @@ def test_outputs_of_each_op_and_order(batch_file):
     assert job.wrt == ("x",) and job.outputs == {"d_x": ("atom", (3,), np.float32)}
     job = plan(path, "dot", ["x", "y"], order=2, weights="w", direction="x")
     assert job.read == ("x", "y", "w") and list(job.outputs) == ["d_x", "d_y"]
+
+
+def test_pad_uses_a_read_buffer_only_for_exactly_the_rows_read_into_it():
+    ring = engine._BufferRing()
+    piece = ring.lend(0, ("read", "x"), (8, 3), np.float64, 6)
+    piece[:] = np.arange(18.0).reshape(6, 3)
+    assert ring.holding(piece) is not None
+    # a chunk made of part of a piece (as when a piece is split) is copied, not padded in place
+    head, tail = piece[:4], piece[4:]
+    assert ring.holding(head) is None and ring.holding(tail) is None
+    job = engine.Job("f.h5", OPS["sum"], ("x",), (None,))
+    chunk = type("Chunk", (), {"n_atoms": np.array([4]), "atoms": {"x": head}, "structures": {}})
+    padded = engine._pad(job, chunk, (8, 1024), ring, 1)
+    assert padded.arrays["x"].ctypes.data != piece.ctypes.data
+    np.testing.assert_array_equal(piece[4:], np.arange(12.0, 18.0).reshape(2, 3))  # untouched
+    np.testing.assert_array_equal(padded.arrays["x"][:4], np.arange(12.0).reshape(4, 3))
+    assert not padded.arrays["x"][4:].any()
