@@ -3,6 +3,7 @@
 Shapes (rows first, then a group axis G that vmap folds into, then features):
 
     layout   idx (N,)                          -> offsets (M+1,)   offsets[s] = first i with idx[i] >= s
+                                                  (a binary search per segment on GPUs, one pass on CPUs)
     sum      x (N, K)                          -> (M, K)           out[s] = Σ_{idx[i]=s} x[i]
     count    idx (N,)                          -> (M,)             out[s] = #{i : idx[i]=s}
     row_dot  x, y (N, G, K)                    -> (N, G)           out[i,g] = <x[i,g], y[i,g]>   (dot = sum of row_dot)
@@ -93,6 +94,23 @@ def _layout_kernel(idx: wp.array(dtype=wp.int32), out: wp.array(dtype=wp.int32))
         else:
             hi = mid
     out[s] = lo
+
+
+@wp.kernel
+def _layout_serial_kernel(idx: wp.array(dtype=wp.int32), out: wp.array(dtype=wp.int32)):
+    # One thread walking the ids in order, for CPUs (which run a kernel on one thread anyway):
+    # a stream over the ids instead of M searches that each miss the cache. Meaningful for
+    # ids non-decreasing once clamped to [-1, M], the only case that uses the offsets.
+    m = out.shape[0] - 1
+    s = int(0)
+    for i in range(idx.shape[0]):
+        top = wp.clamp(idx[i], -1, m)
+        while s <= top:
+            out[s] = i
+            s += 1
+    while s <= m:
+        out[s] = idx.shape[0]
+        s += 1
 
 
 @wp.kernel
@@ -433,6 +451,7 @@ def _dot3_kernel(
 # Kernels by name; the generic ones (dtype Any) are instantiated for float32 and float64.
 _KERNELS = {
     "layout": _layout_kernel,
+    "layout_serial": _layout_serial_kernel,
     "count": _count_kernel,
     "sum": _sum_kernel,
     "row_dot": _row_dot_kernel,

@@ -33,9 +33,10 @@ from jax.interpreters import ad, batching, mlir
 from segcli.ops._kernels import launch, stride
 
 
-def _layout(idx, num_segments, indices_are_sorted):
+def _layout(idx, num_segments, indices_are_sorted, gpu):
     """CSR offsets of the ids and a one-element flag saying whether they are non-decreasing."""
-    offsets = launch("layout", idx, dims=(num_segments + 1,), out=(num_segments + 1,))
+    kernel, threads = ("layout", num_segments + 1) if gpu else ("layout_serial", 1)
+    offsets = launch(kernel, idx, dims=(threads,), out=(num_segments + 1,))
     if indices_are_sorted or idx.shape[0] < 2:
         return offsets, jnp.ones((1,), jnp.int32)
     return offsets, jnp.all(idx[1:] >= idx[:-1]).astype(jnp.int32).reshape(1)
@@ -44,7 +45,7 @@ def _layout(idx, num_segments, indices_are_sorted):
 def _reduce(name, floats, idx, zeros, grid, num_segments, indices_are_sorted, gpu):
     """A reduction kernel into `zeros`, over max(M, stride) rows × `grid` threads: ordered ids
     a segment per row, else atomics."""
-    offsets, ordered = _layout(idx, num_segments, indices_are_sorted)
+    offsets, ordered = _layout(idx, num_segments, indices_are_sorted, gpu)
     threads = stride(gpu, idx.shape[0])
     dims = (max(num_segments, threads), *grid)
     return launch(name, *floats, idx, offsets, ordered, threads, zeros, dims=dims, in_out=("out",))
@@ -85,7 +86,7 @@ def _max_norm(x, idx, shapes, num_segments, indices_are_sorted, gpu):
     (shape, _), n = shapes, x.shape[0]
     if 0 in x.shape or num_segments == 0:
         return [jnp.zeros(shape, x.dtype), jnp.full(shape, n, jnp.int32)]
-    offsets, ordered = _layout(idx, num_segments, indices_are_sorted)
+    offsets, ordered = _layout(idx, num_segments, indices_are_sorted, gpu)
     threads = stride(gpu, n)
     groups = shape[1]
     # Ordered ids: one pass per segment. Otherwise: atomic max of the key, atomic min of
