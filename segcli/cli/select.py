@@ -1,0 +1,97 @@
+"""Command: select (a new file with only the chosen structures)."""
+
+import os
+
+import click
+
+from segcli.cli.common import progress_bar
+
+
+def _conditions(ctx, param, texts):
+    from segcli.select import parse_condition
+
+    try:
+        return [parse_condition(text) for text in texts]
+    except ValueError as err:
+        raise click.BadParameter(str(err)) from None
+
+
+def _listed(path, n_structures):
+    """The --structures-from mask, read from the file `path` or stdin (`-`)."""
+    from segcli.errors import DataError
+    from segcli.select import listed_mask
+
+    if path == "-":
+        return listed_mask(click.get_binary_stream("stdin"), "stdin", n_structures)
+    try:
+        with open(path, "rb") as lines:
+            return listed_mask(lines, path, n_structures)
+    except OSError as err:
+        raise DataError(f"{path}: cannot read ({err.strerror})") from err
+
+
+@click.command()
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
+              help="The new segcli HDF5 file.")
+@click.option("--where", "conditions", multiple=True, metavar="'NAME OP VALUE'",
+              callback=_conditions,
+              help="Keep structures where a per-structure field or result compares true; OP is "
+                   "< <= > >= == or !=. Repeat it: all must hold.")
+@click.option("--structures-from", metavar="LIST|-", type=click.Path(dir_okay=False,
+              allow_dash=True),
+              help="Keep the structures numbered in LIST (- : stdin), one number per line.")
+@click.option("--force", is_flag=True, help="Overwrite OUTPUT if it exists.")
+@click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
+def select(file, output, conditions, structures_from, force, quiet):
+    """Copy chosen structures to a new segcli file.
+
+    Writes to OUTPUT the structures of FILE that pass every --where condition and, with
+    --structures-from, are listed: all their fields, string fields and presence masks,
+    per-structure and per-atom results, with their attributes, in FILE's order (a structure
+    listed twice, or out of order, is taken once, in place). OUTPUT's root attribute
+    selected_from names FILE. FILE may be any file segcli reads; results exist only in segcli
+    HDF5 files. Memory stays bounded however large FILE is; OUTPUT appears only once complete.
+
+    VALUE is a number (nan and inf too) or, for a string field, a string (quoted or bare) for
+    == and !=. A structure without the field (see `segcli info`), or whose value is NaN, never
+    satisfies a condition, not even !=; NAME == nan keeps the NaN ones, NAME != nan drops
+    them. Per-atom fields are reduced first (segcli reduce FILE max_norm forces --in-place).
+
+    \b
+    Example:
+      segcli select sample_data/metals.h5 --where 'energy < 1' -o low.h5
+      segcli select batch.h5 --where 'config_type == bulk' --where 'max_norm_forces < 10' -o ok.h5
+      segcli reduce batch.h5 max_norm forces | awk -F, 'NR>1 && $2 < 10 {print $1}' \\
+        | segcli select batch.h5 --structures-from - -o clean.h5
+    """
+    import numpy as np
+
+    from segcli.errors import DataError
+    from segcli.io import open_batch
+    from segcli.io.subset import write_subset
+    from segcli.io.writers import refuse_overwrite
+    from segcli.select import where_mask
+
+    if not conditions and structures_from is None:
+        raise click.UsageError("give --where 'NAME OP VALUE' or --structures-from LIST (or both)")
+    if os.path.exists(output) and os.path.exists(file) and os.path.samefile(output, file):
+        raise click.UsageError(f"-o {output} is FILE itself; select writes a new file")
+    refuse_overwrite(output, force)
+    if os.path.exists(output) and not os.path.isfile(output):
+        raise DataError(f"{output}: not a regular file; -o replaces only regular files")
+    with open_batch(file) as batch:
+        keep = np.ones(batch.n_structures, bool)
+        if structures_from is not None:
+            keep &= _listed(structures_from, batch.n_structures)
+        if conditions:
+            keep &= where_mask(batch, conditions)
+        with progress_bar(not quiet, f"writing {output}") as bar:
+            kept, atoms = write_subset(batch, keep, output, {"selected_from": file},
+                                       bar.update if bar else None)
+    if not quiet:
+        empty = " (none selected: an empty segcli file)" if not kept else ""
+        click.echo(f"{output}: {kept} of {len(keep)} structures, {atoms} atoms{empty}", err=True)
+
+
+COMMANDS = [select]

@@ -1,0 +1,142 @@
+"""A new segcli HDF5 file holding some of a batch's structures."""
+
+import os
+
+import numpy as np
+
+from segcli.errors import DataError
+from segcli.io.core import Chunk
+from segcli.io.hdf5 import plain, read_rows
+from segcli.io.writers import BatchWriter, atomic_output
+
+BLOCK_BYTES = 8 << 20
+STREAM_ATOMS = 100_000
+
+
+def write_subset(batch, keep, output, attrs=None, progress=None):
+    """Write the structures of `batch` where `keep` ((S,) bool) is true, in their order, to a
+    new segcli HDF5 file `output` (replacing one there), with the root attributes `attrs`.
+
+    A segcli HDF5 file is copied dataset by dataset: /structures, /atoms, /present and /results
+    (per its `per` attribute) sliced, anything else whole, each with its dtype (strings too),
+    attributes, chunking and filters, reading at most BLOCK_BYTES at a time. Other formats
+    stream their structures through BatchWriter. The file appears only once complete.
+    Returns (structures, atoms) written.
+    """
+    import h5py
+
+    keep = np.asarray(keep, bool)
+    output = os.fspath(output)
+    source = h5py.File(batch.path, "r") if batch.format == "segcli" else None
+    try:
+        with atomic_output(output) as tmp, h5py.File(tmp, "w") as h5:
+            if source is None:
+                _stream(batch, keep, h5, progress)
+            else:
+                _copy(batch, keep, source, h5, progress)
+            for key, value in (attrs or {}).items():
+                h5.attrs[key] = value
+    except OSError as err:
+        raise DataError(f"{output}: cannot write ({err})") from err
+    finally:
+        if source is not None:
+            source.close()
+    return int(keep.sum()), int(batch.n_atoms[keep].sum())
+
+
+def _stream(batch, keep, h5, progress):
+    """Append the kept structures of each chunk of `batch.stream` to a BatchWriter."""
+    writer = BatchWriter(h5)
+    for pieces in batch.stream(STREAM_ATOMS):
+        kept = [_take(p, keep[p.start:p.start + len(p.n_atoms)]) for p in pieces]
+        kept = [p for p in kept if len(p.n_atoms)]
+        if kept:
+            writer.append(batch.path, kept)
+        if progress:
+            progress(sum(len(p.n_atoms) for p in pieces))
+    writer.finish()
+
+
+def _take(piece, mask):
+    """The structures of a piece where `mask` is true."""
+    rows = np.repeat(mask, piece.n_atoms)
+    return Chunk(piece.start, piece.n_atoms[mask], {n: a[rows] for n, a in piece.atoms.items()},
+                 {n: a[mask] for n, a in piece.structures.items()})
+
+
+def _copy(batch, keep, source, h5, progress):
+    """Copy every group, dataset and attribute of `source` to `h5`, the per-structure and
+    per-atom datasets sliced to the kept structures."""
+    import h5py
+
+    offsets = {"structure": np.arange(batch.n_structures + 1),
+               "atom": np.concatenate([[0], np.cumsum(batch.n_atoms)])}
+    _copy_attrs(source, h5)
+
+    def visit(name, obj):
+        if isinstance(obj, h5py.Group):
+            _copy_attrs(obj, h5.require_group(name))
+            return
+        per = _per(batch, name, obj)
+        if per is None:
+            source.copy(obj, h5, name)
+        else:
+            _copy_rows(batch.path, obj, h5, name, keep, offsets[per])
+        if progress:
+            progress(1)
+
+    source.visititems(visit)
+
+
+def _per(batch, name, obj):
+    """"structure" or "atom": what the rows of a dataset are; None outside the four groups."""
+    group = name.split("/")[0]
+    per = {"structures": "structure", "present": "structure", "atoms": "atom"}.get(group)
+    if group == "results":
+        per = plain(obj.attrs.get("per"))
+        if per not in ("structure", "atom"):
+            raise DataError(f"{batch.path}: /{name} has no attribute per (\"structure\" or "
+                            "\"atom\"), so its rows cannot be selected")
+    if per is not None:
+        rows = batch.n_structures if per == "structure" else int(batch.n_atoms.sum())
+        if obj.ndim == 0 or obj.shape[0] != rows:
+            raise DataError(f"{batch.path}: /{name} has {obj.shape[0] if obj.ndim else 'no'} "
+                            f"rows, but the file has {rows} {per}s")
+    return per
+
+
+def _copy_rows(path, ds, h5, name, keep, offsets):
+    """The rows of `ds` that belong to kept structures (structure s: rows offsets[s] to
+    offsets[s + 1]) into a new dataset `name` of `h5` shaped and filtered like `ds`, read in
+    blocks of at most BLOCK_BYTES (only the span of kept rows in each)."""
+    lengths = np.diff(offsets)
+    rows = int(lengths[keep].sum())
+    trailing = ds.shape[1:]
+    options = {} if ds.dtype.kind == "O" else {"fillvalue": ds.fillvalue}
+    if ds.chunks:
+        options.update(chunks=(min(ds.chunks[0], max(rows, 1)), *ds.chunks[1:]),
+                       maxshape=(None, *trailing), compression=ds.compression,
+                       compression_opts=ds.compression_opts, shuffle=ds.shuffle,
+                       fletcher32=ds.fletcher32, scaleoffset=ds.scaleoffset)
+    out = h5.create_dataset(name, shape=(rows, *trailing), dtype=ds.dtype, **options)
+    _copy_attrs(ds, out)
+    step = max(1, BLOCK_BYTES // max(1, int(np.prod(trailing)) * ds.dtype.itemsize))
+    written = 0
+    for lo in range(0, len(ds), step):
+        hi = min(lo + step, len(ds))
+        a = int(np.searchsorted(offsets, lo, side="right")) - 1
+        b = int(np.searchsorted(offsets, hi, side="left"))
+        starts, ends = np.clip(offsets[a:b], lo, hi), np.clip(offsets[a + 1:b + 1], lo, hi)
+        mask = np.repeat(keep[a:b], ends - starts)
+        if not mask.any():
+            continue
+        first, last = int(np.argmax(mask)), len(mask) - int(np.argmax(mask[::-1]))
+        block = read_rows(path, ds, lo + first, lo + last)[mask[first:last]]
+        out[written:written + len(block)] = block
+        written += len(block)
+
+
+def _copy_attrs(source, target):
+    """Every attribute of `source` onto `target`, with its HDF5 type."""
+    for key in source.attrs:
+        target.attrs.create(key, source.attrs[key], dtype=source.attrs.get_id(key).dtype)

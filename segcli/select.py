@@ -1,0 +1,136 @@
+"""Choosing structures: `--where 'NAME OP VALUE'` conditions on per-structure fields and
+results, and lists of structure numbers.
+
+A condition holds for a structure when the structure has the field (see Batch.present) and
+its value compares true. A NaN value never satisfies a comparison, not even `!=`;
+`NAME == nan` holds exactly for the NaN values and `NAME != nan` for the others. VALUE is
+rounded to the field's floating-point type before comparing (so `x <= 0.1` holds for a
+float32 x printed as 0.1). String fields compare with == and != only.
+"""
+
+import operator
+import re
+from typing import NamedTuple
+
+import numpy as np
+
+from segcli.errors import DataError
+
+COMPARE = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge,
+           "==": operator.eq, "!=": operator.ne}
+ORDERING = ("<", "<=", ">", ">=")
+_WORD = r"[^\s<>=!\"']+"
+_CONDITION = re.compile(
+    rf"\s*(?P<name>{_WORD})\s*(?P<op><=|>=|==|!=|<|>)\s*"
+    rf"(?:\"(?P<double>[^\"]*)\"|'(?P<single>[^']*)'|(?P<bare>{_WORD}))\s*")
+_NUMBER = re.compile(r"[+-]?(?:(?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?|inf|infinity|nan)", re.I)
+_INTEGER = re.compile(r"[+-]?\d+")
+_LINE_NUMBER = re.compile(rb"-?[0-9]+")
+
+
+class Condition(NamedTuple):
+    """One `NAME OP VALUE`: `value` is VALUE's text (unquoted), `number` its value when it is
+    a bare number (else None)."""
+
+    text: str
+    name: str
+    op: str
+    value: str
+    number: object
+
+    def holds(self, values):
+        """(S_c,) bool: which of a chunk's values satisfy the condition."""
+        if values.dtype.kind in "OSU":
+            equal = values == self.value
+            return equal if self.op == "==" else ~equal
+        nan = np.isnan(values) if values.dtype.kind in "fc" else np.zeros(len(values), bool)
+        if np.isnan(self.number):
+            return nan if self.op == "==" else ~nan
+        return COMPARE[self.op](values, self.number) & ~nan
+
+
+def parse_condition(text):
+    """A Condition from `NAME OP VALUE` (VALUE a number, or a bare or quoted string); ValueError
+    naming the text when it is not one. Parsed by a regular expression, never evaluated."""
+    match = _CONDITION.fullmatch(text)
+    if match is None:
+        raise ValueError(f"{text!r} is not NAME OP VALUE (OP one of < <= > >= == !=, VALUE a "
+                         "number or a string)")
+    name, op, bare = match["name"], match["op"], match["bare"]
+    number = None
+    if bare is not None and _NUMBER.fullmatch(bare):
+        small = _INTEGER.fullmatch(bare) and -2**63 <= int(bare) < 2**63
+        number = int(bare) if small else float(bare)
+    value = next(v for v in (match["double"], match["single"], bare) if v is not None)
+    if op in ORDERING and number is None:
+        raise ValueError(f"{text!r}: {op} compares numbers, and {value!r} is not one (strings "
+                         "compare with == and !=)")
+    if op in ORDERING and np.isnan(number):
+        raise ValueError(f"{text!r}: nothing is {op} nan (use {name} == nan or {name} != nan "
+                         "to keep or drop NaN values)")
+    return Condition(text, name, op, value, number)
+
+
+def _check(path, condition, fields):
+    """DataError unless `condition` can be evaluated on `fields` (name -> FieldInfo)."""
+    info = fields.get(condition.name)
+    where = f"{path}: --where '{condition.text}':"
+    if info is None:
+        names = sorted(n for n, f in fields.items() if f.per == "structure" and not f.shape)
+        raise DataError(f"{where} no field or result '{condition.name}'; the per-structure "
+                        f"ones are: {', '.join(names) or '(none)'}")
+    if info.per == "atom":
+        raise DataError(f"{where} '{condition.name}' is per atom; reduce it to one value per "
+                        f"structure first (e.g. segcli reduce {path} max_norm {condition.name} "
+                        f"--in-place, then --where 'max_norm_{condition.name} ...')")
+    if info.shape:
+        raise DataError(f"{where} '{condition.name}' has shape {info.shape} per structure; "
+                        "--where compares single values")
+    if info.dtype.kind in "OSU" and condition.op in ORDERING:
+        raise DataError(f"{where} '{condition.name}' holds strings; compare it with == or !=")
+    if info.dtype.kind == "c" and condition.op in ORDERING:
+        raise DataError(f"{where} '{condition.name}' is complex; compare it with == or !=")
+    if info.dtype.kind not in "OSU" and condition.number is None:
+        raise DataError(f"{where} '{condition.name}' holds numbers ({info.dtype}), and "
+                        f"{condition.value!r} is not one")
+
+
+def where_mask(batch, conditions, chunk_atoms=1_000_000):
+    """(S,) bool: the structures of `batch` where every condition holds, streamed in chunks of
+    the named fields."""
+    fields = batch.fields
+    for condition in conditions:
+        _check(batch.path, condition, fields)
+    keep = np.ones(batch.n_structures, bool)
+    names = [c.name for c in conditions]
+    for chunk in batch.iter_chunks(names, chunk_atoms=chunk_atoms):
+        rows = slice(chunk.start, chunk.start + len(chunk.n_atoms))
+        for condition in conditions:
+            keep[rows] &= condition.holds(chunk.structures[condition.name])
+    for name in set(names):
+        present = batch.present(name)
+        if present is not None:
+            keep &= present
+    return keep
+
+
+def listed_mask(lines, source, n_structures):
+    """(S,) bool: the structures listed in `lines` (bytes, one structure number per line; blank
+    lines skipped). A structure listed twice is taken once; DataError naming `source`, the
+    line number and its text for a line that is not a structure number of the file."""
+    keep = np.zeros(n_structures, bool)
+    for number, line in enumerate(lines, 1):
+        text = line.strip()
+        if not text:
+            continue
+        shown = text.decode("utf-8", "replace")
+        if not _LINE_NUMBER.fullmatch(text):
+            raise DataError(f"{source}, line {number}: {shown!r} is not a structure number "
+                            "(one integer per line)")
+        index = int(text)
+        if not 0 <= index < n_structures:
+            held = f"0 to {n_structures - 1}" if n_structures else "none"
+            raise DataError(f"{source}, line {number}: structure {shown} is out of range (the "
+                            f"file has {n_structures} structures: {held})")
+        keep[index] = True
+    return keep
