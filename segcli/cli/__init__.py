@@ -40,8 +40,8 @@ def main(ctx, debug):
     ctx.meta["segcli.debug"] = debug
 
 
-from segcli.cli import check, compute, data, select  # noqa: E402  (register the commands)
+from segcli.cli import check, compute, curate, data, select  # noqa: E402  (register the commands)
 
-for _module in (data, compute, select, check):
+for _module in (data, compute, curate, select, check):
     for _command in _module.COMMANDS:
         main.add_command(_command)

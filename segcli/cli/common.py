@@ -1,7 +1,9 @@
 """Helpers shared by the commands: option parsing, device choice, progress bars."""
 
 import contextlib
+import functools
 import os
+import signal
 import sys
 
 import click
@@ -67,3 +69,17 @@ def progress_bar(enabled, label):
     if not enabled or not sys.stderr.isatty():
         return contextlib.nullcontext()
     return click.progressbar((x for x in ()), label=label, show_pos=True, file=sys.stderr)
+
+
+def stdout_guard(command):
+    """End quietly, as if killed by SIGPIPE, when stdout is closed early (`… | head`)."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(128 + signal.SIGPIPE)
+
+    return wrapper

@@ -2,17 +2,15 @@
 and ops (the table of ops)."""
 
 import contextlib
-import functools
 import json
 import os
-import signal
 import sys
 
 import click
 
 # Shared option parsing, for now imported from the commands that defined it first.
 from segcli.cli import common
-from segcli.cli.common import progress_bar, structure_range
+from segcli.cli.common import progress_bar, stdout_guard, structure_range
 
 
 def _op(ctx, param, name):
@@ -267,26 +265,12 @@ def _execute(file, spec, fields, *, output, in_place, fmt, name, force, structur
                    f"{int(n_atoms.sum())} atoms)", err=True)
 
 
-def _stdout_guard(command):
-    """End quietly, as if killed by SIGPIPE, when stdout is closed early (`… | head`)."""
-
-    @functools.wraps(command)
-    def wrapper(*args, **kwargs):
-        try:
-            return command(*args, **kwargs)
-        except BrokenPipeError:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            sys.exit(128 + signal.SIGPIPE)
-
-    return wrapper
-
-
 @click.command()
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.argument("op", callback=_op)
 @click.argument("fields", nargs=-1)
 @_shared_options
-@_stdout_guard
+@stdout_guard
 def reduce(file, op, fields, **options):
     """Run OP on FIELD [FIELD2] of every structure of FILE.
 
@@ -325,7 +309,7 @@ def reduce(file, op, fields, **options):
 @click.option("--direction", metavar="FIELD",
               help="Per-atom field, the shape of the differentiated fields (--order 2).")
 @_shared_options
-@_stdout_guard
+@stdout_guard
 def grad(file, op, fields, weights, order, direction, **options):
     """Per-atom derivatives of Σ_s w_s · OP(FIELD [FIELD2])_s over the structures of FILE.
 

@@ -1,0 +1,216 @@
+"""Commands: stats (count, mean, std, rms, min and max of fields) and fit-e0 (per-element
+reference energies), streamed over files of any size."""
+
+import json
+import math
+import os
+
+import click
+
+from segcli.cli.common import stdout_guard, structure_range
+
+STAT_COLUMNS = ("count", "mean", "std", "rms", "min", "max")
+
+
+def _selection(batch, file, structures, in_place=False):
+    """The slice of structures selected by --structures (DataError when it selects none)."""
+    from segcli.errors import DataError
+
+    if not structures:
+        return slice(None)
+    if in_place:
+        raise click.UsageError("--in-place stores a result for every structure; "
+                               "--structures cannot be used with it")
+    start, stop = structures
+    if start >= batch.n_structures:
+        raise DataError(f"{file}: --structures {start}:{stop or ''} selects no structure "
+                        f"(the file has {batch.n_structures})")
+    return slice(start, stop)
+
+
+def _number(value):
+    return "-" if value is None else f"{value:.7g}"
+
+
+def _table(rows, columns):
+    """Rows of text, left-aligned columns separated by two spaces."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
+    return ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+
+
+def _element(z):
+    from ase.data import chemical_symbols
+
+    return chemical_symbols[z]
+
+
+@click.command(short_help="Count, mean, std, rms, min, max of fields.")
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.argument("fields", metavar="FIELD...", nargs=-1, required=True)
+@click.option("--per-element", is_flag=True,
+              help="Per-atom fields by element (atomic number from `numbers`).")
+@click.option("--per-atom", is_flag=True,
+              help="Per-structure fields divided by each structure's atom count first "
+                   "(energy per atom; structures without atoms are left out).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False),
+              help="Write the statistics to a new HDF5 file instead (/stats/FIELD: count, "
+                   "mean, m2, min, max, std, rms).")
+@click.option("--force", is_flag=True, help="Overwrite OUTPUT if it exists.")
+@click.option("--structures", callback=structure_range, metavar="START:STOP",
+              help="Only these structures (default: all).")
+@click.option("--chunk-atoms", type=click.IntRange(min=1), default=1 << 21,
+              help="Atoms read at a time (whole structures; default 2097152): bounds memory.")
+@click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors and results.")
+@stdout_guard
+def stats(file, fields, per_element, per_atom, as_json, output, force, structures, chunk_atoms,
+          quiet):
+    """Count, mean, std, rms, min and max of each FIELD of FILE.
+
+    A per-atom field is taken over all atoms, a per-structure field over all structures,
+    each component on its own and, for vector fields, the norm of each row too. The
+    standard deviation is the population one (divided by the count). Structures that lack
+    a field (see `segcli info`) are left out of its statistics; NaN values are refused.
+    The file is streamed in chunks of whole structures, so its size does not matter, and
+    the partial results combine exactly (Chan's pairwise formulas). FIELD may be a stored
+    result (`segcli reduce ... --in-place`).
+
+    \b
+    Example:
+      segcli stats sample_data/metals.h5 forces energy
+      segcli stats sample_data/metals.h5 forces --per-element --json
+      segcli stats sample_data/metals.h5 energy --per-atom
+    """
+    from segcli.io import open_batch
+    from segcli.io.statsfile import write_stats
+    from segcli.stats import field_stats
+
+    with open_batch(file) as batch:
+        selection = _selection(batch, file, structures)
+        result = field_stats(batch, fields, per_element=per_element, per_atom=per_atom,
+                             chunk_atoms=chunk_atoms, structures=selection)
+        summary = {"path": file, "structures": len(batch.n_atoms[selection]),
+                   "atoms": int(batch.n_atoms[selection].sum())}
+    rows = [row for s in result.values() for row in s.rows()]
+    for row in rows:
+        if "element" in row:
+            row["symbol"] = _element(row["element"])
+    if output:
+        start, stop = structures or (0, None)
+        write_stats(output, result, {"source": os.path.abspath(file),
+                                     "structures": f"{start}:{summary['structures'] + start}",
+                                     "per_element": per_element, "per_atom": per_atom},
+                    force=force)
+        if not quiet:
+            click.echo(f"{output}: statistics of {', '.join(result)} ({summary['structures']} "
+                       f"structures, {summary['atoms']} atoms)", err=True)
+        return
+    if as_json:
+        click.echo(json.dumps({**summary, "stats": rows}))
+        return
+    by_element = any("element" in row for row in rows)
+    header = ("field", *(("element",) if by_element else ()), "component", *STAT_COLUMNS)
+    lines = [header] + [
+        (row["field"], *((row.get("symbol", ""),) if by_element else ()),
+         row["component"] or "-", str(row["count"]), *(_number(row[c]) for c in STAT_COLUMNS[1:]))
+        for row in rows]
+    click.echo("\n".join(_table(lines, header)))
+
+
+def _fixed(ctx, param, values):
+    """{Z: E0} from --fixed SYMBOL=VALUE options."""
+    from ase.data import atomic_numbers
+
+    out = {}
+    for text in values:
+        symbol, _, value = text.partition("=")
+        try:
+            energy = float(value)
+        except ValueError:
+            energy = math.nan
+        if symbol.strip() not in atomic_numbers or not math.isfinite(energy):
+            raise click.BadParameter(f"expected SYMBOL=VALUE (e.g. H=-13.6), got {text!r}")
+        out[atomic_numbers[symbol.strip()]] = energy
+    return out
+
+
+@click.command("fit-e0", short_help="Fit per-element reference energies.")
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--energy", default="energy", show_default=True, metavar="FIELD",
+              help="Per-structure energy field (or result) to fit.")
+@click.option("--fixed", multiple=True, callback=_fixed, metavar="SYMBOL=VALUE",
+              help="Hold an element's reference energy at VALUE (repeatable).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+@click.option("--in-place", is_flag=True,
+              help="Store the residual energies E - Σ c·E0 in FILE as a per-structure result.")
+@click.option("--name", help="Name of the stored residual (default: residual_FIELD).")
+@click.option("--force", is_flag=True, help="Replace an existing result of that name.")
+@click.option("--structures", callback=structure_range, metavar="START:STOP",
+              help="Only these structures (default: all; not with --in-place).")
+@click.option("--chunk-atoms", type=click.IntRange(min=1), default=1 << 21,
+              help="Atoms read at a time (whole structures; default 2097152): bounds memory.")
+@click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors and results.")
+@stdout_guard
+def fit_e0(file, energy, fixed, as_json, in_place, name, force, structures, chunk_atoms, quiet):
+    """Per-element reference energies E0 of FILE by least squares.
+
+    Finds the E0 minimising Σ_s (E_s − Σ_Z c_sZ E0_Z)² over the structures, c_sZ being how
+    many atoms of element Z structure s has (from `numbers`) and E_s its energy; elements
+    absent from the data are left out, --fixed ones held. Prints E0 per element and the
+    RMSE and MAE per atom of the residual (E − Σ c·E0) / n. Elements whose counts are
+    linearly dependent (always 2 H per O) cannot be separated: that is an error naming them.
+    Streamed in two passes, so the file's size does not matter; structures without an energy
+    are left out.
+
+    \b
+    Example:
+      segcli fit-e0 sample_data/metals.h5
+      segcli fit-e0 data.h5 --fixed H=-13.6 --json
+      segcli fit-e0 data.h5 --in-place --name interaction_energy
+    """
+    from ase.data import chemical_symbols
+
+    from segcli.io import ResultWriter, open_batch
+    from segcli.stats import residual_errors, solve_e0
+
+    if name is not None and not in_place:
+        raise click.UsageError("--name names the result that --in-place stores")
+    name = name or f"residual_{energy}"
+    with open_batch(file) as batch:
+        selection = _selection(batch, file, structures, in_place)
+        options = {"chunk_atoms": chunk_atoms, "structures": selection}
+        e0, used = solve_e0(batch, energy, fixed=fixed, **options)
+        everything = {**e0, **fixed}
+        if in_place:
+            writer = ResultWriter(in_place_of=file, force=force, names=[name])
+            with writer:
+                writer.set_n_atoms(batch.n_atoms)
+                writer.create(name, (batch.n_structures,), "float64", {
+                    "op": "fit-e0", "fields": [energy, "numbers"], "per": "structure",
+                    "elements": sorted(everything),
+                    "e0": [everything[z] for z in sorted(everything)]})
+                rmse, mae = residual_errors(
+                    batch, energy, everything,
+                    on_chunk=lambda chunk, values: writer.write(name, chunk.start, values),
+                    **options)
+        else:
+            rmse, mae = residual_errors(batch, energy, everything, **options)
+    nan_free = {key: None if math.isnan(v) else v for key, v in (("rmse", rmse), ("mae", mae))}
+    elements = [{"element": chemical_symbols[z], "number": z, "e0": everything[z],
+                 "fixed": z in fixed} for z in sorted(everything)]
+    if as_json:
+        click.echo(json.dumps({"path": file, "energy": energy, "structures": used,
+                               "e0": elements, "rmse_per_atom": nan_free["rmse"],
+                               "mae_per_atom": nan_free["mae"]}))
+    else:
+        lines = [("element", "Z", "E0", "")] + [
+            (e["element"], str(e["number"]), f"{e['e0']:.10g}", "fixed" if e["fixed"] else "")
+            for e in elements]
+        click.echo("\n".join(_table(lines, lines[0])))
+        click.echo(f"structures: {used}; residual per atom: RMSE {_number(nan_free['rmse'])}, "
+                   f"MAE {_number(nan_free['mae'])}")
+    if in_place and not quiet:
+        click.echo(f"{file}: /results/{name} ({batch.n_structures} structures)", err=True)
+
+
+COMMANDS = [stats, fit_e0]

@@ -1,0 +1,362 @@
+"""Dataset statistics that stream and combine exactly, and per-element reference energies.
+
+`Moments` holds, per group and component, the count, mean, sum of squared deviations (M2),
+min and max; two partial results (of chunks, structure ranges or shards) combine with Chan,
+Golub and LeVeque's pairwise formulas, exact to rounding in any order. `ReferenceFit`
+accumulates the least-squares problem of per-element energies as the triangle R of a QR
+factorisation of [composition | energy], which combines the same way (a QR of the stacked
+triangles) and solves as `numpy.linalg.lstsq` on the whole composition matrix would.
+
+    stats = field_stats(batch, ["forces", "energy"], per_element=True)
+    e0, used = solve_e0(batch, "energy", fixed={1: -13.6})
+    rmse, mae = residual_errors(batch, "energy", {**e0, 1: -13.6})
+"""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from segcli.errors import DataError
+
+N_ELEMENTS = 119
+"""Atomic numbers 0 (ASE's placeholder X) to 118."""
+BLOCK_STRUCTURES = 1 << 15
+"""Structures whose composition rows are built at a time (bounds memory for tiny structures)."""
+
+
+@dataclass(frozen=True)
+class Moments:
+    """Count (G,), and mean, M2 (sum of squared deviations), min and max (G, K) of values in
+    G groups of K components."""
+
+    count: np.ndarray
+    mean: np.ndarray
+    m2: np.ndarray
+    min: np.ndarray
+    max: np.ndarray
+
+    @classmethod
+    def empty(cls, groups, components):
+        shape = (groups, components)
+        return cls(np.zeros(groups, np.int64), np.zeros(shape), np.zeros(shape),
+                   np.full(shape, np.inf), np.full(shape, -np.inf))
+
+    @classmethod
+    def of(cls, values, groups=None, n_groups=1):
+        """The moments of the rows of `values` (n, K), row i in group `groups[i]` (default 0),
+        each sum taken pairwise over contiguous memory."""
+        values = _rows(values)
+        out = cls.empty(n_groups, values.shape[1])
+        if not len(values):
+            return out
+        if groups is None:
+            starts, which = np.zeros(1, np.intp), np.zeros(1, np.intp)
+            columns = np.ascontiguousarray(values.T)
+        else:
+            order = np.argsort(groups, kind="stable")
+            keys = np.asarray(groups)[order]
+            starts = np.flatnonzero(np.concatenate([[True], keys[1:] != keys[:-1]]))
+            which = keys[starts]
+            columns = np.ascontiguousarray(values[order].T)
+        counts = np.diff(np.append(starts, len(values)))
+        means = np.add.reduceat(columns, starts, axis=1) / counts
+        deviations = columns - np.repeat(means, counts, axis=1)
+        out.count[which] = counts
+        out.mean[which] = means.T
+        out.m2[which] = np.add.reduceat(deviations * deviations, starts, axis=1).T
+        out.min[which] = np.minimum.reduceat(columns, starts, axis=1).T
+        out.max[which] = np.maximum.reduceat(columns, starts, axis=1).T
+        return out
+
+    def merge(self, other):
+        """The moments of both sets of values together (Chan et al.'s pairwise update)."""
+        n_a, n_b = self.count[:, None], other.count[:, None]
+        n = np.maximum(n_a + n_b, 1)
+        delta = other.mean - self.mean
+        return Moments(self.count + other.count,
+                       self.mean + delta * (n_b / n),
+                       self.m2 + other.m2 + delta * delta * (n_a * n_b / n),
+                       np.minimum(self.min, other.min), np.maximum(self.max, other.max))
+
+    @property
+    def std(self):
+        """Population standard deviation (NaN for an empty group)."""
+        with np.errstate(invalid="ignore"):
+            return np.sqrt(self.m2 / self.count[:, None])
+
+    @property
+    def rms(self):
+        """Root of the mean square (NaN for an empty group)."""
+        return np.sqrt(self.std ** 2 + self.mean * self.mean)
+
+
+@dataclass
+class FieldStats:
+    """Moments of one field over a batch: per component (`components` names them, "norm" last
+    for vector fields), in one group or, with `by_element`, one per atomic number."""
+
+    name: str
+    per: str
+    components: list
+    by_element: bool
+    per_atom: bool
+    moments: Moments = None
+
+    def rows(self):
+        """One dict per (element,) component with count, mean, std, rms, min and max; a field
+        without values gives one row of count 0 per component."""
+        m = self.moments
+        groups = np.flatnonzero(m.count) if self.by_element else [0]
+        out = []
+        columns = {"mean": m.mean, "std": m.std, "rms": m.rms, "min": m.min, "max": m.max}
+        for g in groups:
+            for k, component in enumerate(self.components):
+                row = {"field": self.name}
+                if self.by_element:
+                    row["element"] = int(g)
+                row.update(component=component, count=int(m.count[g]))
+                row.update({key: float(v[g, k]) if m.count[g] else None
+                            for key, v in columns.items()})
+                out.append(row)
+        return out
+
+
+def component_names(shape):
+    """"" for a scalar field; "0", "1", ... or "0_1", ... then "norm" for a vector field."""
+    if not shape:
+        return [""]
+    return ["_".join(map(str, i)) for i in np.ndindex(*shape)] + ["norm"]
+
+
+def _rows(array):
+    """An array (n, *F) as float64 rows (n, prod(F))."""
+    array = np.asarray(array, np.float64)
+    return array.reshape(len(array), int(np.prod(array.shape[1:], dtype=np.int64)))
+
+
+def _values(array, shape):
+    """Rows of components as float64, with the norm of each row last for a vector field."""
+    rows = _rows(array)
+    if not shape:
+        return rows
+    return np.concatenate([rows, np.sqrt(np.einsum("ij,ij->i", rows, rows))[:, None]], axis=1)
+
+
+def _numeric(path, name, info, role):
+    if info.dtype.kind not in "biuf":
+        raise DataError(f"{path}: field '{name}' holds {info.dtype} values, but {role} needs "
+                        "real numbers")
+
+
+def _spread(per_structure, chunk):
+    """A value per structure of the chunk repeated for each of its atoms."""
+    return np.repeat(per_structure, chunk.n_atoms)
+
+
+def _check_numbers(path, numbers, chunk):
+    bad = np.flatnonzero((numbers < 0) | (numbers >= N_ELEMENTS))
+    if len(bad):
+        structure = chunk.start + int(np.searchsorted(np.cumsum(chunk.n_atoms), bad[0],
+                                                      side="right"))
+        raise DataError(f"{path}: field 'numbers' holds {numbers[bad[0]]} in structure "
+                        f"{structure}, not an atomic number (0 to {N_ELEMENTS - 1})")
+
+
+def _checked_chunks(batch, names, chunk_atoms, structures):
+    """(chunk, name -> bool (S_c,) of the chunk's structures that have the field, or None when
+    all have it) for each chunk; DataError naming the first field holding NaN where present,
+    with its count over the whole selection and the first structure."""
+    from segcli.engine import prefetch
+
+    present = {name: batch.present(name) for name in names}
+    bad = None  # [field, NaN count, first structure]
+    chunks = batch.iter_chunks(list(names), chunk_atoms=chunk_atoms, structures=structures)
+    for chunk in prefetch(chunks):
+        masks = {name: None if mask is None else mask[chunk.start:chunk.start + len(chunk.n_atoms)]
+                 for name, mask in present.items()}
+        for name in names if bad is None else [bad[0]]:
+            array = chunk.atoms.get(name, chunk.structures.get(name))
+            if array.dtype.kind != "f" or not np.isnan(array.sum()):
+                continue
+            rows = np.isnan(array.reshape(len(array), -1)).any(axis=1)
+            if masks[name] is not None:
+                rows &= _spread(masks[name], chunk) if name in chunk.atoms else masks[name]
+            if not rows.any():
+                continue
+            if bad is None:
+                first = int(np.argmax(rows))
+                if name in chunk.atoms:
+                    first = int(np.searchsorted(np.cumsum(chunk.n_atoms), first, side="right"))
+                bad = [name, 0, chunk.start + first]
+            bad[1] += int(np.count_nonzero(np.isnan(array[rows])))
+        if bad is None:
+            yield chunk, masks
+    if bad is not None:
+        name, count, first = bad
+        raise DataError(f"{batch.path}: field '{name}' holds {count} NaN value(s), the first "
+                        f"in structure {first}")
+
+
+def _require(batch, names, role):
+    """The FieldInfo of each name; DataError naming the file and the field if it is missing or
+    not numeric."""
+    fields = batch.fields
+    for name in names:
+        if name not in fields:
+            raise DataError(f"{batch.path}: no field '{name}'; its fields are: "
+                            f"{', '.join(sorted(fields)) or '(none)'}")
+        _numeric(batch.path, name, fields[name], role)
+    return [fields[name] for name in names]
+
+
+def field_stats(batch, names, *, per_element=False, per_atom=False, chunk_atoms=1 << 21,
+                structures=slice(None)):
+    """FieldStats of each field of `names` over the selected structures of `batch`, streamed in
+    chunks of `chunk_atoms` atoms: per-atom fields over all atoms (grouped by `numbers` with
+    `per_element`), per-structure fields over all structures (divided by each structure's
+    atom count with `per_atom`, empty structures left out). Structures that lack a field
+    (Batch.present) are left out of its statistics."""
+    names = list(dict.fromkeys(names))
+    infos = _require(batch, names, "stats")
+    shapes = {info.name: info.shape for info in infos}
+    out = {info.name: FieldStats(info.name, info.per, component_names(info.shape),
+                                 per_element and info.per == "atom",
+                                 per_atom and info.per == "structure") for info in infos}
+    grouped = any(s.by_element for s in out.values())
+    if grouped:
+        _require(batch, ["numbers"], "--per-element")
+    groups = N_ELEMENTS if grouped else 1
+    for s in out.values():
+        s.moments = Moments.empty(groups if s.by_element else 1, len(s.components))
+    read = list(dict.fromkeys(names + ["numbers"] * grouped))
+    for chunk, present in _checked_chunks(batch, read, chunk_atoms, structures):
+        numbers = chunk.atoms["numbers"] if grouped else None
+        if grouped:
+            _check_numbers(batch.path, numbers, chunk)
+        for name, s in out.items():
+            array = (chunk.atoms if s.per == "atom" else chunk.structures)[name]
+            keep = present[name]
+            if s.per_atom:
+                has_atoms = chunk.n_atoms > 0
+                array = array / np.maximum(chunk.n_atoms, 1).reshape(-1, *(1,) * (array.ndim - 1))
+                keep = has_atoms if keep is None else has_atoms & keep
+            elif keep is not None and s.per == "atom":
+                keep = _spread(keep, chunk)
+            values, labels = _values(array, shapes[name]), numbers if s.by_element else None
+            if keep is not None:
+                values = values[keep]
+                labels = None if labels is None else labels[keep]
+            s.moments = s.moments.merge(Moments.of(values, labels, len(s.moments.count)))
+    return out
+
+
+def composition(numbers, n_atoms):
+    """(S, N_ELEMENTS) counts of each atomic number in each structure, from the atoms' numbers
+    (concatenated in structure order) and the structures' atom counts."""
+    structure = np.repeat(np.arange(len(n_atoms)), n_atoms)
+    counts = np.bincount(structure * N_ELEMENTS + numbers, minlength=len(n_atoms) * N_ELEMENTS)
+    return counts.reshape(len(n_atoms), N_ELEMENTS)
+
+
+@dataclass
+class ReferenceFit:
+    """The least-squares problem min Σ_s (e_s − Σ_Z c_sZ E0_Z)² over the elements not `fixed`
+    (Z -> E0 held), accumulated block by block as the triangle R of QR([C | e − C_fixed E0]):
+    RᵀR is the normal matrix, without squaring its condition number."""
+
+    fixed: dict
+    elements: list = field(default_factory=list)  # atomic number of each free column
+    r: np.ndarray = field(default_factory=lambda: np.zeros((0, 1)))
+    structures: int = 0
+
+    def add(self, counts, energies):
+        """Add structures: their composition counts (S_b, N_ELEMENTS) and energies (S_b,)."""
+        seen = np.flatnonzero(counts.any(axis=0))
+        new = [int(z) for z in seen if int(z) not in self.fixed and int(z) not in self.elements]
+        if new:
+            k = len(self.elements)
+            self.r = np.insert(self.r, [k] * len(new), 0.0, axis=1)
+            self.elements += new
+        held = sorted(self.fixed)
+        target = energies - counts[:, held] @ np.array([self.fixed[z] for z in held], float)
+        block = np.column_stack([counts[:, self.elements], target])
+        self.r = np.linalg.qr(np.vstack([self.r, block]), mode="r")
+        self.structures += len(energies)
+
+    def solve(self, path):
+        """Z -> E0 of the free elements; DataError naming the elements whose energies the data
+        cannot separate (their counts are linearly dependent over the structures)."""
+        k = len(self.elements)
+        if not k:
+            return {}
+        a, b = self.r[:, :k], self.r[:, k]
+        _, s, vt = np.linalg.svd(a)
+        tol = s.max(initial=0.0) * max(self.structures, k) * np.finfo(float).eps
+        rank = int(np.count_nonzero(s > tol))
+        if rank < k:
+            from ase.data import chemical_symbols
+
+            null = vt[rank:]
+            tied = [chemical_symbols[z] for z, v in zip(self.elements, np.abs(null).max(axis=0))
+                    if v > 1e-8]
+            raise DataError(f"{path}: the reference energies of {', '.join(tied)} cannot be "
+                            f"separated: their counts are linearly dependent over the "
+                            f"{self.structures} structure(s) used (hold some with "
+                            "--fixed SYMBOL=VALUE)")
+        return dict(zip(self.elements, np.linalg.lstsq(a, b, rcond=None)[0].tolist()))
+
+
+def _energy_chunks(batch, energy, chunk_atoms, structures):
+    """(chunk, bool (S_c,) of its structures that have an energy) for each chunk, the numbers
+    checked."""
+    infos = _require(batch, [energy, "numbers"], "fit-e0")
+    if infos[0].per != "structure" or infos[0].shape != ():
+        raise DataError(f"{batch.path}: field '{energy}' is per {infos[0].per} with shape "
+                        f"{infos[0].shape}, but the energy must be one number per structure")
+    if infos[1].per != "atom" or infos[1].shape != () or infos[1].dtype.kind not in "iu":
+        raise DataError(f"{batch.path}: field 'numbers' must hold one integer per atom")
+    for chunk, present in _checked_chunks(batch, [energy, "numbers"], chunk_atoms, structures):
+        _check_numbers(batch.path, chunk.atoms["numbers"], chunk)
+        have = present[energy]
+        yield chunk, np.ones(len(chunk.n_atoms), bool) if have is None else have
+
+
+def solve_e0(batch, energy="energy", *, fixed=None, chunk_atoms=1 << 21,
+             structures=slice(None)):
+    """(Z -> E0, structures used): the per-element reference energies minimising
+    Σ_s (E_s − Σ_Z c_sZ E0_Z)² over the selected structures that have an `energy`, c from
+    `numbers`, streamed; elements absent from them are left out, those of `fixed` (Z -> E0)
+    held (and not returned)."""
+    fit = ReferenceFit(dict(fixed or {}))
+    for chunk, have in _energy_chunks(batch, energy, chunk_atoms, structures):
+        numbers, energies = chunk.atoms["numbers"], chunk.structures[energy]
+        bounds = np.concatenate([[0], np.cumsum(chunk.n_atoms)])
+        for lo in range(0, len(chunk.n_atoms), BLOCK_STRUCTURES):
+            hi = min(lo + BLOCK_STRUCTURES, len(chunk.n_atoms))
+            use = have[lo:hi]
+            counts = composition(numbers[bounds[lo]:bounds[hi]], chunk.n_atoms[lo:hi])
+            fit.add(counts[use], np.asarray(energies[lo:hi], float)[use])
+    return fit.solve(batch.path), fit.structures
+
+
+def residual_errors(batch, energy, e0, *, chunk_atoms=1 << 21, structures=slice(None),
+                    on_chunk=None):
+    """(RMSE, MAE) of the per-atom residual (E − Σ_Z c_Z E0_Z) / n over the selected structures
+    that have an `energy` and atoms (NaN if none), `e0` mapping Z -> E0; each chunk's residual
+    energies go to `on_chunk(chunk, values)` if given (NaN where a structure has no energy)."""
+    by_number = np.zeros(N_ELEMENTS)
+    by_number[list(e0)] = list(e0.values())
+    errors = Moments.empty(1, 2)
+    for chunk, have in _energy_chunks(batch, energy, chunk_atoms, structures):
+        structure = np.repeat(np.arange(len(chunk.n_atoms)), chunk.n_atoms)
+        reference = np.bincount(structure, weights=by_number[chunk.atoms["numbers"]],
+                                minlength=len(chunk.n_atoms))
+        values = np.where(have, chunk.structures[energy] - reference, np.nan)
+        if on_chunk:
+            on_chunk(chunk, values)
+        use = have & (chunk.n_atoms > 0)
+        per_atom = values[use] / chunk.n_atoms[use]
+        errors = errors.merge(Moments.of(np.column_stack([per_atom, np.abs(per_atom)])))
+    if not errors.count[0]:
+        return float("nan"), float("nan")
+    return float(errors.rms[0, 0]), float(errors.mean[0, 1])

@@ -1,0 +1,345 @@
+"""`segcli stats` and `segcli fit-e0` against NumPy float64 (and numpy.linalg.lstsq) on fresh
+random files, edge cases, and their errors."""
+
+import json
+
+import h5py
+import numpy as np
+import pytest
+from batch_reference import write_batch
+from click.testing import CliRunner
+
+from segcli.cli import main
+from segcli.io import open_batch
+from segcli.stats import Moments, field_stats
+
+REL = 1e-12
+
+
+def run(*args, input=None):
+    return CliRunner().invoke(main, [str(a) for a in args], input=input)
+
+
+def stats_json(*args):
+    result = run("stats", *args, "--json")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def assert_one_line_error(result, code, *needles):
+    assert result.exit_code == code, result.output
+    assert "Traceback" not in result.output
+    for needle in needles:
+        assert needle in result.output, result.output
+
+
+def reference_rows(name, values, element=None):
+    """The expected rows of one field: each component, then the norm of vector rows."""
+    values = np.asarray(values, np.float64)
+    rows = values.reshape(len(values), -1)
+    columns = [rows[:, k] for k in range(rows.shape[1])]
+    names = [""] if values.ndim == 1 else ["_".join(map(str, i)) for i in np.ndindex(*values.shape[1:])]
+    if values.ndim > 1:
+        columns.append(np.linalg.norm(rows, axis=1))
+        names.append("norm")
+    out = []
+    for component, column in zip(names, columns):
+        row = {"field": name, "component": component, "count": len(column)}
+        if element is not None:
+            row["element"] = element
+        if len(column):
+            row.update(mean=np.mean(column), std=np.std(column),
+                       rms=np.sqrt(np.mean(column * column)), min=column.min(), max=column.max())
+        else:
+            row.update(dict.fromkeys(("mean", "std", "rms", "min", "max")))
+        out.append(row)
+    return out
+
+
+def assert_rows_match(got, wanted):
+    assert len(got) == len(wanted)
+    for g, w in zip(got, wanted):
+        for key in ("field", "component", "count", "element"):
+            assert g.get(key) == w.get(key), (g, w)
+        for key in ("min", "max"):  # exactly, but for norms computed in another order
+            assert g[key] == (w[key] if g["component"] != "norm" else
+                              pytest.approx(w[key], rel=1e-15)), (key, g, w)
+        for key in ("mean", "std", "rms"):
+            if w[key] is None:
+                assert g[key] is None
+            else:
+                assert g[key] == pytest.approx(w[key], rel=REL, abs=1e-300), (key, g, w)
+
+
+@pytest.fixture
+def random_file(tmp_path):
+    """Random structures (some empty) with per-atom float64 vectors, float32 and integer
+    scalars, atomic numbers, and per-structure energy and stress."""
+    rng = np.random.default_rng()
+    n_atoms = rng.integers(0, 12, 70)
+    n_atoms[[3, 40]] = 0
+    n = int(n_atoms.sum())
+    atoms = {"forces": rng.normal(0.5, 2.0, (n, 3)),
+             "charges": rng.normal(-1.0, 0.3, n).astype(np.float32),
+             "tags": rng.integers(-5, 9, n).astype(np.int32),
+             "numbers": rng.choice([1, 6, 8, 29], n)}
+    structures = {"energy": rng.normal(-50.0, 10.0, len(n_atoms)),
+                  "stress": rng.normal(0.2, 0.1, (len(n_atoms), 6))}
+    path = write_batch(tmp_path / "random.h5", n_atoms, atoms, structures)
+    return path, n_atoms, {**atoms, **structures}
+
+
+@pytest.mark.parametrize("chunk_atoms", [1, 13, 1 << 21])
+def test_stats_match_numpy_float64(random_file, chunk_atoms):
+    path, _, data = random_file
+    names = ["forces", "charges", "tags", "energy", "stress"]
+    got = stats_json(path, *names, "--chunk-atoms", chunk_atoms)
+    wanted = [row for name in names for row in reference_rows(name, data[name])]
+    assert_rows_match(got["stats"], wanted)
+    assert got["structures"] == len(data["energy"]) and got["atoms"] == len(data["forces"])
+
+
+def test_per_element_and_per_atom(random_file):
+    path, n_atoms, data = random_file
+    got = stats_json(path, "forces", "energy", "--per-element", "--per-atom", "--chunk-atoms", 9)
+    numbers = data["numbers"]
+    wanted = [row for z in np.unique(numbers)
+              for row in reference_rows("forces", data["forces"][numbers == z], int(z))]
+    has_atoms = n_atoms > 0
+    wanted += reference_rows("energy", data["energy"][has_atoms] / n_atoms[has_atoms])
+    assert_rows_match(got["stats"], wanted)
+    assert {row["symbol"] for row in got["stats"] if "symbol" in row} == {"H", "C", "O", "Cu"}
+
+
+def test_structure_ranges_combine_exactly(random_file):
+    """Statistics of disjoint structure ranges (as shards compute them) merged with Chan's
+    formulas equal those of the whole file, grouped or not."""
+    path, _, _ = random_file
+    with open_batch(path) as batch:
+        whole = field_stats(batch, ["forces", "energy"], per_element=True)
+        cuts = [0, 11, 12, 45, batch.n_structures]
+        parts = [field_stats(batch, ["forces", "energy"], per_element=True, chunk_atoms=7,
+                             structures=slice(a, b)) for a, b in zip(cuts[:-1], cuts[1:])]
+    for name in ("forces", "energy"):
+        merged = parts[0][name].moments
+        for part in reversed(parts[1:]):  # any order
+            merged = part[name].moments.merge(merged)
+        expected = whole[name].moments
+        np.testing.assert_array_equal(merged.count, expected.count)
+        np.testing.assert_array_equal(merged.min, expected.min)
+        np.testing.assert_array_equal(merged.max, expected.max)
+        for key in ("mean", "std", "rms"):
+            np.testing.assert_allclose(getattr(merged, key)[merged.count > 0],
+                                       getattr(expected, key)[expected.count > 0], rtol=REL)
+
+
+def test_moments_of_groups_and_merge_with_empty():
+    values = np.array([[1.0, -2.0], [3.0, 4.0], [5.0, 0.0]])
+    m = Moments.of(values, np.array([2, 0, 2]), n_groups=3)
+    np.testing.assert_array_equal(m.count, [1, 0, 2])
+    np.testing.assert_array_equal(m.mean[[0, 2]], [[3.0, 4.0], [3.0, -1.0]])
+    np.testing.assert_array_equal(m.m2[2], [8.0, 2.0])
+    empty = Moments.empty(3, 2)
+    for merged in (m.merge(empty), empty.merge(m)):
+        for key in ("count", "mean", "m2", "min", "max"):
+            np.testing.assert_array_equal(getattr(merged, key), getattr(m, key))
+
+
+def test_edge_cases_ties_zero_vectors_one_structure_and_no_atoms(tmp_path):
+    path = write_batch(tmp_path / "ties.h5", [4], {"forces": np.zeros((4, 3)),
+                                                   "q": np.full(4, 2.5, np.float32)},
+                       {"energy": [-3.0]})
+    rows = stats_json(path, "forces", "q", "energy")["stats"]
+    assert all(row["std"] == 0.0 for row in rows)
+    assert [row["rms"] for row in rows] == [0.0] * 4 + [2.5, 3.0]
+    assert [row["min"] for row in rows] == [row["max"] for row in rows]
+    empty = write_batch(tmp_path / "empty.h5", [0, 0], {"forces": np.zeros((0, 3))},
+                        {"energy": [1.0, 2.0]})
+    got = stats_json(empty, "forces", "energy", "--per-atom")
+    assert [row["count"] for row in got["stats"]] == [0, 0, 0, 0, 0]
+    assert all(row["mean"] is None for row in got["stats"])
+    table = run("stats", empty, "forces").output
+    assert table.splitlines()[0].split() == ["field", "component", "count", "mean", "std",
+                                             "rms", "min", "max"]
+    assert table.splitlines()[1].split() == ["forces", "0", "0", "-", "-", "-", "-", "-"]
+
+
+def test_partial_fields_leave_out_absent_structures(tmp_path):
+    """A field that only some structures have (NaN where filled) counts only where present."""
+    n_atoms = np.array([2, 3, 1, 2])
+    stress = np.random.default_rng().normal(size=(4, 6))
+    stress[[1, 2]] = np.nan
+    path = write_batch(tmp_path / "partial.h5", n_atoms, {}, {"stress": stress})
+    with h5py.File(path, "r+") as f:
+        f["structures/stress"].attrs["fill_value"] = np.nan
+        f["present/stress"] = np.array([True, False, False, True])
+    assert_rows_match(stats_json(path, "stress")["stats"], reference_rows("stress", stress[[0, 3]]))
+    stress[3, 2] = np.nan
+    with h5py.File(path, "r+") as f:
+        f["structures/stress"][3] = stress[3]
+    assert_one_line_error(run("stats", path, "stress"), 1, "'stress' holds 1 NaN", "structure 3")
+
+
+def test_stats_of_a_stored_result_and_to_a_file(tmp_path, random_file):
+    path, n_atoms, data = random_file
+    assert run("reduce", path, "max_norm", "forces", "--in-place").exit_code == 0
+    with h5py.File(path) as f:
+        stored = f["results/max_norm_forces"][()]
+    assert_rows_match(stats_json(path, "max_norm_forces")["stats"],
+                      reference_rows("max_norm_forces", stored))
+    out = tmp_path / "stats.h5"
+    assert run("stats", path, "forces", "--per-element", "-o", out).exit_code == 0
+    with h5py.File(out) as f:
+        assert f.attrs["format"] == "segcli-stats" and f.attrs["structures"] == "0:70"
+        group = f["stats/forces"]
+        numbers = data["numbers"]
+        np.testing.assert_array_equal(group["element"][()], np.unique(numbers))
+        np.testing.assert_array_equal(group["count"][()], np.bincount(numbers)[np.unique(numbers)])
+        np.testing.assert_array_equal(group["max"][0, :3], data["forces"][numbers == 1].max(axis=0))
+    assert_one_line_error(run("stats", path, "forces", "-o", out), 1, "already exists")
+
+
+@pytest.mark.parametrize("args, code, needles", [
+    (["nope"], 1, ["no field 'nope'"]),
+    (["forces", "--per-element", "--structures", "99:"], 1, ["selects no structure"]),
+    (["--per-element", "forces"], 0, []),
+    (["forces", "--chunk-atoms", "0"], 2, ["--chunk-atoms"]),
+])
+def test_stats_errors(random_file, args, code, needles):
+    path, _, _ = random_file
+    assert_one_line_error(run("stats", path, *args), code, *needles)
+
+
+def test_stats_refuses_nan_bad_numbers_and_missing_numbers(tmp_path):
+    forces = np.ones((5, 3))
+    forces[[1, 4], 0] = np.nan
+    path = write_batch(tmp_path / "nan.h5", [2, 3], {"forces": forces, "numbers": [1, 2, 3, 200, 1]})
+    assert_one_line_error(run("stats", path, "forces"), 1, "'forces' holds 2 NaN", "structure 0")
+    assert_one_line_error(run("stats", path, "numbers", "--per-element"), 1, "200",
+                          "structure 1", "not an atomic number")
+    bare = write_batch(tmp_path / "bare.h5", [2], {"forces": np.ones((2, 3))})
+    assert_one_line_error(run("stats", bare, "forces", "--per-element"), 1, "no field 'numbers'")
+
+
+# --- fit-e0 --------------------------------------------------------------------------------
+
+ELEMENTS = np.array([1, 6, 8, 29])
+
+
+def composition_file(tmp_path, counts, energies, name="e0.h5"):
+    """A file whose structures hold `counts` (S, len(ELEMENTS)) atoms of each of ELEMENTS (in
+    shuffled order) with the given energies."""
+    rng = np.random.default_rng()
+    numbers = [rng.permutation(np.repeat(ELEMENTS, row)) for row in counts]
+    return write_batch(tmp_path / name, counts.sum(axis=1),
+                       {"numbers": np.concatenate(numbers).astype(np.int64)}, {"energy": energies})
+
+
+@pytest.fixture
+def e0_data(tmp_path):
+    rng = np.random.default_rng()
+    counts = rng.integers(0, 6, (80, len(ELEMENTS)))
+    counts[:, 3] = 0
+    counts[::7, 3] = rng.integers(1, 4, len(counts[::7]))
+    energies = counts @ np.array([-13.6, -1029.8, -2041.2, -45000.0]) + rng.normal(0, 0.5, 80)
+    return composition_file(tmp_path, counts, energies), counts, energies
+
+
+def fit_json(*args):
+    result = run("fit-e0", *args, "--json")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def assert_residual_errors(got, counts, energies, e0):
+    per_atom = (energies - counts @ e0) / counts.sum(axis=1)
+    per_atom = per_atom[counts.sum(axis=1) > 0]
+    assert got["rmse_per_atom"] == pytest.approx(np.sqrt(np.mean(per_atom ** 2)), rel=1e-10)
+    assert got["mae_per_atom"] == pytest.approx(np.mean(np.abs(per_atom)), rel=1e-10)
+
+
+@pytest.mark.parametrize("chunk_atoms", [5, 1 << 21])
+def test_fit_e0_equals_lstsq(e0_data, chunk_atoms):
+    path, counts, energies = e0_data
+    wanted = np.linalg.lstsq(counts.astype(float), energies, rcond=None)[0]
+    got = fit_json(path, "--chunk-atoms", chunk_atoms)
+    assert [e["number"] for e in got["e0"]] == ELEMENTS.tolist()
+    np.testing.assert_allclose([e["e0"] for e in got["e0"]], wanted, rtol=1e-8)
+    assert got["structures"] == 80 and not any(e["fixed"] for e in got["e0"])
+    assert_residual_errors(got, counts, energies, wanted)
+
+
+def test_fit_e0_fixed_elements_absent_ones_and_table(e0_data):
+    path, counts, energies = e0_data
+    free = np.linalg.lstsq(counts[:, 1:].astype(float), energies - counts[:, 0] * -13.0,
+                           rcond=None)[0]
+    got = fit_json(path, "--fixed", "H=-13", "--fixed", "Au=-3.5")
+    assert [(e["element"], e["fixed"]) for e in got["e0"]] == [
+        ("H", True), ("C", False), ("O", False), ("Cu", False), ("Au", True)]
+    np.testing.assert_allclose([e["e0"] for e in got["e0"]][1:4], free, rtol=1e-8)
+    assert_residual_errors(got, counts, energies, np.array([-13.0, *free]))
+    lines = run("fit-e0", path, "--fixed", "H=-13").output.splitlines()
+    assert lines[0].split() == ["element", "Z", "E0"] and lines[1].split() == ["H", "1", "-13", "fixed"]
+    assert lines[-1].startswith("structures: 80; residual per atom: RMSE ")
+
+
+def test_fit_e0_names_the_elements_it_cannot_separate(tmp_path):
+    rng = np.random.default_rng()
+    water = rng.integers(1, 5, 30)
+    counts = np.column_stack([2 * water, rng.integers(0, 3, 30), water, np.zeros(30, int)])
+    energies = counts @ np.array([-13.6, -1029.8, -2041.2, 0.0])
+    path = composition_file(tmp_path, counts, energies)
+    result = run("fit-e0", path)
+    assert_one_line_error(result, 1, "H, O cannot be separated", "--fixed")
+    assert "C" not in result.output.split("separated")[0].split("of ")[-1]
+    got = fit_json(path, "--fixed", "H=-13.6")
+    np.testing.assert_allclose([e["e0"] for e in got["e0"]], [-13.6, -1029.8, -2041.2], rtol=1e-8)
+    few = composition_file(tmp_path, counts[:2], energies[:2], "few.h5")
+    assert_one_line_error(run("fit-e0", few), 1, "cannot be separated", "2 structure(s)")
+
+
+def test_fit_e0_in_place_stores_the_residuals(e0_data):
+    path, counts, energies = e0_data
+    before = fit_json(path)
+    result = run("fit-e0", path, "--in-place", "--name", "e_int")
+    assert result.exit_code == 0, result.output
+    e0 = np.array([e["e0"] for e in before["e0"]])
+    with h5py.File(path) as f:
+        stored = f["results/e_int"]
+        np.testing.assert_allclose(stored[()], energies - counts @ e0, rtol=1e-9, atol=1e-9)
+        assert stored.attrs["per"] == "structure" and stored.attrs["op"] == "fit-e0"
+        np.testing.assert_array_equal(stored.attrs["elements"], ELEMENTS)
+    assert_one_line_error(run("fit-e0", path, "--in-place", "--name", "e_int"), 1,
+                          "already exists")
+    # the residual is a field now: its own fit gives E0 of zero
+    np.testing.assert_allclose([e["e0"] for e in fit_json(path, "--energy", "e_int")["e0"]],
+                               0, atol=1e-8)
+
+
+def test_fit_e0_leaves_out_structures_without_energy(tmp_path, e0_data):
+    path, counts, energies = e0_data
+    with h5py.File(path, "r+") as f:
+        energy = f["structures/energy"][()]
+        energy[:10] = np.nan
+        f["structures/energy"][()] = energy
+        f["present/energy"] = np.arange(80) >= 10
+    wanted = np.linalg.lstsq(counts[10:].astype(float), energies[10:], rcond=None)[0]
+    got = fit_json(path)
+    assert got["structures"] == 70
+    np.testing.assert_allclose([e["e0"] for e in got["e0"]], wanted, rtol=1e-8)
+    assert run("fit-e0", path, "--in-place").exit_code == 0
+    with h5py.File(path) as f:
+        assert np.isnan(f["results/residual_energy"][:10]).all()
+
+
+@pytest.mark.parametrize("args, code, needles", [
+    (["--energy", "numbers"], 1, ["'numbers' is per atom", "one number per structure"]),
+    (["--energy", "nope"], 1, ["no field 'nope'"]),
+    (["--fixed", "Xx=1"], 2, ["SYMBOL=VALUE", "Xx=1"]),
+    (["--fixed", "H=abc"], 2, ["SYMBOL=VALUE"]),
+    (["--name", "r"], 2, ["--in-place"]),
+    (["--in-place", "--structures", "0:3"], 2, ["--structures"]),
+])
+def test_fit_e0_errors(e0_data, args, code, needles):
+    path, _, _ = e0_data
+    assert_one_line_error(run("fit-e0", path, *args), code, *needles)
