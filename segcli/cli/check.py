@@ -194,7 +194,7 @@ def _check_op(spec, labels, arrays, n_atoms, order, seed):
     return report + checked
 
 
-@click.command()
+@click.command(short_help="Check the ops' values and derivatives.")
 @click.argument("file", required=False, type=click.Path(dir_okay=False))
 @click.option("--op", "op_names", callback=_op_names, metavar="OP[,OP...]",
               help="Ops to check (default: all): sum, mean, dot, mul, rms_norm, max_norm, matvec, count.")

@@ -265,7 +265,7 @@ def _execute(file, spec, fields, *, output, in_place, fmt, name, force, structur
                    f"{int(n_atoms.sum())} atoms)", err=True)
 
 
-@click.command()
+@click.command(short_help="Run one op per structure over a file.")
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.argument("op", callback=_op)
 @click.argument("fields", nargs=-1)
@@ -298,7 +298,7 @@ def reduce(file, op, fields, **options):
     _execute(file, op, fields, **options)
 
 
-@click.command()
+@click.command(short_help="Per-atom gradients of an op over a file.")
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.argument("op", callback=_op)
 @click.argument("fields", nargs=-1)
@@ -340,7 +340,7 @@ def grad(file, op, fields, weights, order, direction, **options):
     _execute(file, op, fields, order=order, weights=weights, direction=direction, **options)
 
 
-@click.command()
+@click.command(short_help="List the ops, their inputs and outputs.")
 def ops():
     """List the ops: their inputs (per atom: N rows; per structure: S rows) and output.
 

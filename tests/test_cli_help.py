@@ -1,0 +1,28 @@
+"""What every command shares: help with an example, whole summaries in `segcli --help`, and
+a quiet exit 141 when stdout closes early."""
+
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from segcli.cli import main
+
+
+def test_every_command_has_an_example_and_a_whole_summary():
+    listing = CliRunner().invoke(main, ["--help"]).output
+    summaries = listing.split("Commands:\n")[1].splitlines()
+    assert sorted(line.split()[0] for line in summaries) == sorted(main.commands)
+    for line in summaries:
+        assert not line.endswith("..."), line
+    for name in main.commands:
+        assert "Example:" in CliRunner().invoke(main, [name, "--help"]).output, name
+
+
+@pytest.mark.parametrize("command", [["stats", "forces", "--per-element"], ["fit-e0"]])
+def test_closed_stdout_exits_141_quietly(command):
+    script = (f"{sys.executable} -m segcli {command[0]} sample_data/metals.h5 "
+              f"{' '.join(command[1:])} | true; echo ${{PIPESTATUS[0]}}")
+    result = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
+    assert result.stdout.strip() == "141" and result.stderr == "", result
