@@ -43,22 +43,26 @@ class Moments:
 
     @classmethod
     def of(cls, values, groups=None, n_groups=1):
-        """The moments of the rows of `values` (n, K), row i in group `groups[i]` (default 0),
-        each sum taken pairwise over contiguous memory."""
-        values = _rows(values)
-        out = cls.empty(n_groups, values.shape[1])
-        if not len(values):
+        """The moments of the rows of `values` (n, *F), row i in group `groups[i]` (default 0)."""
+        return cls.of_columns(np.ascontiguousarray(_rows(values).T), groups, n_groups)
+
+    @classmethod
+    def of_columns(cls, columns, groups=None, n_groups=1):
+        """The moments of `columns` (K, n) holding K components of n values, value i in group
+        `groups[i]` (default 0); each sum is taken pairwise over contiguous memory."""
+        out = cls.empty(n_groups, len(columns))
+        if not columns.shape[1]:
             return out
         if groups is None:
             starts, which = np.zeros(1, np.intp), np.zeros(1, np.intp)
-            columns = np.ascontiguousarray(values.T)
         else:
-            order = np.argsort(groups, kind="stable")
-            keys = np.asarray(groups)[order]
+            keys = np.asarray(groups, np.uint8 if n_groups <= 256 else np.int64)  # radix sort
+            order = np.argsort(keys, kind="stable")
+            keys = keys[order]
             starts = np.flatnonzero(np.concatenate([[True], keys[1:] != keys[:-1]]))
             which = keys[starts]
-            columns = np.ascontiguousarray(values[order].T)
-        counts = np.diff(np.append(starts, len(values)))
+            columns = columns[:, order]
+        counts = np.diff(np.append(starts, columns.shape[1]))
         means = np.add.reduceat(columns, starts, axis=1) / counts
         deviations = columns - np.repeat(means, counts, axis=1)
         out.count[which] = counts
@@ -134,12 +138,16 @@ def _rows(array):
     return array.reshape(len(array), int(np.prod(array.shape[1:], dtype=np.int64)))
 
 
-def _values(array, shape):
-    """Rows of components as float64, with the norm of each row last for a vector field."""
+def _columns(array, shape):
+    """The components of an array (n, *shape) as float64 columns (K, n), with the norm of
+    each row last for a vector field."""
     rows = _rows(array)
-    if not shape:
-        return rows
-    return np.concatenate([rows, np.sqrt(np.einsum("ij,ij->i", rows, rows))[:, None]], axis=1)
+    k = rows.shape[1]
+    out = np.empty((k + bool(shape), len(rows)))
+    out[:k] = rows.T
+    if shape:
+        out[k] = np.sqrt(np.einsum("ij,ij->i", rows, rows))
+    return out
 
 
 def _numeric(path, name, info, role):
@@ -242,11 +250,11 @@ def field_stats(batch, names, *, per_element=False, per_atom=False, chunk_atoms=
                 keep = has_atoms if keep is None else has_atoms & keep
             elif keep is not None and s.per == "atom":
                 keep = _spread(keep, chunk)
-            values, labels = _values(array, shapes[name]), numbers if s.by_element else None
+            columns, labels = _columns(array, shapes[name]), numbers if s.by_element else None
             if keep is not None:
-                values = values[keep]
+                columns = columns[:, keep]
                 labels = None if labels is None else labels[keep]
-            s.moments = s.moments.merge(Moments.of(values, labels, len(s.moments.count)))
+            s.moments = s.moments.merge(Moments.of_columns(columns, labels, len(s.moments.count)))
     return out
 
 
