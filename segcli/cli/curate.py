@@ -12,6 +12,20 @@ from segcli.cli.common import stdout_guard, structure_range
 STAT_COLUMNS = ("count", "mean", "std", "rms", "min", "max")
 
 
+def _streaming_options(command):
+    """--structures, --chunk-atoms and --quiet, and exit 141 when stdout closes early."""
+    for option in (
+        click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors and results."),
+        click.option("--chunk-atoms", type=click.IntRange(min=1), default=1 << 21,
+                     help="Atoms read at a time (whole structures; default 2097152): bounds "
+                          "memory."),
+        click.option("--structures", callback=structure_range, metavar="START:STOP",
+                     help="Only these structures (default: all)."),
+    ):
+        command = option(command)
+    return stdout_guard(command)
+
+
 def _selection(batch, file, structures, in_place=False):
     """The slice of structures selected by --structures (DataError when it selects none)."""
     from segcli.errors import DataError
@@ -57,12 +71,7 @@ def _element(z):
               help="Write the statistics to a new HDF5 file instead (/stats/FIELD: count, "
                    "mean, m2, min, max, std, rms).")
 @click.option("--force", is_flag=True, help="Overwrite OUTPUT if it exists.")
-@click.option("--structures", callback=structure_range, metavar="START:STOP",
-              help="Only these structures (default: all).")
-@click.option("--chunk-atoms", type=click.IntRange(min=1), default=1 << 21,
-              help="Atoms read at a time (whole structures; default 2097152): bounds memory.")
-@click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors and results.")
-@stdout_guard
+@_streaming_options
 def stats(file, fields, per_element, per_atom, as_json, output, force, structures, chunk_atoms,
           quiet):
     """Count, mean, std, rms, min and max of each FIELD of FILE.
@@ -145,12 +154,7 @@ def _fixed(ctx, param, values):
               help="Store the residual energies E - Σ c·E0 in FILE as a per-structure result.")
 @click.option("--name", help="Name of the stored residual (default: residual_FIELD).")
 @click.option("--force", is_flag=True, help="Replace an existing result of that name.")
-@click.option("--structures", callback=structure_range, metavar="START:STOP",
-              help="Only these structures (default: all; not with --in-place).")
-@click.option("--chunk-atoms", type=click.IntRange(min=1), default=1 << 21,
-              help="Atoms read at a time (whole structures; default 2097152): bounds memory.")
-@click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors and results.")
-@stdout_guard
+@_streaming_options
 def fit_e0(file, energy, fixed, as_json, in_place, name, force, structures, chunk_atoms, quiet):
     """Per-element reference energies E0 of FILE by least squares.
 
