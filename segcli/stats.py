@@ -152,8 +152,8 @@ def _columns(array, shape):
 
 def _numeric(path, name, info, role):
     if info.dtype.kind not in "biuf":
-        raise DataError(f"{path}: field '{name}' holds {info.dtype} values, but {role} needs "
-                        "real numbers")
+        held = "strings" if info.dtype.kind == "O" else f"{info.dtype} values"
+        raise DataError(f"{path}: field '{name}' holds {held}, but {role} needs real numbers")
 
 
 def _spread(per_structure, chunk):
