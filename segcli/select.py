@@ -96,8 +96,8 @@ def _check(path, condition, fields):
 
 
 def where_mask(batch, conditions, chunk_atoms=1_000_000):
-    """(S,) bool: the structures of `batch` where every condition holds, streamed in chunks of
-    the named fields."""
+    """(S,) bool: the structures of `batch` that have the named fields and where every condition
+    holds, streamed in chunks of those fields."""
     fields = batch.fields
     for condition in conditions:
         _check(batch.path, condition, fields)
@@ -107,10 +107,7 @@ def where_mask(batch, conditions, chunk_atoms=1_000_000):
         rows = slice(chunk.start, chunk.start + len(chunk.n_atoms))
         for condition in conditions:
             keep[rows] &= condition.holds(chunk.structures[condition.name])
-    for name in set(names):
-        present = batch.present(name)
-        if present is not None:
-            keep &= present
+            keep[rows] &= chunk.present.get(condition.name, True)
     return keep
 
 

@@ -1,6 +1,7 @@
 """Command: select (a new file with only the chosen structures)."""
 
 import os
+import sys
 
 import click
 
@@ -22,7 +23,7 @@ def _listed(path, n_structures):
     from segcli.select import listed_mask
 
     if path == "-":
-        return listed_mask(click.get_binary_stream("stdin"), "stdin", n_structures)
+        return listed_mask(sys.stdin.buffer, "stdin", n_structures)
     try:
         with open(path, "rb") as lines:
             return listed_mask(lines, path, n_structures)
@@ -47,16 +48,17 @@ def select(file, output, conditions, structures_from, force, quiet):
     """Copy chosen structures to a new segcli file.
 
     Writes to OUTPUT the structures of FILE that pass every --where condition and, with
-    --structures-from, are listed: all their fields, string fields and presence masks,
-    per-structure and per-atom results, with their attributes, in FILE's order (a structure
-    listed twice, or out of order, is taken once, in place). OUTPUT's root attribute
-    selected_from names FILE. FILE may be any file segcli reads; results exist only in segcli
-    HDF5 files. Memory stays bounded however large FILE is; OUTPUT appears only once complete.
+    --structures-from, are listed, in FILE's order (a structure listed twice is taken once):
+    all their fields, string fields and presence masks, per-structure and per-atom results,
+    with their attributes. OUTPUT's root attribute selected_from names FILE. FILE may be any
+    file segcli reads; results exist only in segcli HDF5 files. Memory stays bounded however
+    large FILE is; OUTPUT appears only once complete.
 
     VALUE is a number (nan and inf too) or, for a string field, a string (quoted or bare) for
     == and !=. A structure without the field (see `segcli info`), or whose value is NaN, never
     satisfies a condition, not even !=; NAME == nan keeps the NaN ones, NAME != nan drops
-    them. Per-atom fields are reduced first (segcli reduce FILE max_norm forces --in-place).
+    them. To select on a per-atom field, reduce it first (segcli reduce FILE max_norm forces
+    --in-place) and select on the result (--where 'max_norm_forces < 10').
 
     \b
     Example:

@@ -61,7 +61,8 @@ def _take(piece, mask):
     """The structures of a piece where `mask` is true."""
     rows = np.repeat(mask, piece.n_atoms)
     return Chunk(piece.start, piece.n_atoms[mask], {n: a[rows] for n, a in piece.atoms.items()},
-                 {n: a[mask] for n, a in piece.structures.items()})
+                 {n: a[mask] for n, a in piece.structures.items()},
+                 {n: m[mask] for n, m in piece.present.items()})
 
 
 def _copy(batch, keep, source, h5, progress):
