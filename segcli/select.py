@@ -23,7 +23,8 @@ _WORD = r"[^\s<>=!\"']+"
 _CONDITION = re.compile(
     rf"\s*(?P<name>{_WORD})\s*(?P<op><=|>=|==|!=|<|>)\s*"
     rf"(?:\"(?P<double>[^\"]*)\"|'(?P<single>[^']*)'|(?P<bare>{_WORD}))\s*")
-_NUMBER = re.compile(r"[+-]?(?:(?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?|inf|infinity|nan)", re.I)
+_NUMBER = re.compile(r"[+-]?(?:(?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?|inf|infinity|nan)",
+                     re.IGNORECASE)
 _INTEGER = re.compile(r"[+-]?\d+")
 _LINE_NUMBER = re.compile(rb"-?[0-9]+")
 

@@ -175,7 +175,7 @@ def test_copies_in_small_blocks_and_lists_combine_with_where(rich, tmp_path, mon
     from segcli.io import subset
 
     monkeypatch.setattr(subset, "BLOCK_BYTES", 40)
-    path, n_atoms, data, _ = rich
+    path, _, data, _ = rich
     listed = "\n 17\n3\t\n\n39\n3\n0\n20\r\n5\n"
     (tmp_path / "list.txt").write_text(listed)
     select(path, tmp_path / "a.h5", "--structures-from", tmp_path / "list.txt", "-q")
@@ -226,9 +226,9 @@ def test_bad_list_lines_exit_1_naming_the_line(rich, tmp_path, content, needle):
     ("", 2, "'' is not NAME OP VALUE"),
     ("energy < abc", 2, "< compares numbers, and 'abc' is not one"),
     ("energy >= nan", 2, "nothing is >= nan (use energy == nan or energy != nan"),
-    ("nosuch < 3", 1, "--where 'nosuch < 3': no field or result 'nosuch'; the per-structure "
-                      "ones are: config_type, energy, max_norm_forces, score, spin, step, "
-                      "temperature"),
+    ("nosuch < 3", 1, ("--where 'nosuch < 3': no field or result 'nosuch'; the per-structure "
+                       "ones are: config_type, energy, max_norm_forces, score, spin, step, "
+                       "temperature")),
     ("forces < 3", 1, "'forces' is per atom; reduce it to one value per structure first"),
     ("grad/d_forces > 0", 1, "'grad/d_forces' is per atom"),
     ("cell < 3", 1, "'cell' has shape (3, 3) per structure"),
