@@ -105,8 +105,8 @@ def _field(path, name, wanted, fields, needs_float, role):
                         f"be {wanted.describe()}")
     if info.dtype.kind not in ("f" if needs_float else "biuf"):
         what = "floating-point to be differentiated" if needs_float else "real numbers"
-        raise DataError(f"{path}: field '{name}' holds {info.dtype} values, but {role} must be "
-                        f"{what}")
+        held = "strings" if info.dtype == object else f"{info.dtype} values"
+        raise DataError(f"{path}: field '{name}' holds {held}, but {role} must be {what}")
     return info
 
 

@@ -51,6 +51,8 @@ def test_info_text(batch_h5):
     assert rows["velocities"] == ["atom", "(3,)", "float64", "derived"]
     assert rows["cell"] == ["structure", "(3,", "3)", "float64"]
     assert rows["pbc"] == ["structure", "(3,)", "bool"]
+    assert rows["label"] == ["structure", "()", "str"]
+    assert rows["sum_forces"] == ["structure", "(3,)", "float64", "result"]
     assert lines[-2:] == ["results:", "  sum_forces  op=sum  fields=forces  per=structure"]
 
 
@@ -79,13 +81,16 @@ def test_info_json_on_every_kind(tmp_path, batch_h5, extxyz, kind):
     with open_batch(path) as batch:
         assert summary["structures"] == batch.n_structures
         assert summary["fields"] == {
-            f.name: {"per": f.per, "shape": list(f.shape), "dtype": str(f.dtype),
-                     "derived": f.name in ("velocities", "scaled_positions")}
+            f.name: {"per": f.per, "shape": list(f.shape),
+                     "dtype": "str" if f.name == "label" else str(f.dtype),
+                     "derived": f.name in ("velocities", "scaled_positions"), "result": False,
+                     "present": batch.n_structures}
             for f in batch.fields.values()}
     assert summary["results"] == {}
     if kind != "empty":
-        assert summary["fields"]["positions"] == {"per": "atom", "shape": [3],
-                                                  "dtype": "float64", "derived": False}
+        assert summary["fields"]["positions"] == {
+            "per": "atom", "shape": [3], "dtype": "float64", "derived": False, "result": False,
+            "present": summary["structures"]}
 
 
 def test_convert_round_trip(extxyz, ase_reference):
@@ -230,8 +235,8 @@ def test_convert_subprocess_shows_progress_only_on_a_terminal(tmp_path):
     result = python_m_segcli("convert", SAMPLES / "metals.extxyz", "-o", out, "--chunk-atoms", 500)
     assert result.returncode == 0, result.stderr
     assert result.stderr == f"{out}: 199 structures, 2781 atoms, fields: numbers, positions, " \
-                            "momenta, energies, forces, cell, pbc, temperature_K, energy, " \
-                            "free_energy, stress\n"
+                            "momenta, energies, forces, cell, pbc, temperature_K, config_type, " \
+                            "energy, free_energy, stress\n"
     leader, follower = pty.openpty()
     result = subprocess.run([sys.executable, "-m", "segcli", "convert", str(SAMPLES / "metals.h5"),
                              "-o", str(out), "--force", "--chunk-atoms", "500"], stderr=follower,

@@ -27,7 +27,8 @@ def batch_pieces(path, start=0, stop=None):
 
 
 def assert_identical(got, expected):
-    """Same structures, field names in the same order, dtypes, shapes and bytes."""
+    """Same structures, field names in the same order, dtypes, shapes and bytes (strings:
+    equal str)."""
     assert len(got) == len(expected)
     for g, e in zip(got, expected):
         assert g.start == e.start
@@ -37,8 +38,12 @@ def assert_identical(got, expected):
             for name, array in theirs.items():
                 assert mine[name].dtype == array.dtype, (g.start, name)
                 assert mine[name].shape == array.shape, (g.start, name)
-                assert (np.ascontiguousarray(mine[name]).tobytes()
-                        == np.ascontiguousarray(array).tobytes()), (g.start, name)
+                if array.dtype == object:  # strings
+                    assert mine[name].tolist() == array.tolist(), (g.start, name)
+                    assert {type(v) for v in mine[name].tolist()} == {str}, (g.start, name)
+                else:
+                    assert (np.ascontiguousarray(mine[name]).tobytes()
+                            == np.ascontiguousarray(array).tobytes()), (g.start, name)
 
 
 def assert_fast(path):
@@ -134,6 +139,14 @@ def test_files_written_by_ase(tmp_path, options):
     path = tmp_path / "varied.extxyz"
     ase.io.write(path, varied_frames(), format="extxyz", **options)
     assert_fast(path)
+
+
+def test_string_info_is_kept(tmp_path):
+    path = tmp_path / "varied.extxyz"
+    ase.io.write(path, varied_frames(), format="extxyz")
+    got = [piece.structures["name"] for piece in pieces(str(path), 0, None)]
+    assert [(array.dtype, array.tolist()) for array in got] == [
+        (np.dtype(object), [f"frame_{i}"]) for i in range(7)]
 
 
 def test_constraints_and_plain_xyz(tmp_path):

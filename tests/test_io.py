@@ -67,7 +67,8 @@ def test_extxyz_chunks_match_ase(extxyz, ase_reference, chunk_atoms):
         "velocities": ("atom", (3,), np.float64), "scaled_positions": ("atom", (3,), np.float64),
         "cell": ("structure", (3, 3), np.float64), "pbc": ("structure", (3,), np.bool_),
         "energy": ("structure", (), np.float64), "stress": ("structure", (6,), np.float64),
-        "temperature": ("structure", (), np.float64), "step": ("structure", (), np.int64)}
+        "temperature": ("structure", (), np.float64), "step": ("structure", (), np.int64),
+        "label": ("structure", (), np.dtype(object))}
 
 
 def test_structure_selection(extxyz, ase_reference):
@@ -124,8 +125,10 @@ def test_convert_round_trip_is_bit_exact_and_follows_the_layout(extxyz, ase_refe
         assert np.array_equal(h5["structures/n_atoms"][()], n_atoms)
         assert h5["structures/n_atoms"].dtype == np.int64
         assert sorted(h5["atoms"]) == ["forces", "momenta", "numbers", "positions"]
-        assert sorted(h5["structures"]) == ["cell", "energy", "n_atoms", "pbc", "step", "stress",
-                                            "temperature"]
+        assert sorted(h5["structures"]) == ["cell", "energy", "label", "n_atoms", "pbc", "step",
+                                            "stress", "temperature"]
+        assert h5py.check_string_dtype(h5["structures/label"].dtype).encoding == "utf-8"
+        assert "present" not in h5 and "fill_value" not in h5["structures/energy"].attrs
         assert h5["atoms/positions"].shape == (n_atoms.sum(), 3)
         assert h5["atoms/positions"].chunks is not None
         assert h5["atoms/positions"].maxshape == (None, 3)
@@ -186,8 +189,16 @@ def test_field_in_some_structures(tmp_path, frames):
     assert np.array_equal(got["charge"], [np.nan] * 3 + [2.0] + [np.nan] * 3, equal_nan=True)
     frames[1].info["flag"] = 3
     ase.io.write(path, frames)
-    with pytest.raises(DataError, match=r"structure 0 has no field 'flag', and its dtype int64"):
-        convert([path], tmp_path / "out2.h5", fill_missing=np.nan)
+    convert([path], tmp_path / "out2.h5", fill_missing=np.nan, chunk_atoms=2)
+    with open_batch(tmp_path / "out2.h5") as batch:
+        assert np.array_equal(read_all(batch, ["flag"])["flag"], [0, 3, 0, 0, 0, 0, 0])
+        assert np.array_equal(batch.present("flag"), np.arange(7) == 1)
+        assert batch.present("charge").tolist() == [False] * 3 + [True] + [False] * 3
+        assert batch.present("momenta").tolist() == [True] * 5 + [False, True]
+        assert batch.present("velocities").tolist() == [True] * 5 + [False, True]
+        assert batch.present("positions") is None
+        assert (batch.fill_value("flag"), batch.fill_value("positions")) == (0, None)
+        assert np.isnan(batch.fill_value("charge"))
 
 
 def test_convert_promotes_a_field_that_turns_float(tmp_path, frames):

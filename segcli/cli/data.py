@@ -11,24 +11,52 @@ FORMAT_NAMES = {"segcli": "segcli HDF5", "ase": "ASE-readable file", "conformers
 
 
 def describe(batch):
-    """What `info` prints, as one JSON-friendly dict."""
+    """What `info` prints, as one JSON-friendly dict (a NaN fill_value as the string "nan")."""
+    import math
+
+    def field(f):
+        present = batch.present(f.name)
+        out = {"per": f.per, "shape": list(f.shape),
+               "dtype": "str" if f.dtype == object else str(f.dtype),
+               "derived": f.name in batch.derived, "result": f.name in batch.result_fields,
+               "present": batch.n_structures if present is None else int(present.sum())}
+        fill = batch.fill_value(f.name) if present is not None else None
+        if fill is not None:
+            out["fill_value"] = "nan" if isinstance(fill, float) and math.isnan(fill) else fill
+        return out
+
     fields = sorted(batch.fields.values(), key=lambda f: f.per != "atom")
     return {
         "path": batch.path,
         "format": batch.format,
         "structures": batch.n_structures,
         "atoms": int(batch.n_atoms.sum()),
-        "fields": {f.name: {"per": f.per, "shape": list(f.shape), "dtype": str(f.dtype),
-                            "derived": f.name in batch.derived} for f in fields},
+        "fields": {f.name: field(f) for f in fields},
         "results": batch.results,
     }
+
+
+def _notes(summary, f):
+    """The last column of a field's row in `info`'s table."""
+    notes = [note for note in ("derived", "result") if f[note]]
+    if f["present"] < summary["structures"]:
+        notes.append(f"present in {f['present']} of {summary['structures']}")
+    if "fill_value" in f:
+        fill = f["fill_value"]
+        notes.append(f"filled with {json.dumps(fill) if fill != 'nan' else fill}")
+    return ", ".join(notes)
 
 
 @click.command()
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 def info(file, as_json):
-    """Show the structures, atoms, fields and stored results of FILE.
+    """Show what a file holds.
+
+    The structures, atoms, fields (per atom or per structure, shape, dtype) and stored results
+    of FILE. A field computed from others is marked `derived`, a stored result usable as a
+    field (by its name, e.g. in `segcli reduce`) `result`, and a field that only some
+    structures have `present in K of S` (with what fills the others in a converted file).
 
     FILE is a segcli HDF5 file, an HDF5 file in the conformer layout of ANI-1x, SPICE or
     Transition1x, or any file ASE reads (extxyz, traj, db, cif, POSCAR, ...; these are read
@@ -50,7 +78,7 @@ def info(file, as_json):
     click.echo(f"structures: {summary['structures']}")
     click.echo(f"atoms: {summary['atoms']}")
     rows = [("name", "per", "shape", "dtype", "")] + [
-        (name, f["per"], str(tuple(f["shape"])), f["dtype"], "derived" if f["derived"] else "")
+        (name, f["per"], str(tuple(f["shape"])), f["dtype"], _notes(summary, f))
         for name, f in summary["fields"].items()]
     click.echo("fields:" + ("" if len(rows) > 1 else " none"))
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
@@ -64,6 +92,18 @@ def info(file, as_json):
         click.echo(f"  {name}  {described}".rstrip())
 
 
+def _names(ctx, param, text):
+    """Click callback: the names of a comma-separated list (None if not given)."""
+    if text is None:
+        return None
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise click.BadParameter(f"expected field names separated by commas, got {text!r}")
+    if param.name == "drop" and "n_atoms" in names:
+        raise click.BadParameter("n_atoms is always kept")
+    return names
+
+
 @click.command()
 @click.argument("inputs", metavar="INPUT...", nargs=-1, required=True,
                 type=click.Path(dir_okay=False))
@@ -74,35 +114,46 @@ def info(file, as_json):
 @click.option("--chunk-atoms", type=click.IntRange(min=1), default=100_000, show_default=True,
               help="Atoms held in memory at a time (whole structures).")
 @click.option("--fill-missing", type=click.Choice(["nan"]),
-              help="Fill fields that some structures lack with NaN instead of failing.")
+              help="Fill the fields that some structures lack instead of failing: floats with "
+                   "NaN, integers and booleans with 0, strings with \"\" (OUTPUT records which "
+                   "structures have each field).")
+@click.option("--fields", callback=_names, metavar="A,B,...",
+              help="Keep only these fields (and n_atoms).")
+@click.option("--drop", callback=_names, metavar="A,B,...", help="Leave these fields out.")
 @click.option("--force", is_flag=True, help="Overwrite OUTPUT if it exists.")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
-def convert(inputs, output, compression, chunk_atoms, fill_missing, force, quiet):
-    """Convert INPUT files, concatenated in order, to one segcli HDF5 file.
+def convert(inputs, output, compression, chunk_atoms, fill_missing, fields, drop, force, quiet):
+    """Convert files to one segcli HDF5 file.
 
-    Each INPUT is any file ASE reads (extxyz, xyz, traj, db, cif, POSCAR, ...), a segcli HDF5
-    file (its stored results are not copied) or a conformer-layout HDF5 file. Every per-atom
-    array, cell, pbc, numeric info entry and calculator result (energy, forces, stress, ...)
-    is kept, under ASE's names. Memory stays bounded by --chunk-atoms however large the
-    input; OUTPUT appears only when the whole conversion succeeded.
+    The INPUT files are concatenated in order. Each is any file ASE reads (extxyz, xyz, traj,
+    db, cif, POSCAR, ...), a segcli HDF5 file (its stored results are not copied) or a
+    conformer-layout HDF5 file. Every per-atom array, cell, pbc, numeric or string info entry
+    (an ASE database's id, unique_id and key-value pairs) and calculator result (energy,
+    forces, stress, ...) is kept, under ASE's names, unless --fields or --drop say otherwise.
+    A field that only some structures have (a molecule has no stress, a bulk cell no tags) is
+    an error unless --fill-missing fills it. Memory stays bounded by --chunk-atoms however
+    large the input; OUTPUT appears only when the whole conversion succeeded.
 
     \b
     Example:
       segcli convert sample_data/metals.extxyz -o metals.h5
+      segcli convert mixed.extxyz -o mixed.h5 --fill-missing nan --drop initial_magmoms
       segcli convert run1.traj run2.extxyz -o runs.h5 --compression gzip --force
     """
     import numpy as np
 
     from segcli.io import convert as convert_files
 
+    if fields is not None and drop is not None:
+        raise click.UsageError("--fields and --drop cannot be used together")
     with progress_bar(not quiet, f"converting to {output}") as bar:
-        structures, atoms, fields = convert_files(
+        structures, atoms, written = convert_files(
             inputs, output, compression=compression, chunk_atoms=chunk_atoms,
-            fill_missing=np.nan if fill_missing else None, force=force,
-            progress=bar.update if bar else None)
+            fill_missing=np.nan if fill_missing else None, fields=fields, drop=drop,
+            force=force, progress=bar.update if bar else None)
     if not quiet:
         click.echo(f"{output}: {structures} structures, {atoms} atoms, fields: "
-                   f"{', '.join(fields) or 'none'}", err=True)
+                   f"{', '.join(written) or 'none'}", err=True)
 
 
 COMMANDS = [info, convert]

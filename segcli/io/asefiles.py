@@ -5,7 +5,9 @@ from functools import cached_property
 import numpy as np
 
 from segcli.errors import DataError
-from segcli.io.core import NUMERIC_KINDS, Batch, Chunk, Schema
+from segcli.io.core import NUMERIC_KINDS, STRING, Batch, Chunk, Schema, rechunk
+
+DB_FORMATS = ("db", "json")  # ASE databases: read row by row, with their keys
 
 
 def ase_format(path):
@@ -26,6 +28,17 @@ def _numeric(value):
     return array if array.dtype.kind in NUMERIC_KINDS else None
 
 
+def _field_value(value):
+    """An info entry as a field's value: a str as a string, else numbers (None: neither)."""
+    return np.array(str(value), STRING) if isinstance(value, str) else _numeric(value)
+
+
+def only(piece, keep):
+    """A piece with only the fields for which `keep(name)` is true."""
+    return piece._replace(atoms={k: v for k, v in piece.atoms.items() if keep(k)},
+                          structures={k: v for k, v in piece.structures.items() if keep(k)})
+
+
 def atoms_piece(path, atoms, index):
     """One structure as a Chunk (see `structure_piece`)."""
     return structure_piece(path, index, len(atoms), atoms.arrays, atoms.cell.array, atoms.pbc,
@@ -34,14 +47,14 @@ def atoms_piece(path, atoms, index):
 
 def structure_piece(path, index, n, arrays, cell, pbc, info, results):
     """One structure of n atoms as a Chunk: its numeric atoms.arrays and per-atom calculator
-    results per atom; cell, pbc, numeric atoms.info entries and the other calculator results
-    per structure."""
+    results per atom; cell, pbc, numeric and string atoms.info entries and the other
+    calculator results per structure."""
     from ase.outputs import all_outputs
 
     per_atom = {k: v for k, v in arrays.items() if v.dtype.kind in NUMERIC_KINDS}
     per_structure = {"cell": cell[np.newaxis], "pbc": pbc[np.newaxis]}
     for key, value in info.items():
-        array = _numeric(value)
+        array = _field_value(value)
         if array is not None:
             per_structure[key] = array[np.newaxis]
     for key, value in results.items():
@@ -61,8 +74,8 @@ def structure_piece(path, index, n, arrays, cell, pbc, info, results):
 
 
 class AseBatch(Batch):
-    """Structures of an ASE-readable file. `n_atoms` and `fields` cost one pass over the file
-    (cached); `iter_chunks` another."""
+    """Structures of an ASE-readable file. `n_atoms`, `fields` and `present` cost one pass over
+    the file (cached); `iter_chunks` another."""
 
     format = "ase"
 
@@ -72,11 +85,15 @@ class AseBatch(Batch):
 
     @cached_property
     def _scan(self):
-        n_atoms, schema = [], Schema()
+        """(n_atoms, schema, the distinct sets of field names, each structure's set's index)."""
+        n_atoms, schema, name_sets, which = [], Schema(), {}, []
         for piece in self._pieces(0, None, None, None):
             n_atoms.append(piece.n_atoms[0])
             schema.add_piece(self.path, piece)
-        return np.array(n_atoms, np.int64), dict(schema)
+            names = frozenset(piece.atoms.keys() | piece.structures.keys())
+            which.append(name_sets.setdefault(names, len(name_sets)))
+        return (np.array(n_atoms, np.int64), dict(schema), list(name_sets),
+                np.array(which, np.int64))
 
     @property
     def n_atoms(self):
@@ -86,15 +103,26 @@ class AseBatch(Batch):
     def _stored(self):
         return self._scan[1]
 
+    def _present(self, name):
+        _, _, name_sets, which = self._scan
+        have = np.isin(which, [i for i, names in enumerate(name_sets) if name in names])
+        return None if have.all() else have
+
+    def stream(self, chunk_atoms, keep=None):
+        pieces = self._pieces(0, None, None, chunk_atoms)
+        if keep is not None:
+            pieces = (only(piece, keep) for piece in pieces)
+        return rechunk(pieces, chunk_atoms)
+
     def _pieces(self, start, stop, names, chunk_atoms, into=None):
-        pieces = (self._extxyz_pieces(start, stop) if self.ase_format == "extxyz"
-                  else self._ase_pieces(start, stop, start))
+        if self.ase_format == "extxyz":
+            pieces = self._extxyz_pieces(start, stop)
+        elif self.ase_format in DB_FORMATS:
+            pieces = self._db_pieces(start, stop)
+        else:
+            pieces = self._ase_pieces(start, stop, start)
         for piece in pieces:
-            if names is not None:
-                piece = piece._replace(
-                    atoms={k: v for k, v in piece.atoms.items() if k in names},
-                    structures={k: v for k, v in piece.structures.items() if k in names})
-            yield piece
+            yield piece if names is None else only(piece, names.__contains__)
 
     def _extxyz_pieces(self, start, stop):
         """segcli's extxyz reader, and ASE from the first structure it leaves to ASE."""
@@ -104,6 +132,28 @@ class AseBatch(Batch):
             yield from pieces(self.path, start, stop)
         except Unsupported as exc:
             yield from self._ase_pieces(start, stop, exc.index)
+
+    def _db_pieces(self, start, stop):
+        """The rows of an ASE database as ase.io.read gives them, with each row's `id`,
+        `unique_id` and key-value pairs as per-structure fields."""
+        import ase.db
+
+        index = start
+        try:
+            with ase.db.connect(self.path, serial=True) as db:
+                stop = db.count() if stop is None else min(stop, db.count())
+                for row in db.select(offset=start, limit=stop - start) if stop > start else ():
+                    atoms = row.toatoms()
+                    info = {"id": row.id, "unique_id": row.unique_id, **row.key_value_pairs}
+                    yield structure_piece(self.path, index, len(atoms), atoms.arrays,
+                                          atoms.cell.array, atoms.pbc, info,
+                                          getattr(atoms.calc, "results", {}))
+                    index += 1
+        except DataError:
+            raise
+        except Exception as err:
+            raise DataError(f"{self.path}: ASE cannot read structure {index} as "
+                            f"{self.ase_format} ({type(err).__name__}: {err})") from err
 
     def _ase_pieces(self, start, stop, resume):
         """Pieces of the structures from `resume` to `stop`, reading with ASE from `start`

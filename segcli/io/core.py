@@ -1,6 +1,7 @@
 """What every reader shares: field descriptions, chunks of whole structures, derived fields."""
 
-from typing import NamedTuple
+from types import MappingProxyType
+from typing import Mapping, NamedTuple
 
 import numpy as np
 
@@ -9,6 +10,8 @@ from segcli.errors import DataError
 FORMAT = "segcli-batch"
 VERSION = 1
 NUMERIC_KINDS = "biufc"
+STRING = np.dtype(object)
+"""The dtype of a string field: an object array of Python str."""
 
 
 class FieldInfo(NamedTuple):
@@ -22,22 +25,48 @@ class FieldInfo(NamedTuple):
 
 class Chunk(NamedTuple):
     """Consecutive whole structures from `start`: per-atom arrays (N_c, ...) and per-structure
-    arrays (S_c, ...)."""
+    arrays (S_c, ...); `present` maps a field that only some of these structures have to an
+    (S_c,) bool array, True where a structure has it (elsewhere its rows hold a fill)."""
 
     start: int
     n_atoms: np.ndarray
     atoms: dict
     structures: dict
+    present: Mapping = MappingProxyType({})
 
 
-def check_fill(path, index, info, fill):
-    """Raise DataError unless a field that structure `index` lacks can be filled with `fill`."""
+def check_fill(path, index, name, fill):
+    """Raise DataError unless there is a `fill` for field `name`, which structure `index` lacks."""
     if fill is None:
-        raise DataError(f"{path}: structure {index} has no field '{info.name}', which other "
+        raise DataError(f"{path}: structure {index} has no field '{name}', which other "
                         "structures have (`segcli convert --fill-missing nan` fills the gaps)")
-    if np.isnan(fill) and info.dtype.kind not in "fc":
-        raise DataError(f"{path}: structure {index} has no field '{info.name}', and its dtype "
-                        f"{info.dtype} cannot hold NaN")
+
+
+def fill_value(dtype, fill):
+    """What fills a missing entry of a field of `dtype` given `fill` (NaN): NaN for floats, 0 for
+    integers and booleans, "" for strings."""
+    if dtype == STRING:
+        return ""
+    return dtype.type(fill if dtype.kind in "fc" else 0)
+
+
+def common_dtype(path, name, index, known, dtype):
+    """The dtype holding both `known` and `dtype` (of field `name` in structure `index`), as
+    NumPy promotes; DataError when one holds strings and the other numbers."""
+    if (known == STRING) != (dtype == STRING):
+        kinds = ["strings" if d == STRING else "numbers" for d in (dtype, known)]
+        raise DataError(f"{path}: field '{name}' holds {kinds[0]} in structure {index}, "
+                        f"{kinds[1]} before")
+    return np.result_type(known, dtype)
+
+
+def all_of(masks):
+    """Where every mask (None: everywhere) is True; None when that is everywhere."""
+    masks = [m for m in masks if m is not None]
+    if not masks:
+        return None
+    both = np.logical_and.reduce(masks)
+    return None if both.all() else both
 
 
 def plan_chunks(n_atoms, chunk_atoms):
@@ -59,10 +88,12 @@ def split_piece(piece, k):
     cut = int(piece.n_atoms[:k].sum())
     head = Chunk(piece.start, piece.n_atoms[:k],
                  {n: a[:cut] for n, a in piece.atoms.items()},
-                 {n: a[:k] for n, a in piece.structures.items()})
+                 {n: a[:k] for n, a in piece.structures.items()},
+                 {n: m[:k] for n, m in piece.present.items()})
     tail = Chunk(piece.start + k, piece.n_atoms[k:],
                  {n: a[cut:] for n, a in piece.atoms.items()},
-                 {n: a[k:] for n, a in piece.structures.items()})
+                 {n: a[k:] for n, a in piece.structures.items()},
+                 {n: m[k:] for n, m in piece.present.items()})
     return head, tail
 
 
@@ -94,27 +125,38 @@ def rechunk(pieces, chunk_atoms):
 
 def merge_pieces(path, pieces, schema, fill=None):
     """One Chunk from consecutive pieces, with every field of `schema` (name -> FieldInfo), in
-    the schema's dtype or a wider one that the pieces need.
+    the schema's dtype or a wider one that the pieces need, and `present` for the fields that
+    some of its structures lack.
 
     A piece without a field raises DataError naming its first structure, or, given `fill`
-    (NaN), gets the field filled with it.
+    (NaN), gets the field filled (see `fill_value`).
     """
     n_atoms = np.concatenate([p.n_atoms for p in pieces]) if len(pieces) > 1 else pieces[0].n_atoms
     out = {"atom": {}, "structure": {}}
+    present = {}
     for name, info in schema.items():
         parts = [(p.atoms if info.per == "atom" else p.structures).get(name) for p in pieces]
+        dtype = info.dtype
+        for piece, part in zip(pieces, parts):
+            if part is not None:
+                dtype = common_dtype(path, name, piece.start, dtype, part.dtype)
+            if part is not None and part.shape[1:] != info.shape:
+                raise DataError(f"{path}: field '{name}' has shape {part.shape[1:]} per "
+                                f"{info.per} in structure {piece.start}, {info.shape} elsewhere")
+        masks = [p.present.get(name) for p in pieces]
         for i in [i for i, part in enumerate(parts) if part is None]:
-            check_fill(path, pieces[i].start, info, fill)
+            check_fill(path, pieces[i].start, name, fill)
             rows = int(pieces[i].n_atoms.sum()) if info.per == "atom" else len(pieces[i].n_atoms)
-            parts[i] = np.full((rows, *info.shape), fill, info.dtype)
-        shapes = {part.shape[1:] for part in parts}
-        if shapes != {info.shape}:
-            i = next(i for i, part in enumerate(parts) if part.shape[1:] != info.shape)
-            raise DataError(f"{path}: field '{name}' has shape {parts[i].shape[1:]} per "
-                            f"{info.per} in structure {pieces[i].start}, {info.shape} elsewhere")
+            parts[i] = np.full((rows, *info.shape), fill_value(dtype, fill), dtype)
+            masks[i] = np.zeros(len(pieces[i].n_atoms), bool)
         merged = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        out[info.per][name] = merged.astype(np.result_type(info.dtype, merged.dtype), copy=False)
-    return Chunk(pieces[0].start, n_atoms, out["atom"], out["structure"])
+        out[info.per][name] = merged.astype(dtype, copy=False)
+        if any(m is not None for m in masks):
+            mask = np.concatenate([np.ones(len(p.n_atoms), bool) if m is None else m
+                                   for p, m in zip(pieces, masks)])
+            if not mask.all():
+                present[name] = mask
+    return Chunk(pieces[0].start, n_atoms, out["atom"], out["structure"], present)
 
 
 class Schema(dict):
@@ -130,7 +172,8 @@ class Schema(dict):
                 f"{path}: field '{info.name}' is per {info.per} with shape {info.shape} in "
                 f"structure {index}, per {known.per} with shape {known.shape} before")
         elif known.dtype != info.dtype:
-            self[info.name] = known._replace(dtype=np.result_type(known.dtype, info.dtype))
+            self[info.name] = known._replace(
+                dtype=common_dtype(path, info.name, index, known.dtype, info.dtype))
 
     def add_piece(self, path, piece):
         for per, data in (("atom", piece.atoms), ("structure", piece.structures)):
@@ -194,13 +237,17 @@ def scaled_positions(positions, cells, n_atoms):
 class Batch:
     """The structures of one file, read as chunks of whole structures.
 
-    Subclasses provide `n_atoms`, `_stored` (name -> FieldInfo of the fields in the file) and
+    Subclasses provide `n_atoms`, `_stored` (name -> FieldInfo of the fields in the file),
+    `_present(name)` (see `present`, for a stored field) and
     `_pieces(start, stop, names, chunk_atoms, into=None)`, which yields Chunks of consecutive
-    structures from `start` to `stop` (None: the end) holding those of `names` (None: all) they
-    have, reading a stored per-atom field into `into(name, rows)` where they can (see iter_chunks).
+    structures from `start` to `stop` (None: the end) holding those of `names` (None: all
+    stored fields) they have, reading a per-atom field into `into(name, rows)` where they can
+    (see iter_chunks). `_result_fields` (name -> FieldInfo) are the stored results that
+    `_pieces` also reads.
     """
 
     format = ""
+    _result_fields = {}
 
     def __init__(self, path):
         self.path = path
@@ -220,8 +267,10 @@ class Batch:
 
     @property
     def fields(self):
-        """name -> FieldInfo: the stored fields and those derivable from them."""
-        return {**self._stored, **derivable(self._stored)}
+        """name -> FieldInfo: the stored fields, those derivable from them, and the stored
+        results (/results/NAME) not named as one of these."""
+        fields = {**self._stored, **derivable(self._stored)}
+        return {**fields, **{n: f for n, f in self._result_fields.items() if n not in fields}}
 
     @property
     def derived(self):
@@ -229,9 +278,36 @@ class Batch:
         return set(derivable(self._stored))
 
     @property
+    def result_fields(self):
+        """Names of the fields that are stored results."""
+        return set(self.fields).difference(self._stored, self.derived)
+
+    @property
     def results(self):
         """name -> attrs of the results stored in the file."""
         return {}
+
+    def present(self, name):
+        """(S,) bool array, True where a structure has field `name` (a derived field: what it
+        is computed from); None when every structure has it."""
+        self._check([name])
+        if name in self.derived:
+            return all_of([self._present(n) for n in needs(name, self._stored)])
+        return self._present(name) if name in self._stored else None
+
+    def fill_value(self, name):
+        """The value that stands in the rows of structures without field `name`, or None."""
+        return None
+
+    def _present(self, name):
+        return None
+
+    def _check(self, names):
+        available = self.fields
+        for name in names:
+            if name not in available:
+                raise DataError(f"{self.path}: no field '{name}'; its fields are: "
+                                f"{', '.join(sorted(available)) or '(none)'}")
 
     def iter_chunks(self, fields, *, chunk_atoms=1_000_000, structures=slice(None), into=None):
         """Yield Chunks of whole structures, at most `chunk_atoms` atoms each (a bigger structure
@@ -243,31 +319,35 @@ class Batch:
         if isinstance(fields, str):
             fields = [fields]
         fields = list(dict.fromkeys(fields))
-        available = self.fields
-        for name in fields:
-            if name not in available:
-                raise DataError(f"{self.path}: no field '{name}'; its fields are: "
-                                f"{', '.join(sorted(available)) or '(none)'}")
+        self._check(fields)
         if chunk_atoms < 1:
             raise ValueError(f"chunk_atoms must be at least 1, got {chunk_atoms}")
         start, stop, step = structures.indices(self.n_structures)
         if step != 1:
             raise ValueError(f"structures must be a slice with step 1, got {structures}")
-        stored = self._stored
-        read = {n: stored[n] for name in fields for n in needs(name, stored)}
+        available, derived = self.fields, self.derived
+        sources = {name: needs(name, self._stored) if name in derived else [name]
+                   for name in fields}
+        read = {n: available[n] for names in sources.values() for n in names}
         pieces = self._pieces(start, max(start, stop), list(read), chunk_atoms, into)
         for group in rechunk(pieces, chunk_atoms):
             chunk = merge_pieces(self.path, group, read)
             out = {"atom": {}, "structure": {}}
+            present = {}
             for name in fields:
                 data = chunk.atoms if available[name].per == "atom" else chunk.structures
                 out[available[name].per][name] = data[name] if name in data else derive(name, chunk)
-            yield Chunk(chunk.start, chunk.n_atoms, out["atom"], out["structure"])
+                mask = all_of([chunk.present.get(n) for n in sources[name]])
+                if mask is not None:
+                    present[name] = mask
+            yield Chunk(chunk.start, chunk.n_atoms, out["atom"], out["structure"], present)
 
-    def stream(self, chunk_atoms):
-        """Groups of pieces, each group one chunk, with every stored field each structure has;
-        one pass over the file, even for ASE files (used by convert)."""
-        return rechunk(self._pieces(0, None, None, chunk_atoms), chunk_atoms)
+    def stream(self, chunk_atoms, keep=None):
+        """Groups of pieces, each group one chunk, with every stored field (for which
+        `keep(name)`, if given, is true) that each structure has; one pass over the file, even
+        for ASE files (used by convert). Results are not part of it."""
+        names = None if keep is None else [n for n in self._stored if keep(n)]
+        return rechunk(self._pieces(0, None, names, chunk_atoms), chunk_atoms)
 
 
 class EmptyBatch(Batch):

@@ -5,22 +5,25 @@ import h5py
 import numpy as np
 
 from segcli.errors import DataError
-from segcli.io.core import (FORMAT, NUMERIC_KINDS, VERSION, Batch, Chunk, FieldInfo, Schema,
-                            plan_chunks)
+from segcli.io.core import (FORMAT, NUMERIC_KINDS, STRING, VERSION, Batch, Chunk, FieldInfo,
+                            Schema, plan_chunks)
 
 POSITION_NAMES = ("coordinates", "conformations", "positions")
 NUMBER_NAMES = ("atomic_numbers", "species")
 
 
 def read_rows(path, ds, lo, hi, out=None):
-    """Rows [lo, hi) of a dataset, read into `out` when it is an array of their shape and dtype
-    (else a new array); DataError if the file cannot give them."""
+    """Rows [lo, hi) of a dataset (of strings: an object array of str), read into `out` when it
+    is an array of their shape and dtype (else a new array); DataError if the file cannot give
+    them."""
     try:
+        if h5py.check_string_dtype(ds.dtype):
+            return ds.asstr()[lo:hi]
         if out is None or hi <= lo or out.shape != (hi - lo, *ds.shape[1:]) or out.dtype != ds.dtype:
             return ds[lo:hi]
         ds.read_direct(out, np.s_[lo:hi])
         return out
-    except OSError as err:
+    except (OSError, UnicodeDecodeError) as err:
         raise DataError(f"{path}: cannot read {ds.name} rows {lo}:{hi} ({err})") from err
 
 
@@ -60,52 +63,94 @@ class SegcliBatch(Batch):
             raise DataError(f"{path}: /structures/n_atoms[{s}] is {self.n_atoms[s]}; "
                             "atom counts cannot be negative")
         self._offsets = np.concatenate([[0], np.cumsum(self.n_atoms)])
-        self._stored = {}
-        for per, group, rows in (("atom", "atoms", self._offsets[-1]),
-                                 ("structure", "structures", len(self.n_atoms))):
+        rows = {"atom": self._offsets[-1], "structure": len(self.n_atoms)}
+        self._stored, self._datasets = {}, {}
+        for per, group in (("atom", "atoms"), ("structure", "structures")):
             for name, ds in h5.get(group, {}).items():
-                if (not isinstance(ds, h5py.Dataset) or ds.dtype.kind not in NUMERIC_KINDS
-                        or (group, name) == ("structures", "n_atoms")):
+                is_string = isinstance(ds, h5py.Dataset) and h5py.check_string_dtype(ds.dtype)
+                if (not isinstance(ds, h5py.Dataset) or (group, name) == ("structures", "n_atoms")
+                        or not (is_string or ds.dtype.kind in NUMERIC_KINDS)):
                     continue
-                if ds.ndim == 0 or ds.shape[0] != rows:
-                    length = ds.shape[0] if ds.ndim else "no"
-                    expected = ("/structures/n_atoms sums to" if per == "atom"
-                                else "/structures/n_atoms has")
-                    raise DataError(f"{path}: /{group}/{name} has {length} rows, but "
-                                    f"{expected} {rows}")
+                self._check_rows(f"/{group}/{name}", ds, per, rows[per])
                 if name in self._stored:
                     raise DataError(f"{path}: '{name}' is both in /atoms and in /structures")
-                self._stored[name] = FieldInfo(name, per, ds.shape[1:], ds.dtype)
+                self._stored[name] = FieldInfo(name, per, ds.shape[1:],
+                                               STRING if is_string else ds.dtype)
+                self._datasets[name] = ds
+        self._masks = {}
+        for name, ds in h5.get("present", {}).items():
+            if name in self._stored:
+                if not isinstance(ds, h5py.Dataset) or ds.shape != (len(self.n_atoms),) or \
+                        ds.dtype != bool:
+                    raise DataError(f"{path}: /present/{name} must be a ({len(self.n_atoms)},) "
+                                    f"bool array, one entry per structure")
+                self._masks[name] = ds
+        self._result_fields = {}
+        for name in self._result_names():
+            ds = h5["results"][name]
+            per = plain(ds.attrs.get("per"))
+            if per is None or ds.dtype.kind not in NUMERIC_KINDS:
+                continue
+            if per not in rows:
+                raise DataError(f"{path}: /results/{name} has per={per!r}, neither 'atom' nor "
+                                "'structure'")
+            self._check_rows(f"/results/{name}", ds, per, rows[per])
+            if name not in self._stored:
+                self._result_fields[name] = FieldInfo(name, per, ds.shape[1:], ds.dtype)
+                self._datasets[name] = ds
+
+    def _check_rows(self, where, ds, per, rows):
+        """DataError unless dataset `ds` (at `where`), per `per`, has `rows` rows."""
+        if ds.ndim == 0 or ds.shape[0] != rows:
+            length = ds.shape[0] if ds.ndim else "no"
+            expected = ("/structures/n_atoms sums to" if per == "atom"
+                        else "/structures/n_atoms has")
+            raise DataError(f"{self.path}: {where} has {length} rows, but {expected} {rows}")
 
     def close(self):
         self._h5.close()
 
+    def _result_names(self):
+        """Names of the datasets under /results (NAME or NAME/d_FIELD), in file order."""
+        out = []
+        if isinstance(self._h5.get("results"), h5py.Group):
+            self._h5["results"].visititems(
+                lambda name, obj: out.append(name) if isinstance(obj, h5py.Dataset) else None)
+        return out
+
     @property
     def results(self):
-        out = {}
+        return {name: {k: plain(v) for k, v in self._h5["results"][name].attrs.items()}
+                for name in self._result_names()}
 
-        def collect(name, obj):
-            if isinstance(obj, h5py.Dataset):
-                out[name] = {k: plain(v) for k, v in obj.attrs.items()}
+    def _present(self, name):
+        ds = self._masks.get(name)
+        return None if ds is None else read_rows(self.path, ds, 0, len(ds))
 
-        if isinstance(self._h5.get("results"), h5py.Group):
-            self._h5["results"].visititems(collect)
-        return out
+    def fill_value(self, name):
+        if name in self._masks and "fill_value" in self._datasets[name].attrs:
+            return plain(self._datasets[name].attrs["fill_value"])
+        return None
 
     def _pieces(self, start, stop, names, chunk_atoms, into=None):
         stop = self.n_structures if stop is None else stop
         names = list(self._stored) if names is None else names
         bounds = start + np.array(plan_chunks(self.n_atoms[start:stop], chunk_atoms))
+        per = {**self._result_fields, **self._stored}
         for a, b in zip(bounds[:-1], bounds[1:]):
             lo, hi = self._offsets[a], self._offsets[b]
             data = {"atom": {}, "structure": {}}
+            present = {}
             for name in names:
-                if self._stored[name].per == "atom":
+                ds = self._datasets[name]
+                if per[name].per == "atom":
                     out = into(name, hi - lo) if into else None
-                    data["atom"][name] = read_rows(self.path, self._h5["atoms"][name], lo, hi, out)
+                    data["atom"][name] = read_rows(self.path, ds, lo, hi, out)
                 else:
-                    data["structure"][name] = read_rows(self.path, self._h5["structures"][name], a, b)
-            yield Chunk(int(a), self.n_atoms[a:b], data["atom"], data["structure"])
+                    data["structure"][name] = read_rows(self.path, ds, a, b)
+                if name in self._masks:
+                    present[name] = read_rows(self.path, self._masks[name], a, b)
+            yield Chunk(int(a), self.n_atoms[a:b], data["atom"], data["structure"], present)
 
 
 class Molecule:
@@ -191,6 +236,11 @@ class ConformerBatch(Batch):
 
     def close(self):
         self._h5.close()
+
+    def _present(self, name):
+        have = np.repeat([name == "numbers" or name in m.datasets for m in self._molecules],
+                         [m.n_conformers for m in self._molecules])
+        return None if have.all() else have
 
     def _pieces(self, start, stop, names, chunk_atoms, into=None):
         stop = self.n_structures if stop is None else stop

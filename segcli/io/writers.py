@@ -11,7 +11,8 @@ import numpy as np
 
 from segcli import __version__
 from segcli.errors import DataError
-from segcli.io.core import FORMAT, VERSION, FieldInfo, Schema, check_fill, merge_pieces
+from segcli.io.core import (FORMAT, STRING, VERSION, FieldInfo, Schema, check_fill, fill_value,
+                            merge_pieces)
 
 CHUNK_BYTES = 1 << 20
 
@@ -169,7 +170,11 @@ class ResultWriter:
 
 
 class BatchWriter:
-    """Appends chunks of structures to a new segcli HDF5 file, in resizable chunked datasets."""
+    """Appends chunks of structures to a new segcli HDF5 file, in resizable chunked datasets.
+
+    With `fill` (NaN), a field that some structures lack is filled there (see `fill_value`, also
+    stored as the dataset's attribute `fill_value`), and /present/<name> records which
+    structures have it."""
 
     def __init__(self, h5, compression=None, fill=None):
         _set_attrs(h5, {"format": FORMAT, "version": VERSION})
@@ -186,25 +191,23 @@ class BatchWriter:
     def append(self, path, pieces):
         """Append consecutive structures of `path` (the pieces of one chunk)."""
         self._first_path = self._first_path or path
-        first_seen = {}
+        late = []
         for p in pieces:
             for per, data in (("atom", p.atoms), ("structure", p.structures)):
-                for name in data:
-                    first_seen.setdefault(name, (per, p))
-        for name, (per, p) in first_seen.items():
-            array = (p.atoms if per == "atom" else p.structures)[name]
-            info = FieldInfo(name, per, array.shape[1:], array.dtype)
-            if name not in self.schema and self.n_structures:
-                check_fill(self._first_path, 0, info, self._fill)
-            self.schema.add(path, info, p.start)
+                for name, array in data.items():
+                    if name not in self.schema and self.n_structures:
+                        check_fill(self._first_path, 0, name, self._fill)
+                        late.append(name)
+                    self.schema.add(path, FieldInfo(name, per, array.shape[1:], array.dtype),
+                                    p.start)
         chunk = merge_pieces(path, pieces, self.schema, self._fill)
         self._extend("structures", "n_atoms", self.n_structures, chunk.n_atoms)
         for name, info in list(self.schema.items()):
             array = (chunk.atoms if info.per == "atom" else chunk.structures)[name]
             self.schema.add(path, info._replace(dtype=array.dtype), chunk.start)
             rows = self.n_atoms if info.per == "atom" else self.n_structures
-            self._extend("atoms" if info.per == "atom" else "structures", name, rows,
-                         array.astype(self.schema[name].dtype, copy=False))
+            self._extend("atoms" if info.per == "atom" else "structures", name, rows, array)
+            self._mark(name, chunk.present.get(name), name in late)
         self.n_structures += len(chunk.n_atoms)
         self.n_atoms += int(chunk.n_atoms.sum())
 
@@ -212,6 +215,30 @@ class BatchWriter:
         """Give a file without structures its empty /structures/n_atoms."""
         if "n_atoms" not in self._h5["structures"]:
             self._h5["structures"].create_dataset("n_atoms", data=np.zeros(0, np.int64))
+
+    def _fill_of(self, dtype):
+        """The fill of a field of `dtype` (NaN for floats without `fill`: what a converted input
+        that records which structures have its fields was filled with)."""
+        return fill_value(dtype, np.nan if self._fill is None else self._fill)
+
+    def _dataset(self, name):
+        return self._h5["atoms" if self.schema[name].per == "atom" else "structures"][name]
+
+    def _mark(self, name, mask, late):
+        """Record which structures of the chunk just written have field `name` (mask None:
+        all), creating /present/<name> at its first gap: earlier structures all had the field,
+        unless it is `late` (new in this chunk)."""
+        present = self._h5.get(f"present/{name}")
+        if present is None:
+            if mask is None and not late:
+                return
+            present = self._h5.require_group("present").create_dataset(
+                name, shape=(self.n_structures,), maxshape=(None,), dtype=bool,
+                chunks=(CHUNK_BYTES,), fillvalue=not late)
+            self._dataset(name).attrs["fill_value"] = self._fill_of(self.schema[name].dtype)
+        rows = len(self._h5["structures/n_atoms"])
+        present.resize(rows, axis=0)
+        present[self.n_structures:rows] = True if mask is None else mask
 
     def _extend(self, group, name, rows, array):
         ds = self._h5[group].get(name)
@@ -224,38 +251,74 @@ class BatchWriter:
         ds[rows:] = array
 
     def _create(self, group, name, dtype, trailing, rows_hint):
+        import h5py
+
         row_bytes = max(1, int(np.prod(trailing)) * dtype.itemsize)
         rows = int(np.clip(rows_hint, 1, max(1, CHUNK_BYTES // row_bytes)))
-        fill = self._fill if self._fill is not None and dtype.kind in "fc" else None
+        string = dtype == STRING
+        fill = None if self._fill is None or string else self._fill_of(dtype)
         return self._h5[group].create_dataset(
-            name, shape=(0, *trailing), maxshape=(None, *trailing), dtype=dtype,
-            chunks=(rows, *trailing), fillvalue=fill, **self._filters)
+            name, shape=(0, *trailing), maxshape=(None, *trailing),
+            dtype=h5py.string_dtype() if string else dtype, chunks=(rows, *trailing),
+            fillvalue=fill, **self._filters)
 
     def _promote(self, ds, dtype):
-        """Rewrite a dataset with a wider dtype (a field that was integer, then float)."""
+        """Rewrite a dataset with a wider dtype (a field that was integer, then float), its
+        filled rows holding the new dtype's fill."""
         group, name = ds.parent, ds.name.rsplit("/", 1)[1]
         new = self._create(group.name, f"{name}.promoted", dtype, ds.shape[1:], ds.chunks[0])
         new.resize(len(ds), axis=0)
         step = ds.chunks[0] * 64
         for lo in range(0, len(ds), step):
             new[lo:lo + step] = ds[lo:lo + step]
+        partial = "fill_value" in ds.attrs
         del group[name]
         group.move(f"{name}.promoted", name)
+        if partial:
+            self._refill(group[name], self._h5[f"present/{name}"])
         return group[name]
+
+    def _refill(self, ds, present):
+        """Put the fill of `ds`'s dtype where the structures that `present` marks absent are."""
+        fill = self._fill_of(ds.dtype)
+        ds.attrs["fill_value"] = fill
+        counts = self._h5["structures/n_atoms"]
+        row, step = 0, 1 << 16
+        for lo in range(0, len(present), step):
+            absent = ~present[lo:lo + step]
+            if ds.parent.name == "/atoms":
+                absent = np.repeat(absent, counts[lo:lo + len(absent)])
+            block = ds[row:row + len(absent)]
+            block[absent] = fill
+            ds[row:row + len(absent)] = block
+            row += len(absent)
 
 
 def convert(inputs, output, *, compression=None, chunk_atoms=100_000, fill_missing=None,
-            force=False, progress=None):
+            fields=None, drop=None, force=False, progress=None):
     """Write the structures of `inputs` (any files open_batch reads), concatenated in order,
     to a new segcli HDF5 file `output`, streaming `chunk_atoms` atoms at a time.
 
-    `fill_missing` (NaN) fills fields that some structures lack; without it they raise
-    DataError. `progress(n)` is called with the structures of each chunk written.
-    Returns (structures, atoms, fields) written.
+    `fill_missing` (NaN) fills fields that some structures lack (floats with NaN, integers and
+    booleans with 0, strings with ""; /present/<name> says which structures have them);
+    without it they raise DataError. `fields` (names) keeps only those fields, `drop` (names)
+    leaves those out; a name that no input has raises DataError. `progress(n)` is called with
+    the structures of each chunk written. Returns (structures, atoms, fields) written.
     """
     import h5py
 
     from segcli.io import open_batch
+
+    if fields is not None and drop is not None:
+        raise ValueError("give at most one of fields and drop")
+    if drop is not None and "n_atoms" in drop:
+        raise ValueError("n_atoms is always kept")
+    named = set(fields if fields is not None else drop or ()) - {"n_atoms"}
+    seen = set()
+
+    def keep(name):
+        seen.add(name)
+        return name in fields if fields is not None else name not in (drop or ())
 
     output = os.fspath(output)
     refuse_overwrite(output, force)
@@ -265,9 +328,14 @@ def convert(inputs, output, *, compression=None, chunk_atoms=100_000, fill_missi
         h5 = stack.enter_context(h5py.File(tmp, "w"))
         writer = BatchWriter(h5, compression, fill_missing)
         for batch in batches:
-            for pieces in batch.stream(chunk_atoms):
+            for pieces in batch.stream(chunk_atoms, keep if named or fields is not None else None):
                 writer.append(batch.path, pieces)
                 if progress:
                     progress(sum(len(p.n_atoms) for p in pieces))
+        unknown = sorted(named - seen)
+        if unknown:
+            option = "--fields" if fields is not None else "--drop"
+            raise DataError(f"{', '.join(map(os.fspath, inputs))}: no field '{unknown[0]}' "
+                            f"({option}); the fields are: {', '.join(sorted(seen)) or '(none)'}")
         writer.finish()
     return writer.n_structures, writer.n_atoms, dict(writer.schema)
