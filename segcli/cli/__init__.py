@@ -4,25 +4,78 @@ Command modules import only click at start-up; jax, warp, h5py and ase are impor
 the commands, so `segcli --help` stays fast.
 """
 
+import io
+import os
 import sys
 
 import click
 
 from segcli import __version__
-from segcli.errors import DataError
+from segcli.errors import DataError, Interrupted, raise_on_signals
+
+
+def _silence_stdout():
+    """Point stdout at /dev/null, so that nothing left in its buffer fails again at exit."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+class _Stdout(io.RawIOBase):
+    """File descriptor 1, its write errors (but a closed pipe's) naming stdout."""
+
+    def writable(self):
+        return True
+
+    def fileno(self):
+        return 1
+
+    def write(self, data):
+        try:
+            return os.write(1, data)
+        except BrokenPipeError:
+            raise
+        except OSError as err:
+            raise OSError(err.errno, err.strerror, "stdout") from None
+
+
+def _name_stdout():
+    """Replace the process's stdout (not a test runner's stand-in) by one whose errors name it."""
+    try:
+        if sys.stdout.fileno() != 1:
+            return
+    except (AttributeError, OSError, ValueError):
+        return
+    sys.stdout.flush()
+    sys.stdout = io.TextIOWrapper(io.BufferedWriter(_Stdout()), encoding=sys.stdout.encoding,
+                                  errors=sys.stdout.errors,
+                                  line_buffering=sys.stdout.line_buffering)
 
 
 class SegcliGroup(click.Group):
-    """Turns data errors into one line on stderr and exit code 1 (a traceback only with --debug)."""
+    """Every command's errors as one line on stderr and an exit code (a traceback only with
+    --debug): 1 for bad data and for what the system refuses (a full disk, a missing
+    permission), 128 + N for signal N (SIGINT, SIGTERM, or a closed stdout: 141, quietly)."""
 
     def invoke(self, ctx):
+        raise_on_signals()
+        _name_stdout()
         try:
-            return super().invoke(ctx)
-        except DataError as err:
+            result = super().invoke(ctx)
+            sys.stdout.flush()
+            return result
+        except BrokenPipeError:
+            _silence_stdout()
+            sys.exit(141)
+        except (DataError, OSError, Interrupted) as err:
             if ctx.meta.get("segcli.debug"):
                 raise
+            if isinstance(err, Interrupted):
+                click.echo(f"Interrupted ({err})", err=True)
+                sys.exit(err.exit_code)
+            if isinstance(err, OSError):
+                err = f"{err.filename}: {err.strerror}" if err.filename else err
+                _silence_stdout()
             click.echo(f"Error: {err}", err=True)
-            sys.exit(err.exit_code)
+            sys.exit(1)
 
 
 @click.group(cls=SegcliGroup, context_settings={"help_option_names": ["-h", "--help"]})

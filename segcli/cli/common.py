@@ -1,9 +1,7 @@
 """Helpers shared by the commands: option parsing, device choice, progress bars."""
 
 import contextlib
-import functools
 import os
-import signal
 import sys
 
 import click
@@ -70,16 +68,3 @@ def progress_bar(enabled, label):
         return contextlib.nullcontext()
     return click.progressbar((x for x in ()), label=label, show_pos=True, file=sys.stderr)
 
-
-def stdout_guard(command):
-    """End quietly, as if killed by SIGPIPE, when stdout is closed early (`… | head`)."""
-
-    @functools.wraps(command)
-    def wrapper(*args, **kwargs):
-        try:
-            return command(*args, **kwargs)
-        except BrokenPipeError:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            sys.exit(128 + signal.SIGPIPE)
-
-    return wrapper

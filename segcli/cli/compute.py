@@ -10,7 +10,7 @@ import click
 
 # Shared option parsing, for now imported from the commands that defined it first.
 from segcli.cli import common
-from segcli.cli.common import progress_bar, stdout_guard, structure_range
+from segcli.cli.common import progress_bar, structure_range
 
 
 def _op(ctx, param, name):
@@ -270,7 +270,6 @@ def _execute(file, spec, fields, *, output, in_place, fmt, name, force, structur
 @click.argument("op", callback=_op)
 @click.argument("fields", nargs=-1)
 @_shared_options
-@stdout_guard
 def reduce(file, op, fields, **options):
     """Run OP on FIELD [FIELD2] of every structure of FILE.
 
@@ -309,7 +308,6 @@ def reduce(file, op, fields, **options):
 @click.option("--direction", metavar="FIELD",
               help="Per-atom field, the shape of the differentiated fields (--order 2).")
 @_shared_options
-@stdout_guard
 def grad(file, op, fields, weights, order, direction, **options):
     """Per-atom derivatives of Σ_s w_s · OP(FIELD [FIELD2])_s over the structures of FILE.
 

@@ -7,13 +7,13 @@ import os
 
 import click
 
-from segcli.cli.common import stdout_guard, structure_range
+from segcli.cli.common import structure_range
 
 STAT_COLUMNS = ("count", "mean", "std", "rms", "min", "max")
 
 
 def _streaming_options(command):
-    """--structures, --chunk-atoms and --quiet, and exit 141 when stdout closes early."""
+    """--structures, --chunk-atoms and --quiet."""
     for option in (
         click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors and results."),
         click.option("--chunk-atoms", type=click.IntRange(min=1), default=1 << 21,
@@ -23,7 +23,7 @@ def _streaming_options(command):
                      help="Only these structures (default: all)."),
     ):
         command = option(command)
-    return stdout_guard(command)
+    return command
 
 
 def _selection(batch, file, structures, in_place=False):
