@@ -136,13 +136,15 @@ def merge_pieces(path, pieces, schema, fill=None):
     present = {}
     for name, info in schema.items():
         parts = [(p.atoms if info.per == "atom" else p.structures).get(name) for p in pieces]
+        given = [(p, part) for p, part in zip(pieces, parts) if part is not None]
+        if {part.shape[1:] for _, part in given} - {info.shape}:
+            p, part = next((p, part) for p, part in given if part.shape[1:] != info.shape)
+            raise DataError(f"{path}: field '{name}' has shape {part.shape[1:]} per "
+                            f"{info.per} in structure {p.start}, {info.shape} elsewhere")
         dtype = info.dtype
-        for piece, part in zip(pieces, parts):
-            if part is not None:
-                dtype = common_dtype(path, name, piece.start, dtype, part.dtype)
-            if part is not None and part.shape[1:] != info.shape:
-                raise DataError(f"{path}: field '{name}' has shape {part.shape[1:]} per "
-                                f"{info.per} in structure {piece.start}, {info.shape} elsewhere")
+        for other in {part.dtype for _, part in given} - {dtype}:
+            p = next(p for p, part in given if part.dtype == other)
+            dtype = common_dtype(path, name, p.start, dtype, other)
         masks = [p.present.get(name) for p in pieces]
         for i in [i for i, part in enumerate(parts) if part is None]:
             check_fill(path, pieces[i].start, name, fill)

@@ -191,15 +191,17 @@ class BatchWriter:
     def append(self, path, pieces):
         """Append consecutive structures of `path` (the pieces of one chunk)."""
         self._first_path = self._first_path or path
-        late = []
+        first_seen = {}
         for p in pieces:
             for per, data in (("atom", p.atoms), ("structure", p.structures)):
-                for name, array in data.items():
-                    if name not in self.schema and self.n_structures:
-                        check_fill(self._first_path, 0, name, self._fill)
-                        late.append(name)
-                    self.schema.add(path, FieldInfo(name, per, array.shape[1:], array.dtype),
-                                    p.start)
+                for name in data:
+                    first_seen.setdefault(name, (per, p))
+        late = [name for name in first_seen if name not in self.schema and self.n_structures]
+        for name in late:
+            check_fill(self._first_path, 0, name, self._fill)
+        for name, (per, p) in first_seen.items():
+            array = (p.atoms if per == "atom" else p.structures)[name]
+            self.schema.add(path, FieldInfo(name, per, array.shape[1:], array.dtype), p.start)
         chunk = merge_pieces(path, pieces, self.schema, self._fill)
         self._extend("structures", "n_atoms", self.n_structures, chunk.n_atoms)
         for name, info in list(self.schema.items()):
