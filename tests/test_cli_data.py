@@ -170,6 +170,9 @@ def write_bad_file(tmp_path, kind, extxyz, batch_h5):
             del h5["structures/energy"]
             h5["structures/energy"] = np.zeros(8)
             return path, "/structures/energy has 8 rows, but /structures/n_atoms has 7"
+        if kind == "present_shape":
+            h5["present/energy"] = np.ones(6, bool)
+            return path, "/present/energy must be a (7,) bool array, one entry per structure"
         if kind == "wrong_format":
             h5.attrs["format"] = "something-else"
             return path, "attribute format is 'something-else', not 'segcli-batch'"
@@ -179,7 +182,7 @@ def write_bad_file(tmp_path, kind, extxyz, batch_h5):
 
 BAD = ["missing", "junk", "truncated_h5", "truncated_extxyz", "n_atoms_missing",
        "n_atoms_negative", "n_atoms_sum", "atom_field_length", "structure_field_length",
-       "wrong_format", "no_layout"]
+       "present_shape", "wrong_format", "no_layout"]
 
 
 @pytest.mark.parametrize("kind", BAD)

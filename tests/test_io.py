@@ -272,8 +272,19 @@ def test_conformer_field_in_some_groups(tmp_path):
         del h5["nested/H2O/dipole"]
     with open_batch(tmp_path / "conf.h5") as batch:
         assert "dipole" in batch.fields
+        assert batch.present("dipole").tolist() == [True] * 3 + [False] * 2 + [True] * 5
+        assert batch.present("numbers") is None and batch.present("forces") is None
         with pytest.raises(DataError, match=r"conf.h5: structure 3 has no field 'dipole'"):
             list(batch.iter_chunks(["dipole"]))
+    convert([tmp_path / "conf.h5"], tmp_path / "out.h5", fill_missing=np.nan, chunk_atoms=10)
+    with open_batch(tmp_path / "out.h5") as batch:
+        dipole = read_all(batch, ["dipole"])["dipole"]
+        assert np.isnan(dipole[3:5]).all() and not np.isnan(dipole[:3]).any()
+        assert batch.present("dipole").tolist() == [True] * 3 + [False] * 2 + [True] * 5
+        chunks = list(batch.iter_chunks(["dipole", "energy"], chunk_atoms=10))
+        assert not any("energy" in c.present for c in chunks)
+        assert np.concatenate([c.present.get("dipole", np.ones(len(c.n_atoms), bool))
+                               for c in chunks]).tolist() == batch.present("dipole").tolist()
 
 
 def test_missing_field_lists_the_fields(tmp_path):

@@ -1,7 +1,8 @@
 """What every reader shares: field descriptions, chunks of whole structures, derived fields."""
 
+from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Mapping, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
