@@ -171,24 +171,22 @@ def _check_numbers(path, numbers, chunk):
 
 
 def _checked_chunks(batch, names, chunk_atoms, structures):
-    """(chunk, name -> bool (S_c,) of the chunk's structures that have the field, or None when
-    all have it) for each chunk; DataError naming the first field holding NaN where present,
-    with its count over the whole selection and the first structure."""
+    """The chunks of the selection, read ahead; DataError naming the first field holding NaN
+    in a structure that has it (Chunk.present), with its count over the whole selection and
+    the first structure."""
     from segcli.engine import prefetch
 
-    present = {name: batch.present(name) for name in names}
     bad = None  # [field, NaN count, first structure]
     chunks = batch.iter_chunks(list(names), chunk_atoms=chunk_atoms, structures=structures)
     for chunk in prefetch(chunks):
-        masks = {name: None if mask is None else mask[chunk.start:chunk.start + len(chunk.n_atoms)]
-                 for name, mask in present.items()}
         for name in names if bad is None else [bad[0]]:
             array = chunk.atoms.get(name, chunk.structures.get(name))
             if array.dtype.kind != "f" or not np.isnan(array.sum()):
                 continue
             rows = np.isnan(array.reshape(len(array), -1)).any(axis=1)
-            if masks[name] is not None:
-                rows &= _spread(masks[name], chunk) if name in chunk.atoms else masks[name]
+            have = chunk.present.get(name)
+            if have is not None:
+                rows &= _spread(have, chunk) if name in chunk.atoms else have
             if not rows.any():
                 continue
             if bad is None:
@@ -198,7 +196,7 @@ def _checked_chunks(batch, names, chunk_atoms, structures):
                 bad = [name, 0, chunk.start + first]
             bad[1] += int(np.count_nonzero(np.isnan(array[rows])))
         if bad is None:
-            yield chunk, masks
+            yield chunk
     if bad is not None:
         name, count, first = bad
         raise DataError(f"{batch.path}: field '{name}' holds {count} NaN value(s), the first "
@@ -223,7 +221,7 @@ def field_stats(batch, names, *, per_element=False, per_atom=False, chunk_atoms=
     chunks of `chunk_atoms` atoms: per-atom fields over all atoms (grouped by `numbers` with
     `per_element`), per-structure fields over all structures (divided by each structure's
     atom count with `per_atom`, empty structures left out). Structures that lack a field
-    (Batch.present) are left out of its statistics."""
+    (Chunk.present) are left out of its statistics."""
     names = list(dict.fromkeys(names))
     infos = _require(batch, names, "stats")
     shapes = {info.name: info.shape for info in infos}
@@ -237,13 +235,13 @@ def field_stats(batch, names, *, per_element=False, per_atom=False, chunk_atoms=
     for s in out.values():
         s.moments = Moments.empty(groups if s.by_element else 1, len(s.components))
     read = list(dict.fromkeys(names + ["numbers"] * grouped))
-    for chunk, present in _checked_chunks(batch, read, chunk_atoms, structures):
+    for chunk in _checked_chunks(batch, read, chunk_atoms, structures):
         numbers = chunk.atoms["numbers"] if grouped else None
         if grouped:
             _check_numbers(batch.path, numbers, chunk)
         for name, s in out.items():
             array = (chunk.atoms if s.per == "atom" else chunk.structures)[name]
-            keep = present[name]
+            keep = chunk.present.get(name)
             if s.per_atom:
                 has_atoms = chunk.n_atoms > 0
                 array = array / np.maximum(chunk.n_atoms, 1).reshape(-1, *(1,) * (array.ndim - 1))
@@ -323,9 +321,9 @@ def _energy_chunks(batch, energy, chunk_atoms, structures):
                         f"{infos[0].shape}, but the energy must be one number per structure")
     if infos[1].per != "atom" or infos[1].shape != () or infos[1].dtype.kind not in "iu":
         raise DataError(f"{batch.path}: field 'numbers' must hold one integer per atom")
-    for chunk, present in _checked_chunks(batch, [energy, "numbers"], chunk_atoms, structures):
+    for chunk in _checked_chunks(batch, [energy, "numbers"], chunk_atoms, structures):
         _check_numbers(batch.path, chunk.atoms["numbers"], chunk)
-        have = present[energy]
+        have = chunk.present.get(energy)
         yield chunk, np.ones(len(chunk.n_atoms), bool) if have is None else have
 
 
