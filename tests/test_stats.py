@@ -343,3 +343,42 @@ def test_fit_e0_leaves_out_structures_without_energy(tmp_path, e0_data):
 def test_fit_e0_errors(e0_data, args, code, needles):
     path, _, _ = e0_data
     assert_one_line_error(run("fit-e0", path, *args), code, *needles)
+
+
+# --- the curation story on a mixed dataset written by ASE -----------------------------------
+
+def test_curating_a_mixed_dataset_written_by_ase(tmp_path):
+    """Bulk cells, surfaces and molecules with EMT results, converted with --fill-missing:
+    stats leave out the structures without stress, fit-e0 equals lstsq on ASE's own
+    compositions, and select keeps what a --where on a string field and a result says."""
+    import ase.io
+    from test_mixed import mixed_images
+
+    images = mixed_images()
+    source, path = tmp_path / "mixed.extxyz", tmp_path / "mixed.h5"
+    ase.io.write(source, images)
+    assert run("convert", source, "-o", path, "--fill-missing", "nan").exit_code == 0
+    images = ase.io.read(source, ":")
+    stressed = [a.get_stress() for a in images if "stress" in a.calc.results]
+    assert 0 < len(stressed) < len(images)
+    assert_rows_match(stats_json(path, "stress")["stats"], reference_rows("stress", np.array(stressed)))
+
+    energies = np.array([a.get_potential_energy() for a in images])
+    elements = sorted({int(z) for a in images for z in a.numbers})
+    counts = np.array([[np.count_nonzero(a.numbers == z) for z in elements] for a in images])
+    got = fit_json(path)
+    assert [e["number"] for e in got["e0"]] == elements
+    np.testing.assert_allclose([e["e0"] for e in got["e0"]],
+                               np.linalg.lstsq(counts.astype(float), energies, rcond=None)[0],
+                               rtol=1e-8)
+    assert run("fit-e0", path, "--in-place").exit_code == 0
+    out = tmp_path / "bulk.h5"
+    result = run("select", path, "--where", "config_type == bulk", "--where",
+                 "residual_energy > -1e9", "-o", out)
+    assert result.exit_code == 0, result.output
+    bulk = [i for i, a in enumerate(images) if a.info["config_type"] == "bulk"]
+    with h5py.File(out) as f, h5py.File(path) as whole:
+        np.testing.assert_array_equal(f["structures/energy"][()], energies[bulk])
+        np.testing.assert_array_equal(f["results/residual_energy"][()],
+                                      whole["results/residual_energy"][bulk])
+    assert stats_json(out, "stress")["stats"][0]["count"] == len(bulk)
