@@ -231,14 +231,14 @@ class BatchWriter:
         all), creating /present/<name> at its first gap: earlier structures all had the field,
         unless it is `late` (new in this chunk)."""
         present = self._h5.get(f"present/{name}")
+        rows = len(self._h5["structures/n_atoms"])
         if present is None:
             if mask is None and not late:
                 return
             present = self._h5.require_group("present").create_dataset(
                 name, shape=(self.n_structures,), maxshape=(None,), dtype=bool,
-                chunks=(CHUNK_BYTES,), fillvalue=not late)
+                chunks=(int(np.clip(rows, 1, CHUNK_BYTES)),), fillvalue=not late, **self._filters)
             self._dataset(name).attrs["fill_value"] = self._fill_of(self.schema[name].dtype)
-        rows = len(self._h5["structures/n_atoms"])
         present.resize(rows, axis=0)
         present[self.n_structures:rows] = True if mask is None else mask
 
