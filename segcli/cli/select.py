@@ -69,7 +69,6 @@ def select(file, output, conditions, structures_from, force, quiet):
     """
     import numpy as np
 
-    from segcli.errors import DataError
     from segcli.io import open_batch
     from segcli.io.subset import write_subset
     from segcli.io.writers import refuse_overwrite
@@ -80,8 +79,6 @@ def select(file, output, conditions, structures_from, force, quiet):
     if os.path.exists(output) and os.path.exists(file) and os.path.samefile(output, file):
         raise click.UsageError(f"-o {output} is FILE itself; select writes a new file")
     refuse_overwrite(output, force)
-    if os.path.exists(output) and not os.path.isfile(output):
-        raise DataError(f"{output}: not a regular file; -o replaces only regular files")
     with open_batch(file) as batch:
         keep = np.ones(batch.n_structures, bool)
         if structures_from is not None:
@@ -90,7 +87,7 @@ def select(file, output, conditions, structures_from, force, quiet):
             keep &= where_mask(batch, conditions)
         with progress_bar(not quiet, f"writing {output}") as bar:
             kept, atoms = write_subset(batch, keep, output, {"selected_from": file},
-                                       bar.update if bar else None)
+                                       bar.update if bar else None, force)
     if not quiet:
         empty = " (none selected: an empty segcli file)" if not kept else ""
         click.echo(f"{output}: {kept} of {len(keep)} structures, {atoms} atoms{empty}", err=True)

@@ -4,7 +4,7 @@ import os
 
 import numpy as np
 
-from segcli.io.writers import atomic_output, refuse_overwrite
+from segcli.io.writers import new_output
 
 STATS_FORMAT = "segcli-stats"
 MOMENTS = ("count", "mean", "m2", "min", "max", "std", "rms")
@@ -18,8 +18,7 @@ def write_stats(path, stats, attrs, force=False):
     import h5py
 
     path = os.fspath(path)
-    refuse_overwrite(path, force)
-    with atomic_output(path) as tmp, h5py.File(tmp, "w") as h5:
+    with new_output(path, force) as tmp, h5py.File(tmp, "w") as h5:
         h5.attrs.update({"format": STATS_FORMAT, "version": 1, **attrs})
         for s in stats.values():
             group = h5.create_group(f"stats/{s.name}")

@@ -7,15 +7,16 @@ import numpy as np
 from segcli.errors import DataError
 from segcli.io.core import Chunk
 from segcli.io.hdf5 import plain, read_rows
-from segcli.io.writers import BatchWriter, atomic_output
+from segcli.io.writers import BatchWriter, new_output
 
 BLOCK_BYTES = 8 << 20
 STREAM_ATOMS = 100_000
 
 
-def write_subset(batch, keep, output, attrs=None, progress=None):
+def write_subset(batch, keep, output, attrs=None, progress=None, force=False):
     """Write the structures of `batch` where `keep` ((S,) bool) is true, in their order, to a
-    new segcli HDF5 file `output` (replacing one there), with the root attributes `attrs`.
+    new segcli HDF5 file `output` (replacing one there only with `force`), with the root
+    attributes `attrs`.
 
     A segcli HDF5 file is copied dataset by dataset: /structures, /atoms, /present and /results
     (per its `per` attribute) sliced, anything else whole, each with its dtype (strings too),
@@ -29,7 +30,7 @@ def write_subset(batch, keep, output, attrs=None, progress=None):
     output = os.fspath(output)
     source = h5py.File(batch.path, "r") if batch.format == "segcli" else None
     try:
-        with atomic_output(output) as tmp, h5py.File(tmp, "w") as h5:
+        with new_output(output, force) as tmp, h5py.File(tmp, "w") as h5:
             if source is None:
                 _stream(batch, keep, h5, progress)
             else:

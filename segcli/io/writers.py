@@ -1,8 +1,11 @@
 """Writing segcli HDF5 files safely: a temporary file beside the target, renamed over it only
 when all went well, so that a failure or a kill leaves no partial output and an intact input."""
 
+import fcntl
 import os
 import shutil
+import socket
+import stat
 import tempfile
 from contextlib import ExitStack, contextmanager, suppress
 from datetime import datetime, timezone
@@ -10,7 +13,7 @@ from datetime import datetime, timezone
 import numpy as np
 
 from segcli import __version__
-from segcli.errors import DataError
+from segcli.errors import DataError, raise_if_interrupted
 from segcli.io.core import (FORMAT, STRING, VERSION, FieldInfo, Schema, check_fill, fill_value,
                             merge_pieces)
 
@@ -18,8 +21,16 @@ CHUNK_BYTES = 1 << 20
 
 
 def refuse_overwrite(path, force):
-    if os.path.exists(path) and not force:
+    """DataError if `path` exists, unless `force` and it is a regular file (the only kind of
+    file an output replaces)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not force:
         raise DataError(f"{path}: already exists; use --force to overwrite it")
+    if not stat.S_ISREG(mode):
+        raise DataError(f"{path}: not a regular file; an output replaces only regular files")
 
 
 def _fsync(path):
@@ -30,15 +41,39 @@ def _fsync(path):
         os.close(fd)
 
 
+def _sweep(directory, prefix):
+    """Remove the temporaries `prefix`PID@HOST.*.tmp in `directory` that a run of this host
+    left when it was killed (its process is gone)."""
+    host = socket.gethostname()
+    with suppress(OSError):
+        for name in os.listdir(directory):
+            if not (name.startswith(prefix) and name.endswith(".tmp")):
+                continue
+            pid, _, where = name[len(prefix):].partition(".")[0].partition("@")
+            if where != host or not pid.isdigit():
+                continue
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                with suppress(OSError):
+                    os.unlink(os.path.join(directory, name))
+            except OSError:
+                pass
+
+
 @contextmanager
-def atomic_output(target, copy_of=None):
-    """A temporary path beside `target` (a copy of `copy_of` if given), renamed over `target`
-    when the block ends cleanly, removed when it fails. A copy replacing its original is
-    synced to disk first, so that even a system crash leaves one of the two whole."""
+def atomic_output(target, copy_of=None, replace=True):
+    """A temporary path beside `target` (a copy of `copy_of` if given), which becomes `target`
+    when the block ends cleanly and is removed when it fails or is interrupted. With
+    `replace` False, a `target` that appeared meanwhile is never replaced (DataError). A copy
+    replacing its original is synced to disk first, so that even a system crash leaves one
+    of the two whole. Temporaries of killed runs are removed first."""
     directory = os.path.dirname(os.path.abspath(target))
+    prefix = f".{os.path.basename(target)}."
+    _sweep(directory, prefix)
     try:
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(target)}.",
-                                   suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp",
+                                   prefix=f"{prefix}{os.getpid()}@{socket.gethostname()}.")
     except OSError as err:
         raise DataError(f"{target}: cannot write there ({err.strerror})") from err
     os.close(fd)
@@ -51,15 +86,68 @@ def atomic_output(target, copy_of=None):
             shutil.copyfile(copy_of, tmp)
             shutil.copymode(copy_of, tmp)
         yield tmp
+        raise_if_interrupted()
         if copy_of is not None:
             _fsync(tmp)
-        os.replace(tmp, target)
+        if replace:
+            os.replace(tmp, target)
+        else:
+            _link(tmp, target)
         if copy_of is not None:
             _fsync(directory)
     except BaseException:
         with suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def _link(tmp, target):
+    """Give `tmp` the name `target` unless that exists (DataError), then drop the name `tmp`."""
+    try:
+        os.link(tmp, target)
+    except FileExistsError:
+        raise DataError(f"{target}: already exists (made while this run worked); use --force "
+                        "to overwrite it") from None
+    os.unlink(tmp)
+
+
+@contextmanager
+def new_output(target, force=False):
+    """A temporary path for the new file `target` (see atomic_output): an existing `target` is
+    refused unless `force` (see refuse_overwrite), and without `force` never replaced."""
+    refuse_overwrite(target, force)
+    with atomic_output(target, replace=force) as tmp:
+        yield tmp
+
+
+@contextmanager
+def locked(path):
+    """Hold an exclusive lock for writing the file `path` while the block runs, waiting for
+    other writers first. The lock is taken on `.NAME.lock` beside it (HDF5 takes locks of its
+    own on the file itself), which the holder removes; a waiter that then holds a removed
+    lock file locks anew."""
+    directory, name = os.path.split(os.path.abspath(path))
+    lock = os.path.join(directory, f".{name}.lock")
+    while True:
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as err:
+            raise DataError(f"{path}: cannot lock it for writing ({err.strerror})") from err
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            with suppress(FileNotFoundError):
+                if os.fstat(fd).st_ino == os.stat(lock).st_ino:
+                    break
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+    try:
+        yield
+    finally:
+        with suppress(FileNotFoundError):
+            os.unlink(lock)
+        os.close(fd)
 
 
 def _set_attrs(obj, attrs):
@@ -112,23 +200,24 @@ class ResultWriter:
 
         from segcli.io import open_batch
 
-        if self.in_place:
-            with open_batch(self.path) as batch:
-                if batch.format != "segcli":
-                    raise DataError(f"{self.path}: results can only be stored in a segcli HDF5 "
-                                    f"file; convert it first: segcli convert {self.path} -o OUT.h5")
-                self._n_atoms = batch.n_atoms
-            # refuse before copying a large file, where the results to be created are known
-            with h5py.File(self.path, "r") as h5:
-                for name in self.names:
-                    existing = _existing_result(h5, name)
-                    if existing is not None:
-                        self._refuse(existing)
-        else:
-            refuse_overwrite(self.path, self.force)
         with ExitStack() as stack:
-            copy_of = self.path if self.in_place else None
-            tmp = stack.enter_context(atomic_output(self.path, copy_of))
+            if self.in_place:
+                stack.enter_context(locked(self.path))  # until the copy replaces the file
+                with open_batch(self.path) as batch:
+                    if batch.format != "segcli":
+                        raise DataError(f"{self.path}: results can only be stored in a segcli "
+                                        f"HDF5 file; convert it first: segcli convert "
+                                        f"{self.path} -o OUT.h5")
+                    self._n_atoms = batch.n_atoms
+                # refuse before copying a large file, where the results to be created are known
+                with h5py.File(self.path, "r") as h5:
+                    for name in self.names:
+                        existing = _existing_result(h5, name)
+                        if existing is not None:
+                            self._refuse(existing)
+                tmp = stack.enter_context(atomic_output(self.path, copy_of=self.path))
+            else:
+                tmp = stack.enter_context(new_output(self.path, self.force))
             self._h5 = stack.enter_context(h5py.File(tmp, "r+" if self.in_place else "w"))
             if not self.in_place:
                 _set_attrs(self._h5, {"format": FORMAT, "version": VERSION})
@@ -326,7 +415,7 @@ def convert(inputs, output, *, compression=None, chunk_atoms=100_000, fill_missi
     refuse_overwrite(output, force)
     with ExitStack() as stack:
         batches = [stack.enter_context(open_batch(path)) for path in inputs]
-        tmp = stack.enter_context(atomic_output(output))
+        tmp = stack.enter_context(new_output(output, force))
         h5 = stack.enter_context(h5py.File(tmp, "w"))
         writer = BatchWriter(h5, compression, fill_missing)
         for batch in batches:
