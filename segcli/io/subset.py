@@ -7,7 +7,7 @@ import numpy as np
 from segcli.errors import DataError
 from segcli.io.core import Chunk
 from segcli.io.hdf5 import plain, read_rows
-from segcli.io.writers import BatchWriter, new_output
+from segcli.io.writers import BatchWriter, ensure_room, new_output
 
 BLOCK_BYTES = 8 << 20
 STREAM_ATOMS = 100_000
@@ -134,6 +134,7 @@ def _copy_rows(path, ds, h5, name, keep, offsets):
             continue
         first, last = int(np.argmax(mask)), len(mask) - int(np.argmax(mask[::-1]))
         block = read_rows(path, ds, lo + first, lo + last)[mask[first:last]]
+        ensure_room(h5, block)
         out[written:written + len(block)] = block
         written += len(block)
 

@@ -3,6 +3,7 @@ when all went well, so that a failure or a kill leaves no partial output and an 
 
 import fcntl
 import os
+import resource
 import shutil
 import socket
 import stat
@@ -18,6 +19,8 @@ from segcli.io.core import (FORMAT, STRING, VERSION, FieldInfo, Schema, check_fi
                             merge_pieces)
 
 CHUNK_BYTES = 1 << 20
+ROOM_MARGIN = 1 << 20
+"""Bytes kept free beyond each write for HDF5's own records."""
 
 
 def refuse_overwrite(path, force):
@@ -83,8 +86,13 @@ def atomic_output(target, copy_of=None, replace=True):
             os.umask(umask)
             os.chmod(tmp, 0o666 & ~umask)
         else:
-            shutil.copyfile(copy_of, tmp)
+            try:
+                shutil.copyfile(copy_of, tmp)
+            except OSError as err:
+                raise DataError(f"{target}: cannot copy it to write into it "
+                                f"({err.strerror})") from err
             shutil.copymode(copy_of, tmp)
+        ensure_room(tmp, 0)
         yield tmp
         raise_if_interrupted()
         if copy_of is not None:
@@ -99,6 +107,32 @@ def atomic_output(target, copy_of=None, replace=True):
         with suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def target_of(tmp):
+    """The output a temporary of atomic_output stands for."""
+    directory, name = os.path.split(tmp)
+    return os.path.join(directory, name[1:].rsplit(".", 3)[0])
+
+
+def ensure_room(h5, data):
+    """DataError unless the HDF5 file `h5` (open, or a path) can grow by what writing `data` (an array, or a
+    byte count) takes, and a margin: within the file-size limit (RLIMIT_FSIZE) and the free
+    space of its disk. Called before each write, since HDF5 cannot recover from a failed
+    one (its library crashes)."""
+    if isinstance(data, np.ndarray):
+        data = data.nbytes if data.dtype != STRING else sum(len(str(v)) + 16 for v in data.flat)
+    path = getattr(h5, "filename", h5)
+    need = os.path.getsize(path) + int(data) + ROOM_MARGIN
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY and need > limit:
+        raise DataError(f"{target_of(path)}: File too large: writing it needs {need} bytes, "
+                        f"more than the file size limit ({limit} bytes, ulimit -f)")
+    disk = os.statvfs(path)
+    free = disk.f_bavail * disk.f_frsize
+    if int(data) + ROOM_MARGIN > free:
+        raise DataError(f"{target_of(path)}: No space left on device: {free} bytes free, "
+                        f"{int(data) + ROOM_MARGIN} needed")
 
 
 def _link(tmp, target):
@@ -248,6 +282,7 @@ class ResultWriter:
         if existing is not None:
             self._refuse(existing)
             del self._h5[existing]
+        ensure_room(self._h5, int(np.prod(shape)) * np.dtype(dtype).itemsize)
         ds = self._h5.create_dataset(f"results/{name}", shape=shape, dtype=dtype)
         _set_attrs(ds, {"segcli_version": __version__,
                         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -338,6 +373,7 @@ class BatchWriter:
             ds.resize(rows, axis=0)
         elif ds.dtype != array.dtype:
             ds = self._promote(ds, array.dtype)
+        ensure_room(self._h5, array)
         ds.resize(rows + len(array), axis=0)
         ds[rows:] = array
 

@@ -1,0 +1,167 @@
+"""Never losing data (SPEC §3d) with real processes: signals mid-write, concurrent in-place
+writers, full disks (RLIMIT_FSIZE, /dev/full), temporaries of killed runs, outputs that are
+not regular files."""
+
+import hashlib
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+
+import ase.io
+import h5py
+import numpy as np
+import pytest
+from ase import Atoms
+from ase.calculators.singlepoint import SinglePointCalculator
+from batch_reference import write_batch
+
+from segcli.errors import DataError
+from segcli.io.writers import atomic_output
+
+ELEMENTS = np.array([1, 6, 8])
+
+
+def segcli(*args, limit=None, **kwargs):
+    """A real `python -m segcli` process; `limit` caps the size of files it writes (bytes)."""
+    def cap():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return subprocess.Popen([sys.executable, "-m", "segcli", *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=cap if limit else None, **kwargs)
+
+
+def finish(process):
+    out, err = process.communicate(timeout=300)
+    return process.returncode, out.decode(), err.decode()
+
+
+def digest(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def litter(directory):
+    """Files a run may leave by mistake: temporaries and locks."""
+    return [n for n in os.listdir(directory) if n.endswith((".tmp", ".lock"))]
+
+
+def signal_while_writing(directory, process, signum):
+    """Stop the process once its temporary output exists, send it `signum`, let it go on."""
+    while not [n for n in os.listdir(directory) if n.endswith(".tmp")]:
+        assert process.poll() is None, process.communicate()
+        time.sleep(0.001)
+    process.send_signal(signal.SIGSTOP)
+    process.send_signal(signum)
+    process.send_signal(signal.SIGCONT)
+
+
+@pytest.fixture(scope="module")
+def composition_file(tmp_path_factory):
+    """500 000 structures of H, C and O with linear energies: (path, counts, energies)."""
+    rng = np.random.default_rng(5)
+    counts = rng.integers(0, 4, (500_000, 3))
+    counts[:, 1] += 1
+    numbers = np.repeat(np.tile(ELEMENTS, len(counts)), counts.ravel())
+    energies = counts @ np.array([-13.6, -1029.8, -2041.2]) + rng.normal(0, 0.1, len(counts))
+    path = tmp_path_factory.mktemp("big") / "big.h5"
+    write_batch(path, counts.sum(axis=1), {"numbers": numbers}, {"energy": energies})
+    return path, counts, energies
+
+
+def test_sigterm_during_an_in_place_write_changes_nothing(tmp_path, composition_file):
+    source, _, _ = composition_file
+    path = tmp_path / "big.h5"
+    path.write_bytes(source.read_bytes())
+    before = digest(path)
+    process = segcli("fit-e0", path, "--in-place", "--chunk-atoms", 20_000)
+    signal_while_writing(tmp_path, process, signal.SIGTERM)
+    code, out, err = finish(process)
+    assert (code, err) == (143, "Interrupted (SIGTERM)\n"), out
+    assert digest(path) == before and litter(tmp_path) == []
+
+
+def test_sigint_during_a_conversion_leaves_no_output(tmp_path):
+    frames = [Atoms("H2O", positions=np.random.default_rng(i).normal(size=(3, 3))) for i in range(4000)]
+    for i, atoms in enumerate(frames):
+        atoms.calc = SinglePointCalculator(atoms, energy=float(i), forces=np.zeros((3, 3)))
+    ase.io.write(tmp_path / "water.extxyz", frames)
+    process = segcli("convert", tmp_path / "water.extxyz", "-o", tmp_path / "water.h5",
+                     "--chunk-atoms", 300)
+    signal_while_writing(tmp_path, process, signal.SIGINT)
+    code, _, err = finish(process)
+    assert (code, err) == (130, "Interrupted (SIGINT)\n")
+    assert sorted(os.listdir(tmp_path)) == ["water.extxyz"]
+
+
+def test_concurrent_in_place_writers_all_land(tmp_path, composition_file):
+    """Three runs storing results in one file at once: each exits 0 and each result is there."""
+    source, counts, energies = composition_file
+    path = tmp_path / "big.h5"
+    path.write_bytes(source.read_bytes())
+    runs = [segcli("fit-e0", path, "--in-place", "--name", f"r{i}", "--fixed", f"H={-13 - i}")
+            for i in range(3)]
+    for process in runs:
+        code, _, err = finish(process)
+        assert code == 0, err
+    with h5py.File(path) as f:
+        for i in range(3):
+            free = np.linalg.lstsq(counts[:, 1:].astype(float),
+                                   energies - counts[:, 0] * (-13 - i), rcond=None)[0]
+            e0 = np.array([-13 - i, *free])
+            np.testing.assert_allclose(f[f"results/r{i}"][()], energies - counts @ e0,
+                                       rtol=1e-9, atol=1e-8)
+    assert litter(tmp_path) == []
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, composition_file):
+    source, _, _ = composition_file
+    path = tmp_path / "big.h5"
+    path.write_bytes(source.read_bytes())
+    before = digest(path)
+    outputs = [(["select", path, "--where", "energy < 0", "-o", tmp_path / "out.h5"], 4096),
+               (["select", path, "--where", "energy < 0", "-o", tmp_path / "out.h5"], 3 << 20),
+               (["fit-e0", path, "--in-place"], 4096),
+               (["fit-e0", path, "--in-place"], path.stat().st_size + (2 << 20)),
+               (["stats", path, "numbers", "--per-element", "-o", tmp_path / "s.h5"], 4096)]
+    for args, limit in outputs:
+        code, out, err = finish(segcli(*args, limit=limit))
+        name = (args[0], limit)
+        assert code == 1 and err.startswith("Error: ") and len(err.splitlines()) == 1, (name, err)
+        assert "File too large" in err and "Traceback" not in err, (name, err)
+    assert digest(path) == before
+    assert sorted(os.listdir(tmp_path)) == ["big.h5"]
+    with open("/dev/full", "w") as full:
+        process = subprocess.run([sys.executable, "-m", "segcli", "stats", path, "energy"],
+                                 stdout=full, stderr=subprocess.PIPE, text=True)
+    assert (process.returncode, process.stderr) == (
+        1, "Error: stdout: No space left on device\n")
+
+
+def test_a_killed_runs_temporary_is_removed_by_the_next(tmp_path, composition_file):
+    source, _, _ = composition_file
+    out = tmp_path / "out.h5"
+    process = segcli("select", source, "--where", "energy < 0", "-o", out)
+    signal_while_writing(tmp_path, process, signal.SIGKILL)
+    process.wait()
+    assert litter(tmp_path) and not out.exists()
+    code, _, err = finish(segcli("select", source, "--where", "energy > 0", "-o", out))
+    assert code == 0, err
+    assert litter(tmp_path) == []
+
+
+def test_outputs_replace_only_regular_files_and_never_a_new_one(tmp_path, composition_file):
+    source, _, _ = composition_file
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    code, _, err = finish(segcli("stats", source, "energy", "-o", fifo, "--force"))
+    assert code == 1 and "not a regular file" in err
+    assert fifo.is_fifo()
+    target = tmp_path / "new.h5"
+    with pytest.raises(DataError, match="made while this run worked"):
+        with atomic_output(target, replace=False) as tmp:
+            open(tmp, "w").write("mine")
+            target.write_text("theirs")
+    assert target.read_text() == "theirs" and sorted(os.listdir(tmp_path)) == ["fifo", "new.h5"]
