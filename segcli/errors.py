@@ -1,6 +1,7 @@
 """Errors that reach the user as one or two lines and an exit code, never a traceback."""
 
 import signal
+import sys
 
 
 class DataError(Exception):
@@ -18,11 +19,34 @@ class Interrupted(BaseException):
 
 
 _received = []
+_held = [0]
 
 
 def _interrupt(signum, frame):
     _received.append(signum)
-    raise Interrupted(signum)
+    if not _held[0]:
+        raise Interrupted(signum)
+
+
+def hold_signals():
+    """Defer Interrupted until release_signals(): for the few steps that create something
+    and enter the `try` that removes it."""
+    _held[0] += 1
+
+
+def release_signals(pending=True):
+    """End a hold_signals(); raise Interrupted for a signal that arrived meanwhile, unless
+    `pending` is False (the caller is unwinding already)."""
+    _held[0] -= 1
+    if pending and not _held[0]:
+        raise_if_interrupted()
+
+
+def _unraisable(report, default=sys.unraisablehook):
+    """Say nothing of an Interrupted raised where Python cannot pass it on (a weakref or C
+    library callback): raise_if_interrupted raises it again."""
+    if not issubclass(report.exc_type, Interrupted):
+        default(report)
 
 
 def raise_on_signals():
@@ -31,6 +55,7 @@ def raise_on_signals():
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _interrupt)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    sys.unraisablehook = _unraisable
 
 
 def raise_if_interrupted():

@@ -14,7 +14,7 @@ from datetime import datetime, timezone
 import numpy as np
 
 from segcli import __version__
-from segcli.errors import DataError, raise_if_interrupted
+from segcli.errors import DataError, hold_signals, raise_if_interrupted, release_signals
 from segcli.io.core import (FORMAT, STRING, VERSION, FieldInfo, Schema, check_fill, fill_value,
                             merge_pieces)
 
@@ -74,13 +74,18 @@ def atomic_output(target, copy_of=None, replace=True):
     directory = os.path.dirname(os.path.abspath(target))
     prefix = f".{os.path.basename(target)}."
     _sweep(directory, prefix)
+    hold_signals()  # until the `try` that removes the temporary is entered
     try:
         fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp",
                                    prefix=f"{prefix}{os.getpid()}@{socket.gethostname()}.")
     except OSError as err:
+        release_signals(pending=False)
         raise DataError(f"{target}: cannot write there ({err.strerror})") from err
-    os.close(fd)
+    held = True
     try:
+        os.close(fd)
+        held = False
+        release_signals()
         if copy_of is None:
             umask = os.umask(0)
             os.umask(umask)
@@ -104,6 +109,8 @@ def atomic_output(target, copy_of=None, replace=True):
         if copy_of is not None:
             _fsync(directory)
     except BaseException:
+        if held:
+            release_signals(pending=False)
         with suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
@@ -163,11 +170,14 @@ def locked(path):
     directory, name = os.path.split(os.path.abspath(path))
     lock = os.path.join(directory, f".{name}.lock")
     while True:
+        hold_signals()  # until the `try` that closes the file is entered
         try:
             fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
         except OSError as err:
+            release_signals(pending=False)
             raise DataError(f"{path}: cannot lock it for writing ({err.strerror})") from err
         try:
+            release_signals()
             fcntl.flock(fd, fcntl.LOCK_EX)
             with suppress(FileNotFoundError):
                 if os.fstat(fd).st_ino == os.stat(lock).st_ino:
