@@ -340,6 +340,7 @@ def gpu_code_paths():
     _primitives.lower_cpu_as_gpu(False)
 
 
+@pytest.mark.slow  # about 90 CPU-seconds; on a GPU the other tests take these paths anyway
 @pytest.mark.parametrize("name", NAMES)
 def test_gpu_code_paths(name, gpu_code_paths):
     for transform in ("value", "grad", "grad_grad", "jvp", "vmap"):
