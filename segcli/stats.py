@@ -12,7 +12,7 @@ triangles) and solves as `numpy.linalg.lstsq` on the whole composition matrix wo
     rmse, mae = residual_errors(batch, "energy", {**e0, 1: -13.6})
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -253,6 +253,17 @@ def field_stats(batch, names, *, per_element=False, per_atom=False, chunk_atoms=
                 columns = columns[:, keep]
                 labels = None if labels is None else labels[keep]
             s.moments = s.moments.merge(Moments.of_columns(columns, labels, len(s.moments.count)))
+    return out
+
+
+def merge_stats(parts):
+    """The statistics of disjoint selections together: each part maps name -> FieldStats (as
+    field_stats returns), combined in the order given."""
+    out = {}
+    for part in parts:
+        for name, s in part.items():
+            out[name] = s if name not in out else replace(
+                out[name], moments=out[name].moments.merge(s.moments))
     return out
 
 

@@ -73,8 +73,12 @@ def assert_rows_match(got, wanted):
 
 @pytest.fixture
 def random_file(tmp_path):
+    return make_random_file(tmp_path)
+
+
+def make_random_file(tmp_path):
     """Random structures (some empty) with per-atom float64 vectors, float32 and integer
-    scalars, atomic numbers, and per-structure energy and stress."""
+    scalars, atomic numbers, and per-structure energy and stress: (path, n_atoms, arrays)."""
     rng = np.random.default_rng()
     n_atoms = rng.integers(0, 12, 70)
     n_atoms[[3, 40]] = 0

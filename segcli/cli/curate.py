@@ -42,6 +42,32 @@ def _selection(batch, file, structures, in_place=False):
     return slice(start, stop)
 
 
+def _scheduler_address(text):
+    """ADDRESS or local:K from --scheduler; UsageError for local: without a worker count."""
+    if text.startswith("local:"):
+        count = text.split(":", 1)[1]
+        if not count.isdigit() or int(count) < 1:
+            raise click.BadParameter(f"expected ADDRESS or local:K (K workers, K >= 1), got "
+                                     f"{text!r}", param_hint="--scheduler")
+    return text
+
+
+def _on_cluster(scheduler, file, fields, selection, options):
+    """field_stats of FILE computed on the dask cluster at `scheduler` (see segcli.cluster)."""
+    from segcli.errors import DataError
+
+    address = _scheduler_address(scheduler)
+    try:
+        from segcli.cluster import cluster_client, field_stats_on
+
+        with cluster_client(address) as client:
+            return field_stats_on(client, file, fields, selection, **options)
+    except ImportError as err:
+        raise click.UsageError(str(err)) from None
+    except (OSError, TimeoutError) as err:
+        raise DataError(f"--scheduler {scheduler}: cannot reach the cluster ({err})") from err
+
+
 def _number(value):
     return "-" if value is None else f"{value:.7g}"
 
@@ -71,9 +97,13 @@ def _element(z):
               help="Write the statistics to a new HDF5 file instead (/stats/FIELD: count, "
                    "mean, m2, min, max, std, rms).")
 @click.option("--force", is_flag=True, help="Overwrite OUTPUT if it exists.")
+@click.option("--scheduler", envvar="DASK_SCHEDULER_ADDRESS", metavar="ADDRESS|local:K",
+              help="Compute shards of FILE as tasks on a dask.distributed cluster (its "
+                   "scheduler's address, or local:K to start K worker processes here); the "
+                   "parts combine exactly. Also DASK_SCHEDULER_ADDRESS.")
 @_streaming_options
 def stats(file, fields, per_element, per_atom, as_json, output, force, structures, chunk_atoms,
-          quiet):
+          quiet, scheduler):
     """Count, mean, std, rms, min and max of each FIELD of FILE.
 
     A per-atom field is taken over all atoms, a per-structure field over all structures,
@@ -94,12 +124,15 @@ def stats(file, fields, per_element, per_atom, as_json, output, force, structure
     from segcli.io.statsfile import write_stats
     from segcli.stats import field_stats
 
+    options = {"per_element": per_element, "per_atom": per_atom, "chunk_atoms": chunk_atoms}
     with open_batch(file) as batch:
         selection = _selection(batch, file, structures)
-        result = field_stats(batch, fields, per_element=per_element, per_atom=per_atom,
-                             chunk_atoms=chunk_atoms, structures=selection)
         summary = {"path": file, "structures": len(batch.n_atoms[selection]),
                    "atoms": int(batch.n_atoms[selection].sum())}
+        if not scheduler:
+            result = field_stats(batch, fields, structures=selection, **options)
+    if scheduler:
+        result = _on_cluster(scheduler, file, fields, selection, options)
     rows = [row for s in result.values() for row in s.rows()]
     for row in rows:
         if "element" in row:

@@ -1,0 +1,52 @@
+"""`segcli stats --scheduler` on real dask.distributed clusters of worker processes: the same
+statistics as one pass, to 1e-12; and the split into shards."""
+
+import numpy as np
+import pytest
+from test_stats import assert_rows_match, make_random_file, reference_rows, run, stats_json
+
+from segcli.cluster import shard_bounds
+
+pytest.importorskip("dask.distributed", reason="the cluster extra: pip install 'segcli[cluster]'")
+
+
+@pytest.mark.parametrize("n_atoms, shards", [
+    ([3, 1, 4, 1, 5, 9, 2, 6], 3), ([5] * 10, 4), ([0, 0, 7, 0], 3), ([], 2), ([2, 2], 5),
+    (list(range(100)), 7)])
+def test_shards_are_contiguous_whole_structures_of_nearly_equal_atoms(n_atoms, shards):
+    bounds = shard_bounds(np.array(n_atoms, dtype=np.int64), shards)
+    assert len(bounds) == shards + 1 and bounds[0] == 0 and bounds[-1] == len(n_atoms)
+    assert all(a <= b for a, b in zip(bounds, bounds[1:]))
+    atoms = [sum(n_atoms[a:b]) for a, b in zip(bounds, bounds[1:])]
+    assert sum(atoms) == sum(n_atoms)
+    biggest = max(n_atoms, default=0)
+    assert all(abs(a - sum(n_atoms) / shards) <= biggest for a in atoms)
+
+
+def test_stats_on_a_cluster_equal_one_pass_and_numpy(tmp_path):
+    from dask.distributed import LocalCluster
+
+    path, n_atoms, data = make_random_file(tmp_path)
+    args = [path, "forces", "energy", "--per-element", "--per-atom"]
+    alone = stats_json(*args)
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                      dashboard_address=None) as cluster:
+        remote = stats_json(*args, "--scheduler", cluster.scheduler_address)
+    local = stats_json(*args[:2], "--scheduler", "local:2", "--structures", "5:")
+    assert_rows_match(remote["stats"], alone["stats"])
+    numbers = data["numbers"]
+    wanted = [row for z in np.unique(numbers)
+              for row in reference_rows("forces", data["forces"][numbers == z], int(z))]
+    wanted += reference_rows("energy", data["energy"][n_atoms > 0] / n_atoms[n_atoms > 0])
+    assert_rows_match(remote["stats"], wanted)
+    first = int(n_atoms[:5].sum())
+    assert_rows_match(local["stats"], reference_rows("forces", data["forces"][first:]))
+
+
+@pytest.mark.parametrize("address", ["local:0", "local:x"])
+def test_bad_scheduler_is_a_usage_error(tmp_path, address):
+    from batch_reference import write_batch
+
+    path = write_batch(tmp_path / "f.h5", [1], {"forces": np.ones((1, 3))})
+    result = run("stats", path, "forces", "--scheduler", address)
+    assert result.exit_code == 2 and "--scheduler" in result.output
