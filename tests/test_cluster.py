@@ -1,8 +1,16 @@
 """`segcli stats --scheduler` on real dask.distributed clusters of worker processes: the same
-statistics as one pass, to 1e-12; and the split into shards."""
+statistics as one pass, to 1e-12, even when a worker is killed; and the split into shards."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
+from batch_reference import write_batch
 from test_stats import assert_rows_match, make_random_file, reference_rows, run, stats_json
 
 from segcli.cluster import shard_bounds
@@ -45,8 +53,32 @@ def test_stats_on_a_cluster_equal_one_pass_and_numpy(tmp_path):
 
 @pytest.mark.parametrize("address", ["local:0", "local:x"])
 def test_bad_scheduler_is_a_usage_error(tmp_path, address):
-    from batch_reference import write_batch
-
     path = write_batch(tmp_path / "f.h5", [1], {"forces": np.ones((1, 3))})
     result = run("stats", path, "forces", "--scheduler", address)
     assert result.exit_code == 2 and "--scheduler" in result.output
+
+
+def test_a_killed_worker_is_replaced_and_no_shard_counted_twice(tmp_path):
+    """SIGKILL one worker process while the shards run: its tasks run again elsewhere, and the
+    statistics equal one pass's."""
+    from dask.distributed import Client, LocalCluster
+
+    rng = np.random.default_rng()
+    n_atoms = rng.integers(1, 40, 100_000)
+    forces = rng.normal(1.0, 2.0, (int(n_atoms.sum()), 3))
+    path = write_batch(tmp_path / "f.h5", n_atoms, {"forces": forces})
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                      dashboard_address=None) as cluster, Client(cluster) as client:
+        pids = list(client.run(os.getpid).values())
+        process = subprocess.Popen(
+            [sys.executable, "-m", "segcli", "stats", path, "forces", "--json", "--chunk-atoms",
+             "500", "--scheduler", cluster.scheduler_address],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        while not any(client.processing().values()):
+            assert process.poll() is None, process.communicate()
+            time.sleep(0.01)
+        os.kill(pids[0], signal.SIGKILL)
+        out, err = process.communicate(timeout=300)
+        assert process.returncode == 0, err
+        assert pids[0] not in client.run(os.getpid).values()
+    assert_rows_match(json.loads(out)["stats"], reference_rows("forces", forces))

@@ -119,6 +119,7 @@ def stats(file, fields, per_element, per_atom, as_json, output, force, structure
       segcli stats sample_data/metals.h5 forces energy
       segcli stats sample_data/metals.h5 forces --per-element --json
       segcli stats sample_data/metals.h5 energy --per-atom
+      segcli stats sample_data/metals.h5 forces --scheduler local:2
     """
     from segcli.io import open_batch
     from segcli.io.statsfile import write_stats
