@@ -4,7 +4,7 @@ not regular files."""
 
 import hashlib
 import os
-import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,13 +25,11 @@ ELEMENTS = np.array([1, 6, 8])
 
 
 def segcli(*args, limit=None, **kwargs):
-    """A real `python -m segcli` process; `limit` caps the size of files it writes (bytes)."""
-    def cap():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
-    return subprocess.Popen([sys.executable, "-m", "segcli", *map(str, args)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            preexec_fn=cap if limit else None, **kwargs)
+    """A real `python -m segcli` process; `limit` caps the size of files it writes (bytes,
+    RLIMIT_FSIZE, set by util-linux's prlimit)."""
+    cap = [shutil.which("prlimit"), f"--fsize={limit}"] if limit else []
+    return subprocess.Popen([*cap, sys.executable, "-m", "segcli", *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
 
 
 def finish(process):
