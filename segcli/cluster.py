@@ -12,6 +12,8 @@ import os
 
 import numpy as np
 
+from segcli.errors import DataError
+
 SHARDS_PER_WORKER = 4
 
 
@@ -43,7 +45,11 @@ def cluster_client(address):
                           dashboard_address=None) as cluster, Client(cluster) as client:
             yield client
     else:
-        with Client(address) as client:
+        try:
+            client = Client(address)
+        except (OSError, TimeoutError) as err:
+            raise DataError(f"the dask scheduler at {address} cannot be reached ({err})") from err
+        with client:
             yield client
 
 

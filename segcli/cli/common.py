@@ -32,6 +32,25 @@ def structure_range(ctx, param, text):
     return start, stop
 
 
+def refuse_structures_in_place(in_place, structures):
+    """UsageError when --in-place (a result for every structure) meets --structures."""
+    if in_place and structures:
+        raise click.UsageError("--in-place stores a result for every structure; "
+                               "--structures cannot be used with it")
+
+
+def selection(batch, file, structures):
+    """The slice of `batch`'s structures that --structures (start, stop) selects, or all;
+    DataError when it selects none of a file that has some."""
+    from segcli.errors import DataError
+
+    start, stop = structures or (0, None)
+    if structures and start >= batch.n_structures:
+        raise DataError(f"{file}: --structures {start}:{stop or ''} selects no structure "
+                        f"(the file has {batch.n_structures})")
+    return slice(start, stop)
+
+
 def device(choice):
     """The JAX device for --device auto|cpu|gpu (auto: a GPU when JAX sees one).
 

@@ -10,7 +10,8 @@ import click
 
 # Shared option parsing, for now imported from the commands that defined it first.
 from segcli.cli import common
-from segcli.cli.common import progress_bar, structure_range
+from segcli.cli.common import (progress_bar, refuse_structures_in_place, selection,
+                               structure_range)
 
 
 def _op(ctx, param, name):
@@ -70,9 +71,7 @@ def _check_usage(spec, fields, output, in_place, fmt, structures):
         raise click.UsageError("give -o/--output or --in-place, not both")
     if fmt and (output or in_place):
         raise click.UsageError("--format is for stdout; -o and --in-place write HDF5")
-    if in_place and structures:
-        raise click.UsageError("--in-place stores a result for every structure; "
-                               "--structures cannot be used with it")
+    refuse_structures_in_place(in_place, structures)
     if fmt == "npy" and sys.stdout.isatty():
         raise click.UsageError("--format npy writes binary data; redirect stdout to a file")
 
@@ -222,7 +221,6 @@ def _execute(file, spec, fields, *, output, in_place, fmt, name, force, structur
             os.path.samefile(output, file):
         raise click.UsageError(f"-o {output} is FILE itself; use --in-place to add to it")
     from segcli import engine
-    from segcli.errors import DataError
     from segcli.io import ResultWriter, open_batch
 
     target = common.device(device)
@@ -230,12 +228,8 @@ def _execute(file, spec, fields, *, output, in_place, fmt, name, force, structur
     with open_batch(file) as batch:
         job = engine.plan(file, spec, fields, batch.fields, precision=precision, order=order,
                           weights=weights, direction=direction)
-        start, stop = structures or (0, None)
-        if structures and start >= batch.n_structures:
-            raise DataError(f"{file}: --structures {start}:{stop or ''} selects no structure "
-                            f"(the file has {batch.n_structures})")
-        selection = slice(start, stop)
-        n_atoms = batch.n_atoms[selection]
+        selected = selection(batch, file, structures)
+        n_atoms = batch.n_atoms[selected]
         outputs = job.outputs
         columns = {label: label or name for label in outputs}
         if output or in_place:
@@ -251,7 +245,7 @@ def _execute(file, spec, fields, *, output, in_place, fmt, name, force, structur
             sink = _NpySink(outputs, columns, n_atoms)
         else:
             sink = _TextSink(fmt or "csv", outputs, columns)
-        results = engine.run(batch, job, target, structures=selection,
+        results = engine.run(batch, job, target, structures=selected,
                              chunk_atoms=chunk_atoms or engine.DEFAULT_CHUNK_ATOMS)
         verb = "reducing" if not order else "differentiating"
         with contextlib.closing(results), progress_bar(not quiet, f"{verb} {file}") as bar, sink:

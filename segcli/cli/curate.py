@@ -7,7 +7,7 @@ import os
 
 import click
 
-from segcli.cli.common import structure_range
+from segcli.cli.common import refuse_structures_in_place, selection, structure_range
 
 STAT_COLUMNS = ("count", "mean", "std", "rms", "min", "max")
 
@@ -26,25 +26,9 @@ def _streaming_options(command):
     return command
 
 
-def _selection(batch, file, structures, in_place=False):
-    """The slice of structures selected by --structures (DataError when it selects none)."""
-    from segcli.errors import DataError
-
-    if not structures:
-        return slice(None)
-    if in_place:
-        raise click.UsageError("--in-place stores a result for every structure; "
-                               "--structures cannot be used with it")
-    start, stop = structures
-    if start >= batch.n_structures:
-        raise DataError(f"{file}: --structures {start}:{stop or ''} selects no structure "
-                        f"(the file has {batch.n_structures})")
-    return slice(start, stop)
-
-
-def _scheduler_address(text):
-    """ADDRESS or local:K from --scheduler; UsageError for local: without a worker count."""
-    if text.startswith("local:"):
+def _scheduler_address(ctx, param, text):
+    """Click callback: ADDRESS or local:K from --scheduler (K at least 1)."""
+    if text and text.startswith("local:"):
         count = text.split(":", 1)[1]
         if not count.isdigit() or int(count) < 1:
             raise click.BadParameter(f"expected ADDRESS or local:K (K workers, K >= 1), got "
@@ -52,20 +36,15 @@ def _scheduler_address(text):
     return text
 
 
-def _on_cluster(scheduler, file, fields, selection, options):
+def _on_cluster(scheduler, file, fields, structures, options):
     """field_stats of FILE computed on the dask cluster at `scheduler` (see segcli.cluster)."""
-    from segcli.errors import DataError
-
-    address = _scheduler_address(scheduler)
     try:
         from segcli.cluster import cluster_client, field_stats_on
 
-        with cluster_client(address) as client:
-            return field_stats_on(client, file, fields, selection, **options)
+        with cluster_client(scheduler) as client:
+            return field_stats_on(client, file, fields, structures, **options)
     except ImportError as err:
         raise click.UsageError(str(err)) from None
-    except (OSError, TimeoutError) as err:
-        raise DataError(f"--scheduler {scheduler}: cannot reach the cluster ({err})") from err
 
 
 def _number(value):
@@ -98,6 +77,7 @@ def _element(z):
                    "mean, m2, min, max, std, rms).")
 @click.option("--force", is_flag=True, help="Overwrite OUTPUT if it exists.")
 @click.option("--scheduler", envvar="DASK_SCHEDULER_ADDRESS", metavar="ADDRESS|local:K",
+              callback=_scheduler_address,
               help="Compute shards of FILE as tasks on a dask.distributed cluster (its "
                    "scheduler's address, or local:K to start K worker processes here); the "
                    "parts combine exactly. Also DASK_SCHEDULER_ADDRESS.")
@@ -127,13 +107,13 @@ def stats(file, fields, per_element, per_atom, as_json, output, force, structure
 
     options = {"per_element": per_element, "per_atom": per_atom, "chunk_atoms": chunk_atoms}
     with open_batch(file) as batch:
-        selection = _selection(batch, file, structures)
-        summary = {"path": file, "structures": len(batch.n_atoms[selection]),
-                   "atoms": int(batch.n_atoms[selection].sum())}
+        selected = selection(batch, file, structures)
+        summary = {"path": file, "structures": len(batch.n_atoms[selected]),
+                   "atoms": int(batch.n_atoms[selected].sum())}
         if not scheduler:
-            result = field_stats(batch, fields, structures=selection, **options)
+            result = field_stats(batch, fields, structures=selected, **options)
     if scheduler:
-        result = _on_cluster(scheduler, file, fields, selection, options)
+        result = _on_cluster(scheduler, file, fields, selected, options)
     rows = [row for s in result.values() for row in s.rows()]
     for row in rows:
         if "element" in row:
@@ -213,10 +193,10 @@ def fit_e0(file, energy, fixed, as_json, in_place, name, force, structures, chun
 
     if name is not None and not in_place:
         raise click.UsageError("--name names the result that --in-place stores")
+    refuse_structures_in_place(in_place, structures)
     name = name or f"residual_{energy}"
     with open_batch(file) as batch:
-        selection = _selection(batch, file, structures, in_place)
-        options = {"chunk_atoms": chunk_atoms, "structures": selection}
+        options = {"chunk_atoms": chunk_atoms, "structures": selection(batch, file, structures)}
         e0, used = solve_e0(batch, energy, fixed=fixed, **options)
         everything = {**e0, **fixed}
         if in_place:
