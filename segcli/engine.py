@@ -105,8 +105,10 @@ def _field(path, name, wanted, fields, needs_float, role):
                         f"be {wanted.describe()}")
     if info.dtype.kind not in ("f" if needs_float else "biuf"):
         what = "floating-point to be differentiated" if needs_float else "real numbers"
-        held = "strings" if info.dtype == object else f"{info.dtype} values"
-        raise DataError(f"{path}: field '{name}' holds {held}, but {role} must be {what}")
+        from segcli.io.core import held
+
+        raise DataError(f"{path}: field '{name}' holds {held(info.dtype)}, but {role} must be "
+                        f"{what}")
     return info
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from segcli.errors import DataError
+from segcli.io.core import held
 
 N_ELEMENTS = 119
 """Atomic numbers 0 (ASE's placeholder X) to 118."""
@@ -152,8 +153,8 @@ def _columns(array, shape):
 
 def _numeric(path, name, info, role):
     if info.dtype.kind not in "biuf":
-        held = "strings" if info.dtype.kind == "O" else f"{info.dtype} values"
-        raise DataError(f"{path}: field '{name}' holds {held}, but {role} needs real numbers")
+        raise DataError(f"{path}: field '{name}' holds {held(info.dtype)}, but {role} needs "
+                        "real numbers")
 
 
 def _spread(per_structure, chunk):

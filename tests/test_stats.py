@@ -386,3 +386,5 @@ def test_curating_a_mixed_dataset_written_by_ase(tmp_path):
         np.testing.assert_array_equal(f["results/residual_energy"][()],
                                       whole["results/residual_energy"][bulk])
     assert stats_json(out, "stress")["stats"][0]["count"] == len(bulk)
+    assert_one_line_error(run("stats", path, "config_type"), 1,
+                          "'config_type' holds strings, but stats needs real numbers")

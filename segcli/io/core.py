@@ -15,6 +15,11 @@ STRING = np.dtype(object)
 """The dtype of a string field: an object array of Python str."""
 
 
+def held(dtype):
+    """What a field of `dtype` holds, for messages: "strings" or e.g. "int32 values"."""
+    return "strings" if dtype == STRING else f"{dtype} values"
+
+
 class FieldInfo(NamedTuple):
     """A field: per "atom" or "structure", its trailing shape and dtype."""
 
