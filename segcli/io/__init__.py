@@ -30,6 +30,9 @@ def open_batch(path):
         raise DataError(f"{path}: no such file")
     if os.path.isdir(path):
         raise DataError(f"{path}: is a directory, not a file")
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: not a regular file (a pipe, FIFO or device); segcli reads "
+                        "files it can seek in: save the stream to a file first")
     if os.path.getsize(path) == 0:
         return EmptyBatch(path)
     if not h5py.is_hdf5(path):
