@@ -42,7 +42,7 @@ def cluster_client(address):
     if address.startswith("local:"):
         workers = int(address.split(":", 1)[1])
         with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
-                          dashboard_address=None) as cluster, Client(cluster) as client:
+                          dashboard_address=":0") as cluster, Client(cluster) as client:
             yield client
     else:
         try:

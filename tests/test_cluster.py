@@ -38,7 +38,7 @@ def test_stats_on_a_cluster_equal_one_pass_and_numpy(tmp_path):
     args = [path, "forces", "energy", "--per-element", "--per-atom"]
     alone = stats_json(*args)
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                      dashboard_address=None) as cluster:
+                      dashboard_address=":0") as cluster:
         remote = stats_json(*args, "--scheduler", cluster.scheduler_address)
     local = stats_json(*args[:2], "--scheduler", "local:2", "--structures", "5:")
     assert_rows_match(remote["stats"], alone["stats"])
@@ -68,7 +68,7 @@ def test_a_killed_worker_is_replaced_and_no_shard_counted_twice(tmp_path):
     forces = rng.normal(1.0, 2.0, (int(n_atoms.sum()), 3))
     path = write_batch(tmp_path / "f.h5", n_atoms, {"forces": forces})
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                      dashboard_address=None) as cluster, Client(cluster) as client:
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
         pids = list(client.run(os.getpid).values())
         process = subprocess.Popen(
             [sys.executable, "-m", "segcli", "stats", path, "forces", "--json", "--chunk-atoms",
