@@ -191,24 +191,33 @@ class _Padded(NamedTuple):
     weights: np.ndarray
 
 
-def _nan_count(array):
-    """NaN values in an array (a NaN-free array costs one fast sum)."""
-    if array.dtype.kind != "f" or not np.isnan(array.sum()):
-        return 0
-    return int(np.count_nonzero(np.isnan(array)))
-
-
-def _first_nan(job, chunk):
-    """(field, NaN count, first structure) of the first read field holding NaN, or None."""
-    for name in job.read:
-        array = chunk.atoms.get(name, chunk.structures.get(name))
-        count = _nan_count(array)
-        if count:
-            row = int(np.argmax(np.isnan(array.reshape(len(array), -1)).any(axis=1)))
-            if name in chunk.atoms:
-                row = int(np.searchsorted(np.cumsum(chunk.n_atoms), row, side="right"))
-            return name, count, chunk.start + row
-    return None
+def nan_checked(path, chunks, names, where_present=False):
+    """The chunks, each given once checked: DataError naming the first of the fields `names`
+    that holds NaN (with `where_present`, only in structures that have the field, see
+    Chunk.present), with its count over all the chunks and the first structure."""
+    bad = None  # [field, NaN count, first structure]
+    for chunk in chunks:
+        for name in names if bad is None else [bad[0]]:
+            array = chunk.atoms.get(name, chunk.structures.get(name))
+            if array.dtype.kind != "f" or not np.isnan(array.sum()):
+                continue
+            rows = np.isnan(array.reshape(len(array), -1)).any(axis=1)
+            have = chunk.present.get(name) if where_present else None
+            if have is not None:
+                rows &= np.repeat(have, chunk.n_atoms) if name in chunk.atoms else have
+            if not rows.any():
+                continue
+            if bad is None:
+                first = int(np.argmax(rows))
+                first = chunk.structure_of(first) if name in chunk.atoms else chunk.start + first
+                bad = [name, 0, first]
+            bad[1] += int(np.count_nonzero(np.isnan(array[rows])))
+        if bad is None:
+            yield chunk
+    if bad is not None:
+        name, count, first = bad
+        raise DataError(f"{path}: field '{name}' holds {count} NaN value(s), the first in "
+                        f"structure {first}")
 
 
 class _BufferRing:
@@ -299,13 +308,7 @@ def _padded_chunks(batch, job, chunk_atoms, structures):
 
     chunks = batch.iter_chunks(list(job.read), chunk_atoms=chunk_atoms, structures=structures,
                                into=into)
-    for slot, chunk in enumerate(chunks):
-        bad = _first_nan(job, chunk)
-        if bad:
-            name, count, first = bad
-            count += sum(_nan_count({**c.atoms, **c.structures}[name]) for c in chunks)
-            raise DataError(f"{job.path}: field '{name}' holds {count} NaN value(s), the first "
-                            f"in structure {first}")
+    for slot, chunk in enumerate(nan_checked(job.path, chunks, job.read)):
         yield chunk, _pad(job, chunk, least, buffers, slot)
 
 

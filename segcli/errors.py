@@ -2,6 +2,8 @@
 
 import signal
 import sys
+import threading
+from contextlib import contextmanager
 
 
 class DataError(Exception):
@@ -49,13 +51,28 @@ def _unraisable(report, default=sys.unraisablehook):
         default(report)
 
 
-def raise_on_signals():
-    """Make SIGINT and SIGTERM raise Interrupted in the main thread (so that `finally` blocks
-    remove temporary files), and a file-size limit give an OSError rather than a kill."""
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, _interrupt)
+@contextmanager
+def interruptible():
+    """While the block runs, SIGINT and SIGTERM raise Interrupted in the main thread (so that
+    `finally` blocks remove temporary files) and a file-size limit gives an OSError rather
+    than a kill; the previous handlers are back afterwards. Elsewhere than in the main
+    thread, which alone can set handlers, nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGXFSZ)
+    previous, hook = {s: signal.getsignal(s) for s in signals}, sys.unraisablehook
+    _received.clear()
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     sys.unraisablehook = _unraisable
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        sys.unraisablehook = hook
 
 
 def raise_if_interrupted():

@@ -157,61 +157,29 @@ def _numeric(path, name, info, role):
                         "real numbers")
 
 
-def _spread(per_structure, chunk):
-    """A value per structure of the chunk repeated for each of its atoms."""
-    return np.repeat(per_structure, chunk.n_atoms)
-
-
 def _check_numbers(path, numbers, chunk):
     bad = np.flatnonzero((numbers < 0) | (numbers >= N_ELEMENTS))
     if len(bad):
-        structure = chunk.start + int(np.searchsorted(np.cumsum(chunk.n_atoms), bad[0],
-                                                      side="right"))
         raise DataError(f"{path}: field 'numbers' holds {numbers[bad[0]]} in structure "
-                        f"{structure}, not an atomic number (0 to {N_ELEMENTS - 1})")
+                        f"{chunk.structure_of(bad[0])}, not an atomic number (0 to "
+                        f"{N_ELEMENTS - 1})")
 
 
 def _checked_chunks(batch, names, chunk_atoms, structures):
-    """The chunks of the selection, read ahead; DataError naming the first field holding NaN
-    in a structure that has it (Chunk.present), with its count over the whole selection and
-    the first structure."""
-    from segcli.engine import prefetch
+    """The chunks of the selection, read ahead, refused (DataError) where a field holds NaN in
+    a structure that has it (see engine.nan_checked)."""
+    from segcli.engine import nan_checked, prefetch
 
-    bad = None  # [field, NaN count, first structure]
     chunks = batch.iter_chunks(list(names), chunk_atoms=chunk_atoms, structures=structures)
-    for chunk in prefetch(chunks):
-        for name in names if bad is None else [bad[0]]:
-            array = chunk.atoms.get(name, chunk.structures.get(name))
-            if array.dtype.kind != "f" or not np.isnan(array.sum()):
-                continue
-            rows = np.isnan(array.reshape(len(array), -1)).any(axis=1)
-            have = chunk.present.get(name)
-            if have is not None:
-                rows &= _spread(have, chunk) if name in chunk.atoms else have
-            if not rows.any():
-                continue
-            if bad is None:
-                first = int(np.argmax(rows))
-                if name in chunk.atoms:
-                    first = int(np.searchsorted(np.cumsum(chunk.n_atoms), first, side="right"))
-                bad = [name, 0, chunk.start + first]
-            bad[1] += int(np.count_nonzero(np.isnan(array[rows])))
-        if bad is None:
-            yield chunk
-    if bad is not None:
-        name, count, first = bad
-        raise DataError(f"{batch.path}: field '{name}' holds {count} NaN value(s), the first "
-                        f"in structure {first}")
+    return nan_checked(batch.path, prefetch(chunks), names, where_present=True)
 
 
 def _require(batch, names, role):
     """The FieldInfo of each name; DataError naming the file and the field if it is missing or
     not numeric."""
+    batch.check_fields(names)
     fields = batch.fields
     for name in names:
-        if name not in fields:
-            raise DataError(f"{batch.path}: no field '{name}'; its fields are: "
-                            f"{', '.join(sorted(fields)) or '(none)'}")
         _numeric(batch.path, name, fields[name], role)
     return [fields[name] for name in names]
 
@@ -248,7 +216,7 @@ def field_stats(batch, names, *, per_element=False, per_atom=False, chunk_atoms=
                 array = array / np.maximum(chunk.n_atoms, 1).reshape(-1, *(1,) * (array.ndim - 1))
                 keep = has_atoms if keep is None else has_atoms & keep
             elif keep is not None and s.per == "atom":
-                keep = _spread(keep, chunk)
+                keep = np.repeat(keep, chunk.n_atoms)
             columns, labels = _columns(array, shapes[name]), numbers if s.by_element else None
             if keep is not None:
                 columns = columns[:, keep]

@@ -167,3 +167,19 @@ def test_only_regular_files_are_read_or_replaced_and_never_a_new_one(tmp_path, c
     assert (code, err) == (1, f"Error: {fifo}: not a regular file (a pipe, FIFO or device); "
                               "segcli reads files it can seek in: save the stream to a file "
                               "first\n")
+
+
+@pytest.mark.parametrize("command", [["stats", "{f}", "energy", "-o", "{f}", "--force"],
+                                     ["convert", "{f}", "-o", "{f}", "--force"],
+                                     ["select", "{f}", "--where", "energy < 0", "-o", "{f}",
+                                      "--force"]])
+def test_an_output_that_is_the_input_is_refused(tmp_path, command):
+    from click.testing import CliRunner
+
+    from segcli.cli import main
+
+    path = write_batch(tmp_path / "in.h5", [2], {"numbers": [1, 8]}, {"energy": [-1.0]})
+    before = digest(path)
+    result = CliRunner().invoke(main, [part.format(f=path) for part in command])
+    assert result.exit_code == 2 and "is FILE itself" in result.output, result.output
+    assert digest(path) == before

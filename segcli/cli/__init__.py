@@ -11,7 +11,7 @@ import sys
 import click
 
 from segcli import __version__
-from segcli.errors import DataError, Interrupted, raise_on_signals
+from segcli.errors import DataError, Interrupted, interruptible
 
 
 def _silence_stdout():
@@ -56,26 +56,26 @@ class SegcliGroup(click.Group):
     permission), 128 + N for signal N (SIGINT, SIGTERM, or a closed stdout: 141, quietly)."""
 
     def invoke(self, ctx):
-        raise_on_signals()
         _name_stdout()
-        try:
-            result = super().invoke(ctx)
-            sys.stdout.flush()
-            return result
-        except BrokenPipeError:
-            _silence_stdout()
-            sys.exit(141)
-        except (DataError, OSError, Interrupted) as err:
-            if ctx.meta.get("segcli.debug"):
-                raise
-            if isinstance(err, Interrupted):
-                click.echo(f"Interrupted ({err})", err=True)
-                sys.exit(err.exit_code)
-            if isinstance(err, OSError):
-                err = f"{err.filename}: {err.strerror}" if err.filename else err
+        with interruptible():
+            try:
+                result = super().invoke(ctx)
+                sys.stdout.flush()
+                return result
+            except BrokenPipeError:
                 _silence_stdout()
-            click.echo(f"Error: {err}", err=True)
-            sys.exit(1)
+                sys.exit(141)
+            except (DataError, OSError, Interrupted) as err:
+                if ctx.meta.get("segcli.debug"):
+                    raise
+                if isinstance(err, Interrupted):
+                    click.echo(f"Interrupted ({err})", err=True)
+                    sys.exit(err.exit_code)
+                if isinstance(err, OSError):
+                    err = f"{err.filename}: {err.strerror}" if err.filename else err
+                    _silence_stdout()
+                click.echo(f"Error: {err}", err=True)
+                sys.exit(1)
 
 
 @click.group(cls=SegcliGroup, context_settings={"help_option_names": ["-h", "--help"]})

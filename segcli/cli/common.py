@@ -32,6 +32,20 @@ def structure_range(ctx, param, text):
     return start, stop
 
 
+def table(rows):
+    """Lines of text for rows of strings: left-aligned columns two spaces apart."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+
+
+def refuse_output_among_inputs(output, inputs, hint):
+    """UsageError when the file -o names is one of the inputs (`hint` says what to do)."""
+    for path in inputs:
+        if output and os.path.exists(output) and os.path.exists(path) and \
+                os.path.samefile(output, path):
+            raise click.UsageError(f"-o {output} is FILE itself ({path}); {hint}")
+
+
 def refuse_structures_in_place(in_place, structures):
     """UsageError when --in-place (a result for every structure) meets --structures."""
     if in_place and structures:

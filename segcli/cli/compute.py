@@ -3,15 +3,14 @@ and ops (the table of ops)."""
 
 import contextlib
 import json
-import os
 import sys
 
 import click
 
 # Shared option parsing, for now imported from the commands that defined it first.
 from segcli.cli import common
-from segcli.cli.common import (progress_bar, refuse_structures_in_place, selection,
-                               structure_range)
+from segcli.cli.common import (progress_bar, refuse_output_among_inputs,
+                               refuse_structures_in_place, selection, structure_range, table)
 
 
 def _op(ctx, param, name):
@@ -217,9 +216,7 @@ def _execute(file, spec, fields, *, output, in_place, fmt, name, force, structur
              device, precision, quiet, order=0, weights=None, direction=None):
     """Run one reduce or grad command: check, plan, stream the chunks, write the results."""
     _check_usage(spec, fields, output, in_place, fmt, structures)
-    if output and os.path.exists(output) and os.path.exists(file) and \
-            os.path.samefile(output, file):
-        raise click.UsageError(f"-o {output} is FILE itself; use --in-place to add to it")
+    refuse_output_among_inputs(output, [file], "use --in-place to add to it")
     from segcli import engine
     from segcli.io import ResultWriter, open_batch
 
@@ -345,9 +342,7 @@ def ops():
     rows = [("op", "inputs", "output", "derivatives", "")] + [
         (s.name, " ".join(i.describe() for i in s.inputs) or "-", s.output_shape,
          "yes" if s.differentiable else "no", s.summary) for s in OPS.values()]
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    for row in rows:
-        click.echo(("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[4]).rstrip())
+    click.echo("\n".join(table(rows)))
 
 
 COMMANDS = [reduce, grad, ops]

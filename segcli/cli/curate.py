@@ -7,7 +7,8 @@ import os
 
 import click
 
-from segcli.cli.common import refuse_structures_in_place, selection, structure_range
+from segcli.cli.common import (refuse_output_among_inputs, refuse_structures_in_place,
+                               selection, structure_range, table)
 
 STAT_COLUMNS = ("count", "mean", "std", "rms", "min", "max")
 
@@ -49,12 +50,6 @@ def _on_cluster(scheduler, file, fields, structures, options):
 
 def _number(value):
     return "-" if value is None else f"{value:.7g}"
-
-
-def _table(rows, columns):
-    """Rows of text, left-aligned columns separated by two spaces."""
-    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
-    return ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
 
 
 def _element(z):
@@ -105,6 +100,7 @@ def stats(file, fields, per_element, per_atom, as_json, output, force, structure
     from segcli.io.statsfile import write_stats
     from segcli.stats import field_stats
 
+    refuse_output_among_inputs(output, [file], "stats writes a new file")
     options = {"per_element": per_element, "per_atom": per_atom, "chunk_atoms": chunk_atoms}
     with open_batch(file) as batch:
         selected = selection(batch, file, structures)
@@ -137,7 +133,7 @@ def stats(file, fields, per_element, per_atom, as_json, output, force, structure
         (row["field"], *((row.get("symbol", ""),) if by_element else ()),
          row["component"] or "-", str(row["count"]), *(_number(row[c]) for c in STAT_COLUMNS[1:]))
         for row in rows]
-    click.echo("\n".join(_table(lines, header)))
+    click.echo("\n".join(table(lines)))
 
 
 def _fixed(ctx, param, values):
@@ -224,7 +220,7 @@ def fit_e0(file, energy, fixed, as_json, in_place, name, force, structures, chun
         lines = [("element", "Z", "E0", "")] + [
             (e["element"], str(e["number"]), f"{e['e0']:.10g}", "fixed" if e["fixed"] else "")
             for e in elements]
-        click.echo("\n".join(_table(lines, lines[0])))
+        click.echo("\n".join(table(lines)))
         click.echo(f"structures: {used}; residual per atom: RMSE {_number(nan_free['rmse'])}, "
                    f"MAE {_number(nan_free['mae'])}")
     if in_place and not quiet:

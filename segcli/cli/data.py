@@ -4,7 +4,7 @@ import json
 
 import click
 
-from segcli.cli.common import progress_bar
+from segcli.cli.common import progress_bar, refuse_output_among_inputs, table
 
 FORMAT_NAMES = {"segcli": "segcli HDF5", "ase": "ASE-readable file", "conformers":
                 "conformer-layout HDF5", "empty": "empty file"}
@@ -81,9 +81,8 @@ def info(file, as_json):
         (name, f["per"], str(tuple(f["shape"])), f["dtype"], _notes(summary, f))
         for name, f in summary["fields"].items()]
     click.echo("fields:" + ("" if len(rows) > 1 else " none"))
-    widths = [max(len(row[i]) for row in rows) for i in range(5)]
-    for row in rows if len(rows) > 1 else []:
-        click.echo("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    for line in table(rows) if len(rows) > 1 else []:
+        click.echo(f"  {line}")
     click.echo("results:" + ("" if summary["results"] else " none"))
     for name, attrs in summary["results"].items():
         described = "  ".join(
@@ -146,6 +145,7 @@ def convert(inputs, output, compression, chunk_atoms, fill_missing, fields, drop
 
     if fields is not None and drop is not None:
         raise click.UsageError("--fields and --drop cannot be used together")
+    refuse_output_among_inputs(output, inputs, "convert writes a new file")
     with progress_bar(not quiet, f"converting to {output}") as bar:
         structures, atoms, written = convert_files(
             inputs, output, compression=compression, chunk_atoms=chunk_atoms,

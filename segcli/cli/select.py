@@ -1,11 +1,10 @@
 """Command: select (a new file with only the chosen structures)."""
 
-import os
 import sys
 
 import click
 
-from segcli.cli.common import progress_bar
+from segcli.cli.common import progress_bar, refuse_output_among_inputs
 
 
 def _conditions(ctx, param, texts):
@@ -76,8 +75,7 @@ def select(file, output, conditions, structures_from, force, quiet):
 
     if not conditions and structures_from is None:
         raise click.UsageError("give --where 'NAME OP VALUE' or --structures-from LIST (or both)")
-    if os.path.exists(output) and os.path.exists(file) and os.path.samefile(output, file):
-        raise click.UsageError(f"-o {output} is FILE itself; select writes a new file")
+    refuse_output_among_inputs(output, [file], "select writes a new file")
     refuse_overwrite(output, force)
     with open_batch(file) as batch:
         keep = np.ones(batch.n_structures, bool)

@@ -40,6 +40,10 @@ class Chunk(NamedTuple):
     structures: dict
     present: Mapping = MappingProxyType({})
 
+    def structure_of(self, row):
+        """The number (in the file) of the structure that holds per-atom row `row` of the chunk."""
+        return self.start + int(np.searchsorted(np.cumsum(self.n_atoms), row, side="right"))
+
 
 def check_fill(path, index, name, fill):
     """Raise DataError unless there is a `fill` for field `name`, which structure `index` lacks."""
@@ -298,7 +302,7 @@ class Batch:
     def present(self, name):
         """(S,) bool array, True where a structure has field `name` (a derived field: what it
         is computed from); None when every structure has it."""
-        self._check([name])
+        self.check_fields([name])
         if name in self.derived:
             return all_of([self._present(n) for n in needs(name, self._stored)])
         return self._present(name) if name in self._stored else None
@@ -310,7 +314,8 @@ class Batch:
     def _present(self, name):
         return None
 
-    def _check(self, names):
+    def check_fields(self, names):
+        """DataError naming the file and the first of `names` that is not one of its fields."""
         available = self.fields
         for name in names:
             if name not in available:
@@ -327,7 +332,7 @@ class Batch:
         if isinstance(fields, str):
             fields = [fields]
         fields = list(dict.fromkeys(fields))
-        self._check(fields)
+        self.check_fields(fields)
         if chunk_atoms < 1:
             raise ValueError(f"chunk_atoms must be at least 1, got {chunk_atoms}")
         start, stop, step = structures.indices(self.n_structures)

@@ -44,10 +44,15 @@ def _fsync(path):
         os.close(fd)
 
 
+def _host():
+    """This machine's name as temporaries carry it (no dots, so that names split at dots)."""
+    return socket.gethostname().replace(".", "-")
+
+
 def _sweep(directory, prefix):
     """Remove the temporaries `prefix`PID@HOST.*.tmp in `directory` that a run of this host
     left when it was killed (its process is gone)."""
-    host = socket.gethostname()
+    host = _host()
     with suppress(OSError):
         for name in os.listdir(directory):
             if not (name.startswith(prefix) and name.endswith(".tmp")):
@@ -77,7 +82,7 @@ def atomic_output(target, copy_of=None, replace=True):
     hold_signals()  # until the `try` that removes the temporary is entered
     try:
         fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp",
-                                   prefix=f"{prefix}{os.getpid()}@{socket.gethostname()}.")
+                                   prefix=f"{prefix}{os.getpid()}@{_host()}.")
     except OSError as err:
         release_signals(pending=False)
         raise DataError(f"{target}: cannot write there ({err.strerror})") from err
@@ -123,10 +128,10 @@ def target_of(tmp):
 
 
 def ensure_room(h5, data):
-    """DataError unless the HDF5 file `h5` (open, or a path) can grow by what writing `data` (an array, or a
-    byte count) takes, and a margin: within the file-size limit (RLIMIT_FSIZE) and the free
-    space of its disk. Called before each write, since HDF5 cannot recover from a failed
-    one (its library crashes)."""
+    """DataError unless the HDF5 file `h5` (open, or a path) can grow by what writing `data`
+    (an array, or a byte count) takes, and a margin: within the file-size limit
+    (RLIMIT_FSIZE) and the free space of its disk. Called before each write, since HDF5
+    cannot recover from a failed one (its library crashes)."""
     if isinstance(data, np.ndarray):
         data = data.nbytes if data.dtype != STRING else sum(len(str(v)) + 16 for v in data.flat)
     path = getattr(h5, "filename", h5)
@@ -404,6 +409,7 @@ class BatchWriter:
         filled rows holding the new dtype's fill."""
         group, name = ds.parent, ds.name.rsplit("/", 1)[1]
         new = self._create(group.name, f"{name}.promoted", dtype, ds.shape[1:], ds.chunks[0])
+        ensure_room(self._h5, ds.size * np.dtype(dtype).itemsize)
         new.resize(len(ds), axis=0)
         step = ds.chunks[0] * 64
         for lo in range(0, len(ds), step):
