@@ -11,7 +11,7 @@ from segcli.errors import DataError
 from segcli.io.core import Batch, Chunk, FieldInfo
 from segcli.io.writers import ResultWriter, convert
 
-__all__ = ["Batch", "Chunk", "FieldInfo", "ResultWriter", "convert", "open_batch"]
+__all__ = ["Batch", "Chunk", "FieldInfo", "ResultWriter", "convert", "open_batch", "reads"]
 
 
 def open_batch(path):
@@ -49,3 +49,22 @@ def open_batch(path):
     except BaseException:
         h5.close()
         raise
+
+
+def reads(path):
+    """Whether `path` is a regular file that segcli recognises as structures by its content or
+    name (HDF5, or a format ASE reads); what a directory given as FILE is filtered by."""
+    import h5py
+
+    from segcli.io.asefiles import ase_format
+
+    path = os.fspath(path)
+    if not os.path.isfile(path) or os.path.getsize(path) == 0:
+        return False
+    if h5py.is_hdf5(path):
+        return True
+    try:
+        ase_format(path)
+    except DataError:
+        return False
+    return True
