@@ -25,6 +25,9 @@ BLOCK_STRUCTURES = 1 << 15
 """Structures whose composition rows are built at a time (bounds memory for tiny structures)."""
 
 
+MOMENT_NAMES = ("count", "mean", "m2", "min", "max")
+
+
 @dataclass(frozen=True)
 class Moments:
     """Count (G,), and mean, M2 (sum of squared deviations), min and max (G, K) of values in
@@ -37,9 +40,12 @@ class Moments:
     max: np.ndarray
 
     @classmethod
-    def empty(cls, groups, components):
-        shape = (groups, components)
-        return cls(np.zeros(groups, np.int64), np.zeros(shape), np.zeros(shape),
+    def empty(cls, groups, components, leaves=None):
+        """No values, in `groups` groups of `components` components (stacked by leaf for
+        `leaves` leaves)."""
+        lead = (groups,) if leaves is None else (leaves, groups)
+        shape = (*lead, components)
+        return cls(np.zeros(lead, np.int64), np.zeros(shape), np.zeros(shape),
                    np.full(shape, np.inf), np.full(shape, -np.inf))
 
     @classmethod
@@ -48,34 +54,40 @@ class Moments:
         return cls.of_columns(np.ascontiguousarray(_rows(values).T), groups, n_groups)
 
     @classmethod
-    def of_columns(cls, columns, groups=None, n_groups=1):
+    def of_columns(cls, columns, groups=None, n_groups=1, leaves=None, n_leaves=1):
         """The moments of `columns` (K, n) holding K components of n values, value i in group
-        `groups[i]` (default 0); each sum is taken pairwise over contiguous memory."""
-        out = cls.empty(n_groups, len(columns))
-        if not columns.shape[1]:
+        `groups[i]` (default 0); with `leaves` (n,) nondecreasing leaf numbers below
+        `n_leaves`, the moments of each leaf apart, stacked (n_leaves, G, K). A group's values
+        are reduced in their order, so its bits do not depend on what else is in `columns`."""
+        out = cls.empty(n_groups * n_leaves, len(columns))
+        if columns.shape[1]:
+            keys = None if groups is None else np.asarray(
+                groups, np.uint8 if n_groups <= 256 else np.int64)  # a radix sort for elements
+            order = None if keys is None else np.argsort(keys, kind="stable")
+            cell = np.zeros(columns.shape[1], np.int64) if keys is None else keys[order]
+            if leaves is not None:  # by group, then (stable) by leaf
+                cell = np.asarray(leaves if order is None else leaves[order]) * n_groups + cell
+            if order is not None:
+                columns = columns[:, order]
+            starts = np.flatnonzero(np.concatenate([[True], cell[1:] != cell[:-1]]))
+            which = cell[starts]
+            counts = np.diff(np.append(starts, columns.shape[1]))
+            means = np.add.reduceat(columns, starts, axis=1) / counts
+            deviations = columns - np.repeat(means, counts, axis=1)
+            out.count[which] = counts
+            out.mean[which] = means.T
+            out.m2[which] = np.add.reduceat(deviations * deviations, starts, axis=1).T
+            out.min[which] = np.minimum.reduceat(columns, starts, axis=1).T
+            out.max[which] = np.maximum.reduceat(columns, starts, axis=1).T
+        if leaves is None:
             return out
-        if groups is None:
-            starts, which = np.zeros(1, np.intp), np.zeros(1, np.intp)
-        else:
-            keys = np.asarray(groups, np.uint8 if n_groups <= 256 else np.int64)  # radix sort
-            order = np.argsort(keys, kind="stable")
-            keys = keys[order]
-            starts = np.flatnonzero(np.concatenate([[True], keys[1:] != keys[:-1]]))
-            which = keys[starts]
-            columns = columns[:, order]
-        counts = np.diff(np.append(starts, columns.shape[1]))
-        means = np.add.reduceat(columns, starts, axis=1) / counts
-        deviations = columns - np.repeat(means, counts, axis=1)
-        out.count[which] = counts
-        out.mean[which] = means.T
-        out.m2[which] = np.add.reduceat(deviations * deviations, starts, axis=1).T
-        out.min[which] = np.minimum.reduceat(columns, starts, axis=1).T
-        out.max[which] = np.maximum.reduceat(columns, starts, axis=1).T
-        return out
+        return cls(*(getattr(out, k).reshape(n_leaves, n_groups, *getattr(out, k).shape[1:])
+                     for k in MOMENT_NAMES))
 
     def merge(self, other):
-        """The moments of both sets of values together (Chan et al.'s pairwise update)."""
-        n_a, n_b = self.count[:, None], other.count[:, None]
+        """The moments of both sets of values together (Chan et al.'s pairwise update); also
+        entry by entry for moments stacked along leading axes."""
+        n_a, n_b = self.count[..., None], other.count[..., None]
         n = np.maximum(n_a + n_b, 1)
         delta = other.mean - self.mean
         return Moments(self.count + other.count,
@@ -83,11 +95,33 @@ class Moments:
                        self.m2 + other.m2 + delta * delta * (n_a * n_b / n),
                        np.minimum(self.min, other.min), np.maximum(self.max, other.max))
 
+    def __getitem__(self, index):
+        """The moments of the leading-axis entries `index` (of moments stacked by leaf)."""
+        return Moments(*(getattr(self, k)[index] for k in MOMENT_NAMES))
+
+    @classmethod
+    def stack(cls, parts):
+        """Moments stacked along a new leading axis (or joined along an existing one)."""
+        return cls(*(np.concatenate([getattr(p, k) for p in parts]) for k in MOMENT_NAMES))
+
+    def tree_reduce(self):
+        """The moments of all leaves (the leading axis) together, merged pairwise in a fixed
+        binary tree over the leaf numbers: the same bits however the leaves were computed."""
+        level = self
+        while len(level.count) > 1:
+            pairs = len(level.count) // 2
+            merged = level[0:2 * pairs:2].merge(level[1:2 * pairs:2])
+            level = merged if len(level.count) % 2 == 0 else Moments.stack(
+                [merged, level[len(level.count) - 1:]])
+        if not len(level.count):
+            return None
+        return level[0]
+
     @property
     def std(self):
         """Population standard deviation (NaN for an empty group)."""
         with np.errstate(invalid="ignore"):
-            return np.sqrt(self.m2 / self.count[:, None])
+            return np.sqrt(self.m2 / self.count[..., None])
 
     @property
     def rms(self):
@@ -165,12 +199,13 @@ def _check_numbers(path, numbers, chunk):
                         f"{N_ELEMENTS - 1})")
 
 
-def _checked_chunks(batch, names, chunk_atoms, structures):
+def _checked_chunks(batch, names, chunk_atoms, structures, breaks=()):
     """The chunks of the selection, read ahead, refused (DataError) where a field holds NaN in
     a structure that has it (see engine.nan_checked)."""
     from segcli.engine import nan_checked, prefetch
 
-    chunks = batch.iter_chunks(list(names), chunk_atoms=chunk_atoms, structures=structures)
+    chunks = batch.iter_chunks(list(names), chunk_atoms=chunk_atoms, structures=structures,
+                               breaks=breaks)
     return nan_checked(batch.path, prefetch(chunks), names, where_present=True)
 
 
@@ -184,13 +219,14 @@ def _require(batch, names, role):
     return [fields[name] for name in names]
 
 
-def field_stats(batch, names, *, per_element=False, per_atom=False, chunk_atoms=1 << 21,
-                structures=slice(None)):
-    """FieldStats of each field of `names` over the selected structures of `batch`, streamed in
-    chunks of `chunk_atoms` atoms: per-atom fields over all atoms (grouped by `numbers` with
-    `per_element`), per-structure fields over all structures (divided by each structure's
-    atom count with `per_atom`, empty structures left out). Structures that lack a field
-    (Chunk.present) are left out of its statistics."""
+def leaf_stats(batch, names, leaves, *, per_element=False, per_atom=False,
+               chunk_atoms=1 << 21):
+    """FieldStats of each field of `names`, its moments stacked by leaf: one entry for each run
+    of structures between consecutive structure numbers `leaves`, computed from that run alone
+    (chunks of at most `chunk_atoms` atoms break at leaves), so the same in any shard. Per-atom
+    fields go over all atoms (grouped by `numbers` with `per_element`), per-structure fields
+    over all structures (divided by each structure's atom count with `per_atom`, empty
+    structures left out). Structures that lack a field (Chunk.present) are left out of it."""
     names = list(dict.fromkeys(names))
     infos = _require(batch, names, "stats")
     shapes = {info.name: info.shape for info in infos}
@@ -200,40 +236,64 @@ def field_stats(batch, names, *, per_element=False, per_atom=False, chunk_atoms=
     grouped = any(s.by_element for s in out.values())
     if grouped:
         _require(batch, ["numbers"], "--per-element")
-    groups = N_ELEMENTS if grouped else 1
+    leaves = np.asarray(leaves, np.int64)
+    n_leaves = len(leaves) - 1
     for s in out.values():
-        s.moments = Moments.empty(groups if s.by_element else 1, len(s.components))
+        s.moments = Moments.empty(N_ELEMENTS if s.by_element else 1, len(s.components),
+                                  leaves=n_leaves)
     read = list(dict.fromkeys(names + ["numbers"] * grouped))
-    for chunk in _checked_chunks(batch, read, chunk_atoms, structures):
+    structures = slice(int(leaves[0]), int(leaves[-1]))
+    for chunk in _checked_chunks(batch, read, chunk_atoms, structures, leaves[1:-1]):
         numbers = chunk.atoms["numbers"] if grouped else None
         if grouped:
             _check_numbers(batch.path, numbers, chunk)
+        leaf = np.searchsorted(leaves, chunk.start + np.arange(len(chunk.n_atoms)),
+                               side="right") - 1
+        first, last = (int(leaf[0]), int(leaf[-1]) + 1) if len(leaf) else (0, 0)
         for name, s in out.items():
             array = (chunk.atoms if s.per == "atom" else chunk.structures)[name]
             keep = chunk.present.get(name)
+            rows_leaf = leaf - first
             if s.per_atom:
                 has_atoms = chunk.n_atoms > 0
                 array = array / np.maximum(chunk.n_atoms, 1).reshape(-1, *(1,) * (array.ndim - 1))
                 keep = has_atoms if keep is None else has_atoms & keep
-            elif keep is not None and s.per == "atom":
-                keep = np.repeat(keep, chunk.n_atoms)
+            elif s.per == "atom":
+                rows_leaf = np.repeat(rows_leaf, chunk.n_atoms)
+                keep = None if keep is None else np.repeat(keep, chunk.n_atoms)
             columns, labels = _columns(array, shapes[name]), numbers if s.by_element else None
             if keep is not None:
-                columns = columns[:, keep]
+                columns, rows_leaf = columns[:, keep], rows_leaf[keep]
                 labels = None if labels is None else labels[keep]
-            s.moments = s.moments.merge(Moments.of_columns(columns, labels, len(s.moments.count)))
+            part = Moments.of_columns(columns, labels, s.moments.count.shape[1], rows_leaf,
+                                      last - first)
+            merged = s.moments[first:last].merge(part)
+            for key in MOMENT_NAMES:
+                getattr(s.moments, key)[first:last] = getattr(merged, key)
     return out
 
 
 def merge_stats(parts):
-    """The statistics of disjoint selections together: each part maps name -> FieldStats (as
-    field_stats returns), combined in the order given."""
+    """The statistics of the leaves of `parts` (each name -> FieldStats stacked by leaf, as
+    leaf_stats returns, in leaf order) together: joined, then merged in one fixed tree."""
     out = {}
-    for part in parts:
-        for name, s in part.items():
-            out[name] = s if name not in out else replace(
-                out[name], moments=out[name].moments.merge(s.moments))
+    for name, first in parts[0].items():
+        leaves = Moments.stack([part[name].moments for part in parts])
+        total = leaves.tree_reduce() or Moments.empty(*leaves.mean.shape[1:])
+        out[name] = replace(first, moments=total)
     return out
+
+
+def field_stats(batch, names, *, structures=slice(None), **options):
+    """FieldStats of each field of `names` over the selected structures of `batch` (see
+    leaf_stats for `options`), reduced leaf by leaf in a fixed tree (segcli.shards): the
+    same bits as the merge of any split of the selection into shards."""
+    from segcli.shards import leaf_bounds
+
+    start, stop, _ = structures.indices(batch.n_structures)
+    stop = max(start, stop)
+    leaves = start + leaf_bounds(batch.n_atoms[start:stop])
+    return merge_stats([leaf_stats(batch, names, leaves, **options)])
 
 
 def composition(numbers, n_atoms):

@@ -107,16 +107,33 @@ def split_piece(piece, k):
     return head, tail
 
 
-def rechunk(pieces, chunk_atoms):
-    """Group a stream of pieces (consecutive structures) into lists forming chunks of whole
-    structures with at most `chunk_atoms` atoms; the same runs as `plan_chunks`."""
-    group, room = [], chunk_atoms
+def split_at(pieces, breaks):
+    """(piece, whether a break follows it) for pieces of consecutive structures split at the
+    structure numbers `breaks` (sorted)."""
+    breaks = np.asarray(breaks, np.int64)
     for piece in pieces:
+        while True:
+            i = int(np.searchsorted(breaks, piece.start, side="right"))
+            if i == len(breaks) or breaks[i] > piece.start + len(piece.n_atoms):
+                yield piece, False
+                break
+            head, piece = split_piece(piece, int(breaks[i]) - piece.start)
+            yield head, True
+            if not len(piece.n_atoms):
+                break
+
+
+def rechunk(pieces, chunk_atoms, breaks=()):
+    """Group a stream of pieces (consecutive structures) into lists forming chunks of whole
+    structures with at most `chunk_atoms` atoms; the same runs as `plan_chunks`, started
+    anew at each structure number of `breaks`, where a chunk always ends."""
+    group, room = [], chunk_atoms
+    for piece, broken in split_at(pieces, breaks):
         total = int(piece.n_atoms.sum())
         if total <= room and len(piece.n_atoms):  # the common case: the whole piece fits
             group.append(piece)
             room -= total
-            continue
+            piece = piece._replace(n_atoms=piece.n_atoms[:0])
         while len(piece.n_atoms):
             k = int(np.searchsorted(np.cumsum(piece.n_atoms), room, side="right"))
             if k == 0 and group:
@@ -129,6 +146,9 @@ def rechunk(pieces, chunk_atoms):
             if k == 0 or len(piece.n_atoms):
                 yield group
                 group, room = [], chunk_atoms
+        if broken and group:
+            yield group
+            group, room = [], chunk_atoms
     if group:
         yield group
 
@@ -322,9 +342,11 @@ class Batch:
                 raise DataError(f"{self.path}: no field '{name}'; its fields are: "
                                 f"{', '.join(sorted(available)) or '(none)'}")
 
-    def iter_chunks(self, fields, *, chunk_atoms=1_000_000, structures=slice(None), into=None):
+    def iter_chunks(self, fields, *, chunk_atoms=1_000_000, structures=slice(None), into=None,
+                    breaks=()):
         """Yield Chunks of whole structures, at most `chunk_atoms` atoms each (a bigger structure
-        alone), holding the requested per-atom and per-structure fields.
+        alone), holding the requested per-atom and per-structure fields; a chunk ends at each
+        structure number of `breaks` (sorted), and chunking starts anew there.
 
         `into(name, rows)`, if given, may return an array to read a chunk's stored per-atom field
         into (or None); a format that can read in place (segcli HDF5, when the array has the
@@ -343,7 +365,7 @@ class Batch:
                    for name in fields}
         read = {n: available[n] for names in sources.values() for n in names}
         pieces = self._pieces(start, max(start, stop), list(read), chunk_atoms, into)
-        for group in rechunk(pieces, chunk_atoms):
+        for group in rechunk(pieces, chunk_atoms, breaks):
             chunk = merge_pieces(self.path, group, read)
             out = {"atom": {}, "structure": {}}
             present = {}
