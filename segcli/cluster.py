@@ -1,44 +1,28 @@
-"""Jobs split into shards of whole structures, run as tasks on a dask.distributed cluster.
+"""Jobs split into shards of whole structures, run one after another here or as tasks on a
+dask.distributed cluster: a job maps its shards to partial results and combines them once.
 
-Each task opens the input itself (on a filesystem the workers share) and returns its partial
-result, which is small (statistics, not arrays of atoms); the client combines the parts in
+Each task opens the input itself (on a filesystem the workers share) and returns what is
+small: statistics' leaves, or the path of the part file it wrote (results are written next to
+the output, never sent through the scheduler). The client combines the partial results in
 shard order, so a run gives the same result whichever worker ran which shard, and a task
-retried after its worker died is counted once. Dask is an optional extra:
-`pip install 'segcli[cluster]'`.
+retried after its worker died is counted once (a part file is replaced whole). Dask is an
+optional extra: `pip install 'segcli[cluster]'`.
 """
 
 import contextlib
 import os
-
-import numpy as np
 
 from segcli.errors import DataError
 
 SHARDS_PER_WORKER = 4
 
 
-def shard_bounds(n_atoms, shards):
-    """The shards + 1 structure boundaries splitting structures of `n_atoms` atoms into
-    contiguous ranges of whole structures with nearly equal atom counts: range k ends at the
-    first structure where the running count reaches (k + 1)·total/shards (the same split on
-    every machine)."""
-    running = np.cumsum(n_atoms, dtype=np.int64)
-    total = int(running[-1]) if len(running) else 0
-    targets = np.arange(1, shards, dtype=np.int64) * total // shards
-    cuts = np.searchsorted(running, targets, side="left") + 1
-    return [0, *np.minimum(cuts, len(n_atoms)).tolist(), len(n_atoms)]
-
-
 @contextlib.contextmanager
 def cluster_client(address):
     """A dask.distributed Client of the scheduler at `address`, or of a new cluster of K worker
-    processes for "local:K"; closed (the local cluster shut down) when the block ends.
-    ImportError naming the extra when dask.distributed is not installed."""
-    try:
-        from dask.distributed import Client, LocalCluster
-    except ImportError as err:
-        raise ImportError("--scheduler needs dask.distributed: pip install "
-                          "'segcli[cluster]'") from err
+    processes for "local:K"; closed (the local cluster shut down) when the block ends."""
+    from dask.distributed import Client, LocalCluster
+
     if address.startswith("local:"):
         workers = int(address.split(":", 1)[1])
         with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
@@ -53,26 +37,57 @@ def cluster_client(address):
             yield client
 
 
-def _stats_part(path, names, options, start, stop):
+def shard_count(client, n_structures):
+    """How many shards a job on `client`'s cluster is split into: a few per worker thread (so
+    that a slow or lost worker delays little), at most one per structure, at least one."""
+    return max(1, min(n_structures, SHARDS_PER_WORKER * sum(client.nthreads().values())))
+
+
+def map_shards(client, function, calls, progress=None):
+    """[function(*call) for call in calls], in that order: on `client`'s cluster, one task per
+    call, or here one after another when `client` is None. `progress(1)` is called as each
+    finishes."""
+    if client is None:
+        out = []
+        for call in calls:
+            out.append(function(*call))
+            if progress:
+                progress(1)
+        return out
+    from dask.distributed import as_completed
+
+    futures = [client.submit(function, *call, pure=False) for call in calls]
+    for future in as_completed(futures):
+        if future.status == "error":
+            future.result()  # raises the task's error here
+        if progress:
+            progress(1)
+    return client.gather(futures)
+
+
+def stats_part(inputs, names, leaves, options):
+    """The leaf statistics (segcli.stats.leaf_stats) of `inputs` over the structures between
+    `leaves`: one task."""
     from segcli.io import open_batch
-    from segcli.stats import field_stats
+    from segcli.stats import leaf_stats
 
-    with open_batch(path) as batch:
-        return field_stats(batch, names, structures=slice(start, stop), **options)
+    with open_batch(inputs) as batch:
+        return leaf_stats(batch, names, leaves, **options)
 
 
-def field_stats_on(client, path, names, structures=slice(None), **options):
-    """segcli.stats.field_stats of the file `path` computed shard by shard on the cluster of
-    `client` and combined exactly (Chan's formulas, in shard order)."""
+def leaf_stats_sharded(client, path, names, structures, progress=None, **options):
+    """segcli.stats.leaf_stats of all the leaves of the selected structures of the file
+    `path`, computed as shards on `client`'s cluster and joined in leaf order."""
     from segcli.io import open_batch
-    from segcli.stats import merge_stats
+    from segcli.shards import leaf_bounds, shard_leaves
+    from segcli.stats import join_leaves
 
     path = os.path.abspath(path)
     with open_batch(path) as batch:
         start, stop, _ = structures.indices(batch.n_structures)
-        n_atoms = batch.n_atoms[start:stop]
-    shards = max(1, min(len(n_atoms), SHARDS_PER_WORKER * len(client.nthreads())))
-    bounds = start + np.array(shard_bounds(n_atoms, shards))
-    futures = [client.submit(_stats_part, path, list(names), options, int(a), int(b),
-                             pure=False) for a, b in zip(bounds[:-1], bounds[1:])]
-    return merge_stats(client.gather(futures))
+        n_atoms = batch.n_atoms[start:max(start, stop)]
+    leaves = start + leaf_bounds(n_atoms)
+    cuts = shard_leaves(n_atoms, shard_count(client, len(n_atoms)))
+    calls = [(path, list(names), leaves[a:b + 1].tolist(), options)
+             for a, b in zip(cuts[:-1], cuts[1:])]
+    return join_leaves(map_shards(client, stats_part, calls, progress))

@@ -107,3 +107,14 @@ def fingerprint(paths, n_atoms):
     digest = hashlib.sha256(json.dumps(files).encode())
     digest.update(np.ascontiguousarray(n_atoms, np.int64).tobytes())
     return digest.hexdigest()[:32]
+
+
+def shard_of(n_atoms, start, shard=None):
+    """The leaf boundaries (structure numbers, from `start`) of shard (I, N) of a selection of
+    structures with `n_atoms` atoms starting at structure `start`, or of all of it."""
+    leaves = start + leaf_bounds(n_atoms)
+    if shard is None:
+        return leaves
+    index, count = shard
+    cuts = shard_leaves(n_atoms, count)
+    return leaves[cuts[index]:cuts[index + 1] + 1]

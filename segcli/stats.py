@@ -273,14 +273,20 @@ def leaf_stats(batch, names, leaves, *, per_element=False, per_atom=False,
     return out
 
 
+def join_leaves(parts):
+    """Leaf statistics of consecutive ranges (each name -> FieldStats stacked by leaf, as
+    leaf_stats returns), joined in the order given."""
+    return {name: replace(first, moments=Moments.stack([part[name].moments for part in parts]))
+            for name, first in parts[0].items()}
+
+
 def merge_stats(parts):
-    """The statistics of the leaves of `parts` (each name -> FieldStats stacked by leaf, as
-    leaf_stats returns, in leaf order) together: joined, then merged in one fixed tree."""
+    """The statistics of the leaves of `parts` (see join_leaves) together, merged in one fixed
+    tree over the leaves (Moments.tree_reduce)."""
     out = {}
-    for name, first in parts[0].items():
-        leaves = Moments.stack([part[name].moments for part in parts])
-        total = leaves.tree_reduce() or Moments.empty(*leaves.mean.shape[1:])
-        out[name] = replace(first, moments=total)
+    for name, s in join_leaves(parts).items():
+        total = s.moments.tree_reduce() or Moments.empty(*s.moments.mean.shape[1:])
+        out[name] = replace(s, moments=total)
     return out
 
 

@@ -101,3 +101,69 @@ def progress_bar(enabled, label):
         return contextlib.nullcontext()
     return click.progressbar((x for x in ()), label=label, show_pos=True, file=sys.stderr)
 
+
+
+def _shard(ctx, param, text):
+    """Click callback: (I, N) from --shard I/N or auto (from SLURM, Open MPI or PMI)."""
+    if text is None:
+        return None
+    from segcli.shards import parse_shard
+
+    try:
+        return parse_shard(text)
+    except ValueError as err:
+        raise click.BadParameter(str(err)) from None
+
+
+def _scheduler(ctx, param, text):
+    """Click callback: ADDRESS or local:K from --scheduler (K at least 1)."""
+    if text and text.startswith("local:"):
+        count = text.split(":", 1)[1]
+        if not count.isdigit() or int(count) < 1:
+            raise click.BadParameter(f"expected ADDRESS or local:K (K workers, K >= 1), got "
+                                     f"{text!r}")
+    return text
+
+
+def cluster_options(command):
+    """--shard and --scheduler (SPEC §3b), for reduce, grad and stats."""
+    command = click.option(
+        "--scheduler", envvar="DASK_SCHEDULER_ADDRESS", metavar="ADDRESS|local:K",
+        callback=_scheduler,
+        help="Run the job as shards on a dask.distributed cluster (its scheduler's address, "
+             "or local:K to start K worker processes here); the output is the same as "
+             "without. Also DASK_SCHEDULER_ADDRESS.")(command)
+    return click.option(
+        "--shard", callback=_shard, metavar="I/N|auto",
+        help="Do only range I of the N ranges of whole structures with nearly equal atom "
+             "counts (auto: from SLURM_ARRAY_TASK_ID/COUNT, SLURM_PROCID/NTASKS, Open MPI "
+             "or PMI); {shard} in -o becomes I. Join the parts with `segcli merge`.")(command)
+
+
+def check_cluster_usage(shard, scheduler, in_place):
+    """UsageError for --shard with --scheduler or --in-place."""
+    if shard and scheduler:
+        raise click.UsageError("--shard runs one shard here; --scheduler runs them all on a "
+                               "cluster: give one of them")
+    if shard and in_place:
+        raise click.UsageError("--shard writes a part of the result; --in-place stores a "
+                               "result for every structure: use -o 'part-{shard}.h5' and "
+                               "segcli merge")
+
+
+@contextlib.contextmanager
+def on_cluster(scheduler):
+    """A dask.distributed Client for --scheduler (None without it), closed afterwards; a
+    missing cluster extra is a usage error."""
+    if not scheduler:
+        yield None
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("distributed") is None:
+        raise click.UsageError("--scheduler needs dask.distributed: pip install "
+                               "'segcli[cluster]'")
+    from segcli.cluster import cluster_client
+
+    with cluster_client(scheduler) as client:
+        yield client

@@ -7,8 +7,9 @@ import os
 
 import click
 
-from segcli.cli.common import (refuse_output_among_inputs, refuse_structures_in_place,
-                               selection, structure_range, table)
+from segcli.cli.common import (check_cluster_usage, cluster_options, on_cluster,
+                               progress_bar, refuse_output_among_inputs,
+                               refuse_structures_in_place, selection, structure_range, table)
 
 STAT_COLUMNS = ("count", "mean", "std", "rms", "min", "max")
 
@@ -25,27 +26,6 @@ def _streaming_options(command):
     ):
         command = option(command)
     return command
-
-
-def _scheduler_address(ctx, param, text):
-    """Click callback: ADDRESS or local:K from --scheduler (K at least 1)."""
-    if text and text.startswith("local:"):
-        count = text.split(":", 1)[1]
-        if not count.isdigit() or int(count) < 1:
-            raise click.BadParameter(f"expected ADDRESS or local:K (K workers, K >= 1), got "
-                                     f"{text!r}", param_hint="--scheduler")
-    return text
-
-
-def _on_cluster(scheduler, file, fields, structures, options):
-    """field_stats of FILE computed on the dask cluster at `scheduler` (see segcli.cluster)."""
-    try:
-        from segcli.cluster import cluster_client, field_stats_on
-
-        with cluster_client(scheduler) as client:
-            return field_stats_on(client, file, fields, structures, **options)
-    except ImportError as err:
-        raise click.UsageError(str(err)) from None
 
 
 def _number(value):
@@ -71,14 +51,10 @@ def _element(z):
               help="Write the statistics to a new HDF5 file instead (/stats/FIELD: count, "
                    "mean, m2, min, max, std, rms).")
 @click.option("--force", is_flag=True, help="Overwrite OUTPUT if it exists.")
-@click.option("--scheduler", envvar="DASK_SCHEDULER_ADDRESS", metavar="ADDRESS|local:K",
-              callback=_scheduler_address,
-              help="Compute shards of FILE as tasks on a dask.distributed cluster (its "
-                   "scheduler's address, or local:K to start K worker processes here); the "
-                   "parts combine exactly. Also DASK_SCHEDULER_ADDRESS.")
+@cluster_options
 @_streaming_options
 def stats(file, fields, per_element, per_atom, as_json, output, force, structures, chunk_atoms,
-          quiet, scheduler):
+          quiet, scheduler, shard):
     """Count, mean, std, rms, min and max of each FIELD of FILE.
 
     A per-atom field is taken over all atoms, a per-structure field over all structures,
@@ -86,8 +62,9 @@ def stats(file, fields, per_element, per_atom, as_json, output, force, structure
     standard deviation is the population one (divided by the count). Structures that lack
     a field (see `segcli info`) are left out of its statistics; NaN values are refused.
     The file is streamed in chunks of whole structures, so its size does not matter, and
-    the partial results combine exactly (Chan's pairwise formulas). FIELD may be a stored
-    result (`segcli reduce ... --in-place`).
+    the partial results combine in one fixed tree (Chan's pairwise formulas), so shards
+    (--shard, joined by `segcli merge`) and --scheduler give the bits of one run. FIELD may
+    be a stored result (`segcli reduce ... --in-place`).
 
     \b
     Example:
@@ -95,31 +72,42 @@ def stats(file, fields, per_element, per_atom, as_json, output, force, structure
       segcli stats sample_data/metals.h5 forces --per-element --json
       segcli stats sample_data/metals.h5 energy --per-atom
       segcli stats sample_data/metals.h5 forces --scheduler local:2
+      segcli stats data.h5 forces --shard auto -o 'parts/stats-{shard}.h5'
     """
+    from segcli.cluster import leaf_stats_sharded
     from segcli.io import open_batch
     from segcli.io.statsfile import write_stats
-    from segcli.stats import field_stats
+    from segcli.shards import fingerprint, part_path, shard_of
+    from segcli.stats import leaf_stats, merge_stats
 
+    check_cluster_usage(shard, scheduler, False)
+    output = part_path(output, *shard) if shard and output else output
     refuse_output_among_inputs(output, [file], "stats writes a new file")
     options = {"per_element": per_element, "per_atom": per_atom, "chunk_atoms": chunk_atoms}
     with open_batch(file) as batch:
-        selected = selection(batch, file, structures)
-        summary = {"path": file, "structures": len(batch.n_atoms[selected]),
-                   "atoms": int(batch.n_atoms[selected].sum())}
+        start, stop, _ = selection(batch, file, structures).indices(batch.n_structures)
+        leaves = shard_of(batch.n_atoms[start:max(start, stop)], start, shard)
+        summary = {"path": file, "structures": int(leaves[-1] - leaves[0]),
+                   "atoms": int(batch.n_atoms[leaves[0]:leaves[-1]].sum())}
+        attrs = {"structures": f"{leaves[0]}:{leaves[-1]}",
+                 "source_fingerprint": fingerprint([file], batch.n_atoms)}
         if not scheduler:
-            result = field_stats(batch, fields, structures=selected, **options)
+            parts = leaf_stats(batch, fields, leaves, **options)
     if scheduler:
-        result = _on_cluster(scheduler, file, fields, selected, options)
+        with on_cluster(scheduler) as client, \
+                progress_bar(not quiet, f"statistics of {file} (shards)") as bar:
+            parts = leaf_stats_sharded(client, file, fields, slice(start, stop),
+                                       progress=bar.update if bar else None, **options)
+    result = merge_stats([parts])
     rows = [row for s in result.values() for row in s.rows()]
     for row in rows:
         if "element" in row:
             row["symbol"] = _element(row["element"])
     if output:
-        start, stop = structures or (0, None)
-        write_stats(output, result, {"source": os.path.abspath(file),
-                                     "structures": f"{start}:{summary['structures'] + start}",
-                                     "per_element": per_element, "per_atom": per_atom},
-                    force=force)
+        attrs.update(source=os.path.abspath(file), per_element=per_element, per_atom=per_atom)
+        if shard:
+            attrs["shard"] = f"{shard[0]}/{shard[1]}"
+        write_stats(output, result, attrs, force=force, leaves=parts if shard else None)
         if not quiet:
             click.echo(f"{output}: statistics of {', '.join(result)} ({summary['structures']} "
                        f"structures, {summary['atoms']} atoms)", err=True)

@@ -4,17 +4,22 @@ import os
 
 import numpy as np
 
+from segcli.errors import DataError
+from segcli.io.hdf5 import plain
 from segcli.io.writers import new_output
 
 STATS_FORMAT = "segcli-stats"
 MOMENTS = ("count", "mean", "m2", "min", "max", "std", "rms")
+LEAF_MOMENTS = ("count", "mean", "m2", "min", "max")
 
 
-def write_stats(path, stats, attrs, force=False):
+def write_stats(path, stats, attrs, force=False, leaves=None):
     """Write `stats` (name -> segcli.stats.FieldStats) to a new HDF5 file: root attributes
     format, version and `attrs`; a group /stats/<name> per field holding count (G,) and mean,
     m2, min, max, std, rms (G, K) for its G groups (those with values, atomic numbers in
-    `element` when grouped by element) and K components (the attribute `components`)."""
+    `element` when grouped by element) and K components (the attribute `components`). A
+    shard's part also holds its `leaves` (name -> FieldStats stacked by leaf) in
+    /stats/<name>/leaves, which `segcli merge` joins."""
     import h5py
 
     path = os.fspath(path)
@@ -29,3 +34,25 @@ def write_stats(path, stats, attrs, force=False):
                 group["element"] = rows
             for key in MOMENTS:
                 group[key] = getattr(s.moments, key)[rows]
+            if leaves is not None:
+                for key in LEAF_MOMENTS:
+                    group.create_dataset(f"leaves/{key}", data=getattr(leaves[s.name].moments, key),
+                                         compression="gzip", shuffle=True)
+
+
+def read_leaves(path, h5):
+    """name -> FieldStats stacked by leaf, from the open stats part `h5` (at `path`);
+    DataError when it holds no leaves (a file not written with --shard)."""
+    from segcli.stats import FieldStats, Moments
+
+    out = {}
+    for name, group in h5.get("stats", {}).items():
+        if "leaves" not in group:
+            raise DataError(f"{path}: /stats/{name} has no leaves: only parts written with "
+                            "`segcli stats --shard` can be merged")
+        attrs = {k: plain(group.attrs[k]) for k in ("per", "components", "by_element",
+                                                    "per_atom")}
+        moments = Moments(*(group["leaves"][key][()] for key in LEAF_MOMENTS))
+        out[name] = FieldStats(name, attrs["per"], list(attrs["components"]),
+                               bool(attrs["by_element"]), bool(attrs["per_atom"]), moments)
+    return out
