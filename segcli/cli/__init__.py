@@ -93,8 +93,8 @@ def main(ctx, debug):
     ctx.meta["segcli.debug"] = debug
 
 
-from segcli.cli import check, compute, curate, data, select  # noqa: E402  (register the commands)
+from segcli.cli import check, compute, curate, data, merge, select  # noqa: E402  (register them)
 
-for _module in (data, compute, curate, select, check):
+for _module in (data, compute, curate, select, merge, check):
     for _command in _module.COMMANDS:
         main.add_command(_command)

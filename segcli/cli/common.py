@@ -95,11 +95,14 @@ def device(choice):
     return target
 
 
-def progress_bar(enabled, label):
-    """A progress bar on stderr when `enabled` and stderr is a terminal; else no bar (None)."""
+def progress_bar(enabled, label, length=None):
+    """A progress bar on stderr of `length` steps (None: unknown) when `enabled` and stderr is
+    a terminal; else no bar (None)."""
     if not enabled or not sys.stderr.isatty():
         return contextlib.nullcontext()
-    return click.progressbar((x for x in ()), label=label, show_pos=True, file=sys.stderr)
+    return click.progressbar(length=length, label=label, show_pos=True, file=sys.stderr) \
+        if length is not None else click.progressbar((x for x in ()), label=label,
+                                                     show_pos=True, file=sys.stderr)
 
 
 
@@ -167,3 +170,13 @@ def on_cluster(scheduler):
 
     with cluster_client(scheduler) as client:
         yield client
+
+
+def input_paths(specs):
+    """The files that FILE arguments name (globs expanded)."""
+    import glob
+
+    out = []
+    for spec in specs:
+        out += sorted(glob.glob(spec)) if glob.has_magic(spec) else [spec]
+    return out

@@ -9,8 +9,9 @@ import click
 
 # Shared option parsing, for now imported from the commands that defined it first.
 from segcli.cli import common
-from segcli.cli.common import (progress_bar, refuse_output_among_inputs,
-                               refuse_structures_in_place, selection, structure_range, table)
+from segcli.cli.common import (check_cluster_usage, cluster_options, on_cluster, progress_bar,
+                               refuse_output_among_inputs, refuse_structures_in_place,
+                               selection, structure_range, table)
 
 
 def _op(ctx, param, name):
@@ -57,7 +58,7 @@ def _shared_options(command):
     ]
     for option in reversed(options):
         command = option(command)
-    return command
+    return cluster_options(command)
 
 
 def _check_usage(spec, fields, output, in_place, fmt, structures):
@@ -212,48 +213,137 @@ def _device_label(device):
     return f"{device.platform}:{device.id} ({device.device_kind})"
 
 
-def _execute(file, spec, fields, *, output, in_place, fmt, name, force, structures, chunk_atoms,
-             device, precision, quiet, order=0, weights=None, direction=None):
-    """Run one reduce or grad command: check, plan, stream the chunks, write the results."""
-    _check_usage(spec, fields, output, in_place, fmt, structures)
-    refuse_output_among_inputs(output, [file], "use --in-place to add to it")
+def _sink(job, name, n_atoms, *, output, in_place, file, fmt, force, attrs):
+    """Where the results go: a new file (-o), FILE itself (--in-place) or stdout (fmt)."""
+    from segcli.io import ResultWriter
+
+    outputs = job.outputs
+    columns = {label: label or name for label in outputs}
+    if output or in_place:
+        datasets = {label: f"{name}/{label}" if label else name for label in outputs}
+        writer = (ResultWriter(output_path=output, force=force) if output
+                  else ResultWriter(in_place_of=file, force=force, names=datasets.values()))
+        return _Hdf5Sink(writer, outputs, datasets, n_atoms, attrs)
+    if fmt == "npy":
+        return _NpySink(outputs, columns, n_atoms)
+    return _TextSink(fmt or "csv", outputs, columns)
+
+
+def _dataset(name, label):
+    return f"{name}/{label}" if label else name
+
+
+def _compute_into(batch, job, sink, device, lo, hi, chunk_atoms, progress=None):
+    """Compute the job over structures [lo, hi) of `batch` on `device`, into `sink`."""
+    from segcli import engine
+
+    results = engine.run(batch, job, device, structures=slice(lo, hi),
+                         chunk_atoms=chunk_atoms or engine.DEFAULT_CHUNK_ATOMS)
+    with contextlib.closing(results), sink:
+        for chunk, arrays in results:
+            sink.write(chunk, arrays)
+            if progress:
+                progress(len(chunk.n_atoms))
+
+
+def _part(file, spec_name, fields, plan, name, device, chunk_atoms, lo, hi, path, attrs):
+    """One shard of a job run on a cluster: structures [lo, hi) of FILE into the new file
+    `path` (replaced whole if a retried task wrote it before); returns `path`."""
     from segcli import engine
     from segcli.io import ResultWriter, open_batch
 
     target = common.device(device)
-    name = name or "_".join((spec.name, *fields))
     with open_batch(file) as batch:
-        job = engine.plan(file, spec, fields, batch.fields, precision=precision, order=order,
-                          weights=weights, direction=direction)
-        selected = selection(batch, file, structures)
-        n_atoms = batch.n_atoms[selected]
-        outputs = job.outputs
-        columns = {label: label or name for label in outputs}
-        if output or in_place:
-            datasets = {label: f"{name}/{label}" if label else name for label in outputs}
-            writer = (ResultWriter(output_path=output, force=force) if output
-                      else ResultWriter(in_place_of=file, force=force, names=datasets.values()))
-            attrs = {"op": spec.name, "fields": list(fields), "precision": precision,
-                     "device": _device_label(target)}
-            if order:
-                attrs.update(order=order, weights=weights, direction=direction)
-            sink = _Hdf5Sink(writer, outputs, datasets, n_atoms, attrs)
-        elif fmt == "npy":
-            sink = _NpySink(outputs, columns, n_atoms)
-        else:
-            sink = _TextSink(fmt or "csv", outputs, columns)
-        results = engine.run(batch, job, target, structures=selected,
-                             chunk_atoms=chunk_atoms or engine.DEFAULT_CHUNK_ATOMS)
+        job = engine.plan(file, engine.OPS[spec_name], fields, batch.fields, **plan)
+        datasets = {label: _dataset(name, label) for label in job.outputs}
+        sink = _Hdf5Sink(ResultWriter(output_path=path, force=True), job.outputs, datasets,
+                         batch.n_atoms[lo:hi], {**attrs, "structures": f"{lo}:{hi}",
+                                                "device": _device_label(target)})
+        _compute_into(batch, job, sink, target, lo, hi, chunk_atoms)
+    return path
+
+
+def _execute(file, spec, fields, *, output, in_place, fmt, name, force, structures, chunk_atoms,
+             device, precision, quiet, shard, scheduler, order=0, weights=None, direction=None):
+    """Run one reduce or grad command: check, plan, compute (here, one shard of it, or as
+    shards on a cluster) and write the results."""
+    from segcli.shards import fingerprint, part_path, shard_of
+
+    _check_usage(spec, fields, output, in_place, fmt, structures)
+    check_cluster_usage(shard, scheduler, in_place)
+    output = part_path(output, *shard) if shard and output else output
+    refuse_output_among_inputs(output, [file], "use --in-place to add to it")
+    from segcli import engine
+    from segcli.io import open_batch
+
+    target = None if scheduler else common.device(device)
+    name = name or "_".join((spec.name, *fields))
+    plan = {"precision": precision, "order": order, "weights": weights, "direction": direction}
+    with open_batch(file) as batch:
+        job = engine.plan(file, spec, fields, batch.fields, **plan)
+        start, stop, _ = selection(batch, file, structures).indices(batch.n_structures)
+        leaves = shard_of(batch.n_atoms[start:max(start, stop)], start, shard)
+        lo, hi = int(leaves[0]), int(leaves[-1])
+        n_atoms = batch.n_atoms[lo:hi]
+        attrs = {"op": spec.name, "fields": list(fields), "precision": precision,
+                 "structures": f"{lo}:{hi}",
+                 "source_fingerprint": fingerprint([file], batch.n_atoms)}
+        if order:
+            attrs.update(order=order, weights=weights, direction=direction)
+        if shard:
+            attrs["shard"] = f"{shard[0]}/{shard[1]}"
+        where = {"output": output, "in_place": in_place, "file": file, "fmt": fmt,
+                 "force": force}
         verb = "reducing" if not order else "differentiating"
-        with contextlib.closing(results), progress_bar(not quiet, f"{verb} {file}") as bar, sink:
-            for chunk, arrays in results:
-                sink.write(chunk, arrays)
-                if bar:
-                    bar.update(len(chunk.n_atoms))
+        if scheduler:
+            _on_cluster(scheduler, quiet, file, job, name, n_atoms, lo, hi,
+                        (file, spec.name, list(fields), plan, name, device, chunk_atoms),
+                        attrs, where)
+        else:
+            sink = _sink(job, name, n_atoms, attrs={**attrs, "device": _device_label(target)},
+                         **where)
+            with progress_bar(not quiet, f"{verb} {file}", len(n_atoms)) as bar:
+                _compute_into(batch, job, sink, target, lo, hi, chunk_atoms,
+                              bar.update if bar else None)
     if not quiet and (output or in_place):
-        written = ", ".join(f"/results/{d}" for d in datasets.values())
+        written = ", ".join(f"/results/{_dataset(name, label)}" for label in job.outputs)
         click.echo(f"{output or file}: {written} ({len(n_atoms)} structures, "
                    f"{int(n_atoms.sum())} atoms)", err=True)
+
+
+def _on_cluster(scheduler, quiet, file, job, name, n_atoms, lo, hi, call, attrs, where):
+    """The job over structures [lo, hi) as shards on the dask cluster at `scheduler`: each
+    task writes its part into a temporary directory beside the output, and the parts are
+    then written out in order as one run writes them."""
+    import os
+    import shutil
+    import tempfile
+
+    from segcli.cluster import map_shards, shard_count
+    from segcli.io.core import Chunk
+    from segcli.io.merge import check_parts, part_rows
+    from segcli.shards import shard_bounds
+
+    target = where["output"] or (where["file"] if where["in_place"] else "x")
+    parts_dir = tempfile.mkdtemp(prefix=".segcli-parts-",
+                                 dir=os.path.dirname(os.path.abspath(target)))
+    try:
+        with on_cluster(scheduler) as client:
+            bounds = [lo + b for b in shard_bounds(n_atoms, shard_count(client, len(n_atoms)))]
+            calls = [(*call, int(a), int(b), os.path.join(parts_dir, f"part-{k}.h5"), attrs)
+                     for k, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
+            with progress_bar(not quiet, f"shards of {file}", len(calls)) as bar:
+                paths = map_shards(client, _part, calls, bar.update if bar else None)
+        parts = check_parts(paths)
+        labels = {_dataset(name, label): label for label in job.outputs}
+        first = parts[0].datasets[next(iter(labels))]
+        sink = _sink(job, name, n_atoms, attrs={**attrs, "device": first["device"]}, **where)
+        with sink:
+            for start, counts, rows in part_rows(parts, list(labels)):
+                chunk = Chunk(start, counts, {}, {})
+                sink.write(chunk, {labels[d]: rows[d] for d in labels})
+    finally:
+        shutil.rmtree(parts_dir, ignore_errors=True)
 
 
 @click.command(short_help="Run one op per structure over a file.")

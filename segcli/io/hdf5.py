@@ -100,7 +100,18 @@ class SegcliBatch(Batch):
                 self._datasets[name] = ds
 
     def _check_rows(self, where, ds, per, rows):
-        """DataError unless dataset `ds` (at `where`), per `per`, has `rows` rows."""
+        """DataError unless dataset `ds` (at `where`), per `per`, has `rows` rows and, if it
+        is virtual, the files it reads exist (HDF5 would read zeros for a missing one)."""
+        if ds.is_virtual:
+            import os
+
+            here = os.path.dirname(os.path.abspath(self.path))
+            for source in ds.virtual_sources():
+                name = source.file_name
+                if name != "." and not os.path.exists(os.path.join(here, name)):
+                    raise DataError(f"{self.path}: {where} is a virtual dataset reading "
+                                    f"{name}, which is missing (keep the parts of `segcli "
+                                    "merge --virtual` beside it)")
         if ds.ndim == 0 or ds.shape[0] != rows:
             length = ds.shape[0] if ds.ndim else "no"
             expected = ("/structures/n_atoms sums to" if per == "atom"

@@ -1,0 +1,51 @@
+"""Command: merge (the parts of a job run as shards, joined into what one run writes)."""
+
+import os
+
+import click
+
+
+@click.command(short_help="Join shard outputs into one file.")
+@click.argument("parts", metavar="PART...", nargs=-1, required=True)
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
+              help="The file to write.")
+@click.option("--virtual", is_flag=True,
+              help="Map the results onto the parts as HDF5 virtual datasets (by paths relative "
+                   "to OUTPUT) instead of copying them.")
+@click.option("--force", is_flag=True, help="Overwrite OUTPUT if it exists.")
+@click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
+def merge(parts, output, virtual, force, quiet):
+    """Join the parts of one job into the file one run writes.
+
+    PARTs are outputs of `segcli reduce`, `grad` or `stats` with --shard (or of one input over
+    disjoint --structures ranges), in any order; each may be a glob pattern ('parts/*.h5'),
+    a directory or @LIST. OUTPUT equals, dataset by dataset and bit for bit, what one run
+    over all their structures writes (but for the attribute `created`). Parts whose ranges
+    overlap or leave a gap, or that differ in op, fields, precision or input (its
+    fingerprint), are refused, naming them, before anything is written.
+
+    With --virtual, OUTPUT holds no copy: its results are HDF5 virtual datasets reading the
+    parts, found by their paths relative to OUTPUT; keep the parts beside it (moving them
+    together is fine), or the results can no longer be read.
+
+    \b
+    Example:
+      segcli reduce data.h5 rms_norm forces --shard 0/2 -o 'parts/r-{shard}.h5'
+      segcli reduce data.h5 rms_norm forces --shard 1/2 -o 'parts/r-{shard}.h5'
+      segcli merge 'parts/r-*.h5' -o rms.h5
+    """
+    from segcli.cli.common import input_paths
+    from segcli.io.merge import check_parts, merge_parts
+
+    paths = input_paths(parts)
+    if any(os.path.exists(output) and os.path.samefile(output, p) for p in paths):
+        raise click.UsageError(f"-o {output} is one of the parts; merge writes a new file")
+    checked = check_parts(paths)
+    merge_parts(checked, output, virtual=virtual, force=force)
+    if not quiet:
+        how = "virtual datasets over" if virtual else "copied from"
+        click.echo(f"{output}: structures {checked[0].start}:{checked[-1].stop}, {how} "
+                   f"{len(checked)} part(s)", err=True)
+
+
+COMMANDS = [merge]

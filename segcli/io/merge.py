@@ -1,0 +1,230 @@
+"""Joining parts: outputs of one job over disjoint ranges of structures (shards) made into the
+file that one run over all of them writes, by copy or as HDF5 virtual datasets.
+
+    parts = check_parts(["r-0.h5", "r-1.h5"])   # DataError for gaps, overlaps, mismatches
+    merge_parts(parts, "r.h5")
+"""
+
+import os
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+import numpy as np
+
+from segcli.errors import DataError
+from segcli.io.core import FORMAT, plan_chunks
+from segcli.io.hdf5 import plain, read_rows
+from segcli.io.statsfile import STATS_FORMAT
+from segcli.io.writers import ensure_room, new_output
+
+BLOCK_BYTES = 8 << 20
+PART_ONLY = ("shard", "created", "structures")
+"""Attributes that differ between parts of one job (and between a part and one run)."""
+
+
+@dataclass
+class Part:
+    """One part file: its structures [start, stop), its results (name -> attrs) or statistics."""
+
+    path: str
+    kind: str  # FORMAT or STATS_FORMAT
+    start: int
+    stop: int
+    attrs: dict  # the root attributes
+    datasets: dict  # name under /results or /stats -> the attributes that must agree
+
+
+def _range(path, text):
+    start, _, stop = str(text).partition(":")
+    if not (start.isdigit() and stop.isdigit()) or int(stop) < int(start):
+        raise DataError(f"{path}: attribute structures is {text!r}, not START:STOP")
+    return int(start), int(stop)
+
+
+def _describe(path):
+    """The Part of the file `path`; DataError when it is not a result or statistics file of
+    a job over a known range of structures."""
+    import h5py
+
+    try:
+        h5 = h5py.File(path, "r")
+    except OSError as err:
+        raise DataError(f"{path}: cannot open it as HDF5 ({err})") from err
+    with h5:
+        attrs = {k: plain(v) for k, v in h5.attrs.items()}
+        kind = attrs.get("format")
+        if kind == FORMAT:
+            names = []
+            if isinstance(h5.get("results"), h5py.Group):
+                h5["results"].visititems(
+                    lambda n, obj: names.append(n) if isinstance(obj, h5py.Dataset) else None)
+            datasets = {n: {**{k: plain(v) for k, v in h5["results"][n].attrs.items()},
+                            "dtype": str(h5["results"][n].dtype),
+                            "shape": list(h5["results"][n].shape[1:])} for n in names}
+            ranges = {d.get("structures") for d in datasets.values()}
+            what = "results"
+        elif kind == STATS_FORMAT:
+            datasets = {n: {k: plain(v) for k, v in g.attrs.items()}
+                        for n, g in h5.get("stats", {}).items()}
+            ranges = {attrs.get("structures")}
+            what = "statistics"
+        else:
+            raise DataError(f"{path}: neither results (segcli reduce/grad -o) nor statistics "
+                            "(segcli stats -o)")
+        if not datasets:
+            raise DataError(f"{path}: holds no {what} to merge")
+        if None in ranges or len(ranges) != 1:
+            raise DataError(f"{path}: its {what} carry no single `structures` range (written "
+                            "by an older segcli?)")
+        start, stop = _range(path, ranges.pop())
+        if kind == FORMAT and len(h5["structures/n_atoms"]) != stop - start:
+            raise DataError(f"{path}: holds {len(h5['structures/n_atoms'])} structures, but "
+                            f"its results say structures {start}:{stop}")
+    return Part(path, kind, start, stop, attrs, datasets)
+
+
+def _agreeing(attrs):
+    return {k: v for k, v in attrs.items() if k not in PART_ONLY}
+
+
+def check_parts(paths):
+    """The Parts of the files `paths`, in structure order, checked to be of one job over
+    ranges that neither overlap nor leave a gap; DataError naming the files and ranges."""
+    if not paths:
+        raise DataError("no parts to merge")
+    parts = sorted((_describe(os.fspath(p)) for p in paths), key=lambda p: (p.start, p.stop))
+    first = parts[0]
+    for part in parts[1:]:
+        if part.kind != first.kind:
+            raise DataError(f"{part.path}: holds {part.kind}, but {first.path} {first.kind}")
+        if set(part.datasets) != set(first.datasets):
+            raise DataError(f"{part.path}: holds {', '.join(sorted(part.datasets))}, but "
+                            f"{first.path} {', '.join(sorted(first.datasets))}")
+        for name, attrs in part.datasets.items():
+            mine, theirs = _agreeing(attrs), _agreeing(first.datasets[name])
+            for key in sorted(mine.keys() | theirs.keys()):
+                if mine.get(key) != theirs.get(key):
+                    raise DataError(f"{part.path}: {name} has {key}={mine.get(key)!r}, but "
+                                    f"{first.path} has {theirs.get(key)!r}: parts of different "
+                                    "jobs or inputs")
+        if _agreeing(part.attrs) != _agreeing(first.attrs):
+            key = next(k for k in sorted(_agreeing(part.attrs).keys() | _agreeing(
+                first.attrs).keys()) if part.attrs.get(k) != first.attrs.get(k))
+            raise DataError(f"{part.path}: attribute {key} is {part.attrs.get(key)!r}, but "
+                            f"{first.path} has {first.attrs.get(key)!r}: parts of different "
+                            "jobs or inputs")
+    for before, after in zip(parts, parts[1:]):
+        if after.start > before.stop:
+            raise DataError(f"parts leave structures {before.stop}:{after.start} uncovered "
+                            f"({before.path} has {before.start}:{before.stop}, {after.path} "
+                            f"{after.start}:{after.stop})")
+        if after.start < before.stop:
+            raise DataError(f"parts overlap on structures {after.start}:"
+                            f"{min(before.stop, after.stop)} ({before.path} has {before.start}:"
+                            f"{before.stop}, {after.path} {after.start}:{after.stop})")
+    return parts
+
+
+def merged_attrs(parts, attrs):
+    """The attributes of the join of `parts` from one part's: the whole range, no shard."""
+    out = {k: v for k, v in attrs.items() if k != "shard"}
+    if "structures" in attrs:
+        out["structures"] = f"{parts[0].start}:{parts[-1].stop}"
+    return out
+
+
+def merge_parts(parts, output, virtual=False, force=False):
+    """Write the join of checked `parts` (see check_parts) to the new file `output`: the file
+    one run over all their structures writes (but for `created`). Results are copied, or
+    with `virtual` mapped as HDF5 virtual datasets onto the parts by relative paths."""
+    if parts[0].kind == STATS_FORMAT:
+        if virtual:
+            raise DataError("statistics parts are merged into new moments; --virtual is for "
+                            "results")
+        return _merge_stats(parts, output, force)
+    import h5py
+
+    output = os.fspath(output)
+    files = [h5py.File(p.path, "r") for p in parts]
+    try:
+        with new_output(output, force) as tmp, h5py.File(tmp, "w") as h5:
+            h5.attrs.update(merged_attrs(parts, parts[0].attrs))
+            names = [f"structures/{n}" for n in files[0]["structures"]]
+            names += [f"results/{n}" for n in parts[0].datasets]
+            for name in names:
+                _join(h5, name, parts, files, output if virtual else None)
+    finally:
+        for f in files:
+            f.close()
+
+
+def _join(h5, name, parts, files, virtual_of):
+    """Dataset `name` of `h5` as the parts' datasets one after another (virtual ones, with
+    paths relative to the file `virtual_of`, when given)."""
+    import h5py
+
+    sources = [f[name] for f in files]
+    rows = sum(len(ds) for ds in sources)
+    first = sources[0]
+    shape, dtype = (rows, *first.shape[1:]), first.dtype
+    if virtual_of:
+        layout = h5py.VirtualLayout(shape=shape, dtype=dtype)
+        here = os.path.dirname(os.path.abspath(virtual_of))
+        row = 0
+        for part, ds in zip(parts, sources):
+            if len(ds):
+                relative = os.path.relpath(os.path.abspath(part.path), here)
+                layout[row:row + len(ds)] = h5py.VirtualSource(relative, name, shape=ds.shape)
+            row += len(ds)
+        out = h5.create_virtual_dataset(name, layout)
+    else:
+        out = h5.create_dataset(name, shape=shape, dtype=dtype)
+        step = max(1, BLOCK_BYTES // max(1, int(np.prod(shape[1:])) * dtype.itemsize))
+        row = 0
+        for part, ds in zip(parts, sources):
+            for lo in range(0, len(ds), step):
+                block = read_rows(part.path, ds, lo, min(lo + step, len(ds)))
+                ensure_room(h5, block)
+                out[row:row + len(block)] = block
+                row += len(block)
+    attrs = merged_attrs(parts, {k: first.attrs[k] for k in first.attrs})
+    if "created" in attrs:
+        attrs["created"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    for key, value in attrs.items():
+        out.attrs[key] = value
+
+
+def _merge_stats(parts, output, force):
+    """The statistics of the joined leaves of stats parts, as one run writes them."""
+    import h5py
+
+    from segcli.io.statsfile import read_leaves, write_stats
+    from segcli.stats import join_leaves, merge_stats
+
+    leaves = []
+    for part in parts:
+        with h5py.File(part.path, "r") as h5:
+            leaves.append(read_leaves(part.path, h5))
+    write_stats(output, merge_stats(leaves), merged_attrs(parts, parts[0].attrs), force=force)
+    return join_leaves(leaves)
+
+
+def part_rows(parts, names, atoms_per_block=1 << 20):
+    """(first structure, n_atoms, {name: rows}) in blocks of whole structures over the parts'
+    results `names` (per structure or per atom), in structure order: to print or store them."""
+    import h5py
+
+    for part in parts:
+        with h5py.File(part.path, "r") as h5:
+            n_atoms = read_rows(part.path, h5["structures/n_atoms"], 0,
+                                part.stop - part.start).astype(np.int64)
+            offsets = np.concatenate([[0], np.cumsum(n_atoms)])
+            bounds = plan_chunks(n_atoms, atoms_per_block)
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                rows = {}
+                for name in names:
+                    ds = h5[f"results/{name}"]
+                    per_atom = plain(ds.attrs.get("per")) == "atom"
+                    lo, hi = (offsets[a], offsets[b]) if per_atom else (a, b)
+                    rows[name] = read_rows(part.path, ds, int(lo), int(hi))
+                yield part.start + a, n_atoms[a:b], rows
