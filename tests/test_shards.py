@@ -1,0 +1,225 @@
+"""--shard I/N and auto on reduce, grad and stats, and `segcli merge` (copy and --virtual):
+every split of a file gives parts whose merge is, dataset by dataset and bit for bit, what one
+run writes; gaps, overlaps and parts of other jobs are refused."""
+
+import os
+import shutil
+
+import h5py
+import numpy as np
+import pytest
+from batch_reference import reduce_numpy, write_batch
+from click.testing import CliRunner
+
+from segcli.cli import main
+from segcli.shards import ENVIRONMENTS, leaf_bounds, shard_bounds
+
+
+def run(*args, env=None):
+    return CliRunner().invoke(main, [str(a) for a in args], env=env)
+
+
+def ok(*args, env=None):
+    result = run(*args, env=env)
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def datasets(path):
+    """name -> (values, attributes but `created` and `shard`) of every dataset, and the root
+    attributes."""
+    out = {}
+
+    def visit(name, obj):
+        if isinstance(obj, h5py.Dataset):
+            attrs = {k: np.asarray(v).tolist() for k, v in obj.attrs.items()
+                     if k not in ("created", "shard")}
+            out[name] = (obj[()], obj.dtype, attrs)
+
+    with h5py.File(path, "r") as f:
+        f.visititems(visit)
+        root = {k: np.asarray(v).tolist() for k, v in f.attrs.items()}
+    return out, root
+
+
+def assert_identical(a, b):
+    (got, got_root), (wanted, wanted_root) = datasets(a), datasets(b)
+    assert got_root == wanted_root
+    assert got.keys() == wanted.keys()
+    for name, (values, dtype, attrs) in wanted.items():
+        assert got[name][1] == dtype, name
+        assert np.array_equal(got[name][0], values, equal_nan=True), name
+        assert got[name][2] == attrs, name
+
+
+@pytest.fixture(scope="module")
+def lumpy(tmp_path_factory):
+    """Structures of 0 to 12 atoms, some empty, and one of 3000 atoms."""
+    rng = np.random.default_rng(11)
+    n_atoms = rng.integers(0, 13, 60)
+    n_atoms[[0, 7, 8, 59]] = 0
+    n_atoms[31] = 3000
+    n = int(n_atoms.sum())
+    path = tmp_path_factory.mktemp("lumpy") / "lumpy.h5"
+    atoms = {"forces": rng.normal(size=(n, 3)), "numbers": rng.integers(1, 6, n),
+             "v": rng.normal(size=(n, 3))}
+    structures = {"energy": rng.normal(size=len(n_atoms)), "w": rng.uniform(size=len(n_atoms))}
+    write_batch(path, n_atoms, atoms, structures)
+    return path, n_atoms, {**atoms, **structures}
+
+
+@pytest.fixture(scope="module")
+def even(tmp_path_factory):
+    """Structures of 1 to 9 atoms."""
+    rng = np.random.default_rng(12)
+    n_atoms = rng.integers(1, 10, 50)
+    n = int(n_atoms.sum())
+    path = tmp_path_factory.mktemp("even") / "even.h5"
+    write_batch(path, n_atoms, {"forces": rng.normal(size=(n, 3))})
+    return path
+
+
+@pytest.mark.parametrize("n_atoms", [[3, 1, 4, 1, 5, 9, 2, 6], [0, 0, 7, 0], [], [5] * 2000,
+                                     [1] * 1500 + [10_000] + [2] * 700])
+@pytest.mark.parametrize("shards", [1, 2, 3, 7, 4000])
+def test_shards_are_contiguous_whole_structures_on_leaf_boundaries(n_atoms, shards):
+    n_atoms = np.array(n_atoms, np.int64)
+    bounds = shard_bounds(n_atoms, shards)
+    leaves = leaf_bounds(n_atoms)
+    assert len(bounds) == shards + 1 and bounds[0] == 0 and bounds[-1] == len(n_atoms)
+    assert all(a <= b for a, b in zip(bounds, bounds[1:])) and set(bounds) <= set(leaves)
+    atoms = [n_atoms[a:b].sum() for a, b in zip(bounds, bounds[1:])]
+    leaf_atoms = max(np.diff(np.concatenate([[0], np.cumsum(n_atoms)])[leaves]), default=0)
+    assert all(abs(a - n_atoms.sum() / shards) <= leaf_atoms for a in atoms)
+    assert len(leaves) - 1 == min(len(n_atoms), 1024)
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3, 7, 80])
+@pytest.mark.parametrize("command", [
+    ["reduce", "rms_norm", "forces"], ["reduce", "mul", "v", "w"], ["reduce", "sum", "v"],
+    ["grad", "max_norm", "forces", "--weights", "w"],
+    ["grad", "dot", "forces", "v", "--order", "2", "--direction", "v"]])
+def test_merged_shards_equal_one_run_bit_for_bit(tmp_path, lumpy, shards, command):
+    path, n_atoms, data = lumpy
+    verb, *rest = command
+    whole = tmp_path / "whole.h5"
+    ok(verb, path, *rest, "-o", whole, "--chunk-atoms", "40", "-q")
+    for i in range(shards):
+        ok(verb, path, *rest, "--shard", f"{i}/{shards}", "-o", tmp_path / "part-{shard}.h5",
+           "-q")
+    width = len(str(shards - 1))
+    names = sorted(p.name for p in tmp_path.glob("part-*.h5"))
+    assert names == [f"part-{str(i).zfill(width)}.h5" for i in range(shards)]
+    counts = []
+    for name in names:  # every part is a complete segcli file, empty ones too
+        with h5py.File(tmp_path / name, "r") as f:
+            counts.append(len(f["structures/n_atoms"]))
+            result = f["results"][next(iter(f["results"]))]
+            result = result[next(iter(result))] if isinstance(result, h5py.Group) else result
+            assert result.attrs["shard"] == f"{names.index(name)}/{shards}"
+    assert sum(counts) == len(n_atoms) and (shards < len(n_atoms) or 0 in counts)
+    ok("merge", tmp_path / "part-*.h5", "-o", tmp_path / "merged.h5", "-q")
+    assert_identical(tmp_path / "merged.h5", whole)
+    ok("merge", tmp_path / "part-*.h5", "-o", tmp_path / "virtual.h5", "--virtual", "-q")
+    assert_identical(tmp_path / "virtual.h5", whole)
+    if command[1] == "rms_norm":
+        values, _, _ = datasets(tmp_path / "merged.h5")[0]["results/rms_norm_forces"]
+        np.testing.assert_allclose(values, reduce_numpy("rms_norm", n_atoms, data["forces"]),
+                                   rtol=1e-12)
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3, 7, 80])
+def test_merged_stats_parts_equal_one_run_bit_for_bit(tmp_path, lumpy, shards):
+    path, _, _ = lumpy
+    args = [path, "forces", "energy", "--per-element", "--per-atom", "--chunk-atoms", "50"]
+    ok("stats", *args, "-o", tmp_path / "whole.h5", "-q")
+    ok("stats", *args, "--structures", "2:", "-o", tmp_path / "tail.h5", "-q")
+    for i in range(shards):
+        ok("stats", *args, "--shard", f"{i}/{shards}", "-o", tmp_path / "p-{shard}.h5", "-q")
+        ok("stats", *args, "--structures", "2:", "--shard", f"{i}/{shards}", "-o",
+           tmp_path / "t-{shard}.h5", "-q")
+    ok("merge", tmp_path / "p-*.h5", "-o", tmp_path / "merged.h5", "-q")
+    assert_identical(tmp_path / "merged.h5", tmp_path / "whole.h5")
+    ok("merge", tmp_path / "t-*.h5", "-o", tmp_path / "merged-tail.h5", "-q")
+    assert_identical(tmp_path / "merged-tail.h5", tmp_path / "tail.h5")
+
+
+def test_shard_auto_reads_slurm_open_mpi_and_pmi(even):
+    path = even
+    wanted = ok("reduce", path, "sum", "forces", "--shard", "2/5").output
+    assert wanted.count("\n") > 1
+    bare = {name: None for pair in ENVIRONMENTS for name in pair} | {"SLURM_ARRAY_TASK_MIN": None}
+    for index, count in ENVIRONMENTS:
+        env = {**bare, index: "2", count: "5"}
+        if index == "SLURM_ARRAY_TASK_ID":
+            env.update(SLURM_ARRAY_TASK_ID="12", SLURM_ARRAY_TASK_MIN="10")
+        assert ok("reduce", path, "sum", "forces", "--shard", "auto", env=env).output == wanted
+    result = run("reduce", path, "sum", "forces", "--shard", "auto", env=bare)
+    assert result.exit_code == 2 and "SLURM_ARRAY_TASK_ID" in result.output
+    result = run("reduce", path, "sum", "forces", "--shard", "auto",
+                 env={**bare, "PMI_RANK": "5", "PMI_SIZE": "5"})
+    assert result.exit_code == 2 and "outside 0 to 4" in result.output
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--shard", "3/3"], "0 <= I < N"), (["--shard", "1"], "expected I/N"),
+    (["--shard", "0/2", "--in-place"], "--in-place"),
+    (["--shard", "0/2", "--scheduler", "local:2"], "give one of them")])
+def test_bad_shards_are_usage_errors(lumpy, args, needle):
+    result = run("reduce", lumpy[0], "sum", "forces", *args)
+    assert result.exit_code == 2 and needle in result.output and "Traceback" not in result.output
+
+
+def test_merge_refuses_gaps_overlaps_and_other_jobs_in_one_line(tmp_path, even):
+    path = even
+    for i in range(3):
+        ok("reduce", path, "rms_norm", "forces", "--shard", f"{i}/3", "-o",
+           tmp_path / "r-{shard}.h5", "-q")
+    ok("reduce", path, "rms_norm", "forces", "--structures", "5:9", "-o", tmp_path / "mid.h5")
+    ok("reduce", path, "sum", "forces", "--shard", "1/3", "--name", "rms_norm_forces", "-o",
+       tmp_path / "sum-{shard}.h5")
+    ok("reduce", path, "rms_norm", "forces", "--shard", "1/3", "--precision", "float32", "-o",
+       tmp_path / "f32-{shard}.h5")
+    ok("stats", path, "forces", "--shard", "1/3", "-o", tmp_path / "s-{shard}.h5")
+    other = tmp_path / "other.h5"
+    shutil.copy(path, other)
+    with h5py.File(other, "a") as f:
+        f.attrs["touched"] = "a file of the same structures, but another size"
+    ok("reduce", other, "rms_norm", "forces", "--shard", "1/3", "-o", tmp_path / "o-{shard}.h5")
+    with h5py.File(tmp_path / "r-0.h5", "r") as f:
+        first = f["results/rms_norm_forces"].attrs["structures"]
+    cut = int(first.split(":")[1])
+    cases = [
+        (["r-0.h5", "r-2.h5"], [f"parts leave structures {cut}:", "r-0.h5 has 0:"]),
+        (["r-0.h5", "r-1.h5", "r-2.h5", "mid.h5"], ["parts overlap on structures", "mid.h5"]),
+        (["r-0.h5", "sum-1.h5", "r-2.h5"], ["op='sum'", "'rms_norm'"]),
+        (["r-0.h5", "f32-1.h5", "r-2.h5"], ["'float32'", "'float64'"]),
+        (["r-0.h5", "s-1.h5", "r-2.h5"], ["segcli-stats"]),
+        (["r-0.h5", "o-1.h5", "r-2.h5"], ["source_fingerprint"]),
+        (["r-0.h5", "missing.h5"], ["missing.h5"]),
+    ]
+    for names, needles in cases:
+        result = run("merge", *(tmp_path / n for n in names), "-o", tmp_path / "out.h5")
+        assert result.exit_code == 1, (names, result.output)
+        assert len(result.output.strip().splitlines()) == 1, result.output
+        assert all(n in result.output for n in needles), (needles, result.output)
+        assert not (tmp_path / "out.h5").exists()
+
+
+def test_a_virtual_merge_opens_after_the_parts_move_beside_it(tmp_path, lumpy):
+    path, n_atoms, data = lumpy
+    parts = tmp_path / "work"
+    parts.mkdir()
+    for i in range(3):
+        ok("reduce", path, "max_norm", "forces", "--shard", f"{i}/3", "-o",
+           parts / "r-{shard}.h5", "-q")
+    ok("merge", parts / "r-*.h5", "-o", parts / "all.h5", "--virtual", "-q")
+    moved = shutil.move(parts, tmp_path / "elsewhere")
+    os.chdir(tmp_path)  # relative paths resolve beside the file, not in the working directory
+    result = ok("reduce", os.path.join(moved, "all.h5"), "sum", "max_norm_forces")
+    values = np.loadtxt(result.output.splitlines()[1:], delimiter=",")[:, 1]
+    np.testing.assert_allclose(values, reduce_numpy("max_norm", n_atoms, data["forces"]),
+                               rtol=1e-12)
+    os.remove(os.path.join(moved, "r-1.h5"))
+    result = run("info", os.path.join(moved, "all.h5"))
+    assert result.exit_code == 1 and "r-1.h5, which is missing" in result.output
