@@ -12,6 +12,7 @@ from batch_reference import reduce_numpy, write_batch
 from click.testing import CliRunner
 
 from segcli.cli import main
+from segcli.io import open_batch
 from segcli.shards import ENVIRONMENTS, leaf_bounds, shard_bounds
 
 
@@ -216,8 +217,9 @@ def test_a_virtual_merge_opens_after_the_parts_move_beside_it(tmp_path, lumpy):
     ok("merge", parts / "r-*.h5", "-o", parts / "all.h5", "--virtual", "-q")
     moved = shutil.move(parts, tmp_path / "elsewhere")
     os.chdir(tmp_path)  # relative paths resolve beside the file, not in the working directory
-    result = ok("reduce", os.path.join(moved, "all.h5"), "sum", "max_norm_forces")
-    values = np.loadtxt(result.output.splitlines()[1:], delimiter=",")[:, 1]
+    with open_batch(os.path.join(moved, "all.h5")) as batch:
+        values = np.concatenate([c.structures["max_norm_forces"]
+                                 for c in batch.iter_chunks(["max_norm_forces"])])
     np.testing.assert_allclose(values, reduce_numpy("max_norm", n_atoms, data["forces"]),
                                rtol=1e-12)
     os.remove(os.path.join(moved, "r-1.h5"))
