@@ -222,6 +222,6 @@ def test_a_virtual_merge_opens_after_the_parts_move_beside_it(tmp_path, lumpy):
                                  for c in batch.iter_chunks(["max_norm_forces"])])
     np.testing.assert_allclose(values, reduce_numpy("max_norm", n_atoms, data["forces"]),
                                rtol=1e-12)
-    os.remove(os.path.join(moved, "r-1.h5"))
+    os.remove(os.path.join(moved, "r-0.h5"))
     result = run("info", os.path.join(moved, "all.h5"))
-    assert result.exit_code == 1 and "r-1.h5, which is missing" in result.output
+    assert result.exit_code == 1 and "r-0.h5, which is missing" in result.output
