@@ -1,8 +1,9 @@
-"""`segcli stats --scheduler` on real dask.distributed clusters of worker processes: the same
-statistics as one pass, to 1e-12, even when a worker is killed; and the split into shards."""
+"""--scheduler on real dask.distributed clusters of worker processes: reduce, grad and stats
+give the bits of a local run, even when a worker is killed; and the split into shards."""
 
 import json
 import os
+import pty
 import signal
 import subprocess
 import sys
@@ -13,7 +14,9 @@ import pytest
 from batch_reference import write_batch
 from test_stats import assert_rows_match, make_random_file, reference_rows, run, stats_json
 
-from segcli.cluster import shard_bounds
+from test_shards import assert_identical
+
+from segcli.shards import shard_bounds
 
 pytest.importorskip("dask.distributed", reason="the cluster extra: pip install 'segcli[cluster]'")
 
@@ -41,7 +44,7 @@ def test_stats_on_a_cluster_equal_one_pass_and_numpy(tmp_path):
                       dashboard_address=":0") as cluster:
         remote = stats_json(*args, "--scheduler", cluster.scheduler_address)
     local = stats_json(*args[:2], "--scheduler", "local:2", "--structures", "5:")
-    assert_rows_match(remote["stats"], alone["stats"])
+    assert remote["stats"] == alone["stats"]
     numbers = data["numbers"]
     wanted = [row for z in np.unique(numbers)
               for row in reference_rows("forces", data["forces"][numbers == z], int(z))]
@@ -82,3 +85,79 @@ def test_a_killed_worker_is_replaced_and_no_shard_counted_twice(tmp_path):
         assert process.returncode == 0, err
         assert pids[0] not in client.run(os.getpid).values()
     assert_rows_match(json.loads(out)["stats"], reference_rows("forces", forces))
+
+
+def segcli(*args, **kwargs):
+    return subprocess.run([sys.executable, "-m", "segcli", *map(str, args)], capture_output=True,
+                          **kwargs)
+
+
+def test_reduce_and_grad_on_a_cluster_equal_a_local_run_bit_for_bit(tmp_path):
+    from dask.distributed import LocalCluster
+
+    from batch_reference import random_batch
+
+    path = tmp_path / "random.h5"
+    random_batch(path, seed=5, n_structures=300)
+    jobs = [["reduce", path, "rms_norm", "x"], ["reduce", path, "mul", "x", "w"],
+            ["grad", path, "dot", "x", "y", "--weights", "w"],
+            ["grad", path, "max_norm", "t", "--order", "2", "--direction", "t"]]
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                      dashboard_address=":0") as cluster:
+        for k, job in enumerate(jobs):
+            local, remote = tmp_path / f"local-{k}.h5", tmp_path / f"remote-{k}.h5"
+            assert segcli(*job, "-o", local, "--structures", "7:").returncode == 0
+            result = segcli(*job, "-o", remote, "--structures", "7:", "--scheduler",
+                            cluster.scheduler_address)
+            assert result.returncode == 0, result.stderr
+            assert_identical(remote, local)
+            for fmt in ("csv", "npy"):
+                alone = segcli(*job, "--format", fmt)
+                shared = segcli(*job, "--format", fmt, env={
+                    **os.environ, "DASK_SCHEDULER_ADDRESS": cluster.scheduler_address})
+                assert shared.returncode == 0 and shared.stdout == alone.stdout, shared.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["random.h5"] + [f"{w}-{k}.h5" for w in ("local", "remote") for k in range(4)])
+
+
+def test_progress_counts_finished_shards_and_in_place_lands(tmp_path):
+    path = write_batch(tmp_path / "f.h5", [2] * 30, {"forces": np.ones((60, 3))})
+    leader, follower = pty.openpty()
+    process = subprocess.Popen([sys.executable, "-m", "segcli", "reduce", path, "sum", "forces",
+                                "--in-place", "--scheduler", "local:2"], stderr=follower)
+    assert process.wait(timeout=300) == 0
+    os.close(follower)
+    shown = os.read(leader, 100_000).decode()
+    os.close(leader)
+    assert "shards of" in shown and "8/8" in shown, shown
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        np.testing.assert_array_equal(f["results/sum_forces"][()], np.full((30, 3), 2.0))
+
+
+def test_a_killed_worker_loses_no_reduce_shard(tmp_path):
+    """SIGKILL one worker while reduce's shards run: the output is still one run's."""
+    from dask.distributed import Client, LocalCluster
+
+    rng = np.random.default_rng()
+    n_atoms = rng.integers(1, 40, 60_000)
+    path = write_batch(tmp_path / "f.h5", n_atoms,
+                       {"forces": rng.normal(size=(int(n_atoms.sum()), 3))})
+    assert segcli("reduce", path, "rms_norm", "forces", "-o", tmp_path / "local.h5").returncode == 0
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        pids = list(client.run(os.getpid).values())
+        process = subprocess.Popen(
+            [sys.executable, "-m", "segcli", "reduce", path, "rms_norm", "forces", "-o",
+             tmp_path / "remote.h5", "--chunk-atoms", "500", "--scheduler",
+             cluster.scheduler_address], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True)
+        while not any(client.processing().values()):
+            assert process.poll() is None, process.communicate()
+            time.sleep(0.01)
+        os.kill(pids[0], signal.SIGKILL)
+        out, err = process.communicate(timeout=300)
+        assert process.returncode == 0, err
+        assert pids[0] not in client.run(os.getpid).values()
+    assert_identical(tmp_path / "remote.h5", tmp_path / "local.h5")
