@@ -10,7 +10,10 @@ optional extra: `pip install 'segcli[cluster]'`.
 """
 
 import contextlib
+import functools
 import os
+
+import numpy as np
 
 from segcli.errors import DataError
 
@@ -75,19 +78,19 @@ def stats_part(inputs, names, leaves, options):
         return leaf_stats(batch, names, leaves, **options)
 
 
-def leaf_stats_sharded(client, path, names, structures, progress=None, **options):
-    """segcli.stats.leaf_stats of all the leaves of the selected structures of the file
-    `path`, computed as shards on `client`'s cluster and joined in leaf order."""
-    from segcli.io import open_batch
-    from segcli.shards import leaf_bounds, shard_leaves
-    from segcli.stats import join_leaves
+def leaf_stats_sharded(client, batch, names, leaves, progress=None, **options):
+    """segcli.stats.leaf_stats of `batch` over the structures between `leaves` (leaf
+    boundaries, see segcli.shards.leaf_bounds): here in one piece (`client` None), or as
+    shards on `client`'s cluster, whose tasks open the file themselves; joined in leaf order."""
+    from segcli.shards import even_cuts
+    from segcli.stats import join_leaves, leaf_stats
 
-    path = os.path.abspath(path)
-    with open_batch(path) as batch:
-        start, stop, _ = structures.indices(batch.n_structures)
-        n_atoms = batch.n_atoms[start:max(start, stop)]
-    leaves = start + leaf_bounds(n_atoms)
-    cuts = shard_leaves(n_atoms, shard_count(client, len(n_atoms)))
-    calls = [(path, list(names), leaves[a:b + 1].tolist(), options)
+    leaves = np.asarray(leaves, np.int64)
+    if client is None:
+        return join_leaves(map_shards(None, functools.partial(leaf_stats, batch, **options),
+                                      [(list(names), leaves)], progress))
+    offsets = np.concatenate([[0], np.cumsum(batch.n_atoms)])
+    cuts = even_cuts(np.diff(offsets[leaves]), shard_count(client, len(leaves) - 1))
+    calls = [(os.path.abspath(batch.path), list(names), leaves[a:b + 1].tolist(), options)
              for a, b in zip(cuts[:-1], cuts[1:])]
     return join_leaves(map_shards(client, stats_part, calls, progress))

@@ -29,9 +29,9 @@ ENVIRONMENTS = (
 counts from SLURM_ARRAY_TASK_MIN)."""
 
 
-def _even_cuts(n_atoms, parts):
-    """The parts + 1 boundaries cutting structures of `n_atoms` atoms where the running count
-    first reaches k·total/parts."""
+def even_cuts(n_atoms, parts):
+    """The parts + 1 boundaries cutting items of `n_atoms` atoms (structures, or leaves) where
+    the running count first reaches k·total/parts."""
     running = np.cumsum(n_atoms, dtype=np.int64)
     total = int(running[-1]) if len(running) else 0
     targets = np.arange(1, parts, dtype=np.int64) * total // parts
@@ -46,7 +46,7 @@ def leaf_bounds(n_atoms):
     n_atoms = np.asarray(n_atoms, np.int64)
     if len(n_atoms) <= LEAVES:
         return np.arange(len(n_atoms) + 1, dtype=np.int64)
-    return _even_cuts(n_atoms, LEAVES)
+    return even_cuts(n_atoms, LEAVES)
 
 
 def shard_leaves(n_atoms, shards):
@@ -55,7 +55,7 @@ def shard_leaves(n_atoms, shards):
     first leaf where the running count reaches (k + 1)·total/shards."""
     leaves = leaf_bounds(n_atoms)
     leaf_atoms = np.diff(np.concatenate([[0], np.cumsum(n_atoms, dtype=np.int64)])[leaves])
-    return _even_cuts(leaf_atoms, shards)
+    return even_cuts(leaf_atoms, shards)
 
 
 def shard_bounds(n_atoms, shards):

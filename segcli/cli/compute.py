@@ -367,13 +367,17 @@ def reduce(file, op, fields, **options):
     structures (--chunk-atoms), the next chunk while this one computes, so files larger than
     memory work. Results go to stdout (csv: `structure` first, `structure,atom` for per-atom
     results, vector entries as NAME_0, NAME_1, ...), to a new file (-o) or into FILE
-    (--in-place); see `segcli ops`. Fields holding NaN are refused.
+    (--in-place); see `segcli ops`. Fields holding NaN are refused. --shard runs one of N
+    ranges of structures (join the parts with `segcli merge`), --scheduler all of them on a
+    Dask cluster; either gives the bits of one run.
 
     \b
     Example:
       segcli reduce sample_data/metals.h5 rms_norm forces | sort -t, -k2 -g | tail -3
       segcli reduce sample_data/metals.h5 matvec scaled_positions cell -o positions.h5
       segcli reduce batch.h5 dot forces velocities --in-place --name power
+      segcli reduce data.h5 rms_norm forces --shard auto -o 'parts/r-{shard}.h5'
+      segcli reduce data.h5 rms_norm forces --scheduler local:4 -o rms.h5
     """
     _execute(file, op, fields, **options)
 

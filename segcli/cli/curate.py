@@ -78,7 +78,7 @@ def stats(file, fields, per_element, per_atom, as_json, output, force, structure
     from segcli.io import open_batch
     from segcli.io.statsfile import write_stats
     from segcli.shards import fingerprint, part_path, shard_of
-    from segcli.stats import leaf_stats, merge_stats
+    from segcli.stats import merge_stats
 
     check_cluster_usage(shard, scheduler, False)
     output = part_path(output, *shard) if shard and output else output
@@ -91,12 +91,9 @@ def stats(file, fields, per_element, per_atom, as_json, output, force, structure
                    "atoms": int(batch.n_atoms[leaves[0]:leaves[-1]].sum())}
         attrs = {"structures": f"{leaves[0]}:{leaves[-1]}",
                  "source_fingerprint": fingerprint([file], batch.n_atoms)}
-        if not scheduler:
-            parts = leaf_stats(batch, fields, leaves, **options)
-    if scheduler:
         with on_cluster(scheduler) as client, \
-                progress_bar(not quiet, f"statistics of {file} (shards)") as bar:
-            parts = leaf_stats_sharded(client, file, fields, slice(start, stop),
+                progress_bar(not quiet and scheduler, f"statistics of {file} (shards)") as bar:
+            parts = leaf_stats_sharded(client, batch, fields, leaves,
                                        progress=bar.update if bar else None, **options)
     result = merge_stats([parts])
     rows = [row for s in result.values() for row in s.rows()]
