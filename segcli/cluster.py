@@ -8,7 +8,6 @@ retried after its worker died is counted once. Dask is an optional extra:
 """
 
 import contextlib
-import os
 
 import numpy as np
 
@@ -53,26 +52,24 @@ def cluster_client(address):
             yield client
 
 
-def _stats_part(path, names, options, start, stop):
-    from segcli.io import open_batch
+def _stats_part(layout, names, options, start, stop):
+    from segcli.io import open_inputs
     from segcli.stats import field_stats
 
-    with open_batch(path) as batch:
+    with open_inputs(layout) as batch:
         return field_stats(batch, names, structures=slice(start, stop), **options)
 
 
-def field_stats_on(client, path, names, structures=slice(None), **options):
-    """segcli.stats.field_stats of the file `path` computed shard by shard on the cluster of
-    `client` and combined exactly (Chan's formulas, in shard order)."""
-    from segcli.io import open_batch
+def field_stats_on(client, layout, names, structures=slice(None), **options):
+    """segcli.stats.field_stats of the batch `layout` (see Batch.layout) describes, computed
+    shard by shard on the cluster of `client` (each worker opening only the files of its
+    shard) and combined exactly (Chan's formulas, in shard order)."""
     from segcli.stats import merge_stats
 
-    path = os.path.abspath(path)
-    with open_batch(path) as batch:
-        start, stop, _ = structures.indices(batch.n_structures)
-        n_atoms = batch.n_atoms[start:stop]
+    start, stop, _ = structures.indices(sum(len(n) for n in layout.n_atoms))
+    n_atoms = np.concatenate(layout.n_atoms)[start:stop]
     shards = max(1, min(len(n_atoms), SHARDS_PER_WORKER * len(client.nthreads())))
     bounds = start + np.array(shard_bounds(n_atoms, shards))
-    futures = [client.submit(_stats_part, path, list(names), options, int(a), int(b),
+    futures = [client.submit(_stats_part, layout, list(names), options, int(a), int(b),
                              pure=False) for a, b in zip(bounds[:-1], bounds[1:])]
     return merge_stats(client.gather(futures))

@@ -32,6 +32,17 @@ def structure_range(ctx, param, text):
     return start, stop
 
 
+def input_paths(file, in_place=False):
+    """The files FILE stands for (see segcli.io.expand_inputs); UsageError when --in-place
+    meets more than one."""
+    from segcli.io import expand_inputs
+
+    paths = expand_inputs(file)
+    if in_place and len(paths) > 1:
+        raise click.UsageError(f"--in-place adds to one file; {file} is {len(paths)} files")
+    return paths
+
+
 def table(rows):
     """Lines of text for rows of strings: left-aligned columns two spaces apart."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]

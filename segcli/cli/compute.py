@@ -76,17 +76,21 @@ def _check_usage(spec, fields, output, in_place, fmt, structures):
 
 
 class _Hdf5Sink:
-    """Results into /results/<dataset> of a new file or, in place, of the input (ResultWriter)."""
+    """Results into /results/<dataset> of a new file or, in place, of the input (ResultWriter);
+    a new file also says where its structures come from (`sources`: the arguments of
+    ResultWriter.set_sources)."""
 
-    def __init__(self, writer, outputs, datasets, n_atoms, attrs):
+    def __init__(self, writer, outputs, datasets, n_atoms, attrs, sources=None):
         self._writer, self._outputs, self._datasets = writer, outputs, datasets
-        self._n_atoms, self._attrs = n_atoms, attrs
+        self._n_atoms, self._attrs, self._sources = n_atoms, attrs, sources
         self._row = dict.fromkeys(outputs, 0)
 
     def __enter__(self):
         self._writer.__enter__()
         try:
             self._writer.set_n_atoms(self._n_atoms)
+            if self._sources:
+                self._writer.set_sources(*self._sources)
             rows = {"atom": int(self._n_atoms.sum()), "structure": len(self._n_atoms)}
             for label, (per, shape, dtype) in self._outputs.items():
                 self._writer.create(self._datasets[label], (rows[per], *shape), dtype,
@@ -115,12 +119,15 @@ def _printable(array):
 
 class _TextSink:
     """Results on stdout as CSV (a header line, then one line per structure or atom) or JSON
-    lines, with the structure index (and the atom index within it) first."""
+    lines, with the structure index first, then (given `source_of`, see Batch.source_of,
+    for many files) its file and its index there, and the atom index within it."""
 
-    def __init__(self, fmt, outputs, columns):
+    def __init__(self, fmt, outputs, columns, source_of=None):
         self._fmt, self._outputs, self._columns = fmt, outputs, columns
         self._per = next(iter(outputs.values()))[0]
-        self._keys = ["structure"] + (["atom"] if self._per == "atom" else [])
+        self._source_of = source_of
+        self._keys = (["structure"] + (["source", "source_index"] if source_of else [])
+                      + (["atom"] if self._per == "atom" else []))
         self._out = sys.stdout
 
     def __enter__(self):
@@ -142,11 +149,12 @@ class _TextSink:
         import numpy as np
 
         structures = chunk.start + np.arange(len(chunk.n_atoms))
+        index = [structures]
+        if self._source_of:
+            index += self._source_of(slice(chunk.start, chunk.start + len(chunk.n_atoms)))
         if self._per == "atom":
             first = np.repeat(np.cumsum(chunk.n_atoms) - chunk.n_atoms, chunk.n_atoms)
-            index = [np.repeat(structures, chunk.n_atoms), np.arange(len(first)) - first]
-        else:
-            index = [structures]
+            index = [np.repeat(i, chunk.n_atoms) for i in index] + [np.arange(len(first)) - first]
         index = np.stack(index, axis=1).tolist()
         if self._fmt == "csv":
             values = np.concatenate([_printable(a).reshape(len(a), -1).astype("float64")
@@ -216,13 +224,14 @@ def _execute(file, spec, fields, *, output, in_place, fmt, name, force, structur
              device, precision, quiet, order=0, weights=None, direction=None):
     """Run one reduce or grad command: check, plan, stream the chunks, write the results."""
     _check_usage(spec, fields, output, in_place, fmt, structures)
-    refuse_output_among_inputs(output, [file], "use --in-place to add to it")
+    paths = common.input_paths(file, in_place)
+    refuse_output_among_inputs(output, paths, "use --in-place to add to it")
     from segcli import engine
-    from segcli.io import ResultWriter, open_batch
+    from segcli.io import ResultWriter, open_inputs
 
     target = common.device(device)
     name = name or "_".join((spec.name, *fields))
-    with open_batch(file) as batch:
+    with open_inputs(paths, name=file) as batch:
         job = engine.plan(file, spec, fields, batch.fields, precision=precision, order=order,
                           weights=weights, direction=direction)
         selected = selection(batch, file, structures)
@@ -232,16 +241,19 @@ def _execute(file, spec, fields, *, output, in_place, fmt, name, force, structur
         if output or in_place:
             datasets = {label: f"{name}/{label}" if label else name for label in outputs}
             writer = (ResultWriter(output_path=output, force=force) if output
-                      else ResultWriter(in_place_of=file, force=force, names=datasets.values()))
+                      else ResultWriter(in_place_of=paths[0], force=force,
+                                        names=datasets.values()))
             attrs = {"op": spec.name, "fields": list(fields), "precision": precision,
                      "device": _device_label(target)}
             if order:
                 attrs.update(order=order, weights=weights, direction=direction)
-            sink = _Hdf5Sink(writer, outputs, datasets, n_atoms, attrs)
+            sources = (batch.sources, *batch.source_of(selected)) if output else None
+            sink = _Hdf5Sink(writer, outputs, datasets, n_atoms, attrs, sources)
         elif fmt == "npy":
             sink = _NpySink(outputs, columns, n_atoms)
         else:
-            sink = _TextSink(fmt or "csv", outputs, columns)
+            sink = _TextSink(fmt or "csv", outputs, columns,
+                             batch.source_of if len(batch.sources) > 1 else None)
         results = engine.run(batch, job, target, structures=selected,
                              chunk_atoms=chunk_atoms or engine.DEFAULT_CHUNK_ATOMS)
         verb = "reducing" if not order else "differentiating"
@@ -257,7 +269,7 @@ def _execute(file, spec, fields, *, output, in_place, fmt, name, force, structur
 
 
 @click.command(short_help="Run one op per structure over a file.")
-@click.argument("file", type=click.Path(dir_okay=False))
+@click.argument("file")
 @click.argument("op", callback=_op)
 @click.argument("fields", nargs=-1)
 @_shared_options
@@ -273,7 +285,10 @@ def reduce(file, op, fields, **options):
                                             -> per atom (scaled_positions cell = positions)
       count                                 no field -> atoms per structure
 
-    FILE is a segcli HDF5 file or any file ASE reads. It is read in chunks of whole
+    FILE is a segcli HDF5 file or any file ASE reads, or many files read as one batch: a
+    directory, a quoted glob pattern ('shards/*.h5') or @LIST (see `segcli info --help`);
+    csv output then has the columns source,source_index after structure, and -o files say
+    where each structure came from. It is read in chunks of whole
     structures (--chunk-atoms), the next chunk while this one computes, so files larger than
     memory work. Results go to stdout (csv: `structure` first, `structure,atom` for per-atom
     results, vector entries as NAME_0, NAME_1, ...), to a new file (-o) or into FILE
@@ -289,7 +304,7 @@ def reduce(file, op, fields, **options):
 
 
 @click.command(short_help="Per-atom gradients of an op over a file.")
-@click.argument("file", type=click.Path(dir_okay=False))
+@click.argument("file")
 @click.argument("op", callback=_op)
 @click.argument("fields", nargs=-1)
 @click.option("--weights", metavar="FIELD",
@@ -308,7 +323,8 @@ def grad(file, op, fields, weights, order, direction, **options):
     array with a field per d_F). Per-structure inputs (mul's scalar, matvec's matrix) are
     held fixed. With --order 2 --direction V, writes instead the Hessian-vector product: the
     derivative of that gradient as every per-atom input moves along V. OPs and fields are
-    as for `segcli reduce`; count is not differentiable.
+    as for `segcli reduce`; count is not differentiable. FILE may be many files, as for
+    `segcli reduce`.
 
     \b
     Example:

@@ -7,8 +7,8 @@ import os
 
 import click
 
-from segcli.cli.common import (refuse_output_among_inputs, refuse_structures_in_place,
-                               selection, structure_range, table)
+from segcli.cli.common import (input_paths, refuse_output_among_inputs,
+                               refuse_structures_in_place, selection, structure_range, table)
 
 STAT_COLUMNS = ("count", "mean", "std", "rms", "min", "max")
 
@@ -37,13 +37,14 @@ def _scheduler_address(ctx, param, text):
     return text
 
 
-def _on_cluster(scheduler, file, fields, structures, options):
-    """field_stats of FILE computed on the dask cluster at `scheduler` (see segcli.cluster)."""
+def _on_cluster(scheduler, layout, fields, structures, options):
+    """field_stats of the batch `layout` describes computed on the dask cluster at `scheduler`
+    (see segcli.cluster)."""
     try:
         from segcli.cluster import cluster_client, field_stats_on
 
         with cluster_client(scheduler) as client:
-            return field_stats_on(client, file, fields, structures, **options)
+            return field_stats_on(client, layout, fields, structures, **options)
     except ImportError as err:
         raise click.UsageError(str(err)) from None
 
@@ -59,7 +60,7 @@ def _element(z):
 
 
 @click.command(short_help="Count, mean, std, rms, min, max of fields.")
-@click.argument("file", type=click.Path(dir_okay=False))
+@click.argument("file")
 @click.argument("fields", metavar="FIELD...", nargs=-1, required=True)
 @click.option("--per-element", is_flag=True,
               help="Per-atom fields by element (atomic number from `numbers`).")
@@ -96,20 +97,23 @@ def stats(file, fields, per_element, per_atom, as_json, output, force, structure
       segcli stats sample_data/metals.h5 energy --per-atom
       segcli stats sample_data/metals.h5 forces --scheduler local:2
     """
-    from segcli.io import open_batch
+    from segcli.io import open_inputs
     from segcli.io.statsfile import write_stats
     from segcli.stats import field_stats
 
-    refuse_output_among_inputs(output, [file], "stats writes a new file")
+    paths = input_paths(file)
+    refuse_output_among_inputs(output, paths, "stats writes a new file")
     options = {"per_element": per_element, "per_atom": per_atom, "chunk_atoms": chunk_atoms}
-    with open_batch(file) as batch:
+    with open_inputs(paths, name=file) as batch:
         selected = selection(batch, file, structures)
         summary = {"path": file, "structures": len(batch.n_atoms[selected]),
                    "atoms": int(batch.n_atoms[selected].sum())}
-        if not scheduler:
+        if scheduler:
+            layout = batch.layout
+        else:
             result = field_stats(batch, fields, structures=selected, **options)
     if scheduler:
-        result = _on_cluster(scheduler, file, fields, selected, options)
+        result = _on_cluster(scheduler, layout, fields, selected, options)
     rows = [row for s in result.values() for row in s.rows()]
     for row in rows:
         if "element" in row:
@@ -154,7 +158,7 @@ def _fixed(ctx, param, values):
 
 
 @click.command("fit-e0", short_help="Fit per-element reference energies.")
-@click.argument("file", type=click.Path(dir_okay=False))
+@click.argument("file")
 @click.option("--energy", default="energy", show_default=True, metavar="FIELD",
               help="Per-structure energy field (or result) to fit.")
 @click.option("--fixed", multiple=True, callback=_fixed, metavar="SYMBOL=VALUE",
@@ -184,19 +188,20 @@ def fit_e0(file, energy, fixed, as_json, in_place, name, force, structures, chun
     """
     from ase.data import chemical_symbols
 
-    from segcli.io import ResultWriter, open_batch
+    from segcli.io import ResultWriter, open_inputs
     from segcli.stats import residual_errors, solve_e0
 
     if name is not None and not in_place:
         raise click.UsageError("--name names the result that --in-place stores")
     refuse_structures_in_place(in_place, structures)
+    paths = input_paths(file, in_place)
     name = name or f"residual_{energy}"
-    with open_batch(file) as batch:
+    with open_inputs(paths, name=file) as batch:
         options = {"chunk_atoms": chunk_atoms, "structures": selection(batch, file, structures)}
         e0, used = solve_e0(batch, energy, fixed=fixed, **options)
         everything = {**e0, **fixed}
         if in_place:
-            writer = ResultWriter(in_place_of=file, force=force, names=[name])
+            writer = ResultWriter(in_place_of=paths[0], force=force, names=[name])
             with writer:
                 writer.set_n_atoms(batch.n_atoms)
                 writer.create(name, (batch.n_structures,), "float64", {
