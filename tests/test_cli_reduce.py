@@ -179,8 +179,12 @@ def test_output_file_attributes_force_and_in_place(tmp_path, random_file, device
     assert result.exit_code == 0, result.output
     assert result.stderr == f"{out}: /results/dot_x_y (6 structures, {n_atoms[3:9].sum()} atoms)\n"
     with h5py.File(out, "r") as f:
-        assert dict(f.attrs) == {"format": "segcli-batch", "version": 1}
+        assert {k: v for k, v in f.attrs.items() if k != "sources"} == {
+            "format": "segcli-batch", "version": 1}
+        assert f.attrs["sources"].tolist() == [str(path)]
         np.testing.assert_array_equal(f["structures/n_atoms"][()], n_atoms[3:9])
+        np.testing.assert_array_equal(f["structures/source"][()], np.zeros(6))
+        np.testing.assert_array_equal(f["structures/source_index"][()], np.arange(3, 9))
         attrs = {k: v.tolist() if isinstance(v, np.ndarray) else v
                  for k, v in f["results/dot_x_y"].attrs.items()}
     created = attrs.pop("created")
