@@ -145,7 +145,8 @@ def convert(inputs, output, compression, chunk_atoms, fill_missing, fields, drop
     conformer-layout HDF5 file; an INPUT may also be many files (a directory, a quoted glob
     pattern or @LIST, see `segcli info --help`). Every per-atom array, cell, pbc, numeric
     or string info entry (an ASE database's id, unique_id and key-value pairs) and
-    calculator result (energy, forces, stress, ...) is kept, under ASE's names, unless --fields or --drop say otherwise.
+    calculator result (energy, forces, stress, ...) is kept, under ASE's names, unless
+    --fields or --drop say otherwise.
     A field that only some structures have (a molecule has no stress, a bulk cell no tags) is
     an error unless --fill-missing fills it. Memory stays bounded by --chunk-atoms however
     large the input; OUTPUT appears only when the whole conversion succeeded.
