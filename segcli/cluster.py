@@ -11,7 +11,6 @@ optional extra: `pip install 'segcli[cluster]'`.
 
 import contextlib
 import functools
-import os
 
 import numpy as np
 
@@ -68,13 +67,13 @@ def map_shards(client, function, calls, progress=None):
     return client.gather(futures)
 
 
-def stats_part(inputs, names, leaves, options):
-    """The leaf statistics (segcli.stats.leaf_stats) of `inputs` over the structures between
-    `leaves`: one task."""
-    from segcli.io import open_batch
+def stats_part(layout, names, leaves, options):
+    """The leaf statistics (segcli.stats.leaf_stats) of the batch `layout` describes (see
+    segcli.io.open_inputs) over the structures between `leaves`: one task."""
+    from segcli.io import open_inputs
     from segcli.stats import leaf_stats
 
-    with open_batch(inputs) as batch:
+    with open_inputs(layout) as batch:
         return leaf_stats(batch, names, leaves, **options)
 
 
@@ -91,6 +90,6 @@ def leaf_stats_sharded(client, batch, names, leaves, progress=None, **options):
                                       [(list(names), leaves)], progress))
     offsets = np.concatenate([[0], np.cumsum(batch.n_atoms)])
     cuts = even_cuts(np.diff(offsets[leaves]), shard_count(client, len(leaves) - 1))
-    calls = [(os.path.abspath(batch.path), list(names), leaves[a:b + 1].tolist(), options)
+    calls = [(batch.layout, list(names), leaves[a:b + 1].tolist(), options)
              for a, b in zip(cuts[:-1], cuts[1:])]
     return join_leaves(map_shards(client, stats_part, calls, progress))

@@ -179,13 +179,20 @@ def test_output_file_attributes_force_and_in_place(tmp_path, random_file, device
     assert result.exit_code == 0, result.output
     assert result.stderr == f"{out}: /results/dot_x_y (6 structures, {n_atoms[3:9].sum()} atoms)\n"
     with h5py.File(out, "r") as f:
-        assert dict(f.attrs) == {"format": "segcli-batch", "version": 1}
+        assert {k: v for k, v in f.attrs.items() if k != "sources"} == {
+            "format": "segcli-batch", "version": 1}
+        assert f.attrs["sources"].tolist() == [str(path)]
         np.testing.assert_array_equal(f["structures/n_atoms"][()], n_atoms[3:9])
+        np.testing.assert_array_equal(f["structures/source"][()], np.zeros(6))
+        np.testing.assert_array_equal(f["structures/source_index"][()], np.arange(3, 9))
         attrs = {k: v.tolist() if isinstance(v, np.ndarray) else v
                  for k, v in f["results/dot_x_y"].attrs.items()}
     created = attrs.pop("created")
+    digest = hashlib.sha256(json.dumps([[os.path.realpath(path), os.path.getsize(path)]]).encode())
+    digest.update(np.asarray(n_atoms, np.int64).tobytes())
     assert attrs == {"op": "dot", "fields": ["x", "y"], "per": "structure", "precision": "float64",
-                     "device": device_label, "segcli_version": __version__}
+                     "device": device_label, "segcli_version": __version__, "structures": "3:9",
+                     "source_fingerprint": digest.hexdigest()[:32]}
     assert abs(datetime.now(timezone.utc) - datetime.fromisoformat(created)) < timedelta(hours=1)
     before = out.read_bytes()
     assert_data_error(run("reduce", path, "dot", "x", "y", "-o", out), "already exists",

@@ -73,9 +73,9 @@ def _file_inputs(path, specs, field, structures, skip_unfit):
 
     from segcli.engine import plan
     from segcli.errors import DataError
-    from segcli.io import open_batch
+    from segcli.io import open_inputs
 
-    with open_batch(path) as batch:
+    with open_inputs(path) as batch:
         total = batch.n_structures
         start, stop = structures
         stop = total if stop is None else min(stop, total)
@@ -195,7 +195,7 @@ def _check_op(spec, labels, arrays, n_atoms, order, seed):
 
 
 @click.command(short_help="Check the ops' values and derivatives.")
-@click.argument("file", required=False, type=click.Path(dir_okay=False))
+@click.argument("file", required=False)
 @click.option("--op", "op_names", callback=_op_names, metavar="OP[,OP...]",
               help="Ops to check (default: all): sum, mean, dot, mul, rms_norm, max_norm, matvec, count.")
 @click.option("--order", type=click.IntRange(min=1), default=2, show_default=True,

@@ -32,6 +32,17 @@ def structure_range(ctx, param, text):
     return start, stop
 
 
+def input_paths(file, in_place=False):
+    """The files FILE stands for (see segcli.io.expand_inputs); UsageError when --in-place
+    meets more than one."""
+    from segcli.io import expand_inputs
+
+    paths = expand_inputs(file)
+    if in_place and len(paths) > 1:
+        raise click.UsageError(f"--in-place adds to one file; {file} is {len(paths)} files")
+    return paths
+
+
 def table(rows):
     """Lines of text for rows of strings: left-aligned columns two spaces apart."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -171,12 +182,3 @@ def on_cluster(scheduler):
     with cluster_client(scheduler) as client:
         yield client
 
-
-def input_paths(specs):
-    """The files that FILE arguments name (globs expanded)."""
-    import glob
-
-    out = []
-    for spec in specs:
-        out += sorted(glob.glob(spec)) if glob.has_magic(spec) else [spec]
-    return out

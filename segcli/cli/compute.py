@@ -77,17 +77,21 @@ def _check_usage(spec, fields, output, in_place, fmt, structures):
 
 
 class _Hdf5Sink:
-    """Results into /results/<dataset> of a new file or, in place, of the input (ResultWriter)."""
+    """Results into /results/<dataset> of a new file or, in place, of the input (ResultWriter);
+    a new file also says where its structures come from (`sources`: the arguments of
+    ResultWriter.set_sources)."""
 
-    def __init__(self, writer, outputs, datasets, n_atoms, attrs):
+    def __init__(self, writer, outputs, datasets, n_atoms, attrs, sources=None):
         self._writer, self._outputs, self._datasets = writer, outputs, datasets
-        self._n_atoms, self._attrs = n_atoms, attrs
+        self._n_atoms, self._attrs, self._sources = n_atoms, attrs, sources
         self._row = dict.fromkeys(outputs, 0)
 
     def __enter__(self):
         self._writer.__enter__()
         try:
             self._writer.set_n_atoms(self._n_atoms)
+            if self._sources:
+                self._writer.set_sources(*self._sources)
             rows = {"atom": int(self._n_atoms.sum()), "structure": len(self._n_atoms)}
             for label, (per, shape, dtype) in self._outputs.items():
                 self._writer.create(self._datasets[label], (rows[per], *shape), dtype,
@@ -116,12 +120,15 @@ def _printable(array):
 
 class _TextSink:
     """Results on stdout as CSV (a header line, then one line per structure or atom) or JSON
-    lines, with the structure index (and the atom index within it) first."""
+    lines, with the structure index first, then (given `source_of`, see Batch.source_of,
+    for many files) its file and its index there, and the atom index within it."""
 
-    def __init__(self, fmt, outputs, columns):
+    def __init__(self, fmt, outputs, columns, source_of=None):
         self._fmt, self._outputs, self._columns = fmt, outputs, columns
         self._per = next(iter(outputs.values()))[0]
-        self._keys = ["structure"] + (["atom"] if self._per == "atom" else [])
+        self._source_of = source_of
+        self._keys = (["structure"] + (["source", "source_index"] if source_of else [])
+                      + (["atom"] if self._per == "atom" else []))
         self._out = sys.stdout
 
     def __enter__(self):
@@ -143,11 +150,12 @@ class _TextSink:
         import numpy as np
 
         structures = chunk.start + np.arange(len(chunk.n_atoms))
+        index = [structures]
+        if self._source_of:
+            index += self._source_of(slice(chunk.start, chunk.start + len(chunk.n_atoms)))
         if self._per == "atom":
             first = np.repeat(np.cumsum(chunk.n_atoms) - chunk.n_atoms, chunk.n_atoms)
-            index = [np.repeat(structures, chunk.n_atoms), np.arange(len(first)) - first]
-        else:
-            index = [structures]
+            index = [np.repeat(i, chunk.n_atoms) for i in index] + [np.arange(len(first)) - first]
         index = np.stack(index, axis=1).tolist()
         if self._fmt == "csv":
             values = np.concatenate([_printable(a).reshape(len(a), -1).astype("float64")
@@ -213,20 +221,23 @@ def _device_label(device):
     return f"{device.platform}:{device.id} ({device.device_kind})"
 
 
-def _sink(job, name, n_atoms, *, output, in_place, file, fmt, force, attrs):
-    """Where the results go: a new file (-o), FILE itself (--in-place) or stdout (fmt)."""
+def _sink(job, name, batch, lo, hi, *, output, in_place, file, fmt, force, attrs):
+    """Where the results of structures [lo, hi) of `batch` go: a new file (-o), FILE itself
+    (--in-place) or stdout (fmt)."""
     from segcli.io import ResultWriter
 
-    outputs = job.outputs
+    outputs, n_atoms = job.outputs, batch.n_atoms[lo:hi]
     columns = {label: label or name for label in outputs}
     if output or in_place:
-        datasets = {label: f"{name}/{label}" if label else name for label in outputs}
+        datasets = {label: _dataset(name, label) for label in outputs}
         writer = (ResultWriter(output_path=output, force=force) if output
                   else ResultWriter(in_place_of=file, force=force, names=datasets.values()))
-        return _Hdf5Sink(writer, outputs, datasets, n_atoms, attrs)
+        sources = (batch.sources, *batch.source_of(slice(lo, hi))) if output else None
+        return _Hdf5Sink(writer, outputs, datasets, n_atoms, attrs, sources)
     if fmt == "npy":
         return _NpySink(outputs, columns, n_atoms)
-    return _TextSink(fmt or "csv", outputs, columns)
+    return _TextSink(fmt or "csv", outputs, columns,
+                     batch.source_of if len(batch.sources) > 1 else None)
 
 
 def _dataset(name, label):
@@ -246,19 +257,19 @@ def _compute_into(batch, job, sink, device, lo, hi, chunk_atoms, progress=None):
                 progress(len(chunk.n_atoms))
 
 
-def _part(file, spec_name, fields, plan, name, device, chunk_atoms, lo, hi, path, attrs):
-    """One shard of a job run on a cluster: structures [lo, hi) of FILE into the new file
-    `path` (replaced whole if a retried task wrote it before); returns `path`."""
+def _part(layout, spec_name, fields, plan, name, device, chunk_atoms, lo, hi, path, attrs):
+    """One shard of a job run on a cluster: structures [lo, hi) of the batch `layout`
+    describes (see segcli.io.open_inputs) into the new file `path` (replaced whole if a
+    retried task wrote it before); returns `path`."""
     from segcli import engine
-    from segcli.io import ResultWriter, open_batch
+    from segcli.io import open_inputs
 
     target = common.device(device)
-    with open_batch(file) as batch:
-        job = engine.plan(file, engine.OPS[spec_name], fields, batch.fields, **plan)
-        datasets = {label: _dataset(name, label) for label in job.outputs}
-        sink = _Hdf5Sink(ResultWriter(output_path=path, force=True), job.outputs, datasets,
-                         batch.n_atoms[lo:hi], {**attrs, "structures": f"{lo}:{hi}",
-                                                "device": _device_label(target)})
+    with open_inputs(layout) as batch:
+        job = engine.plan(batch.path, engine.OPS[spec_name], fields, batch.fields, **plan)
+        sink = _sink(job, name, batch, lo, hi, output=path, in_place=False, file=None, fmt=None,
+                     force=True, attrs={**attrs, "structures": f"{lo}:{hi}",
+                                        "device": _device_label(target)})
         _compute_into(batch, job, sink, target, lo, hi, chunk_atoms)
     return path
 
@@ -272,14 +283,15 @@ def _execute(file, spec, fields, *, output, in_place, fmt, name, force, structur
     _check_usage(spec, fields, output, in_place, fmt, structures)
     check_cluster_usage(shard, scheduler, in_place)
     output = part_path(output, *shard) if shard and output else output
-    refuse_output_among_inputs(output, [file], "use --in-place to add to it")
+    paths = common.input_paths(file, in_place)
+    refuse_output_among_inputs(output, paths, "use --in-place to add to it")
     from segcli import engine
-    from segcli.io import open_batch
+    from segcli.io import open_inputs
 
     target = None if scheduler else common.device(device)
     name = name or "_".join((spec.name, *fields))
     plan = {"precision": precision, "order": order, "weights": weights, "direction": direction}
-    with open_batch(file) as batch:
+    with open_inputs(paths, name=file) as batch:
         job = engine.plan(file, spec, fields, batch.fields, **plan)
         start, stop, _ = selection(batch, file, structures).indices(batch.n_structures)
         leaves = shard_of(batch.n_atoms[start:max(start, stop)], start, shard)
@@ -287,21 +299,21 @@ def _execute(file, spec, fields, *, output, in_place, fmt, name, force, structur
         n_atoms = batch.n_atoms[lo:hi]
         attrs = {"op": spec.name, "fields": list(fields), "precision": precision,
                  "structures": f"{lo}:{hi}",
-                 "source_fingerprint": fingerprint([file], batch.n_atoms)}
+                 "source_fingerprint": fingerprint(batch.sources, batch.n_atoms)}
         if order:
             attrs.update(order=order, weights=weights, direction=direction)
         if shard:
             attrs["shard"] = f"{shard[0]}/{shard[1]}"
-        where = {"output": output, "in_place": in_place, "file": file, "fmt": fmt,
+        where = {"output": output, "in_place": in_place, "file": paths[0], "fmt": fmt,
                  "force": force}
         verb = "reducing" if not order else "differentiating"
         if scheduler:
-            _on_cluster(scheduler, quiet, file, job, name, n_atoms, lo, hi,
-                        (file, spec.name, list(fields), plan, name, device, chunk_atoms),
+            _on_cluster(scheduler, quiet, batch, job, name, lo, hi,
+                        (batch.layout, spec.name, list(fields), plan, name, device, chunk_atoms),
                         attrs, where)
         else:
-            sink = _sink(job, name, n_atoms, attrs={**attrs, "device": _device_label(target)},
-                         **where)
+            sink = _sink(job, name, batch, lo, hi,
+                         attrs={**attrs, "device": _device_label(target)}, **where)
             with progress_bar(not quiet, f"{verb} {file}", len(n_atoms)) as bar:
                 _compute_into(batch, job, sink, target, lo, hi, chunk_atoms,
                               bar.update if bar else None)
@@ -311,7 +323,7 @@ def _execute(file, spec, fields, *, output, in_place, fmt, name, force, structur
                    f"{int(n_atoms.sum())} atoms)", err=True)
 
 
-def _on_cluster(scheduler, quiet, file, job, name, n_atoms, lo, hi, call, attrs, where):
+def _on_cluster(scheduler, quiet, batch, job, name, lo, hi, call, attrs, where):
     """The job over structures [lo, hi) as shards on the dask cluster at `scheduler`: each
     task writes its part into a temporary directory beside the output, and the parts are
     then written out in order as one run writes them."""
@@ -329,15 +341,17 @@ def _on_cluster(scheduler, quiet, file, job, name, n_atoms, lo, hi, call, attrs,
                                  dir=os.path.dirname(os.path.abspath(target)))
     try:
         with on_cluster(scheduler) as client:
+            n_atoms = batch.n_atoms[lo:hi]
             bounds = [lo + b for b in shard_bounds(n_atoms, shard_count(client, len(n_atoms)))]
             calls = [(*call, int(a), int(b), os.path.join(parts_dir, f"part-{k}.h5"), attrs)
                      for k, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
-            with progress_bar(not quiet, f"shards of {file}", len(calls)) as bar:
+            with progress_bar(not quiet, f"shards of {batch.path}", len(calls)) as bar:
                 paths = map_shards(client, _part, calls, bar.update if bar else None)
         parts = check_parts(paths)
         labels = {_dataset(name, label): label for label in job.outputs}
         first = parts[0].datasets[next(iter(labels))]
-        sink = _sink(job, name, n_atoms, attrs={**attrs, "device": first["device"]}, **where)
+        sink = _sink(job, name, batch, lo, hi, attrs={**attrs, "device": first["device"]},
+                     **where)
         with sink:
             for start, counts, rows in part_rows(parts, list(labels)):
                 chunk = Chunk(start, counts, {}, {})
@@ -347,7 +361,7 @@ def _on_cluster(scheduler, quiet, file, job, name, n_atoms, lo, hi, call, attrs,
 
 
 @click.command(short_help="Run one op per structure over a file.")
-@click.argument("file", type=click.Path(dir_okay=False))
+@click.argument("file")
 @click.argument("op", callback=_op)
 @click.argument("fields", nargs=-1)
 @_shared_options
@@ -363,7 +377,10 @@ def reduce(file, op, fields, **options):
                                             -> per atom (scaled_positions cell = positions)
       count                                 no field -> atoms per structure
 
-    FILE is a segcli HDF5 file or any file ASE reads. It is read in chunks of whole
+    FILE is a segcli HDF5 file or any file ASE reads, or many files read as one batch: a
+    directory, a quoted glob pattern ('shards/*.h5') or @LIST (see `segcli info --help`);
+    csv output then has the columns source,source_index after structure, and -o files say
+    where each structure came from. It is read in chunks of whole
     structures (--chunk-atoms), the next chunk while this one computes, so files larger than
     memory work. Results go to stdout (csv: `structure` first, `structure,atom` for per-atom
     results, vector entries as NAME_0, NAME_1, ...), to a new file (-o) or into FILE
@@ -383,7 +400,7 @@ def reduce(file, op, fields, **options):
 
 
 @click.command(short_help="Per-atom gradients of an op over a file.")
-@click.argument("file", type=click.Path(dir_okay=False))
+@click.argument("file")
 @click.argument("op", callback=_op)
 @click.argument("fields", nargs=-1)
 @click.option("--weights", metavar="FIELD",
@@ -402,7 +419,8 @@ def grad(file, op, fields, weights, order, direction, **options):
     array with a field per d_F). Per-structure inputs (mul's scalar, matvec's matrix) are
     held fixed. With --order 2 --direction V, writes instead the Hessian-vector product: the
     derivative of that gradient as every per-atom input moves along V. OPs and fields are
-    as for `segcli reduce`; count is not differentiable.
+    as for `segcli reduce`; count is not differentiable. FILE may be many files, as for
+    `segcli reduce`.
 
     \b
     Example:

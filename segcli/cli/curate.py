@@ -7,7 +7,7 @@ import os
 
 import click
 
-from segcli.cli.common import (check_cluster_usage, cluster_options, on_cluster,
+from segcli.cli.common import (check_cluster_usage, cluster_options, input_paths, on_cluster,
                                progress_bar, refuse_output_among_inputs,
                                refuse_structures_in_place, selection, structure_range, table)
 
@@ -39,7 +39,7 @@ def _element(z):
 
 
 @click.command(short_help="Count, mean, std, rms, min, max of fields.")
-@click.argument("file", type=click.Path(dir_okay=False))
+@click.argument("file")
 @click.argument("fields", metavar="FIELD...", nargs=-1, required=True)
 @click.option("--per-element", is_flag=True,
               help="Per-atom fields by element (atomic number from `numbers`).")
@@ -75,22 +75,23 @@ def stats(file, fields, per_element, per_atom, as_json, output, force, structure
       segcli stats data.h5 forces --shard auto -o 'parts/stats-{shard}.h5'
     """
     from segcli.cluster import leaf_stats_sharded
-    from segcli.io import open_batch
+    from segcli.io import open_inputs
     from segcli.io.statsfile import write_stats
     from segcli.shards import fingerprint, part_path, shard_of
     from segcli.stats import merge_stats
 
     check_cluster_usage(shard, scheduler, False)
     output = part_path(output, *shard) if shard and output else output
-    refuse_output_among_inputs(output, [file], "stats writes a new file")
+    paths = input_paths(file)
+    refuse_output_among_inputs(output, paths, "stats writes a new file")
     options = {"per_element": per_element, "per_atom": per_atom, "chunk_atoms": chunk_atoms}
-    with open_batch(file) as batch:
+    with open_inputs(paths, name=file) as batch:
         start, stop, _ = selection(batch, file, structures).indices(batch.n_structures)
         leaves = shard_of(batch.n_atoms[start:max(start, stop)], start, shard)
         summary = {"path": file, "structures": int(leaves[-1] - leaves[0]),
                    "atoms": int(batch.n_atoms[leaves[0]:leaves[-1]].sum())}
         attrs = {"structures": f"{leaves[0]}:{leaves[-1]}",
-                 "source_fingerprint": fingerprint([file], batch.n_atoms)}
+                 "source_fingerprint": fingerprint(batch.sources, batch.n_atoms)}
         with on_cluster(scheduler) as client, \
                 progress_bar(not quiet and scheduler, f"statistics of {file} (shards)") as bar:
             parts = leaf_stats_sharded(client, batch, fields, leaves,
@@ -139,7 +140,7 @@ def _fixed(ctx, param, values):
 
 
 @click.command("fit-e0", short_help="Fit per-element reference energies.")
-@click.argument("file", type=click.Path(dir_okay=False))
+@click.argument("file")
 @click.option("--energy", default="energy", show_default=True, metavar="FIELD",
               help="Per-structure energy field (or result) to fit.")
 @click.option("--fixed", multiple=True, callback=_fixed, metavar="SYMBOL=VALUE",
@@ -169,19 +170,20 @@ def fit_e0(file, energy, fixed, as_json, in_place, name, force, structures, chun
     """
     from ase.data import chemical_symbols
 
-    from segcli.io import ResultWriter, open_batch
+    from segcli.io import ResultWriter, open_inputs
     from segcli.stats import residual_errors, solve_e0
 
     if name is not None and not in_place:
         raise click.UsageError("--name names the result that --in-place stores")
     refuse_structures_in_place(in_place, structures)
+    paths = input_paths(file, in_place)
     name = name or f"residual_{energy}"
-    with open_batch(file) as batch:
+    with open_inputs(paths, name=file) as batch:
         options = {"chunk_atoms": chunk_atoms, "structures": selection(batch, file, structures)}
         e0, used = solve_e0(batch, energy, fixed=fixed, **options)
         everything = {**e0, **fixed}
         if in_place:
-            writer = ResultWriter(in_place_of=file, force=force, names=[name])
+            writer = ResultWriter(in_place_of=paths[0], force=force, names=[name])
             with writer:
                 writer.set_n_atoms(batch.n_atoms)
                 writer.create(name, (batch.n_structures,), "float64", {

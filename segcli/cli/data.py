@@ -7,7 +7,7 @@ import click
 from segcli.cli.common import progress_bar, refuse_output_among_inputs, table
 
 FORMAT_NAMES = {"segcli": "segcli HDF5", "ase": "ASE-readable file", "conformers":
-                "conformer-layout HDF5", "empty": "empty file"}
+                "conformer-layout HDF5", "empty": "empty file", "multi": "files read as one batch"}
 
 
 def describe(batch):
@@ -31,6 +31,8 @@ def describe(batch):
         "format": batch.format,
         "structures": batch.n_structures,
         "atoms": int(batch.n_atoms.sum()),
+        "sources": batch.sources,
+        **({"members": batch.members} if batch.format == "multi" else {}),
         "fields": {f.name: field(f) for f in fields},
         "results": batch.results,
     }
@@ -48,7 +50,7 @@ def _notes(summary, f):
 
 
 @click.command()
-@click.argument("file", type=click.Path(dir_okay=False))
+@click.argument("file")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 def info(file, as_json):
     """Show what a file holds.
@@ -62,19 +64,34 @@ def info(file, as_json):
     Transition1x, or any file ASE reads (extxyz, traj, db, cif, POSCAR, ...; these are read
     once in full).
 
+    FILE, wherever a command takes it, may also be many files read in order as one batch
+    (structure numbers run across them; results say where each structure came from): a
+    directory (its regular, non-hidden files that segcli reads, in sorted name order), a
+    quoted glob pattern ('shards/*.h5', expanded by segcli and sorted), or @LIST (a text file
+    with one path per line, relative to the list's directory; blank lines and # comments
+    skipped; @- reads the list from stdin). Their fields must agree in shape; a field that
+    only some files have is present in their structures only.
+
     \b
     Example:
       segcli info sample_data/metals.h5
       segcli info --json sample_data/metals.extxyz
+      segcli info 'shards/*.h5'
     """
-    from segcli.io import open_batch
+    from segcli.io import open_inputs
 
-    with open_batch(file) as batch:
+    with open_inputs(file) as batch:
         summary = describe(batch)
     if as_json:
         click.echo(json.dumps(summary))
         return
     click.echo(f"{summary['path']}: {FORMAT_NAMES[summary['format']]}")
+    if "members" in summary:
+        click.echo(f"files: {len(summary['members'])}")
+        rows = [(m["path"], FORMAT_NAMES[m["format"]], f"{m['structures']} structures",
+                 f"{m['atoms']} atoms") for m in summary["members"]]
+        for line in table(rows):
+            click.echo(f"  {line}")
     click.echo(f"structures: {summary['structures']}")
     click.echo(f"atoms: {summary['atoms']}")
     rows = [("name", "per", "shape", "dtype", "")] + [
@@ -104,8 +121,7 @@ def _names(ctx, param, text):
 
 
 @click.command()
-@click.argument("inputs", metavar="INPUT...", nargs=-1, required=True,
-                type=click.Path(dir_okay=False))
+@click.argument("inputs", metavar="INPUT...", nargs=-1, required=True)
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
               help="The segcli HDF5 file to write.")
 @click.option("--compression", type=click.Choice(["gzip", "lzf"]),
@@ -126,9 +142,11 @@ def convert(inputs, output, compression, chunk_atoms, fill_missing, fields, drop
 
     The INPUT files are concatenated in order. Each is any file ASE reads (extxyz, xyz, traj,
     db, cif, POSCAR, ...), a segcli HDF5 file (its stored results are not copied) or a
-    conformer-layout HDF5 file. Every per-atom array, cell, pbc, numeric or string info entry
-    (an ASE database's id, unique_id and key-value pairs) and calculator result (energy,
-    forces, stress, ...) is kept, under ASE's names, unless --fields or --drop say otherwise.
+    conformer-layout HDF5 file; an INPUT may also be many files (a directory, a quoted glob
+    pattern or @LIST, see `segcli info --help`). Every per-atom array, cell, pbc, numeric
+    or string info entry (an ASE database's id, unique_id and key-value pairs) and
+    calculator result (energy, forces, stress, ...) is kept, under ASE's names, unless
+    --fields or --drop say otherwise.
     A field that only some structures have (a molecule has no stress, a bulk cell no tags) is
     an error unless --fill-missing fills it. Memory stays bounded by --chunk-atoms however
     large the input; OUTPUT appears only when the whole conversion succeeded.
@@ -142,13 +160,15 @@ def convert(inputs, output, compression, chunk_atoms, fill_missing, fields, drop
     import numpy as np
 
     from segcli.io import convert as convert_files
+    from segcli.io import expand_inputs
 
     if fields is not None and drop is not None:
         raise click.UsageError("--fields and --drop cannot be used together")
-    refuse_output_among_inputs(output, inputs, "convert writes a new file")
+    paths = expand_inputs(inputs)
+    refuse_output_among_inputs(output, paths, "convert writes a new file")
     with progress_bar(not quiet, f"converting to {output}") as bar:
         structures, atoms, written = convert_files(
-            inputs, output, compression=compression, chunk_atoms=chunk_atoms,
+            paths, output, compression=compression, chunk_atoms=chunk_atoms,
             fill_missing=np.nan if fill_missing else None, fields=fields, drop=drop,
             force=force, progress=bar.update if bar else None)
     if not quiet:

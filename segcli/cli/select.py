@@ -31,7 +31,7 @@ def _listed(path, n_structures):
 
 
 @click.command()
-@click.argument("file", type=click.Path(dir_okay=False))
+@click.argument("file")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
               help="The new segcli HDF5 file.")
 @click.option("--where", "conditions", multiple=True, metavar="'NAME OP VALUE'",
@@ -68,16 +68,18 @@ def select(file, output, conditions, structures_from, force, quiet):
     """
     import numpy as np
 
-    from segcli.io import open_batch
+    from segcli.cli.common import input_paths
+    from segcli.io import open_inputs
     from segcli.io.subset import write_subset
     from segcli.io.writers import refuse_overwrite
     from segcli.select import where_mask
 
     if not conditions and structures_from is None:
         raise click.UsageError("give --where 'NAME OP VALUE' or --structures-from LIST (or both)")
-    refuse_output_among_inputs(output, [file], "select writes a new file")
+    paths = input_paths(file)
+    refuse_output_among_inputs(output, paths, "select writes a new file")
     refuse_overwrite(output, force)
-    with open_batch(file) as batch:
+    with open_inputs(paths, name=file) as batch:
         keep = np.ones(batch.n_structures, bool)
         if structures_from is not None:
             keep &= _listed(structures_from, batch.n_structures)

@@ -1,4 +1,5 @@
-"""Reading and writing batches of structures: segcli HDF5, ASE-readable files, conformer groups.
+"""Reading and writing batches of structures: segcli HDF5, ASE-readable files, conformer groups,
+and many files as one batch (a directory, a glob pattern, an @LIST: see open_inputs).
 
     with open_batch(path) as batch:
         for chunk in batch.iter_chunks(["forces", "energy"], chunk_atoms=1_000_000):
@@ -9,9 +10,11 @@ import os
 
 from segcli.errors import DataError
 from segcli.io.core import Batch, Chunk, FieldInfo
+from segcli.io.multi import Layout, MultiBatch, expand_inputs, open_inputs
 from segcli.io.writers import ResultWriter, convert
 
-__all__ = ["Batch", "Chunk", "FieldInfo", "ResultWriter", "convert", "open_batch", "reads"]
+__all__ = ["Batch", "Chunk", "FieldInfo", "Layout", "MultiBatch", "ResultWriter", "convert",
+           "expand_inputs", "open_batch", "open_inputs", "reads"]
 
 
 def open_batch(path):

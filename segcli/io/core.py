@@ -270,7 +270,7 @@ class Batch:
     """The structures of one file, read as chunks of whole structures.
 
     Subclasses provide `n_atoms`, `_stored` (name -> FieldInfo of the fields in the file),
-    `_present(name)` (see `present`, for a stored field) and
+    `_present(name)` (see `present`, for a stored field or result) and
     `_pieces(start, stop, names, chunk_atoms, into=None)`, which yields Chunks of consecutive
     structures from `start` to `stop` (None: the end) holding those of `names` (None: all
     stored fields) they have, reading a per-atom field into `into(name, rows)` where they can
@@ -319,13 +319,32 @@ class Batch:
         """name -> attrs of the results stored in the file."""
         return {}
 
+    @property
+    def sources(self):
+        """The files read, in order: this one."""
+        return [self.path]
+
+    def source_of(self, structures):
+        """Where the structures of a slice come from: (S,) int32 indices into `sources` and
+        (S,) int64 numbers of the structures inside their files."""
+        start, stop, _ = structures.indices(self.n_structures)
+        return np.zeros(max(stop - start, 0), np.int32), np.arange(start, stop, dtype=np.int64)
+
+    @property
+    def layout(self):
+        """A small picklable description of the batch that `segcli.io.open_inputs` opens again,
+        in any process, without reading the files first (see segcli.io.multi.Layout)."""
+        from segcli.io.multi import member_layout
+
+        return member_layout(self)
+
     def present(self, name):
         """(S,) bool array, True where a structure has field `name` (a derived field: what it
         is computed from); None when every structure has it."""
         self.check_fields([name])
         if name in self.derived:
             return all_of([self._present(n) for n in needs(name, self._stored)])
-        return self._present(name) if name in self._stored else None
+        return self._present(name)
 
     def fill_value(self, name):
         """The value that stands in the rows of structures without field `name`, or None."""

@@ -21,7 +21,9 @@ def write_subset(batch, keep, output, attrs=None, progress=None, force=False):
     A segcli HDF5 file is copied dataset by dataset: /structures, /atoms, /present and /results
     (per its `per` attribute) sliced, anything else whole, each with its dtype (strings too),
     attributes, chunking and filters, reading at most BLOCK_BYTES at a time. Other formats
-    stream their structures through BatchWriter. The file appears only once complete.
+    stream their structures through BatchWriter; many files also give the output where each
+    structure came from (the root attribute `sources`, /structures/source and
+    /structures/source_index, see Batch.source_of). The file appears only once complete.
     Returns (structures, atoms) written.
     """
     import h5py
@@ -33,6 +35,8 @@ def write_subset(batch, keep, output, attrs=None, progress=None, force=False):
         with new_output(output, force) as tmp, h5py.File(tmp, "w") as h5:
             if source is None:
                 _stream(batch, keep, h5, progress)
+                if len(batch.sources) > 1:
+                    h5.attrs["sources"] = np.array(batch.sources, dtype=h5py.string_dtype())
             else:
                 _copy(batch, keep, source, h5, progress)
             for key, value in (attrs or {}).items():
@@ -49,6 +53,8 @@ def _stream(batch, keep, h5, progress):
     """Append the kept structures of each chunk of `batch.stream` to a BatchWriter."""
     writer = BatchWriter(h5)
     for pieces in batch.stream(STREAM_ATOMS):
+        if len(batch.sources) > 1:
+            pieces = [_with_sources(batch, p) for p in pieces]
         kept = [_take(p, keep[p.start:p.start + len(p.n_atoms)]) for p in pieces]
         kept = [p for p in kept if len(p.n_atoms)]
         if kept:
@@ -56,6 +62,13 @@ def _stream(batch, keep, h5, progress):
         if progress:
             progress(sum(len(p.n_atoms) for p in pieces))
     writer.finish()
+
+
+def _with_sources(batch, piece):
+    """A piece with the per-structure fields source and source_index (see Batch.source_of)."""
+    source, index = batch.source_of(slice(piece.start, piece.start + len(piece.n_atoms)))
+    return piece._replace(structures={**piece.structures, "source": source,
+                                      "source_index": index})
 
 
 def _take(piece, mask):

@@ -290,6 +290,19 @@ class ResultWriter:
             raise DataError(f"{self.path}: results stored in place must cover all its "
                             f"{len(self._n_atoms)} structures, not {len(n_atoms)}")
 
+    def set_sources(self, paths, source, source_index):
+        """Where a new file's structures come from: the root attribute `sources` (the input
+        files' paths), /structures/source (indices into them) and /structures/source_index
+        (the structures' numbers inside their files)."""
+        import h5py
+
+        if self.in_place:
+            raise ValueError("ResultWriter: sources describe the structures of a new file")
+        self._h5.attrs["sources"] = np.array([os.fspath(p) for p in paths],
+                                             dtype=h5py.string_dtype())
+        self._h5.create_dataset("structures/source", data=np.asarray(source, np.int32))
+        self._h5.create_dataset("structures/source_index", data=np.asarray(source_index, np.int64))
+
     def create(self, name, shape, dtype, attrs):
         """Create /results/<name>; a result already there (or a result where one of its
         groups would go) is replaced only with force."""

@@ -1,0 +1,282 @@
+"""Many files read as one batch: a directory, a glob pattern or an @LIST given as FILE.
+
+    with open_inputs("shards/*.h5") as batch:  # or "shards/", "@list.txt", ["a.h5", "b.xyz"]
+        batch.sources, batch.source_of(slice(0, 10))
+
+A batch of many files is described once (`batch.layout`, small and picklable) and can be
+opened again from that description in another process without reading its files first.
+"""
+
+import glob
+import os
+import sys
+from typing import NamedTuple
+
+import numpy as np
+
+from segcli.errors import DataError
+from segcli.io.core import Batch, Schema, check_fill, fill_value
+
+
+class Layout(NamedTuple):
+    """What a batch of files holds, enough to open it again without reading them: the member
+    paths as given (`sources`, relative ones to `directory`), each member's format, n_atoms,
+    field names (stored fields and results) and presence masks of the fields it has for some
+    of its structures only; the merged stored fields and results (name -> FieldInfo) and the
+    attributes of the stored results."""
+
+    name: str
+    directory: str
+    sources: tuple
+    formats: tuple
+    n_atoms: tuple
+    fields: tuple
+    present: tuple
+    stored: dict
+    result_fields: dict
+    results: dict
+
+    def path(self, member):
+        """The path that opens member `member`, wherever the current directory is."""
+        return os.path.join(self.directory, self.sources[member])
+
+
+def member_layout(batch, name=None):
+    """The Layout of one opened batch (`name`: what messages call it, default its path)."""
+    names = set(batch._stored) | set(batch._result_fields)
+    present = {n: batch._present(n) for n in batch._stored}
+    return Layout(name or batch.path, os.getcwd(), (batch.path,), (batch.format,),
+                  (np.asarray(batch.n_atoms, np.int64),), (frozenset(names),),
+                  ({n: m for n, m in present.items() if m is not None},),
+                  dict(batch._stored), dict(batch._result_fields), dict(batch.results))
+
+
+def _join(layouts, name):
+    """One Layout of the members of `layouts`, in order; DataError naming the first member whose
+    fields disagree with those before it (per, shape, strings or numbers)."""
+    stored, result_fields, results = Schema(), Schema(), {}
+    for layout in layouts:
+        for info in layout.stored.values():
+            stored.add(layout.sources[0], info, 0)
+    for layout in layouts:
+        for info in layout.result_fields.values():
+            if info.name not in stored:
+                result_fields.add(layout.sources[0], info, 0)
+        results = {**layout.results, **results}
+    parts = zip(*(layout[2:7] for layout in layouts))
+    return Layout(name, os.getcwd(), *(sum(part, ()) for part in parts), dict(stored),
+                  dict(result_fields), results)
+
+
+def _listed(spec):
+    """The paths an @LIST names (`@-`: stdin), relative ones to the list's directory; blank lines
+    and `#` comments skipped."""
+    where = spec[1:]
+    if where == "-":
+        lines, directory = sys.stdin.read().splitlines(), ""
+    else:
+        try:
+            with open(where, encoding="utf-8") as listing:
+                lines = listing.read().splitlines()
+        except (OSError, UnicodeDecodeError) as err:
+            reason = getattr(err, "strerror", None) or "not a text file"
+            raise DataError(f"{where}: cannot read the list of files ({reason})") from err
+        directory = os.path.dirname(where)
+    paths = [line.strip() for line in lines]
+    paths = [os.path.join(directory, p) for p in paths if p and not p.startswith("#")]
+    if not paths:
+        raise DataError(f"{'stdin' if where == '-' else where}: lists no file")
+    return paths
+
+
+def _directory(path):
+    """The regular, non-hidden files of a directory that segcli reads, in sorted name order."""
+    from segcli.io import reads
+
+    try:
+        names = sorted(os.listdir(path))
+    except OSError as err:
+        raise DataError(f"{path}: cannot list the directory ({err.strerror})") from err
+    members = []
+    for name in names:
+        member = os.path.join(path, name)
+        if name.startswith(".") or not os.path.isfile(member):
+            continue
+        _check_readable(member)
+        if reads(member):
+            members.append(member)
+    if not members:
+        raise DataError(f"{path}: directory without a file that segcli reads")
+    return members
+
+
+def _check_readable(path):
+    if not os.access(path, os.R_OK):
+        raise DataError(f"{path}: cannot read (permission denied)")
+
+
+def _expand(spec):
+    """The paths one FILE stands for (see expand_inputs)."""
+    if os.path.isdir(spec):
+        return _directory(spec)
+    if os.path.lexists(spec):
+        return [spec]
+    if spec.startswith("@"):
+        paths = _listed(spec)
+    elif glob.has_magic(spec):
+        paths = sorted(glob.glob(spec))
+        if not paths:
+            raise DataError(f"{spec}: no file matches the pattern")
+    else:
+        raise DataError(f"{spec}: no such file")
+    out = []
+    for path in paths:
+        if os.path.isdir(path):
+            out += _directory(path)
+        elif not os.path.lexists(path):
+            raise DataError(f"{path}: no such file ({spec} names it)")
+        else:
+            out.append(path)
+    return out
+
+
+def expand_inputs(spec):
+    """The files that FILE `spec` (a str, or a sequence of them, each expanded) stands for, in
+    order: an existing file itself; a directory's regular, non-hidden files that segcli reads,
+    in sorted name order; a glob pattern's matches, sorted; @LIST's lines (`@-`: stdin's).
+    A directory among a pattern's or list's paths stands for its files. DataError naming a
+    member that is missing or unreadable, or a pattern, list or directory that names none."""
+    specs = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
+    paths = [path for s in specs for path in _expand(os.fspath(s))]
+    if len(paths) > 1:
+        for path in paths:
+            _check_readable(path)
+    return paths
+
+
+def open_inputs(spec, name=None):
+    """A Batch of the files `spec` stands for (see expand_inputs), or of a Layout: one file's own
+    batch (see open_batch), else a MultiBatch. `name`: what messages call many files
+    (default: `spec`)."""
+    from segcli.io import open_batch
+
+    if isinstance(spec, Layout):
+        return open_batch(spec.path(0)) if len(spec.sources) == 1 else MultiBatch(spec)
+    paths = expand_inputs(spec)
+    if len(paths) == 1:
+        return open_batch(paths[0])
+    if name is None:
+        name = os.fspath(spec) if isinstance(spec, (str, os.PathLike)) else ", ".join(spec)
+    return MultiBatch.scan(paths, name)
+
+
+class MultiBatch(Batch):
+    """Files read in order as one batch: structure numbers run across them, their fields merge
+    (dtypes promote; per and shape must agree) and a field that some files lack is filled
+    there (NaN for floats, 0 for integers and booleans, "" for strings) and not present.
+
+    Built from a Layout; a member file is opened only while structures of it are read."""
+
+    format = "multi"
+
+    def __init__(self, layout):
+        super().__init__(layout.name)
+        self._layout = layout
+        counts = [len(n) for n in layout.n_atoms]
+        self._first = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+        self.n_atoms = np.concatenate(layout.n_atoms)
+        self._stored = layout.stored
+        self._result_fields = layout.result_fields
+        self._open = []
+
+    @classmethod
+    def scan(cls, paths, name):
+        """Open each file once, to learn its structures and fields."""
+        from segcli.io import open_batch
+
+        layouts = []
+        for path in paths:
+            with open_batch(path) as batch:
+                layouts.append(member_layout(batch))
+        return cls(_join(layouts, name))
+
+    @property
+    def layout(self):
+        return self._layout
+
+    @property
+    def sources(self):
+        return list(self._layout.sources)
+
+    def source_of(self, structures):
+        start, stop, _ = structures.indices(self.n_structures)
+        index = np.arange(start, stop, dtype=np.int64)
+        source = np.searchsorted(self._first[:-1], index, side="right") - 1
+        return source.astype(np.int32), index - self._first[source]
+
+    @property
+    def members(self):
+        """Per file: its path, format, structures and atoms."""
+        return [{"path": path, "format": fmt, "structures": len(n), "atoms": int(n.sum())}
+                for path, fmt, n in zip(self._layout.sources, self._layout.formats,
+                                        self._layout.n_atoms)]
+
+    @property
+    def results(self):
+        return self._layout.results
+
+    def close(self):
+        while self._open:
+            self._open.pop().close()
+
+    def _present(self, name):
+        parts = []
+        for names, present, n_atoms in zip(self._layout.fields, self._layout.present,
+                                           self._layout.n_atoms):
+            mask = present.get(name)
+            parts.append(np.full(len(n_atoms), name in names) if mask is None else mask)
+        have = np.concatenate(parts) if parts else np.ones(0, bool)
+        return None if have.all() else have
+
+    def fill_value(self, name):
+        info = self.fields[name]
+        return None if self.present(name) is None else fill_value(info.dtype, np.nan)
+
+    def _pieces(self, start, stop, names, chunk_atoms, into=None):
+        from segcli.io import open_batch
+
+        stop = self.n_structures if stop is None else stop
+        names = list(self._stored) if names is None else names
+        for member, (first, end) in enumerate(zip(self._first[:-1], self._first[1:])):
+            lo, hi = max(start, first), min(stop, end)
+            if lo >= hi:
+                continue
+            has = self._layout.fields[member]
+            batch = open_batch(self._layout.path(member))
+            self._open.append(batch)
+            try:
+                for piece in batch._pieces(int(lo - first), int(hi - first),
+                                           [n for n in names if n in has], chunk_atoms, into):
+                    yield self._completed(member, piece, names)
+            finally:
+                if batch in self._open:
+                    self._open.remove(batch)
+                    batch.close()
+
+    def _completed(self, member, piece, names):
+        """A member's piece numbered in the batch, with the fields that its file lacks filled."""
+        atoms, structures = dict(piece.atoms), dict(piece.structures)
+        present = dict(piece.present)
+        fields = self.fields
+        for name in names:
+            data = atoms if fields[name].per == "atom" else structures
+            if name in data:
+                continue
+            if name in self._layout.fields[member]:
+                check_fill(self._layout.sources[member], piece.start, name, None)
+            info = fields[name]
+            rows = int(piece.n_atoms.sum()) if info.per == "atom" else len(piece.n_atoms)
+            data[name] = np.full((rows, *info.shape), fill_value(info.dtype, np.nan), info.dtype)
+            present[name] = np.zeros(len(piece.n_atoms), bool)
+        return piece._replace(start=int(self._first[member]) + piece.start, atoms=atoms,
+                              structures=structures, present=present)
