@@ -225,3 +225,29 @@ def test_a_virtual_merge_opens_after_the_parts_move_beside_it(tmp_path, lumpy):
     os.remove(os.path.join(moved, "r-0.h5"))
     result = run("info", os.path.join(moved, "all.h5"))
     assert result.exit_code == 1 and "r-0.h5, which is missing" in result.output
+
+
+def test_shards_of_many_files_merge_into_one_run(tmp_path):
+    rng = np.random.default_rng(13)
+    data = tmp_path / "data"
+    data.mkdir()
+    counts = []
+    for k, size in enumerate([40, 0, 25]):
+        n_atoms = rng.integers(0, 9, size)
+        counts.append(n_atoms)
+        write_batch(data / f"shard-{k}.h5", n_atoms, {"forces": rng.normal(size=(n_atoms.sum(), 3))})
+    files = str(data / "shard-*.h5")
+    ok("reduce", files, "rms_norm", "forces", "-o", tmp_path / "whole.h5", "-q")
+    ok("stats", files, "forces", "-o", tmp_path / "whole-stats.h5", "-q")
+    for i in range(4):
+        ok("reduce", files, "rms_norm", "forces", "--shard", f"{i}/4", "-o",
+           tmp_path / "r-{shard}.h5", "-q")
+        ok("stats", files, "forces", "--shard", f"{i}/4", "-o", tmp_path / "s-{shard}.h5", "-q")
+    ok("merge", tmp_path / "r-*.h5", "-o", tmp_path / "merged.h5", "-q")
+    ok("merge", tmp_path / "s-*.h5", "-o", tmp_path / "merged-stats.h5", "-q")
+    assert_identical(tmp_path / "merged.h5", tmp_path / "whole.h5")
+    assert_identical(tmp_path / "merged-stats.h5", tmp_path / "whole-stats.h5")
+    with h5py.File(tmp_path / "merged.h5", "r") as f:
+        np.testing.assert_array_equal(f["structures/source"][()], np.repeat([0, 2], [40, 25]))
+        np.testing.assert_array_equal(f["structures/source_index"][()],
+                                      np.concatenate([np.arange(40), np.arange(25)]))
