@@ -6,10 +6,6 @@ import click
 
 from segcli.cli.common import progress_bar, refuse_output_among_inputs, table
 
-FORMAT_NAMES = {"segcli": "segcli HDF5", "ase": "ASE-readable file", "conformers":
-                "conformer-layout HDF5", "empty": "empty file"}
-
-
 def describe(batch):
     """What `info` prints, as one JSON-friendly dict (a NaN fill_value as the string "nan")."""
     import math
@@ -68,13 +64,14 @@ def info(file, as_json):
       segcli info --json sample_data/metals.extxyz
     """
     from segcli.io import open_batch
+    from segcli.io.formats import DESCRIPTIONS
 
     with open_batch(file) as batch:
         summary = describe(batch)
     if as_json:
         click.echo(json.dumps(summary))
         return
-    click.echo(f"{summary['path']}: {FORMAT_NAMES[summary['format']]}")
+    click.echo(f"{summary['path']}: {DESCRIPTIONS[summary['format']]}")
     click.echo(f"structures: {summary['structures']}")
     click.echo(f"atoms: {summary['atoms']}")
     rows = [("name", "per", "shape", "dtype", "")] + [
