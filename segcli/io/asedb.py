@@ -45,10 +45,9 @@ class DatabaseBatch(StreamedBatch):
     def structures(self, start, stop):
         index = start
         try:
-            with connect(self.path, self.format) as db:
-                for row in rows(db, start, db.count() if stop is None else stop):
-                    yield row_piece(self.path, index, row)
-                    index += 1
+            for row in rows(self.path, self.format, start, stop):
+                yield row_piece(self.path, index, row)
+                index += 1
         except DataError:
             raise
         except Exception as err:
@@ -56,12 +55,19 @@ class DatabaseBatch(StreamedBatch):
                             f"{self.format} ({type(err).__name__}: {err})") from err
 
 
-def rows(db, start, stop):
-    """Rows `start` to `stop` of an open database, in id order, at most PAGE_ROWS in memory:
-    an LMDB database's fetched one by one by id (it knows them all), other databases' a page
-    at a time, each page selected by id from where the last one ended."""
-    if hasattr(db, "ids"):
-        yield from (db.get(i) for i in db.ids[start:stop])
+def rows(path, kind, start, stop):
+    """Rows `start` to `stop` (None: the end) of the database `path` of type `kind`, in id
+    order, at most PAGE_ROWS in memory and no transaction or connection held between rows (the
+    consumer may be another thread): an LMDB database's fetched one by one by id (it knows them
+    all), other databases' a page at a time, each page selected by id from where the last
+    one ended."""
+    db = connect(path, kind)
+    stop = db.count() if stop is None else min(stop, db.count())
+    if kind == "aselmdb":
+        try:
+            yield from (db.get(i) for i in db.ids[start:stop])
+        finally:
+            db.close()
         return
     selection, offset = None, start
     while start < stop:
