@@ -3,6 +3,9 @@
 
 import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import ase.db
 import ase.io
@@ -181,9 +184,6 @@ def test_reading_leaves_the_database_as_it_was(database):
 
 def test_a_missing_lmdb_package_names_the_extra(tmp_path):
     """Run in a fresh interpreter where `lmdb` cannot be imported."""
-    import subprocess
-    import sys
-
     path = tmp_path / "shard.aselmdb"
     with ase.db.connect(path, type="aselmdb") as db:
         db.write(molecule("H2O"))
@@ -209,8 +209,10 @@ def test_content_decides_the_format(tmp_path, extxyz, batch_h5):
         with open_batch(path) as batch:
             assert batch.format == kind
     with open_batch(renamed) as batch:
-        positions = np.concatenate([c.atoms["positions"] for c in batch.iter_chunks("positions")])
-    assert np.array_equal(positions, np.concatenate([a.positions for a in ase.io.read(extxyz, ":")]))
+        chunks = batch.iter_chunks("positions", chunk_atoms=20)
+        positions = np.concatenate([c.atoms["positions"] for c in chunks])
+    reference = ase.io.read(extxyz, ":")
+    assert np.array_equal(positions, np.concatenate([a.positions for a in reference]))
 
 
 def test_text_files_are_not_structures(tmp_path, extxyz):
@@ -243,10 +245,8 @@ def test_by_name_when_content_cannot_tell(tmp_path, frames):
 
 def test_info_describes_every_format(tmp_path, extxyz, batch_h5, frames):
     """One file of each registered format, and `info`'s first line for it."""
-    conformers = tmp_path.parent / "conformers.h5"
-    shutil.copy(__import__("pathlib").Path(__file__).parents[1] / "sample_data" /
-                "conformers.h5", conformers)
-    files = {"empty": tmp_path / "empty.xyz", "segcli": batch_h5, "conformers": conformers,
+    files = {"empty": tmp_path / "empty.xyz", "segcli": batch_h5,
+             "conformers": Path(__file__).parents[1] / "sample_data" / "conformers.h5",
              "extxyz": extxyz, "ase": tmp_path / "frames.traj"}
     files["empty"].touch()
     ase.io.write(files["ase"], frames)

@@ -6,6 +6,7 @@ import click
 
 from segcli.cli.common import progress_bar, refuse_output_among_inputs, table
 
+
 def describe(batch):
     """What `info` prints, as one JSON-friendly dict (a NaN fill_value as the string "nan")."""
     import math
@@ -55,8 +56,9 @@ def info(file, as_json):
     structures have `present in K of S` (with what fills the others in a converted file).
 
     FILE is a segcli HDF5 file, an HDF5 file in the conformer layout of ANI-1x, SPICE or
-    Transition1x, or any file ASE reads (extxyz, traj, db, cif, POSCAR, ...; these are read
-    once in full).
+    Transition1x, an ASE database (.db, .json, OMat24/OMol25 .aselmdb) or any file ASE reads
+    (extxyz, traj, cif, POSCAR, ...; these are read once in full). The first line names the
+    format, which segcli tells by the file's content.
 
     \b
     Example:
