@@ -222,7 +222,9 @@ def test_text_files_are_not_structures(tmp_path, extxyz):
     notes.write_text("3 structures\n")
     not_hdf5 = tmp_path / "data.h5"
     not_hdf5.write_text("this is not HDF5\n")
-    for path in (readme, notes, not_hdf5):
+    settings = tmp_path / "settings.json"  # JSON, not an ASE database
+    settings.write_text('{"cutoff": 5.0, "elements": ["H", "O"]}\n')
+    for path in (readme, notes, not_hdf5, settings):
         assert not reads(path), path
     assert reads(extxyz) and not reads(tmp_path / "missing.xyz") and not reads(tmp_path)
     result = run("info", not_hdf5)

@@ -5,6 +5,7 @@ Adding a format means adding one `Format` to FORMATS: a name (what `Batch.format
 """
 
 import os
+import re
 from functools import partial
 from typing import Callable, NamedTuple
 
@@ -63,7 +64,8 @@ def _lmdb(path, head):
 
 
 def _json_db(path, head):
-    return path.endswith(".json") and head.lstrip()[:1] == b"{"
+    """An object whose first key is a row id (ASE writes rows first) or, with no rows, "ids"."""
+    return re.match(rb'\s*\{\s*("\d+"\s*:\s*\{|"ids"\s*:)', head) is not None
 
 
 def _ase_content(path, head):
