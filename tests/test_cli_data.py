@@ -63,9 +63,9 @@ def _groups(h5):
     return found
 
 
-@pytest.mark.parametrize("kind", ["segcli", "ase", "conformers", "empty"])
+@pytest.mark.parametrize("kind", ["segcli", "extxyz", "conformers", "empty"])
 def test_info_json_on_every_kind(tmp_path, batch_h5, extxyz, kind):
-    path = {"segcli": batch_h5, "ase": extxyz, "conformers": SAMPLES / "conformers.h5",
+    path = {"segcli": batch_h5, "extxyz": extxyz, "conformers": SAMPLES / "conformers.h5",
             "empty": tmp_path / "empty.xyz"}[kind]
     if kind == "empty":
         path.touch()
@@ -75,7 +75,7 @@ def test_info_json_on_every_kind(tmp_path, batch_h5, extxyz, kind):
     with h5py.File(SAMPLES / "conformers.h5") as h5:
         conformer_atoms = sum(g["coordinates"].shape[0] * g["coordinates"].shape[1]
                               for g in _groups(h5))
-    expected_atoms = {"segcli": 61, "ase": 61, "conformers": conformer_atoms, "empty": 0}[kind]
+    expected_atoms = {"segcli": 61, "extxyz": 61, "conformers": conformer_atoms, "empty": 0}[kind]
     assert (summary["path"], summary["format"], summary["atoms"]) == (
         str(path), kind, expected_atoms)
     with open_batch(path) as batch:

@@ -12,18 +12,18 @@ from ase.constraints import FixAtoms, FixCartesian
 
 from segcli.errors import DataError
 from segcli.io import open_batch
-from segcli.io.asefiles import AseBatch
+from segcli.io.asefiles import AseBatch, ExtxyzBatch
 from segcli.io.extxyz import Unsupported, pieces
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_data"
 
 
 def ase_pieces(path, start=0, stop=None):
-    return list(AseBatch(str(path), "extxyz")._ase_pieces(start, stop, start))
+    return list(AseBatch(str(path), "extxyz").structures(start, stop))
 
 
 def batch_pieces(path, start=0, stop=None):
-    return list(AseBatch(str(path), "extxyz")._pieces(start, stop, None, None))
+    return list(ExtxyzBatch(str(path)).structures(start, stop))
 
 
 def assert_identical(got, expected):

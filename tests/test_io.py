@@ -54,7 +54,7 @@ def assert_same(got, expected):
 def test_extxyz_chunks_match_ase(extxyz, ase_reference, chunk_atoms):
     n_atoms, per_atom, per_structure = ase_reference(extxyz)
     with open_batch(extxyz) as batch:
-        assert batch.format == "ase" and batch.path == str(extxyz)
+        assert batch.format == "extxyz" and batch.path == str(extxyz)
         assert np.array_equal(batch.n_atoms, n_atoms) and batch.n_atoms.dtype == np.int64
         assert batch.n_structures == len(n_atoms)
         got = read_all(batch, ATOM_FIELDS + STRUCTURE_FIELDS, chunk_atoms=chunk_atoms)

@@ -6,9 +6,6 @@ import click
 
 from segcli.cli.common import progress_bar, refuse_output_among_inputs, table
 
-FORMAT_NAMES = {"segcli": "segcli HDF5", "ase": "ASE-readable file", "conformers":
-                "conformer-layout HDF5", "empty": "empty file", "multi": "files read as one batch"}
-
 
 def describe(batch):
     """What `info` prints, as one JSON-friendly dict (a NaN fill_value as the string "nan")."""
@@ -61,8 +58,9 @@ def info(file, as_json):
     structures have `present in K of S` (with what fills the others in a converted file).
 
     FILE is a segcli HDF5 file, an HDF5 file in the conformer layout of ANI-1x, SPICE or
-    Transition1x, or any file ASE reads (extxyz, traj, db, cif, POSCAR, ...; these are read
-    once in full).
+    Transition1x, an ASE database (.db, .json, OMat24/OMol25 .aselmdb) or any file ASE reads
+    (extxyz, traj, cif, POSCAR, ...; these are read once in full). The first line names the
+    format, which segcli tells by the file's content.
 
     FILE, wherever a command takes it, may also be many files read in order as one batch
     (structure numbers run across them; results say where each structure came from): a
@@ -79,16 +77,19 @@ def info(file, as_json):
       segcli info 'shards/*.h5'
     """
     from segcli.io import open_inputs
+    from segcli.io.formats import DESCRIPTIONS
+
+    descriptions = {**DESCRIPTIONS, "multi": "files read as one batch"}
 
     with open_inputs(file) as batch:
         summary = describe(batch)
     if as_json:
         click.echo(json.dumps(summary))
         return
-    click.echo(f"{summary['path']}: {FORMAT_NAMES[summary['format']]}")
+    click.echo(f"{summary['path']}: {descriptions[summary['format']]}")
     if "members" in summary:
         click.echo(f"files: {len(summary['members'])}")
-        rows = [(m["path"], FORMAT_NAMES[m["format"]], f"{m['structures']} structures",
+        rows = [(m["path"], descriptions[m["format"]], f"{m['structures']} structures",
                  f"{m['atoms']} atoms") for m in summary["members"]]
         for line in table(rows):
             click.echo(f"  {line}")

@@ -18,15 +18,12 @@ __all__ = ["Batch", "Chunk", "FieldInfo", "Layout", "MultiBatch", "ResultWriter"
 
 
 def open_batch(path):
-    """Open a segcli HDF5 file, a conformer-layout HDF5 file or any file ASE reads.
+    """Open a file in the first format of `segcli.io.formats.FORMATS` that recognises it (segcli
+    HDF5, conformer-layout HDF5, an ASE database, extended XYZ, any file ASE reads, ...).
 
     Raises DataError naming the file and the problem when it is none of these.
     """
-    import h5py
-
-    from segcli.io.asefiles import AseBatch, ase_format
-    from segcli.io.core import EmptyBatch
-    from segcli.io.hdf5 import ConformerBatch, SegcliBatch
+    from segcli.io.formats import detect
 
     path = os.fspath(path)
     if not os.path.exists(path):
@@ -36,38 +33,16 @@ def open_batch(path):
     if not os.path.isfile(path):
         raise DataError(f"{path}: not a regular file (a pipe, FIFO or device); segcli reads "
                         "files it can seek in: save the stream to a file first")
-    if os.path.getsize(path) == 0:
-        return EmptyBatch(path)
-    if not h5py.is_hdf5(path):
-        return AseBatch(path, ase_format(path))
-    try:
-        h5 = h5py.File(path, "r", rdcc_nbytes=0)
-    except OSError as err:
-        raise DataError(f"{path}: truncated or corrupt HDF5 file ({err})") from err
-    try:
-        return SegcliBatch(path, h5) if "format" in h5.attrs else ConformerBatch(path, h5)
-    except (OSError, KeyError) as err:
-        h5.close()
-        raise DataError(f"{path}: corrupt HDF5 file ({err})") from err
-    except BaseException:
-        h5.close()
-        raise
+    fmt = detect(path)
+    if fmt is None:
+        raise DataError(f"{path}: neither HDF5 nor a file format that ASE can read")
+    return fmt.open(path)
 
 
 def reads(path):
-    """Whether `path` is a regular file that segcli recognises as structures by its content or
-    name (HDF5, or a format ASE reads); what a directory given as FILE is filtered by."""
-    import h5py
-
-    from segcli.io.asefiles import ase_format
+    """Whether `path` is a non-empty regular file that a reader recognises as structures by its
+    content; what a directory given as FILE is filtered by."""
+    from segcli.io.formats import recognised
 
     path = os.fspath(path)
-    if not os.path.isfile(path) or os.path.getsize(path) == 0:
-        return False
-    if h5py.is_hdf5(path):
-        return True
-    try:
-        ase_format(path)
-    except DataError:
-        return False
-    return True
+    return os.path.isfile(path) and os.path.getsize(path) > 0 and recognised(path)

@@ -1,4 +1,5 @@
-"""Files that ASE reads (extxyz, xyz, traj, db, cif, POSCAR, ...), streamed with ase.io.iread."""
+"""Files that ASE reads (extxyz, xyz, traj, cif, POSCAR, ...), streamed a structure at a time:
+with ase.io.iread, and extended XYZ with segcli's own reader where it can."""
 
 from functools import cached_property
 
@@ -6,9 +7,6 @@ import numpy as np
 
 from segcli.errors import DataError
 from segcli.io.core import NUMERIC_KINDS, STRING, Batch, Chunk, Schema, rechunk
-
-DB_FORMATS = ("db", "json")  # ASE databases: read row by row, with their keys
-
 
 def ase_format(path):
     """ASE's name for the format of a file, or DataError when ASE knows none."""
@@ -18,9 +16,7 @@ def ase_format(path):
         fmt = filetype(path)
     except UnknownFileTypeError:
         fmt = None
-    if fmt not in ioformats or not ioformats[fmt].can_read:
-        raise DataError(f"{path}: neither HDF5 nor a file format that ASE can read")
-    return fmt
+    return fmt if fmt in ioformats and ioformats[fmt].can_read else None
 
 
 def _numeric(value):
@@ -73,21 +69,20 @@ def structure_piece(path, index, n, arrays, cell, pbc, info, results):
     return Chunk(index, np.array([n], np.int64), per_atom, per_structure)
 
 
-class AseBatch(Batch):
-    """Structures of an ASE-readable file. `n_atoms`, `fields` and `present` cost one pass over
-    the file (cached); `iter_chunks` another."""
+class StreamedBatch(Batch):
+    """Structures read in order, one piece each, by `structures(start, stop)` (stop None: the
+    end). `n_atoms`, `fields` and `present` cost one pass over the file that keeps only counts
+    and field names (cached); `iter_chunks` another."""
 
-    format = "ase"
-
-    def __init__(self, path, ase_format):
-        super().__init__(path)
-        self.ase_format = ase_format
+    def structures(self, start, stop):
+        """A piece per structure from `start` to `stop`, with every field it has."""
+        raise NotImplementedError
 
     @cached_property
     def _scan(self):
         """(n_atoms, schema, the distinct sets of field names, each structure's set's index)."""
         n_atoms, schema, name_sets, which = [], Schema(), {}, []
-        for piece in self._pieces(0, None, None, None):
+        for piece in self.structures(0, None):
             n_atoms.append(piece.n_atoms[0])
             schema.add_piece(self.path, piece)
             names = frozenset(piece.atoms.keys() | piece.structures.keys())
@@ -109,52 +104,27 @@ class AseBatch(Batch):
         return None if have.all() else have
 
     def stream(self, chunk_atoms, keep=None):
-        pieces = self._pieces(0, None, None, chunk_atoms)
+        pieces = self.structures(0, None)
         if keep is not None:
             pieces = (only(piece, keep) for piece in pieces)
         return rechunk(pieces, chunk_atoms)
 
     def _pieces(self, start, stop, names, chunk_atoms, into=None):
-        if self.ase_format == "extxyz":
-            pieces = self._extxyz_pieces(start, stop)
-        elif self.ase_format in DB_FORMATS:
-            pieces = self._db_pieces(start, stop)
-        else:
-            pieces = self._ase_pieces(start, stop, start)
-        for piece in pieces:
+        for piece in self.structures(start, stop):
             yield piece if names is None else only(piece, names.__contains__)
 
-    def _extxyz_pieces(self, start, stop):
-        """segcli's extxyz reader, and ASE from the first structure it leaves to ASE."""
-        from segcli.io.extxyz import Unsupported, pieces
 
-        try:
-            yield from pieces(self.path, start, stop)
-        except Unsupported as exc:
-            yield from self._ase_pieces(start, stop, exc.index)
+class AseBatch(StreamedBatch):
+    """Structures of a file that ASE reads, in ASE format `ase_format`, with ase.io.iread."""
 
-    def _db_pieces(self, start, stop):
-        """The rows of an ASE database as ase.io.read gives them, with each row's `id`,
-        `unique_id` and key-value pairs as per-structure fields."""
-        import ase.db
+    format = "ase"
 
-        index = start
-        try:
-            with ase.db.connect(self.path, serial=True) as db:
-                stop = db.count() if stop is None else min(stop, db.count())
-                for row in db.select(offset=start, limit=stop - start) if stop > start else ():
-                    atoms = row.toatoms()
-                    info = {"id": row.id, "unique_id": row.unique_id, **row.key_value_pairs}
-                    yield structure_piece(self.path, index, len(atoms), atoms.arrays,
-                                          atoms.cell.array, atoms.pbc, info,
-                                          getattr(atoms.calc, "results", {}))
-                    index += 1
-        except DataError:
-            raise
-        except Exception as err:
-            raise DataError(f"{self.path}: ASE cannot read structure {index} as "
-                            f"{self.ase_format} ({type(err).__name__}: {err})") from err
+    def __init__(self, path, ase_format):
+        super().__init__(path)
+        self.ase_format = ase_format
 
+    def structures(self, start, stop):
+        return self._ase_pieces(start, stop, start)
     def _ase_pieces(self, start, stop, resume):
         """Pieces of the structures from `resume` to `stop`, reading with ASE from `start`
         (ASE checks every frame header first, and reports a bad one at `start`)."""
@@ -176,3 +146,21 @@ class AseBatch(Batch):
             if index >= resume:
                 yield atoms_piece(self.path, atoms, index)
             index += 1
+
+
+class ExtxyzBatch(AseBatch):
+    """An extended XYZ file: segcli's reader, and ASE from the first structure it leaves to
+    ASE."""
+
+    format = "extxyz"
+
+    def __init__(self, path):
+        super().__init__(path, "extxyz")
+
+    def structures(self, start, stop):
+        from segcli.io.extxyz import Unsupported, pieces
+
+        try:
+            yield from pieces(self.path, start, stop)
+        except Unsupported as exc:
+            yield from self._ase_pieces(start, stop, exc.index)

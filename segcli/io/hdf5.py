@@ -36,6 +36,23 @@ def plain(value):
     return value.decode() if isinstance(value, bytes) else value
 
 
+def open_file(path, batch_class):
+    """An HDF5 file opened as `batch_class` (SegcliBatch or ConformerBatch); DataError when
+    HDF5 cannot read it."""
+    try:
+        h5 = h5py.File(path, "r", rdcc_nbytes=0)
+    except OSError as err:
+        raise DataError(f"{path}: truncated or corrupt HDF5 file ({err})") from err
+    try:
+        return batch_class(path, h5)
+    except (OSError, KeyError) as err:
+        h5.close()
+        raise DataError(f"{path}: corrupt HDF5 file ({err})") from err
+    except BaseException:
+        h5.close()
+        raise
+
+
 class SegcliBatch(Batch):
     """A segcli-batch HDF5 file (SPEC §4)."""
 

@@ -6,6 +6,7 @@ import numpy as np
 
 from segcli.errors import DataError
 from segcli.io.core import Chunk
+from segcli.io.formats import capable
 from segcli.io.hdf5 import plain, read_rows
 from segcli.io.writers import BatchWriter, ensure_room, new_output
 
@@ -30,7 +31,7 @@ def write_subset(batch, keep, output, attrs=None, progress=None, force=False):
 
     keep = np.asarray(keep, bool)
     output = os.fspath(output)
-    source = h5py.File(batch.path, "r") if batch.format == "segcli" else None
+    source = h5py.File(batch.path, "r") if capable(batch, "copies_datasets") else None
     try:
         with new_output(output, force) as tmp, h5py.File(tmp, "w") as h5:
             if source is None:

@@ -17,6 +17,7 @@ from segcli import __version__
 from segcli.errors import DataError, hold_signals, raise_if_interrupted, release_signals
 from segcli.io.core import (FORMAT, STRING, VERSION, FieldInfo, Schema, check_fill, fill_value,
                             merge_pieces)
+from segcli.io.formats import capable
 
 CHUNK_BYTES = 1 << 20
 ROOM_MARGIN = 1 << 20
@@ -253,7 +254,7 @@ class ResultWriter:
             if self.in_place:
                 stack.enter_context(locked(self.path))  # until the copy replaces the file
                 with open_batch(self.path) as batch:
-                    if batch.format != "segcli":
+                    if not capable(batch, "stores_results"):
                         raise DataError(f"{self.path}: results can only be stored in a segcli "
                                         f"HDF5 file; convert it first: segcli convert "
                                         f"{self.path} -o OUT.h5")

@@ -1,0 +1,80 @@
+"""ASE databases (SQLite `.db`, JSON, and LMDB `.aselmdb` as OMat24 and OMol25 ship them) read
+row by row, never all at once."""
+
+from segcli.errors import DataError
+from segcli.io.asefiles import StreamedBatch, structure_piece
+
+PAGE_ROWS = 100
+CONNECT_OPTIONS = {"aselmdb": {"readonly": True}, "db": {"serial": True},
+                   "json": {"serial": True}}
+"""ase.db.connect's options per database type: read only, no locks, no parallel scheme."""
+
+
+def connect(path, kind):
+    """A read-only connection to the ASE database `path` of type `kind`; DataError (naming the
+    extra to install) when its backend is missing."""
+    import ase.db
+
+    if kind == "aselmdb":
+        try:
+            import ase_db_backends.aselmdb  # noqa: F401
+        except ImportError as err:
+            raise DataError(f"{path}: reading .aselmdb files needs the ase-db-backends and lmdb "
+                            f"packages: pip install 'segcli[lmdb]' ({err})") from err
+    return ase.db.connect(path, type=kind, **CONNECT_OPTIONS[kind])
+
+
+def row_piece(path, index, row):
+    """One database row as a piece: its atoms and calculator results, its numeric `data`
+    arrays (per atom where their first axis has an entry per atom), and its `id`, `unique_id`
+    and key-value pairs per structure."""
+    atoms = row.toatoms()
+    info = {"id": row.id, "unique_id": row.unique_id, **row.key_value_pairs}
+    results = {**row.get("data", {}), **getattr(atoms.calc, "results", {})}
+    return structure_piece(path, index, len(atoms), atoms.arrays, atoms.cell.array, atoms.pbc,
+                           info, results)
+
+
+class DatabaseBatch(StreamedBatch):
+    """The rows of an ASE database of type `kind` ("db", "json" or "aselmdb"), in id order."""
+
+    def __init__(self, path, kind):
+        super().__init__(path)
+        self.format = kind
+
+    def structures(self, start, stop):
+        index = start
+        try:
+            for row in rows(self.path, self.format, start, stop):
+                yield row_piece(self.path, index, row)
+                index += 1
+        except DataError:
+            raise
+        except Exception as err:
+            raise DataError(f"{self.path}: ASE cannot read structure {index} as "
+                            f"{self.format} ({type(err).__name__}: {err})") from err
+
+
+def rows(path, kind, start, stop):
+    """Rows `start` to `stop` (None: the end) of the database `path` of type `kind`, in id
+    order, at most PAGE_ROWS in memory and no transaction or connection held between rows (the
+    consumer may be another thread): an LMDB database's fetched one by one by id (it knows them
+    all), other databases' a page at a time, each page selected by id from where the last
+    one ended."""
+    db = connect(path, kind)
+    stop = db.count() if stop is None else min(stop, db.count())
+    if kind == "aselmdb":
+        try:
+            yield from (db.get(i) for i in db.ids[start:stop])
+        finally:
+            db.close()
+        return
+    selection, offset = None, start
+    while start < stop:
+        page = list(db.select(selection, offset=offset, limit=min(PAGE_ROWS, stop - start),
+                              sort="id"))
+        if not page:
+            return
+        yield from page
+        start += len(page)
+        selection, offset = f"id>{page[-1].id}", 0

@@ -1,0 +1,153 @@
+"""The input formats segcli reads: one entry per reader, tried in order.
+
+Adding a format means adding one `Format` to FORMATS: a name (what `Batch.format` is), what
+`info` calls it, how its content is recognised and which Batch opens it.
+"""
+
+import os
+import re
+from functools import partial
+from typing import Callable, NamedTuple
+
+from segcli.errors import DataError
+from segcli.io.asedb import DatabaseBatch
+from segcli.io.asefiles import AseBatch, ExtxyzBatch, ase_format
+from segcli.io.core import EmptyBatch
+
+HEAD_BYTES = 2048  # what content detection reads of a file (decompressed, as ASE reads it)
+SQLITE_MAGIC = b"SQLite format 3\x00"
+LMDB_MAGICS = (b"\xde\xc0\xef\xbe", b"\xbe\xef\xc0\xde")  # 0xBEEFC0DE, either byte order
+LMDB_MAGIC_OFFSET = 16  # after the page header of LMDB's first meta page
+
+
+class Format(NamedTuple):
+    """A reader: `can_open(path, head)` tells by the file's content (`head`: its first
+    HEAD_BYTES) whether it is this format; `open(path)` returns the Batch; `by_name(path)`,
+    where given, claims a file that no entry recognised by content from its name alone, for
+    formats whose content cannot tell (`open` then reports what is wrong)."""
+
+    name: str
+    description: str
+    can_open: Callable
+    open: Callable
+    by_name: Callable = None
+    stores_results: bool = False  # results can be written into the file in place
+    copies_datasets: bool = False  # a subset is copied dataset by dataset (HDF5 to HDF5)
+
+
+def _hdf5(path):
+    import h5py
+
+    return h5py.is_hdf5(path)
+
+
+def _has_format_attribute(path, head):
+    import h5py
+
+    if not _hdf5(path):
+        return False
+    try:
+        with h5py.File(path, "r") as h5:
+            return "format" in h5.attrs
+    except OSError:
+        return False  # a broken HDF5 file: the conformer reader says what is wrong
+
+
+def _first_line_is_a_count(path, head):
+    """ASE's own test for (extended) XYZ: a first line holding an atom count."""
+    lines = head.splitlines()
+    return bool(lines) and lines[0].strip().isdigit()
+
+
+def _lmdb(path, head):
+    return head[LMDB_MAGIC_OFFSET:LMDB_MAGIC_OFFSET + 4] in LMDB_MAGICS
+
+
+def _json_db(path, head):
+    """An object whose first key is a row id (ASE writes rows first) or, with no rows, "ids"."""
+    return re.match(rb'\s*\{\s*("\d+"\s*:\s*\{|"ids"\s*:)', head) is not None
+
+
+def _ase_content(path, head):
+    """ASE knows the file by its content's magic, or ASE reads a structure from it in the
+    format its name suggests."""
+    from ase.io.formats import UnknownFileTypeError, match_magic
+
+    fmt = ase_format(path)
+    if fmt is None:
+        return False
+    try:
+        return match_magic(head).name == fmt
+    except UnknownFileTypeError:
+        pass
+    try:
+        return next(AseBatch(path, fmt).structures(0, 1), None) is not None
+    except DataError:
+        return False
+
+
+def _open_segcli(path):
+    from segcli.io.hdf5 import SegcliBatch, open_file
+
+    return open_file(path, SegcliBatch)
+
+
+def _open_conformers(path):
+    from segcli.io.hdf5 import ConformerBatch, open_file
+
+    return open_file(path, ConformerBatch)
+
+
+def _open_ase(path):
+    return AseBatch(path, ase_format(path))
+
+
+FORMATS = [
+    Format("empty", "empty file", lambda path, head: os.path.getsize(path) == 0, EmptyBatch),
+    Format("segcli", "segcli HDF5", _has_format_attribute, _open_segcli,
+           stores_results=True, copies_datasets=True),
+    Format("conformers", "conformer-layout HDF5", lambda path, head: _hdf5(path),
+           _open_conformers),
+    Format("aselmdb", "ASE LMDB database (OMat24/OMol25 .aselmdb)", _lmdb,
+           partial(DatabaseBatch, kind="aselmdb")),
+    Format("db", "ASE SQLite database", lambda path, head: head.startswith(SQLITE_MAGIC),
+           partial(DatabaseBatch, kind="db")),
+    Format("json", "ASE JSON database", _json_db, partial(DatabaseBatch, kind="json")),
+    Format("extxyz", "extended XYZ file", _first_line_is_a_count, ExtxyzBatch),
+    Format("ase", "ASE-readable file", _ase_content, _open_ase,
+           by_name=lambda path: ase_format(path) is not None),
+]
+"""Every reader, in the order they are tried: the first whose content matches opens a file."""
+
+DESCRIPTIONS = {f.name: f.description for f in FORMATS}
+
+
+def head(path):
+    """The first HEAD_BYTES of a file, decompressed where its name says so (b"" if unreadable)."""
+    from ase.io.formats import open_with_compression
+
+    try:
+        with open_with_compression(path, "rb") as f:
+            return f.read(HEAD_BYTES)
+    except (OSError, EOFError, ValueError):
+        return b""
+
+
+def detect(path):
+    """The Format of a regular file by its content, else by its name; None when none reads it."""
+    start = head(path)
+    for fmt in FORMATS:
+        if fmt.can_open(path, start):
+            return fmt
+    return next((fmt for fmt in FORMATS if fmt.by_name and fmt.by_name(path)), None)
+
+
+def recognised(path):
+    """Whether some reader recognises a regular file by its content (never by name alone)."""
+    start = head(path)
+    return any(fmt.can_open(path, start) for fmt in FORMATS)
+
+
+def capable(batch, flag):
+    """Whether the format of `batch` has capability `flag` (a boolean field of Format)."""
+    return any(getattr(fmt, flag) for fmt in FORMATS if fmt.name == batch.format)
