@@ -75,7 +75,7 @@ def measure_together(commands):
     while any(p.poll() is None for p in processes):
         for k, p in enumerate(processes):
             peaks[k] = max(peaks[k], _hwm(p.pid))
-        if polls % 10 == 0:  # the descendants (dask's nannies and workers), less often
+        if len(processes) == 1 and polls % 10 == 0:  # dask's nannies and workers, less often
             for p in processes:
                 for pid in _tree(p.pid) - {p.pid}:
                     child_peak = max(child_peak, _hwm(pid))
@@ -100,6 +100,7 @@ def main():
 
     from distributed import Client, LocalCluster
 
+    load = os.getloadavg()
     root = tempfile.mkdtemp(prefix="segcli-cluster-bench-", dir=args.dir)
     cluster = None
     try:
@@ -178,7 +179,8 @@ def main():
 
     median = {label: statistics.median(r[0] for r in runs) for label, runs in results.items()}
     print(f"{args.atoms} atoms in {structures} structures, float64 forces ({size:.0f} MB), "
-          f"K = {k} on {os.cpu_count()} cores, median of {args.runs} runs, page cache warm\n")
+          f"K = {k} on {os.cpu_count()} cores, median of {args.runs} runs, page cache warm, "
+          f"load average {load[0]:.1f} before and {os.getloadavg()[0]:.1f} after\n")
     print("| run | wall s | speed-up over 1 process | share of ideal K× | peak RSS MiB |")
     print("| --- | --- | --- | --- | --- |")
     base_of = {"read": median["h5py read of the forces, 1 process"],
