@@ -1,0 +1,222 @@
+"""`segcli reduce FILE rms_norm forces` and `segcli stats FILE forces` on K processes against one:
+K shard processes started together (then `segcli merge`, copying and --virtual), `--scheduler
+local:K` (which starts its cluster), and `--scheduler ADDRESS` of a LocalCluster of K worker
+processes already running (its workers warmed by one run first: the steady state of a
+long-lived cluster); with a bare h5py read of the forces by 1 and by K processes as the bound.
+Each a fresh process (or set of processes) on a generated file (float64 forces, 1 to 63 atoms
+per structure), page cache warm, run in turns.
+
+    python benchmarks/cluster.py [--workers 2] [--atoms 10000000] [--runs 3] [--dir /tmp]
+
+Prints a Markdown table: median wall time, speed-up over one process and its share of the
+ideal K×, and the peak RSS of each process (the client, and each shard process or worker).
+"""
+
+import argparse
+import glob
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from reduce import make_file
+
+READ = """
+import sys, h5py
+lo, hi, step = (int(a) for a in sys.argv[2:5])
+with h5py.File(sys.argv[1], "r", rdcc_nbytes=0) as f:
+    forces = f["atoms/forces"]
+    for start in range(lo, hi, step):
+        forces[start:min(start + step, hi)]
+"""
+
+
+def _tree(root):
+    """The pids of `root` and all its descendants (from the parent pids in /proc)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parents[int(entry)] = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    tree, grew = {root}, True
+    while grew:
+        grew = False
+        for pid, parent in parents.items():
+            if parent in tree and pid not in tree:
+                tree.add(pid)
+                grew = True
+    return tree
+
+
+def _hwm(pid):
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status
+                        if line.startswith("VmHWM:"))
+    except (OSError, StopIteration, ProcessLookupError):
+        return 0
+
+
+def measure_together(commands):
+    """Start `commands` together; (wall seconds until the last one ends, [peak RSS in bytes of
+    each command's own process], peak RSS of the largest of their descendants, 0 if none).
+    Peaks are the kernel's high-water marks (VmHWM), read every few milliseconds."""
+    start = time.perf_counter()
+    processes = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                 for c in commands]
+    peaks, child_peak, polls = [0] * len(processes), 0, 0
+    while any(p.poll() is None for p in processes):
+        for k, p in enumerate(processes):
+            peaks[k] = max(peaks[k], _hwm(p.pid))
+        if len(processes) == 1 and polls % 10 == 0:  # dask's nannies and workers, less often
+            for p in processes:
+                for pid in _tree(p.pid) - {p.pid}:
+                    child_peak = max(child_peak, _hwm(pid))
+        polls += 1
+        time.sleep(0.005)
+    wall = time.perf_counter() - start
+    for command, p in zip(commands, processes):
+        if p.returncode:
+            raise RuntimeError(f"{command} failed: {p.stderr.read().decode()}")
+    return wall, peaks, child_peak
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=2, help="K")
+    parser.add_argument("--atoms", type=int, default=10_000_000)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--dir", default=tempfile.gettempdir())
+    parser.add_argument("-v", "--verbose", action="store_true", help="each run's time on stderr")
+    args = parser.parse_args()
+    k = args.workers
+
+    from distributed import Client, LocalCluster
+
+    load = os.getloadavg()
+    root = tempfile.mkdtemp(prefix="segcli-cluster-bench-", dir=args.dir)
+    cluster = None
+    try:
+        path = os.path.join(root, "data.h5")
+        structures = make_file(path, args.atoms)
+        size = os.path.getsize(path) / 1e6
+        with open(path, "rb") as f:  # warm the page cache
+            while f.read(1 << 24):
+                pass
+        parts = os.path.join(root, "parts")
+        os.makedirs(parts)
+        out = os.path.join(root, "out.h5")
+        segcli = [sys.executable, "-m", "segcli"]
+        jobs = {
+            "reduce": (segcli + ["reduce", path, "rms_norm", "forces", "--device", "cpu", "-q",
+                                 "--force"], "r"),
+            "stats": (segcli + ["stats", path, "forces", "-q", "--force"], "s"),
+        }
+        step = 1 << 21
+        cuts = [args.atoms * i // k for i in range(k + 1)]
+
+        def clear_parts():
+            for name in glob.glob(os.path.join(parts, "*")):
+                os.unlink(name)
+
+        # (label, kind, what): kind "one" = one command, "together" = K commands at once
+        cases = [
+            ("h5py read of the forces, 1 process", "read",
+             [[sys.executable, "-c", READ, path, "0", str(args.atoms), str(step)]]),
+            (f"h5py read, {k} processes (1/{k} each)", "read",
+             [[sys.executable, "-c", READ, path, str(a), str(b), str(step)]
+              for a, b in zip(cuts[:-1], cuts[1:])]),
+        ]
+        cluster = LocalCluster(n_workers=k, threads_per_worker=1, processes=True,
+                               dashboard_address=":0")
+        client = Client(cluster)
+        address = cluster.scheduler_address
+        for job, (base, prefix) in jobs.items():
+            pattern = os.path.join(parts, f"{prefix}-{{shard}}.h5")
+            cases += [
+                (f"{job}: 1 process", job, [base + ["-o", out]]),
+                (f"{job}: {k} shard processes", job,
+                 [base + ["--shard", f"{i}/{k}", "-o", pattern] for i in range(k)]),
+                (f"{job}: merge (copy)", "merge",
+                 [segcli + ["merge", os.path.join(parts, f"{prefix}-*.h5"), "-o", out, "-q",
+                            "--force"]]),
+            ]
+            if job == "reduce":  # statistics parts merge into new moments, never virtually
+                cases.append((f"{job}: merge --virtual", "merge",
+                              [segcli + ["merge", os.path.join(parts, f"{prefix}-*.h5"), "-o",
+                                         out, "-q", "--force", "--virtual"]]))
+            cases += [
+                (f"{job}: --scheduler local:{k}", job,
+                 [base + ["-o", out, "--scheduler", f"local:{k}"]]),
+                (f"{job}: --scheduler ADDRESS (running cluster)", job,
+                 [base + ["-o", out, "--scheduler", address]]),
+            ]
+        # warm the running cluster's workers (imports, Warp kernels, compilation) and time it
+        first = {}
+        for job, (base, _) in jobs.items():
+            first[job] = measure_together([base + ["-o", out, "--scheduler", address]])[0]
+        results = {label: [] for label, _, _ in cases}
+        for _ in range(args.runs):  # in turns, so that a slow moment hits each alike
+            clear_parts()
+            for label, kind, commands in cases:
+                results[label].append(measure_together(commands))
+                if args.verbose:
+                    print(f"{label}: {results[label][-1][0]:.2f} s", file=sys.stderr)
+        worker_peak = max(client.run(
+            lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024).values())
+    finally:
+        if cluster is not None:
+            client.close()
+            cluster.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+    median = {label: statistics.median(r[0] for r in runs) for label, runs in results.items()}
+    print(f"{args.atoms} atoms in {structures} structures, float64 forces ({size:.0f} MB), "
+          f"K = {k} on {os.cpu_count()} cores, median of {args.runs} runs, page cache warm, "
+          f"load average {load[0]:.1f} before and {os.getloadavg()[0]:.1f} after\n")
+    print("| run | wall s | speed-up over 1 process | share of ideal K× | peak RSS MiB |")
+    print("| --- | --- | --- | --- | --- |")
+    base_of = {"read": median["h5py read of the forces, 1 process"],
+               "reduce": median["reduce: 1 process"], "stats": median["stats: 1 process"]}
+    for label, kind, commands in cases:
+        wall = median[label]
+        runs = results[label]
+        peaks = [max(r[1][i] for r in runs) / 2**20 for i in range(len(commands))]
+        child = max(r[2] for r in runs) / 2**20
+        if "running cluster" in label:
+            rss = f"client {peaks[0]:.0f}, workers ≤ {worker_peak / 2**20:.0f}"
+        elif child:
+            rss = f"client {peaks[0]:.0f}, workers ≤ {child:.0f}"
+        else:
+            rss = ", ".join(f"{p:.0f}" for p in peaks)
+        if kind == "merge" or "1 process" in label:
+            speed = share = ""
+        else:
+            shard_label = f"{label.split(':')[0]}: {k} shard processes"
+            merged = ""
+            speedup = base_of[kind] / wall
+            speed, share = f"{speedup:.2f}×", f"{speedup / k:.0%}"
+            if label == shard_label:
+                copy = median[f"{kind}: merge (copy)"]
+                merged = f" ({base_of[kind] / (wall + copy):.2f}× with the merge"
+                virtual = median.get(f"{kind}: merge --virtual")
+                if virtual is not None:
+                    merged += (f" copying, {base_of[kind] / (wall + virtual):.2f}× with "
+                               f"--virtual")
+                merged += ")"
+            speed += merged
+        print(f"| {label} | {wall:.2f} | {speed} | {share} | {rss} |")
+    for job, seconds in first.items():
+        print(f"\n{job} --scheduler ADDRESS, first run on the fresh cluster (workers import JAX "
+              f"and Warp, load kernels): {seconds:.2f} s")
+
+
+if __name__ == "__main__":
+    main()
