@@ -11,6 +11,7 @@ optional extra: `pip install 'segcli[cluster]'`.
 
 import contextlib
 import functools
+import logging
 
 import numpy as np
 
@@ -28,7 +29,8 @@ def cluster_client(address):
     if address.startswith("local:"):
         workers = int(address.split(":", 1)[1])
         with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
-                          dashboard_address=":0") as cluster, Client(cluster) as client:
+                          dashboard_address=":0", silence_logs=logging.ERROR) as cluster, \
+                Client(cluster) as client:
             yield client
     else:
         try:

@@ -99,25 +99,23 @@ def test_reduce_and_grad_on_a_cluster_equal_a_local_run_bit_for_bit(tmp_path):
 
     path = tmp_path / "random.h5"
     random_batch(path, seed=5, n_structures=300)
-    jobs = [["reduce", path, "rms_norm", "x"], ["reduce", path, "mul", "x", "w"],
-            ["grad", path, "dot", "x", "y", "--weights", "w"],
-            ["grad", path, "max_norm", "t", "--order", "2", "--direction", "t"]]
+    jobs = [(["reduce", path, "mul", "x", "w"], "csv"),
+            (["grad", path, "max_norm", "t", "--order", "2", "--direction", "t"], "npy")]
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
                       dashboard_address=":0") as cluster:
-        for k, job in enumerate(jobs):
+        for k, (job, fmt) in enumerate(jobs):
             local, remote = tmp_path / f"local-{k}.h5", tmp_path / f"remote-{k}.h5"
             assert segcli(*job, "-o", local, "--structures", "7:").returncode == 0
             result = segcli(*job, "-o", remote, "--structures", "7:", "--scheduler",
                             cluster.scheduler_address)
             assert result.returncode == 0, result.stderr
             assert_identical(remote, local)
-            for fmt in ("csv", "npy"):
-                alone = segcli(*job, "--format", fmt)
-                shared = segcli(*job, "--format", fmt, env={
-                    **os.environ, "DASK_SCHEDULER_ADDRESS": cluster.scheduler_address})
-                assert shared.returncode == 0 and shared.stdout == alone.stdout, shared.stderr
+            alone = segcli(*job, "--format", fmt)
+            shared = segcli(*job, "--format", fmt, env={
+                **os.environ, "DASK_SCHEDULER_ADDRESS": cluster.scheduler_address})
+            assert shared.returncode == 0 and shared.stdout == alone.stdout, shared.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        ["random.h5"] + [f"{w}-{k}.h5" for w in ("local", "remote") for k in range(4)])
+        ["random.h5"] + [f"{w}-{k}.h5" for w in ("local", "remote") for k in range(2)])
 
 
 def test_progress_counts_finished_shards_and_in_place_lands(tmp_path):

@@ -223,7 +223,7 @@ def test_mixed_formats_join_when_their_fields_agree(tmp_path, frames):
     listing = tmp_path / "mixed.txt"
     listing.write_text("first.h5\nrest.extxyz\n")
     with open_inputs(f"@{listing}") as batch:
-        assert [m["format"] for m in batch.members] == ["segcli", "ase"]
+        assert [m["format"] for m in batch.members] == ["segcli", "extxyz"]
         forces = np.concatenate([c.atoms["forces"] for c in batch.iter_chunks("forces",
                                                                               chunk_atoms=10)])
     images = ase.io.read(first, ":") + ase.io.read(rest, ":")  # as extxyz rounds them

@@ -105,23 +105,23 @@ def test_merged_shards_equal_one_run_bit_for_bit(tmp_path, lumpy, shards, comman
     verb, *rest = command
     whole = tmp_path / "whole.h5"
     ok(verb, path, *rest, "-o", whole, "--chunk-atoms", "40", "-q")
-    for i in range(shards):
-        ok(verb, path, *rest, "--shard", f"{i}/{shards}", "-o", tmp_path / "part-{shard}.h5",
-           "-q")
+    for i in range(shards):  # parts/ is made by the first shard that writes there
+        ok(verb, path, *rest, "--shard", f"{i}/{shards}", "-o",
+           tmp_path / "parts" / "part-{shard}.h5", "-q")
     width = len(str(shards - 1))
-    names = sorted(p.name for p in tmp_path.glob("part-*.h5"))
+    names = sorted(p.name for p in (tmp_path / "parts").glob("part-*.h5"))
     assert names == [f"part-{str(i).zfill(width)}.h5" for i in range(shards)]
     counts = []
     for name in names:  # every part is a complete segcli file, empty ones too
-        with h5py.File(tmp_path / name, "r") as f:
+        with h5py.File(tmp_path / "parts" / name, "r") as f:
             counts.append(len(f["structures/n_atoms"]))
             result = f["results"][next(iter(f["results"]))]
             result = result[next(iter(result))] if isinstance(result, h5py.Group) else result
             assert result.attrs["shard"] == f"{names.index(name)}/{shards}"
     assert sum(counts) == len(n_atoms) and (shards < len(n_atoms) or 0 in counts)
-    ok("merge", tmp_path / "part-*.h5", "-o", tmp_path / "merged.h5", "-q")
+    ok("merge", tmp_path / "parts" / "part-*.h5", "-o", tmp_path / "merged.h5", "-q")
     assert_identical(tmp_path / "merged.h5", whole)
-    ok("merge", tmp_path / "part-*.h5", "-o", tmp_path / "virtual.h5", "--virtual", "-q")
+    ok("merge", tmp_path / "parts", "-o", tmp_path / "virtual.h5", "--virtual", "-q")
     assert_identical(tmp_path / "virtual.h5", whole)
     if command[1] == "rms_norm":
         values, _, _ = datasets(tmp_path / "merged.h5")[0]["results/rms_norm_forces"]
@@ -235,7 +235,8 @@ def test_shards_of_many_files_merge_into_one_run(tmp_path):
     for k, size in enumerate([40, 0, 25]):
         n_atoms = rng.integers(0, 9, size)
         counts.append(n_atoms)
-        write_batch(data / f"shard-{k}.h5", n_atoms, {"forces": rng.normal(size=(n_atoms.sum(), 3))})
+        forces = rng.normal(size=(n_atoms.sum(), 3))
+        write_batch(data / f"shard-{k}.h5", n_atoms, {"forces": forces})
     files = str(data / "shard-*.h5")
     ok("reduce", files, "rms_norm", "forces", "-o", tmp_path / "whole.h5", "-q")
     ok("stats", files, "forces", "-o", tmp_path / "whole-stats.h5", "-q")

@@ -154,6 +154,18 @@ def cluster_options(command):
              "or PMI); {shard} in -o becomes I. Join the parts with `segcli merge`.")(command)
 
 
+def shard_output(output, shard):
+    """-o for shard (I, N): {shard} replaced (see segcli.shards.part_path), its directory made
+    if missing (the tasks of an array job race to make it)."""
+    if not (shard and output):
+        return output
+    from segcli.shards import part_path
+
+    output = part_path(output, *shard)
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    return output
+
+
 def check_cluster_usage(shard, scheduler, in_place):
     """UsageError for --shard with --scheduler or --in-place."""
     if shard and scheduler:

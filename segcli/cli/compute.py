@@ -11,7 +11,7 @@ import click
 from segcli.cli import common
 from segcli.cli.common import (check_cluster_usage, cluster_options, on_cluster, progress_bar,
                                refuse_output_among_inputs, refuse_structures_in_place,
-                               selection, structure_range, table)
+                               selection, shard_output, structure_range, table)
 
 
 def _op(ctx, param, name):
@@ -278,11 +278,11 @@ def _execute(file, spec, fields, *, output, in_place, fmt, name, force, structur
              device, precision, quiet, shard, scheduler, order=0, weights=None, direction=None):
     """Run one reduce or grad command: check, plan, compute (here, one shard of it, or as
     shards on a cluster) and write the results."""
-    from segcli.shards import fingerprint, part_path, shard_of
+    from segcli.shards import fingerprint, shard_of
 
     _check_usage(spec, fields, output, in_place, fmt, structures)
     check_cluster_usage(shard, scheduler, in_place)
-    output = part_path(output, *shard) if shard and output else output
+    output = shard_output(output, shard)
     paths = common.input_paths(file, in_place)
     refuse_output_among_inputs(output, paths, "use --in-place to add to it")
     from segcli import engine

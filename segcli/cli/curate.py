@@ -9,7 +9,8 @@ import click
 
 from segcli.cli.common import (check_cluster_usage, cluster_options, input_paths, on_cluster,
                                progress_bar, refuse_output_among_inputs,
-                               refuse_structures_in_place, selection, structure_range, table)
+                               refuse_structures_in_place, selection, shard_output,
+                               structure_range, table)
 
 STAT_COLUMNS = ("count", "mean", "std", "rms", "min", "max")
 
@@ -77,11 +78,11 @@ def stats(file, fields, per_element, per_atom, as_json, output, force, structure
     from segcli.cluster import leaf_stats_sharded
     from segcli.io import open_inputs
     from segcli.io.statsfile import write_stats
-    from segcli.shards import fingerprint, part_path, shard_of
+    from segcli.shards import fingerprint, shard_of
     from segcli.stats import merge_stats
 
     check_cluster_usage(shard, scheduler, False)
-    output = part_path(output, *shard) if shard and output else output
+    output = shard_output(output, shard)
     paths = input_paths(file)
     refuse_output_among_inputs(output, paths, "stats writes a new file")
     options = {"per_element": per_element, "per_atom": per_atom, "chunk_atoms": chunk_atoms}
