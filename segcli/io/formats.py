@@ -122,12 +122,22 @@ FORMATS = [
 DESCRIPTIONS = {f.name: f.description for f in FORMATS}
 
 
+COMPRESSIONS = {b"\x1f\x8b": "gzip", b"BZh": "bz2", b"\xfd7zXZ\x00": "lzma"}
+"""Magic bytes of the compressions ASE reads through, and the module that opens each."""
+
+
 def head(path):
-    """The first HEAD_BYTES of a file, decompressed where its name says so (b"" if unreadable)."""
-    from ase.io.formats import open_with_compression
+    """The first HEAD_BYTES of a file, decompressed when its content is gzip, bzip2 or xz (as
+    ASE reads such files); b"" if unreadable."""
+    import importlib
 
     try:
-        with open_with_compression(path, "rb") as f:
+        with open(path, "rb") as f:
+            start = f.read(HEAD_BYTES)
+        module = next((m for magic, m in COMPRESSIONS.items() if start.startswith(magic)), None)
+        if module is None:
+            return start
+        with importlib.import_module(module).open(path, "rb") as f:
             return f.read(HEAD_BYTES)
     except (OSError, EOFError, ValueError):
         return b""
