@@ -47,6 +47,12 @@ def shard_count(client, n_structures):
     return max(1, min(n_structures, SHARDS_PER_WORKER * sum(client.nthreads().values())))
 
 
+def shared(client, value):
+    """`value` sent once to every worker of `client`'s cluster (a Future that tasks receive as
+    the value), for an argument of every task that is large, such as a batch's layout."""
+    return client.scatter(value, broadcast=True, hash=False)
+
+
 def map_shards(client, function, calls, progress=None):
     """[function(*call) for call in calls], in that order: on `client`'s cluster, one task per
     call, or here one after another when `client` is None. `progress(1)` is called as each
@@ -92,6 +98,7 @@ def leaf_stats_sharded(client, batch, names, leaves, progress=None, **options):
                                       [(list(names), leaves)], progress))
     offsets = np.concatenate([[0], np.cumsum(batch.n_atoms)])
     cuts = even_cuts(np.diff(offsets[leaves]), shard_count(client, len(leaves) - 1))
-    calls = [(batch.layout, list(names), leaves[a:b + 1].tolist(), options)
+    layout = shared(client, batch.layout)
+    calls = [(layout, list(names), leaves[a:b + 1].tolist(), options)
              for a, b in zip(cuts[:-1], cuts[1:])]
     return join_leaves(map_shards(client, stats_part, calls, progress))

@@ -331,18 +331,19 @@ def _on_cluster(scheduler, quiet, batch, job, name, lo, hi, call, attrs, where):
     import shutil
     import tempfile
 
-    from segcli.cluster import map_shards, shard_count
+    from segcli.cluster import map_shards, shard_count, shared
     from segcli.io.core import Chunk
     from segcli.io.merge import check_parts, part_rows
     from segcli.shards import shard_bounds
 
-    target = where["output"] or (where["file"] if where["in_place"] else "x")
-    parts_dir = tempfile.mkdtemp(prefix=".segcli-parts-",
-                                 dir=os.path.dirname(os.path.abspath(target)))
+    beside = where["output"] or (where["file"] if where["in_place"] else None)
+    parts_dir = tempfile.mkdtemp(prefix=".segcli-parts-", dir=os.path.dirname(
+        os.path.abspath(beside)) if beside else os.getcwd())
     try:
         with on_cluster(scheduler) as client:
             n_atoms = batch.n_atoms[lo:hi]
             bounds = [lo + b for b in shard_bounds(n_atoms, shard_count(client, len(n_atoms)))]
+            call = (shared(client, call[0]), *call[1:])
             calls = [(*call, int(a), int(b), os.path.join(parts_dir, f"part-{k}.h5"), attrs)
                      for k, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
             with progress_bar(not quiet, f"shards of {batch.path}", len(calls)) as bar:

@@ -1,7 +1,5 @@
 """Command: merge (the parts of a job run as shards, joined into what one run writes)."""
 
-import os
-
 import click
 
 
@@ -34,12 +32,11 @@ def merge(parts, output, virtual, force, quiet):
       segcli reduce data.h5 rms_norm forces --shard 1/2 -o 'parts/r-{shard}.h5'
       segcli merge 'parts/r-*.h5' -o rms.h5
     """
-    from segcli.cli.common import input_paths
+    from segcli.cli.common import input_paths, refuse_output_among_inputs
     from segcli.io.merge import check_parts, merge_parts
 
     paths = input_paths(parts)
-    if any(os.path.exists(output) and os.path.samefile(output, p) for p in paths):
-        raise click.UsageError(f"-o {output} is one of the parts; merge writes a new file")
+    refuse_output_among_inputs(output, paths, "merge writes a new file")
     checked = check_parts(paths)
     merge_parts(checked, output, virtual=virtual, force=force)
     if not quiet:
