@@ -139,7 +139,7 @@ def test_a_killed_worker_loses_no_reduce_shard(tmp_path):
     from dask.distributed import Client, LocalCluster
 
     rng = np.random.default_rng()
-    n_atoms = rng.integers(1, 40, 60_000)
+    n_atoms = rng.integers(1, 40, 30_000)
     path = write_batch(tmp_path / "f.h5", n_atoms,
                        {"forces": rng.normal(size=(int(n_atoms.sum()), 3))})
     assert segcli("reduce", path, "rms_norm", "forces", "-o", tmp_path / "local.h5").returncode == 0
