@@ -7,6 +7,7 @@ Each a fresh process (or set of processes) on a generated file (float64 forces, 
 per structure), page cache warm, run in turns.
 
     python benchmarks/cluster.py [--workers 2] [--atoms 10000000] [--runs 3] [--dir /tmp]
+                                 [--device cpu|gpu]
 
 Prints a Markdown table: median wall time, speed-up over one process and its share of the
 ideal K×, and the peak RSS of each process (the client, and each shard process or worker).
@@ -94,6 +95,8 @@ def main():
     parser.add_argument("--atoms", type=int, default=10_000_000)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--dir", default=tempfile.gettempdir())
+    parser.add_argument("--device", default="cpu", choices=["cpu", "gpu"],
+                        help="where reduce computes (every process on the one GPU with gpu)")
     parser.add_argument("-v", "--verbose", action="store_true", help="each run's time on stderr")
     args = parser.parse_args()
     k = args.workers
@@ -115,7 +118,7 @@ def main():
         out = os.path.join(root, "out.h5")
         segcli = [sys.executable, "-m", "segcli"]
         jobs = {
-            "reduce": (segcli + ["reduce", path, "rms_norm", "forces", "--device", "cpu", "-q",
+            "reduce": (segcli + ["reduce", path, "rms_norm", "forces", "--device", args.device, "-q",
                                  "--force"], "r"),
             "stats": (segcli + ["stats", path, "forces", "-q", "--force"], "s"),
         }
