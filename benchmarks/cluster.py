@@ -118,8 +118,8 @@ def main():
         out = os.path.join(root, "out.h5")
         segcli = [sys.executable, "-m", "segcli"]
         jobs = {
-            "reduce": (segcli + ["reduce", path, "rms_norm", "forces", "--device", args.device, "-q",
-                                 "--force"], "r"),
+            "reduce": (segcli + ["reduce", path, "rms_norm", "forces", "--device", args.device,
+                                 "-q", "--force"], "r"),
             "stats": (segcli + ["stats", path, "forces", "-q", "--force"], "s"),
         }
         step = 1 << 21
