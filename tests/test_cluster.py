@@ -61,22 +61,18 @@ def test_bad_scheduler_is_a_usage_error(tmp_path, address):
     assert result.exit_code == 2 and "--scheduler" in result.output
 
 
-def test_a_killed_worker_is_replaced_and_no_shard_counted_twice(tmp_path):
-    """SIGKILL one worker process while the shards run: its tasks run again elsewhere, and the
-    statistics equal one pass's."""
+def run_killing_a_worker(*args):
+    """stdout of `segcli ARGS --scheduler ADDRESS` on a LocalCluster of 2 worker processes,
+    one of which is SIGKILLed as soon as the shards run; asserts exit 0 and the worker gone."""
     from dask.distributed import Client, LocalCluster
 
-    rng = np.random.default_rng()
-    n_atoms = rng.integers(1, 40, 100_000)
-    forces = rng.normal(1.0, 2.0, (int(n_atoms.sum()), 3))
-    path = write_batch(tmp_path / "f.h5", n_atoms, {"forces": forces})
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
                       dashboard_address=":0") as cluster, Client(cluster) as client:
         pids = list(client.run(os.getpid).values())
         process = subprocess.Popen(
-            [sys.executable, "-m", "segcli", "stats", path, "forces", "--json", "--chunk-atoms",
-             "500", "--scheduler", cluster.scheduler_address],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            [sys.executable, "-m", "segcli", *map(str, args), "--scheduler",
+             cluster.scheduler_address], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True)
         while not any(client.processing().values()):
             assert process.poll() is None, process.communicate()
             time.sleep(0.01)
@@ -84,7 +80,19 @@ def test_a_killed_worker_is_replaced_and_no_shard_counted_twice(tmp_path):
         out, err = process.communicate(timeout=300)
         assert process.returncode == 0, err
         assert pids[0] not in client.run(os.getpid).values()
+    return out
+
+
+def test_a_killed_worker_is_replaced_and_no_shard_counted_twice(tmp_path):
+    """SIGKILL one worker process while the shards run: its tasks run again elsewhere, and the
+    statistics are one pass's, bit for bit."""
+    rng = np.random.default_rng()
+    n_atoms = rng.integers(1, 40, 100_000)
+    forces = rng.normal(1.0, 2.0, (int(n_atoms.sum()), 3))
+    path = write_batch(tmp_path / "f.h5", n_atoms, {"forces": forces})
+    out = run_killing_a_worker("stats", path, "forces", "--json", "--chunk-atoms", "500")
     assert_rows_match(json.loads(out)["stats"], reference_rows("forces", forces))
+    assert json.loads(out)["stats"] == stats_json(path, "forces", "--chunk-atoms", "500")["stats"]
 
 
 def segcli(*args, **kwargs):
@@ -136,26 +144,11 @@ def test_progress_counts_finished_shards_and_in_place_lands(tmp_path):
 
 def test_a_killed_worker_loses_no_reduce_shard(tmp_path):
     """SIGKILL one worker while reduce's shards run: the output is still one run's."""
-    from dask.distributed import Client, LocalCluster
-
     rng = np.random.default_rng()
     n_atoms = rng.integers(1, 40, 30_000)
     path = write_batch(tmp_path / "f.h5", n_atoms,
                        {"forces": rng.normal(size=(int(n_atoms.sum()), 3))})
     assert segcli("reduce", path, "rms_norm", "forces", "-o", tmp_path / "local.h5").returncode == 0
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                      dashboard_address=":0") as cluster, Client(cluster) as client:
-        pids = list(client.run(os.getpid).values())
-        process = subprocess.Popen(
-            [sys.executable, "-m", "segcli", "reduce", path, "rms_norm", "forces", "-o",
-             tmp_path / "remote.h5", "--chunk-atoms", "500", "--scheduler",
-             cluster.scheduler_address], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True)
-        while not any(client.processing().values()):
-            assert process.poll() is None, process.communicate()
-            time.sleep(0.01)
-        os.kill(pids[0], signal.SIGKILL)
-        out, err = process.communicate(timeout=300)
-        assert process.returncode == 0, err
-        assert pids[0] not in client.run(os.getpid).values()
+    run_killing_a_worker("reduce", path, "rms_norm", "forces", "-o", tmp_path / "remote.h5",
+                         "--chunk-atoms", "500")
     assert_identical(tmp_path / "remote.h5", tmp_path / "local.h5")
