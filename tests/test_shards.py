@@ -257,3 +257,30 @@ def test_shards_of_many_files_merge_into_one_run(tmp_path):
         np.testing.assert_array_equal(f["structures/source"][()], np.repeat([0, 2], [40, 25]))
         np.testing.assert_array_equal(f["structures/source_index"][()],
                                       np.concatenate([np.arange(40), np.arange(25)]))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_chunks_break_at_leaves_and_start_anew_there(seed):
+    """rechunk with breaks: every chunk of whole structures holds at most chunk_atoms atoms (or
+    one bigger structure), none spans a break, and the greedy split restarts at each break,
+    whatever pieces the reader gave."""
+    from segcli.io.core import Chunk, rechunk
+
+    rng = np.random.default_rng(seed)
+    n_atoms = rng.integers(0, 20, rng.integers(0, 60))
+    chunk_atoms = int(rng.integers(1, 30))
+    cuts = sorted({0, len(n_atoms), *rng.integers(0, len(n_atoms) + 1, 6).tolist()})
+    pieces = [Chunk(a, n_atoms[a:b], {}, {}) for a, b in zip(cuts, cuts[1:])]
+    breaks = sorted(set(rng.integers(0, len(n_atoms) + 1, 4).tolist()))
+    got = [(g[0].start, g[0].start + sum(len(p.n_atoms) for p in g))
+           for g in rechunk(iter(pieces), chunk_atoms, breaks)]
+    wanted, start = [], 0
+    for stop in sorted({*breaks, len(n_atoms)} - {0}):
+        while start < stop:  # greedy from the segment's start
+            end, room = start, chunk_atoms
+            while end < stop and (n_atoms[end] <= room or end == start):
+                room -= n_atoms[end]
+                end += 1
+            wanted.append((start, end))
+            start = end
+    assert got == wanted

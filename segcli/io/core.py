@@ -133,19 +133,19 @@ def rechunk(pieces, chunk_atoms, breaks=()):
         if total <= room and len(piece.n_atoms):  # the common case: the whole piece fits
             group.append(piece)
             room -= total
-            piece = piece._replace(n_atoms=piece.n_atoms[:0])
-        while len(piece.n_atoms):
-            k = int(np.searchsorted(np.cumsum(piece.n_atoms), room, side="right"))
-            if k == 0 and group:
-                yield group
-                group, room = [], chunk_atoms
-                continue
-            head, piece = split_piece(piece, max(k, 1))
-            group.append(head)
-            room -= int(head.n_atoms.sum())
-            if k == 0 or len(piece.n_atoms):
-                yield group
-                group, room = [], chunk_atoms
+        else:
+            while len(piece.n_atoms):
+                k = int(np.searchsorted(np.cumsum(piece.n_atoms), room, side="right"))
+                if k == 0 and group:
+                    yield group
+                    group, room = [], chunk_atoms
+                    continue
+                head, piece = split_piece(piece, max(k, 1))
+                group.append(head)
+                room -= int(head.n_atoms.sum())
+                if k == 0 or len(piece.n_atoms):
+                    yield group
+                    group, room = [], chunk_atoms
         if broken and group:
             yield group
             group, room = [], chunk_atoms
