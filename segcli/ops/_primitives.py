@@ -187,10 +187,17 @@ def lower_cpu_as_gpu(enabled):
     jax.clear_caches()
 
 
+@functools.lru_cache(maxsize=None)
+def _jitted_bind(prim, params):
+    """`prim.bind` with `params` (sorted items) under jax.jit, built once per primitive and
+    parameters, so that an eager call reuses JAX's compiled program."""
+    return jax.jit(functools.partial(prim.bind, **dict(params)))
+
+
 def _register(rule):
     prim = Primitive(f"segcli_{rule.name}")
     prim.multiple_results = rule.name == "max_norm"
-    prim.def_impl(lambda *args, **params: jax.jit(functools.partial(prim.bind, **params))(*args))
+    prim.def_impl(lambda *args, **params: _jitted_bind(prim, tuple(sorted(params.items())))(*args))
     _IMPLS[prim] = rule.impl
     for platform, gpu in (("cpu", False), ("cuda", True)):
         _lower(prim, platform, gpu)
