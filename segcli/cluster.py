@@ -12,6 +12,8 @@ optional extra: `pip install 'segcli[cluster]'`.
 import contextlib
 import functools
 import logging
+import os
+import subprocess
 
 import numpy as np
 
@@ -20,17 +22,53 @@ from segcli.errors import DataError
 SHARDS_PER_WORKER = 4
 
 
+def visible_gpus(environ=os.environ):
+    """The CUDA devices this process may use, as CUDA_VISIBLE_DEVICES names them, else as
+    `nvidia-smi -L` lists them (none without it)."""
+    if "CUDA_VISIBLE_DEVICES" in environ:
+        return [d.strip() for d in environ["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [str(i) for i, line in enumerate(listed.stdout.splitlines())
+            if line.startswith("GPU ")] if listed.returncode == 0 else []
+
+
+def _local_cluster(address):
+    """A new cluster here: K single-threaded worker processes for "local:K"; for "local:gpus"
+    one per visible GPU, each seeing only its own (dask-cuda's LocalCUDACluster when it is
+    installed)."""
+    from dask.distributed import LocalCluster, Nanny, Scheduler, SpecCluster
+
+    count = address.split(":", 1)[1]
+    if count != "gpus":
+        return LocalCluster(n_workers=int(count), threads_per_worker=1, processes=True,
+                            dashboard_address=":0", silence_logs=logging.ERROR)
+    gpus = visible_gpus()
+    if not gpus:
+        raise DataError("--scheduler local:gpus: no GPU is visible (CUDA_VISIBLE_DEVICES or "
+                        "nvidia-smi -L lists none)")
+    try:
+        from dask_cuda import LocalCUDACluster
+    except ImportError:
+        workers = {f"gpu-{gpu}": {"cls": Nanny, "options": {
+            "nthreads": 1, "env": {"CUDA_VISIBLE_DEVICES": gpu}, "silence_logs": logging.ERROR}}
+            for gpu in gpus}
+        scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0"}}
+        return SpecCluster(workers, scheduler, silence_logs=logging.ERROR)
+    return LocalCUDACluster(CUDA_VISIBLE_DEVICES=gpus, threads_per_worker=1,
+                            dashboard_address=":0", silence_logs=logging.ERROR)
+
+
 @contextlib.contextmanager
 def cluster_client(address):
-    """A dask.distributed Client of the scheduler at `address`, or of a new cluster of K worker
-    processes for "local:K"; closed (the local cluster shut down) when the block ends."""
-    from dask.distributed import Client, LocalCluster
+    """A dask.distributed Client of the scheduler at `address`, or of a new cluster here for
+    "local:K" or "local:gpus" (see _local_cluster), shut down when the block ends."""
+    from dask.distributed import Client
 
     if address.startswith("local:"):
-        workers = int(address.split(":", 1)[1])
-        with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
-                          dashboard_address=":0", silence_logs=logging.ERROR) as cluster, \
-                Client(cluster) as client:
+        with _local_cluster(address) as cluster, Client(cluster) as client:
             yield client
     else:
         try:

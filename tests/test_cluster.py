@@ -152,3 +152,23 @@ def test_a_killed_worker_loses_no_reduce_shard(tmp_path):
     run_killing_a_worker("reduce", path, "rms_norm", "forces", "-o", tmp_path / "remote.h5",
                          "--chunk-atoms", "500")
     assert_identical(tmp_path / "remote.h5", tmp_path / "local.h5")
+
+
+def test_local_gpus_starts_one_worker_per_visible_gpu(tmp_path, monkeypatch):
+    """local:gpus gives each worker one device of CUDA_VISIBLE_DEVICES (on a machine without
+    GPUs they compute on the CPU); with none visible it is one line and exit 1."""
+    from segcli.cluster import cluster_client
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    with cluster_client("local:gpus") as client:
+        seen = client.run(lambda: os.environ["CUDA_VISIBLE_DEVICES"])
+        assert sorted(seen.values()) == ["3", "5"]
+        assert sorted(client.nthreads().values()) == [1, 1]
+    path = write_batch(tmp_path / "f.h5", [3, 0, 5], {"forces": np.arange(24.0).reshape(8, 3)})
+    alone = segcli("reduce", path, "max_norm", "forces")
+    shared = segcli("reduce", path, "max_norm", "forces", "--scheduler", "local:gpus")
+    assert shared.returncode == 0 and shared.stdout == alone.stdout, shared.stderr
+    nothing = segcli("reduce", path, "max_norm", "forces", "--scheduler", "local:gpus",
+                     env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert nothing.returncode == 1 and nothing.stderr.count(b"\n") == 1
+    assert b"no GPU is visible" in nothing.stderr

@@ -130,23 +130,24 @@ def _shard(ctx, param, text):
 
 
 def _scheduler(ctx, param, text):
-    """Click callback: ADDRESS or local:K from --scheduler (K at least 1)."""
+    """Click callback: ADDRESS, local:K (K at least 1) or local:gpus from --scheduler."""
     if text and text.startswith("local:"):
         count = text.split(":", 1)[1]
-        if not count.isdigit() or int(count) < 1:
-            raise click.BadParameter(f"expected ADDRESS or local:K (K workers, K >= 1), got "
-                                     f"{text!r}")
+        if count != "gpus" and (not count.isdigit() or int(count) < 1):
+            raise click.BadParameter(f"expected ADDRESS, local:K (K workers, K >= 1) or "
+                                     f"local:gpus, got {text!r}")
     return text
 
 
 def cluster_options(command):
     """--shard and --scheduler (SPEC §3b), for reduce, grad and stats."""
     command = click.option(
-        "--scheduler", envvar="DASK_SCHEDULER_ADDRESS", metavar="ADDRESS|local:K",
+        "--scheduler", envvar="DASK_SCHEDULER_ADDRESS", metavar="ADDRESS|local:K|local:gpus",
         callback=_scheduler,
-        help="Run the job as shards on a dask.distributed cluster (its scheduler's address, "
-             "or local:K to start K worker processes here); the output is the same as "
-             "without. Also DASK_SCHEDULER_ADDRESS.")(command)
+        help="Run the job as shards on a dask.distributed cluster: its scheduler's address, "
+             "local:K to start K worker processes here, or local:gpus for one worker per "
+             "visible GPU; the output is the same as without. Also DASK_SCHEDULER_ADDRESS.")(
+        command)
     return click.option(
         "--shard", callback=_shard, metavar="I/N|auto",
         help="Do only range I of the N ranges of whole structures with nearly equal atom "
