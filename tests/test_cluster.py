@@ -155,15 +155,17 @@ def test_a_killed_worker_loses_no_reduce_shard(tmp_path):
 
 
 def test_local_gpus_starts_one_worker_per_visible_gpu(tmp_path, monkeypatch):
-    """local:gpus gives each worker one device of CUDA_VISIBLE_DEVICES (on a machine without
-    GPUs they compute on the CPU); with none visible it is one line and exit 1."""
-    from segcli.cluster import cluster_client
+    """local:gpus gives each worker one device of CUDA_VISIBLE_DEVICES (the real GPUs where
+    there are some; on a machine without, two named ones, and the workers compute on the
+    CPU); with none visible it is one line and exit 1."""
+    from segcli.cluster import cluster_client, visible_gpus
 
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    devices = visible_gpus() or ["3", "5"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(devices))
     with cluster_client("local:gpus") as client:
         seen = client.run(lambda: os.environ["CUDA_VISIBLE_DEVICES"])
-        assert sorted(seen.values()) == ["3", "5"]
-        assert sorted(client.nthreads().values()) == [1, 1]
+        assert sorted(seen.values()) == sorted(devices)
+        assert list(client.nthreads().values()) == [1] * len(devices)
     path = write_batch(tmp_path / "f.h5", [3, 0, 5], {"forces": np.arange(24.0).reshape(8, 3)})
     alone = segcli("reduce", path, "max_norm", "forces")
     shared = segcli("reduce", path, "max_norm", "forces", "--scheduler", "local:gpus")
