@@ -168,7 +168,7 @@ def main():
         results = {label: [] for label, _, _ in cases}
         for _ in range(args.runs):  # in turns, so that a slow moment hits each alike
             clear_parts()
-            for label, kind, commands in cases:
+            for label, _, commands in cases:
                 results[label].append(measure_together(commands))
                 if args.verbose:
                     print(f"{label}: {results[label][-1][0]:.2f} s", file=sys.stderr)
