@@ -170,7 +170,8 @@ def test_shard_auto_reads_slurm_open_mpi_and_pmi(even):
 @pytest.mark.parametrize("args, needle", [
     (["--shard", "3/3"], "0 <= I < N"), (["--shard", "1"], "expected I/N"),
     (["--shard", "0/2", "--in-place"], "--in-place"),
-    (["--shard", "0/2", "--scheduler", "local:2"], "give one of them")])
+    (["--shard", "0/2", "--scheduler", "local:2"], "give one of them"),
+    (["-o", "part-{shard}.h5"], "which --shard I/N fills")])
 def test_bad_shards_are_usage_errors(lumpy, args, needle):
     result = run("reduce", lumpy[0], "sum", "forces", *args)
     assert result.exit_code == 2 and needle in result.output and "Traceback" not in result.output

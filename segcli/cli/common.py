@@ -158,6 +158,9 @@ def cluster_options(command):
 def shard_output(output, shard):
     """-o for shard (I, N): {shard} replaced (see segcli.shards.part_path), its directory made
     if missing (the tasks of an array job race to make it)."""
+    if output and "{shard}" in output and not shard:
+        raise click.UsageError(f"-o {output} has {{shard}} in it, which --shard I/N fills; "
+                               "give --shard or another name")
     if not (shard and output):
         return output
     from segcli.shards import part_path
