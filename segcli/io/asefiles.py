@@ -1,6 +1,7 @@
 """Files that ASE reads (extxyz, xyz, traj, cif, POSCAR, ...), streamed a structure at a time:
 with ase.io.iread, and extended XYZ with segcli's own reader where it can."""
 
+from array import array
 from functools import cached_property
 
 import numpy as np
@@ -81,14 +82,14 @@ class StreamedBatch(Batch):
     @cached_property
     def _scan(self):
         """(n_atoms, schema, the distinct sets of field names, each structure's set's index)."""
-        n_atoms, schema, name_sets, which = [], Schema(), {}, []
-        for piece in self.structures(0, None):
-            n_atoms.append(piece.n_atoms[0])
+        n_atoms, schema, name_sets, which = array("q"), Schema(), {}, array("q")
+        for piece in self.structures(0, None):  # 8 bytes a structure, no Python object each
+            n_atoms.append(int(piece.n_atoms[0]))
             schema.add_piece(self.path, piece)
             names = frozenset(piece.atoms.keys() | piece.structures.keys())
             which.append(name_sets.setdefault(names, len(name_sets)))
-        return (np.array(n_atoms, np.int64), dict(schema), list(name_sets),
-                np.array(which, np.int64))
+        return (np.frombuffer(n_atoms, np.int64), dict(schema), list(name_sets),
+                np.frombuffer(which, np.int64))
 
     @property
     def n_atoms(self):
