@@ -9,6 +9,7 @@ import numpy as np
 from segcli.errors import DataError
 from segcli.io.core import NUMERIC_KINDS, STRING, Batch, Chunk, Schema, rechunk
 
+
 def ase_format(path):
     """ASE's name for the format of a file, or DataError when ASE knows none."""
     from ase.io.formats import UnknownFileTypeError, filetype, ioformats
@@ -65,7 +66,7 @@ def structure_piece(path, index, n, arrays, cell, pbc, info, results):
             per_structure[key] = array[np.newaxis]
     both = per_atom.keys() & per_structure.keys()
     if both:
-        raise DataError(f"{path}: structure {index} has '{sorted(both)[0]}' both per atom "
+        raise DataError(f"{path}: structure {index} has '{min(both)}' both per atom "
                         "and per structure")
     return Chunk(index, np.array([n], np.int64), per_atom, per_structure)
 
