@@ -12,10 +12,12 @@ import time
 import numpy as np
 import pytest
 from batch_reference import write_batch
+from click.testing import CliRunner
 from test_stats import assert_rows_match, make_random_file, reference_rows, run, stats_json
 
 from test_shards import assert_identical
 
+from segcli.cli import main
 from segcli.shards import shard_bounds
 
 pytest.importorskip("dask.distributed", reason="the cluster extra: pip install 'segcli[cluster]'")
@@ -111,17 +113,17 @@ def test_reduce_and_grad_on_a_cluster_equal_a_local_run_bit_for_bit(tmp_path):
             (["grad", path, "max_norm", "t", "--order", "2", "--direction", "t"], "npy")]
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
                       dashboard_address=":0") as cluster:
-        for k, (job, fmt) in enumerate(jobs):
+        for k, (job, fmt) in enumerate(jobs):  # the client here, the workers as processes
             local, remote = tmp_path / f"local-{k}.h5", tmp_path / f"remote-{k}.h5"
-            assert segcli(*job, "-o", local, "--structures", "7:").returncode == 0
-            result = segcli(*job, "-o", remote, "--structures", "7:", "--scheduler",
-                            cluster.scheduler_address)
-            assert result.returncode == 0, result.stderr
+            assert run(*job, "-o", local, "--structures", "7:").exit_code == 0
+            result = run(*job, "-o", remote, "--structures", "7:", "--scheduler",
+                         cluster.scheduler_address)
+            assert result.exit_code == 0, result.output
             assert_identical(remote, local)
-            alone = segcli(*job, "--format", fmt)
-            shared = segcli(*job, "--format", fmt, env={
-                **os.environ, "DASK_SCHEDULER_ADDRESS": cluster.scheduler_address})
-            assert shared.returncode == 0 and shared.stdout == alone.stdout, shared.stderr
+            alone = run(*job, "--format", fmt)
+            shared = CliRunner().invoke(main, [str(a) for a in (*job, "--format", fmt)],
+                                        env={"DASK_SCHEDULER_ADDRESS": cluster.scheduler_address})
+            assert shared.exit_code == 0 and shared.stdout_bytes == alone.stdout_bytes
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["random.h5"] + [f"{w}-{k}.h5" for w in ("local", "remote") for k in range(2)])
 
