@@ -101,7 +101,7 @@ class Moments:
 
     @classmethod
     def stack(cls, parts):
-        """Moments stacked along a new leading axis (or joined along an existing one)."""
+        """Moments stacked by leaf (each of `parts` already so) joined along that axis."""
         return cls(*(np.concatenate([getattr(p, k) for p in parts]) for k in MOMENT_NAMES))
 
     def tree_reduce(self):

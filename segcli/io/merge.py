@@ -141,7 +141,8 @@ def merge_parts(parts, output, virtual=False, force=False):
         if virtual:
             raise DataError("statistics parts are merged into new moments; --virtual is for "
                             "results")
-        return _merge_stats(parts, output, force)
+        _merge_stats(parts, output, force)
+        return
     import h5py
 
     output = os.fspath(output)
@@ -199,14 +200,13 @@ def _merge_stats(parts, output, force):
     import h5py
 
     from segcli.io.statsfile import read_leaves, write_stats
-    from segcli.stats import join_leaves, merge_stats
+    from segcli.stats import merge_stats
 
     leaves = []
     for part in parts:
         with h5py.File(part.path, "r") as h5:
             leaves.append(read_leaves(part.path, h5))
     write_stats(output, merge_stats(leaves), merged_attrs(parts, parts[0].attrs), force=force)
-    return join_leaves(leaves)
 
 
 def part_rows(parts, names, atoms_per_block=1 << 20):
