@@ -111,10 +111,8 @@ def progress_bar(enabled, label, length=None):
     a terminal; else no bar (None)."""
     if not enabled or not sys.stderr.isatty():
         return contextlib.nullcontext()
-    return click.progressbar(length=length, label=label, show_pos=True, file=sys.stderr) \
-        if length is not None else click.progressbar((x for x in ()), label=label,
-                                                     show_pos=True, file=sys.stderr)
-
+    steps = {"length": length} if length is not None else {"iterable": (x for x in ())}
+    return click.progressbar(**steps, label=label, show_pos=True, file=sys.stderr)
 
 
 def _shard(ctx, param, text):
@@ -168,6 +166,21 @@ def shard_output(output, shard):
     output = part_path(output, *shard)
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     return output
+
+
+def shard_selection(batch, file, structures, shard):
+    """The leaf boundaries (see segcli.shards.shard_of) of the structures that --structures
+    and --shard select in `batch`, and the attributes that tie the output to them: the range
+    `structures`, the input's `source_fingerprint` and, for a shard, `shard`."""
+    from segcli.shards import fingerprint, shard_of
+
+    start, stop, _ = selection(batch, file, structures).indices(batch.n_structures)
+    leaves = shard_of(batch.n_atoms[start:max(start, stop)], start, shard)
+    attrs = {"structures": f"{leaves[0]}:{leaves[-1]}",
+             "source_fingerprint": fingerprint(batch.sources, batch.n_atoms)}
+    if shard:
+        attrs["shard"] = f"{shard[0]}/{shard[1]}"
+    return leaves, attrs
 
 
 def check_cluster_usage(shard, scheduler, in_place):

@@ -11,7 +11,7 @@ import click
 from segcli.cli import common
 from segcli.cli.common import (check_cluster_usage, cluster_options, on_cluster, progress_bar,
                                refuse_output_among_inputs, refuse_structures_in_place,
-                               selection, shard_output, structure_range, table)
+                               shard_output, shard_selection, structure_range, table)
 
 
 def _op(ctx, param, name):
@@ -278,8 +278,6 @@ def _execute(file, spec, fields, *, output, in_place, fmt, name, force, structur
              device, precision, quiet, shard, scheduler, order=0, weights=None, direction=None):
     """Run one reduce or grad command: check, plan, compute (here, one shard of it, or as
     shards on a cluster) and write the results."""
-    from segcli.shards import fingerprint, shard_of
-
     _check_usage(spec, fields, output, in_place, fmt, structures)
     check_cluster_usage(shard, scheduler, in_place)
     output = shard_output(output, shard)
@@ -293,17 +291,12 @@ def _execute(file, spec, fields, *, output, in_place, fmt, name, force, structur
     plan = {"precision": precision, "order": order, "weights": weights, "direction": direction}
     with open_inputs(paths, name=file) as batch:
         job = engine.plan(file, spec, fields, batch.fields, **plan)
-        start, stop, _ = selection(batch, file, structures).indices(batch.n_structures)
-        leaves = shard_of(batch.n_atoms[start:max(start, stop)], start, shard)
+        leaves, part = shard_selection(batch, file, structures, shard)
         lo, hi = int(leaves[0]), int(leaves[-1])
         n_atoms = batch.n_atoms[lo:hi]
-        attrs = {"op": spec.name, "fields": list(fields), "precision": precision,
-                 "structures": f"{lo}:{hi}",
-                 "source_fingerprint": fingerprint(batch.sources, batch.n_atoms)}
+        attrs = {"op": spec.name, "fields": list(fields), "precision": precision, **part}
         if order:
             attrs.update(order=order, weights=weights, direction=direction)
-        if shard:
-            attrs["shard"] = f"{shard[0]}/{shard[1]}"
         where = {"output": output, "in_place": in_place, "file": paths[0], "fmt": fmt,
                  "force": force}
         verb = "reducing" if not order else "differentiating"

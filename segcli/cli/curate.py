@@ -10,7 +10,7 @@ import click
 from segcli.cli.common import (check_cluster_usage, cluster_options, input_paths, on_cluster,
                                progress_bar, refuse_output_among_inputs,
                                refuse_structures_in_place, selection, shard_output,
-                               structure_range, table)
+                               shard_selection, structure_range, table)
 
 STAT_COLUMNS = ("count", "mean", "std", "rms", "min", "max")
 
@@ -78,7 +78,6 @@ def stats(file, fields, per_element, per_atom, as_json, output, force, structure
     from segcli.cluster import leaf_stats_sharded
     from segcli.io import open_inputs
     from segcli.io.statsfile import write_stats
-    from segcli.shards import fingerprint, shard_of
     from segcli.stats import merge_stats
 
     check_cluster_usage(shard, scheduler, False)
@@ -87,14 +86,12 @@ def stats(file, fields, per_element, per_atom, as_json, output, force, structure
     refuse_output_among_inputs(output, paths, "stats writes a new file")
     options = {"per_element": per_element, "per_atom": per_atom, "chunk_atoms": chunk_atoms}
     with open_inputs(paths, name=file) as batch:
-        start, stop, _ = selection(batch, file, structures).indices(batch.n_structures)
-        leaves = shard_of(batch.n_atoms[start:max(start, stop)], start, shard)
+        leaves, attrs = shard_selection(batch, file, structures, shard)
         summary = {"path": file, "structures": int(leaves[-1] - leaves[0]),
                    "atoms": int(batch.n_atoms[leaves[0]:leaves[-1]].sum())}
-        attrs = {"structures": f"{leaves[0]}:{leaves[-1]}",
-                 "source_fingerprint": fingerprint(batch.sources, batch.n_atoms)}
         with on_cluster(scheduler) as client, \
-                progress_bar(not quiet and scheduler, f"statistics of {file} (shards)") as bar:
+                progress_bar(bool(scheduler) and not quiet, f"statistics of {file} (shards)") \
+                as bar:
             parts = leaf_stats_sharded(client, batch, fields, leaves,
                                        progress=bar.update if bar else None, **options)
     result = merge_stats([parts])
@@ -104,8 +101,6 @@ def stats(file, fields, per_element, per_atom, as_json, output, force, structure
             row["symbol"] = _element(row["element"])
     if output:
         attrs.update(source=os.path.abspath(file), per_element=per_element, per_atom=per_atom)
-        if shard:
-            attrs["shard"] = f"{shard[0]}/{shard[1]}"
         write_stats(output, result, attrs, force=force, leaves=parts if shard else None)
         if not quiet:
             click.echo(f"{output}: statistics of {', '.join(result)} ({summary['structures']} "
