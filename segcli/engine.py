@@ -4,8 +4,10 @@ This layer sits between `segcli.ops` (pure math) and the I/O and command layers.
 imports jax or warp at module level, so the command line starts fast.
 
     job = plan(path, OPS["rms_norm"], ["forces"], batch.fields)
-    for chunk, outputs in run(batch, job, jax.devices("cpu")[0]):
+    for chunk, (outputs,) in run(batch, [job], jax.devices("cpu")[0]):
         outputs[""]  # (structures of the chunk,)
+
+Several jobs given to `run` share one read of the file and one compiled program per chunk.
 """
 
 import functools
@@ -153,6 +155,19 @@ class Job:
         shape = tuple(self.infos[0].shape) if tail == ["*F"] else tuple(int(d) for d in tail)
         return {"": (self.spec.output_per, shape, np.dtype(np.int32) if not self.infos else dtype)}
 
+    def program(self, read):
+        """The job as static data for `_compiled`, its fields given as indices into `read`
+        (the fields of a pass): (spec, inputs, order, wrt, weights, direction)."""
+        where = {name: read.index(name) for name in self.read}
+        return (self.spec, tuple(where[n] for n in self.fields), self.order,
+                tuple(where[n] for n in self.wrt), where.get(self.weights),
+                where.get(self.direction))
+
+
+def reads(jobs):
+    """Every field some job of `jobs` reads, once each, in order."""
+    return tuple(dict.fromkeys(name for job in jobs for name in job.read))
+
 
 def plan(path, spec, names, fields, *, precision="float64", order=0, weights=None,
          direction=None):
@@ -181,14 +196,15 @@ def plan(path, spec, names, fields, *, precision="float64", order=0, weights=Non
 
 
 class _Padded(NamedTuple):
-    """A chunk's inputs on the host, cast and padded to bucket sizes: (S_b,) per structure and
-    (N_b,) per atom, padding atoms having the id S_b (out of range, so dropped by the ops)."""
+    """A chunk's inputs on the host, cast and padded to bucket sizes: `segments` (S_b) rows per
+    structure and (N_b,) per atom, padding atoms having the id S_b (out of range, so dropped
+    by the ops)."""
 
     n_structures: int
     n_rows: int
+    segments: int
     idx: np.ndarray
     arrays: dict
-    weights: np.ndarray
 
 
 def nan_checked(path, chunks, names, where_present=False):
@@ -257,8 +273,8 @@ class _BufferRing:
         return None
 
 
-def _pad(job, chunk, least, buffers, slot):
-    """The chunk's inputs, cast to the job's precision and padded (see _Padded) to at least
+def _pad(read, precision, chunk, least, buffers, slot):
+    """The chunk's fields `read`, cast to `precision` and padded (see _Padded) to at least
     `least` = (rows, structures), in `buffers`' slot `slot`, or where the chunk was read in
     place (see _padded_chunks)."""
     n_structures, n_rows = len(chunk.n_atoms), int(chunk.n_atoms.sum())
@@ -267,18 +283,17 @@ def _pad(job, chunk, least, buffers, slot):
     idx[:n_rows] = np.repeat(np.arange(n_structures, dtype=np.int32), chunk.n_atoms)
     idx[n_rows:] = segments
     arrays = {}
-    for name in job.read:
+    for name in read:
         per_atom = name in chunk.atoms
         data = chunk.atoms[name] if per_atom else chunk.structures[name]
         shape = (rows if per_atom else segments, *data.shape[1:])
         out = buffers.holding(data) if per_atom else None
         if out is None or out.shape != shape:
-            out = buffers.take(slot, ("pad", name), shape, job.precision)
+            out = buffers.take(slot, ("pad", name), shape, precision)
             out[:len(data)] = data
         out[len(data):] = 0
         arrays[name] = out
-    weights = arrays[job.weights] if job.weights else np.ones(segments, job.precision)
-    return _Padded(n_structures, n_rows, idx, arrays, weights)
+    return _Padded(n_structures, n_rows, segments, idx, arrays)
 
 
 def padded_size(n_atoms, chunk_atoms):
@@ -291,25 +306,34 @@ def padded_size(n_atoms, chunk_atoms):
     return bucket(int(atoms.max(initial=0))), bucket(int(np.diff(bounds).max(initial=0)))
 
 
-def _padded_chunks(batch, job, chunk_atoms, structures):
-    """(Chunk, _Padded) for each chunk; DataError if an input holds NaN, with the count over
-    the whole selection and the first structure."""
+def _padded_chunks(batch, jobs, chunk_atoms, structures):
+    """(Chunk, _Padded) for each chunk, holding every field the jobs read; DataError if one
+    holds NaN, with the count over the whole selection and the first structure."""
+    read, precision = reads(jobs), _precision(jobs)
     least = padded_size(batch.n_atoms[structures], chunk_atoms)
     buffers, fields, pieces = _BufferRing(), batch.fields, {}
 
     def into(name, rows):
         """A padded buffer to read the next piece of per-atom input `name` into, in a slot of
         its own per piece (a format may read one piece ahead of the chunk it yields)."""
-        if name not in job.read:
+        if name not in read:
             return None
         pieces[name] = pieces.get(name, -1) + 1
         shape = (max(least[0], bucket(int(rows))), *fields[name].shape)  # as _pad pads it
-        return buffers.lend(pieces[name], ("read", name), shape, job.precision, rows)
+        return buffers.lend(pieces[name], ("read", name), shape, precision, rows)
 
-    chunks = batch.iter_chunks(list(job.read), chunk_atoms=chunk_atoms, structures=structures,
+    chunks = batch.iter_chunks(list(read), chunk_atoms=chunk_atoms, structures=structures,
                                into=into)
-    for slot, chunk in enumerate(nan_checked(job.path, chunks, job.read)):
-        yield chunk, _pad(job, chunk, least, buffers, slot)
+    for slot, chunk in enumerate(nan_checked(jobs[0].path, chunks, read)):
+        yield chunk, _pad(read, precision, chunk, least, buffers, slot)
+
+
+def _precision(jobs):
+    """The one precision of the jobs of a pass."""
+    precisions = {job.precision for job in jobs}
+    if len(precisions) != 1:
+        raise ValueError(f"the jobs of one pass need one precision, got {sorted(precisions)}")
+    return precisions.pop()
 
 
 def prefetch(iterable):
@@ -357,64 +381,69 @@ def runs_on(device):
     return device.platform != "cpu" or _kernels.cpu_available()
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled(spec, layout, order, moving):
-    """A jitted function (values, weights, directions, idx, num_segments) -> tuple of outputs
-    for one op, where input j of the op is values[layout[j]]: its value (order 0), or its
-    gradient (order 1) or Hessian-vector product along `directions` (order 2) with respect
-    to the first `moving` values."""
+@functools.cache
+def _compiled(programs):
+    """A jitted function (values, idx, num_segments) -> a tuple of outputs per program (see
+    Job.program): the op's value (order 0), or the gradient (order 1) or Hessian-vector
+    product along values[direction] (order 2) of Σ_s w_s · op_s, w = values[weights] or 1,
+    with respect to the values `wrt`."""
     import jax
     import jax.numpy as jnp
 
     from segcli import ops
 
-    def value(values, idx, num_segments):
-        return spec.apply(*(values[k] for k in layout), idx=idx, num_segments=num_segments,
-                          indices_are_sorted=True)
+    def outputs(program, values, idx, num_segments):
+        spec, inputs, order, wrt, weights, direction = program
 
-    def objective(wrt, values, weights, idx, num_segments):
-        out = value((*wrt, *values[moving:]), idx, num_segments)
-        if spec.output_per == "atom":
-            return jnp.sum(ops.segmented_mul(out, weights, idx, num_segments))
-        return jnp.sum(out * weights.reshape(-1, *(1,) * (out.ndim - 1)))
+        def value(moving):
+            given = dict(zip(wrt, moving))
+            return spec.apply(*(given.get(k, values[k]) for k in inputs), idx=idx,
+                              num_segments=num_segments, indices_are_sorted=True)
 
-    gradient = jax.grad(objective)
-
-    def outputs(values, weights, directions, idx, num_segments):
+        moving = tuple(values[k] for k in wrt)
         if order == 0:
-            return (value(values, idx, num_segments),)
-        wrt = tuple(values[:moving])
+            return (value(moving),)
+        w = values[weights] if weights is not None else jnp.ones(num_segments, moving[0].dtype)
+
+        def objective(moving):
+            out = value(moving)
+            if spec.output_per == "atom":
+                return jnp.sum(ops.segmented_mul(out, w, idx, num_segments))
+            return jnp.sum(out * w.reshape(-1, *(1,) * (out.ndim - 1)))
+
         if order == 1:
-            return gradient(wrt, values, weights, idx, num_segments)
-        return jax.jvp(lambda w: gradient(w, values, weights, idx, num_segments),
-                       (wrt,), (directions,))[1]
+            return jax.grad(objective)(moving)
+        return jax.jvp(jax.grad(objective), (moving,), ((values[direction],) * len(wrt),))[1]
 
-    return jax.jit(outputs, static_argnames="num_segments")
+    def all_outputs(values, idx, num_segments):
+        return tuple(outputs(p, values, idx, num_segments) for p in programs)
+
+    return jax.jit(all_outputs, static_argnames="num_segments")
 
 
-def compute(job, padded, device):
-    """The job's outputs (label -> NumPy array, see Job.outputs) for one padded chunk, computed
-    on `device` (a jax.Device)."""
+def compute(jobs, padded, device):
+    """Each job's outputs (label -> NumPy array, see Job.outputs) for one padded chunk,
+    computed on `device` (a jax.Device) by one program."""
     import jax
 
-    names = (*job.wrt, *(n for n in dict.fromkeys(job.fields) if n not in job.wrt))
-    layout = tuple(names.index(name) for name in job.fields)
-    directions = (padded.arrays[job.direction],) * len(job.wrt) if job.order == 2 else ()
-    function = _compiled(job.spec, layout, job.order, len(job.wrt))
+    read = reads(jobs)
+    function = _compiled(tuple(job.program(read) for job in jobs))
     with jax.enable_x64(True):
-        values, weights, directions, idx = jax.device_put(
-            (tuple(padded.arrays[name] for name in names), padded.weights, directions,
-             padded.idx), device, may_alias=True)
-        out = function(values, weights, directions, idx, num_segments=len(padded.weights))
-        arrays = [np.asarray(o) for o in out]
+        values, idx = jax.device_put((tuple(padded.arrays[name] for name in read), padded.idx),
+                                     device, may_alias=True)
+        out = [[np.asarray(o) for o in outputs]
+               for outputs in function(values, idx, num_segments=padded.segments)]
     rows = {"atom": padded.n_rows, "structure": padded.n_structures}
-    return {label: array[:rows[per]]
-            for (label, (per, _, _)), array in zip(job.outputs.items(), arrays)}
+    return tuple({label: array[:rows[per]]
+                  for (label, (per, _, _)), array in zip(job.outputs.items(), arrays)}
+                 for job, arrays in zip(jobs, out))
 
 
-def run(batch, job, device, *, chunk_atoms=DEFAULT_CHUNK_ATOMS, structures=slice(None)):
-    """Yield (Chunk, outputs) for each chunk of whole structures of `batch`, reading and
-    padding the next chunk in a background thread while this one is computed on `device`.
-    Every chunk is padded to the same power-of-two sizes (`padded_size`): one compilation."""
-    for chunk, padded in prefetch(_padded_chunks(batch, job, chunk_atoms, structures)):
-        yield chunk, compute(job, padded, device)
+def run(batch, jobs, device, *, chunk_atoms=DEFAULT_CHUNK_ATOMS, structures=slice(None)):
+    """Yield (Chunk, outputs) for each chunk of whole structures of `batch`, outputs holding
+    each of `jobs`' outputs (see compute): every field read once, the next chunk read and
+    padded in a background thread while this one is computed on `device`. Every chunk is
+    padded to the same power-of-two sizes (`padded_size`): one compilation."""
+    jobs = tuple(jobs)
+    for chunk, padded in prefetch(_padded_chunks(batch, jobs, chunk_atoms, structures)):
+        yield chunk, compute(jobs, padded, device)

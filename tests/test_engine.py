@@ -29,7 +29,7 @@ def batch_file(tmp_path_factory):
 def run_all(path, job, **kwargs):
     """Every chunk's outputs of a job over a file, concatenated."""
     with open_batch(path) as batch:
-        parts = [outputs for _, outputs in engine.run(batch, job, DEVICE, **kwargs)]
+        parts = [outputs for _, (outputs,) in engine.run(batch, [job], DEVICE, **kwargs)]
     return {label: np.concatenate([p[label] for p in parts]) for label in parts[0]}
 
 
@@ -92,7 +92,8 @@ def test_one_compilation_per_run_however_the_chunks_vary(tmp_path):
     for chunk_atoms in (1500, 1400, 3000):
         assert_reduced(run_all(path, job, chunk_atoms=chunk_atoms)[""], "rms_norm", n_atoms, [x],
                        "float64")
-    assert engine._compiled(job.spec, (0,), 0, 1)._cache_size() == 2  # 2048 and 4096 rows
+    program = engine._compiled((job.program(job.read),))
+    assert program._cache_size() == 2  # 2048 and 4096 rows
 
 
 def test_prefetch_runs_exactly_one_item_ahead():
@@ -216,7 +217,7 @@ def test_pad_uses_a_read_buffer_only_for_exactly_the_rows_read_into_it():
     assert ring.holding(head) is None and ring.holding(tail) is None
     job = engine.Job("f.h5", OPS["sum"], ("x",), (None,))
     chunk = type("Chunk", (), {"n_atoms": np.array([4]), "atoms": {"x": head}, "structures": {}})
-    padded = engine._pad(job, chunk, (8, 1024), ring, 1)
+    padded = engine._pad(job.read, job.precision, chunk, (8, 1024), ring, 1)
     assert padded.arrays["x"].ctypes.data != piece.ctypes.data
     np.testing.assert_array_equal(piece[4:], np.arange(12.0, 18.0).reshape(2, 3))  # untouched
     np.testing.assert_array_equal(padded.arrays["x"][:4], np.arange(12.0).reshape(4, 3))

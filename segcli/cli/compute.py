@@ -14,12 +14,25 @@ from segcli.cli.common import (check_cluster_usage, cluster_options, on_cluster,
                                shard_output, shard_selection, structure_range, table)
 
 
-def _op(ctx, param, name):
+def _op_list(ctx, param, words):
+    """OP [FIELD [FIELD2]] [+ OP [FIELD [FIELD2]] ...] as ((OpSpec, fields), ...)."""
     from segcli.engine import OPS
 
-    if name not in OPS:
-        raise click.BadParameter(f"unknown op {name!r} (choose from {', '.join(OPS)})")
-    return OPS[name]
+    groups, words = [[]], list(words)
+    for word in words:
+        if word == "+":
+            groups.append([])
+        else:
+            groups[-1].append(word)
+    ops = []
+    for group in groups:
+        if not group:
+            raise click.BadParameter("'+' joins two ops: OP [FIELD...] + OP [FIELD...]")
+        op, *fields = group
+        if op not in OPS:
+            raise click.BadParameter(f"unknown op {op!r} (choose from {', '.join(OPS)})")
+        ops.append((OPS[op], tuple(fields)))
+    return tuple(ops)
 
 
 def _result_name(ctx, param, name):
@@ -61,12 +74,16 @@ def _shared_options(command):
     return cluster_options(command)
 
 
-def _check_usage(spec, fields, output, in_place, fmt, structures):
+def _check_usage(ops, name, output, in_place, fmt, structures):
     """UsageError (exit 2) for a command line that cannot be run."""
-    if len(fields) != len(spec.inputs):
-        wanted = " and ".join(f"a per-{i.per} {i.describe()}" for i in spec.inputs)
-        raise click.UsageError(f"{spec.name} takes {len(spec.inputs) or 'no'} field(s)"
-                               f"{': ' + wanted if wanted else ''}; got {len(fields)}")
+    for spec, fields in ops:
+        if len(fields) != len(spec.inputs):
+            wanted = " and ".join(f"a per-{i.per} {i.describe()}" for i in spec.inputs)
+            raise click.UsageError(f"{spec.name} takes {len(spec.inputs) or 'no'} field(s)"
+                                   f"{': ' + wanted if wanted else ''}; got {len(fields)}")
+    if name and len(ops) > 1:
+        raise click.UsageError("--name names one op's result; several ops are each named "
+                               "OP_FIELD[_FIELD2]")
     if output and in_place:
         raise click.UsageError("give -o/--output or --in-place, not both")
     if fmt and (output or in_place):
@@ -76,14 +93,50 @@ def _check_usage(spec, fields, output, in_place, fmt, structures):
         raise click.UsageError("--format npy writes binary data; redirect stdout to a file")
 
 
+class _Results:
+    """What a command computes: its jobs (engine.Job, one per op) and their outputs, each named
+    by its dataset under /results: NAME, or NAME/d_FIELD for derivatives."""
+
+    def __init__(self, jobs, names):
+        self.jobs = tuple(jobs)
+        self.datasets = {_dataset(name, label): (k, label)
+                         for k, (job, name) in enumerate(zip(jobs, names))
+                         for label in job.outputs}
+        if len(self.datasets) < sum(len(job.outputs) for job in jobs):
+            raise click.UsageError("two ops give the same result: "
+                                   + ", ".join(f"/results/{d}" for d in self.datasets))
+        self.outputs = {d: jobs[k].outputs[label] for d, (k, label) in self.datasets.items()}
+        single = len(jobs) == 1
+        self.columns = {d: (label or names[k]) if single else d.replace("/", "_")
+                        for d, (k, label) in self.datasets.items()}
+
+    def attrs(self, common):
+        """Each dataset's attributes: `common` and its op and fields."""
+        return {d: {**common, "op": self.jobs[k].spec.name, "fields": list(self.jobs[k].fields)}
+                for d, (k, _) in self.datasets.items()}
+
+    def of(self, outputs):
+        """Dataset -> array, from engine.run's outputs of one chunk (one dict per job)."""
+        return {d: outputs[k][label] for d, (k, label) in self.datasets.items()}
+
+    def check_rows(self, output, in_place):
+        """UsageError if stdout would need rows of structures and of atoms at once."""
+        per = {d: o[0] for d, o in self.outputs.items()}
+        if not (output or in_place) and len(set(per.values())) > 1:
+            raise click.UsageError(
+                "stdout rows are per structure or per atom, and these results are both ("
+                + ", ".join(f"{d}: per {p}" for d, p in per.items())
+                + "); write them with -o or --in-place, or run the ops separately")
+
+
 class _Hdf5Sink:
     """Results into /results/<dataset> of a new file or, in place, of the input (ResultWriter);
     a new file also says where its structures come from (`sources`: the arguments of
     ResultWriter.set_sources)."""
 
-    def __init__(self, writer, outputs, datasets, n_atoms, attrs, sources=None):
-        self._writer, self._outputs, self._datasets = writer, outputs, datasets
-        self._n_atoms, self._attrs, self._sources = n_atoms, attrs, sources
+    def __init__(self, writer, outputs, n_atoms, attrs, sources=None):
+        self._writer, self._outputs, self._attrs = writer, outputs, attrs
+        self._n_atoms, self._sources = n_atoms, sources
         self._row = dict.fromkeys(outputs, 0)
 
     def __enter__(self):
@@ -93,9 +146,9 @@ class _Hdf5Sink:
             if self._sources:
                 self._writer.set_sources(*self._sources)
             rows = {"atom": int(self._n_atoms.sum()), "structure": len(self._n_atoms)}
-            for label, (per, shape, dtype) in self._outputs.items():
-                self._writer.create(self._datasets[label], (rows[per], *shape), dtype,
-                                    {**self._attrs, "per": per})
+            for dataset, (per, shape, dtype) in self._outputs.items():
+                self._writer.create(dataset, (rows[per], *shape), dtype,
+                                    {**self._attrs[dataset], "per": per})
         except BaseException:
             self._writer.__exit__(*sys.exc_info())
             raise
@@ -105,9 +158,9 @@ class _Hdf5Sink:
         return self._writer.__exit__(*exc)
 
     def write(self, chunk, arrays):
-        for label, array in arrays.items():
-            self._writer.write(self._datasets[label], self._row[label], array)
-            self._row[label] += len(array)
+        for dataset, array in arrays.items():
+            self._writer.write(dataset, self._row[dataset], array)
+            self._row[dataset] += len(array)
 
 
 def _printable(array):
@@ -221,22 +274,20 @@ def _device_label(device):
     return f"{device.platform}:{device.id} ({device.device_kind})"
 
 
-def _sink(job, name, batch, lo, hi, *, output, in_place, file, fmt, force, attrs):
-    """Where the results of structures [lo, hi) of `batch` go: a new file (-o), FILE itself
-    (--in-place) or stdout (fmt)."""
+def _sink(results, batch, lo, hi, *, output, in_place, file, fmt, force, attrs):
+    """Where the results (a _Results) of structures [lo, hi) of `batch` go: a new file (-o),
+    FILE itself (--in-place) or stdout (fmt)."""
     from segcli.io import ResultWriter
 
-    outputs, n_atoms = job.outputs, batch.n_atoms[lo:hi]
-    columns = {label: label or name for label in outputs}
+    n_atoms = batch.n_atoms[lo:hi]
     if output or in_place:
-        datasets = {label: _dataset(name, label) for label in outputs}
         writer = (ResultWriter(output_path=output, force=force) if output
-                  else ResultWriter(in_place_of=file, force=force, names=datasets.values()))
+                  else ResultWriter(in_place_of=file, force=force, names=results.datasets))
         sources = (batch.sources, *batch.source_of(slice(lo, hi))) if output else None
-        return _Hdf5Sink(writer, outputs, datasets, n_atoms, attrs, sources)
+        return _Hdf5Sink(writer, results.outputs, n_atoms, results.attrs(attrs), sources)
     if fmt == "npy":
-        return _NpySink(outputs, columns, n_atoms)
-    return _TextSink(fmt or "csv", outputs, columns,
+        return _NpySink(results.outputs, results.columns, n_atoms)
+    return _TextSink(fmt or "csv", results.outputs, results.columns,
                      batch.source_of if len(batch.sources) > 1 else None)
 
 
@@ -244,79 +295,89 @@ def _dataset(name, label):
     return f"{name}/{label}" if label else name
 
 
-def _compute_into(batch, job, sink, device, lo, hi, chunk_atoms, progress=None):
-    """Compute the job over structures [lo, hi) of `batch` on `device`, into `sink`."""
+def _compute_into(batch, results, sink, device, lo, hi, chunk_atoms, progress=None):
+    """Compute the results' jobs over structures [lo, hi) of `batch` on `device`, in one pass,
+    into `sink`."""
     from segcli import engine
 
-    results = engine.run(batch, job, device, structures=slice(lo, hi),
-                         chunk_atoms=chunk_atoms or engine.DEFAULT_CHUNK_ATOMS)
-    with contextlib.closing(results), sink:
-        for chunk, arrays in results:
-            sink.write(chunk, arrays)
+    chunks = engine.run(batch, results.jobs, device, structures=slice(lo, hi),
+                        chunk_atoms=chunk_atoms or engine.DEFAULT_CHUNK_ATOMS)
+    with contextlib.closing(chunks), sink:
+        for chunk, outputs in chunks:
+            sink.write(chunk, results.of(outputs))
             if progress:
                 progress(len(chunk.n_atoms))
 
 
-def _part(layout, spec_name, fields, plan, name, device, chunk_atoms, lo, hi, path, attrs):
-    """One shard of a job run on a cluster: structures [lo, hi) of the batch `layout`
-    describes (see segcli.io.open_inputs) into the new file `path` (replaced whole if a
-    retried task wrote it before); returns `path`."""
+def _plan(batch, path, ops, names, plan):
+    """The _Results of `ops` ((OpSpec, fields), ...) named `names` over `batch`."""
     from segcli import engine
+
+    return _Results([engine.plan(path, spec, fields, batch.fields, **plan)
+                     for spec, fields in ops], names)
+
+
+def _part(layout, ops, names, plan, device, chunk_atoms, lo, hi, path, attrs):
+    """One shard of a command run on a cluster: structures [lo, hi) of the batch `layout`
+    describes (see segcli.io.open_inputs) into the new file `path` (replaced whole if a
+    retried task wrote it before); returns `path`. `ops` are (op name, fields) pairs."""
+    from segcli.engine import OPS
     from segcli.io import open_inputs
 
     target = common.device(device)
     with open_inputs(layout) as batch:
-        job = engine.plan(batch.path, engine.OPS[spec_name], fields, batch.fields, **plan)
-        sink = _sink(job, name, batch, lo, hi, output=path, in_place=False, file=None, fmt=None,
+        results = _plan(batch, batch.path, [(OPS[op], fields) for op, fields in ops], names,
+                        plan)
+        sink = _sink(results, batch, lo, hi, output=path, in_place=False, file=None, fmt=None,
                      force=True, attrs={**attrs, "structures": f"{lo}:{hi}",
                                         "device": _device_label(target)})
-        _compute_into(batch, job, sink, target, lo, hi, chunk_atoms)
+        _compute_into(batch, results, sink, target, lo, hi, chunk_atoms)
     return path
 
 
-def _execute(file, spec, fields, *, output, in_place, fmt, name, force, structures, chunk_atoms,
+def _execute(file, ops, *, output, in_place, fmt, name, force, structures, chunk_atoms,
              device, precision, quiet, shard, scheduler, order=0, weights=None, direction=None):
-    """Run one reduce or grad command: check, plan, compute (here, one shard of it, or as
-    shards on a cluster) and write the results."""
-    _check_usage(spec, fields, output, in_place, fmt, structures)
+    """Run one reduce or grad command: check, plan, compute every op in one pass (here, one
+    shard of it, or as shards on a cluster) and write the results."""
+    _check_usage(ops, name, output, in_place, fmt, structures)
     check_cluster_usage(shard, scheduler, in_place)
     output = shard_output(output, shard)
     paths = common.input_paths(file, in_place)
     refuse_output_among_inputs(output, paths, "use --in-place to add to it")
-    from segcli import engine
     from segcli.io import open_inputs
 
     target = None if scheduler else common.device(device)
-    name = name or "_".join((spec.name, *fields))
+    names = [name] if name else ["_".join((spec.name, *fields)) for spec, fields in ops]
     plan = {"precision": precision, "order": order, "weights": weights, "direction": direction}
     with open_inputs(paths, name=file) as batch:
-        job = engine.plan(file, spec, fields, batch.fields, **plan)
+        results = _plan(batch, file, ops, names, plan)
+        results.check_rows(output, in_place)
         leaves, part = shard_selection(batch, file, structures, shard)
         lo, hi = int(leaves[0]), int(leaves[-1])
         n_atoms = batch.n_atoms[lo:hi]
-        attrs = {"op": spec.name, "fields": list(fields), "precision": precision, **part}
+        attrs = {"precision": precision, **part}
         if order:
             attrs.update(order=order, weights=weights, direction=direction)
         where = {"output": output, "in_place": in_place, "file": paths[0], "fmt": fmt,
                  "force": force}
         verb = "reducing" if not order else "differentiating"
         if scheduler:
-            _on_cluster(scheduler, quiet, batch, job, name, lo, hi,
-                        (batch.layout, spec.name, list(fields), plan, name, device, chunk_atoms),
-                        attrs, where)
+            ops = [(spec.name, list(fields)) for spec, fields in ops]
+            _on_cluster(scheduler, quiet, batch, results, lo, hi,
+                        (batch.layout, ops, names, plan, device, chunk_atoms), attrs, where)
         else:
-            sink = _sink(job, name, batch, lo, hi,
+            sink = _sink(results, batch, lo, hi,
                          attrs={**attrs, "device": _device_label(target)}, **where)
             with progress_bar(not quiet, f"{verb} {file}", len(n_atoms)) as bar:
-                _compute_into(batch, job, sink, target, lo, hi, chunk_atoms,
+                _compute_into(batch, results, sink, target, lo, hi, chunk_atoms,
                               bar.update if bar else None)
     if not quiet and (output or in_place):
-        written = ", ".join(f"/results/{_dataset(name, label)}" for label in job.outputs)
+        written = ", ".join(f"/results/{d}" for d in results.datasets)
         click.echo(f"{output or file}: {written} ({len(n_atoms)} structures, "
                    f"{int(n_atoms.sum())} atoms)", err=True)
 
 
-def _on_cluster(scheduler, quiet, batch, job, name, lo, hi, call, attrs, where):
+def _on_cluster(scheduler, quiet, batch, results, lo, hi, call, attrs, where):
     """The job over structures [lo, hi) as shards on the dask cluster at `scheduler`: each
     task writes its part into a temporary directory beside the output, and the parts are
     then written out in order as one run writes them."""
@@ -342,25 +403,27 @@ def _on_cluster(scheduler, quiet, batch, job, name, lo, hi, call, attrs, where):
             with progress_bar(not quiet, f"shards of {batch.path}", len(calls)) as bar:
                 paths = map_shards(client, _part, calls, bar.update if bar else None)
         parts = check_parts(paths)
-        labels = {_dataset(name, label): label for label in job.outputs}
-        first = parts[0].datasets[next(iter(labels))]
-        sink = _sink(job, name, batch, lo, hi, attrs={**attrs, "device": first["device"]},
+        first = parts[0].datasets[next(iter(results.datasets))]
+        sink = _sink(results, batch, lo, hi, attrs={**attrs, "device": first["device"]},
                      **where)
         with sink:
-            for start, counts, rows in part_rows(parts, list(labels)):
-                chunk = Chunk(start, counts, {}, {})
-                sink.write(chunk, {labels[d]: rows[d] for d in labels})
+            for start, counts, rows in part_rows(parts, list(results.datasets)):
+                sink.write(Chunk(start, counts, {}, {}), rows)
     finally:
         shutil.rmtree(parts_dir, ignore_errors=True)
 
 
-@click.command(short_help="Run one op per structure over a file.")
+_OPS_ARGUMENT = click.argument("ops", nargs=-1, required=True, callback=_op_list,
+                               metavar="OP [FIELD [FIELD2]] [+ OP ...]")
+
+
+@click.command(short_help="Run ops per structure over a file.")
 @click.argument("file")
-@click.argument("op", callback=_op)
-@click.argument("fields", nargs=-1)
+@_OPS_ARGUMENT
 @_shared_options
-def reduce(file, op, fields, **options):
-    """Run OP on FIELD [FIELD2] of every structure of FILE.
+def reduce(file, ops, **options):
+    """Run OP on FIELD [FIELD2] of every structure of FILE; several ops joined by `+` run in
+    one pass over the file (each result named OP_FIELD[_FIELD2]).
 
     \b
     OP and its fields (per-atom: N rows; per-structure: S rows):
@@ -386,17 +449,17 @@ def reduce(file, op, fields, **options):
     Example:
       segcli reduce sample_data/metals.h5 rms_norm forces | sort -t, -k2 -g | tail -3
       segcli reduce sample_data/metals.h5 matvec scaled_positions cell -o positions.h5
+      segcli reduce sample_data/metals.h5 rms_norm forces + max_norm forces + count
       segcli reduce batch.h5 dot forces velocities --in-place --name power
       segcli reduce data.h5 rms_norm forces --shard auto -o 'parts/r-{shard}.h5'
       segcli reduce data.h5 rms_norm forces --scheduler local:4 -o rms.h5
     """
-    _execute(file, op, fields, **options)
+    _execute(file, ops, **options)
 
 
-@click.command(short_help="Per-atom gradients of an op over a file.")
+@click.command(short_help="Per-atom gradients of ops over a file.")
 @click.argument("file")
-@click.argument("op", callback=_op)
-@click.argument("fields", nargs=-1)
+@_OPS_ARGUMENT
 @click.option("--weights", metavar="FIELD",
               help="Per-structure scalar field w_s weighting each structure (default: 1).")
 @click.option("--order", type=click.IntRange(1, 2), default=1, show_default=True,
@@ -404,7 +467,7 @@ def reduce(file, op, fields, **options):
 @click.option("--direction", metavar="FIELD",
               help="Per-atom field, the shape of the differentiated fields (--order 2).")
 @_shared_options
-def grad(file, op, fields, weights, order, direction, **options):
+def grad(file, ops, weights, order, direction, **options):
     """Per-atom derivatives of Σ_s w_s · OP(FIELD [FIELD2])_s over the structures of FILE.
 
     Writes, for each per-atom input field F, the gradient of the weighted sum (over every
@@ -413,8 +476,8 @@ def grad(file, op, fields, weights, order, direction, **options):
     array with a field per d_F). Per-structure inputs (mul's scalar, matvec's matrix) are
     held fixed. With --order 2 --direction V, writes instead the Hessian-vector product: the
     derivative of that gradient as every per-atom input moves along V. OPs and fields are
-    as for `segcli reduce`; count is not differentiable. FILE may be many files, as for
-    `segcli reduce`.
+    as for `segcli reduce`, several joined by `+` (columns then OP_FIELD_d_F_0, ...); count
+    is not differentiable. FILE may be many files, as for `segcli reduce`.
 
     \b
     Example:
@@ -422,17 +485,19 @@ def grad(file, op, fields, weights, order, direction, **options):
       segcli grad sample_data/metals.h5 dot forces positions --weights energy
       segcli grad sample_data/metals.h5 max_norm forces --order 2 --direction momenta
     """
-    if not op.differentiable:
-        from segcli.engine import OPS
+    for op, _ in ops:
+        if not op.differentiable:
+            from segcli.engine import OPS
 
-        raise click.BadParameter(
-            f"{op.name} is not differentiable (choose from "
-            f"{', '.join(n for n, s in OPS.items() if s.differentiable)})", param_hint="'OP'")
+            raise click.BadParameter(
+                f"{op.name} is not differentiable (choose from "
+                f"{', '.join(n for n, s in OPS.items() if s.differentiable)})",
+                param_hint="'OP'")
     if order == 2 and direction is None:
         raise click.UsageError("--order 2 needs --direction FIELD")
     if order == 1 and direction is not None:
         raise click.UsageError("--direction is for --order 2")
-    _execute(file, op, fields, order=order, weights=weights, direction=direction, **options)
+    _execute(file, ops, order=order, weights=weights, direction=direction, **options)
 
 
 @click.command(short_help="List the ops, their inputs and outputs.")

@@ -1,0 +1,113 @@
+"""Steady state of whole commands: `segcli reduce` and `grad` of every op, and several ops in
+one pass, each run in this process after a first run (imports, compilation, page cache and
+host buffers warm), against a bare chunked h5py read of the same datasets, side by side in
+turns.
+
+    python benchmarks/steady.py [--atoms 10000000] [--rounds 5] [--device auto|cpu|gpu]
+
+Generates (once, under --dir) a segcli file of float64 forces and velocities (N, 3), energy
+(S,) and cell (S, 3, 3), 1 to 63 atoms per structure. Each command writes its results with
+`-o` (HDF5). Prints a Markdown table: median seconds per run, atoms per second, and the share
+of the bare read's throughput.
+"""
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import h5py
+import numpy as np
+
+CASES = [("reduce", "sum forces"), ("reduce", "mean forces"), ("reduce", "rms_norm forces"),
+         ("reduce", "max_norm forces"), ("reduce", "dot forces velocities"),
+         ("reduce", "mul forces energy"), ("reduce", "matvec forces cell"), ("reduce", "count"),
+         ("reduce", "rms_norm forces + max_norm forces + mean forces"),
+         ("grad", "sum forces"), ("grad", "rms_norm forces"), ("grad", "max_norm forces"),
+         ("grad", "dot forces velocities"), ("grad", "matvec forces cell")]
+
+
+def make_file(path, atoms, seed=0):
+    """The benchmark's file (see the module docstring)."""
+    rng = np.random.default_rng(seed)
+    n_atoms = rng.integers(1, 64, atoms // 16)
+    n_atoms = n_atoms[:np.searchsorted(np.cumsum(n_atoms), atoms)]
+    n_atoms = np.append(n_atoms, atoms - n_atoms.sum())
+    with h5py.File(path, "w") as f:
+        f.attrs["format"], f.attrs["version"] = "segcli-batch", 1
+        f["structures/n_atoms"] = n_atoms
+        f["structures/energy"] = rng.normal(size=len(n_atoms))
+        f["structures/cell"] = rng.normal(size=(len(n_atoms), 3, 3))
+        for name in ("forces", "velocities"):
+            data = f.create_dataset(f"atoms/{name}", (atoms, 3), np.float64)
+            for lo in range(0, atoms, 1 << 22):
+                data[lo:lo + (1 << 22)] = rng.normal(size=(min(1 << 22, atoms - lo), 3))
+
+
+def bare_read(path, names, chunk_atoms):
+    """Read the datasets `names` (atoms/ or structures/) chunk by chunk, as a plain script
+    would."""
+    with h5py.File(path, "r", rdcc_nbytes=0) as f:
+        for name in names:
+            data = f[name]
+            for lo in range(0, len(data), chunk_atoms):
+                data[lo:lo + chunk_atoms]
+
+
+def datasets_of(words):
+    """The datasets a case reads."""
+    per_structure = {"energy", "cell"}
+    names = dict.fromkeys(w for w in words.split() if w in per_structure | {"forces",
+                                                                            "velocities"})
+    return ["structures/n_atoms"] + [("structures/" if n in per_structure else "atoms/") + n
+                                     for n in names]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--atoms", type=int, default=10_000_000)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
+    parser.add_argument("--dir", default=tempfile.gettempdir())
+    parser.add_argument("--only", help="run only the cases whose command contains this text")
+    args = parser.parse_args()
+    path = os.path.join(args.dir, f"segcli-steady-{args.atoms}.h5")
+    out = os.path.join(args.dir, "segcli-steady-out.h5")
+    if not os.path.exists(path):
+        make_file(path, args.atoms)
+
+    from segcli.cli import main as cli
+    from segcli.engine import DEFAULT_CHUNK_ATOMS
+
+    cases = [c for c in CASES if not args.only or args.only in " ".join(c)]
+    work = {}
+    for command, words in cases:
+        argv = [command, path, *words.split(), "-o", out, "--force", "-q", "--device",
+                args.device]
+        work[f"segcli {command} {words}"] = (lambda argv=argv: cli.main(argv,
+                                                                       standalone_mode=False))
+        reads = tuple(datasets_of(words))
+        work.setdefault(reads, lambda reads=reads: bare_read(path, reads, DEFAULT_CHUNK_ATOMS))
+    seconds = {name: [] for name in work}
+    for round_ in range(args.rounds + 1):
+        for name, run in work.items():
+            start = time.perf_counter()
+            run()
+            if round_:  # the first round warms everything up
+                seconds[name].append(time.perf_counter() - start)
+    median = {name: statistics.median(s) for name, s in seconds.items()}
+
+    print(f"{args.atoms} atoms, float64, device {args.device}, median of {args.rounds} rounds "
+          "in turns, each after a first run in this process\n")
+    print("| command | read of | seconds | M atoms/s | bare read M atoms/s | share of the read |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for command, words in cases:
+        name, reads = f"segcli {command} {words}", tuple(datasets_of(words))
+        rate, read = args.atoms / median[name], args.atoms / median[reads]
+        print(f"| `{command} {words}` | {', '.join(r.split('/')[1] for r in reads[1:]) or '-'} "
+              f"| {median[name]:.3f} | {rate / 1e6:.1f} | {read / 1e6:.1f} | {rate / read:.0%} |")
+
+
+if __name__ == "__main__":
+    main()

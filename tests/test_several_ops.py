@@ -1,0 +1,173 @@
+"""Several ops in one pass (`segcli reduce FILE OP FIELD + OP FIELD ...`, engine.run with
+several jobs): the same bits as each op run alone, and values against the NumPy float64
+reference."""
+
+import h5py
+import numpy as np
+import pytest
+from batch_reference import assert_reduced, random_batch
+from click.testing import CliRunner
+
+from segcli import engine
+from segcli.cli import main
+from segcli.engine import OPS
+from segcli.io import open_batch
+from test_engine import DEVICE
+
+STRUCTURE_OPS = [("rms_norm", ["x"]), ("max_norm", ["t"]), ("dot", ["x", "y"]),
+                 ("sum", ["x32"]), ("count", [])]
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def joined(ops):
+    """OP FIELD ... + OP FIELD ... as command-line words."""
+    words = []
+    for op, fields in ops:
+        words += ["+", op, *fields] if words else [op, *fields]
+    return words
+
+
+@pytest.fixture(scope="module")
+def random_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("several") / "random.h5"
+    return path, *random_batch(path, seed=21, n_structures=70)
+
+
+@pytest.mark.parametrize("order", [0, 1, 2])
+def test_one_pass_gives_each_jobs_bits_alone(random_file, order):
+    path, n_atoms, data = random_file
+    ops = [("rms_norm", ["x"]), ("dot", ["x", "y"]), ("mul", ["x", "s"]),
+           ("max_norm", ["t" if order < 2 else "x"])] + ([("count", [])] if order == 0 else [])
+    plan = {"order": order, "weights": "w" if order else None,
+            "direction": "y" if order == 2 else None}
+    with open_batch(path) as batch:
+        jobs = [engine.plan(str(path), OPS[op], fields, batch.fields, **plan)
+                for op, fields in ops]
+
+        def outputs(jobs):
+            parts = [out for _, out in engine.run(batch, jobs, DEVICE, chunk_atoms=29)]
+            return [{label: np.concatenate([p[k][label] for p in parts]) for label in parts[0][k]}
+                    for k in range(len(jobs))]
+
+        together = outputs(jobs)
+        for job, got in zip(jobs, together):
+            alone, = outputs([job])
+            assert got.keys() == alone.keys() == job.outputs.keys()
+            for label in got:
+                np.testing.assert_array_equal(got[label], alone[label])
+    if order == 0:
+        for (op, fields), got in zip(ops, together):
+            assert_reduced(got[""], op, n_atoms, [data[f] for f in fields], "float64")
+
+
+def test_jobs_of_one_pass_share_one_precision(random_file):
+    path = random_file[0]
+    with open_batch(path) as batch:
+        jobs = [engine.plan(str(path), OPS["sum"], ["x"], batch.fields, precision=p)
+                for p in ("float32", "float64")]
+        with pytest.raises(ValueError, match="one precision"):
+            list(engine.run(batch, jobs, DEVICE))
+
+
+@pytest.mark.parametrize("fmt", ["csv", "json", "npy"])
+def test_reduce_several_ops_to_stdout(random_file, fmt):
+    path, n_atoms, data = random_file
+    result = run("reduce", path, *joined(STRUCTURE_OPS), "--format", fmt, "--chunk-atoms", 50)
+    assert result.exit_code == 0, result.output
+    names = ["_".join([op, *fields]) for op, fields in STRUCTURE_OPS]
+    if fmt == "csv":
+        lines = result.stdout.splitlines()
+        assert lines[0].split(",") == ["structure", names[0], names[1], names[2],
+                                       *(f"{names[3]}_{i}" for i in range(3)), names[4]]
+        rows = np.array([[float(v) for v in line.split(",")] for line in lines[1:]])
+        np.testing.assert_array_equal(rows[:, 0], np.arange(len(n_atoms)))
+        got = [rows[:, 1], rows[:, 2], rows[:, 3], rows[:, 4:7], rows[:, 7]]
+    elif fmt == "json":
+        import json
+
+        objects = [json.loads(line) for line in result.stdout.splitlines()]
+        assert [o["structure"] for o in objects] == list(range(len(n_atoms)))
+        got = [np.array([o[name] for o in objects]) for name in names]
+    else:
+        import io
+
+        array = np.load(io.BytesIO(result.stdout_bytes))
+        assert array.dtype.names == tuple(names)
+        got = [array[name] for name in names]
+    for (op, fields), values in zip(STRUCTURE_OPS, got):
+        assert_reduced(values, op, n_atoms, [data[f] for f in fields], "float64")
+
+
+def test_reduce_several_ops_per_atom_and_per_structure_to_a_file(tmp_path, random_file):
+    path, n_atoms, data = random_file
+    ops = [("rms_norm", ["x"]), ("mul", ["v", "s"]), ("count", [])]
+    out = tmp_path / "several.h5"
+    result = run("reduce", path, *joined(ops), "-o", out)
+    assert result.exit_code == 0, result.output
+    assert "/results/rms_norm_x, /results/mul_v_s, /results/count" in result.stderr
+    with h5py.File(out, "r") as f:
+        for op, fields in ops:
+            name = "_".join([op, *fields])
+            assert f["results"][name].attrs["op"] == op
+            assert list(f["results"][name].attrs["fields"]) == fields
+            assert_reduced(f["results"][name][()], op, n_atoms, [data[k] for k in fields],
+                           "float64")
+
+
+def test_grad_several_ops_in_place(tmp_path, random_file):
+    path = tmp_path / "grad.h5"
+    path.write_bytes(random_file[0].read_bytes())
+    ops = [("rms_norm", ["x"]), ("dot", ["x", "y"])]
+    assert run("grad", path, *joined(ops), "--in-place", "--weights", "w").exit_code == 0
+    for op, fields in ops:
+        alone = tmp_path / f"{op}.h5"
+        assert run("grad", path, op, *fields, "-o", alone, "--weights", "w").exit_code == 0
+        with h5py.File(path, "r") as f, h5py.File(alone, "r") as g:
+            name = "_".join([op, *fields])
+            assert set(f["results"][name]) == {f"d_{k}" for k in dict.fromkeys(fields)}
+            for label in f["results"][name]:
+                np.testing.assert_array_equal(f["results"][name][label][()],
+                                              g["results"][name][label][()])
+    result = run("grad", path, "rms_norm", "x", "+", "dot", "x", "y", "--format", "csv")
+    header = result.stdout.splitlines()[0].split(",")
+    assert header[:3] == ["structure", "atom", "rms_norm_x_d_x_0"]
+    assert header[-1] == "dot_x_y_d_y_2"
+
+
+def test_shards_of_several_ops_merge_to_one_run(tmp_path, random_file):
+    path = random_file[0]
+    words = joined(STRUCTURE_OPS)
+    assert run("reduce", path, *words, "-o", tmp_path / "whole.h5").exit_code == 0
+    for shard in ("0/3", "1/3", "2/3"):
+        result = run("reduce", path, *words, "--shard", shard, "-o", tmp_path / "p-{shard}.h5")
+        assert result.exit_code == 0, result.output
+    parts = sorted(tmp_path.glob("p-*.h5"))
+    assert run("merge", *parts, "-o", tmp_path / "merged.h5").exit_code == 0
+    with h5py.File(tmp_path / "whole.h5", "r") as f, h5py.File(tmp_path / "merged.h5") as g:
+        for op, fields in STRUCTURE_OPS:
+            name = "results/" + "_".join([op, *fields])
+            np.testing.assert_array_equal(f[name][()], g[name][()])
+
+
+@pytest.mark.parametrize("words, needle", [
+    (["rms_norm", "x", "+"], "'+' joins two ops"),
+    (["+", "count"], "'+' joins two ops"),
+    (["rms_norm", "x", "+", "+", "count"], "'+' joins two ops"),
+    (["rms_norm", "x", "+", "frobnicate"], "unknown op 'frobnicate'"),
+    (["rms_norm", "x", "+", "dot", "x"], "dot takes 2 field(s)"),
+    (["rms_norm", "x", "+", "rms_norm", "x"], "two ops give the same result"),
+    (["rms_norm", "x", "+", "count", "--name", "n"], "--name names one op's result"),
+    (["rms_norm", "x", "+", "mul", "v", "s"], "stdout rows are per structure or per atom"),
+])
+def test_usage_errors_of_several_ops_exit_2(random_file, words, needle):
+    result = run("reduce", random_file[0], *words)
+    assert result.exit_code == 2, result.output
+    assert needle in result.stderr and "Traceback" not in result.stderr
+
+
+def test_grad_refuses_a_non_differentiable_op_among_several(random_file):
+    result = run("grad", random_file[0], "rms_norm", "x", "+", "count")
+    assert result.exit_code == 2 and "count is not differentiable" in result.stderr
