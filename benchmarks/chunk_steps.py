@@ -41,30 +41,31 @@ def main():
         runs = []
         for _ in range(4):
             start, chunks = time.perf_counter(), 0
-            for _ in engine.run(batch, job, device):
+            for _ in engine.run(batch, [job], device):
                 chunks += 1
             runs.append((time.perf_counter() - start) / chunks)
         producer = []  # the prefetch thread's work per chunk: read, NaN check and pad
         for _ in range(4):
             start, chunks = time.perf_counter(), 0
-            for _ in engine._padded_chunks(batch, job, engine.DEFAULT_CHUNK_ATOMS, slice(None)):
+            for _ in engine._padded_chunks(batch, [job], engine.DEFAULT_CHUNK_ATOMS,
+                                                 slice(None)):
                 chunks += 1
             producer.append((time.perf_counter() - start) / chunks)
         least = engine.padded_size(batch.n_atoms, engine.DEFAULT_CHUNK_ATOMS)
-        ring, function = engine._BufferRing(), engine._compiled(job.spec, (0,), 0, 1)
+        ring, function = engine._BufferRing(), engine._compiled((job.program(job.read),))
         steps = {k: [] for k in ("read", "pad", "device_put", "kernels", "to host")}
         for slot in range(4):
             t0 = time.perf_counter()
             chunk = next(batch.iter_chunks(list(job.read), chunk_atoms=engine.DEFAULT_CHUNK_ATOMS))
             t1 = time.perf_counter()
-            padded = engine._pad(job, chunk, least, ring, slot)
+            padded = engine._pad(job.read, job.precision, chunk, least, ring, slot)
             t2 = time.perf_counter()
             with jax.enable_x64(True):
                 values = jax.block_until_ready(jax.device_put(
-                    (padded.arrays["forces"], padded.weights, padded.idx), device, may_alias=True))
+                    (padded.arrays["forces"], padded.idx), device, may_alias=True))
                 t3 = time.perf_counter()
-                out = jax.block_until_ready(function((values[0],), values[1], (), values[2],
-                                                     num_segments=len(padded.weights)))
+                out, = jax.block_until_ready(function((values[0],), values[1],
+                                                      num_segments=padded.segments))
                 t4 = time.perf_counter()
                 [np.asarray(o) for o in out]
                 t5 = time.perf_counter()

@@ -97,7 +97,7 @@ def steady_state(path, device, atoms):
         job = engine.plan(path, engine.OPS["rms_norm"], ["forces"], batch.fields)
 
         def reduce():
-            for _ in engine.run(batch, job, target):
+            for _ in engine.run(batch, [job], target):
                 pass
 
         rates = {}
@@ -134,7 +134,7 @@ def bucketing(path, device, atoms, chunk_atoms):
                 engine.padded_size, engine.bucket = (lambda *a: (0, 0)), (lambda n: n)
             try:
                 start = time.perf_counter()
-                chunks = sum(1 for _ in engine.run(batch, job, target, chunk_atoms=chunk_atoms,
+                chunks = sum(1 for _ in engine.run(batch, [job], target, chunk_atoms=chunk_atoms,
                                                    structures=slice(0, stop)))
                 out[label] = time.perf_counter() - start
             finally:
