@@ -10,7 +10,9 @@ imports jax or warp at module level, so the command line starts fast.
 Several jobs given to `run` share one read of the file and one compiled program per chunk.
 """
 
+import contextlib
 import functools
+import itertools
 import queue
 import threading
 from dataclasses import dataclass
@@ -197,13 +199,16 @@ def plan(path, spec, names, fields, *, precision="float64", order=0, weights=Non
 
 class _Padded(NamedTuple):
     """A chunk's inputs on the host, cast and padded to bucket sizes: `segments` (S_b) rows per
-    structure and (N_b,) per atom, padding atoms having the id S_b (out of range, so dropped
-    by the ops)."""
+    structure and `rows` (N_b) per atom, padding atoms belonging to segment S_b (out of range,
+    so dropped by the ops). `layout` is the atoms' segment ids (N_b,), or with `counts`, for a
+    device that expands them itself, the structures' atom counts (S_b,), padding ones empty."""
 
     n_structures: int
     n_rows: int
     segments: int
-    idx: np.ndarray
+    rows: int
+    layout: np.ndarray
+    counts: bool
     arrays: dict
 
 
@@ -273,15 +278,20 @@ class _BufferRing:
         return None
 
 
-def _pad(read, precision, chunk, least, buffers, slot):
-    """The chunk's fields `read`, cast to `precision` and padded (see _Padded) to at least
-    `least` = (rows, structures), in `buffers`' slot `slot`, or where the chunk was read in
-    place (see _padded_chunks)."""
+def _pad(read, precision, chunk, least, buffers, slot, counts=False):
+    """The chunk's fields `read`, cast to `precision` and padded (see _Padded, whose layout is
+    atom counts if `counts`, else ids) to at least `least` = (rows, structures), in `buffers`'
+    slot `slot`, or where the chunk was read in place (see _padded_chunks)."""
     n_structures, n_rows = len(chunk.n_atoms), int(chunk.n_atoms.sum())
     rows, segments = max(least[0], bucket(n_rows)), max(least[1], bucket(n_structures))
-    idx = buffers.take(slot, "idx", (rows,), np.int32)
-    idx[:n_rows] = np.repeat(np.arange(n_structures, dtype=np.int32), chunk.n_atoms)
-    idx[n_rows:] = segments
+    if counts:
+        layout = buffers.take(slot, "counts", (segments,), np.int32)
+        layout[:n_structures] = chunk.n_atoms
+        layout[n_structures:] = 0
+    else:
+        layout = buffers.take(slot, "idx", (rows,), np.int32)
+        layout[:n_rows] = np.repeat(np.arange(n_structures, dtype=np.int32), chunk.n_atoms)
+        layout[n_rows:] = segments
     arrays = {}
     for name in read:
         per_atom = name in chunk.atoms
@@ -293,7 +303,7 @@ def _pad(read, precision, chunk, least, buffers, slot):
             out[:len(data)] = data
         out[len(data):] = 0
         arrays[name] = out
-    return _Padded(n_structures, n_rows, segments, idx, arrays)
+    return _Padded(n_structures, n_rows, segments, rows, layout, counts, arrays)
 
 
 def padded_size(n_atoms, chunk_atoms):
@@ -306,9 +316,11 @@ def padded_size(n_atoms, chunk_atoms):
     return bucket(int(atoms.max(initial=0))), bucket(int(np.diff(bounds).max(initial=0)))
 
 
-def _padded_chunks(batch, jobs, chunk_atoms, structures):
+def _padded_chunks(batch, jobs, chunk_atoms, structures, on_device=False):
     """(Chunk, _Padded) for each chunk, holding every field the jobs read; DataError if one
-    holds NaN, with the count over the whole selection and the first structure."""
+    holds NaN, with the count over the whole selection and the first structure. With
+    `on_device` the NaN check and the expansion of atom counts into ids are left to the device
+    (see compute)."""
     read, precision = reads(jobs), _precision(jobs)
     least = padded_size(batch.n_atoms[structures], chunk_atoms)
     buffers, fields, pieces = _BufferRing(), batch.fields, {}
@@ -324,8 +336,10 @@ def _padded_chunks(batch, jobs, chunk_atoms, structures):
 
     chunks = batch.iter_chunks(list(read), chunk_atoms=chunk_atoms, structures=structures,
                                into=into)
-    for slot, chunk in enumerate(nan_checked(jobs[0].path, chunks, read)):
-        yield chunk, _pad(read, precision, chunk, least, buffers, slot)
+    if not on_device:
+        chunks = nan_checked(jobs[0].path, chunks, read)
+    for slot, chunk in enumerate(chunks):
+        yield chunk, _pad(read, precision, chunk, least, buffers, slot, counts=on_device)
 
 
 def _precision(jobs):
@@ -381,12 +395,23 @@ def runs_on(device):
     return device.platform != "cpu" or _kernels.cpu_available()
 
 
+def _ids(counts, rows):
+    """Segment ids (rows,) of atoms in segments of `counts` atoms, rows past them in segment
+    len(counts): each row's id is the number of segments ending at or before it."""
+    import jax.numpy as jnp
+
+    ends = jnp.cumsum(counts)
+    return jnp.cumsum(jnp.zeros(rows, jnp.int32).at[ends].add(1, mode="drop"))
+
+
 @functools.cache
-def _compiled(programs):
-    """A jitted function (values, idx, num_segments) -> a tuple of outputs per program (see
-    Job.program): the op's value (order 0), or the gradient (order 1) or Hessian-vector
-    product along values[direction] (order 2) of Σ_s w_s · op_s, w = values[weights] or 1,
-    with respect to the values `wrt`."""
+def _compiled(programs, on_device=False):
+    """A jitted function (values, layout, rows, num_segments) -> (a tuple of outputs per
+    program, see Job.program; whether a value holds NaN): the op's value (order 0), or the
+    gradient (order 1) or Hessian-vector product along values[direction] (order 2) of
+    Σ_s w_s · op_s, w = values[weights] or 1, with respect to the values `wrt`. The layout is
+    segment ids, or with `on_device` atom counts, expanded and the values checked for NaN
+    there (else the NaN flag is False)."""
     import jax
     import jax.numpy as jnp
 
@@ -415,35 +440,50 @@ def _compiled(programs):
             return jax.grad(objective)(moving)
         return jax.jvp(jax.grad(objective), (moving,), ((values[direction],) * len(wrt),))[1]
 
-    def all_outputs(values, idx, num_segments):
-        return tuple(outputs(p, values, idx, num_segments) for p in programs)
+    def all_outputs(values, layout, rows, num_segments):
+        idx = _ids(layout, rows) if on_device else layout
+        nan = jnp.any(jnp.stack([jnp.isnan(v).any() for v in values])) if on_device and values \
+            else jnp.zeros((), bool)
+        return tuple(outputs(p, values, idx, num_segments) for p in programs), nan
 
-    return jax.jit(all_outputs, static_argnames="num_segments")
+    return jax.jit(all_outputs, static_argnames=("rows", "num_segments"))
 
 
 def compute(jobs, padded, device):
-    """Each job's outputs (label -> NumPy array, see Job.outputs) for one padded chunk,
-    computed on `device` (a jax.Device) by one program."""
+    """(Each job's outputs (label -> NumPy array, see Job.outputs) for one padded chunk,
+    whether an input holds NaN), computed on `device` (a jax.Device) by one program; the NaN
+    check runs there only for a padded layout of counts (see _Padded), else it is False."""
     import jax
 
     read = reads(jobs)
-    function = _compiled(tuple(job.program(read) for job in jobs))
+    function = _compiled(tuple(job.program(read) for job in jobs), padded.counts)
     with jax.enable_x64(True):
-        values, idx = jax.device_put((tuple(padded.arrays[name] for name in read), padded.idx),
-                                     device, may_alias=True)
-        out = [[np.asarray(o) for o in outputs]
-               for outputs in function(values, idx, num_segments=padded.segments)]
+        values, layout = jax.device_put(
+            (tuple(padded.arrays[name] for name in read), padded.layout), device, may_alias=True)
+        out, nan = function(values, layout, rows=padded.rows, num_segments=padded.segments)
+        out = [[np.asarray(o) for o in outputs] for outputs in out]
     rows = {"atom": padded.n_rows, "structure": padded.n_structures}
     return tuple({label: array[:rows[per]]
                   for (label, (per, _, _)), array in zip(job.outputs.items(), arrays)}
-                 for job, arrays in zip(jobs, out))
+                 for job, arrays in zip(jobs, out)), bool(nan)
 
 
-def run(batch, jobs, device, *, chunk_atoms=DEFAULT_CHUNK_ATOMS, structures=slice(None)):
+def run(batch, jobs, device, *, chunk_atoms=DEFAULT_CHUNK_ATOMS, structures=slice(None),
+        on_device=None):
     """Yield (Chunk, outputs) for each chunk of whole structures of `batch`, outputs holding
     each of `jobs`' outputs (see compute): every field read once, the next chunk read and
     padded in a background thread while this one is computed on `device`. Every chunk is
-    padded to the same power-of-two sizes (`padded_size`): one compilation."""
+    padded to the same power-of-two sizes (`padded_size`): one compilation. With `on_device`
+    (default: on GPUs, where it leaves the host thread little but the read), the device
+    expands the segment ids and checks for NaN itself; else the background thread does."""
     jobs = tuple(jobs)
-    for chunk, padded in prefetch(_padded_chunks(batch, jobs, chunk_atoms, structures)):
-        yield chunk, compute(jobs, padded, device)
+    on_device = device.platform != "cpu" if on_device is None else on_device
+    items = prefetch(_padded_chunks(batch, jobs, chunk_atoms, structures, on_device))
+    with contextlib.closing(items):
+        for chunk, padded in items:
+            outputs, nan = compute(jobs, padded, device)
+            if nan:  # counted and named on the host, over this chunk and the rest
+                rest = itertools.chain([chunk], (chunk for chunk, _ in items))
+                for _ in nan_checked(jobs[0].path, rest, reads(jobs)):
+                    pass
+            yield chunk, outputs

@@ -92,7 +92,7 @@ def test_one_compilation_per_run_however_the_chunks_vary(tmp_path):
     for chunk_atoms in (1500, 1400, 3000):
         assert_reduced(run_all(path, job, chunk_atoms=chunk_atoms)[""], "rms_norm", n_atoms, [x],
                        "float64")
-    program = engine._compiled((job.program(job.read),))
+    program = engine._compiled((job.program(job.read),), DEVICE.platform != "cpu")
     assert program._cache_size() == 2  # 2048 and 4096 rows
 
 
@@ -222,3 +222,42 @@ def test_pad_uses_a_read_buffer_only_for_exactly_the_rows_read_into_it():
     np.testing.assert_array_equal(piece[4:], np.arange(12.0, 18.0).reshape(2, 3))  # untouched
     np.testing.assert_array_equal(padded.arrays["x"][:4], np.arange(12.0).reshape(4, 3))
     assert not padded.arrays["x"][4:].any()
+
+
+@pytest.mark.parametrize("order", [0, 1])
+def test_ids_expanded_and_nan_checked_on_the_device_give_the_same_bits(batch_file, order):
+    path = batch_file[0]
+    with open_batch(path) as batch:
+        jobs = [engine.plan(str(path), OPS[op], FIELDS[op], batch.fields, order=order)
+                for op in OPS if order == 0 or OPS[op].differentiable]
+        for chunk_atoms in (1, 23, 1000):
+            runs = [list(engine.run(batch, jobs, DEVICE, chunk_atoms=chunk_atoms,
+                                    on_device=on_device)) for on_device in (False, True)]
+            for (_, host), (_, device) in zip(*runs):
+                for a, b in zip(host, device):
+                    assert a.keys() == b.keys()
+                    for label in a:
+                        np.testing.assert_array_equal(a[label], b[label])
+
+
+def test_ids_of_counts_put_padding_rows_out_of_range():
+    counts = np.array([2, 0, 3, 1, 0, 0, 0, 0], np.int32)  # 4 structures, 4 padding ones
+    with jax.enable_x64(True):
+        got = np.asarray(jax.jit(engine._ids, static_argnums=1)(counts, 10))
+    np.testing.assert_array_equal(got, [0, 0, 2, 2, 2, 3, 8, 8, 8, 8])
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_nan_is_counted_over_every_chunk_and_named_either_way(tmp_path, on_device):
+    rng = np.random.default_rng(4)
+    n_atoms = rng.integers(1, 6, 50)
+    x = rng.normal(size=(n_atoms.sum(), 3))
+    first = int(n_atoms[:7].sum())
+    x[first, 2] = np.nan
+    x[-1] = np.nan  # 3 more, in the last chunk
+    path = write_batch(tmp_path / "nan.h5", n_atoms, {"x": x})
+    with open_batch(path) as batch:
+        job = engine.plan(str(path), OPS["sum"], ["x"], batch.fields)
+        with pytest.raises(DataError, match=r"field 'x' holds 4 NaN value\(s\), the first in "
+                                            r"structure 7$"):
+            list(engine.run(batch, [job], DEVICE, chunk_atoms=20, on_device=on_device))
