@@ -7,7 +7,7 @@ Each a fresh process (or set of processes) on a generated file (float64 forces, 
 per structure), page cache warm, run in turns.
 
     python benchmarks/cluster.py [--workers 2] [--atoms 10000000] [--runs 3] [--dir /tmp]
-                                 [--device cpu|gpu]
+                                 [--device cpu|gpu] [--compression gzip]
 
 Prints a Markdown table: median wall time, speed-up over one process and its share of the
 ideal K×, and the peak RSS of each process (the client, and each shard process or worker).
@@ -97,6 +97,7 @@ def main():
     parser.add_argument("--dir", default=tempfile.gettempdir())
     parser.add_argument("--device", default="cpu", choices=["cpu", "gpu"],
                         help="where reduce computes (every process on the one GPU with gpu)")
+    parser.add_argument("--compression", help="compress the forces (e.g. gzip)")
     parser.add_argument("-v", "--verbose", action="store_true", help="each run's time on stderr")
     args = parser.parse_args()
     k = args.workers
@@ -108,7 +109,7 @@ def main():
     cluster = None
     try:
         path = os.path.join(root, "data.h5")
-        structures = make_file(path, args.atoms)
+        structures = make_file(path, args.atoms, compression=args.compression)
         size = os.path.getsize(path) / 1e6
         with open(path, "rb") as f:  # warm the page cache
             while f.read(1 << 24):
@@ -181,7 +182,8 @@ def main():
         shutil.rmtree(root, ignore_errors=True)
 
     median = {label: statistics.median(r[0] for r in runs) for label, runs in results.items()}
-    print(f"{args.atoms} atoms in {structures} structures, float64 forces ({size:.0f} MB), "
+    print(f"{args.atoms} atoms in {structures} structures, float64 forces ({size:.0f} MB"
+          f"{', ' + args.compression if args.compression else ''}), "
           f"K = {k} on {os.cpu_count()} cores, median of {args.runs} runs, page cache warm, "
           f"load average {load[0]:.1f} before and {os.getloadavg()[0]:.1f} after\n")
     print("| run | wall s | speed-up over 1 process | share of ideal K× | peak RSS MiB |")
@@ -216,6 +218,11 @@ def main():
                 merged += ")"
             speed += merged
         print(f"| {label} | {wall:.2f} | {speed} | {share} | {rss} |")
+    read_k = median[f"h5py read, {k} processes (1/{k} each)"]
+    for job in jobs:
+        running = median[f"{job}: --scheduler ADDRESS (running cluster)"]
+        print(f"\n{job} on the running cluster of {k} workers: {read_k / running:.0%} of the "
+              f"throughput of the bare read by {k} processes")
     for job, seconds in first.items():
         print(f"\n{job} --scheduler ADDRESS, first run on the fresh cluster (workers import JAX "
               f"and Warp, load kernels): {seconds:.2f} s")

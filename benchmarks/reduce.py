@@ -39,8 +39,9 @@ with h5py.File(sys.argv[2], "w") as f:
 """
 
 
-def make_file(path, atoms, seed=0):
-    """A segcli HDF5 file of `atoms` atoms in structures of 1 to 63 atoms, float64 forces."""
+def make_file(path, atoms, seed=0, compression=None):
+    """A segcli HDF5 file of `atoms` atoms in structures of 1 to 63 atoms, float64 forces
+    (compressed in chunks of 64 Ki atoms with `compression`, e.g. "gzip")."""
     rng = np.random.default_rng(seed)
     n_atoms = rng.integers(1, 64, atoms // 16)
     n_atoms = n_atoms[:np.searchsorted(np.cumsum(n_atoms), atoms)]
@@ -49,7 +50,9 @@ def make_file(path, atoms, seed=0):
         f.attrs["format"] = "segcli-batch"
         f.attrs["version"] = 1
         f["structures/n_atoms"] = n_atoms
-        forces = f.create_dataset("atoms/forces", (atoms, 3), np.float64)
+        forces = f.create_dataset("atoms/forces", (atoms, 3), np.float64,
+                                  compression=compression,
+                                  chunks=(min(atoms, 1 << 16), 3) if compression else None)
         step = 1 << 22
         for lo in range(0, atoms, step):
             forces[lo:lo + step] = rng.normal(size=(min(step, atoms - lo), 3))
