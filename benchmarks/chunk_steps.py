@@ -36,6 +36,7 @@ def main():
     from segcli.io import open_batch
 
     device = jax.devices(args.device)[0] if args.device != "auto" else jax.devices()[0]
+    gpu = device.platform != "cpu"  # pinned buffers, ids expanded on the device: as engine.run
     with open_batch(path) as batch:
         job = engine.plan(path, engine.OPS["rms_norm"], ["forces"], batch.fields)
         runs = []
@@ -47,19 +48,19 @@ def main():
         producer = []  # the prefetch thread's work per chunk: read, NaN check and pad
         for _ in range(4):
             start, chunks = time.perf_counter(), 0
-            for _ in engine._padded_chunks(batch, [job], engine.DEFAULT_CHUNK_ATOMS,
-                                                 slice(None)):
+            for _ in engine._padded_chunks(batch, [job], engine.DEFAULT_CHUNK_ATOMS, slice(None),
+                                           engine._BufferRing(pinned=gpu), on_device=gpu):
                 chunks += 1
             producer.append((time.perf_counter() - start) / chunks)
         least = engine.padded_size(batch.n_atoms, engine.DEFAULT_CHUNK_ATOMS)
-        counts = device.platform != "cpu"  # the layout engine.run gives this device
-        ring, function = engine._BufferRing(), engine._compiled((job.program(job.read),), counts)
+        ring = engine._BufferRing(pinned=gpu)
+        function = engine._compiled((job.program(job.read),), gpu)
         steps = {k: [] for k in ("read", "pad", "device_put", "kernels", "to host")}
         for slot in range(4):
             t0 = time.perf_counter()
             chunk = next(batch.iter_chunks(list(job.read), chunk_atoms=engine.DEFAULT_CHUNK_ATOMS))
             t1 = time.perf_counter()
-            padded = engine._pad(job.read, job.precision, chunk, least, ring, slot, counts)
+            padded = engine._pad(job.read, job.precision, chunk, least, ring, slot, gpu)
             t2 = time.perf_counter()
             with jax.enable_x64(True):
                 values = jax.block_until_ready(jax.device_put(

@@ -261,3 +261,16 @@ def test_nan_is_counted_over_every_chunk_and_named_either_way(tmp_path, on_devic
         with pytest.raises(DataError, match=r"field 'x' holds 4 NaN value\(s\), the first in "
                                             r"structure 7$"):
             list(engine.run(batch, [job], DEVICE, chunk_atoms=20, on_device=on_device))
+
+
+def test_pinned_buffers_hold_their_memory_and_alignment():
+    import gc
+
+    ring = engine._BufferRing(pinned=True)
+    a = ring.take(0, "x", (1000, 3), np.float64)
+    a[:] = 7.0
+    gc.collect()
+    b = ring.take(1, "x", (1000, 3), np.float64)
+    b[:] = 1.0
+    assert a.ctypes.data % 64 == 0 and ring.take(0, "x", (1000, 3), np.float64) is a
+    assert (a == 7.0).all() and a.flags.writeable

@@ -34,6 +34,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import warp as wp
 
 wp.config.log_level = wp.LOG_ERROR
@@ -57,6 +58,14 @@ def _init_warp():
 
 
 _init_warp()
+
+
+def pinned_bytes(size):
+    """A NumPy uint8 array of `size` bytes, in page-locked host memory (which GPUs copy from
+    at full speed, held as long as the array is) where Warp sees a CUDA device."""
+    if not wp.is_cuda_available():
+        return np.empty(size, np.uint8)
+    return wp.empty(size, dtype=wp.uint8, device="cpu", pinned=True).numpy()
 
 
 def cpu_available():
