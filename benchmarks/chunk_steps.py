@@ -60,13 +60,14 @@ def main():
             t0 = time.perf_counter()
             chunk = next(batch.iter_chunks(list(job.read), chunk_atoms=engine.DEFAULT_CHUNK_ATOMS))
             t1 = time.perf_counter()
-            padded = engine._pad(job.read, job.precision, chunk, least, ring, slot, gpu)
+            padded = engine._pad(job.read, job.precision, chunk, least, ring, slot, not gpu)
             t2 = time.perf_counter()
             with jax.enable_x64(True):
-                values = jax.block_until_ready(jax.device_put(
-                    (padded.arrays["forces"], padded.layout), device, may_alias=True))
+                forces, offsets, ids = jax.block_until_ready(jax.device_put(
+                    (padded.arrays["forces"], padded.offsets, padded.ids), device,
+                    may_alias=True))
                 t3 = time.perf_counter()
-                out = jax.block_until_ready(function((values[0],), values[1], rows=padded.rows,
+                out = jax.block_until_ready(function((forces,), offsets, ids, rows=padded.rows,
                                                      num_segments=padded.segments))
                 t4 = time.perf_counter()
                 jax.tree.map(np.asarray, out)

@@ -200,15 +200,16 @@ def plan(path, spec, names, fields, *, precision="float64", order=0, weights=Non
 class _Padded(NamedTuple):
     """A chunk's inputs on the host, cast and padded to bucket sizes: `segments` (S_b) rows per
     structure and `rows` (N_b) per atom, padding atoms belonging to segment S_b (out of range,
-    so dropped by the ops). `layout` is the atoms' segment ids (N_b,), or with `counts`, for a
-    device that expands them itself, the structures' atom counts (S_b,), padding ones empty."""
+    so dropped by the ops). `offsets` (S_b + 1,) are the segments' CSR offsets, padding ones
+    empty; `ids` (N_b,) the atoms' segment ids, or None for a device that expands the offsets
+    into ids itself."""
 
     n_structures: int
     n_rows: int
     segments: int
     rows: int
-    layout: np.ndarray
-    counts: bool
+    ids: np.ndarray | None
+    offsets: np.ndarray
     arrays: dict
 
 
@@ -285,20 +286,22 @@ class _BufferRing:
         return None
 
 
-def _pad(read, precision, chunk, least, buffers, slot, counts=False):
-    """The chunk's fields `read`, cast to `precision` and padded (see _Padded, whose layout is
-    atom counts if `counts`, else ids) to at least `least` = (rows, structures), in `buffers`'
-    slot `slot`, or where the chunk was read in place (see _padded_chunks)."""
+def _pad(read, precision, chunk, least, buffers, slot, ids=True):
+    """The chunk's fields `read`, cast to `precision` and padded (see _Padded, which has ids if
+    `ids`) to at least `least` = (rows, structures), in `buffers`' slot `slot`, or where the
+    chunk was read in place (see _padded_chunks)."""
     n_structures, n_rows = len(chunk.n_atoms), int(chunk.n_atoms.sum())
     rows, segments = max(least[0], bucket(n_rows)), max(least[1], bucket(n_structures))
-    if counts:
-        layout = buffers.take(slot, "counts", (segments,), np.int32)
-        layout[:n_structures] = chunk.n_atoms
-        layout[n_structures:] = 0
+    offsets = buffers.take(slot, "offsets", (segments + 1,), np.int32)
+    offsets[0] = 0
+    np.cumsum(chunk.n_atoms, out=offsets[1:n_structures + 1])
+    offsets[n_structures + 1:] = n_rows
+    if ids:
+        ids = buffers.take(slot, "ids", (rows,), np.int32)
+        ids[:n_rows] = np.repeat(np.arange(n_structures, dtype=np.int32), chunk.n_atoms)
+        ids[n_rows:] = segments
     else:
-        layout = buffers.take(slot, "idx", (rows,), np.int32)
-        layout[:n_rows] = np.repeat(np.arange(n_structures, dtype=np.int32), chunk.n_atoms)
-        layout[n_rows:] = segments
+        ids = None
     arrays = {}
     for name in read:
         per_atom = name in chunk.atoms
@@ -310,7 +313,7 @@ def _pad(read, precision, chunk, least, buffers, slot, counts=False):
             out[:len(data)] = data
         out[len(data):] = 0
         arrays[name] = out
-    return _Padded(n_structures, n_rows, segments, rows, layout, counts, arrays)
+    return _Padded(n_structures, n_rows, segments, rows, ids, offsets, arrays)
 
 
 def padded_size(n_atoms, chunk_atoms):
@@ -326,7 +329,7 @@ def padded_size(n_atoms, chunk_atoms):
 def _padded_chunks(batch, jobs, chunk_atoms, structures, buffers, on_device=False):
     """(Chunk, _Padded) for each chunk, holding every field the jobs read, in `buffers` (a
     _BufferRing); DataError if one holds NaN, with the count over the whole selection and the
-    first structure. With `on_device` the NaN check and the expansion of atom counts into ids
+    first structure. With `on_device` the NaN check and the expansion of the offsets into ids
     are left to the device (see compute)."""
     read, precision = reads(jobs), _precision(jobs)
     least = padded_size(batch.n_atoms[structures], chunk_atoms)
@@ -346,7 +349,7 @@ def _padded_chunks(batch, jobs, chunk_atoms, structures, buffers, on_device=Fals
     if not on_device:
         chunks = nan_checked(jobs[0].path, chunks, read)
     for slot, chunk in enumerate(chunks):
-        yield chunk, _pad(read, precision, chunk, least, buffers, slot, counts=on_device)
+        yield chunk, _pad(read, precision, chunk, least, buffers, slot, ids=not on_device)
 
 
 def _precision(jobs):
@@ -402,23 +405,23 @@ def runs_on(device):
     return device.platform != "cpu" or _kernels.cpu_available()
 
 
-def _ids(counts, rows):
-    """Segment ids (rows,) of atoms in segments of `counts` atoms, rows past them in segment
-    len(counts): each row's id is the number of segments ending at or before it."""
+def _ids(offsets, rows):
+    """Segment ids (rows,) of the rows of segments with CSR `offsets`, rows past them in
+    segment len(offsets) - 1: each row's id is the number of segments ending at or before it."""
     import jax.numpy as jnp
 
-    ends = jnp.cumsum(counts)
-    return jnp.cumsum(jnp.zeros(rows, jnp.int32).at[ends].add(1, mode="drop"))
+    return jnp.cumsum(jnp.zeros(rows, jnp.int32).at[offsets[1:]].add(1, mode="drop"))
 
 
 @functools.cache
 def _compiled(programs, on_device=False):
-    """A jitted function (values, layout, rows, num_segments) -> (a tuple of outputs per
+    """A jitted function (values, offsets, ids, rows, num_segments) -> (a tuple of outputs per
     program, see Job.program; whether a value holds NaN): the op's value (order 0), or the
     gradient (order 1) or Hessian-vector product along values[direction] (order 2) of
-    Σ_s w_s · op_s, w = values[weights] or 1, with respect to the values `wrt`. The layout is
-    segment ids, or with `on_device` atom counts, expanded and the values checked for NaN
-    there (else the NaN flag is False)."""
+    Σ_s w_s · op_s, w = values[weights] or 1, with respect to the values `wrt`, over the
+    segments (ops.Segments) of `offsets` and `ids`. With `on_device` the ids (None) are
+    expanded from the offsets, and the values checked for NaN, there (else the NaN flag is
+    False)."""
     import jax
     import jax.numpy as jnp
 
@@ -447,8 +450,8 @@ def _compiled(programs, on_device=False):
             return jax.grad(objective)(moving)
         return jax.jvp(jax.grad(objective), (moving,), ((values[direction],) * len(wrt),))[1]
 
-    def all_outputs(values, layout, rows, num_segments):
-        idx = _ids(layout, rows) if on_device else layout
+    def all_outputs(values, offsets, ids, rows, num_segments):
+        idx = ops.Segments(_ids(offsets, rows) if on_device else ids, offsets)
         nan = jnp.any(jnp.stack([jnp.isnan(v).any() for v in values])) if on_device and values \
             else jnp.zeros((), bool)
         return tuple(outputs(p, values, idx, num_segments) for p in programs), nan
@@ -459,15 +462,17 @@ def _compiled(programs, on_device=False):
 def compute(jobs, padded, device):
     """(Each job's outputs (label -> NumPy array, see Job.outputs) for one padded chunk,
     whether an input holds NaN), computed on `device` (a jax.Device) by one program; the NaN
-    check runs there only for a padded layout of counts (see _Padded), else it is False."""
+    check runs there only for a chunk padded without ids (see _Padded), else it is False."""
     import jax
 
     read = reads(jobs)
-    function = _compiled(tuple(job.program(read) for job in jobs), padded.counts)
+    function = _compiled(tuple(job.program(read) for job in jobs), padded.ids is None)
     with jax.enable_x64(True):
-        values, layout = jax.device_put(
-            (tuple(padded.arrays[name] for name in read), padded.layout), device, may_alias=True)
-        out, nan = function(values, layout, rows=padded.rows, num_segments=padded.segments)
+        values, offsets, ids = jax.device_put(
+            (tuple(padded.arrays[name] for name in read), padded.offsets, padded.ids), device,
+            may_alias=True)
+        out, nan = function(values, offsets, ids, rows=padded.rows,
+                            num_segments=padded.segments)
         out = [[np.asarray(o) for o in outputs] for outputs in out]
     rows = {"atom": padded.n_rows, "structure": padded.n_structures}
     return tuple({label: array[:rows[per]]

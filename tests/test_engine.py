@@ -240,10 +240,10 @@ def test_ids_expanded_and_nan_checked_on_the_device_give_the_same_bits(batch_fil
                         np.testing.assert_array_equal(a[label], b[label])
 
 
-def test_ids_of_counts_put_padding_rows_out_of_range():
-    counts = np.array([2, 0, 3, 1, 0, 0, 0, 0], np.int32)  # 4 structures, 4 padding ones
+def test_ids_of_offsets_put_padding_rows_out_of_range():
+    offsets = np.array([0, 2, 2, 5, 6, 6, 6, 6, 6], np.int32)  # 4 structures, 4 padding ones
     with jax.enable_x64(True):
-        got = np.asarray(jax.jit(engine._ids, static_argnums=1)(counts, 10))
+        got = np.asarray(jax.jit(engine._ids, static_argnums=1)(offsets, 10))
     np.testing.assert_array_equal(got, [0, 0, 2, 2, 2, 3, 8, 8, 8, 8])
 
 

@@ -401,3 +401,55 @@ def test_check_segments_names_first_bad_position():
 def test_bad_calls_raise_at_trace_time(call, error, message):
     with pytest.raises(error, match=message):
         call()
+
+
+def segments_of(idx, m):
+    """ops.Segments of sorted ids over m segments, offsets from NumPy."""
+    ids = np.asarray(idx)
+    offsets = np.searchsorted(ids, np.arange(m + 1), side="left").astype(np.int32)
+    return ops.Segments(jnp.asarray(ids), jnp.asarray(offsets))
+
+
+@pytest.mark.parametrize("transform", ["value", "jit", "grad_grad", "jvp", "hessian", "vmap",
+                                       "vmap_grad", "grad_scan", "jacrev"])
+@pytest.mark.parametrize("name", NAMES)
+def test_segments_give_the_bits_of_their_ids(name, transform):
+    rng = np.random.default_rng(hash((name, transform, "segments")) % 2**32)
+    ours, theirs, kinds = OPS[name]
+    n, m = 29, 7
+    args, tangents = make_args(rng, kinds, n, m), make_args(rng, kinds, n, m)
+    idx = sorted_ids(rng, n, m)
+    weights = jnp.asarray(rng.normal(size=np.shape(theirs(*args, idx, m))))
+
+    def bound(segment_ids):
+        f = lambda *a: ours(*a, segment_ids, m)  # noqa: E731
+        return f, lambda *a: jnp.sum(weights * f(*a))
+
+    with_segments = TRANSFORMS[transform](*bound(segments_of(idx, m)), args, tangents)
+    with_ids = TRANSFORMS[transform](*bound(idx), args, tangents)
+    for a, b in zip(jax.tree.leaves(with_segments), jax.tree.leaves(with_ids), strict=True):
+        np.testing.assert_array_equal(a, b)
+    f_ref = lambda *a: theirs(*a, idx, m)  # noqa: E731
+    reference = TRANSFORMS[transform](f_ref, lambda *a: jnp.sum(weights * f_ref(*a)), args,
+                                      tangents)
+    assert_tree_close(with_segments, reference, rtol=1e-10)
+
+
+def test_segments_built_from_counts_and_their_edge_cases():
+    seg = ops.segments(np.array([2, 0, 3, 0]))
+    assert seg.ids.tolist() == [0, 0, 2, 2, 2] and seg.offsets.tolist() == [0, 2, 2, 5, 5]
+    x = jnp.arange(15.0).reshape(5, 3)
+    np.testing.assert_array_equal(ops.segmented_sum(x, seg, 4),
+                                  np.array([[3, 5, 7], [0, 0, 0], [27, 30, 33], [0, 0, 0.0]]))
+    assert ops.segmented_count(seg, 4).tolist() == [2, 0, 3, 0]
+    empty = ops.segments(np.zeros(0, np.int64))
+    assert ops.segmented_rms_norm(jnp.zeros((0, 3)), empty, 0).shape == (0,)
+    # out-of-range rows before and after the segments: dropped, as with ids
+    ids = jnp.asarray([-1, 0, 0, 1, 2, 2], jnp.int32)
+    seg = ops.Segments(ids, jnp.asarray([1, 3, 4], jnp.int32))
+    x = jnp.arange(6.0)[:, None]
+    np.testing.assert_array_equal(ops.segmented_sum(x, seg, 2), [[3.0], [3.0]])
+    with pytest.raises(ValueError, match=r"Segments.offsets must be \(num_segments \+ 1,\)"):
+        ops.segmented_sum(x, ops.Segments(ids, jnp.asarray([0, 3], jnp.int32)), 2)
+    with pytest.raises(ValueError, match="Segments.ids has length 6 but x has 5 rows"):
+        ops.segmented_sum(x[:5], seg, 2)

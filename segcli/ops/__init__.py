@@ -1,7 +1,8 @@
 """Differentiable segment ops over batches of atomic systems, computed by Warp kernels.
 
 Every function takes per-atom arrays with a leading axis of N rows, segment ids `idx` of
-shape (N,) (int32 or int64) and a static `num_segments` M, and works under `jax.jit`,
+shape (N,) (int32 or int64) or a `Segments` (sorted ids and their offsets, built once and
+reused: no op then looks for the offsets), and a static `num_segments` M, and works under `jax.jit`,
 `jax.vmap`, `jax.grad`, `jax.jvp`, `jax.jacfwd`, `jax.jacrev`, `jax.hessian` and `lax.scan`,
 to any order, on the CPU and on CUDA GPUs.
 
@@ -21,6 +22,7 @@ Semantics shared by all functions:
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +31,10 @@ import numpy as np
 from segcli.ops import _primitives as P
 
 __all__ = [
+    "Segments",
     "check_segments",
     "segment_ids",
+    "segments",
     "segmented_count",
     "segmented_dot",
     "segmented_matvec",
@@ -85,19 +89,58 @@ def _floats(name, x, rows=None):
     return (x if dtype in _NATIVE else x.astype(jnp.float32)), dtype
 
 
+class Segments(NamedTuple):
+    """Sorted segment ids with their CSR offsets, built once (see `segments`) and passed as
+    `idx` to any op, which then finds no offsets of its own and reduces in order.
+
+    Attributes:
+      ids: (N,) int32, non-decreasing.
+      offsets: (M+1,) int32; offsets[s] is the first row whose id is s or more (rows
+        offsets[s]:offsets[s+1] form segment s).
+
+    Example::
+
+        seg = segments(np.array([2, 0, 3]))  # ids [0 0 2 2 2], offsets [0 2 2 5]
+        segmented_sum(x, seg, 3)             # as segmented_sum(x, seg.ids, 3)
+    """
+
+    ids: jax.Array
+    offsets: jax.Array
+
+
+def segments(n_atoms):
+    """The Segments of consecutive segments of n_atoms[s] rows each (see `segment_ids`)."""
+    ids = segment_ids(n_atoms)
+    offsets = np.concatenate([[0], np.cumsum(np.asarray(n_atoms), dtype=np.int64)])
+    return Segments(ids, jnp.asarray(offsets.astype(np.int32)))
+
+
+def _segments(idx, n, m):
+    """(ids, offsets) for the primitives from ids (offsets then empty: the reductions find
+    them) or a Segments."""
+    if not isinstance(idx, Segments):
+        return _ids(idx, n, m), jnp.zeros((0,), jnp.int32)
+    offsets = jnp.asarray(idx.offsets)
+    if offsets.shape != (m + 1,) or not jnp.issubdtype(offsets.dtype, jnp.integer):
+        raise ValueError(f"Segments.offsets must be (num_segments + 1,) = ({m + 1},) integers, "
+                         f"got shape {offsets.shape} and dtype {offsets.dtype}")
+    return _ids(idx.ids, n, m, "Segments.ids"), offsets.astype(jnp.int32)
+
+
 def _common(name, x, idx, num_segments):
     m = _num_segments(num_segments)
     x, dtype = _floats(name, x)
-    return x, _ids(idx, x.shape[0], m), m, dtype
+    return x, _segments(idx, x.shape[0], m), m, dtype
 
 
 def _params(m, indices_are_sorted):
     return {"num_segments": m, "indices_are_sorted": bool(indices_are_sorted)}
 
 
-def _nonzero_counts(idx, params, dtype):
+def _nonzero_counts(seg, params, dtype):
     """Rows per segment as `dtype`, with empty segments counted as 1 (so they average to 0)."""
-    return jnp.maximum(P.count(idx, params["num_segments"], params["indices_are_sorted"]), 1).astype(dtype)
+    counts = P.count(*seg, params["num_segments"], params["indices_are_sorted"])
+    return jnp.maximum(counts, 1).astype(dtype)
 
 
 def _safe_sqrt(s):
@@ -118,84 +161,84 @@ def _rows(x):
 
 def segmented_sum(x, idx, num_segments, *, indices_are_sorted=False):
     """Sum of the rows of x (N, *F) over each segment: (M, *F)."""
-    x, idx, m, dtype = _common("x", x, idx, num_segments)
-    out = P.sum_p.bind(_rows(x), idx, **_params(m, indices_are_sorted))
+    x, seg, m, dtype = _common("x", x, idx, num_segments)
+    out = P.sum_p.bind(_rows(x), *seg, **_params(m, indices_are_sorted))
     return out.reshape(m, *x.shape[1:]).astype(dtype)
 
 
 def segmented_count(idx, num_segments, *, indices_are_sorted=False):
     """Number of ids equal to each segment: (M,) int32."""
     m = _num_segments(num_segments)
-    return P.count(_ids(idx, None, m), m, bool(indices_are_sorted))
+    return P.count(*_segments(idx, None, m), m, bool(indices_are_sorted))
 
 
 def segmented_mean(x, idx, num_segments, *, indices_are_sorted=False):
     """Mean of the rows of x (N, *F) over each segment: (M, *F); an empty segment gives 0."""
-    x, idx, m, dtype = _common("x", x, idx, num_segments)
+    x, seg, m, dtype = _common("x", x, idx, num_segments)
     params = _params(m, indices_are_sorted)
-    total = P.sum_p.bind(_rows(x), idx, **params)
-    return (total / _nonzero_counts(idx, params, x.dtype)[:, None]).reshape(m, *x.shape[1:]).astype(dtype)
+    total = P.sum_p.bind(_rows(x), *seg, **params)
+    return (total / _nonzero_counts(seg, params, x.dtype)[:, None]).reshape(m, *x.shape[1:]).astype(dtype)
 
 
 def segmented_dot(x, y, idx, num_segments, *, indices_are_sorted=False):
     """Σ over each segment of <x[i], y[i]>, contracting all trailing axes: (M,)."""
-    x, idx, m, dtype = _common("x", x, idx, num_segments)
+    x, seg, m, dtype = _common("x", x, idx, num_segments)
     y, _ = _floats("y", y, ("as x", x.shape[0]))
     if y.shape != x.shape:
         raise ValueError(f"x and y must have the same shape, got x {x.shape} and y {y.shape}")
     y = y.astype(x.dtype)
-    out = P.dot_p.bind(_grouped(x), _grouped(y), idx, **_params(m, indices_are_sorted))
+    out = P.dot_p.bind(_grouped(x), _grouped(y), *seg, **_params(m, indices_are_sorted))
     return out[:, 0].astype(dtype)
 
 
 def segmented_mul(x, y, idx, num_segments):
     """x[i] * y[idx[i]] for x (N, *F) and y (M,): (N, *F); out-of-range ids give 0."""
-    x, idx, m, dtype = _common("x", x, idx, num_segments)
+    x, seg, m, dtype = _common("x", x, idx, num_segments)
     y, _ = _floats("y", y, ("num_segments", m))
     if y.ndim != 1:
         raise ValueError(f"y must have shape (num_segments,) = ({m},), got {y.shape}")
-    out = P.scale_p.bind(_grouped(x), y.astype(x.dtype)[:, None], idx, **_params(m, False))
+    out = P.scale_p.bind(_grouped(x), y.astype(x.dtype)[:, None], *seg, **_params(m, False))
     return out.reshape(x.shape).astype(dtype)
 
 
 def segmented_rms_norm(x, idx, num_segments, *, indices_are_sorted=False):
     """sqrt(Σ |x[i]|² / count) over each segment: (M,); an empty segment gives 0."""
-    x, idx, m, dtype = _common("x", x, idx, num_segments)
+    x, seg, m, dtype = _common("x", x, idx, num_segments)
     params = _params(m, indices_are_sorted)
-    squares = _squared_norms(_grouped(x), idx, tuple(params.items()))[:, 0]
-    return _safe_sqrt(squares / _nonzero_counts(idx, params, x.dtype)).astype(dtype)
+    squares = _squared_norms(_grouped(x), seg, tuple(params.items()))[:, 0]
+    return _safe_sqrt(squares / _nonzero_counts(seg, params, x.dtype)).astype(dtype)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
-def _squared_norms(g, idx, params):
+def _squared_norms(g, seg, params):
     """Σ |g[i]|² per segment and group: dot(g, g), with the JVP 2 dot(g, t) (one kernel, not two)."""
-    return P.dot_p.bind(g, g, idx, **dict(params))
+    return P.dot_p.bind(g, g, *seg, **dict(params))
 
 
 @_squared_norms.defjvp
 def _squared_norms_jvp(params, primals, tangents):
-    g, idx = primals
-    return _squared_norms(g, idx, params), 2 * P.dot_p.bind(g, tangents[0], idx, **dict(params))
+    g, seg = primals
+    return _squared_norms(g, seg, params), 2 * P.dot_p.bind(g, tangents[0], *seg, **dict(params))
 
 
 def segmented_max_norm(x, idx, num_segments, *, indices_are_sorted=False):
     """max |x[i]| over each segment: (M,); an empty segment gives 0."""
-    x, idx, m, dtype = _common("x", x, idx, num_segments)
+    x, seg, m, dtype = _common("x", x, idx, num_segments)
     params = tuple(_params(m, indices_are_sorted).items())
-    return _safe_sqrt(_max_squared_norm(_grouped(x), idx, params)[:, 0]).astype(dtype)
+    return _safe_sqrt(_max_squared_norm(_grouped(x), seg, params)[:, 0]).astype(dtype)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
-def _max_squared_norm(g, idx, params):
+def _max_squared_norm(g, seg, params):
     """max_i |g[i]|² per segment and group, straight from the kernel."""
-    return P.max_norm_p.bind(g, idx, **dict(params))[0]
+    return P.max_norm_p.bind(g, *seg, **dict(params))[0]
 
 
 @_max_squared_norm.defjvp
 def _max_squared_norm_jvp(params, primals, tangents):
     # Through the rows that attain the max (M of them), so every order differentiates correctly.
-    g, idx = primals
-    _, first = P.max_norm_p.bind(g, idx, **dict(params))
+    g, seg = primals
+    _, first = P.max_norm_p.bind(g, *seg, **dict(params))
 
     def rows(a):
         if a.shape[0] == 0:
@@ -208,13 +251,13 @@ def _max_squared_norm_jvp(params, primals, tangents):
 
 def segmented_matvec(v, m, idx, num_segments):
     """m[idx[i]]ᵀ @ v[i] for v (N, 3) and m (M, 3, 3): (N, 3); out-of-range ids give 0."""
-    v, idx, segments, dtype = _common("v", v, idx, num_segments)
+    v, seg, segments, dtype = _common("v", v, idx, num_segments)
     m, _ = _floats("m", m)
     if v.ndim != 2 or v.shape[1] != 3:
         raise ValueError(f"v must have shape (N, 3), got {v.shape}")
     if m.shape != (segments, 3, 3):
         raise ValueError(f"m must have shape (num_segments, 3, 3) = ({segments}, 3, 3), got {m.shape}")
-    out = P.matvec_p.bind(v[:, None], m.astype(v.dtype)[:, None], idx, **_params(segments, False), transpose=False)
+    out = P.matvec_p.bind(v[:, None], m.astype(v.dtype)[:, None], *seg, **_params(segments, False), transpose=False)
     return out[:, 0].astype(dtype)
 
 

@@ -18,8 +18,10 @@ and the first row attaining it, piecewise constant in x) and `count`. Batching f
 vmapped axis into axis 1 of every float operand (the feature or group axis), which keeps the
 segment ids and their order; vmapped ids fall back to a loop over the batch.
 
-Operands are float arrays followed by int32 ids; parameters are `num_segments` (the length of
-the segment axis) and `indices_are_sorted`, and for matvec `transpose` (matvecᵀ above).
+Operands are float arrays followed by int32 ids and int32 offsets: the segments' CSR
+offsets (M+1,) when the caller has them (the ids then non-decreasing), else an empty array and
+the reductions find them; parameters are `num_segments` (the length of the segment axis) and
+`indices_are_sorted`, and for matvec `transpose` (matvecᵀ above).
 """
 
 import functools
@@ -33,8 +35,11 @@ from jax.interpreters import ad, batching, mlir
 from segcli.ops._kernels import launch, stride
 
 
-def _layout(idx, num_segments, indices_are_sorted, gpu):
-    """CSR offsets of the ids and a one-element flag saying whether they are non-decreasing."""
+def _layout(idx, offsets, num_segments, indices_are_sorted, gpu):
+    """CSR offsets of the ids (`offsets` if given) and a one-element flag saying whether they
+    are non-decreasing."""
+    if offsets.shape[0]:
+        return offsets, jnp.ones((1,), jnp.int32)
     kernel, threads = ("layout", num_segments + 1) if gpu else ("layout_serial", 1)
     offsets = launch(kernel, idx, dims=(threads,), out=(num_segments + 1,))
     if indices_are_sorted or idx.shape[0] < 2:
@@ -42,10 +47,10 @@ def _layout(idx, num_segments, indices_are_sorted, gpu):
     return offsets, jnp.all(idx[1:] >= idx[:-1]).astype(jnp.int32).reshape(1)
 
 
-def _reduce(name, floats, idx, zeros, grid, num_segments, indices_are_sorted, gpu):
+def _reduce(name, floats, idx, offsets, zeros, grid, num_segments, indices_are_sorted, gpu):
     """A reduction kernel into `zeros`, over max(M, stride) rows × `grid` threads: ordered ids
     a segment per row, else atomics."""
-    offsets, ordered = _layout(idx, num_segments, indices_are_sorted, gpu)
+    offsets, ordered = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
     threads = stride(gpu, idx.shape[0])
     dims = (max(num_segments, threads), *grid)
     return launch(name, *floats, idx, offsets, ordered, threads, zeros, dims=dims, in_out=("out",))
@@ -55,22 +60,25 @@ def _impl(name):
     """The impl of primitive `name`: zeros for empty inputs, else its kernel(s)."""
 
     def impl(*operands, num_segments, indices_are_sorted, gpu=False, transpose=False):
-        *floats, idx = operands
+        *floats, idx, offsets = operands
         shape, dtype = _output_shape(name, floats, idx, num_segments), floats[0].dtype
         if name == "max_norm":
-            return _max_norm(floats[0], idx, shape, num_segments, indices_are_sorted, gpu)
+            return _max_norm(floats[0], idx, offsets, shape, num_segments, indices_are_sorted,
+                             gpu)
         if 0 in shape or any(0 in f.shape for f in floats):
             return jnp.zeros(shape, dtype)
         ordering = (num_segments, indices_are_sorted, gpu)
         if name in ("sum", "dot") and not gpu and _is_vec3(name, floats):
             vectors = [f.reshape(f.shape[0], 3) for f in floats]
             zeros = jnp.zeros((num_segments, 3) if name == "sum" else (num_segments,), dtype)
-            return _reduce(name + "3", vectors, idx, zeros, (), *ordering).reshape(shape)
+            return _reduce(name + "3", vectors, idx, offsets, zeros, (), *ordering).reshape(shape)
         if name == "dot":  # products per row, then their segment sums
             rows = launch("row_dot", *floats, dims=(idx.shape[0],), out=floats[0].shape[:2])
-            return _reduce("sum", [rows], idx, jnp.zeros(shape, dtype), shape[1:], *ordering)
+            return _reduce("sum", [rows], idx, offsets, jnp.zeros(shape, dtype), shape[1:],
+                           *ordering)
         if name in _REDUCTIONS:
-            return _reduce(name, floats, idx, jnp.zeros(shape, dtype), shape[1:], *ordering)
+            return _reduce(name, floats, idx, offsets, jnp.zeros(shape, dtype), shape[1:],
+                           *ordering)
         scalars = (int(transpose),) if name == "matvec" else ()
         if _is_vec3(name, floats):
             # drop the group axis of 1 (gather has none): rows of vectors, scalars or matrices
@@ -82,11 +90,12 @@ def _impl(name):
     return impl
 
 
-def _max_norm(x, idx, shapes, num_segments, indices_are_sorted, gpu):
+def _max_norm(x, idx, offsets, shapes, num_segments, indices_are_sorted, gpu):
     (shape, _), n = shapes, x.shape[0]
     if 0 in x.shape or num_segments == 0:
         return [jnp.zeros(shape, x.dtype), jnp.full(shape, n, jnp.int32)]
-    offsets, ordered = _layout(idx, num_segments, indices_are_sorted, gpu)
+    given = offsets.shape[0] > 0
+    offsets, ordered = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
     threads = stride(gpu, n)
     groups = shape[1]
     # Ordered ids: one pass per segment. Otherwise: atomic max of the key, atomic min of
@@ -102,7 +111,7 @@ def _max_norm(x, idx, shapes, num_segments, indices_are_sorted, gpu):
         dims=shape,
         in_out=("best", "first"),
     )
-    if indices_are_sorted:
+    if indices_are_sorted or given:
         return [best, first]
     best = launch("max_key", x, idx, ordered, threads, best, dims=(threads, groups), in_out=("best",))
     first = launch("first_attaining", x, idx, ordered, threads, best, first, dims=(threads, groups), in_out=("first",))
@@ -164,7 +173,7 @@ def _unfold(out, size):
 
 
 def _loop_batch(prim, args, dims, params):
-    """Vmapped ids: run the primitive once per batch element."""
+    """Vmapped ids or offsets: run the primitive once per batch element."""
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     moved = [jnp.moveaxis(a, d, 0) if d is not None else jnp.broadcast_to(a, (size, *a.shape)) for a, d in zip(args, dims)]
     out = jax.lax.map(lambda xs: prim.bind(*xs, **params), moved)
@@ -210,10 +219,10 @@ def _register(rule):
         return jax.core.ShapedArray(shapes, dtype)
 
     def batch(args, dims, **params):
-        if dims[rule.arity] is not None:
+        if any(d is not None for d in dims[rule.arity:]):
             return _loop_batch(prim, args, dims, params)
         folded, size = _fold_batch(args, dims, rule.arity)
-        out = prim.bind(*folded, args[rule.arity], **params)
+        out = prim.bind(*folded, *args[rule.arity:], **params)
         if prim.multiple_results:
             return [_unfold(o, size) for o in out], [1] * len(out)
         return _unfold(out, size), 1
@@ -246,13 +255,13 @@ def _multilinear(rule):
         return out, total
 
     def transpose(ct, *operands, **params):
-        *floats, idx = operands
+        *floats, idx, offsets = operands
         j = next(k for k, f in enumerate(floats) if ad.is_undefined_primal(f))
         if type(ct) is ad.Zero:
             cotangent = ad.Zero(floats[j].aval)
         else:
             others = [f for k, f in enumerate(floats) if k != j]
-            cotangent = rule.transposes[j](ct, *others, idx, params)
+            cotangent = rule.transposes[j](ct, *others, (idx, offsets), params)
         return [None] * j + [cotangent] + [None] * (len(operands) - j - 1)
 
     ad.primitive_jvps[prim] = jvp
@@ -266,16 +275,16 @@ def _segments(p):
 
 
 # The table of transposes; the lambdas refer to primitives defined further down.
-sum_p = _multilinear(_Rule("sum", _impl("sum"), 1, (lambda ct, idx, p: gather_p.bind(ct, idx, **p),)))
-gather_p = _multilinear(_Rule("gather", _impl("gather"), 1, (lambda ct, idx, p: sum_p.bind(ct, idx, **p),)))
+sum_p = _multilinear(_Rule("sum", _impl("sum"), 1, (lambda ct, seg, p: gather_p.bind(ct, *seg, **p),)))
+gather_p = _multilinear(_Rule("gather", _impl("gather"), 1, (lambda ct, seg, p: sum_p.bind(ct, *seg, **p),)))
 dot_p = _multilinear(
     _Rule(
         "dot",
         _impl("dot"),
         2,
         (
-            lambda ct, y, idx, p: scale_p.bind(y, ct, idx, **p),
-            lambda ct, x, idx, p: scale_p.bind(x, ct, idx, **p),
+            lambda ct, y, seg, p: scale_p.bind(y, ct, *seg, **p),
+            lambda ct, x, seg, p: scale_p.bind(x, ct, *seg, **p),
         ),
     )
 )
@@ -285,8 +294,8 @@ scale_p = _multilinear(
         _impl("scale"),
         2,
         (
-            lambda ct, y, idx, p: scale_p.bind(ct, y, idx, **p),
-            lambda ct, x, idx, p: dot_p.bind(ct, x, idx, **p),
+            lambda ct, y, seg, p: scale_p.bind(ct, y, *seg, **p),
+            lambda ct, x, seg, p: dot_p.bind(ct, x, *seg, **p),
         ),
     )
 )
@@ -296,8 +305,8 @@ matvec_p = _multilinear(
         _impl("matvec"),
         2,
         (
-            lambda ct, m, idx, p: matvec_p.bind(ct, m, idx, **{**p, "transpose": not p["transpose"]}),
-            lambda ct, v, idx, p: outer_p.bind(*((ct, v) if p["transpose"] else (v, ct)), idx, **_segments(p)),
+            lambda ct, m, seg, p: matvec_p.bind(ct, m, *seg, **{**p, "transpose": not p["transpose"]}),
+            lambda ct, v, seg, p: outer_p.bind(*((ct, v) if p["transpose"] else (v, ct)), *seg, **_segments(p)),
         ),
     )
 )
@@ -307,8 +316,8 @@ outer_p = _multilinear(
         _impl("outer"),
         2,
         (
-            lambda ct, b, idx, p: matvec_p.bind(b, ct, idx, **p, transpose=True),
-            lambda ct, a, idx, p: matvec_p.bind(a, ct, idx, **p, transpose=False),
+            lambda ct, b, seg, p: matvec_p.bind(b, ct, *seg, **p, transpose=True),
+            lambda ct, a, seg, p: matvec_p.bind(a, ct, *seg, **p, transpose=False),
         ),
     )
 )
@@ -326,18 +335,19 @@ def _max_norm_jvp(primals, tangents, **params):
 ad.primitive_jvps[max_norm_p] = _max_norm_jvp
 
 
-def count(idx, num_segments, indices_are_sorted):
+def count(idx, offsets, num_segments, indices_are_sorted):
     """Ids per segment, int32 (not differentiable)."""
     if idx.shape[0] == 0 or num_segments == 0:
         return jnp.zeros((num_segments,), jnp.int32)
-    return count_p.bind(idx, num_segments=num_segments, indices_are_sorted=bool(indices_are_sorted))
+    return count_p.bind(idx, offsets, num_segments=num_segments,
+                        indices_are_sorted=bool(indices_are_sorted))
 
 
-def _count_impl(idx, *, num_segments, indices_are_sorted, gpu=False):
-    if indices_are_sorted:  # differences of the offsets: no kernel beyond the layout
-        return jnp.diff(_layout(idx, num_segments, True, gpu)[0])
+def _count_impl(idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
+    if indices_are_sorted or offsets.shape[0]:  # differences of the offsets: no count kernel
+        return jnp.diff(_layout(idx, offsets, num_segments, True, gpu)[0])
     zeros = jnp.zeros((num_segments,), jnp.int32)
-    return _reduce("count", [], idx, zeros, (), num_segments, indices_are_sorted, gpu)
+    return _reduce("count", [], idx, offsets, zeros, (), num_segments, indices_are_sorted, gpu)
 
 
 count_p = _register(_Rule("count", _count_impl, 0))
