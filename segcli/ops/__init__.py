@@ -34,7 +34,6 @@ __all__ = [
     "Segments",
     "check_segments",
     "segment_ids",
-    "segments",
     "segmented_count",
     "segmented_dot",
     "segmented_matvec",
@@ -43,6 +42,7 @@ __all__ = [
     "segmented_mul",
     "segmented_rms_norm",
     "segmented_sum",
+    "segments",
 ]
 
 _NATIVE = (jnp.float32, jnp.float64)

@@ -196,7 +196,7 @@ def lower_cpu_as_gpu(enabled):
     jax.clear_caches()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jitted_bind(prim, params):
     """`prim.bind` with `params` (sorted items) under jax.jit, built once per primitive and
     parameters, so that an eager call reuses JAX's compiled program."""
