@@ -324,6 +324,7 @@ def _part(layout, ops, names, plan, device, chunk_atoms, lo, hi, path, attrs):
     from segcli.engine import OPS
     from segcli.io import open_inputs
 
+    engine.keep_freed_buffers()
     target = common.device(device)
     with open_inputs(layout) as batch:
         results = _plan(batch, batch.path, [(OPS[op], fields) for op, fields in ops], names,
@@ -344,8 +345,10 @@ def _execute(file, ops, *, output, in_place, fmt, name, force, structures, chunk
     output = shard_output(output, shard)
     paths = common.input_paths(file, in_place)
     refuse_output_among_inputs(output, paths, "use --in-place to add to it")
+    from segcli.engine import keep_freed_buffers
     from segcli.io import open_inputs
 
+    keep_freed_buffers()
     target = None if scheduler else common.device(device)
     names = [name] if name else ["_".join((spec.name, *fields)) for spec, fields in ops]
     plan = {"precision": precision, "order": order, "weights": weights, "direction": direction}
