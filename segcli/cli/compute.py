@@ -2,15 +2,25 @@
 and ops (the table of ops)."""
 
 import contextlib
+import itertools
 import sys
 
 import click
 
 # Shared option parsing, for now imported from the commands that defined it first.
 from segcli.cli import common
-from segcli.cli.common import (check_cluster_usage, cluster_options, on_cluster, progress_bar,
-                               refuse_output_among_inputs, refuse_structures_in_place,
-                               shard_output, shard_selection, structure_range, table)
+from segcli.cli.common import (
+    check_cluster_usage,
+    cluster_options,
+    on_cluster,
+    progress_bar,
+    refuse_output_among_inputs,
+    refuse_structures_in_place,
+    shard_output,
+    shard_selection,
+    structure_range,
+    table,
+)
 
 
 def _op_list(ctx, param, words):
@@ -379,7 +389,7 @@ def _on_cluster(scheduler, quiet, batch, results, lo, hi, call, attrs, where):
             bounds = [lo + b for b in shard_bounds(n_atoms, shard_count(client, len(n_atoms)))]
             call = (shared(client, call[0]), *call[1:])
             calls = [(*call, int(a), int(b), os.path.join(parts_dir, f"part-{k}.h5"), attrs)
-                     for k, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
+                     for k, (a, b) in enumerate(itertools.pairwise(bounds))]
             with progress_bar(not quiet, f"shards of {batch.path}", len(calls)) as bar:
                 paths = map_shards(client, _part, calls, bar.update if bar else None)
         parts = check_parts(paths)
