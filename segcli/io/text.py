@@ -103,25 +103,31 @@ def _json_literals(shapes):
 
 class _Layout:
     """How a row's numbers (orjson's text of a flat float64 array of a block of rows) become
-    its text: each comma after a number becomes the separator that follows it, in place where
-    that is one byte, else through a marker byte that `bytes.replace` expands (patterns of one
-    byte: CPython replaces those fast); an integer's `.0` is marked for deletion."""
+    its text. Where a number's text must change, the bytes there (the comma after it, an
+    integer's `.0,`, a `null`, ...) take the new text in place, padded with bytes to delete
+    when it is shorter, its head and a marker byte when it is longer; `bytes.replace` then
+    expands each marker and deletes the padding (patterns of one byte: CPython replaces those
+    fast)."""
 
     def __init__(self, literals, is_int, spelling):
         after = [*literals[1:-1], literals[-1] + literals[0]]  # the last: row end, next start
-        kinds = {}  # (separator, after an integer) -> the numbers of a row followed by it
+        kinds = {}  # (separator, bytes it replaces) -> the numbers of a row followed by it
         for k, (text, integer) in enumerate(zip(after, is_int)):
-            kinds.setdefault((text.encode(), bool(integer)), []).append(k)
-        markers = iter(_MARKERS)
-        self._kinds = []  # (numbers, after an integer, byte written, its expansion or None)
-        for (text, integer), k in kinds.items():
-            if len(text) == 1:
-                self._kinds.append((k, integer, text[0], None))
-            else:
-                self._kinds.append((k, integer, next(markers), text))
+            kinds.setdefault((text.encode(), 3 if integer else 1), []).append(k)
+        self._markers = iter(_MARKERS)
+        self._delete = bytes([next(self._markers)])
+        self._separators = [(k, *self._fill(text, room)) for (text, room), k in kinds.items()]
+        self._nonfinite = [self._fill(text, len(b"null")) for text in spelling]
+        self._exponent = self._fill(b"-0", 1)  # "1e-7": "-" becomes "-0"
         self._start, self._cells = literals[0].encode(), len(is_int)
-        self._nonfinite = [(next(markers), s) for s in spelling]
-        self._exponent, self._delete = next(markers), next(markers)
+
+    def _fill(self, text, room):
+        """What `room` bytes take in place for `text`, and the replacements that finish it."""
+        if len(text) <= room:
+            fill = text + self._delete * (room - len(text))
+            return np.frombuffer(fill, np.uint8), {self._delete: b""} if room > len(text) else {}
+        marker = bytes([next(self._markers)])
+        return np.frombuffer(text[:room - 1] + marker, np.uint8), {marker: text[room - 1:]}
 
     def text(self, values):
         """The text of the rows `values` ((rows, numbers) float64)."""
@@ -129,25 +135,19 @@ class _Layout:
                                                    option=orjson.OPT_SERIALIZE_NUMPY)), np.uint8)
         ends = np.append(np.flatnonzero(buf == ord(",")), len(buf) - 1)  # after each number
         table = ends.reshape(len(values), self._cells)
-        expand = {}  # marker -> text
-        for k, integer, byte, text in self._kinds:
-            at = table[:, k]
-            if integer:  # "12.0," -> "12" byte delete delete
-                buf[at - 1] = buf[at] = self._delete
-                expand[self._delete] = b""
-                at = at - 2
-            buf[at] = byte
-            if text is not None:
-                expand[byte] = text
-        self._fix(buf, ends, values.ravel(), expand)
+        replace = {}
+        for k, fill, finish in self._separators:
+            _put(buf, table[:, k], fill)
+            replace.update(finish)
+        self._fix(buf, ends, values.ravel(), replace)
         body = buf[1:].tobytes()  # without the opening bracket
-        for marker, text in expand.items():
-            body = body.replace(bytes([marker]), text)
+        for pattern, text in replace.items():
+            body = body.replace(pattern, text)
         return b"".join((self._start, memoryview(body)[:len(body) - len(self._start)]))
 
-    def _fix(self, buf, ends, values, expand):
-        """Mark (or rewrite in place) the numbers whose orjson text is not their repr, adding
-        the expansions that finish them to `expand`."""
+    def _fix(self, buf, ends, values, replace):
+        """Rewrite in place, or mark, the numbers whose orjson text is not their repr, adding
+        the replacements that finish them to `replace`."""
         magnitude = np.abs(values)
         odd = np.flatnonzero(~(magnitude < np.inf) | ((magnitude < _NOTATION)
                                                      & (magnitude >= _TINY)))
@@ -155,20 +155,26 @@ class _Layout:
             return
         value, end = values[odd], ends[odd]
         start = np.where(odd > 0, ends[odd - 1], 0) + 1  # the first character of each
-        for (marker, spelling), which in zip(self._nonfinite, (np.isnan(value), value == np.inf,
-                                                               value == -np.inf)):
-            if which.any():  # "null" -> marker delete delete delete
-                buf[start[which, None] + np.arange(4)] = (marker, *[self._delete] * 3)
-                expand.update({marker: spelling, self._delete: b""})
+        for (fill, finish), which in zip(self._nonfinite, (np.isnan(value), value == np.inf,
+                                                           value == -np.inf)):
+            if which.any():  # "null"
+                _put(buf, start[which] + 3, fill)
+                replace.update(finish)
         exponent = np.abs(value) < _SMALL
-        if exponent.any():  # "e-7" -> "e" marker "7"
-            buf[end[exponent] - 2] = self._exponent
-            expand[self._exponent] = b"-0"
+        if exponent.any():  # "1e-7"
+            _put(buf, end[exponent] - 2, self._exponent[0])
+            replace.update(self._exponent[1])
         positional = (np.abs(value) >= _SMALL) & (np.abs(value) < _NOTATION)
-        if positional.any():
+        if positional.any():  # "0.0000123"
             _scientific(buf, start[positional] + (value[positional] < 0), end[positional],
-                        self._delete)
-            expand[self._delete] = b""
+                        self._delete[0])
+            replace[self._delete] = b""
+
+
+def _put(buf, last, fill):
+    """Write `fill` into `buf` so that it ends at each position of `last`."""
+    for i, byte in enumerate(fill[::-1]):
+        buf[last - i] = byte
 
 
 def _scientific(buf, start, end, delete):
