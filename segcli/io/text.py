@@ -12,9 +12,8 @@ array (integers among them are exact, below 2**53), with the shortest round-trip
 text differs from repr only in notation, fixed here: an integer's `12.0` loses `.0`; `null`,
 any non-finite value, becomes its spelling; a one-digit negative exponent gets its zero
 (`1e-7`, |x| in [1e-9, 1e-5), becomes `1e-07`) and |x| in [1e-5, 1e-4) goes from positional to
-scientific (`0.0000123` becomes `1.23e-05`). The commas between numbers, found with NumPy,
-become the format's separators in place or, marked with bytes that no text here holds, by
-`bytes.replace`.
+scientific (`0.0000123` becomes `1.23e-05`). The commas after the numbers, found with NumPy,
+become the format's separators (see _Layout).
 """
 
 import json
@@ -26,8 +25,8 @@ _BLOCK_CELLS = 1 << 17
 """Numbers formatted at a time: the block's buffers stay in the CPU's caches."""
 _EXACT = 2 ** 53
 _SPELLING = {"csv": (b"nan", b"inf", b"-inf"), "json": (b"NaN", b"Infinity", b"-Infinity")}
-_MARKERS = bytes(b for b in range(256) if not 0x20 <= b < 0x7f and b != 0x0a)
-"""Bytes neither in orjson's numbers nor in a separator (ASCII: json.dumps escapes the rest)."""
+_MARKERS = bytes(b for b in range(256) if not 0x20 <= b <= 0x7f and b != 0x0a)
+"""Bytes in no number and no separator (json.dumps escapes control characters and non-ASCII)."""
 _TINY, _SMALL, _NOTATION = np.float64(1e-9), np.float64(1e-5), np.float64(1e-4)
 
 
@@ -60,7 +59,8 @@ def _exact(name, array):
     if array.dtype.kind not in "iuf":
         raise TypeError(f"column {name!r}: {array.dtype} is not a number type")
     if array.dtype.kind in "iu" and array.size and np.abs(array).max() >= _EXACT:
-        raise ValueError(f"column {name!r}: integers beyond 2**53 are not written")
+        raise ValueError(f"column {name!r}: integers of magnitude 2**53 or more are not "
+                         "written (not exact as float64)")
     return array
 
 
@@ -114,19 +114,21 @@ class _Layout:
         kinds = {}  # (separator, bytes it replaces) -> the numbers of a row followed by it
         for k, (text, integer) in enumerate(zip(after, is_int)):
             kinds.setdefault((text.encode(), 3 if integer else 1), []).append(k)
-        self._markers = iter(_MARKERS)
-        self._delete = bytes([next(self._markers)])
-        self._separators = [(k, *self._fill(text, room)) for (text, room), k in kinds.items()]
-        self._nonfinite = [self._fill(text, len(b"null")) for text in spelling]
-        self._exponent = self._fill(b"-0", 1)  # "1e-7": "-" becomes "-0"
+        markers = iter(_MARKERS)
+        self._delete = bytes([next(markers)])
+        self._separators = [(k, *self._fill(text, room, markers))
+                            for (text, room), k in kinds.items()]
+        self._nonfinite = [self._fill(text, len(b"null"), markers) for text in spelling]
+        self._exponent = self._fill(b"-0", 1, markers)  # "1e-7": "-" becomes "-0"
         self._start, self._cells = literals[0].encode(), len(is_int)
 
-    def _fill(self, text, room):
-        """What `room` bytes take in place for `text`, and the replacements that finish it."""
+    def _fill(self, text, room, markers):
+        """What `room` bytes take in place for `text` (with the next of `markers` if it is
+        longer), and the replacements that finish it."""
         if len(text) <= room:
             fill = text + self._delete * (room - len(text))
             return np.frombuffer(fill, np.uint8), {self._delete: b""} if room > len(text) else {}
-        marker = bytes([next(self._markers)])
+        marker = bytes([next(markers)])
         return np.frombuffer(text[:room - 1] + marker, np.uint8), {marker: text[room - 1:]}
 
     def text(self, values):
