@@ -119,7 +119,7 @@ def test_empty_and_zero_size_columns():
 
 
 def test_names_are_json_strings():
-    columns = {"structure": np.arange(3), 'a "b", c\n\u00e9': np.ones(3)}
+    columns = {"structure": np.arange(3), 'a "b", c\n\x00\x7f\u00e9': np.ones(3)}
     assert b"".join(text.lines("json", columns)).decode() == per_row("json", columns)
 
 
