@@ -43,8 +43,8 @@ def _printable(array):
 
 
 class PerRowTextSink:
-    """Before: the text sink of commit 92c29b9, which formatted each row in Python (repr,
-    json.dumps)."""
+    """Before: the text sink as it was before segcli.io.text, which formatted each row in
+    Python (repr, json.dumps)."""
 
     def __init__(self, fmt, outputs, columns, source_of=None):
         self._fmt, self._outputs, self._columns = fmt, outputs, columns
@@ -99,7 +99,7 @@ class CopyingNpySink(_NpySink):
 
 
 def chunks(per, rows, width, rng):
-    """(Chunk, {"": values}) of `rows` rows of an output per structure or per atom."""
+    """(Chunk, {"value": values}) of `rows` rows of an output per structure or per atom."""
     values = rng.standard_normal((rows, width) if width > 1 else rows)
     step = CHUNK_ATOMS if per == "atom" else CHUNK_ATOMS // ATOMS
     out = []
@@ -107,13 +107,14 @@ def chunks(per, rows, width, rng):
         n = min(step, rows - lo)
         structures = n // ATOMS if per == "atom" else n
         start = lo // ATOMS if per == "atom" else lo
-        out.append((Chunk(start, np.full(structures, ATOMS), {}, {}), {"": values[lo:lo + n]}))
+        out.append((Chunk(start, np.full(structures, ATOMS), {}, {}),
+                    {"value": values[lo:lo + n]}))
     return out
 
 
 def candidates(outputs, n_atoms, h5):
     """sink -> (before, after): functions giving each a new sink of `outputs`."""
-    columns = {"": "value"}
+    columns = {"value": "value"}
     return {
         "csv": (lambda: PerRowTextSink("csv", outputs, columns),
                 lambda: _TextSink("csv", outputs, columns)),
@@ -122,7 +123,7 @@ def candidates(outputs, n_atoms, h5):
         "npy": (lambda: CopyingNpySink(outputs, columns, n_atoms),
                 lambda: _NpySink(outputs, columns, n_atoms)),
         "-o OUT.h5": (None, lambda: _Hdf5Sink(ResultWriter(output_path=h5, force=True), outputs,
-                                              columns, n_atoms, {})),
+                                              n_atoms, {"value": {}})),
     }
 
 
@@ -146,10 +147,10 @@ def run_sink(make, parts, path):
 def copy(parts):
     """Seconds to copy the values of `parts` into a new buffer."""
     start = time.perf_counter()
-    out = np.empty(sum(a[""].nbytes for _, a in parts), np.uint8)
+    out = np.empty(sum(a["value"].nbytes for _, a in parts), np.uint8)
     row = 0
     for _, arrays in parts:
-        view = arrays[""].reshape(-1).view(np.uint8)
+        view = arrays["value"].reshape(-1).view(np.uint8)
         out[row:row + len(view)] = view
         row += len(view)
     return time.perf_counter() - start
@@ -159,7 +160,7 @@ def file_write(parts, path):
     """Seconds to write the values of `parts` to a new file `path`, a chunk at a time."""
     start = time.perf_counter()
     with open(path, "wb") as out:
-        out.writelines(arrays[""] for _, arrays in parts)
+        out.writelines(arrays["value"] for _, arrays in parts)
     seconds = time.perf_counter() - start
     os.unlink(path)
     return seconds
@@ -188,7 +189,7 @@ def main():
     for label, per, rows, width in cases:
         parts = chunks(per, rows, width, rng)
         n_atoms = np.full(rows // ATOMS if per == "atom" else rows, ATOMS)
-        outputs = {"": (per, (width,) if width > 1 else (), np.dtype(np.float64))}
+        outputs = {"value": (per, (width,) if width > 1 else (), np.dtype(np.float64))}
         sinks = candidates(outputs, n_atoms, h5)
         for name, (before, after) in sinks.items():
             times = {"before": [], "after": [], "copy": [], "file write": []}

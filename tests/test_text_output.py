@@ -142,9 +142,9 @@ def npy(*args):
 
 @pytest.mark.parametrize("precision", ["float64", "float32"])
 def test_cli_csv_and_json_are_the_npy_results(tmp_path, precision):
-    """reduce (scalar and vector per structure, vector per atom) and grad (one and two
-    outputs per atom), over two files (source columns), with values of every magnitude,
-    printed as csv and json: Python's text of the npy output."""
+    """reduce (scalar and vector per structure, vector per atom, a float and an integer op in
+    one pass) and grad (one and two outputs per atom), over two files (source columns), with
+    values of every magnitude, printed as csv and json: Python's text of the npy output."""
     rng = np.random.default_rng(3)
     n_atoms = [[3, 0, 5, 1], [2, 4]]
     for k, n in enumerate(n_atoms):
@@ -162,9 +162,10 @@ def test_cli_csv_and_json_are_the_npy_results(tmp_path, precision):
                              (["reduce", tmp_path, "sum", "x"], index, "sum_x"),
                              (["reduce", tmp_path, "mul", "x", "s"], per_atom, "mul_x_s"),
                              (["grad", tmp_path, "rms_norm", "x"], per_atom, "d_x"),
-                             (["grad", tmp_path, "dot", "x", "y"], per_atom, None)]:
+                             (["grad", tmp_path, "dot", "x", "y"], per_atom, None),
+                             (["reduce", tmp_path, "rms_norm", "x", "+", "count"], index, None)]:
         args += ["--precision", precision, "--chunk-atoms", 4]
-        values = npy(*args)  # a structured array for several outputs (d_x, d_y)
+        values = npy(*args)  # a structured array for several outputs (d_x, d_y; two ops)
         named = {name: values} if name else {n: values[n] for n in values.dtype.names}
         columns = {**rows, **named}
         shapes = {key: a.shape[1:] for key, a in columns.items()}
