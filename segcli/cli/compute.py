@@ -2,16 +2,25 @@
 and ops (the table of ops)."""
 
 import contextlib
-import json
+import itertools
 import sys
 
 import click
 
 # Shared option parsing, for now imported from the commands that defined it first.
 from segcli.cli import common
-from segcli.cli.common import (check_cluster_usage, cluster_options, on_cluster, progress_bar,
-                               refuse_output_among_inputs, refuse_structures_in_place,
-                               shard_output, shard_selection, structure_range, table)
+from segcli.cli.common import (
+    check_cluster_usage,
+    cluster_options,
+    on_cluster,
+    progress_bar,
+    refuse_output_among_inputs,
+    refuse_structures_in_place,
+    shard_output,
+    shard_selection,
+    structure_range,
+    table,
+)
 
 
 def _op_list(ctx, param, words):
@@ -163,37 +172,26 @@ class _Hdf5Sink:
             self._row[dataset] += len(array)
 
 
-def _printable(array):
-    """Values whose Python repr is the shortest text that reads back as the same value:
-    float32 goes through its own shortest decimal text."""
-    if array.dtype.kind == "f" and array.dtype.itemsize < 8:
-        return array.astype(str).astype("float64")
-    return array
-
-
 class _TextSink:
     """Results on stdout as CSV (a header line, then one line per structure or atom) or JSON
-    lines, with the structure index first, then (given `source_of`, see Batch.source_of,
-    for many files) its file and its index there, and the atom index within it."""
+    lines (segcli.io.text), with the structure index first, then (given `source_of`, see
+    Batch.source_of, for many files) its file and its index there, and the atom index within
+    it."""
 
     def __init__(self, fmt, outputs, columns, source_of=None):
-        self._fmt, self._outputs, self._columns = fmt, outputs, columns
+        self._fmt, self._columns, self._source_of = fmt, columns, source_of
         self._per = next(iter(outputs.values()))[0]
-        self._source_of = source_of
-        self._keys = (["structure"] + (["source", "source_index"] if source_of else [])
-                      + (["atom"] if self._per == "atom" else []))
-        self._out = sys.stdout
+        keys = (["structure"] + (["source", "source_index"] if source_of else [])
+                + (["atom"] if self._per == "atom" else []))
+        self._shapes = {**dict.fromkeys(keys, ()),
+                        **{columns[label]: shape for label, (_, shape, _) in outputs.items()}}
+        self._out = sys.stdout.buffer
 
     def __enter__(self):
-        import numpy as np
+        from segcli.io import text
 
         if self._fmt == "csv":
-            header = list(self._keys)
-            for label, (_, shape, _) in self._outputs.items():
-                base = self._columns[label]
-                header += ([base] if not shape else
-                           [f"{base}_{'_'.join(map(str, i))}" for i in np.ndindex(*shape)])
-            self._out.write(",".join(header) + "\n")
+            self._out.write(text.header(self._shapes))
         return self
 
     def __exit__(self, *exc):
@@ -202,26 +200,18 @@ class _TextSink:
     def write(self, chunk, arrays):
         import numpy as np
 
-        structures = chunk.start + np.arange(len(chunk.n_atoms))
-        index = [structures]
+        from segcli.io import text
+
+        stop = chunk.start + len(chunk.n_atoms)
+        index = {"structure": np.arange(chunk.start, stop)}
         if self._source_of:
-            index += self._source_of(slice(chunk.start, chunk.start + len(chunk.n_atoms)))
+            index["source"], index["source_index"] = self._source_of(slice(chunk.start, stop))
         if self._per == "atom":
             first = np.repeat(np.cumsum(chunk.n_atoms) - chunk.n_atoms, chunk.n_atoms)
-            index = [np.repeat(i, chunk.n_atoms) for i in index] + [np.arange(len(first)) - first]
-        index = np.stack(index, axis=1).tolist()
-        if self._fmt == "csv":
-            values = np.concatenate([_printable(a).reshape(len(a), -1).astype("float64")
-                                     if a.dtype.kind == "f" else a.reshape(len(a), -1)
-                                     for a in arrays.values()], axis=1).tolist()
-            lines = [",".join(map(repr, i + v)) for i, v in zip(index, values)]
-        else:
-            columns = [self._columns[label] for label in arrays]
-            values = [_printable(a).tolist() for a in arrays.values()]
-            lines = [json.dumps({**dict(zip(self._keys, i)), **dict(zip(columns, v))})
-                     for i, *v in zip(index, *values)]
-        if lines:
-            self._out.write("\n".join(lines) + "\n")
+            index = {key: np.repeat(i, chunk.n_atoms) for key, i in index.items()}
+            index["atom"] = np.arange(len(first)) - first
+        values = {self._columns[label]: array for label, array in arrays.items()}
+        self._out.writelines(text.lines(self._fmt, {**index, **values}))
 
 
 class _NpySink:
@@ -259,12 +249,12 @@ class _NpySink:
 
         if len(arrays) == 1:
             (array,), = [arrays.values()]
-            self._out.write(np.ascontiguousarray(array, self._dtype).tobytes())
+            self._out.write(np.ascontiguousarray(array, self._dtype))
             return
         out = np.empty(len(next(iter(arrays.values()))), self._dtype)
         for label, array in arrays.items():
             out[self._columns[label]] = array
-        self._out.write(out.tobytes())
+        self._out.write(out)
 
 
 def _device_label(device):
@@ -402,7 +392,7 @@ def _on_cluster(scheduler, quiet, batch, results, lo, hi, call, attrs, where):
             bounds = [lo + b for b in shard_bounds(n_atoms, shard_count(client, len(n_atoms)))]
             call = (shared(client, call[0]), *call[1:])
             calls = [(*call, int(a), int(b), os.path.join(parts_dir, f"part-{k}.h5"), attrs)
-                     for k, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
+                     for k, (a, b) in enumerate(itertools.pairwise(bounds))]
             with progress_bar(not quiet, f"shards of {batch.path}", len(calls)) as bar:
                 paths = map_shards(client, _part, calls, bar.update if bar else None)
         parts = check_parts(paths)

@@ -1,0 +1,214 @@
+"""Throughput of the result outputs of `segcli reduce` and `segcli grad`; prints a markdown table
+(rerunnable).
+
+    python benchmarks/output.py [--rows 2000000] [--atom-rows 10000000] [--runs 3]
+
+The sinks of segcli.cli.compute (csv, json and npy on stdout, `-o OUT.h5`), in this process,
+are given the chunks that engine.run gives (2 Mi atoms, 32 atoms a structure, standard normal
+float64 values) of three outputs: a scalar and a 3-vector per structure (--rows structures) and
+a 3-vector per atom (--atom-rows atoms). stdout is a new file in --workdir, as is OUT.h5.
+Beside each, in the same run and alternating with it: before, the per-row text of the former
+_TextSink (copied below) and the former npy sink (which copied each chunk with tobytes); the
+floors of npy and HDF5, the same bytes (the values) copied into a new buffer and written to a
+new file a chunk at a time. Rows/s from the median of --runs runs.
+"""
+
+import argparse
+import io
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import h5py
+import numpy as np
+import orjson
+
+from segcli.cli.compute import _Hdf5Sink, _NpySink, _TextSink
+from segcli.io import ResultWriter
+from segcli.io.core import Chunk
+
+ATOMS = 32
+CHUNK_ATOMS = 2 ** 21
+
+
+def _printable(array):
+    """Values whose Python repr is the shortest text that reads back as the same value:
+    float32 goes through its own shortest decimal text."""
+    if array.dtype.kind == "f" and array.dtype.itemsize < 8:
+        return array.astype(str).astype("float64")
+    return array
+
+
+class PerRowTextSink:
+    """Before: the text sink as it was before segcli.io.text, which formatted each row in
+    Python (repr, json.dumps)."""
+
+    def __init__(self, fmt, outputs, columns, source_of=None):
+        self._fmt, self._outputs, self._columns = fmt, outputs, columns
+        self._per = next(iter(outputs.values()))[0]
+        self._source_of = source_of
+        self._keys = (["structure"] + (["source", "source_index"] if source_of else [])
+                      + (["atom"] if self._per == "atom" else []))
+        self._out = sys.stdout
+
+    def __enter__(self):
+        if self._fmt == "csv":
+            header = list(self._keys)
+            for label, (_, shape, _) in self._outputs.items():
+                base = self._columns[label]
+                header += ([base] if not shape else
+                           [f"{base}_{'_'.join(map(str, i))}" for i in np.ndindex(*shape)])
+            self._out.write(",".join(header) + "\n")
+        return self
+
+    def __exit__(self, *exc):
+        self._out.flush()
+
+    def write(self, chunk, arrays):
+        structures = chunk.start + np.arange(len(chunk.n_atoms))
+        index = [structures]
+        if self._source_of:
+            index += self._source_of(slice(chunk.start, chunk.start + len(chunk.n_atoms)))
+        if self._per == "atom":
+            first = np.repeat(np.cumsum(chunk.n_atoms) - chunk.n_atoms, chunk.n_atoms)
+            index = [np.repeat(i, chunk.n_atoms) for i in index] + [np.arange(len(first)) - first]
+        index = np.stack(index, axis=1).tolist()
+        if self._fmt == "csv":
+            values = np.concatenate([_printable(a).reshape(len(a), -1).astype("float64")
+                                     if a.dtype.kind == "f" else a.reshape(len(a), -1)
+                                     for a in arrays.values()], axis=1).tolist()
+            lines = [",".join(map(repr, i + v)) for i, v in zip(index, values)]
+        else:
+            columns = [self._columns[label] for label in arrays]
+            values = [_printable(a).tolist() for a in arrays.values()]
+            lines = [json.dumps({**dict(zip(self._keys, i)), **dict(zip(columns, v))})
+                     for i, *v in zip(index, *values)]
+        if lines:
+            self._out.write("\n".join(lines) + "\n")
+
+
+class CopyingNpySink(_NpySink):
+    """The former npy sink: each chunk copied to bytes (tobytes) before it was written."""
+
+    def write(self, chunk, arrays):
+        (array,), = [arrays.values()]
+        self._out.write(np.ascontiguousarray(array, self._dtype).tobytes())
+
+
+def chunks(per, rows, width, rng):
+    """(Chunk, {"value": values}) of `rows` rows of an output per structure or per atom."""
+    values = rng.standard_normal((rows, width) if width > 1 else rows)
+    step = CHUNK_ATOMS if per == "atom" else CHUNK_ATOMS // ATOMS
+    out = []
+    for lo in range(0, rows, step):
+        n = min(step, rows - lo)
+        structures = n // ATOMS if per == "atom" else n
+        start = lo // ATOMS if per == "atom" else lo
+        out.append((Chunk(start, np.full(structures, ATOMS), {}, {}),
+                    {"value": values[lo:lo + n]}))
+    return out
+
+
+def candidates(outputs, n_atoms, h5):
+    """sink -> (before, after): functions giving each a new sink of `outputs`."""
+    columns = {"value": "value"}
+    return {
+        "csv": (lambda: PerRowTextSink("csv", outputs, columns),
+                lambda: _TextSink("csv", outputs, columns)),
+        "json": (lambda: PerRowTextSink("json", outputs, columns),
+                 lambda: _TextSink("json", outputs, columns)),
+        "npy": (lambda: CopyingNpySink(outputs, columns, n_atoms),
+                lambda: _NpySink(outputs, columns, n_atoms)),
+        "-o OUT.h5": (None, lambda: _Hdf5Sink(ResultWriter(output_path=h5, force=True), outputs,
+                                              n_atoms, {"value": {}})),
+    }
+
+
+def run_sink(make, parts, path):
+    """Seconds to write `parts` through the sink `make()` gives, stdout a new file `path`."""
+    with open(path, "wb") as out:
+        sys.stdout = io.TextIOWrapper(out)
+        try:
+            start = time.perf_counter()
+            with make() as sink:
+                for chunk, arrays in parts:
+                    sink.write(chunk, arrays)
+            seconds = time.perf_counter() - start
+        finally:
+            sys.stdout.detach()
+            sys.stdout = sys.__stdout__
+    os.unlink(path)
+    return seconds
+
+
+def copy(parts):
+    """Seconds to copy the values of `parts` into a new buffer."""
+    start = time.perf_counter()
+    out = np.empty(sum(a["value"].nbytes for _, a in parts), np.uint8)
+    row = 0
+    for _, arrays in parts:
+        view = arrays["value"].reshape(-1).view(np.uint8)
+        out[row:row + len(view)] = view
+        row += len(view)
+    return time.perf_counter() - start
+
+
+def file_write(parts, path):
+    """Seconds to write the values of `parts` to a new file `path`, a chunk at a time."""
+    start = time.perf_counter()
+    with open(path, "wb") as out:
+        out.writelines(arrays["value"] for _, arrays in parts)
+    seconds = time.perf_counter() - start
+    os.unlink(path)
+    return seconds
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workdir", default="/tmp/segcli-bench-output")
+    parser.add_argument("--rows", type=int, default=2_000_000)
+    parser.add_argument("--atom-rows", type=int, default=10_000_000)
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    os.makedirs(args.workdir, exist_ok=True)
+    stdout, h5 = os.path.join(args.workdir, "stdout"), os.path.join(args.workdir, "out.h5")
+    rng = np.random.default_rng(0)
+    cases = [("scalar per structure", "structure", args.rows, 1),
+             ("3-vector per structure", "structure", args.rows, 3),
+             ("3-vector per atom", "atom", args.atom_rows, 3)]
+    print(f"{time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} cores, "
+          f"Python {platform.python_version()}, NumPy {np.__version__}, orjson "
+          f"{orjson.__version__}, h5py {h5py.__version__}, load average "
+          f"{os.getloadavg()[0]:.1f}; median of {args.runs} runs\n")
+    print("| output | rows | sink | before, rows/s | after, rows/s | after / before "
+          "| memory copy, rows/s | file write, rows/s | after / file write |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for label, per, rows, width in cases:
+        parts = chunks(per, rows, width, rng)
+        n_atoms = np.full(rows // ATOMS if per == "atom" else rows, ATOMS)
+        outputs = {"value": (per, (width,) if width > 1 else (), np.dtype(np.float64))}
+        sinks = candidates(outputs, n_atoms, h5)
+        for name, (before, after) in sinks.items():
+            times = {"before": [], "after": [], "copy": [], "file write": []}
+            for _ in range(args.runs):
+                if before:
+                    times["before"].append(run_sink(before, parts, stdout))
+                times["after"].append(run_sink(after, parts, stdout))
+                if name == "-o OUT.h5":
+                    os.unlink(h5)
+                if name in ("npy", "-o OUT.h5"):
+                    times["copy"].append(copy(parts))
+                    times["file write"].append(file_write(parts, stdout))
+            rate = {k: rows / statistics.median(t) if t else None for k, t in times.items()}
+            cells = [f"{rate[k] / 1e6:.2f} M" if rate[k] else "" for k in rate]
+            ratio = [f"{rate['after'] / rate[k]:.2f}" if rate[k] else ""
+                     for k in ("before", "file write")]
+            print(f"| {label} | {rows:,} | {name} | {cells[0]} | {cells[1]} | {ratio[0]} | "
+                  f"{cells[2]} | {cells[3]} | {ratio[1]} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
