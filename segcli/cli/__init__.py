@@ -99,7 +99,8 @@ def main(ctx, debug):
     ctx.meta["segcli.debug"] = debug
 
 
-from segcli.cli import check, compute, curate, data, merge, select  # (registers them)
+# The command modules, whose commands are added here.
+from segcli.cli import check, compute, curate, data, merge, select
 
 for _module in (data, compute, curate, select, merge, check):
     for _command in _module.COMMANDS:
