@@ -38,7 +38,8 @@ def test_a_second_run_takes_its_compiled_programs_from_the_cache(tmp_path, comma
     assert first.returncode == second.returncode == 0, first.stderr + second.stderr
     assert entries and sorted(cache.iterdir()) == entries
     assert "Persistent compilation cache hit" not in first.stderr
-    assert "Persistent compilation cache hit for 'jit_outputs'" in second.stderr
+    hits = second.stderr.count("Persistent compilation cache hit")
+    assert hits == second.stderr.count("Compiling ") >= 1, second.stderr
     assert second.stdout == first.stdout
 
 
@@ -88,21 +89,25 @@ assert gc.isenabled() and gc.get_freeze_count() == 0
 
 
 def test_an_op_loads_only_the_kernels_it_launches():
-    code = """
-import numpy as np
-import warp as wp
+    code = r"""
+import re, jax, numpy as np, warp as wp
 from segcli import ops
 from segcli.ops import _kernels
 assert not _kernels._MADE
 wp.config.log_level = wp.LOG_INFO
-ops.segmented_rms_norm(np.ones((4, 3)), np.array([0, 0, 1, 1]), 2, indices_are_sorted=True)
-print("made", *sorted(_kernels._MADE))
+f = jax.jit(lambda x, idx: ops.segmented_rms_norm(x, idx, 2, indices_are_sorted=True))
+program = f.lower(np.ones((4, 3), np.float32), np.array([0, 0, 1, 1], np.int32)).as_text()
+targets = re.findall(r"custom_call @(?:[\w.]*\.)?_(\w+)_kernel_\d", program)
+print("launched", *sorted(set(targets)))
+print("made", *sorted(_kernels._MADE), "of", len(_kernels._SOURCES))
 """
     result = python("-c", code, JAX_PLATFORMS="cpu")
     assert result.returncode == 0, result.stderr
-    loaded = re.findall(r"Module (\S+) \S+ load on device 'cpu'", result.stdout)
-    assert sorted(loaded) == ["segcli_count", "segcli_dot3", "segcli_layout_serial"]
-    assert "made count dot3 layout_serial" in result.stdout
+    launched = re.search(r"^launched (.*)$", result.stdout, re.MULTILINE).group(1).split()
+    made, total = re.search(r"^made (.*) of (\d+)$", result.stdout, re.MULTILINE).groups()
+    loaded = re.findall(r"Module segcli_(\w+) \S+ load on device 'cpu'", result.stdout)
+    assert launched and sorted(loaded) == made.split() == launched
+    assert len(launched) < int(total)
 
 
 def test_reduce_imports_neither_ase_nor_dask():
