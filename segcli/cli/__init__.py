@@ -11,6 +11,7 @@ import sys
 import click
 
 from segcli import __version__
+from segcli.cli.common import as_program
 from segcli.errors import DataError, Interrupted, interruptible
 
 
@@ -55,6 +56,11 @@ class SegcliGroup(click.Group):
     --debug): 1 for bad data and for what the system refuses (a full disk, a missing
     permission), 128 + N for signal N (SIGINT, SIGTERM, or a closed stdout: 141, quietly)."""
 
+    def main(self, args=None, **kwargs):
+        if args is None:  # arguments from sys.argv: run as the program, not by a caller
+            as_program()
+        return super().main(args, **kwargs)
+
     def invoke(self, ctx):
         _name_stdout()
         with interruptible():
@@ -93,7 +99,8 @@ def main(ctx, debug):
     ctx.meta["segcli.debug"] = debug
 
 
-from segcli.cli import check, compute, curate, data, merge, select  # noqa: E402  (register them)
+# The command modules, whose commands are added here.
+from segcli.cli import check, compute, curate, data, merge, select
 
 for _module in (data, compute, curate, select, merge, check):
     for _command in _module.COMMANDS:

@@ -30,6 +30,7 @@ float atomics over a grid-stride loop into a zero-initialised output.
 import functools
 import os
 import sys
+import threading
 from typing import Any
 
 import jax
@@ -81,6 +82,14 @@ _GPU_STRIDE_THREADS = 1 << 17
 
 _FLOATS = {"float32": wp.float32, "float64": wp.float64}
 
+_SOURCES = {}  # kernel name -> its Python function (see _kernels)
+
+
+def _deferred(function):
+    """Register the kernel `_NAME_kernel` under NAME, to become a Warp kernel on first use."""
+    _SOURCES[function.__name__.removeprefix("_").removesuffix("_kernel")] = function
+    return function
+
 
 @wp.func
 def _segment_range(offsets: wp.array(dtype=wp.int32), s: int, n: int):
@@ -89,12 +98,12 @@ def _segment_range(offsets: wp.array(dtype=wp.int32), s: int, n: int):
     return lo, hi
 
 
-@wp.kernel
+@_deferred
 def _layout_kernel(idx: wp.array(dtype=wp.int32), out: wp.array(dtype=wp.int32)):
     # One thread per segment: binary search for the first id >= s. (On a GPU this beats a
     # thread per row writing the offsets at each boundary: 17 µs against 39 at N = 10⁷.)
     s = wp.tid()
-    lo = int(0)
+    lo = int(0)  # noqa: UP018, RUF046  (a Warp variable, not a constant: it changes)
     hi = idx.shape[0]
     while lo < hi:
         mid = (lo + hi) // 2
@@ -105,14 +114,14 @@ def _layout_kernel(idx: wp.array(dtype=wp.int32), out: wp.array(dtype=wp.int32))
     out[s] = lo
 
 
-@wp.kernel(module="unique")  # CPU only: kept out of the module that GPUs compile
+@_deferred
 def _layout_serial_kernel(idx: wp.array(dtype=wp.int32), out: wp.array(dtype=wp.int32)):
     # One thread walking the ids in order, for CPUs (which run a kernel on one thread anyway):
     # a stream over the ids instead of M searches that each miss the cache (2 Mi ids: 3.3 ms
     # against 4.8). Meaningful for ids non-decreasing once clamped to [-1, M], the only case
     # that uses the offsets.
     m = out.shape[0] - 1
-    s = int(0)
+    s = int(0)  # noqa: UP018, RUF046  (a Warp variable, not a constant: it changes)
     for i in range(idx.shape[0]):
         top = wp.clamp(idx[i], -1, m)
         while s <= top:
@@ -123,7 +132,7 @@ def _layout_serial_kernel(idx: wp.array(dtype=wp.int32), out: wp.array(dtype=wp.
         s += 1
 
 
-@wp.kernel
+@_deferred
 def _count_kernel(
     idx: wp.array(dtype=wp.int32),
     offsets: wp.array(dtype=wp.int32),
@@ -145,7 +154,7 @@ def _count_kernel(
                 wp.atomic_add(out, s, 1)
 
 
-@wp.kernel
+@_deferred
 def _sum_kernel(
     x: wp.array2d(dtype=Any),
     idx: wp.array(dtype=wp.int32),
@@ -171,7 +180,7 @@ def _sum_kernel(
                 wp.atomic_add(out, s, k, x[i, k])
 
 
-@wp.kernel
+@_deferred
 def _outer_kernel(
     a: wp.array3d(dtype=Any),
     b: wp.array3d(dtype=Any),
@@ -220,7 +229,7 @@ def _max_key(v: Any):
     return v
 
 
-@wp.kernel
+@_deferred
 def _max_norm_ordered_kernel(
     x: wp.array3d(dtype=Any),
     offsets: wp.array(dtype=wp.int32),
@@ -231,7 +240,7 @@ def _max_norm_ordered_kernel(
     s, g = wp.tid()
     if ordered[0] != 0:
         lo, hi = _segment_range(offsets, s, x.shape[0])
-        best_i = int(-1)
+        best_i = int(-1)  # noqa: UP018, RUF046  (a Warp variable: it changes)
         top = best.dtype(0.0)
         for i in range(lo, hi):
             v = _squared_norm(x, i, g)
@@ -243,7 +252,7 @@ def _max_norm_ordered_kernel(
             first[s, g] = best_i
 
 
-@wp.kernel
+@_deferred
 def _max_key_kernel(
     x: wp.array3d(dtype=Any),
     idx: wp.array(dtype=wp.int32),
@@ -259,7 +268,7 @@ def _max_key_kernel(
                 wp.atomic_max(best, s, g, _max_key(_squared_norm(x, i, g)))
 
 
-@wp.kernel
+@_deferred
 def _first_attaining_kernel(
     x: wp.array3d(dtype=Any),
     idx: wp.array(dtype=wp.int32),
@@ -272,12 +281,12 @@ def _first_attaining_kernel(
     if ordered[0] == 0:
         for i in range(t, x.shape[0], stride):
             s = idx[i]
-            if s >= 0 and s < best.shape[0]:
+            if s >= 0 and s < best.shape[0]:  # noqa: SIM102  (best[s, g] only in range)
                 if _max_key(_squared_norm(x, i, g)) == best[s, g]:
                     wp.atomic_min(first, s, g, i)
 
 
-@wp.kernel
+@_deferred
 def _norm_of_first_kernel(
     x: wp.array3d(dtype=Any),
     ordered: wp.array(dtype=wp.int32),
@@ -294,7 +303,7 @@ def _norm_of_first_kernel(
             best[s, g] = best.dtype(0.0)
 
 
-@wp.kernel
+@_deferred
 def _gather_kernel(y: wp.array2d(dtype=Any), idx: wp.array(dtype=wp.int32), out: wp.array2d(dtype=Any)):
     i = wp.tid()
     s = idx[i]
@@ -306,7 +315,7 @@ def _gather_kernel(y: wp.array2d(dtype=Any), idx: wp.array(dtype=wp.int32), out:
             out[i, k] = out.dtype(0.0)
 
 
-@wp.kernel
+@_deferred
 def _scale_kernel(
     x: wp.array3d(dtype=Any),
     y: wp.array2d(dtype=Any),
@@ -324,7 +333,7 @@ def _scale_kernel(
             out[i, g, k] = x[i, g, k] * factor
 
 
-@wp.kernel
+@_deferred
 def _row_dot_kernel(x: wp.array3d(dtype=Any), y: wp.array3d(dtype=Any), out: wp.array2d(dtype=Any)):
     # Read row by row (coalesced on a GPU); `sum` then adds the rows of each segment.
     i = wp.tid()
@@ -335,7 +344,7 @@ def _row_dot_kernel(x: wp.array3d(dtype=Any), y: wp.array3d(dtype=Any), out: wp.
         out[i, g] = acc
 
 
-@wp.kernel
+@_deferred
 def _matvec_kernel(
     v: wp.array3d(dtype=Any),
     m: wp.array4d(dtype=Any),
@@ -361,7 +370,7 @@ def _matvec_kernel(
 # The common case of one group of 3 features, with whole vectors and matrices per thread.
 
 
-@wp.kernel
+@_deferred
 def _gather3_kernel(y: wp.array(dtype=Any), idx: wp.array(dtype=wp.int32), out: wp.array(dtype=Any)):
     i = wp.tid()
     s = idx[i]
@@ -371,7 +380,7 @@ def _gather3_kernel(y: wp.array(dtype=Any), idx: wp.array(dtype=wp.int32), out: 
         out[i] = type(out[i])()
 
 
-@wp.kernel
+@_deferred
 def _scale3_kernel(
     x: wp.array(dtype=Any),
     y: wp.array(dtype=Any),
@@ -386,7 +395,7 @@ def _scale3_kernel(
     out[i] = x[i] * factor
 
 
-@wp.kernel
+@_deferred
 def _matvec3_kernel(
     v: wp.array(dtype=Any),
     m: wp.array(dtype=Any),
@@ -405,7 +414,7 @@ def _matvec3_kernel(
         out[i] = type(out[i])()
 
 
-@wp.kernel
+@_deferred
 def _sum3_kernel(
     x: wp.array(dtype=Any),
     idx: wp.array(dtype=wp.int32),
@@ -431,7 +440,7 @@ def _sum3_kernel(
                 wp.atomic_add(out, s, x[i])
 
 
-@wp.kernel
+@_deferred
 def _dot3_kernel(
     x: wp.array(dtype=Any),
     y: wp.array(dtype=Any),
@@ -458,28 +467,6 @@ def _dot3_kernel(
                 wp.atomic_add(out, s, wp.dot(x[i], y[i]))
 
 
-# Kernels by name; the generic ones (dtype Any) are instantiated for float32 and float64.
-_KERNELS = {
-    "layout": _layout_kernel,
-    "layout_serial": _layout_serial_kernel,
-    "count": _count_kernel,
-    "sum": _sum_kernel,
-    "row_dot": _row_dot_kernel,
-    "outer": _outer_kernel,
-    "max_norm_ordered": _max_norm_ordered_kernel,
-    "max_key": _max_key_kernel,
-    "first_attaining": _first_attaining_kernel,
-    "norm_of_first": _norm_of_first_kernel,
-    "gather": _gather_kernel,
-    "scale": _scale_kernel,
-    "matvec": _matvec_kernel,
-    "gather3": _gather3_kernel,
-    "scale3": _scale3_kernel,
-    "matvec3": _matvec3_kernel,
-    "sum3": _sum3_kernel,
-    "dot3": _dot3_kernel,
-}
-
 # Element types of the vec3 kernels' arguments (the others are plain float arrays).
 _VEC3_TYPES = {
     "gather3": {"y": "vec3", "out": "vec3"},
@@ -501,23 +488,32 @@ def _overload(name, kernel, dtype):
     return wp.overload(kernel, concrete)
 
 
-# Instantiate every generic kernel for both float types up front, so the module is compiled
-# (and cached in ~/.cache/warp) once rather than once per newly seen overload.
-_OVERLOADS = {
-    (name, dtype): _overload(name, kernel, wp_type)
-    for name, kernel in _KERNELS.items()
-    if kernel.is_generic
-    for dtype, wp_type in _FLOATS.items()
-}
+_MADE = {}  # kernel name -> {dtype name: Warp kernel}, the kernels made so far
+_MAKING = threading.Lock()
 
 
-@functools.lru_cache(maxsize=None)
+def _kernels(name):
+    """Kernel `name` as {dtype name: Warp kernel}, made on its first launch (once, whatever
+    the threads) in a Warp module of its own, with the overloads of both float types if
+    generic (so that its module compiles once, into Warp's kernel cache, not once per overload
+    seen) and without the adjoint code Warp would generate for its own autodiff (JAX
+    differentiates the primitives): a process hashes, loads and compiles only the kernels its
+    ops launch."""
+    with _MAKING:
+        if name not in _MADE:
+            kernel = wp.kernel(_SOURCES[name], enable_backward=False, module=f"segcli_{name}")
+            _MADE[name] = (dict.fromkeys(_FLOATS, kernel) if not kernel.is_generic else
+                           {dtype: _overload(name, kernel, t) for dtype, t in _FLOATS.items()})
+        return _MADE[name]
+
+
+@functools.cache
 def _ffi(name, dtype, in_out):
-    kernel = _OVERLOADS.get((name, dtype), _KERNELS[name])
-    outputs = len(in_out) + sum(1 for a in kernel.adj.args if a.label == "out" and "out" not in in_out)
-    return wp.jax_kernel(
-        kernel, num_outputs=outputs, in_out_argnames=list(in_out), vmap_method="sequential", block_dim=_BLOCK_DIM
-    )
+    kernel = _kernels(name)[dtype]
+    outputs = len(in_out) + sum(1 for a in kernel.adj.args
+                                if a.label == "out" and "out" not in in_out)
+    return wp.jax_kernel(kernel, num_outputs=outputs, in_out_argnames=list(in_out),
+                         vmap_method="sequential", block_dim=_BLOCK_DIM)
 
 
 def launch(name, *args, dims, in_out=(), out=None):

@@ -1,0 +1,125 @@
+"""The program's start-up: its compiled programs kept across runs (SEGCLI_COMPILATION_CACHE),
+the process settings it leaves to callers, and only what a command needs loaded."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from segcli.cli import main
+
+METALS = Path(__file__).resolve().parent.parent / "sample_data" / "metals.h5"
+REDUCE = ["reduce", METALS, "rms_norm", "forces"]
+
+
+def python(*args, **env):
+    """A Python process with `env` set, and no cache location of its own from the caller."""
+    environ = {k: v for k, v in os.environ.items() if k not in (
+        "SEGCLI_COMPILATION_CACHE", "JAX_COMPILATION_CACHE_DIR", "XDG_CACHE_HOME")}
+    return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True,
+                          env={**environ, **env}, check=False)
+
+
+def segcli(*args, **env):
+    return python("-m", "segcli", *args, **env)
+
+
+@pytest.mark.parametrize("command", [REDUCE, ["grad", METALS, "max_norm", "forces"]])
+def test_a_second_run_takes_its_compiled_programs_from_the_cache(tmp_path, command):
+    cache = tmp_path / "cache"
+    env = {"SEGCLI_COMPILATION_CACHE": str(cache), "JAX_LOG_COMPILES": "1"}
+    first = segcli(*command, **env)
+    entries = sorted(cache.iterdir())
+    second = segcli(*command, **env)
+    assert first.returncode == second.returncode == 0, first.stderr + second.stderr
+    assert entries and sorted(cache.iterdir()) == entries
+    assert "Persistent compilation cache hit" not in first.stderr
+    hits = second.stderr.count("Persistent compilation cache hit")
+    assert hits == second.stderr.count("Compiling ") >= 1, second.stderr
+    assert second.stdout == first.stdout
+
+
+@pytest.mark.parametrize("setting", [None, "off"])
+def test_the_cache_is_in_the_user_cache_directory_unless_off(tmp_path, setting):
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    if setting:
+        env["SEGCLI_COMPILATION_CACHE"] = setting
+    result = segcli(*REDUCE, **env)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    made = sorted(tmp_path.rglob("*-cache"))
+    assert [p.parent for p in made[:1]] == ([] if setting else [tmp_path / "segcli" / "jax"])
+
+
+@pytest.mark.parametrize("where", ["under a file", "read-only"])
+def test_an_unwritable_cache_directory_is_passed_over_silently(tmp_path, where):
+    if where == "under a file":
+        (tmp_path / "file").write_text("")
+        cache = tmp_path / "file" / "cache"
+    else:
+        if os.geteuid() == 0:
+            pytest.skip("root writes into a read-only directory")
+        cache = tmp_path / "cache"
+        cache.mkdir(mode=0o500)
+    result = segcli(*REDUCE, SEGCLI_COMPILATION_CACHE=str(cache))
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert result.stdout == CliRunner().invoke(main, list(map(str, REDUCE))).stdout
+
+
+def test_callers_keep_their_jax_settings_and_garbage_collector(tmp_path):
+    code = f"""
+import gc, jax, numpy as np
+from click.testing import CliRunner
+before = dict(jax.config.values)
+from segcli import ops
+from segcli.cli import main
+ops.segmented_rms_norm(np.ones((4, 3)), np.array([0, 0, 1, 1]), 2)
+result = CliRunner().invoke(main, ["reduce", {str(METALS)!r}, "rms_norm", "forces"])
+assert result.exit_code == 0, result.output
+changed = {{k: v for k, v in jax.config.values.items() if before.get(k) != v}}
+assert not changed, changed
+assert gc.isenabled() and gc.get_freeze_count() == 0
+"""
+    result = python("-c", code, XDG_CACHE_HOME=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert not (tmp_path / "segcli").exists()
+
+
+def test_an_op_loads_only_the_kernels_it_launches():
+    code = r"""
+import re, jax, numpy as np, warp as wp
+from segcli import ops
+from segcli.ops import _kernels
+assert not _kernels._MADE
+wp.config.log_level = wp.LOG_INFO
+f = jax.jit(lambda x, idx: ops.segmented_rms_norm(x, idx, 2, indices_are_sorted=True))
+program = f.lower(np.ones((4, 3), np.float32), np.array([0, 0, 1, 1], np.int32)).as_text()
+targets = re.findall(r"custom_call @(?:[\w.]*\.)?_(\w+)_kernel_\d", program)
+print("launched", *sorted(set(targets)))
+print("made", *sorted(_kernels._MADE), "of", len(_kernels._SOURCES))
+"""
+    result = python("-c", code, JAX_PLATFORMS="cpu")
+    assert result.returncode == 0, result.stderr
+    launched = re.search(r"^launched (.*)$", result.stdout, re.MULTILINE).group(1).split()
+    made, total = re.search(r"^made (.*) of (\d+)$", result.stdout, re.MULTILINE).groups()
+    loaded = re.findall(r"Module segcli_(\w+) \S+ load on device 'cpu'", result.stdout)
+    assert launched and sorted(loaded) == made.split() == launched
+    assert len(launched) < int(total)
+
+
+def test_reduce_imports_neither_ase_nor_dask():
+    code = f"""
+import runpy, sys
+sys.argv = ["segcli", "reduce", {str(METALS)!r}, "rms_norm", "forces"]
+try:
+    runpy.run_module("segcli", run_name="__main__")
+except SystemExit:
+    pass
+print(*sorted(m for m in ("ase", "dask", "distributed", "scipy", "tqdm") if m in sys.modules),
+      file=sys.stderr)
+"""
+    result = python("-c", code)
+    assert result.returncode == 0 and result.stderr == "\n", result.stderr
