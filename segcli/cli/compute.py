@@ -311,10 +311,10 @@ def _part(layout, ops, names, plan, device, chunk_atoms, lo, hi, path, attrs):
     """One shard of a command run on a cluster: structures [lo, hi) of the batch `layout`
     describes (see segcli.io.open_inputs) into the new file `path` (replaced whole if a
     retried task wrote it before); returns `path`. `ops` are (op name, fields) pairs."""
-    from segcli.engine import OPS
+    from segcli.engine import OPS, keep_freed_buffers
     from segcli.io import open_inputs
 
-    engine.keep_freed_buffers()
+    keep_freed_buffers()
     target = common.device(device)
     with open_inputs(layout) as batch:
         results = _plan(batch, batch.path, [(OPS[op], fields) for op, fields in ops], names,
