@@ -219,15 +219,6 @@ def _refuse_nan(path, chunk, rest, names):
     next(nan_checked(path, itertools.chain([chunk], rest), names, where_present=True))
 
 
-def _chunk_breaks(n_atoms, leaves, chunk_atoms):
-    """Structure numbers where chunks of the leaves `leaves` (boundaries) of structures of
-    `n_atoms` atoms start anew: runs of whole leaves with at most `chunk_atoms` atoms, a
-    bigger leaf alone (and chunked from its own start)."""
-    offsets = np.concatenate([[0], np.cumsum(n_atoms[leaves[0]:leaves[-1]], dtype=np.int64)])
-    runs = plan_chunks(np.diff(offsets[leaves - leaves[0]]), chunk_atoms)
-    return leaves[runs[1:-1]]
-
-
 def _require(batch, names, role):
     """The FieldInfo of each name; DataError naming the file and the field if it is missing or
     not numeric."""
@@ -265,7 +256,7 @@ def leaf_stats(batch, names, leaves, *, per_element=False, per_atom=False,
     read = list(dict.fromkeys(names + ["numbers"] * grouped))
     structures = slice(int(leaves[0]), int(leaves[-1]))
     chunks = prefetch(batch.iter_chunks(read, chunk_atoms=chunk_atoms, structures=structures,
-                                        breaks=_chunk_breaks(batch.n_atoms, leaves, chunk_atoms)))
+                                        breaks=leaves[1:-1]))
     for chunk in chunks:
         numbers = None
         if grouped:
