@@ -233,10 +233,11 @@ def leaf_stats(batch, names, leaves, *, per_element=False, per_atom=False,
                chunk_atoms=1 << 21):
     """FieldStats of each field of `names`, its moments stacked by leaf: one entry for each run
     of structures between consecutive structure numbers `leaves`, computed from that run alone
-    (chunks of at most `chunk_atoms` atoms break at leaves), so the same in any shard. Per-atom
-    fields go over all atoms (grouped by `numbers` with `per_element`), per-structure fields
-    over all structures (divided by each structure's atom count with `per_atom`, empty
-    structures left out). Structures that lack a field (Chunk.present) are left out of it."""
+    (chunks of at most `chunk_atoms` atoms and blocks of BLOCK_ROWS rows hold whole leaves; a
+    bigger leaf is chunked from its start), so the same in any shard. Per-atom fields go over
+    all atoms (grouped by `numbers` with `per_element`), per-structure fields over all
+    structures (divided by each structure's atom count with `per_atom`, empty structures left
+    out). Structures that lack a field (Chunk.present) are left out of it."""
     from segcli.engine import prefetch
 
     names = list(dict.fromkeys(names))
@@ -306,7 +307,7 @@ def _chunk_moments(chunk, s, shape, numbers, leaf):
         for key in MOMENT_NAMES:
             value = getattr(part, key)
             tail = value.shape[1:]
-            if s.by_element:  # element by element, each leaf by leaf: leaf by leaf
+            if s.by_element:  # element-major, as _by_element sorts them
                 value = value.reshape(n_groups, b - a, *tail).swapaxes(0, 1)
             getattr(out, key)[a:b] = value.reshape(b - a, n_groups, *tail)
     return out

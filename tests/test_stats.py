@@ -326,6 +326,7 @@ def test_one_element_tensor_fields_and_fields_some_structures_lack(tmp_path, man
     assert_rows_match(got, wanted)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # inf - inf
 def test_nan_is_refused_where_present_and_infinities_are_not(tmp_path):
     n_atoms = np.array([2, 0, 3, 1, 4, 2])
     forces = np.ones((12, 3))
