@@ -174,16 +174,30 @@ def _rows(array):
     return array.reshape(len(array), int(np.prod(array.shape[1:], dtype=np.int64)))
 
 
-def _columns(rows, shape):
-    """The float64 components (K, n) of `rows` (n, k), then, for a vector field (K = k + 1),
-    the norm of each row."""
+def _columns(rows, shape, out):
+    """Into out (K, n): the float64 components of `rows` (n, k), then, for a vector field
+    (K = k + 1), the norm of each row."""
     k = rows.shape[1]
-    out = np.empty((k + bool(shape), len(rows)))
     np.copyto(out[:k], rows.T)
     if shape:
         np.einsum("ij,ij->j", out[:k], out[:k], out=out[k])
         np.sqrt(out[k], out=out[k])
     return out
+
+
+class _Buffers:
+    """Arrays reused from block to block: taking new memory for each (and giving it back)
+    can cost more in page faults than the passes over it."""
+
+    def __init__(self):
+        self._flat = {}
+
+    def get(self, name, shape, dtype=np.float64):
+        """An array of `shape` and `dtype` on the buffer `name`, grown as needed."""
+        size, flat = int(np.prod(shape)), self._flat.get(name)
+        if flat is None or flat.dtype != dtype or len(flat) < size:
+            flat = self._flat[name] = np.empty(size, dtype)
+        return flat[:size].reshape(shape)
 
 
 def _numeric(path, name, info, role):
@@ -256,6 +270,7 @@ def leaf_stats(batch, names, leaves, *, per_element=False, per_atom=False,
                                   leaves=n_leaves)
     read = list(dict.fromkeys(names + ["numbers"] * grouped))
     structures = slice(int(leaves[0]), int(leaves[-1]))
+    buffers = _Buffers()
     chunks = prefetch(batch.iter_chunks(read, chunk_atoms=chunk_atoms, structures=structures,
                                         breaks=leaves[1:-1]))
     for chunk in chunks:
@@ -268,7 +283,8 @@ def leaf_stats(batch, names, leaves, *, per_element=False, per_atom=False,
                                side="right") - 1
         first = int(leaf[0])
         leaf -= first
-        parts = [_chunk_moments(chunk, s, shapes[s.name], numbers, leaf) for s in out.values()]
+        parts = [_chunk_moments(chunk, s, shapes[s.name], numbers, leaf, buffers)
+                 for s in out.values()]
         if any(_holds_nan(chunk, s, part) for s, part in zip(out.values(), parts)):
             _refuse_nan(batch.path, chunk, chunks, names)
         for s, part in zip(out.values(), parts):
@@ -276,10 +292,10 @@ def leaf_stats(batch, names, leaves, *, per_element=False, per_atom=False,
     return out
 
 
-def _chunk_moments(chunk, s, shape, numbers, leaf):
+def _chunk_moments(chunk, s, shape, numbers, leaf, buffers):
     """The moments (L, G, K) of field `s` (FieldStats) in each of the L leaves of `chunk`,
     whose structures are in leaves `leaf` (S_c,) from 0, its atoms of atomic numbers `numbers`
-    (uint8)."""
+    (uint8), reduced block by block in `buffers` (_Buffers)."""
     per_atom = s.per == "atom"
     array = (chunk.atoms if per_atom else chunk.structures)[s.name]
     keep = chunk.present.get(s.name)
@@ -302,8 +318,9 @@ def _chunk_moments(chunk, s, shape, numbers, leaf):
         lo, hi = offsets[a], offsets[b]
         block, runs = values[lo:hi], count[a:b]
         if s.by_element:
-            block, runs = _by_element(block, numbers[lo:hi], runs)
-        part = Moments.of_runs(_columns(block, shape), runs)
+            block, runs = _by_element(block, numbers[lo:hi], runs, buffers)
+        part = Moments.of_runs(_columns(block, shape, buffers.get("columns", (k, hi - lo))),
+                               runs)
         for key in MOMENT_NAMES:
             value = getattr(part, key)
             tail = value.shape[1:]
@@ -313,14 +330,16 @@ def _chunk_moments(chunk, s, shape, numbers, leaf):
     return out
 
 
-def _by_element(rows, numbers, count):
-    """(`rows` sorted by atomic number (uint8 `numbers`), stably, and the number of rows
-    (N_ELEMENTS * L,) of each element in each leaf, element-major) for rows in leaves of
-    `count` (L,) rows."""
+def _by_element(rows, numbers, count, buffers):
+    """(`rows` sorted by atomic number (uint8 `numbers`), stably, in `buffers`, and the number
+    of rows (N_ELEMENTS * L,) of each element in each leaf, element-major) for rows in leaves
+    of `count` (L,) rows."""
     order = np.argsort(numbers, kind="stable")  # a radix sort
     cell = np.repeat(np.arange(0, len(count) * N_ELEMENTS, N_ELEMENTS), count) + numbers
     runs = np.bincount(cell, minlength=len(count) * N_ELEMENTS)
-    return np.take(rows, order, axis=0), runs.reshape(len(count), N_ELEMENTS).T.ravel()
+    rows = np.take(rows, order, axis=0, out=buffers.get("sorted", rows.shape, rows.dtype),
+                   mode="clip")  # not "raise", which takes a copy first
+    return rows, runs.reshape(len(count), N_ELEMENTS).T.ravel()
 
 
 def _holds_nan(chunk, s, part):
