@@ -346,6 +346,26 @@ def test_nan_is_refused_where_present_and_infinities_are_not(tmp_path):
     assert row["count"] == 12 and (row["min"], row["max"]) == (-np.inf, np.inf)
 
 
+def test_an_ase_file_read_directly_gives_the_bits_of_its_conversion(tmp_path, many_leaves):
+    """Leaves of several structures read one structure at a time (an extxyz file), in chunks
+    that cut through them, against the same file converted: the same moments, bit for bit."""
+    import ase.io
+    from test_mixed import mixed_images
+
+    source, path = tmp_path / "mixed.extxyz", tmp_path / "mixed.h5"
+    ase.io.write(source, mixed_images())
+    assert run("convert", source, "-o", path, "--fill-missing", "nan").exit_code == 0
+    names, options = ["forces", "energy"], {"per_element": True, "per_atom": True}
+    for chunk_atoms in (9, 50):
+        got = []
+        for file in (source, path):
+            with open_batch(file) as batch:
+                got.append(moments_of(field_stats(batch, names, chunk_atoms=chunk_atoms,
+                                                  **options)))
+        for key, value in got[1].items():
+            np.testing.assert_array_equal(got[0][key], value, err_msg=str(key))
+
+
 def test_moments_of_runs_leave_empty_runs_empty():
     columns = np.array([[1.0, 2.0, 4.0, -1.0, 5.0], [0.0, 0.5, 0.5, 3.0, 3.0]])
     m = Moments.of_runs(columns, [0, 3, 0, 2, 0])
