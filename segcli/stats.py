@@ -207,12 +207,10 @@ def _numeric(path, name, info, role):
 
 
 def _check_numbers(path, numbers, chunk):
-    if not len(numbers) or 0 <= numbers.min() and numbers.max() < N_ELEMENTS:
-        return
-    bad = np.flatnonzero(~((numbers >= 0) & (numbers < N_ELEMENTS)))
-    if len(bad):
-        raise DataError(f"{path}: field 'numbers' holds {numbers[bad[0]]} in structure "
-                        f"{chunk.structure_of(bad[0])}, not an atomic number (0 to "
+    if len(numbers) and not (0 <= numbers.min() and numbers.max() < N_ELEMENTS):  # or NaN
+        bad = int(np.argmin((numbers >= 0) & (numbers < N_ELEMENTS)))
+        raise DataError(f"{path}: field 'numbers' holds {numbers[bad]} in structure "
+                        f"{chunk.structure_of(bad)}, not an atomic number (0 to "
                         f"{N_ELEMENTS - 1})")
 
 
