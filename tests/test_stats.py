@@ -40,7 +40,8 @@ def reference_rows(name, values, element=None):
     values = np.asarray(values, np.float64)
     rows = values.reshape(len(values), -1)
     columns = [rows[:, k] for k in range(rows.shape[1])]
-    names = [""] if values.ndim == 1 else ["_".join(map(str, i)) for i in np.ndindex(*values.shape[1:])]
+    names = ([""] if values.ndim == 1 else
+             ["_".join(map(str, i)) for i in np.ndindex(*values.shape[1:])])
     if values.ndim > 1:
         columns.append(np.linalg.norm(rows, axis=1))
         names.append("norm")
@@ -219,7 +220,8 @@ def test_stats_errors(random_file, args, code, needles):
 def test_stats_refuses_nan_bad_numbers_and_missing_numbers(tmp_path):
     forces = np.ones((5, 3))
     forces[[1, 4], 0] = np.nan
-    path = write_batch(tmp_path / "nan.h5", [2, 3], {"forces": forces, "numbers": [1, 2, 3, 200, 1]})
+    path = write_batch(tmp_path / "nan.h5", [2, 3],
+                       {"forces": forces, "numbers": [1, 2, 3, 200, 1]})
     assert_one_line_error(run("stats", path, "forces"), 1, "'forces' holds 2 NaN", "structure 0")
     assert_one_line_error(run("stats", path, "numbers", "--per-element"), 1, "200",
                           "structure 1", "not an atomic number")
@@ -437,7 +439,8 @@ def test_fit_e0_fixed_elements_absent_ones_and_table(e0_data):
     np.testing.assert_allclose([e["e0"] for e in got["e0"]][1:4], free, rtol=1e-8)
     assert_residual_errors(got, counts, energies, np.array([-13.0, *free]))
     lines = run("fit-e0", path, "--fixed", "H=-13").output.splitlines()
-    assert lines[0].split() == ["element", "Z", "E0"] and lines[1].split() == ["H", "1", "-13", "fixed"]
+    assert lines[0].split() == ["element", "Z", "E0"]
+    assert lines[1].split() == ["H", "1", "-13", "fixed"]
     assert lines[-1].startswith("structures: 80; residual per atom: RMSE ")
 
 
@@ -519,7 +522,8 @@ def test_curating_a_mixed_dataset_written_by_ase(tmp_path):
     images = ase.io.read(source, ":")
     stressed = [a.get_stress() for a in images if "stress" in a.calc.results]
     assert 0 < len(stressed) < len(images)
-    assert_rows_match(stats_json(path, "stress")["stats"], reference_rows("stress", np.array(stressed)))
+    assert_rows_match(stats_json(path, "stress")["stats"],
+                      reference_rows("stress", np.array(stressed)))
 
     energies = np.array([a.get_potential_energy() for a in images])
     elements = sorted({int(z) for a in images for z in a.numbers})
