@@ -12,17 +12,21 @@ triangles) and solves as `numpy.linalg.lstsq` on the whole composition matrix wo
     rmse, mae = residual_errors(batch, "energy", {**e0, 1: -13.6})
 """
 
+import itertools
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from segcli.errors import DataError
-from segcli.io.core import held
+from segcli.io.core import held, plan_chunks
 
 N_ELEMENTS = 119
 """Atomic numbers 0 (ASE's placeholder X) to 118."""
 BLOCK_STRUCTURES = 1 << 15
 """Structures whose composition rows are built at a time (bounds memory for tiny structures)."""
+BLOCK_ROWS = 1 << 16
+"""Rows of a field reduced at a time (whole leaves, a bigger leaf alone), so that the passes
+over them stay in the cache."""
 
 
 MOMENT_NAMES = ("count", "mean", "m2", "min", "max")
@@ -51,38 +55,35 @@ class Moments:
     @classmethod
     def of(cls, values, groups=None, n_groups=1):
         """The moments of the rows of `values` (n, *F), row i in group `groups[i]` (default 0)."""
-        return cls.of_columns(np.ascontiguousarray(_rows(values).T), groups, n_groups)
+        rows = _rows(values)
+        if groups is None:
+            return cls.of_runs(np.ascontiguousarray(rows.T, np.float64), [len(rows)])
+        groups = np.asarray(groups, np.intp)
+        order = np.argsort(groups, kind="stable")
+        return cls.of_runs(np.ascontiguousarray(rows[order].T, np.float64),
+                           np.bincount(groups, minlength=n_groups))
 
     @classmethod
-    def of_columns(cls, columns, groups=None, n_groups=1, leaves=None, n_leaves=1):
-        """The moments of `columns` (K, n) holding K components of n values, value i in group
-        `groups[i]` (default 0); with `leaves` (n,) nondecreasing leaf numbers below
-        `n_leaves`, the moments of each leaf apart, stacked (n_leaves, G, K). A group's values
-        are reduced in their order, so its bits do not depend on what else is in `columns`."""
-        out = cls.empty(n_groups * n_leaves, len(columns))
-        if columns.shape[1]:
-            keys = None if groups is None else np.asarray(
-                groups, np.uint8 if n_groups <= 256 else np.int64)  # a radix sort for elements
-            order = None if keys is None else np.argsort(keys, kind="stable")
-            cell = np.zeros(columns.shape[1], np.int64) if keys is None else keys[order]
-            if leaves is not None:  # by group, then (stable) by leaf
-                cell = np.asarray(leaves if order is None else leaves[order]) * n_groups + cell
-            if order is not None:
-                columns = columns[:, order]
-            starts = np.flatnonzero(np.concatenate([[True], cell[1:] != cell[:-1]]))
-            which = cell[starts]
-            counts = np.diff(np.append(starts, columns.shape[1]))
-            means = np.add.reduceat(columns, starts, axis=1) / counts
-            deviations = columns - np.repeat(means, counts, axis=1)
-            out.count[which] = counts
-            out.mean[which] = means.T
-            out.m2[which] = np.add.reduceat(deviations * deviations, starts, axis=1).T
-            out.min[which] = np.minimum.reduceat(columns, starts, axis=1).T
-            out.max[which] = np.maximum.reduceat(columns, starts, axis=1).T
-        if leaves is None:
-            return out
-        return cls(*(getattr(out, k).reshape(n_leaves, n_groups, *getattr(out, k).shape[1:])
-                     for k in MOMENT_NAMES))
+    def of_runs(cls, columns, count):
+        """The moments (C, K) of `columns` (K, n), K components of n values in C consecutive
+        runs of `count` (C,) values. Each run is reduced on its own, in order, in two passes
+        (its mean, then the squared deviations from it), so its bits do not depend on what
+        else is in `columns`."""
+        count = np.asarray(count, np.int64)
+        out = cls.empty(len(count), len(columns))
+        out.count[:] = count
+        runs = np.flatnonzero(count)
+        if len(runs):
+            starts = (np.cumsum(count) - count)[runs]
+            mean = np.add.reduceat(columns, starts, axis=1) / count[runs]
+            deviations = np.repeat(mean, count[runs], axis=1)
+            np.subtract(columns, deviations, out=deviations)
+            np.multiply(deviations, deviations, out=deviations)
+            out.mean[runs] = mean.T
+            out.m2[runs] = np.add.reduceat(deviations, starts, axis=1).T
+            out.min[runs] = np.minimum.reduceat(columns, starts, axis=1).T
+            out.max[runs] = np.maximum.reduceat(columns, starts, axis=1).T
+        return out
 
     def merge(self, other):
         """The moments of both sets of values together (Chan et al.'s pairwise update); also
@@ -168,21 +169,35 @@ def component_names(shape):
 
 
 def _rows(array):
-    """An array (n, *F) as float64 rows (n, prod(F))."""
-    array = np.asarray(array, np.float64)
+    """An array (n, *F) as rows (n, prod(F))."""
+    array = np.asarray(array)
     return array.reshape(len(array), int(np.prod(array.shape[1:], dtype=np.int64)))
 
 
-def _columns(array, shape):
-    """The components of an array (n, *shape) as float64 columns (K, n), with the norm of
-    each row last for a vector field."""
-    rows = _rows(array)
+def _columns(rows, shape, out):
+    """Into out (K, n): the float64 components of `rows` (n, k), then, for a vector field
+    (K = k + 1), the norm of each row."""
     k = rows.shape[1]
-    out = np.empty((k + bool(shape), len(rows)))
-    out[:k] = rows.T
+    np.copyto(out[:k], rows.T)
     if shape:
-        out[k] = np.sqrt(np.einsum("ij,ij->i", rows, rows))
+        np.einsum("ij,ij->j", out[:k], out[:k], out=out[k])
+        np.sqrt(out[k], out=out[k])
     return out
+
+
+class _Buffers:
+    """Arrays reused from block to block: taking new memory for each (and giving it back)
+    can cost more in page faults than the passes over it."""
+
+    def __init__(self):
+        self._flat = {}
+
+    def get(self, name, shape, dtype=np.float64):
+        """An array of `shape` and `dtype` on the buffer `name`, grown as needed."""
+        size, flat = int(np.prod(shape)), self._flat.get(name)
+        if flat is None or flat.dtype != dtype or len(flat) < size:
+            flat = self._flat[name] = np.empty(size, dtype)
+        return flat[:size].reshape(shape)
 
 
 def _numeric(path, name, info, role):
@@ -192,21 +207,28 @@ def _numeric(path, name, info, role):
 
 
 def _check_numbers(path, numbers, chunk):
-    bad = np.flatnonzero((numbers < 0) | (numbers >= N_ELEMENTS))
-    if len(bad):
-        raise DataError(f"{path}: field 'numbers' holds {numbers[bad[0]]} in structure "
-                        f"{chunk.structure_of(bad[0])}, not an atomic number (0 to "
+    if len(numbers) and not (0 <= numbers.min() and numbers.max() < N_ELEMENTS):  # or NaN
+        bad = int(np.argmin((numbers >= 0) & (numbers < N_ELEMENTS)))
+        raise DataError(f"{path}: field 'numbers' holds {numbers[bad]} in structure "
+                        f"{chunk.structure_of(bad)}, not an atomic number (0 to "
                         f"{N_ELEMENTS - 1})")
 
 
-def _checked_chunks(batch, names, chunk_atoms, structures, breaks=()):
+def _checked_chunks(batch, names, chunk_atoms, structures):
     """The chunks of the selection, read ahead, refused (DataError) where a field holds NaN in
     a structure that has it (see engine.nan_checked)."""
     from segcli.engine import nan_checked, prefetch
 
-    chunks = batch.iter_chunks(list(names), chunk_atoms=chunk_atoms, structures=structures,
-                               breaks=breaks)
+    chunks = batch.iter_chunks(list(names), chunk_atoms=chunk_atoms, structures=structures)
     return nan_checked(batch.path, prefetch(chunks), names, where_present=True)
+
+
+def _refuse_nan(path, chunk, rest, names):
+    """DataError if a field of `names` holds NaN in `chunk` where present, with the count over
+    it and the chunks `rest` (see engine.nan_checked); nothing if not (inf - inf is NaN too)."""
+    from segcli.engine import nan_checked
+
+    next(nan_checked(path, itertools.chain([chunk], rest), names, where_present=True))
 
 
 def _require(batch, names, role):
@@ -223,10 +245,13 @@ def leaf_stats(batch, names, leaves, *, per_element=False, per_atom=False,
                chunk_atoms=1 << 21):
     """FieldStats of each field of `names`, its moments stacked by leaf: one entry for each run
     of structures between consecutive structure numbers `leaves`, computed from that run alone
-    (chunks of at most `chunk_atoms` atoms break at leaves), so the same in any shard. Per-atom
-    fields go over all atoms (grouped by `numbers` with `per_element`), per-structure fields
-    over all structures (divided by each structure's atom count with `per_atom`, empty
-    structures left out). Structures that lack a field (Chunk.present) are left out of it."""
+    (chunks of at most `chunk_atoms` atoms and blocks of BLOCK_ROWS rows hold whole leaves; a
+    bigger leaf is chunked from its start), so the same in any shard. Per-atom fields go over
+    all atoms (grouped by `numbers` with `per_element`), per-structure fields over all
+    structures (divided by each structure's atom count with `per_atom`, empty structures left
+    out). Structures that lack a field (Chunk.present) are left out of it."""
+    from segcli.engine import prefetch
+
     names = list(dict.fromkeys(names))
     infos = _require(batch, names, "stats")
     shapes = {info.name: info.shape for info in infos}
@@ -243,34 +268,94 @@ def leaf_stats(batch, names, leaves, *, per_element=False, per_atom=False,
                                   leaves=n_leaves)
     read = list(dict.fromkeys(names + ["numbers"] * grouped))
     structures = slice(int(leaves[0]), int(leaves[-1]))
-    for chunk in _checked_chunks(batch, read, chunk_atoms, structures, leaves[1:-1]):
-        numbers = chunk.atoms["numbers"] if grouped else None
+    buffers = _Buffers()
+    chunks = prefetch(batch.iter_chunks(read, chunk_atoms=chunk_atoms, structures=structures,
+                                        breaks=leaves[1:-1]))
+    for chunk in chunks:
+        numbers = None
         if grouped:
+            numbers = chunk.atoms["numbers"]
             _check_numbers(batch.path, numbers, chunk)
+            numbers = numbers.astype(np.uint8)
         leaf = np.searchsorted(leaves, chunk.start + np.arange(len(chunk.n_atoms)),
                                side="right") - 1
-        first, last = (int(leaf[0]), int(leaf[-1]) + 1) if len(leaf) else (0, 0)
-        for name, s in out.items():
-            array = (chunk.atoms if s.per == "atom" else chunk.structures)[name]
-            keep = chunk.present.get(name)
-            rows_leaf = leaf - first
-            if s.per_atom:
-                has_atoms = chunk.n_atoms > 0
-                array = array / np.maximum(chunk.n_atoms, 1).reshape(-1, *(1,) * (array.ndim - 1))
-                keep = has_atoms if keep is None else has_atoms & keep
-            elif s.per == "atom":
-                rows_leaf = np.repeat(rows_leaf, chunk.n_atoms)
-                keep = None if keep is None else np.repeat(keep, chunk.n_atoms)
-            columns, labels = _columns(array, shapes[name]), numbers if s.by_element else None
-            if keep is not None:
-                columns, rows_leaf = columns[:, keep], rows_leaf[keep]
-                labels = None if labels is None else labels[keep]
-            part = Moments.of_columns(columns, labels, s.moments.count.shape[1], rows_leaf,
-                                      last - first)
-            merged = s.moments[first:last].merge(part)
-            for key in MOMENT_NAMES:
-                getattr(s.moments, key)[first:last] = getattr(merged, key)
+        first = int(leaf[0])
+        leaf -= first
+        parts = [_chunk_moments(chunk, s, shapes[s.name], numbers, leaf, buffers)
+                 for s in out.values()]
+        if any(_holds_nan(chunk, s, part) for s, part in zip(out.values(), parts)):
+            _refuse_nan(batch.path, chunk, chunks, names)
+        for s, part in zip(out.values(), parts):
+            _add_leaves(s.moments, first, part)
     return out
+
+
+def _chunk_moments(chunk, s, shape, numbers, leaf, buffers):
+    """The moments (L, G, K) of field `s` (FieldStats) in each of the L leaves of `chunk`,
+    whose structures are in leaves `leaf` (S_c,) from 0, its atoms of atomic numbers `numbers`
+    (uint8), reduced block by block in `buffers` (_Buffers)."""
+    per_atom = s.per == "atom"
+    array = (chunk.atoms if per_atom else chunk.structures)[s.name]
+    keep = chunk.present.get(s.name)
+    rows = chunk.n_atoms if per_atom else np.ones(len(leaf), np.int64)
+    if s.per_atom:
+        array = array / np.maximum(chunk.n_atoms, 1).reshape(-1, *(1,) * (array.ndim - 1))
+        keep = chunk.n_atoms > 0 if keep is None else keep & (chunk.n_atoms > 0)
+    if keep is not None:
+        rows = rows * keep
+        kept = np.repeat(keep, chunk.n_atoms) if per_atom else keep
+        array = array[kept]
+        numbers = numbers[kept] if s.by_element else None
+    values = _rows(array)
+    count = np.bincount(leaf, rows).astype(np.int64)  # rows in each leaf
+    offsets = np.concatenate([[0], np.cumsum(count)])
+    n_groups, k = len(s.moments.count[0]), len(s.components)
+    out = Moments.empty(n_groups, k, leaves=len(count))
+    blocks = plan_chunks(count, BLOCK_ROWS)
+    for a, b in itertools.pairwise(blocks):
+        lo, hi = offsets[a], offsets[b]
+        block, runs = values[lo:hi], count[a:b]
+        if s.by_element:
+            block, runs = _by_element(block, numbers[lo:hi], runs, buffers)
+        part = Moments.of_runs(_columns(block, shape, buffers.get("columns", (k, hi - lo))),
+                               runs)
+        for key in MOMENT_NAMES:
+            value = getattr(part, key)
+            tail = value.shape[1:]
+            if s.by_element:  # element-major, as _by_element sorts them
+                value = value.reshape(n_groups, b - a, *tail).swapaxes(0, 1)
+            getattr(out, key)[a:b] = value.reshape(b - a, n_groups, *tail)
+    return out
+
+
+def _by_element(rows, numbers, count, buffers):
+    """(`rows` sorted by atomic number (uint8 `numbers`), stably, in `buffers`, and the number
+    of rows (N_ELEMENTS * L,) of each element in each leaf, element-major) for rows in leaves
+    of `count` (L,) rows."""
+    order = np.argsort(numbers, kind="stable")  # a radix sort
+    cell = np.repeat(np.arange(0, len(count) * N_ELEMENTS, N_ELEMENTS), count) + numbers
+    runs = np.bincount(cell, minlength=len(count) * N_ELEMENTS)
+    rows = np.take(rows, order, axis=0, out=buffers.get("sorted", rows.shape, rows.dtype),
+                   mode="clip")  # not "raise", which takes a copy first
+    return rows, runs.reshape(len(count), N_ELEMENTS).T.ravel()
+
+
+def _holds_nan(chunk, s, part):
+    """Whether field `s` may hold NaN in `chunk` where present: a mean of its moments `part` is
+    NaN (NaN or inf - inf), or, per structure, a value is (one that `part` may leave out)."""
+    if s.per == "atom":
+        return np.isnan(part.mean).any()
+    values, keep = chunk.structures[s.name], chunk.present.get(s.name)
+    return np.isnan((values if keep is None else values[keep]).sum())
+
+
+def _add_leaves(moments, first, part):
+    """Moments stacked by leaf with those of `part` added from leaf `first` on: merged into the
+    first (which a chunk before may have begun), in place of the others."""
+    head = moments[first:first + 1].merge(part[:1])
+    for key in MOMENT_NAMES:
+        getattr(moments, key)[first] = getattr(head, key)[0]
+        getattr(moments, key)[first + 1:first + len(part.count)] = getattr(part, key)[1:]
 
 
 def join_leaves(parts):

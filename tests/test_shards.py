@@ -2,6 +2,7 @@
 every split of a file gives parts whose merge is, dataset by dataset and bit for bit, what one
 run writes; gaps, overlaps and parts of other jobs are refused."""
 
+import itertools
 import os
 import shutil
 
@@ -13,6 +14,14 @@ from click.testing import CliRunner
 
 from segcli.cli import main
 from segcli.io import open_batch
+from segcli.io.core import (
+    Chunk,
+    FieldInfo,
+    merge_pieces,
+    rechunk,
+    segment_bounds,
+    whole_segments,
+)
 from segcli.shards import ENVIRONMENTS, leaf_bounds, shard_bounds
 
 
@@ -88,8 +97,8 @@ def test_shards_are_contiguous_whole_structures_on_leaf_boundaries(n_atoms, shar
     bounds = shard_bounds(n_atoms, shards)
     leaves = leaf_bounds(n_atoms)
     assert len(bounds) == shards + 1 and bounds[0] == 0 and bounds[-1] == len(n_atoms)
-    assert all(a <= b for a, b in zip(bounds, bounds[1:])) and set(bounds) <= set(leaves)
-    atoms = [n_atoms[a:b].sum() for a, b in zip(bounds, bounds[1:])]
+    assert all(a <= b for a, b in itertools.pairwise(bounds)) and set(bounds) <= set(leaves)
+    atoms = [n_atoms[a:b].sum() for a, b in itertools.pairwise(bounds)]
     leaf_atoms = max(np.diff(np.concatenate([[0], np.cumsum(n_atoms)])[leaves]), default=0)
     assert all(abs(a - n_atoms.sum() / shards) <= leaf_atoms for a in atoms)
     assert len(leaves) - 1 == min(len(n_atoms), 1024)
@@ -261,27 +270,42 @@ def test_shards_of_many_files_merge_into_one_run(tmp_path):
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_chunks_break_at_leaves_and_start_anew_there(seed):
-    """rechunk with breaks: every chunk of whole structures holds at most chunk_atoms atoms (or
-    one bigger structure), none spans a break, and the greedy split restarts at each break,
-    whatever pieces the reader gave."""
-    from segcli.io.core import Chunk, rechunk
-
+def test_chunks_hold_whole_segments_and_copy_only_those_they_join(seed):
+    """iter_chunks with breaks: every chunk holds whole segments (the runs between breaks, one
+    of more than chunk_atoms atoms split greedily from its start) and at most chunk_atoms
+    atoms (or one bigger structure), whatever pieces the reader gave; a chunk of one piece
+    is a view of it."""
     rng = np.random.default_rng(seed)
     n_atoms = rng.integers(0, 20, rng.integers(0, 60))
+    offsets = np.concatenate([[0], np.cumsum(n_atoms)])
+    x = np.arange(offsets[-1], dtype=float)
     chunk_atoms = int(rng.integers(1, 30))
     cuts = sorted({0, len(n_atoms), *rng.integers(0, len(n_atoms) + 1, 6).tolist()})
-    pieces = [Chunk(a, n_atoms[a:b], {}, {}) for a, b in zip(cuts, cuts[1:])]
+    schema = {"x": FieldInfo("x", "atom", (), x.dtype)}
+    pieces = [Chunk(a, n_atoms[a:b], {"x": x[offsets[a]:offsets[b]]}, {})
+              for a, b in itertools.pairwise(cuts)]
+    read = [merge_pieces("f", group, schema) for group in rechunk(iter(pieces), chunk_atoms)]
     breaks = sorted(set(rng.integers(0, len(n_atoms) + 1, 4).tolist()))
-    got = [(g[0].start, g[0].start + sum(len(p.n_atoms) for p in g))
-           for g in rechunk(iter(pieces), chunk_atoms, breaks)]
-    wanted, start = [], 0
+    bounds = segment_bounds(n_atoms, breaks, chunk_atoms)
+    wanted, start = [0], 0
     for stop in sorted({*breaks, len(n_atoms)} - {0}):
         while start < stop:  # greedy from the segment's start
             end, room = start, chunk_atoms
             while end < stop and (n_atoms[end] <= room or end == start):
                 room -= n_atoms[end]
                 end += 1
-            wanted.append((start, end))
+            wanted.append(end)
             start = end
-    assert got == wanted
+    assert bounds.tolist() == (wanted if len(n_atoms) else [0])
+    got = list(whole_segments("f", iter(read), bounds, schema))
+    starts, stops = [c.start for c in got], [c.start + len(c.n_atoms) for c in got]
+    assert starts == [0, *stops[:-1]] and stops[-1:] == [len(n_atoms)][:len(got)]
+    assert set(starts + stops) <= set(wanted)
+    for chunk, stop in zip(got, stops):
+        assert chunk.n_atoms.sum() <= chunk_atoms or len(chunk.n_atoms) == 1
+        np.testing.assert_array_equal(chunk.atoms["x"], x[offsets[chunk.start]:offsets[stop]])
+        holder = [r for r in read if r.start <= chunk.start and stop <= r.start + len(r.n_atoms)]
+        if holder and len(chunk.atoms["x"]):
+            assert np.shares_memory(chunk.atoms["x"], holder[0].atoms["x"])
+
+

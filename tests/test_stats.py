@@ -1,6 +1,7 @@
 """`segcli stats` and `segcli fit-e0` against NumPy float64 (and numpy.linalg.lstsq) on fresh
 random files, edge cases, and their errors."""
 
+import itertools
 import json
 
 import h5py
@@ -9,9 +10,10 @@ import pytest
 from batch_reference import write_batch
 from click.testing import CliRunner
 
+from segcli import shards, stats
 from segcli.cli import main
 from segcli.io import open_batch
-from segcli.stats import Moments, field_stats
+from segcli.stats import MOMENT_NAMES, Moments, field_stats, leaf_stats, merge_stats
 
 REL = 1e-12
 
@@ -38,7 +40,8 @@ def reference_rows(name, values, element=None):
     values = np.asarray(values, np.float64)
     rows = values.reshape(len(values), -1)
     columns = [rows[:, k] for k in range(rows.shape[1])]
-    names = [""] if values.ndim == 1 else ["_".join(map(str, i)) for i in np.ndindex(*values.shape[1:])]
+    names = ([""] if values.ndim == 1 else
+             ["_".join(map(str, i)) for i in np.ndindex(*values.shape[1:])])
     if values.ndim > 1:
         columns.append(np.linalg.norm(rows, axis=1))
         names.append("norm")
@@ -123,7 +126,7 @@ def test_structure_ranges_combine_exactly(random_file):
         whole = field_stats(batch, ["forces", "energy"], per_element=True)
         cuts = [0, 11, 12, 45, batch.n_structures]
         parts = [field_stats(batch, ["forces", "energy"], per_element=True, chunk_atoms=7,
-                             structures=slice(a, b)) for a, b in zip(cuts[:-1], cuts[1:])]
+                             structures=slice(a, b)) for a, b in itertools.pairwise(cuts)]
     for name in ("forces", "energy"):
         merged = parts[0][name].moments
         for part in reversed(parts[1:]):  # any order
@@ -185,7 +188,7 @@ def test_partial_fields_leave_out_absent_structures(tmp_path):
 
 
 def test_stats_of_a_stored_result_and_to_a_file(tmp_path, random_file):
-    path, n_atoms, data = random_file
+    path, _, data = random_file
     assert run("reduce", path, "max_norm", "forces", "--in-place").exit_code == 0
     with h5py.File(path) as f:
         stored = f["results/max_norm_forces"][()]
@@ -217,12 +220,165 @@ def test_stats_errors(random_file, args, code, needles):
 def test_stats_refuses_nan_bad_numbers_and_missing_numbers(tmp_path):
     forces = np.ones((5, 3))
     forces[[1, 4], 0] = np.nan
-    path = write_batch(tmp_path / "nan.h5", [2, 3], {"forces": forces, "numbers": [1, 2, 3, 200, 1]})
+    path = write_batch(tmp_path / "nan.h5", [2, 3],
+                       {"forces": forces, "numbers": [1, 2, 3, 200, 1]})
     assert_one_line_error(run("stats", path, "forces"), 1, "'forces' holds 2 NaN", "structure 0")
     assert_one_line_error(run("stats", path, "numbers", "--per-element"), 1, "200",
                           "structure 1", "not an atomic number")
     bare = write_batch(tmp_path / "bare.h5", [2], {"forces": np.ones((2, 3))})
     assert_one_line_error(run("stats", bare, "forces", "--per-element"), 1, "no field 'numbers'")
+
+
+# --- leaves of many structures, chunks of many leaves, blocks of the cache -----------------
+
+def stats_rows(path, names, **options):
+    with open_batch(path) as batch:
+        return [row for s in field_stats(batch, names, **options).values() for row in s.rows()]
+
+
+def per_element_rows(name, values, numbers):
+    return [row for z in np.unique(numbers)
+            for row in reference_rows(name, values[numbers == z], int(z))]
+
+
+@pytest.fixture
+def many_leaves(monkeypatch):
+    """Few leaves of many structures each, and blocks of a few rows: leaves of many blocks,
+    blocks of many leaves."""
+    monkeypatch.setattr(shards, "LEAVES", 6)
+    monkeypatch.setattr(stats, "BLOCK_ROWS", 17)
+
+
+@pytest.mark.parametrize("chunk_atoms", [7, 60, 1 << 21])
+def test_leaves_of_many_structures_match_numpy(random_file, many_leaves, chunk_atoms):
+    path, n_atoms, data = random_file
+    got = stats_rows(path, ["forces", "charges", "tags", "energy", "stress"], per_element=True,
+                     per_atom=True, chunk_atoms=chunk_atoms)
+    numbers, has_atoms = data["numbers"], n_atoms > 0
+    wanted = [row for name in ("forces", "charges", "tags")
+              for row in per_element_rows(name, data[name], numbers)]
+    wanted += reference_rows("energy", data["energy"][has_atoms] / n_atoms[has_atoms])
+    wanted += reference_rows("stress", data["stress"][has_atoms] / n_atoms[has_atoms, None])
+    assert_rows_match(got, wanted)
+
+
+def moments_of(result):
+    return {(name, key): getattr(s.moments, key) for name, s in result.items()
+            for key in MOMENT_NAMES}
+
+
+@pytest.mark.parametrize("chunk_atoms", [40, 1 << 21])
+@pytest.mark.parametrize("per_element", [False, True])
+def test_leaves_give_the_same_bits_in_any_split_and_blocking(random_file, monkeypatch,
+                                                             per_element, chunk_atoms):
+    """The leaves' moments do not depend on which leaves share a chunk or a block, nor on
+    where a run of leaves starts (only a leaf bigger than a chunk is cut, from its start):
+    what shards and clusters rely on."""
+    path, n_atoms, _ = random_file
+    names = ["forces", "tags", "energy"]
+    options = {"per_element": per_element, "per_atom": True, "chunk_atoms": chunk_atoms}
+    monkeypatch.setattr(shards, "LEAVES", 9)
+    leaves = shards.leaf_bounds(n_atoms)
+    with open_batch(path) as batch:
+        whole = moments_of(merge_stats([leaf_stats(batch, names, leaves, **options)]))
+        for cuts, block_rows in [([0, 1, 5, 9], 1 << 16), ([0, 4, 9], 3), ([0, 9], 1)]:
+            monkeypatch.setattr(stats, "BLOCK_ROWS", block_rows)
+            parts = [leaf_stats(batch, names, leaves[a:b + 1], **options)
+                     for a, b in itertools.pairwise(cuts)]
+            split = moments_of(merge_stats(parts))
+            for key, value in whole.items():
+                np.testing.assert_array_equal(split[key], value, err_msg=str(key))
+
+
+def test_a_leaf_bigger_than_a_chunk_matches_numpy(tmp_path, many_leaves):
+    rng = np.random.default_rng()
+    n_atoms = np.array([3, 0, 250, 4, 1, 0, 2, 300, 5])
+    n = int(n_atoms.sum())
+    forces, numbers = rng.normal(2.0, 0.5, (n, 3)), rng.choice([1, 8, 26], n)
+    path = write_batch(tmp_path / "big.h5", n_atoms, {"forces": forces, "numbers": numbers})
+    for chunk_atoms in (30, 1 << 21):
+        assert_rows_match(stats_rows(path, ["forces"], chunk_atoms=chunk_atoms),
+                          reference_rows("forces", forces))
+        assert_rows_match(stats_rows(path, ["forces"], per_element=True, chunk_atoms=chunk_atoms),
+                          per_element_rows("forces", forces, numbers))
+
+
+def test_one_element_tensor_fields_and_fields_some_structures_lack(tmp_path, many_leaves):
+    """Per element with a single element, the norm of a per-atom tensor, and per-atom and
+    per-structure fields that only some structures have (NaN where filled)."""
+    rng = np.random.default_rng()
+    n_atoms = rng.integers(0, 6, 40)
+    n = int(n_atoms.sum())
+    has_q, has_e = rng.random(40) < 0.6, rng.random(40) < 0.7
+    atom_has_q = np.repeat(has_q, n_atoms)
+    q, t = rng.normal(size=(n, 3)), rng.normal(-3.0, 1.0, (n, 2, 2))
+    q[~atom_has_q] = np.nan
+    energy = np.where(has_e, rng.normal(-20.0, 4.0, 40), np.nan)
+    path = write_batch(tmp_path / "partial.h5", n_atoms,
+                       {"q": q, "t": t, "numbers": np.full(n, 29)}, {"energy": energy})
+    with h5py.File(path, "r+") as f:
+        for name, group, have in (("q", "atoms", has_q), ("energy", "structures", has_e)):
+            f[f"{group}/{name}"].attrs["fill_value"] = np.nan
+            f[f"present/{name}"] = have
+    got = stats_rows(path, ["q", "t", "energy"], per_element=True, per_atom=True,
+                     chunk_atoms=11)
+    use = has_e & (n_atoms > 0)
+    wanted = (reference_rows("q", q[atom_has_q], 29) + reference_rows("t", t, 29)
+              + reference_rows("energy", energy[use] / n_atoms[use]))
+    assert_rows_match(got, wanted)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # inf - inf
+def test_nan_is_refused_where_present_and_infinities_are_not(tmp_path):
+    n_atoms = np.array([2, 0, 3, 1, 4, 2])
+    forces = np.ones((12, 3))
+    forces[[3, 10], 1] = np.nan
+    energy = np.array([1.0, np.nan, 2.0, 3.0, 4.0, 5.0])
+    path = write_batch(tmp_path / "nan.h5", n_atoms, {"forces": forces, "numbers": [1, 8] * 6},
+                       {"energy": energy})
+    for args in ([], ["--per-element"]):
+        assert_one_line_error(run("stats", path, "forces", "--chunk-atoms", 3, *args), 1,
+                              "'forces' holds 2 NaN", "structure 2")
+    # the structure without atoms is left out of energy per atom, but its NaN is refused
+    assert_one_line_error(run("stats", path, "energy", "--per-atom"), 1,
+                          "'energy' holds 1 NaN", "structure 1")
+    forces[[3, 10], 1] = [np.inf, -np.inf]  # a sum of NaN, without a NaN
+    infinite = write_batch(tmp_path / "inf.h5", n_atoms, {"forces": forces})
+    row = stats_json(infinite, "forces")["stats"][1]
+    assert row["count"] == 12 and (row["min"], row["max"]) == (-np.inf, np.inf)
+
+
+def test_an_ase_file_read_directly_gives_the_bits_of_its_conversion(tmp_path, many_leaves):
+    """Leaves of several structures read one structure at a time (an extxyz file), in chunks
+    that cut through them, against the same file converted: the same moments, bit for bit."""
+    import ase.io
+    from test_mixed import mixed_images
+
+    source, path = tmp_path / "mixed.extxyz", tmp_path / "mixed.h5"
+    ase.io.write(source, mixed_images())
+    assert run("convert", source, "-o", path, "--fill-missing", "nan").exit_code == 0
+    names, options = ["forces", "energy"], {"per_element": True, "per_atom": True}
+    for chunk_atoms in (9, 50):
+        got = []
+        for file in (source, path):
+            with open_batch(file) as batch:
+                got.append(moments_of(field_stats(batch, names, chunk_atoms=chunk_atoms,
+                                                  **options)))
+        for key, value in got[1].items():
+            np.testing.assert_array_equal(got[0][key], value, err_msg=str(key))
+
+
+def test_moments_of_runs_leave_empty_runs_empty():
+    columns = np.array([[1.0, 2.0, 4.0, -1.0, 5.0], [0.0, 0.5, 0.5, 3.0, 3.0]])
+    m = Moments.of_runs(columns, [0, 3, 0, 2, 0])
+    np.testing.assert_array_equal(m.count, [0, 3, 0, 2, 0])
+    np.testing.assert_array_equal(m.mean[[1, 3]], [[7 / 3, 1 / 3], [2.0, 3.0]])
+    np.testing.assert_allclose(m.m2[[1, 3]], [[14 / 3, 1 / 6], [18.0, 0.0]], rtol=1e-15)
+    np.testing.assert_array_equal(m.min[[1, 3]], [[1.0, 0.0], [-1.0, 3.0]])
+    np.testing.assert_array_equal(m.max[[1, 3]], [[4.0, 0.5], [5.0, 3.0]])
+    empty = Moments.empty(5, 2)
+    for key in MOMENT_NAMES:
+        np.testing.assert_array_equal(getattr(m, key)[[0, 2, 4]], getattr(empty, key)[[0, 2, 4]])
 
 
 # --- fit-e0 --------------------------------------------------------------------------------
@@ -283,7 +439,8 @@ def test_fit_e0_fixed_elements_absent_ones_and_table(e0_data):
     np.testing.assert_allclose([e["e0"] for e in got["e0"]][1:4], free, rtol=1e-8)
     assert_residual_errors(got, counts, energies, np.array([-13.0, *free]))
     lines = run("fit-e0", path, "--fixed", "H=-13").output.splitlines()
-    assert lines[0].split() == ["element", "Z", "E0"] and lines[1].split() == ["H", "1", "-13", "fixed"]
+    assert lines[0].split() == ["element", "Z", "E0"]
+    assert lines[1].split() == ["H", "1", "-13", "fixed"]
     assert lines[-1].startswith("structures: 80; residual per atom: RMSE ")
 
 
@@ -365,7 +522,8 @@ def test_curating_a_mixed_dataset_written_by_ase(tmp_path):
     images = ase.io.read(source, ":")
     stressed = [a.get_stress() for a in images if "stress" in a.calc.results]
     assert 0 < len(stressed) < len(images)
-    assert_rows_match(stats_json(path, "stress")["stats"], reference_rows("stress", np.array(stressed)))
+    assert_rows_match(stats_json(path, "stress")["stats"],
+                      reference_rows("stress", np.array(stressed)))
 
     energies = np.array([a.get_potential_energy() for a in images])
     elements = sorted({int(z) for a in images for z in a.numbers})

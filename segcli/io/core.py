@@ -107,28 +107,11 @@ def split_piece(piece, k):
     return head, tail
 
 
-def split_at(pieces, breaks):
-    """(piece, whether a break follows it) for pieces of consecutive structures split at the
-    structure numbers `breaks` (sorted)."""
-    breaks = np.asarray(breaks, np.int64)
-    for piece in pieces:
-        while True:
-            i = int(np.searchsorted(breaks, piece.start, side="right"))
-            if i == len(breaks) or breaks[i] > piece.start + len(piece.n_atoms):
-                yield piece, False
-                break
-            head, piece = split_piece(piece, int(breaks[i]) - piece.start)
-            yield head, True
-            if not len(piece.n_atoms):
-                break
-
-
-def rechunk(pieces, chunk_atoms, breaks=()):
+def rechunk(pieces, chunk_atoms):
     """Group a stream of pieces (consecutive structures) into lists forming chunks of whole
-    structures with at most `chunk_atoms` atoms; the same runs as `plan_chunks`, started
-    anew at each structure number of `breaks`, where a chunk always ends."""
+    structures with at most `chunk_atoms` atoms; the same runs as `plan_chunks`."""
     group, room = [], chunk_atoms
-    for piece, broken in split_at(pieces, breaks):
+    for piece in pieces:
         total = int(piece.n_atoms.sum())
         if total <= room and len(piece.n_atoms):  # the common case: the whole piece fits
             group.append(piece)
@@ -146,11 +129,44 @@ def rechunk(pieces, chunk_atoms, breaks=()):
                 if k == 0 or len(piece.n_atoms):
                     yield group
                     group, room = [], chunk_atoms
-        if broken and group:
-            yield group
-            group, room = [], chunk_atoms
     if group:
         yield group
+
+
+def segment_bounds(n_atoms, breaks, chunk_atoms):
+    """Bounds (0 to len(n_atoms)) of the segments of structures of `n_atoms` atoms: the runs
+    between the structure numbers `breaks`, one of more than `chunk_atoms` atoms cut into the
+    runs of `plan_chunks` from its start."""
+    runs = np.unique(np.clip(np.concatenate([[0], breaks, [len(n_atoms)]]).astype(np.int64),
+                             0, len(n_atoms)))
+    offsets = np.concatenate([[0], np.cumsum(n_atoms, dtype=np.int64)])
+    big = np.flatnonzero(np.diff(offsets[runs]) > chunk_atoms)
+    cuts = [a + np.array(plan_chunks(n_atoms[a:b], chunk_atoms), np.int64)
+            for a, b in zip(runs[big], runs[big + 1])]
+    return np.unique(np.concatenate([runs, *cuts]))
+
+
+def whole_segments(path, chunks, bounds, schema):
+    """The chunks (consecutive structures, from bounds[0] to bounds[-1]) cut at the segment
+    bounds `bounds`: a chunk's run of whole segments as it is (no copy), and each segment
+    that spans chunks joined into a chunk of its own (merge_pieces, `schema` its fields)."""
+    held = []  # the parts of a segment that began in a chunk before
+    for chunk in chunks:
+        stop = chunk.start + len(chunk.n_atoms)
+        if held:
+            end = int(bounds[np.searchsorted(bounds, chunk.start, side="right")])
+            if end > stop:
+                held.append(chunk)
+                continue
+            head, chunk = split_piece(chunk, end - chunk.start)
+            yield merge_pieces(path, [*held, head], schema)
+            held = []
+        last = int(bounds[np.searchsorted(bounds, stop, side="right") - 1])
+        body, rest = split_piece(chunk, max(last - chunk.start, 0))
+        if len(body.n_atoms):
+            yield body
+        if len(rest.n_atoms):
+            held = [rest]
 
 
 def merge_pieces(path, pieces, schema, fill=None):
@@ -279,7 +295,7 @@ class Batch:
     """
 
     format = ""
-    _result_fields = {}
+    _result_fields = MappingProxyType({})
 
     def __init__(self, path):
         self.path = path
@@ -348,7 +364,6 @@ class Batch:
 
     def fill_value(self, name):
         """The value that stands in the rows of structures without field `name`, or None."""
-        return None
 
     def _present(self, name):
         return None
@@ -364,8 +379,10 @@ class Batch:
     def iter_chunks(self, fields, *, chunk_atoms=1_000_000, structures=slice(None), into=None,
                     breaks=()):
         """Yield Chunks of whole structures, at most `chunk_atoms` atoms each (a bigger structure
-        alone), holding the requested per-atom and per-structure fields; a chunk ends at each
-        structure number of `breaks` (sorted), and chunking starts anew there.
+        alone), holding the requested per-atom and per-structure fields. With `breaks`
+        (structure numbers), a chunk holds whole segments (see segment_bounds): runs between
+        breaks, but for those of more than `chunk_atoms` atoms, cut from their start; only a
+        segment that spans two chunks as read is copied to be whole (see whole_segments).
 
         `into(name, rows)`, if given, may return an array to read a chunk's stored per-atom field
         into (or None); a format that can read in place (segcli HDF5, when the array has the
@@ -383,15 +400,28 @@ class Batch:
         sources = {name: needs(name, self._stored) if name in derived else [name]
                    for name in fields}
         read = {n: available[n] for names in sources.values() for n in names}
-        pieces = self._pieces(start, max(start, stop), list(read), chunk_atoms, into)
-        for group in rechunk(pieces, chunk_atoms, breaks):
+        stop = max(start, stop)
+        chunks = self._chunks(self._pieces(start, stop, list(read), chunk_atoms, into),
+                              chunk_atoms, read, sources)
+        if len(breaks):
+            bounds = start + segment_bounds(self.n_atoms[start:stop],
+                                            np.asarray(breaks, np.int64) - start, chunk_atoms)
+            chunks = whole_segments(self.path, chunks, bounds,
+                                    {name: available[name] for name in fields})
+        yield from chunks
+
+    def _chunks(self, pieces, chunk_atoms, read, sources):
+        """Chunks of the pieces, with each field of `sources` (name -> the fields of `read`
+        that it is read or derived from)."""
+        available = self.fields
+        for group in rechunk(pieces, chunk_atoms):
             chunk = merge_pieces(self.path, group, read)
             out = {"atom": {}, "structure": {}}
             present = {}
-            for name in fields:
+            for name, names in sources.items():
                 data = chunk.atoms if available[name].per == "atom" else chunk.structures
                 out[available[name].per][name] = data[name] if name in data else derive(name, chunk)
-                mask = all_of([chunk.present.get(n) for n in sources[name]])
+                mask = all_of([chunk.present.get(n) for n in names])
                 if mask is not None:
                     present[name] = mask
             yield Chunk(chunk.start, chunk.n_atoms, out["atom"], out["structure"], present)
@@ -409,7 +439,7 @@ class EmptyBatch(Batch):
 
     format = "empty"
     n_atoms = np.zeros(0, np.int64)
-    _stored = {}
+    _stored = MappingProxyType({})
 
     def _pieces(self, start, stop, names, chunk_atoms, into=None):
         return iter(())
