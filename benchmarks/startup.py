@@ -71,7 +71,8 @@ def measure(work, runs, device):
     """{command: (median wall, median CPU seconds)} over `runs` rounds, the files in `work`."""
     small = os.path.join(work, "small.h5")
     make_file(small, 16)
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+        ROOT, os.environ.get("PYTHONPATH")]))}
     python, segcli = [sys.executable, "-c"], [sys.executable, "-m", "segcli"]
     on = ["--device", device]
     commands = {
