@@ -7,7 +7,7 @@ Each a fresh process (or set of processes) on a generated file (float64 forces, 
 per structure), page cache warm, run in turns.
 
     python benchmarks/cluster.py [--workers 2] [--atoms 10000000] [--runs 3] [--dir /tmp]
-                                 [--device cpu|gpu] [--compression gzip]
+                                 [--device cpu|gpu] [--compression gzip] [--gpus]
 
 Prints a Markdown table: median wall time, speed-up over one process and its share of the
 ideal K×, and the peak RSS of each process (the client, and each shard process or worker).
@@ -98,11 +98,16 @@ def main():
     parser.add_argument("--device", default="cpu", choices=["cpu", "gpu"],
                         help="where reduce computes (every process on the one GPU with gpu)")
     parser.add_argument("--compression", help="compress the forces (e.g. gzip)")
+    parser.add_argument("--gpus", action="store_true",
+                        help="K = the visible GPUs: clusters of one worker per GPU (local:gpus)")
     parser.add_argument("-v", "--verbose", action="store_true", help="each run's time on stderr")
     args = parser.parse_args()
-    k = args.workers
-
     from distributed import Client, LocalCluster
+
+    from segcli.cluster import _local_cluster, visible_gpus
+
+    k = len(visible_gpus()) if args.gpus else args.workers
+    local = "local:gpus" if args.gpus else f"local:{k}"
 
     load = os.getloadavg()
     root = tempfile.mkdtemp(prefix="segcli-cluster-bench-", dir=args.dir)
@@ -138,16 +143,18 @@ def main():
              [[sys.executable, "-c", READ, path, str(a), str(b), str(step)]
               for a, b in zip(cuts[:-1], cuts[1:])]),
         ]
-        cluster = LocalCluster(n_workers=k, threads_per_worker=1, processes=True,
-                               dashboard_address=":0")
+        cluster = (_local_cluster(local) if args.gpus else
+                   LocalCluster(n_workers=k, threads_per_worker=1, processes=True,
+                                dashboard_address=":0"))
         client = Client(cluster)
         address = cluster.scheduler_address
         for job, (base, prefix) in jobs.items():
             pattern = os.path.join(parts, f"{prefix}-{{shard}}.h5")
             cases += [
                 (f"{job}: 1 process", job, [base + ["-o", out]]),
-                (f"{job}: {k} shard processes", job,
-                 [base + ["--shard", f"{i}/{k}", "-o", pattern] for i in range(k)]),
+                (f"{job}: {k} shard processes", job,  # with --gpus, each on its own GPU
+                 [(["env", f"CUDA_VISIBLE_DEVICES={visible_gpus()[i]}"] if args.gpus else [])
+                  + base + ["--shard", f"{i}/{k}", "-o", pattern] for i in range(k)]),
                 (f"{job}: merge (copy)", "merge",
                  [segcli + ["merge", os.path.join(parts, f"{prefix}-*.h5"), "-o", out, "-q",
                             "--force"]]),
@@ -157,8 +164,8 @@ def main():
                               [segcli + ["merge", os.path.join(parts, f"{prefix}-*.h5"), "-o",
                                          out, "-q", "--force", "--virtual"]]))
             cases += [
-                (f"{job}: --scheduler local:{k}", job,
-                 [base + ["-o", out, "--scheduler", f"local:{k}"]]),
+                (f"{job}: --scheduler {local}", job,
+                 [base + ["-o", out, "--scheduler", local]]),
                 (f"{job}: --scheduler ADDRESS (running cluster)", job,
                  [base + ["-o", out, "--scheduler", address]]),
             ]
