@@ -161,14 +161,14 @@ def test_merged_stats_parts_equal_one_run_bit_for_bit(tmp_path, lumpy, shards):
 
 def test_shard_auto_reads_slurm_open_mpi_and_pmi(even):
     path = even
-    wanted = ok("reduce", path, "sum", "forces", "--shard", "2/5").output
+    wanted = ok("reduce", path, "sum", "forces", "--shard", "2/5").stdout
     assert wanted.count("\n") > 1
     bare = {name: None for pair in ENVIRONMENTS for name in pair} | {"SLURM_ARRAY_TASK_MIN": None}
     for index, count in ENVIRONMENTS:
         env = {**bare, index: "2", count: "5"}
         if index == "SLURM_ARRAY_TASK_ID":
             env.update(SLURM_ARRAY_TASK_ID="12", SLURM_ARRAY_TASK_MIN="10")
-        assert ok("reduce", path, "sum", "forces", "--shard", "auto", env=env).output == wanted
+        assert ok("reduce", path, "sum", "forces", "--shard", "auto", env=env).stdout == wanted
     result = run("reduce", path, "sum", "forces", "--shard", "auto", env=bare)
     assert result.exit_code == 2 and "SLURM_ARRAY_TASK_ID" in result.output
     result = run("reduce", path, "sum", "forces", "--shard", "auto",
