@@ -412,8 +412,7 @@ def segments_of(idx, m):
     return ops.Segments(jnp.asarray(ids), jnp.asarray(offsets))
 
 
-@pytest.mark.parametrize("transform", ["value", "jit", "grad_grad", "jvp", "hessian", "vmap",
-                                       "vmap_grad", "grad_scan", "jacrev"])
+@pytest.mark.parametrize("transform", ["jit", "grad_grad", "jvp", "vmap"])
 @pytest.mark.parametrize("name", NAMES)
 def test_segments_give_the_values_of_their_ids(name, transform):
     rng = np.random.default_rng(zlib.crc32(f"{name} {transform}".encode()))
