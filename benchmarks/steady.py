@@ -85,6 +85,9 @@ def main():
         make_file(path, args.atoms)
 
     from segcli.cli import main as cli
+    from segcli.cli.common import as_program
+
+    as_program()  # this process's settings are those of the segcli program
     from segcli.engine import DEFAULT_CHUNK_ATOMS
 
     with h5py.File(path, "r") as f:

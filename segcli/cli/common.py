@@ -133,7 +133,7 @@ def device(choice):
     Called before JAX starts, it leaves GPU memory to Warp's own allocations (no
     preallocation) and lets XLA capture even a small program, such as one chunk's kernels,
     into a CUDA graph, so that no kernel launch pays for a Python call; in the program (see
-    `as_program`), compiled programs are kept across runs."""
+    `as_program`), compiled programs are kept across runs and freed host blocks for reuse."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_gpu_graph_min_graph_size" not in flags:
@@ -141,9 +141,10 @@ def device(choice):
     with _loading():
         import jax
 
-        from segcli.engine import runs_on
+        from segcli.engine import keep_freed_buffers, runs_on
     if _program:
         _use_compilation_cache(jax)
+        keep_freed_buffers()
     if choice == "cpu":
         target = jax.devices("cpu")[0]
     else:

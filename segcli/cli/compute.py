@@ -27,7 +27,7 @@ def _op_list(ctx, param, words):
     """OP [FIELD [FIELD2]] [+ OP [FIELD [FIELD2]] ...] as ((OpSpec, fields), ...)."""
     from segcli.engine import OPS
 
-    groups, words = [[]], list(words)
+    groups = [[]]
     for word in words:
         if word == "+":
             groups.append([])
@@ -311,10 +311,9 @@ def _part(layout, ops, names, plan, device, chunk_atoms, lo, hi, path, attrs):
     """One shard of a command run on a cluster: structures [lo, hi) of the batch `layout`
     describes (see segcli.io.open_inputs) into the new file `path` (replaced whole if a
     retried task wrote it before); returns `path`. `ops` are (op name, fields) pairs."""
-    from segcli.engine import OPS, keep_freed_buffers
+    from segcli.engine import OPS
     from segcli.io import open_inputs
 
-    keep_freed_buffers()
     target = common.device(device)
     with open_inputs(layout) as batch:
         results = _plan(batch, batch.path, [(OPS[op], fields) for op, fields in ops], names,
@@ -335,10 +334,8 @@ def _execute(file, ops, *, output, in_place, fmt, name, force, structures, chunk
     output = shard_output(output, shard)
     paths = common.input_paths(file, in_place)
     refuse_output_among_inputs(output, paths, "use --in-place to add to it")
-    from segcli.engine import keep_freed_buffers
     from segcli.io import open_inputs
 
-    keep_freed_buffers()
     target = None if scheduler else common.device(device)
     names = [name] if name else ["_".join((spec.name, *fields)) for spec, fields in ops]
     plan = {"precision": precision, "order": order, "weights": weights, "direction": direction}
