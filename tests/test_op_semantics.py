@@ -150,3 +150,23 @@ def test_empty_segments_and_no_rows(name, empty):
     np.testing.assert_array_equal(function(x, idx, 2)[1], [empty] * 3)
     np.testing.assert_array_equal(function(x[:0], idx[:0], 2), np.full((2, 3), empty))
     assert function(x, idx, 0).shape == (0, 3)
+
+
+@pytest.mark.parametrize("name", [n for n in ops.__all__ if n.startswith("segmented_")])
+def test_docstring_examples_hold(name):
+    """Each op's docstring Example: every expression followed by `# value` gives that value."""
+    lines = getattr(ops, name).__doc__.split("Example::")[1].strip().splitlines()
+    scope, checked = {"jnp": jnp, **{n: getattr(ops, n) for n in ops.__all__}}, 0
+    for line, after in zip(lines, [*lines[1:], ""]):
+        code, _, comment = line.strip().partition("  # ")
+        if line.strip().startswith("# "):
+            continue
+        if after.strip().startswith("# ["):
+            comment = after.strip()[2:]
+        if not comment.startswith("["):
+            exec(code, scope)  # noqa: S102  (the docstring example)
+            continue
+        expected = np.array(eval(comment.split(" (")[0].replace("inf", "np.inf"), {"np": np}))
+        np.testing.assert_allclose(np.asarray(eval(code, scope)), expected, rtol=1e-4)
+        checked += 1
+    assert checked
