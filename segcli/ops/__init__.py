@@ -509,7 +509,9 @@ def segmented_logsumexp(x, idx, num_segments, *, indices_are_sorted=False):
     x, seg, m, dtype = _common("x", x, idx, num_segments)
     params = _params(m, indices_are_sorted)
     exps, shift, _ = _shifted_exps(_rows(x), seg, m, params)
-    out = jnp.log(P.sum_p.bind(exps, *seg, **params)) + shift
+    total = P.sum_p.bind(exps, *seg, **params)
+    some = total > 0  # else -inf, with derivatives 0 (not NaN) in both modes
+    out = jnp.where(some, jnp.log(jnp.where(some, total, 1)), -jnp.inf) + shift
     return out.reshape(m, *x.shape[1:]).astype(dtype)
 
 
