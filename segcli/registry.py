@@ -21,7 +21,7 @@ class Arg:
     def describe(self):
         rows = "N" if self.per == "atom" else "S"
         tail = ", *F" if self.shape is None else "".join(f", {d}" for d in self.shape) or ","
-        return f"({rows}{tail})"
+        return f"({rows}{tail})" + (" labels" if self.kind == "labels" else "")
 
 
 @dataclass(frozen=True)
