@@ -18,12 +18,17 @@ def _valid(idx, num_segments):
     return (idx >= 0) & (idx < num_segments)
 
 
+def _take(values, index, found):
+    """values[index] along the first axis where `found`, else 0 (also from an empty `values`)."""
+    if values.shape[0] == 0:
+        return jnp.zeros(index.shape + values.shape[index.ndim:], values.dtype)
+    mask = found.reshape(found.shape + (1,) * (values.ndim - found.ndim))
+    return jnp.where(mask, jnp.take(values, jnp.where(found, index, 0), axis=0), 0)
+
+
 def _gather(values, idx, num_segments):
     """values[idx[i]] for each i, and 0 where idx[i] is out of range."""
-    valid = _valid(idx, num_segments)
-    gathered = jnp.take(values, jnp.where(valid, idx, 0), axis=0)
-    mask = valid.reshape(valid.shape + (1,) * (values.ndim - 1))
-    return jnp.where(mask, gathered, 0)
+    return _take(values, idx, _valid(idx, num_segments))
 
 
 def _sum_trailing(x):
@@ -83,8 +88,7 @@ def segmented_max_norm(x, idx, num_segments, *, indices_are_sorted=False):
     position = jnp.arange(x.shape[0])
     first = jax.ops.segment_min(jnp.where(attains, position, x.shape[0]), idx, num_segments,
                                 indices_are_sorted=indices_are_sorted)
-    found = first < x.shape[0]
-    return jnp.where(found, jnp.take(norms, jnp.where(found, first, 0)), 0)
+    return _take(norms, first, first < x.shape[0])
 
 
 def segmented_matvec(v, m, idx, num_segments):
@@ -112,8 +116,9 @@ def _first_attaining(x, idx, num_segments, segment_extreme, indices_are_sorted):
     first = jax.ops.segment_min(jnp.where(attains, position, x.shape[0]), idx, num_segments,
                                 indices_are_sorted=indices_are_sorted)
     found = first < x.shape[0]
-    picked = jnp.take_along_axis(x, jnp.where(found, first, 0), axis=0, mode="clip")
-    return jnp.where(found, picked, best)
+    if x.shape[0] == 0:
+        return best
+    return jnp.where(found, jnp.take_along_axis(x, jnp.where(found, first, 0), axis=0), best)
 
 
 def segmented_max(x, idx, num_segments, *, indices_are_sorted=False):

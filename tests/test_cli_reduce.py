@@ -17,7 +17,7 @@ import ase.io
 import h5py
 import numpy as np
 import pytest
-from batch_reference import assert_reduced, random_batch, reduce_numpy, write_batch
+from batch_reference import assert_reduced, random_batch, reduce_reference, write_batch
 from click.testing import CliRunner
 
 from segcli import __version__
@@ -92,7 +92,7 @@ def test_every_op_on_the_sample_data_matches_numpy(metals, op, precision):
     result = run("reduce", METALS, op, *fields, "--precision", precision, "--chunk-atoms", 300)
     assert result.exit_code == 0, result.output
     header, rows = table(result.stdout)
-    expected = reduce_numpy(op, n_atoms, *(data[f] for f in fields))
+    expected = reduce_reference(op, n_atoms, *(data[f] for f in fields))
     name = "_".join([op, *fields])
     if op in ("mul", "matvec"):
         assert header == ["structure", "atom", f"{name}_0", f"{name}_1", f"{name}_2"]
@@ -136,7 +136,7 @@ def test_selected_structures_name_json_and_npy(random_file):
     path, n_atoms, data = random_file
     first = n_atoms[:10].sum()
     rows = slice(first, first + n_atoms[10:25].sum())
-    expected = reduce_numpy("sum", n_atoms[10:25], data["x"][rows])
+    expected = reduce_reference("sum", n_atoms[10:25], data["x"][rows])
     result = run("reduce", path, "sum", "x", "--structures", "10:25", "--format", "json",
                  "--name", "total")
     assert result.exit_code == 0, result.output
@@ -150,7 +150,7 @@ def test_selected_structures_name_json_and_npy(random_file):
     assert [(line["structure"], line["atom"]) for line in lines] == [
         (s, a) for s in range(10, 25) for a in range(n_atoms[s])]
     np.testing.assert_allclose([line["mul_x_s"] for line in lines],
-                               reduce_numpy("mul", n_atoms[10:25], data["x"][rows],
+                               reduce_reference("mul", n_atoms[10:25], data["x"][rows],
                                             data["s"][10:25]), rtol=1e-12)
 
     result = run("reduce", path, "rms_norm", "x", "--structures", "10:", "--format", "npy",
@@ -210,7 +210,7 @@ def test_output_file_attributes_force_and_in_place(tmp_path, random_file, device
     assert {k: v for k, v in after.items() if not k.startswith("results/")} == digests
     with h5py.File(copy, "r") as f:
         np.testing.assert_allclose(f["results/rms_norm_x"][()],
-                                   reduce_numpy("rms_norm", n_atoms, data["x"]), rtol=1e-12)
+                                   reduce_reference("rms_norm", n_atoms, data["x"]), rtol=1e-12)
         assert f["results/rms_norm_x"].attrs["per"] == "structure"
     assert_data_error(run("reduce", copy, "rms_norm", "x", "--in-place"),
                       "result 'rms_norm_x' already exists")
@@ -218,7 +218,7 @@ def test_output_file_attributes_force_and_in_place(tmp_path, random_file, device
                "--force").exit_code == 0
     with h5py.File(copy, "r") as f:
         np.testing.assert_allclose(f["results/rms_norm_x"][()],
-                                   reduce_numpy("rms_norm", n_atoms, data["y"]), rtol=1e-12)
+                                   reduce_reference("rms_norm", n_atoms, data["y"]), rtol=1e-12)
     assert sorted(os.listdir(tmp_path)) == ["copy.h5", "out.h5"]
 
 
@@ -296,7 +296,7 @@ def test_subprocess_pipelines_and_progress_on_a_terminal(metals, tmp_path):
                "| sort -t, -k2 -g | tail -3")
     result = subprocess.run(["bash", "-c", command], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    expected = reduce_numpy("rms_norm", metals[0], metals[1]["forces"])
+    expected = reduce_reference("rms_norm", metals[0], metals[1]["forces"])
     top = np.argsort(expected)[-3:]
     lines = result.stdout.splitlines()
     assert [int(line.split(",")[0]) for line in lines] == list(top)
@@ -351,7 +351,7 @@ def test_in_place_survives_sigkill_at_any_moment(tmp_path):
     assert process.wait() == 0, process.stderr.read()
     with h5py.File(path, "r") as f:
         np.testing.assert_allclose(f["results/rms_norm_forces"][()],
-                                   reduce_numpy("rms_norm", n_atoms, f["atoms/forces"][()]),
+                                   reduce_reference("rms_norm", n_atoms, f["atoms/forces"][()]),
                                    rtol=1e-12)
     assert {k: v for k, v in dataset_digests(path).items() if not k.startswith("results")} == \
         digests

@@ -8,7 +8,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from batch_reference import assert_reduced, random_batch, reduce_numpy, write_batch
+from batch_reference import assert_reduced, random_batch, reduce_reference, write_batch
 
 from segcli import engine
 from segcli.engine import OPS
@@ -74,7 +74,7 @@ def test_selected_structures_and_a_float32_field(batch_file):
 def test_integer_fields_are_reduced_as_floats(batch_file):
     path, n_atoms, data = batch_file
     got = run_all(path, plan(path, "sum", ["z"]))[""]
-    np.testing.assert_array_equal(got, reduce_numpy("sum", n_atoms, data["z"]))
+    np.testing.assert_array_equal(got, reduce_reference("sum", n_atoms, data["z"]))
 
 
 def test_one_compilation_per_run_however_the_chunks_vary(tmp_path):
