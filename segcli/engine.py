@@ -176,7 +176,7 @@ def plan(path, spec, names, fields, *, precision="float64", order=0, weights=Non
               if wanted.shape is None]  # these share one trailing shape *F
     if any(info.shape != shared[0][1].shape for _, info in shared):
         (a, first), (b, second) = shared[:2]
-        raise DataError(f"{path}: {spec.name} needs {len(shared)} fields of the same shape, but "
+        raise DataError(f"{path}: {spec.name} needs fields of the same shape, but "
                         f"'{a}' is {_describe(first)} and '{b}' is {_describe(second)}")
     params = {**spec.params, **{k: v for k, v in (params or {}).items() if k in spec.params}}
     job = Job(path, spec, names, infos, precision, order, weights, direction, params)

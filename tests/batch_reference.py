@@ -2,6 +2,8 @@
 h5py, random arguments of any op from its registry data, and every op through its pure-JAX
 reference (segcli.reference, independent of the kernels) over the structures of n_atoms."""
 
+import collections
+
 import h5py
 import numpy as np
 
@@ -36,6 +38,31 @@ def random_batch(path, seed, n_structures=40, max_atoms=9):
                   "m": rng.normal(size=(n_structures, 3, 3))}
     write_batch(path, n_atoms, atoms, structures)
     return n_atoms, {**atoms, **structures}
+
+
+RANDOM_FIELDS = {
+    ("atom", None, "float"): [("x", "y"), ("t", "t"), ("v", "v"), ("x32", "x")],
+    ("atom", (3,), "float"): [("x",)],
+    ("structure", (), "float"): [("s",)],
+    ("structure", (3, 3), "float"): [("m",)],
+    ("atom", (), "labels"): [("z",)],
+}
+"""(per, shape, kind) of an op's argument -> alternative field names of random_batch for
+the first, second, ... argument of that kind."""
+
+
+def fields_for(op, choices=RANDOM_FIELDS, turn=0):
+    """Field names for the inputs of `op` (a registry.Op): for the inputs of each kind
+    (per, shape, kind), in order, the names of alternative `turn` (modulo their number) of
+    choices[kind]."""
+    seen = collections.Counter()
+    names = []
+    for arg in op.inputs:
+        kind = (arg.per, arg.shape, arg.kind)
+        alternatives = choices[kind]
+        names.append(alternatives[turn % len(alternatives)][seen[kind]])
+        seen[kind] += 1
+    return names
 
 
 def random_args(rng, op, n, m, features=(3,), dtype=np.float64):

@@ -228,7 +228,7 @@ def test_output_file_attributes_force_and_in_place(tmp_path, random_file, device
     (["mul", "forces", "positions"], ["field 'positions' is per atom (N, 3), but mul's second"]),
     (["matvec", "forces", "stress"], ["field 'stress' has shape (S, 6), but matvec's second "
                                       "field must be (S, 3, 3)"]),
-    (["dot", "forces", "energies"], ["dot needs two fields of the same shape"]),
+    (["dot", "forces", "energies"], ["dot needs fields of the same shape"]),
     (["sum", "forces", "--structures", "500:600"], ["selects no structure (the file has 199)"]),
 ])
 def test_data_errors_exit_1_and_write_nothing(tmp_path, args, needles):
