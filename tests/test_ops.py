@@ -422,7 +422,8 @@ def test_check_segments_names_first_bad_position():
 @pytest.mark.parametrize(
     "call, error, message",
     [
-        (lambda: ops.segmented_sum(jnp.ones((3, 2), jnp.int32), jnp.zeros(3, jnp.int32), 2), TypeError, "x must be a real floating"),
+        (lambda: ops.segmented_mean(jnp.ones((3, 2), jnp.int32), jnp.zeros(3, jnp.int32), 2), TypeError, "x must be a real floating.*segmented_sum, _max, _min"),
+        (lambda: ops.segmented_sum(jnp.ones((3, 2), jnp.uint64), jnp.zeros(3, jnp.int32), 2), TypeError, "x must be a real floating-point or int8"),
         (lambda: ops.segmented_sum(jnp.ones((3, 2), jnp.complex64), jnp.zeros(3, jnp.int32), 2), TypeError, "complex64"),
         (lambda: ops.segmented_sum(jnp.ones((3, 2)), jnp.zeros(4, jnp.int32), 2), ValueError, r"idx has length 4 but x has 3 rows"),
         (lambda: ops.segmented_sum(jnp.ones((3, 2)), jnp.zeros((3, 1), jnp.int32), 2), ValueError, r"one-dimensional.*\(3, 1\)"),

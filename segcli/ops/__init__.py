@@ -34,14 +34,21 @@ __all__ = [
     "Segments",
     "check_segments",
     "segment_ids",
+    "segmented_bincount",
     "segmented_count",
     "segmented_dot",
+    "segmented_logsumexp",
     "segmented_matvec",
+    "segmented_max",
     "segmented_max_norm",
     "segmented_mean",
+    "segmented_min",
     "segmented_mul",
     "segmented_rms_norm",
+    "segmented_softmax",
+    "segmented_std",
     "segmented_sum",
+    "segmented_var",
     "segments",
 ]
 
@@ -76,11 +83,23 @@ def _ids(idx, n, m, name="idx"):
     return idx
 
 
-def _floats(name, x, rows=None):
-    """x as a float array computed in float32/float64, and the dtype to return."""
+_WIDENED = {"int8": jnp.int32, "int16": jnp.int32, "uint8": jnp.int32, "uint16": jnp.int32,
+            "uint32": jnp.int64}
+"""Integer dtypes computed in a wider one (the result cast back wraps as the narrow sum would)."""
+
+
+def _floats(name, x, rows=None, integers=False):
+    """x as an array computed in float32/float64 (or, with `integers`, int32/int64), and the
+    dtype to return."""
     x = jnp.asarray(x)
+    if integers and jnp.issubdtype(x.dtype, jnp.integer) and x.dtype != jnp.uint64:
+        if x.ndim == 0:
+            raise ValueError(f"{name} must have a leading axis of rows, got a scalar")
+        return x.astype(_WIDENED.get(x.dtype.name, x.dtype)), x.dtype
     if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(f"{name} must be a real floating-point array, got dtype {x.dtype}")
+        allowed = "real floating-point or int8..int64/uint8..uint32" if integers else "real floating-point"
+        raise TypeError(f"{name} must be a {allowed} array, got dtype {x.dtype}"
+                        + ("" if integers else " (integer data: segmented_sum, _max, _min)"))
     if x.ndim == 0:
         raise ValueError(f"{name} must have a leading axis of rows, got a scalar")
     if rows is not None and x.shape[0] != rows[1]:
@@ -127,9 +146,9 @@ def _segments(idx, n, m):
     return _ids(idx.ids, n, m, "Segments.ids"), offsets.astype(jnp.int32)
 
 
-def _common(name, x, idx, num_segments):
+def _common(name, x, idx, num_segments, integers=False):
     m = _num_segments(num_segments)
-    x, dtype = _floats(name, x)
+    x, dtype = _floats(name, x, integers=integers)
     return x, _segments(idx, x.shape[0], m), m, dtype
 
 
@@ -160,20 +179,45 @@ def _rows(x):
 
 
 def segmented_sum(x, idx, num_segments, *, indices_are_sorted=False):
-    """Sum of the rows of x (N, *F) over each segment: (M, *F)."""
-    x, seg, m, dtype = _common("x", x, idx, num_segments)
+    """Sum of the rows of each segment.
+
+    Args:
+      x: (N, *F) floats or integers (integers are summed in their own dtype, wrapping on
+        overflow as ``jax.ops.segment_sum`` does).
+      idx: (N,) segment ids, or a `Segments`.
+      num_segments: M, a static int.
+      indices_are_sorted: promise that the ids are non-decreasing.
+
+    Returns:
+      (M, *F) in x's dtype: out[s] = Σ_{idx[i]=s} x[i]; 0 for an empty segment.
+
+    Example::
+
+        segmented_sum(jnp.array([1., 2., 3.]), jnp.array([0, 0, 2]), 3)  # [3., 0., 3.]
+    """
+    x, seg, m, dtype = _common("x", x, idx, num_segments, integers=True)
     out = P.sum_p.bind(_rows(x), *seg, **_params(m, indices_are_sorted))
     return out.reshape(m, *x.shape[1:]).astype(dtype)
 
 
 def segmented_count(idx, num_segments, *, indices_are_sorted=False):
-    """Number of ids equal to each segment: (M,) int32."""
+    """Rows per segment: (M,) int32, out[s] = #{i : idx[i] = s}.
+
+    Example::
+
+        segmented_count(jnp.array([0, 0, 2, 5]), 3)  # [2, 0, 1] (5 is out of range)
+    """
     m = _num_segments(num_segments)
     return P.count(*_segments(idx, None, m), m, bool(indices_are_sorted))
 
 
 def segmented_mean(x, idx, num_segments, *, indices_are_sorted=False):
-    """Mean of the rows of x (N, *F) over each segment: (M, *F); an empty segment gives 0."""
+    """Mean of the rows of each segment: (M, *F) for x (N, *F) floats; 0 for an empty segment.
+
+    Example::
+
+        segmented_mean(jnp.array([1., 2., 3.]), jnp.array([0, 0, 2]), 3)  # [1.5, 0., 3.]
+    """
     x, seg, m, dtype = _common("x", x, idx, num_segments)
     params = _params(m, indices_are_sorted)
     total = P.sum_p.bind(_rows(x), *seg, **params)
@@ -181,7 +225,16 @@ def segmented_mean(x, idx, num_segments, *, indices_are_sorted=False):
 
 
 def segmented_dot(x, y, idx, num_segments, *, indices_are_sorted=False):
-    """Σ over each segment of <x[i], y[i]>, contracting all trailing axes: (M,)."""
+    """Σ over each segment of <x[i], y[i]>, contracting all trailing axes: (M,).
+
+    Args:
+      x, y: (N, *F) floats of one shape.
+
+    Example::
+
+        x = jnp.ones((3, 3))
+        segmented_dot(x, 2 * x, jnp.array([0, 0, 1]), 2)  # [12., 6.]
+    """
     x, seg, m, dtype = _common("x", x, idx, num_segments)
     y, _ = _floats("y", y, ("as x", x.shape[0]))
     if y.shape != x.shape:
@@ -192,7 +245,14 @@ def segmented_dot(x, y, idx, num_segments, *, indices_are_sorted=False):
 
 
 def segmented_mul(x, y, idx, num_segments):
-    """x[i] * y[idx[i]] for x (N, *F) and y (M,): (N, *F); out-of-range ids give 0."""
+    """Each row times its segment's scalar: x[i] * y[idx[i]] for x (N, *F) and y (M,), giving
+    (N, *F); rows with an out-of-range id give 0.
+
+    Example::
+
+        segmented_mul(jnp.ones((3, 2)), jnp.array([2., 3.]), jnp.array([0, 1, 1]), 2)
+        # [[2., 2.], [3., 3.], [3., 3.]]
+    """
     x, seg, m, dtype = _common("x", x, idx, num_segments)
     y, _ = _floats("y", y, ("num_segments", m))
     if y.ndim != 1:
@@ -202,7 +262,13 @@ def segmented_mul(x, y, idx, num_segments):
 
 
 def segmented_rms_norm(x, idx, num_segments, *, indices_are_sorted=False):
-    """sqrt(Σ |x[i]|² / count) over each segment: (M,); an empty segment gives 0."""
+    """Root mean square norm of each segment's rows: sqrt(Σ |x[i]|² / count), (M,) for x
+    (N, *F); 0 for an empty segment, and every derivative 0 (never NaN) where the norm is 0.
+
+    Example::
+
+        segmented_rms_norm(jnp.array([[3., 4.], [0., 0.]]), jnp.array([0, 0]), 1)  # [3.5355]
+    """
     x, seg, m, dtype = _common("x", x, idx, num_segments)
     params = _params(m, indices_are_sorted)
     squares = _squared_norms(_grouped(x), seg, tuple(params.items()))[:, 0]
@@ -221,36 +287,183 @@ def _squared_norms_jvp(params, primals, tangents):
     return _squared_norms(g, seg, params), 2 * P.dot_p.bind(g, tangents[0], *seg, **dict(params))
 
 
+def _at_first(rows, first, fill):
+    """rows[first[s, k], k] for rows (N, K) and first (M, K), `fill` where first is N: the
+    values of the rows an `extreme` search chose, differentiable through them."""
+    if rows.shape[0] == 0:
+        return jnp.full(first.shape, fill, rows.dtype)
+    return rows.at[first, jnp.arange(rows.shape[1])].get(mode="fill", fill_value=fill)
+
+
+def _lowest(dtype, kind):
+    """The value of an empty segment's max (kind "max") or min: ∓inf, or the integer bound."""
+    if jnp.issubdtype(dtype, jnp.integer):
+        info = jnp.iinfo(dtype)
+        return info.min if kind == "max" else info.max
+    return -jnp.inf if kind == "max" else jnp.inf
+
+
+def _extreme(kind, x, idx, num_segments, indices_are_sorted):
+    x, seg, m, dtype = _common("x", x, idx, num_segments, integers=True)
+    rows = _rows(x)
+    first = P.extreme_p.bind(rows[:, :, None], *seg, kind=kind, **_params(m, indices_are_sorted))
+    return _at_first(rows, first, _lowest(dtype, kind)).reshape(m, *x.shape[1:]).astype(dtype)
+
+
+def segmented_max(x, idx, num_segments, *, indices_are_sorted=False):
+    """Componentwise max of each segment's rows: (M, *F) for x (N, *F) floats or integers.
+
+    An empty segment gives -inf (integers: their smallest value), as ``jax.ops.segment_max``;
+    a NaN gives NaN. The derivative of each component flows to the first row attaining it
+    (in row order), so ties split nothing.
+
+    Example::
+
+        segmented_max(jnp.array([1., 5., 5., 2.]), jnp.array([0, 0, 0, 2]), 3)  # [5., -inf, 2.]
+    """
+    return _extreme("max", x, idx, num_segments, indices_are_sorted)
+
+
+def segmented_min(x, idx, num_segments, *, indices_are_sorted=False):
+    """Componentwise min of each segment's rows: (M, *F); an empty segment gives +inf
+    (integers: their largest value); derivatives to the first row attaining it (see
+    `segmented_max`).
+
+    Example::
+
+        segmented_min(jnp.array([1., 5., 1., 2.]), jnp.array([0, 0, 0, 2]), 3)  # [1., inf, 2.]
+    """
+    return _extreme("min", x, idx, num_segments, indices_are_sorted)
+
+
 def segmented_max_norm(x, idx, num_segments, *, indices_are_sorted=False):
-    """max |x[i]| over each segment: (M,); an empty segment gives 0."""
+    """Largest norm of each segment's rows: max |x[i]|, (M,) for x (N, *F); 0 for an empty
+    segment. The derivative flows to the first row attaining it, and is 0 where the norm is 0.
+
+    Example::
+
+        segmented_max_norm(jnp.array([[3., 4.], [1., 0.]]), jnp.array([0, 0]), 1)  # [5.]
+    """
     x, seg, m, dtype = _common("x", x, idx, num_segments)
-    params = tuple(_params(m, indices_are_sorted).items())
-    return _safe_sqrt(_max_squared_norm(_grouped(x), seg, params)[:, 0]).astype(dtype)
+    first = P.extreme_p.bind(_grouped(x), *seg, kind="max_norm", **_params(m, indices_are_sorted))
+    rows = _rows(x)
+    winners = _at_first(rows, jnp.broadcast_to(first, (m, rows.shape[1])), 0)
+    return _safe_sqrt(jnp.sum(winners * winners, axis=1)).astype(dtype)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
-def _max_squared_norm(g, seg, params):
-    """max_i |g[i]|² per segment and group, straight from the kernel."""
-    return P.max_norm_p.bind(g, *seg, **dict(params))[0]
+def _variance(rows, seg, params):
+    """Σ (x[i] - mean)² / count per segment of rows (N, K): two passes, no cancellation."""
+    counts = _nonzero_counts(seg, params, rows.dtype)[:, None]
+    mean = P.sum_p.bind(rows, *seg, **params) / counts
+    deviations = rows - P.gather_p.bind(mean, *seg, **params)
+    return P.sum_p.bind(deviations * deviations, *seg, **params) / counts
 
 
-@_max_squared_norm.defjvp
-def _max_squared_norm_jvp(params, primals, tangents):
-    # Through the rows that attain the max (M of them), so every order differentiates correctly.
-    g, seg = primals
-    _, first = P.max_norm_p.bind(g, *seg, **dict(params))
+def segmented_var(x, idx, num_segments, *, indices_are_sorted=False):
+    """Componentwise population variance of each segment's rows (the mean of squared
+    deviations from the segment's mean): (M, *F) for x (N, *F) floats; 0 for an empty segment.
 
-    def rows(a):
-        if a.shape[0] == 0:
-            return jnp.zeros((*first.shape, a.shape[2]), a.dtype)
-        return a.at[first, jnp.arange(a.shape[1])].get(mode="fill", fill_value=0)
+    Example::
 
-    winners, moves = rows(g), rows(tangents[0])
-    return jnp.sum(winners * winners, axis=-1), 2 * jnp.sum(winners * moves, axis=-1)
+        segmented_var(jnp.array([1., 3., 7.]), jnp.array([0, 0, 1]), 2)  # [1., 0.]
+    """
+    x, seg, m, dtype = _common("x", x, idx, num_segments)
+    out = _variance(_rows(x), seg, _params(m, indices_are_sorted))
+    return out.reshape(m, *x.shape[1:]).astype(dtype)
+
+
+def segmented_std(x, idx, num_segments, *, indices_are_sorted=False):
+    """Componentwise population standard deviation, sqrt(`segmented_var`): (M, *F); 0 for an
+    empty segment, and every derivative 0 (never NaN) where it is 0.
+
+    Example::
+
+        segmented_std(jnp.array([1., 3., 7.]), jnp.array([0, 0, 1]), 2)  # [1., 0.]
+    """
+    x, seg, m, dtype = _common("x", x, idx, num_segments)
+    out = _safe_sqrt(_variance(_rows(x), seg, _params(m, indices_are_sorted)))
+    return out.reshape(m, *x.shape[1:]).astype(dtype)
+
+
+def _shifted_exps(rows, seg, m, params):
+    """exp(x[i] - shift[idx[i]]) for rows (N, K) (0 for out-of-range ids), shift being each
+    segment's max where finite (else 0, held constant): no overflow, and the segment's
+    largest term is 1. Also the shift and which rows are in range."""
+    first = P.extreme_p.bind(rows[:, :, None], *seg, kind="max", **params)
+    top = jax.lax.stop_gradient(_at_first(rows, first, -jnp.inf))
+    shift = jnp.where(jnp.isfinite(top), top, 0)
+    ids = seg[0]
+    valid = ((ids >= 0) & (ids < m))[:, None]
+    shifted = jnp.where(valid, rows - P.gather_p.bind(shift, *seg, **params), -jnp.inf)
+    return jnp.exp(shifted), shift, valid
+
+
+def segmented_logsumexp(x, idx, num_segments, *, indices_are_sorted=False):
+    """Componentwise log Σ exp x[i] over each segment, computed stably (shifted by the
+    segment's max, so no overflow up to the float max): (M, *F) for x (N, *F) floats; -inf for
+    an empty segment. Its gradient is `segmented_softmax`.
+
+    Example::
+
+        segmented_logsumexp(jnp.array([1000., 1000., 0.]), jnp.array([0, 0, 1]), 2)
+        # [1000.6931, 0.]
+    """
+    x, seg, m, dtype = _common("x", x, idx, num_segments)
+    params = _params(m, indices_are_sorted)
+    exps, shift, _ = _shifted_exps(_rows(x), seg, m, params)
+    out = jnp.log(P.sum_p.bind(exps, *seg, **params)) + shift
+    return out.reshape(m, *x.shape[1:]).astype(dtype)
+
+
+def segmented_softmax(x, idx, num_segments, *, indices_are_sorted=False):
+    """Componentwise softmax within each segment: exp(x[i]) / Σ_{idx[j]=idx[i]} exp(x[j]),
+    (N, *F) for x (N, *F) floats, computed stably; rows with an out-of-range id give 0.
+
+    Example::
+
+        segmented_softmax(jnp.array([0., 0., 5.]), jnp.array([0, 0, 1]), 2)  # [0.5, 0.5, 1.]
+    """
+    x, seg, m, dtype = _common("x", x, idx, num_segments)
+    params = _params(m, indices_are_sorted)
+    exps, _, valid = _shifted_exps(_rows(x), seg, m, params)
+    totals = P.gather_p.bind(P.sum_p.bind(exps, *seg, **params), *seg, **params)
+    return (exps / jnp.where(valid, totals, 1)).reshape(x.shape).astype(dtype)
+
+
+def segmented_bincount(labels, idx, num_segments, length, *, indices_are_sorted=False):
+    """How many rows of each segment have each label: (M, length) int32 for integer labels
+    (N,), out[s, c] = #{i : idx[i] = s, labels[i] = c}; labels outside [0, length) are
+    dropped. Not differentiable.
+
+    Example::
+
+        numbers = jnp.array([1, 1, 8, 6])  # atomic numbers: H2O, then C
+        segmented_bincount(numbers, jnp.array([0, 0, 0, 1]), 2, 119)[:, [1, 6, 8]]
+        # [[2, 0, 1], [0, 1, 0]]
+    """
+    m = _num_segments(num_segments)
+    if not isinstance(length, int | np.integer) or length < 0:
+        raise ValueError(f"length must be a non-negative static int, got {length!r}")
+    labels = jnp.asarray(labels)
+    if not jnp.issubdtype(labels.dtype, jnp.integer) or labels.ndim != 1:
+        raise TypeError(f"labels must be a 1-D integer array, got shape {labels.shape} and dtype "
+                        f"{labels.dtype}")
+    if labels.dtype != jnp.int32:
+        labels = jnp.clip(labels, -1, length).astype(jnp.int32)
+    seg = _segments(idx, labels.shape[0], m)
+    return P.bincount_p.bind(labels, *seg, **_params(m, indices_are_sorted), length=int(length))
 
 
 def segmented_matvec(v, m, idx, num_segments):
-    """m[idx[i]]ᵀ @ v[i] for v (N, 3) and m (M, 3, 3): (N, 3); out-of-range ids give 0."""
+    """Each row times its segment's matrix: m[idx[i]]ᵀ @ v[i] for v (N, 3) and m (M, 3, 3),
+    giving (N, 3); rows with an out-of-range id give 0 (scaled positions and cells give
+    Cartesian positions).
+
+    Example::
+
+        cell = 2 * jnp.eye(3)[None]
+        segmented_matvec(jnp.array([[0.5, 0.5, 0.]]), cell, jnp.array([0]), 1)  # [[1., 1., 0.]]
+    """
     v, seg, segments, dtype = _common("v", v, idx, num_segments)
     m, _ = _floats("m", m)
     if v.ndim != 2 or v.shape[1] != 3:

@@ -2,23 +2,27 @@
 
 Shapes (rows first, then a group axis G that vmap folds into, then features):
 
-    layout   idx (N,)                          -> offsets (M+1,)   offsets[s] = first i with idx[i] >= s
+    layout      idx (N,)                       -> offsets (M+1,)  offsets[s] = first i with idx[i] >= s
                                                   (a binary search per segment on GPUs, one pass on CPUs)
-    sum      x (N, K)                          -> (M, K)           out[s] = Σ_{idx[i]=s} x[i]
-    count    idx (N,)                          -> (M,)             out[s] = #{i : idx[i]=s}
-    row_dot  x, y (N, G, K)                    -> (N, G)           out[i,g] = <x[i,g], y[i,g]>   (dot = sum of row_dot)
-    outer    a (N, G, K), b (N, G, L)          -> (M, G, K, L)     out[s,g] = Σ_{idx[i]=s} a[i,g] ⊗ b[i,g]
-    max_norm x (N, G, K)                       -> best (M, G), first (M, G) int32
-                                                  best[s,g] = max_{idx[i]=s} |x[i,g]|², first[s,g] the first i
-                                                  attaining it (N for an empty segment)
-    gather   y (R, K), idx (L,)                -> (L, K)           out[i] = y[idx[i]]
-    scale    x (N, G, K), y (M, G)             -> (N, G, K)        out[i,g] = x[i,g] * y[idx[i],g]
-    matvec   v (N, G, K), m (M, G, K, K)       -> (N, G, K)        out[i,g] = v[i,g] @ m[idx[i],g]  (@ m[idx[i],g]ᵀ
+    count       idx as a (N, 1)                -> (M, 1)          out[s] = #{i : idx[i]=s}
+    sum         x (N, K)                       -> (M, K)          out[s] = Σ_{idx[i]=s} x[i]
+    outer       a (N, G·K), b (N, G·L)         -> (M, G·K·L)      out[s,g] = Σ_{idx[i]=s} a[i,g] ⊗ b[i,g]
+    sum3, dot3  rows of vec3 (N, 1)            -> (M, 1)          sum and dot for K = 3, on CPUs (a GPU keeps
+                                                                  more rows in flight with a thread per
+                                                                  feature, and reads rows coalesced)
+    row_dot     x, y (N, G, K)                 -> (N, G)          out[i,g] = <x[i,g], y[i,g]>  (dot = sum of row_dot)
+    max_*, min_*, max_norm_*  x (N, G, K)      -> first (M, G)    the first row i attaining the largest x[i,g,0]
+                                                  (max), smallest (min), largest |x[i,g]|² (max_norm); N if none
+    bincount    labels (N,)                    -> (M, L) int32    out[s,c] = #{i : idx[i]=s, labels[i]=c}
+    gather      y (R, K), idx (L,)             -> (L, K)          out[i] = y[idx[i]]
+    scale       x (N, G, K), y (M, G)          -> (N, G, K)       out[i,g] = x[i,g] * y[idx[i],g]
+    matvec      v (N, G, K), m (M, G, K, K)    -> (N, G, K)       out[i,g] = v[i,g] @ m[idx[i],g]  (@ m[idx[i],g]ᵀ
                                                                   with `transpose`)
     gather3, scale3, matvec3                                      the same for G = 1, K = 3
-    sum3, dot3                                                    sum and dot for G = 1, K = 3, on CPUs (a GPU
-                                                                  keeps more rows in flight with a thread
-                                                                  per feature, and reads rows coalesced)
+
+The reductions (count, sum, outer, sum3, dot3) come from one factory (`_segment_reduction`)
+over the term each adds, and the searches for extremes from another (`_extreme`) over the key
+they compare. sum, max and min are made for int32 and int64 as well as the float types.
 
 Ids outside [0, M) are skipped by reductions and give 0 in gathers; no id reads or writes
 outside an array. Reductions take `ordered`, a one-element flag computed from the ids: when it
@@ -132,80 +136,71 @@ def _layout_serial_kernel(idx: wp.array(dtype=wp.int32), out: wp.array(dtype=wp.
         s += 1
 
 
-@_deferred
-def _count_kernel(
-    idx: wp.array(dtype=wp.int32),
-    offsets: wp.array(dtype=wp.int32),
-    ordered: wp.array(dtype=wp.int32),
-    stride: int,
-    out: wp.array(dtype=wp.int32),
-):
-    t = wp.tid()
-    n = idx.shape[0]
-    m = out.shape[0]
-    if ordered[0] != 0:
-        if t < m:
-            lo, hi = _segment_range(offsets, t, n)
-            out[t] = hi - lo
-    elif t < stride:
-        for i in range(t, n, stride):
-            s = idx[i]
-            if s >= 0 and s < m:
-                wp.atomic_add(out, s, 1)
+def _segment_reduction(term):
+    """A kernel adding term(a, b, out, i, p) over the rows i of each segment s into out[s, p].
+
+    Launched over (max(M, stride), P) threads: with ordered ids, thread (s, p) adds its
+    segment's rows in index order (bitwise repeatable); otherwise threads t < stride walk the
+    rows t, t + stride, ... and add atomically into a zero-initialised `out`."""
+
+    def kernel(
+        a: wp.array2d(dtype=Any),
+        b: wp.array2d(dtype=Any),
+        idx: wp.array(dtype=wp.int32),
+        offsets: wp.array(dtype=wp.int32),
+        ordered: wp.array(dtype=wp.int32),
+        stride: int,
+        out: wp.array2d(dtype=Any),
+    ):
+        t, p = wp.tid()
+        n = idx.shape[0]
+        m = out.shape[0]
+        if ordered[0] != 0:
+            if t < m:
+                lo, hi = _segment_range(offsets, t, n)
+                acc = out.dtype(0)
+                for i in range(lo, hi):
+                    acc += term(a, b, out, i, p)
+                out[t, p] = acc
+        elif t < stride:
+            for i in range(t, n, stride):
+                s = idx[i]
+                if s >= 0 and s < m:
+                    wp.atomic_add(out, s, p, term(a, b, out, i, p))
+
+    return kernel
 
 
-@_deferred
-def _sum_kernel(
-    x: wp.array2d(dtype=Any),
-    idx: wp.array(dtype=wp.int32),
-    offsets: wp.array(dtype=wp.int32),
-    ordered: wp.array(dtype=wp.int32),
-    stride: int,
-    out: wp.array2d(dtype=Any),
-):
-    t, k = wp.tid()
-    n = x.shape[0]
-    m = out.shape[0]
-    if ordered[0] != 0:
-        if t < m:
-            lo, hi = _segment_range(offsets, t, n)
-            acc = out.dtype(0.0)
-            for i in range(lo, hi):
-                acc += x[i, k]
-            out[t, k] = acc
-    elif t < stride:
-        for i in range(t, n, stride):
-            s = idx[i]
-            if s >= 0 and s < m:
-                wp.atomic_add(out, s, k, x[i, k])
+@wp.func
+def _one(a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any), out: wp.array2d(dtype=Any), i: int, p: int):
+    return 1
 
 
-@_deferred
-def _outer_kernel(
-    a: wp.array3d(dtype=Any),
-    b: wp.array3d(dtype=Any),
-    idx: wp.array(dtype=wp.int32),
-    offsets: wp.array(dtype=wp.int32),
-    ordered: wp.array(dtype=wp.int32),
-    stride: int,
-    out: wp.array4d(dtype=Any),
-):
-    t, g, k, l = wp.tid()
-    n = a.shape[0]
-    m = out.shape[0]
-    if ordered[0] != 0:
-        if t < m:
-            lo, hi = _segment_range(offsets, t, n)
-            acc = out.dtype(0.0)
-            for i in range(lo, hi):
-                acc += a[i, g, k] * b[i, g, l]
-            out[t, g, k, l] = acc
-    elif t < stride:
-        for i in range(t, n, stride):
-            s = idx[i]
-            if s >= 0 and s < m:
-                wp.atomic_add(out, s, g, k, l, a[i, g, k] * b[i, g, l])
+@wp.func
+def _entry(a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any), out: wp.array2d(dtype=Any), i: int, p: int):
+    return a[i, p]
 
+
+@wp.func
+def _outer_entry(a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any), out: wp.array2d(dtype=Any), i: int,
+                 p: int):
+    # a (N, G·K) and b (N, G·L) into out (M, G·K·L), p = (g·K + k)·L + l
+    k_count = out.shape[1] // b.shape[1]
+    l_count = out.shape[1] // a.shape[1]
+    g = p // (k_count * l_count)
+    return a[i, g * k_count + (p // l_count) % k_count] * b[i, g * l_count + p % l_count]
+
+
+@wp.func
+def _vector_dot(a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any), out: wp.array2d(dtype=Any), i: int,
+                p: int):
+    return wp.dot(a[i, p], b[i, p])
+
+
+# The reductions; sum3 and dot3 read rows of vec3 (one per thread), which CPUs run faster.
+for _name, _term in (("count", _one), ("sum", _entry), ("sum3", _entry), ("outer", _outer_entry),
+                     ("dot3", _vector_dot)):
+    _SOURCES[_name] = _segment_reduction(_term)
 
 @wp.func
 def _squared_norm(x: wp.array3d(dtype=Any), i: int, g: int):
@@ -216,92 +211,153 @@ def _squared_norm(x: wp.array3d(dtype=Any), i: int, g: int):
 
 
 @wp.func
-def _beats(candidate: Any, best: Any):
-    # NaN beats any number, so a NaN row is chosen and its segment's result is NaN.
-    return candidate > best or (wp.isnan(candidate) and not wp.isnan(best))
+def _is_nan(v: wp.float32):
+    return wp.isnan(v)
 
 
 @wp.func
-def _max_key(v: Any):
-    # The unordered path compares keys with atomics: NaN maps to inf, the top key.
-    if wp.isnan(v):
-        return type(v)(wp.inf)
-    return v
+def _is_nan(v: wp.float64):  # an overload per dtype (integers are never NaN)
+    return wp.isnan(v)
+
+
+@wp.func
+def _is_nan(v: wp.int32):
+    return False
+
+
+@wp.func
+def _is_nan(v: wp.int64):
+    return False
+
+
+@wp.func
+def _value(x: wp.array3d(dtype=Any), i: int, g: int):
+    return x[i, g, 0]
+
+
+@wp.func
+def _above(candidate: Any, best: Any):
+    return candidate > best
+
+
+@wp.func
+def _below(candidate: Any, best: Any):
+    return candidate < best
+
+
+@wp.func
+def _atomic_above(best: wp.array2d(dtype=Any), s: int, g: int, key: Any):
+    wp.atomic_max(best, s, g, key)
+
+
+@wp.func
+def _atomic_below(best: wp.array2d(dtype=Any), s: int, g: int, key: Any):
+    wp.atomic_min(best, s, g, key)
+
+
+def _extreme(key, better, atomic_better):
+    """The kernels finding, per segment s and group g, the first row i attaining the best
+    key(x, i, g), `better` ordering keys and NaN beating any number (so a NaN row is chosen):
+    `first` (M, G) int32, left as given (N) for an empty segment.
+
+    Ordered ids: one thread per (s, g) over the segment's rows. Otherwise `best` (filled with
+    the worst key) takes the atomic best of the keys, NaN entering as `nan_key[0]` (the best
+    possible key), and then `first` the atomic min of the rows attaining it."""
+
+    def ordered_kernel(
+        x: wp.array3d(dtype=Any),
+        offsets: wp.array(dtype=wp.int32),
+        ordered: wp.array(dtype=wp.int32),
+        first: wp.array2d(dtype=wp.int32),
+    ):
+        s, g = wp.tid()
+        if ordered[0] != 0:
+            lo, hi = _segment_range(offsets, s, x.shape[0])
+            if lo < hi:
+                top = key(x, lo, g)
+                winner = lo
+                for i in range(lo + 1, hi):
+                    v = key(x, i, g)
+                    if better(v, top) or (_is_nan(v) and not _is_nan(top)):
+                        winner = i
+                        top = v
+                first[s, g] = winner
+
+    def best_kernel(
+        x: wp.array3d(dtype=Any),
+        idx: wp.array(dtype=wp.int32),
+        ordered: wp.array(dtype=wp.int32),
+        stride: int,
+        nan_key: wp.array(dtype=Any),
+        best: wp.array2d(dtype=Any),
+    ):
+        t, g = wp.tid()
+        if ordered[0] == 0:
+            for i in range(t, x.shape[0], stride):
+                s = idx[i]
+                if s >= 0 and s < best.shape[0]:
+                    v = key(x, i, g)
+                    if _is_nan(v):
+                        v = nan_key[0]
+                    atomic_better(best, s, g, v)
+
+    def first_kernel(
+        x: wp.array3d(dtype=Any),
+        idx: wp.array(dtype=wp.int32),
+        ordered: wp.array(dtype=wp.int32),
+        stride: int,
+        nan_key: wp.array(dtype=Any),
+        best: wp.array2d(dtype=Any),
+        first: wp.array2d(dtype=wp.int32),
+    ):
+        t, g = wp.tid()
+        if ordered[0] == 0:
+            for i in range(t, x.shape[0], stride):
+                s = idx[i]
+                if s >= 0 and s < best.shape[0]:
+                    v = key(x, i, g)
+                    if _is_nan(v):
+                        v = nan_key[0]
+                    if v == best[s, g]:
+                        wp.atomic_min(first, s, g, i)
+
+    return ordered_kernel, best_kernel, first_kernel
+
+
+# max and min per entry (x as (N, entries, 1)), max_norm per group of features.
+for _name, _parts in (("max", (_value, _above, _atomic_above)), ("min", (_value, _below, _atomic_below)),
+                      ("max_norm", (_squared_norm, _above, _atomic_above))):
+    for _step, _kernel in zip(("ordered", "best", "first"), _extreme(*_parts)):
+        _SOURCES[f"{_name}_{_step}"] = _kernel
 
 
 @_deferred
-def _max_norm_ordered_kernel(
-    x: wp.array3d(dtype=Any),
+def _bincount_kernel(
+    labels: wp.array(dtype=wp.int32),
+    idx: wp.array(dtype=wp.int32),
     offsets: wp.array(dtype=wp.int32),
     ordered: wp.array(dtype=wp.int32),
-    best: wp.array2d(dtype=Any),
-    first: wp.array2d(dtype=wp.int32),
+    stride: int,
+    out: wp.array2d(dtype=wp.int32),
 ):
-    s, g = wp.tid()
+    # Rows per segment and label in [0, length): one thread per ordered segment, else atomics.
+    t = wp.tid()
+    n = idx.shape[0]
+    m = out.shape[0]
+    length = out.shape[1]
     if ordered[0] != 0:
-        lo, hi = _segment_range(offsets, s, x.shape[0])
-        best_i = int(-1)  # noqa: UP018, RUF046  (a Warp variable: it changes)
-        top = best.dtype(0.0)
-        for i in range(lo, hi):
-            v = _squared_norm(x, i, g)
-            if best_i < 0 or _beats(v, top):
-                best_i = i
-                top = v
-        best[s, g] = top
-        if best_i >= 0:
-            first[s, g] = best_i
-
-
-@_deferred
-def _max_key_kernel(
-    x: wp.array3d(dtype=Any),
-    idx: wp.array(dtype=wp.int32),
-    ordered: wp.array(dtype=wp.int32),
-    stride: int,
-    best: wp.array2d(dtype=Any),
-):
-    t, g = wp.tid()
-    if ordered[0] == 0:
-        for i in range(t, x.shape[0], stride):
+        if t < m:
+            lo, hi = _segment_range(offsets, t, n)
+            for i in range(lo, hi):
+                c = labels[i]
+                if c >= 0 and c < length:
+                    out[t, c] = out[t, c] + 1
+    elif t < stride:
+        for i in range(t, n, stride):
             s = idx[i]
-            if s >= 0 and s < best.shape[0]:
-                wp.atomic_max(best, s, g, _max_key(_squared_norm(x, i, g)))
-
-
-@_deferred
-def _first_attaining_kernel(
-    x: wp.array3d(dtype=Any),
-    idx: wp.array(dtype=wp.int32),
-    ordered: wp.array(dtype=wp.int32),
-    stride: int,
-    best: wp.array2d(dtype=Any),
-    first: wp.array2d(dtype=wp.int32),
-):
-    t, g = wp.tid()
-    if ordered[0] == 0:
-        for i in range(t, x.shape[0], stride):
-            s = idx[i]
-            if s >= 0 and s < best.shape[0]:  # noqa: SIM102  (best[s, g] only in range)
-                if _max_key(_squared_norm(x, i, g)) == best[s, g]:
-                    wp.atomic_min(first, s, g, i)
-
-
-@_deferred
-def _norm_of_first_kernel(
-    x: wp.array3d(dtype=Any),
-    ordered: wp.array(dtype=wp.int32),
-    first: wp.array2d(dtype=wp.int32),
-    best: wp.array2d(dtype=Any),
-):
-    # The squared norm of the row found (NaN where the key was a NaN's inf), or 0 if none.
-    s, g = wp.tid()
-    if ordered[0] == 0:
-        i = first[s, g]
-        if i < x.shape[0]:
-            best[s, g] = _squared_norm(x, i, g)
-        else:
-            best[s, g] = best.dtype(0.0)
-
+            c = labels[i]
+            if s >= 0 and s < m and c >= 0 and c < length:
+                wp.atomic_add(out, s, c, 1)
 
 @_deferred
 def _gather_kernel(y: wp.array2d(dtype=Any), idx: wp.array(dtype=wp.int32), out: wp.array2d(dtype=Any)):
@@ -414,72 +470,28 @@ def _matvec3_kernel(
         out[i] = type(out[i])()
 
 
-@_deferred
-def _sum3_kernel(
-    x: wp.array(dtype=Any),
-    idx: wp.array(dtype=wp.int32),
-    offsets: wp.array(dtype=wp.int32),
-    ordered: wp.array(dtype=wp.int32),
-    stride: int,
-    out: wp.array(dtype=Any),
-):
-    t = wp.tid()
-    n = x.shape[0]
-    m = out.shape[0]
-    if ordered[0] != 0:
-        if t < m:
-            lo, hi = _segment_range(offsets, t, n)
-            acc = type(out[t])()
-            for i in range(lo, hi):
-                acc += x[i]
-            out[t] = acc
-    elif t < stride:
-        for i in range(t, n, stride):
-            s = idx[i]
-            if s >= 0 and s < m:
-                wp.atomic_add(out, s, x[i])
-
-
-@_deferred
-def _dot3_kernel(
-    x: wp.array(dtype=Any),
-    y: wp.array(dtype=Any),
-    idx: wp.array(dtype=wp.int32),
-    offsets: wp.array(dtype=wp.int32),
-    ordered: wp.array(dtype=wp.int32),
-    stride: int,
-    out: wp.array(dtype=Any),
-):
-    t = wp.tid()
-    n = x.shape[0]
-    m = out.shape[0]
-    if ordered[0] != 0:
-        if t < m:
-            lo, hi = _segment_range(offsets, t, n)
-            acc = out.dtype(0.0)
-            for i in range(lo, hi):
-                acc += wp.dot(x[i], y[i])
-            out[t] = acc
-    elif t < stride:
-        for i in range(t, n, stride):
-            s = idx[i]
-            if s >= 0 and s < m:
-                wp.atomic_add(out, s, wp.dot(x[i], y[i]))
-
-
-# Element types of the vec3 kernels' arguments (the others are plain float arrays).
-_VEC3_TYPES = {
+# Element types of the generic kernels' arguments that are not plain arrays of the kernel's
+# dtype T ("scalar"), and the dtypes T each kernel is made for (default: the float types).
+_ELEMENTS = {
+    "count": {"a": "int32", "b": "int32", "out": "int32"},
+    "sum3": {"a": "vec3", "b": "vec3", "out": "vec3"},
+    "dot3": {"a": "vec3", "b": "vec3"},
     "gather3": {"y": "vec3", "out": "vec3"},
-    "scale3": {"x": "vec3", "y": "scalar", "out": "vec3"},
+    "scale3": {"x": "vec3", "out": "vec3"},
     "matvec3": {"v": "vec3", "m": "mat33", "out": "vec3"},
-    "sum3": {"x": "vec3", "out": "vec3"},
-    "dot3": {"x": "vec3", "y": "vec3", "out": "scalar"},
+}
+_INTEGERS = {"int32": wp.int32, "int64": wp.int64}
+_DTYPES = {
+    "count": {"int32": wp.int32},
+    **{name: {**_FLOATS, **_INTEGERS} for name in ("sum", "max_ordered", "max_best", "max_first",
+                                                   "min_ordered", "min_best", "min_first")},
 }
 
 
 def _overload(name, kernel, dtype):
-    element = {"scalar": dtype, "vec3": wp.types.vector(3, dtype), "mat33": wp.types.matrix((3, 3), dtype)}
-    kinds = _VEC3_TYPES.get(name, {})
+    element = {"scalar": dtype, "int32": wp.int32, "vec3": wp.types.vector(3, dtype),
+               "mat33": wp.types.matrix((3, 3), dtype)}
+    kinds = _ELEMENTS.get(name, {})
     concrete = {
         a.label: wp.array(dtype=element[kinds.get(a.label, "scalar")], ndim=a.type.ndim)
         for a in kernel.adj.args
@@ -494,7 +506,7 @@ _MAKING = threading.Lock()
 
 def _kernels(name):
     """Kernel `name` as {dtype name: Warp kernel}, made on its first launch (once, whatever
-    the threads) in a Warp module of its own, with the overloads of both float types if
+    the threads) in a Warp module of its own, with the overloads of all its dtypes if
     generic (so that its module compiles once, into Warp's kernel cache, not once per overload
     seen) and without the adjoint code Warp would generate for its own autodiff (JAX
     differentiates the primitives): a process hashes, loads and compiles only the kernels its
@@ -502,8 +514,9 @@ def _kernels(name):
     with _MAKING:
         if name not in _MADE:
             kernel = wp.kernel(_SOURCES[name], enable_backward=False, module=f"segcli_{name}")
-            _MADE[name] = (dict.fromkeys(_FLOATS, kernel) if not kernel.is_generic else
-                           {dtype: _overload(name, kernel, t) for dtype, t in _FLOATS.items()})
+            dtypes = _DTYPES.get(name, _FLOATS)
+            _MADE[name] = (dict.fromkeys(dtypes, kernel) if not kernel.is_generic else
+                           {dtype: _overload(name, kernel, t) for dtype, t in dtypes.items()})
         return _MADE[name]
 
 
@@ -516,15 +529,18 @@ def _ffi(name, dtype, in_out):
                          vmap_method="sequential", block_dim=_BLOCK_DIM)
 
 
-def launch(name, *args, dims, in_out=(), out=None):
+def launch(name, *args, dims, in_out=(), out=None, dtype=None):
     """Launch kernel `name` over `dims` threads from JAX; returns its outputs (a list if several).
 
+    `dtype` picks the overload (default: the first float argument's dtype, else the kernel's
+    only one).
     The in-out arguments are updated copies of the arrays passed for them; `out`, if given,
     is the shape of a pure output named "out". One FFI call is one kernel launch, so JAX
     can capture it into its own CUDA graph."""
-    float_args = [a for a in args if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating)]
-    dtype = jnp.dtype(float_args[0].dtype).name if float_args else "float32"
-    call = _ffi(name, dtype, tuple(in_out))
+    if dtype is None:
+        floats = [a for a in args if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating)]
+        dtype = jnp.dtype(floats[0].dtype).name if floats else next(iter(_DTYPES.get(name, _FLOATS)))
+    call = _ffi(name, jnp.dtype(dtype).name, tuple(in_out))
     result = call(*args, launch_dims=dims, output_dims=None if out is None else {"out": out})
     return result[0] if len(result) == 1 else result
 

@@ -1,8 +1,9 @@
-"""JAX primitives over the Warp kernels, with one table of differentiation rules.
+"""JAX primitives over the Warp kernels: each impl and shape rule beside its primitive, and
+one table of differentiation rules.
 
-Every primitive is linear or bilinear in its float operands, so its JVP is the sum of the
-primitive applied with one operand replaced by its tangent, and its transpose with respect
-to each operand is another primitive of the set:
+The float primitives are linear or bilinear in their float operands, so the JVP of each is
+the sum of the primitive applied with one operand replaced by its tangent, and its transpose
+with respect to each operand is another primitive of the set:
 
     sum(x)         x ↦ gather(ct)                     (segment sum ↔ broadcast back)
     gather(y)      y ↦ sum(ct)
@@ -12,16 +13,17 @@ to each operand is another primitive of the set:
     matvecᵀ(v, m)  v ↦ matvec(ct, m)     m ↦ outer(ct, v)
     outer(a, b)    a ↦ matvecᵀ(b, ct)    b ↦ matvec(a, ct)
 
-JAX derives every higher derivative, forward or reverse, from these rules. Two more
-primitives have no derivative of their own: `max_norm` (the largest squared norm per segment
-and the first row attaining it, piecewise constant in x) and `count`. Batching folds a
-vmapped axis into axis 1 of every float operand (the feature or group axis), which keeps the
-segment ids and their order; vmapped ids fall back to a loop over the batch.
+JAX derives every higher derivative, forward or reverse, from these rules. The other
+primitives give integers, so no derivative: `extreme` (the first row attaining each segment's
+max, min or max norm, through which the ops differentiate), `count` and `bincount`. Batching
+folds a vmapped axis into axis 1 of every float operand (the feature or group axis), which
+keeps the segment ids and their order; vmapped ids fall back to a loop over the batch.
 
-Operands are float arrays followed by int32 ids and int32 offsets: the segments' CSR
+Operands are the data arrays followed by int32 ids and int32 offsets: the segments' CSR
 offsets (M+1,) when the caller has them (the ids then non-decreasing), else an empty array and
 the reductions find them; parameters are `num_segments` (the length of the segment axis) and
-`indices_are_sorted`, and for matvec `transpose` (matvecᵀ above).
+`indices_are_sorted`, and matvec's `transpose` (matvecᵀ above), extreme's `kind` and
+bincount's `length`.
 """
 
 import functools
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
@@ -47,114 +50,34 @@ def _layout(idx, offsets, num_segments, indices_are_sorted, gpu):
     return offsets, jnp.all(idx[1:] >= idx[:-1]).astype(jnp.int32).reshape(1)
 
 
-def _reduce(name, floats, idx, offsets, zeros, grid, num_segments, indices_are_sorted, gpu):
-    """A reduction kernel into `zeros`, over max(M, stride) rows × `grid` threads: ordered ids
-    a segment per row, else atomics."""
+def _reduce(name, a, b, idx, offsets, zeros, num_segments, indices_are_sorted, gpu):
+    """Reduction kernel `name` of rows a, b (N, ·) into `zeros` (M, P), over max(M, stride) × P
+    threads: a segment per thread for ordered ids, else atomics."""
     offsets, ordered = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
     threads = stride(gpu, idx.shape[0])
-    dims = (max(num_segments, threads), *grid)
-    return launch(name, *floats, idx, offsets, ordered, threads, zeros, dims=dims, in_out=("out",))
+    dims = (max(num_segments, threads), zeros.shape[1])
+    return launch(name, a, b, idx, offsets, ordered, threads, zeros, dims=dims, in_out=("out",),
+                  dtype=a.dtype)
 
 
-def _impl(name):
-    """The impl of primitive `name`: zeros for empty inputs, else its kernel(s)."""
-
-    def impl(*operands, num_segments, indices_are_sorted, gpu=False, transpose=False):
-        *floats, idx, offsets = operands
-        shape, dtype = _output_shape(name, floats, idx, num_segments), floats[0].dtype
-        if name == "max_norm":
-            return _max_norm(floats[0], idx, offsets, shape, num_segments, indices_are_sorted,
-                             gpu)
-        if 0 in shape or any(0 in f.shape for f in floats):
-            return jnp.zeros(shape, dtype)
-        ordering = (num_segments, indices_are_sorted, gpu)
-        if name in ("sum", "dot") and not gpu and _is_vec3(name, floats):
-            vectors = [f.reshape(f.shape[0], 3) for f in floats]
-            zeros = jnp.zeros((num_segments, 3) if name == "sum" else (num_segments,), dtype)
-            return _reduce(name + "3", vectors, idx, offsets, zeros, (), *ordering).reshape(shape)
-        if name == "dot":  # products per row, then their segment sums
-            rows = launch("row_dot", *floats, dims=(idx.shape[0],), out=floats[0].shape[:2])
-            return _reduce("sum", [rows], idx, offsets, jnp.zeros(shape, dtype), shape[1:],
-                           *ordering)
-        if name in _REDUCTIONS:
-            return _reduce(name, floats, idx, offsets, jnp.zeros(shape, dtype), shape[1:],
-                           *ordering)
-        scalars = (int(transpose),) if name == "matvec" else ()
-        if _is_vec3(name, floats):
-            # drop the group axis of 1 (gather has none): rows of vectors, scalars or matrices
-            flat = floats if name == "gather" else [f.reshape(f.shape[0], *f.shape[2:]) for f in floats]
-            out = launch(name + "3", *flat, idx, *scalars, dims=(idx.shape[0],), out=(idx.shape[0],))
-            return out.reshape(shape)
-        return launch(name, *floats, idx, *scalars, dims=(idx.shape[0],), out=shape)
-
-    return impl
-
-
-def _max_norm(x, idx, offsets, shapes, num_segments, indices_are_sorted, gpu):
-    (shape, _), n = shapes, x.shape[0]
-    if 0 in x.shape or num_segments == 0:
-        return [jnp.zeros(shape, x.dtype), jnp.full(shape, n, jnp.int32)]
-    given = offsets.shape[0] > 0
-    offsets, ordered = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
-    threads = stride(gpu, n)
-    groups = shape[1]
-    # Ordered ids: one pass per segment. Otherwise: atomic max of the key, atomic min of
-    # the first row attaining it, then that row's norm. Each kernel returns at once when
-    # the flag says the other path applies; promised-sorted ids skip the other path.
-    best, first = launch(
-        "max_norm_ordered",
-        x,
-        offsets,
-        ordered,
-        jnp.full(shape, -1, x.dtype),
-        jnp.full(shape, n, jnp.int32),
-        dims=shape,
-        in_out=("best", "first"),
-    )
-    if indices_are_sorted or given:
-        return [best, first]
-    best = launch("max_key", x, idx, ordered, threads, best, dims=(threads, groups), in_out=("best",))
-    first = launch("first_attaining", x, idx, ordered, threads, best, first, dims=(threads, groups), in_out=("first",))
-    best = launch("norm_of_first", x, ordered, first, best, dims=shape, in_out=("best",))
-    return [best, first]
-
-
-_REDUCTIONS = ("sum", "outer")
-
-
-def _is_vec3(name, floats):
-    """Whether a primitive has one group of 3 features (and 3x3 matrices): the vec3 kernels'
-    case (for sum and dot, used on CPUs only)."""
-    if name in ("gather", "sum"):
-        return floats[0].shape[1:] == (3,)
-    return floats[0].shape[1:] == (1, 3) and (name != "matvec" or floats[1].shape[1:] == (1, 3, 3))
-
-
-# Output shape(s) of each primitive from its float operands' shapes s, M and the ids' length n.
-_SHAPES = {
-    "sum": lambda s, m, n: (m, s[0][1]),
-    "dot": lambda s, m, n: (m, s[0][1]),
-    "outer": lambda s, m, n: (m, s[0][1], s[0][2], s[1][2]),
-    "max_norm": lambda s, m, n: [(m, s[0][1]), (m, s[0][1])],
-    "gather": lambda s, m, n: (n, s[0][1]),
-    "scale": lambda s, m, n: s[0],
-    "matvec": lambda s, m, n: s[0],  # square matrices
-    "count": lambda s, m, n: (m,),
-}
-
-
-def _output_shape(name, floats, idx, num_segments):
-    return _SHAPES[name]([tuple(f.shape) for f in floats], num_segments, idx.shape[0])
+def _is_float_vec3(x):
+    """Rows of one group of 3 float features, which CPUs reduce faster as vec3."""
+    return x.shape[1:] in ((3,), (1, 3)) and jnp.issubdtype(x.dtype, jnp.floating)
 
 
 @dataclass(frozen=True)
 class _Rule:
-    """A primitive over `arity` float operands and the ids; `transposes[j]` (if linear) maps a
-    cotangent, the other float operands, the ids and the parameters to operand j's cotangent."""
+    """A primitive: its impl(*operands, num_segments, indices_are_sorted, gpu, **params), its
+    output shape(*operand avals, num_segments, **params), its output dtype (None: the first
+    operand's), its `arity` float operands that are differentiated and batched by folding, and
+    if linear `transposes[j]`, mapping a cotangent, the other float operands, the ids and the
+    parameters to operand j's cotangent."""
 
     name: str
     impl: object
-    arity: int
+    shape: object
+    arity: int = 0
+    dtype: object = None
     transposes: tuple = ()
 
 
@@ -177,7 +100,7 @@ def _loop_batch(prim, args, dims, params):
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     moved = [jnp.moveaxis(a, d, 0) if d is not None else jnp.broadcast_to(a, (size, *a.shape)) for a, d in zip(args, dims)]
     out = jax.lax.map(lambda xs: prim.bind(*xs, **params), moved)
-    return out, [0] * len(out) if prim.multiple_results else 0
+    return out, 0
 
 
 _IMPLS = {}  # primitive -> impl, for `lower_cpu_as_gpu`
@@ -185,7 +108,7 @@ _IMPLS = {}  # primitive -> impl, for `lower_cpu_as_gpu`
 
 def _lower(prim, platform, gpu):
     impl = functools.partial(_IMPLS[prim], gpu=gpu)
-    mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=prim.multiple_results), platform=platform)
+    mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=False), platform=platform)
 
 
 def lower_cpu_as_gpu(enabled):
@@ -205,27 +128,19 @@ def _jitted_bind(prim, params):
 
 def _register(rule):
     prim = Primitive(f"segcli_{rule.name}")
-    prim.multiple_results = rule.name == "max_norm"
     prim.def_impl(lambda *args, **params: _jitted_bind(prim, tuple(sorted(params.items())))(*args))
     _IMPLS[prim] = rule.impl
     for platform, gpu in (("cpu", False), ("cuda", True)):
         _lower(prim, platform, gpu)
 
-    def abstract(*avals, num_segments, indices_are_sorted, **_):
-        shapes = _output_shape(rule.name, avals[: rule.arity], avals[rule.arity], num_segments)
-        dtype = avals[0].dtype
-        if prim.multiple_results:  # max_norm: the norms, and the rows attaining them
-            return [jax.core.ShapedArray(shapes[0], dtype), jax.core.ShapedArray(shapes[1], jnp.int32)]
-        return jax.core.ShapedArray(shapes, dtype)
+    def abstract(*avals, **params):
+        return jax.core.ShapedArray(rule.shape(*avals, **params), rule.dtype or avals[0].dtype)
 
     def batch(args, dims, **params):
         if any(d is not None for d in dims[rule.arity:]):
             return _loop_batch(prim, args, dims, params)
         folded, size = _fold_batch(args, dims, rule.arity)
-        out = prim.bind(*folded, *args[rule.arity:], **params)
-        if prim.multiple_results:
-            return [_unfold(o, size) for o in out], [1] * len(out)
-        return _unfold(out, size), 1
+        return _unfold(prim.bind(*folded, *args[rule.arity:], **params), size), 1
 
     prim.def_abstract_eval(abstract)
     batching.primitive_batchers[prim] = batch
@@ -269,85 +184,201 @@ def _multilinear(rule):
     return prim
 
 
+def _integral(rule):
+    """Register a primitive giving integers: piecewise constant, its derivative zero."""
+    prim = _register(rule)
+
+    def jvp(primals, tangents, **params):
+        out = prim.bind(*primals, **params)
+        return out, _symbolic_zero(out)
+
+    ad.primitive_jvps[prim] = jvp
+    return prim
+
+
 def _segments(p):
     """The parameters every primitive takes (matvec's `transpose` dropped)."""
     return {"num_segments": p["num_segments"], "indices_are_sorted": p["indices_are_sorted"]}
 
 
-# The table of transposes; the lambdas refer to primitives defined further down.
-sum_p = _multilinear(_Rule("sum", _impl("sum"), 1, (lambda ct, seg, p: gather_p.bind(ct, *seg, **p),)))
-gather_p = _multilinear(_Rule("gather", _impl("gather"), 1, (lambda ct, seg, p: sum_p.bind(ct, *seg, **p),)))
-dot_p = _multilinear(
-    _Rule(
-        "dot",
-        _impl("dot"),
-        2,
-        (
-            lambda ct, y, seg, p: scale_p.bind(y, ct, *seg, **p),
-            lambda ct, x, seg, p: scale_p.bind(x, ct, *seg, **p),
-        ),
-    )
-)
-scale_p = _multilinear(
-    _Rule(
-        "scale",
-        _impl("scale"),
-        2,
-        (
-            lambda ct, y, seg, p: scale_p.bind(ct, y, *seg, **p),
-            lambda ct, x, seg, p: dot_p.bind(ct, x, *seg, **p),
-        ),
-    )
-)
-matvec_p = _multilinear(
-    _Rule(
-        "matvec",
-        _impl("matvec"),
-        2,
-        (
-            lambda ct, m, seg, p: matvec_p.bind(ct, m, *seg, **{**p, "transpose": not p["transpose"]}),
-            lambda ct, v, seg, p: outer_p.bind(*((ct, v) if p["transpose"] else (v, ct)), *seg, **_segments(p)),
-        ),
-    )
-)
-outer_p = _multilinear(
-    _Rule(
-        "outer",
-        _impl("outer"),
-        2,
-        (
-            lambda ct, b, seg, p: matvec_p.bind(b, ct, *seg, **p, transpose=True),
-            lambda ct, a, seg, p: matvec_p.bind(a, ct, *seg, **p, transpose=False),
-        ),
-    )
-)
-
-# Largest squared norm per segment and group, and the first row attaining it. Piecewise
-# constant in x: its derivative is zero (max_norm differentiates through the rows it picks).
-max_norm_p = _register(_Rule("max_norm", _impl("max_norm"), 1))
+def _empty(shape, *operands):
+    """Zeros of the output when it or an operand has no entries (no kernel to launch)."""
+    return any(0 in tuple(a.shape) for a in operands) or 0 in shape
 
 
-def _max_norm_jvp(primals, tangents, **params):
-    out = max_norm_p.bind(*primals, **params)
-    return out, [_symbolic_zero(o) for o in out]
+# --- The float primitives, each with its impl and shape; the lambdas of the table of
+# transposes refer to primitives defined further down.
 
 
-ad.primitive_jvps[max_norm_p] = _max_norm_jvp
+def _sum(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
+    shape, ordering = (num_segments, x.shape[1]), (num_segments, indices_are_sorted, gpu)
+    if _empty(shape, x):
+        return jnp.zeros(shape, x.dtype)
+    if not gpu and _is_float_vec3(x):
+        rows = x.reshape(x.shape[0], 1, 3)
+        zeros = jnp.zeros((num_segments, 1, 3), x.dtype)
+        return _reduce("sum3", rows, rows, idx, offsets, zeros, *ordering).reshape(shape)
+    return _reduce("sum", x, x, idx, offsets, jnp.zeros(shape, x.dtype), *ordering)
+
+
+sum_p = _multilinear(_Rule(
+    "sum", _sum, lambda x, idx, offsets, *, num_segments, **_: (num_segments, x.shape[1]), 1,
+    transposes=(lambda ct, seg, p: gather_p.bind(ct, *seg, **p),)))
+
+
+def _gather(y, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
+    shape = (idx.shape[0], y.shape[1])
+    if _empty(shape, y):
+        return jnp.zeros(shape, y.dtype)
+    if _is_float_vec3(y):
+        return launch("gather3", y, idx, dims=(idx.shape[0],), out=(idx.shape[0],)).reshape(shape)
+    return launch("gather", y, idx, dims=(idx.shape[0],), out=shape)
+
+
+gather_p = _multilinear(_Rule(
+    "gather", _gather, lambda y, idx, offsets, **_: (idx.shape[0], y.shape[1]), 1,
+    transposes=(lambda ct, seg, p: sum_p.bind(ct, *seg, **p),)))
+
+
+def _dot(x, y, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
+    shape, ordering = (num_segments, x.shape[1]), (num_segments, indices_are_sorted, gpu)
+    if _empty(shape, x, y):
+        return jnp.zeros(shape, x.dtype)
+    if not gpu and _is_float_vec3(x):
+        rows = [a.reshape(a.shape[0], 1, 3) for a in (x, y)]
+        return _reduce("dot3", *rows, idx, offsets, jnp.zeros(shape, x.dtype), *ordering)
+    products = launch("row_dot", x, y, dims=(idx.shape[0],), out=x.shape[:2])  # rows coalesced
+    return _reduce("sum", products, products, idx, offsets, jnp.zeros(shape, x.dtype), *ordering)
+
+
+dot_p = _multilinear(_Rule(
+    "dot", _dot, lambda x, y, idx, offsets, *, num_segments, **_: (num_segments, x.shape[1]), 2,
+    transposes=(lambda ct, y, seg, p: scale_p.bind(y, ct, *seg, **p),
+                lambda ct, x, seg, p: scale_p.bind(x, ct, *seg, **p))))
+
+
+def _scale(x, y, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
+    if _empty(x.shape, x, y):
+        return jnp.zeros(x.shape, x.dtype)
+    if _is_float_vec3(x):
+        rows = x.reshape(x.shape[0], 3)
+        return launch("scale3", rows, y[:, 0], idx, dims=(idx.shape[0],), out=(idx.shape[0],)).reshape(x.shape)
+    return launch("scale", x, y, idx, dims=(idx.shape[0],), out=x.shape)
+
+
+scale_p = _multilinear(_Rule(
+    "scale", _scale, lambda x, y, idx, offsets, **_: x.shape, 2,
+    transposes=(lambda ct, y, seg, p: scale_p.bind(ct, y, *seg, **p),
+                lambda ct, x, seg, p: dot_p.bind(ct, x, *seg, **p))))
+
+
+def _matvec(v, m, idx, offsets, *, num_segments, indices_are_sorted, transpose, gpu=False):
+    if _empty(v.shape, v, m):
+        return jnp.zeros(v.shape, v.dtype)
+    if _is_float_vec3(v) and m.shape[1:] == (1, 3, 3):
+        out = launch("matvec3", v.reshape(-1, 3), m.reshape(-1, 3, 3), idx, int(transpose),
+                     dims=(idx.shape[0],), out=(idx.shape[0],))
+        return out.reshape(v.shape)
+    return launch("matvec", v, m, idx, int(transpose), dims=(idx.shape[0],), out=v.shape)
+
+
+matvec_p = _multilinear(_Rule(
+    "matvec", _matvec, lambda v, m, idx, offsets, **_: v.shape, 2,  # square matrices
+    transposes=(
+        lambda ct, m, seg, p: matvec_p.bind(ct, m, *seg, **{**p, "transpose": not p["transpose"]}),
+        lambda ct, v, seg, p: outer_p.bind(*((ct, v) if p["transpose"] else (v, ct)), *seg,
+                                           **_segments(p)))))
+
+
+def _outer(a, b, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
+    (n, groups, k), l = a.shape, b.shape[2]
+    shape = (num_segments, groups, k, l)
+    if _empty(shape, a, b):
+        return jnp.zeros(shape, a.dtype)
+    zeros = jnp.zeros((num_segments, groups * k * l), a.dtype)
+    out = _reduce("outer", a.reshape(n, groups * k), b.reshape(n, groups * l), idx, offsets, zeros,
+                  num_segments, indices_are_sorted, gpu)
+    return out.reshape(shape)
+
+
+outer_p = _multilinear(_Rule(
+    "outer", _outer,
+    lambda a, b, idx, offsets, *, num_segments, **_: (num_segments, *a.shape[1:], b.shape[2]), 2,
+    transposes=(lambda ct, b, seg, p: matvec_p.bind(b, ct, *seg, **p, transpose=True),
+                lambda ct, a, seg, p: matvec_p.bind(a, ct, *seg, **p, transpose=False))))
+
+
+# --- The integer primitives.
+
+
+def _worst_and_nan_keys(kind, dtype):
+    """The key every other beats (to start the atomic search from) and the key NaN takes there
+    (one no other beats)."""
+    if jnp.issubdtype(dtype, jnp.integer):
+        info = jnp.iinfo(dtype)
+        return (info.max, info.min) if kind == "min" else (info.min, info.max)
+    return (np.inf, -np.inf) if kind == "min" else (-np.inf, np.inf)
+
+
+def _extreme(x, idx, offsets, *, num_segments, indices_are_sorted, kind, gpu=False):
+    n, groups = x.shape[:2]
+    first = jnp.full((num_segments, groups), n, jnp.int32)
+    if _empty(first.shape, x):
+        return first
+    given = offsets.shape[0] > 0
+    offsets, ordered = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
+    # Ordered ids: one pass per segment. Otherwise: the atomic best of the keys, then the atomic
+    # min of the rows attaining it. Each kernel returns at once when the flag says the other
+    # path applies; promised-sorted ids skip the other path.
+    first = launch(f"{kind}_ordered", x, offsets, ordered, first, dims=first.shape,
+                   in_out=("first",), dtype=x.dtype)
+    if indices_are_sorted or given:
+        return first
+    worst, nan_key = (jnp.full(shape, key, x.dtype) for shape, key in
+                      zip((first.shape, (1,)), _worst_and_nan_keys(kind, x.dtype)))
+    threads = stride(gpu, n)
+    best = launch(f"{kind}_best", x, idx, ordered, threads, nan_key, worst, dims=(threads, groups),
+                  in_out=("best",), dtype=x.dtype)
+    return launch(f"{kind}_first", x, idx, ordered, threads, nan_key, best, first,
+                  dims=(threads, groups), in_out=("first",), dtype=x.dtype)
+
+
+extreme_p = _integral(_Rule(
+    "extreme", _extreme, lambda x, idx, offsets, *, num_segments, **_: (num_segments, x.shape[1]),
+    1, jnp.int32))
+"""The first row attaining each segment's and group's extreme of x (N, G, K), or N: with
+kind "max" or "min" the largest or smallest x[i, g, 0], with "max_norm" the largest |x[i, g]|²."""
+
+
+def _count(idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
+    if idx.shape[0] == 0 or num_segments == 0:
+        return jnp.zeros((num_segments,), jnp.int32)
+    if indices_are_sorted or offsets.shape[0]:  # differences of the offsets: no count kernel
+        return jnp.diff(_layout(idx, offsets, num_segments, True, gpu)[0])
+    rows, zeros = idx.reshape(-1, 1), jnp.zeros((num_segments, 1), jnp.int32)
+    return _reduce("count", rows, rows, idx, offsets, zeros, num_segments, indices_are_sorted, gpu)[:, 0]
+
+
+count_p = _integral(_Rule("count", _count, lambda idx, offsets, *, num_segments, **_: (num_segments,),
+                          dtype=jnp.int32))
 
 
 def count(idx, offsets, num_segments, indices_are_sorted):
     """Ids per segment, int32 (not differentiable)."""
-    if idx.shape[0] == 0 or num_segments == 0:
-        return jnp.zeros((num_segments,), jnp.int32)
-    return count_p.bind(idx, offsets, num_segments=num_segments,
-                        indices_are_sorted=bool(indices_are_sorted))
+    return count_p.bind(idx, offsets, num_segments=num_segments, indices_are_sorted=bool(indices_are_sorted))
 
 
-def _count_impl(idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
-    if indices_are_sorted or offsets.shape[0]:  # differences of the offsets: no count kernel
-        return jnp.diff(_layout(idx, offsets, num_segments, True, gpu)[0])
-    zeros = jnp.zeros((num_segments,), jnp.int32)
-    return _reduce("count", [], idx, offsets, zeros, (), num_segments, indices_are_sorted, gpu)
+def _bincount(labels, idx, offsets, *, num_segments, indices_are_sorted, length, gpu=False):
+    shape = (num_segments, length)
+    if _empty(shape, labels):
+        return jnp.zeros(shape, jnp.int32)
+    offsets, ordered = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
+    threads = stride(gpu, idx.shape[0])
+    return launch("bincount", labels, idx, offsets, ordered, threads, jnp.zeros(shape, jnp.int32),
+                  dims=(max(num_segments, threads),), in_out=("out",))
 
 
-count_p = _register(_Rule("count", _count_impl, 0))
+bincount_p = _integral(_Rule(
+    "bincount", _bincount, lambda labels, idx, offsets, *, num_segments, length, **_: (num_segments, length),
+    dtype=jnp.int32))
+"""Rows per segment with each label in [0, length) of int32 labels (N,): (M, length) int32."""
