@@ -23,7 +23,6 @@ import numpy as np
 from segcli.errors import DataError
 from segcli.registry import Arg, Op
 
-
 PRECISIONS = ("float32", "float64")
 DEFAULT_CHUNK_ATOMS = 1 << 21
 """Atoms per chunk: 2 Mi atoms of (N, 3) float64 are 48 MiB per field."""

@@ -96,7 +96,7 @@ def segmented_matvec(v, m, idx, num_segments):
     return jnp.einsum("nji,nj->ni", _gather(m, idx, num_segments), v)
 
 
-def segmented_count(idx, num_segments):
+def segmented_count(idx, num_segments, *, indices_are_sorted=False):
     """Atoms in each segment, int32, shape (M,)."""
     return _counts(idx, num_segments, jnp.int32)
 

@@ -117,14 +117,16 @@ TRANSFORMS = {
 }
 
 
-def sampled(names, transforms, share=3):
-    """(name, transform) pairs, each op with a rotating 1/share of the transforms (every
-    transform with some ops) by default, the rest marked slow (run them with -m slow)."""
-    return [pytest.param(name, transform, marks=() if (i + j) % share == 0 else pytest.mark.slow)
-            for i, name in enumerate(names) for j, transform in enumerate(transforms)]
+def sampled(names, variants, share):
+    """(name, *variant) for each op and variant (a value or a tuple of values): each op with a
+    rotating 1/share of the variants (every variant with some ops) by default, the rest marked
+    slow (the whole grid runs with -m slow)."""
+    return [pytest.param(name, *(v if isinstance(v, tuple) else (v,)),
+                         marks=() if (i + j) % share == 0 else pytest.mark.slow)
+            for i, name in enumerate(names) for j, v in enumerate(variants)]
 
 
-@pytest.mark.parametrize("name, transform", sampled(NAMES, TRANSFORMS))
+@pytest.mark.parametrize("name, transform", sampled(NAMES, TRANSFORMS, 4))
 def test_transform_matches_reference_float64(name, transform):
     args, tangents, (f, loss), (f_ref, loss_ref), _ = setup(name, seed=hash((name, transform)) % 2**32)
     ours = TRANSFORMS[transform](f, loss, args, tangents)
@@ -148,16 +150,16 @@ def test_vmapped_ids(name):
     assert_close(grads, grads_ref, 1e-10)
 
 
-@pytest.mark.parametrize("features", [(), (1,), (3,), (8,), (2, 4)])
-@pytest.mark.parametrize("name", [n for n in NAMES if any(a.shape is None for a in OPS[n].inputs)])
+@pytest.mark.parametrize("name, features", sampled(
+    [n for n in NAMES if any(a.shape is None for a in OPS[n].inputs)],
+    [((),), ((1,),), ((3,),), ((8,),), ((2, 4),)], 3))
 def test_trailing_shapes(name, features):
     args, tangents, (f, loss), (f_ref, loss_ref), _ = setup(name, n=31, m=5, features=features)
     assert_close(f(*args), f_ref(*args), 1e-12)
     assert_tree_close(jax.grad(loss, (0, 1) if len(args) == 2 else 0)(*args), jax.grad(loss_ref, (0, 1) if len(args) == 2 else 0)(*args))
 
 
-@pytest.mark.parametrize("x64_mode", [True, False])
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name, x64_mode", sampled(NAMES, [True, False], 2))
 def test_float32(name, x64_mode):
     jax.config.update("jax_enable_x64", x64_mode)
     args, tangents, (f, loss), (f_ref, loss_ref), _ = setup(name, n=200, m=9, dtype=np.float32)
@@ -169,8 +171,7 @@ def test_float32(name, x64_mode):
     assert_tree_close(_nested(loss, args, tangents, 2)(*args), _nested(loss_ref, args, tangents, 2)(*args), 1e-5)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name, dtype", sampled(NAMES, [jnp.float16, jnp.bfloat16], 2))
 def test_half_precision_accumulates_in_float32(name, dtype):
     args, _, (f, _), (f_ref, _), _ = setup(name, n=300, m=4)
     half = tuple(a.astype(dtype) for a in args)
@@ -202,9 +203,9 @@ def test_unsorted_ids_match_sorted(name):
     assert_tree_close(g, g_ref)
 
 
-@pytest.mark.parametrize("ids_dtype", [np.int32, np.int64])
-@pytest.mark.parametrize("sorted_", [True, False])
-@pytest.mark.parametrize("name", [name for name, op in OPS.items() if op.inputs])
+@pytest.mark.parametrize("name, ids_dtype, sorted_", sampled(
+    [name for name, op in OPS.items() if op.inputs],
+    [(np.int32, True), (np.int64, True), (np.int32, False), (np.int64, False)], 2))
 def test_out_of_range_ids_are_dropped(name, ids_dtype, sorted_):
     rng = np.random.default_rng(11)
     ours, theirs, op = functions(name)
@@ -335,7 +336,7 @@ def test_tied_extremes_send_the_gradient_to_the_first_attaining_row(name):
     for ids in ([0, 0, 0, 1, 1, 1], [1, 0, 1, 0, 1, 0]):
         ids = jnp.asarray(ids, jnp.int32)
         ours, theirs, _ = functions(name)
-        grads = [jax.grad(lambda a, f=f: jnp.sum(f(a, ids, 2) * jnp.asarray([[1.0, 2.0], [3.0, 4.0]])))(x)
+        grads = [jax.grad(lambda a, f=f, ids=ids: jnp.sum(f(a, ids, 2) * jnp.asarray([[1.0, 2.0], [3.0, 4.0]])))(x)
                  for f in (ours, theirs)]
         np.testing.assert_array_equal(*grads)
 
@@ -450,7 +451,7 @@ def segments_of(idx, m):
     return ops.Segments(jnp.asarray(ids), jnp.asarray(offsets))
 
 
-@pytest.mark.parametrize("name, transform", sampled(NAMES, ["jit", "grad_grad", "jvp", "vmap"], 2))
+@pytest.mark.parametrize("name, transform", sampled(NAMES, ["jit", "grad_grad", "jvp", "vmap"], 4))
 def test_segments_give_the_values_of_their_ids(name, transform):
     rng = np.random.default_rng(zlib.crc32(f"{name} {transform}".encode()))
     ours, theirs, op = functions(name)
