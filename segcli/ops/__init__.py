@@ -178,15 +178,32 @@ def _rows(x):
     return x.reshape(x.shape[0], math.prod(x.shape[1:]))
 
 
+_SEGMENT_ARGS = """\
+      idx: (N,) int32 or int64 segment ids, or a `Segments`. Ids outside [0, num_segments)
+        are dropped by reductions and give 0 in per-row results.
+      num_segments: M, a static int."""
+_SORTED_ARG = """\
+      indices_are_sorted: a promise (not checked) that the ids are non-decreasing. Sorted
+        ids, promised or found, are reduced in a fixed order: bitwise repeatable."""
+
+
+def _documented(function):
+    """Fill a public op's docstring with the arguments every op shares."""
+    shared = _SEGMENT_ARGS
+    if "indices_are_sorted" in function.__code__.co_varnames:
+        shared += "\n" + _SORTED_ARG
+    function.__doc__ = function.__doc__.replace("      {segment args}\n", shared + "\n")
+    return function
+
+
+@_documented
 def segmented_sum(x, idx, num_segments, *, indices_are_sorted=False):
     """Sum of the rows of each segment.
 
     Args:
       x: (N, *F) floats or integers (integers are summed in their own dtype, wrapping on
         overflow as ``jax.ops.segment_sum`` does).
-      idx: (N,) segment ids, or a `Segments`.
-      num_segments: M, a static int.
-      indices_are_sorted: promise that the ids are non-decreasing.
+      {segment args}
 
     Returns:
       (M, *F) in x's dtype: out[s] = Σ_{idx[i]=s} x[i]; 0 for an empty segment.
@@ -200,8 +217,15 @@ def segmented_sum(x, idx, num_segments, *, indices_are_sorted=False):
     return out.reshape(m, *x.shape[1:]).astype(dtype)
 
 
+@_documented
 def segmented_count(idx, num_segments, *, indices_are_sorted=False):
-    """Rows per segment: (M,) int32, out[s] = #{i : idx[i] = s}.
+    """Rows per segment.
+
+    Args:
+      {segment args}
+
+    Returns:
+      (M,) int32: out[s] = #{i : idx[i] = s}.
 
     Example::
 
@@ -211,8 +235,16 @@ def segmented_count(idx, num_segments, *, indices_are_sorted=False):
     return P.count(*_segments(idx, None, m), m, bool(indices_are_sorted))
 
 
+@_documented
 def segmented_mean(x, idx, num_segments, *, indices_are_sorted=False):
-    """Mean of the rows of each segment: (M, *F) for x (N, *F) floats; 0 for an empty segment.
+    """Mean of the rows of each segment.
+
+    Args:
+      x: (N, *F) floats.
+      {segment args}
+
+    Returns:
+      (M, *F): Σ_{idx[i]=s} x[i] / count; 0 for an empty segment.
 
     Example::
 
@@ -224,11 +256,16 @@ def segmented_mean(x, idx, num_segments, *, indices_are_sorted=False):
     return (total / _nonzero_counts(seg, params, x.dtype)[:, None]).reshape(m, *x.shape[1:]).astype(dtype)
 
 
+@_documented
 def segmented_dot(x, y, idx, num_segments, *, indices_are_sorted=False):
-    """Σ over each segment of <x[i], y[i]>, contracting all trailing axes: (M,).
+    """Sum over each segment of the rows' inner products, contracting all trailing axes.
 
     Args:
       x, y: (N, *F) floats of one shape.
+      {segment args}
+
+    Returns:
+      (M,): out[s] = Σ_{idx[i]=s} <x[i], y[i]>; 0 for an empty segment.
 
     Example::
 
@@ -244,9 +281,17 @@ def segmented_dot(x, y, idx, num_segments, *, indices_are_sorted=False):
     return out[:, 0].astype(dtype)
 
 
+@_documented
 def segmented_mul(x, y, idx, num_segments):
-    """Each row times its segment's scalar: x[i] * y[idx[i]] for x (N, *F) and y (M,), giving
-    (N, *F); rows with an out-of-range id give 0.
+    """Each row times its segment's scalar.
+
+    Args:
+      x: (N, *F) floats.
+      y: (M,) floats, one per segment.
+      {segment args}
+
+    Returns:
+      (N, *F): out[i] = x[i] * y[idx[i]]; 0 for a row whose id is out of range.
 
     Example::
 
@@ -261,9 +306,17 @@ def segmented_mul(x, y, idx, num_segments):
     return out.reshape(x.shape).astype(dtype)
 
 
+@_documented
 def segmented_rms_norm(x, idx, num_segments, *, indices_are_sorted=False):
-    """Root mean square norm of each segment's rows: sqrt(Σ |x[i]|² / count), (M,) for x
-    (N, *F); 0 for an empty segment, and every derivative 0 (never NaN) where the norm is 0.
+    """Root mean square norm of each segment's rows.
+
+    Args:
+      x: (N, *F) floats.
+      {segment args}
+
+    Returns:
+      (M,): sqrt(Σ_{idx[i]=s} |x[i]|² / count); 0 for an empty segment. Every derivative is 0
+      (never NaN) where the norm is 0.
 
     Example::
 
@@ -310,12 +363,19 @@ def _extreme(kind, x, idx, num_segments, indices_are_sorted):
     return _at_first(rows, first, _lowest(dtype, kind)).reshape(m, *x.shape[1:]).astype(dtype)
 
 
+@_documented
 def segmented_max(x, idx, num_segments, *, indices_are_sorted=False):
-    """Componentwise max of each segment's rows: (M, *F) for x (N, *F) floats or integers.
+    """Componentwise max of each segment's rows.
 
-    An empty segment gives -inf (integers: their smallest value), as ``jax.ops.segment_max``;
-    a NaN gives NaN. The derivative of each component flows to the first row attaining it
-    (in row order), so ties split nothing.
+    Args:
+      x: (N, *F) floats or integers (reduced in their own dtype).
+      {segment args}
+
+    Returns:
+      (M, *F) in x's dtype; -inf (integers: their smallest value) for an empty segment, as
+      ``jax.ops.segment_max``; NaN where a segment's component holds one. The derivative of
+      each component flows to the first row (in row order) attaining it, so ties split
+      nothing.
 
     Example::
 
@@ -324,10 +384,18 @@ def segmented_max(x, idx, num_segments, *, indices_are_sorted=False):
     return _extreme("max", x, idx, num_segments, indices_are_sorted)
 
 
+@_documented
 def segmented_min(x, idx, num_segments, *, indices_are_sorted=False):
-    """Componentwise min of each segment's rows: (M, *F); an empty segment gives +inf
-    (integers: their largest value); derivatives to the first row attaining it (see
-    `segmented_max`).
+    """Componentwise min of each segment's rows.
+
+    Args:
+      x: (N, *F) floats or integers (reduced in their own dtype).
+      {segment args}
+
+    Returns:
+      (M, *F) in x's dtype; +inf (integers: their largest value) for an empty segment; NaN
+      where a segment's component holds one. The derivative of each component flows to the
+      first row attaining it.
 
     Example::
 
@@ -336,9 +404,17 @@ def segmented_min(x, idx, num_segments, *, indices_are_sorted=False):
     return _extreme("min", x, idx, num_segments, indices_are_sorted)
 
 
+@_documented
 def segmented_max_norm(x, idx, num_segments, *, indices_are_sorted=False):
-    """Largest norm of each segment's rows: max |x[i]|, (M,) for x (N, *F); 0 for an empty
-    segment. The derivative flows to the first row attaining it, and is 0 where the norm is 0.
+    """Largest norm of each segment's rows.
+
+    Args:
+      x: (N, *F) floats.
+      {segment args}
+
+    Returns:
+      (M,): max_{idx[i]=s} |x[i]|; 0 for an empty segment. The derivative flows to the first
+      row attaining the max, and is 0 (never NaN) where the norm is 0.
 
     Example::
 
@@ -359,9 +435,17 @@ def _variance(rows, seg, params):
     return P.sum_p.bind(deviations * deviations, *seg, **params) / counts
 
 
+@_documented
 def segmented_var(x, idx, num_segments, *, indices_are_sorted=False):
-    """Componentwise population variance of each segment's rows (the mean of squared
-    deviations from the segment's mean): (M, *F) for x (N, *F) floats; 0 for an empty segment.
+    """Componentwise population variance of each segment's rows: the mean of squared
+    deviations from the segment's mean (two passes, no cancellation).
+
+    Args:
+      x: (N, *F) floats.
+      {segment args}
+
+    Returns:
+      (M, *F); 0 for an empty segment.
 
     Example::
 
@@ -372,9 +456,16 @@ def segmented_var(x, idx, num_segments, *, indices_are_sorted=False):
     return out.reshape(m, *x.shape[1:]).astype(dtype)
 
 
+@_documented
 def segmented_std(x, idx, num_segments, *, indices_are_sorted=False):
-    """Componentwise population standard deviation, sqrt(`segmented_var`): (M, *F); 0 for an
-    empty segment, and every derivative 0 (never NaN) where it is 0.
+    """Componentwise population standard deviation of each segment's rows, sqrt(var).
+
+    Args:
+      x: (N, *F) floats.
+      {segment args}
+
+    Returns:
+      (M, *F); 0 for an empty segment. Every derivative is 0 (never NaN) where it is 0.
 
     Example::
 
@@ -398,10 +489,17 @@ def _shifted_exps(rows, seg, m, params):
     return jnp.exp(shifted), shift, valid
 
 
+@_documented
 def segmented_logsumexp(x, idx, num_segments, *, indices_are_sorted=False):
-    """Componentwise log Σ exp x[i] over each segment, computed stably (shifted by the
-    segment's max, so no overflow up to the float max): (M, *F) for x (N, *F) floats; -inf for
-    an empty segment. Its gradient is `segmented_softmax`.
+    """Componentwise log Σ exp x[i] over each segment, shifted by the segment's max: no
+    overflow up to the float max.
+
+    Args:
+      x: (N, *F) floats.
+      {segment args}
+
+    Returns:
+      (M, *F); -inf for an empty segment. Its gradient is `segmented_softmax`.
 
     Example::
 
@@ -415,9 +513,16 @@ def segmented_logsumexp(x, idx, num_segments, *, indices_are_sorted=False):
     return out.reshape(m, *x.shape[1:]).astype(dtype)
 
 
+@_documented
 def segmented_softmax(x, idx, num_segments, *, indices_are_sorted=False):
-    """Componentwise softmax within each segment: exp(x[i]) / Σ_{idx[j]=idx[i]} exp(x[j]),
-    (N, *F) for x (N, *F) floats, computed stably; rows with an out-of-range id give 0.
+    """Componentwise softmax within each segment, shifted by the segment's max (stable).
+
+    Args:
+      x: (N, *F) floats.
+      {segment args}
+
+    Returns:
+      (N, *F): exp(x[i]) / Σ_{idx[j]=idx[i]} exp(x[j]); 0 for a row whose id is out of range.
 
     Example::
 
@@ -430,15 +535,22 @@ def segmented_softmax(x, idx, num_segments, *, indices_are_sorted=False):
     return (exps / jnp.where(valid, totals, 1)).reshape(x.shape).astype(dtype)
 
 
+@_documented
 def segmented_bincount(labels, idx, num_segments, length, *, indices_are_sorted=False):
-    """How many rows of each segment have each label: (M, length) int32 for integer labels
-    (N,), out[s, c] = #{i : idx[i] = s, labels[i] = c}; labels outside [0, length) are
-    dropped. Not differentiable.
+    """How many rows of each segment carry each label (e.g. atomic numbers → composition).
+
+    Args:
+      labels: (N,) integers; labels outside [0, length) are dropped.
+      {segment args}
+      length: L, the number of labels, a static int.
+
+    Returns:
+      (M, L) int32: out[s, c] = #{i : idx[i] = s, labels[i] = c}. Not differentiable.
 
     Example::
 
-        numbers = jnp.array([1, 1, 8, 6])  # atomic numbers: H2O, then C
-        segmented_bincount(numbers, jnp.array([0, 0, 0, 1]), 2, 119)[:, [1, 6, 8]]
+        numbers = jnp.array([1, 1, 8, 6])  # H2O, then C
+        segmented_bincount(numbers, jnp.array([0, 0, 0, 1]), 2, 119)[:, jnp.array([1, 6, 8])]
         # [[2, 0, 1], [0, 1, 0]]
     """
     m = _num_segments(num_segments)
@@ -454,10 +566,17 @@ def segmented_bincount(labels, idx, num_segments, length, *, indices_are_sorted=
     return P.bincount_p.bind(labels, *seg, **_params(m, indices_are_sorted), length=int(length))
 
 
+@_documented
 def segmented_matvec(v, m, idx, num_segments):
-    """Each row times its segment's matrix: m[idx[i]]ᵀ @ v[i] for v (N, 3) and m (M, 3, 3),
-    giving (N, 3); rows with an out-of-range id give 0 (scaled positions and cells give
-    Cartesian positions).
+    """Each row times its segment's matrix (e.g. scaled positions × cell = positions).
+
+    Args:
+      v: (N, 3) floats.
+      m: (M, 3, 3) floats, one matrix per segment.
+      {segment args}
+
+    Returns:
+      (N, 3): out[i] = m[idx[i]]ᵀ @ v[i]; 0 for a row whose id is out of range.
 
     Example::
 

@@ -89,8 +89,11 @@ _FLOATS = {"float32": wp.float32, "float64": wp.float64}
 _SOURCES = {}  # kernel name -> its Python function (see _kernels)
 
 
-def _deferred(function):
-    """Register the kernel `_NAME_kernel` under NAME, to become a Warp kernel on first use."""
+def _deferred(function, name=None):
+    """Register the kernel `_NAME_kernel` (or a factory's kernel, then so named) under NAME, to
+    become a Warp kernel on first use."""
+    if name is not None:
+        function.__name__ = function.__qualname__ = f"_{name}_kernel"
     _SOURCES[function.__name__.removeprefix("_").removesuffix("_kernel")] = function
     return function
 
@@ -200,7 +203,7 @@ def _vector_dot(a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any), out: wp.arra
 # The reductions; sum3 and dot3 read rows of vec3 (one per thread), which CPUs run faster.
 for _name, _term in (("count", _one), ("sum", _entry), ("sum3", _entry), ("outer", _outer_entry),
                      ("dot3", _vector_dot)):
-    _SOURCES[_name] = _segment_reduction(_term)
+    _deferred(_segment_reduction(_term), _name)
 
 @wp.func
 def _squared_norm(x: wp.array3d(dtype=Any), i: int, g: int):
@@ -328,7 +331,7 @@ def _extreme(key, better, atomic_better):
 for _name, _parts in (("max", (_value, _above, _atomic_above)), ("min", (_value, _below, _atomic_below)),
                       ("max_norm", (_squared_norm, _above, _atomic_above))):
     for _step, _kernel in zip(("ordered", "best", "first"), _extreme(*_parts)):
-        _SOURCES[f"{_name}_{_step}"] = _kernel
+        _deferred(_kernel, f"{_name}_{_step}")
 
 
 @_deferred

@@ -1,0 +1,172 @@
+"""What only some ops promise (SPEC §1b): ties, stability at extreme values, integer data,
+bincount, and the values of empty segments; each against jax.ops.segment_* or NumPy."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from segcli import ops
+from segcli.ops import _primitives
+
+
+@pytest.fixture(autouse=True)
+def x64():
+    previous = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", previous)
+
+
+def _ids(request):
+    """Ids of rows 0..7 over 4 segments (segment 2 empty, one row out of range), and a
+    permutation applied to the rows for the unsorted cases (with the GPU's code paths, on
+    the CPU, for "unsorted_gpu_paths")."""
+    ids = np.array([0, 0, 0, 1, 1, 3, 3, 4])
+    order = np.arange(8) if request.param == "sorted" else np.array([5, 0, 7, 3, 1, 6, 4, 2])
+    if request.param == "unsorted_gpu_paths":
+        _primitives.lower_cpu_as_gpu(True)
+    yield jnp.asarray(ids[order], jnp.int32), order
+    if request.param == "unsorted_gpu_paths":
+        _primitives.lower_cpu_as_gpu(False)
+
+
+ids = pytest.fixture(params=["sorted", "unsorted"])(_ids)
+any_ids = pytest.fixture(params=["sorted", "unsorted", "unsorted_gpu_paths"])(_ids)
+
+
+@pytest.mark.parametrize("name, fill", [("max", -np.inf), ("min", np.inf)])
+def test_extremes_tie_to_the_first_row_and_differentiate_there(any_ids, name, fill):
+    idx, order = any_ids
+    # column 0 ties within segments 0 and 1; column 1 has a NaN in segment 3
+    x = np.array([[2.0, 1], [2, 5], [-1, 5], [7, 0], [7, 3], [1, np.nan], [1, -2], [9, 9]])
+    if name == "min":
+        x[:, 0] = -x[:, 0]
+    x = jnp.asarray(x[order])
+    function = getattr(ops, f"segmented_{name}")
+    got = np.asarray(function(x, idx, 4))
+    expected = np.asarray(getattr(jax.ops, f"segment_{name}")(x, idx, 4))
+    np.testing.assert_array_equal(got[[0, 1, 3]], expected[[0, 1, 3]])
+    np.testing.assert_array_equal(got[2], [fill, fill])
+    grad = np.asarray(jax.jit(jax.grad(lambda x: jnp.sum(jnp.nan_to_num(function(x, idx, 4)))))(x))
+    # the first row (in row order) of each tie gets the whole derivative, others nothing
+    rows = np.asarray(idx)
+    for s, column in ((0, 0), (1, 0), (0, 1)):
+        members = np.flatnonzero(rows == s)
+        winners = members[x[members, column] == got[s, column]]
+        assert grad[winners[0], column] == 1 and np.all(grad[winners[1:], column] == 0)
+    assert np.isnan(got[3, 1]) and np.all(grad[rows == 4] == 0)
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.uint16, np.int32, np.uint32, np.int64])
+def test_integer_data_is_reduced_in_its_own_dtype(ids, dtype):
+    idx, order = ids
+    info = np.iinfo(dtype)
+    rng = np.random.default_rng(3)
+    x = rng.integers(info.min, info.max, size=(8, 2), dtype=dtype, endpoint=True)
+    x[0, 0] = info.max  # overflow wraps in sum as jax.ops.segment_sum's does
+    x = jnp.asarray(x[order])
+    for name in ("sum", "max", "min"):
+        got = getattr(ops, f"segmented_{name}")(x, idx, 4)
+        expected = getattr(jax.ops, f"segment_{name}")(x, idx, 4)
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("name", ["mean", "var", "std", "logsumexp", "softmax", "rms_norm", "max_norm"])
+def test_other_ops_refuse_integer_data_naming_the_ones_that_take_it(name):
+    with pytest.raises(TypeError, match="x must be a real floating-point array, got dtype int32 "
+                                        r"\(integer data: segmented_sum, _max, _min\)"):
+        getattr(ops, f"segmented_{name}")(jnp.ones(3, jnp.int32), jnp.zeros(3, jnp.int32), 1)
+
+
+@pytest.mark.parametrize("dtype, big", [(np.float32, 1e4), (np.float64, 1e300)])
+def test_logsumexp_and_softmax_stay_finite_at_extreme_values(ids, dtype, big):
+    idx, order = ids
+    x = np.array([big, big, -big, -big, big, 0.5, -0.5, 1.0], dtype)[order]
+    lse = np.asarray(ops.segmented_logsumexp(jnp.asarray(x), idx, 4))
+    soft = np.asarray(ops.segmented_softmax(jnp.asarray(x), idx, 4))
+    assert lse.dtype == dtype and np.all(np.isfinite(np.asarray(lse)[[0, 1, 3]]))
+    rows = np.asarray(idx)
+    for s in (0, 1, 3):
+        part = x[rows == s].astype(np.float64)
+        top = part.max()
+        np.testing.assert_allclose(lse[s], top + np.log(np.sum(np.exp(part - top))),
+                                   rtol=1e-6 if dtype == np.float32 else 1e-14)
+        np.testing.assert_allclose(soft[rows == s], np.exp(part - top) / np.sum(np.exp(part - top)),
+                                   rtol=1e-6 if dtype == np.float32 else 1e-14, atol=1e-30)
+    assert lse[2] == -np.inf and np.all(np.asarray(soft)[rows == 4] == 0)
+    grad = jax.jit(jax.grad(lambda x: jnp.sum(ops.segmented_logsumexp(x, idx, 4)[jnp.array([0, 1, 3])])))(
+        jnp.asarray(x))
+    np.testing.assert_allclose(np.asarray(grad)[rows < 4], soft[rows < 4], rtol=1e-6)
+
+
+def test_variance_is_free_of_cancellation_and_std_has_zero_derivatives_where_it_is_zero():
+    x = jnp.asarray([1e8 + 1, 1e8 + 2, 1e8 + 3, 5.0, 5.0, 7.0])
+    idx = jnp.asarray([0, 0, 0, 1, 1, 2])
+    np.testing.assert_allclose(ops.segmented_var(x, idx, 4), [2 / 3, 0, 0, 0], rtol=1e-9)
+    np.testing.assert_array_equal(ops.segmented_std(x, idx, 4)[1:], [0, 0, 0])
+
+    def loss(x):
+        return jnp.sum(ops.segmented_std(x, idx, 4))
+
+    for derivative in (jax.grad(loss), jax.hessian(loss), jax.jacfwd(jax.hessian(loss))):
+        value = np.asarray(jax.jit(derivative)(x))
+        assert np.all(np.isfinite(value))
+        assert np.all(value[..., 3:] == 0)  # the rows of zero-spread segments
+
+
+def test_bincount_counts_labels_per_segment(any_ids):
+    idx, order = any_ids
+    labels = np.array([1, 1, 8, 6, -3, 119, 8, 1])[order]
+    got = ops.segmented_bincount(jnp.asarray(labels), idx, 4, 10)
+    rows = np.asarray(idx)
+    expected = np.array([np.bincount(labels[(rows == s) & (labels >= 0) & (labels < 10)], minlength=10)
+                         for s in range(4)])
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_bincount_edge_cases_and_transforms():
+    labels, idx = jnp.asarray([3, 0, 3], jnp.int64), jnp.asarray([0, 1, 1])
+    assert ops.segmented_bincount(labels[:0], idx[:0], 2, 4).tolist() == [[0] * 4] * 2
+    assert ops.segmented_bincount(labels, idx, 0, 4).shape == (0, 4)
+    assert ops.segmented_bincount(labels, idx, 2, 0).shape == (2, 0)
+    jitted = jax.jit(ops.segmented_bincount, static_argnums=(2, 3))(labels, idx, 2, 4)
+    np.testing.assert_array_equal(jitted, [[0, 0, 0, 1], [1, 0, 0, 1]])
+    batched = jax.vmap(lambda l: ops.segmented_bincount(l, idx, 2, 4))(jnp.stack([labels, labels - 1]))
+    np.testing.assert_array_equal(batched[1], [[0, 0, 1, 0], [0, 0, 1, 0]])
+    with pytest.raises(TypeError, match="labels must be a 1-D integer array"):
+        ops.segmented_bincount(jnp.ones(3), idx, 2, 4)
+    with pytest.raises(ValueError, match="length must be a non-negative static int"):
+        ops.segmented_bincount(labels, idx, 2, -1)
+
+
+@pytest.mark.parametrize("name, empty", [("max", -np.inf), ("min", np.inf), ("var", 0), ("std", 0),
+                                         ("logsumexp", -np.inf)])
+def test_empty_segments_and_no_rows(name, empty):
+    function = getattr(ops, f"segmented_{name}")
+    x, idx = jnp.ones((2, 3)), jnp.asarray([0, 0])
+    np.testing.assert_array_equal(function(x, idx, 2)[1], [empty] * 3)
+    np.testing.assert_array_equal(function(x[:0], idx[:0], 2), np.full((2, 3), empty))
+    assert function(x, idx, 0).shape == (0, 3)
+
+
+@pytest.mark.parametrize("name", [n for n in ops.__all__ if n.startswith("segmented_")])
+def test_docstring_examples_hold(name):
+    """Each op's docstring Example: every expression followed by `# value` gives that value."""
+    lines = getattr(ops, name).__doc__.split("Example::")[1].strip().splitlines()
+    scope, checked = {"jnp": jnp, **{n: getattr(ops, n) for n in ops.__all__}}, 0
+    for line, after in zip(lines, [*lines[1:], ""]):
+        code, _, comment = line.strip().partition("  # ")
+        if line.strip().startswith("# "):
+            continue
+        if after.strip().startswith("# ["):
+            comment = after.strip()[2:]
+        if not comment.startswith("["):
+            exec(code, scope)  # noqa: S102  (the docstring example)
+            continue
+        expected = np.array(eval(comment.split(" (")[0].replace("inf", "np.inf"), {"np": np}))
+        np.testing.assert_allclose(np.asarray(eval(code, scope)), expected, rtol=1e-4)
+        checked += 1
+    assert checked
