@@ -55,9 +55,10 @@ def test_bucket_sizes():
         [1024, 1024, 1024, 2048, 2048, 4096, 1 << 21]
 
 
-@pytest.mark.parametrize("precision", ["float64", "float32"])
-@pytest.mark.parametrize("op", list(OPS))
-def test_every_op_matches_numpy_in_chunks_of_any_size(batch_file, op, precision):
+@pytest.mark.parametrize("op, precision", [
+    pytest.param(op, precision, marks=() if (k + j) % 2 else pytest.mark.slow)
+    for k, op in enumerate(OPS) for j, precision in enumerate(["float64", "float32"])])
+def test_every_op_matches_the_reference_in_chunks_of_any_size(batch_file, op, precision):
     path, n_atoms, data = batch_file
     job = plan(path, op, FIELDS[op], precision=precision)
     for chunk_atoms in (1, 23, engine.DEFAULT_CHUNK_ATOMS):
