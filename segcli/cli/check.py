@@ -233,7 +233,7 @@ def _restricted(spec, arrays, n_atoms, keep, why):
 
 def _check_op(spec, labels, arrays, n_atoms, order, seed):
     """The rows for one op: the reference (where its values are finite) and finite
-    differences (where the op is also differentiable)."""
+    differences (where the op is also differentiable), noted with what they leave out."""
     from segcli.gradcheck import check_gradients, compare_functions
 
     arrays, n_atoms, infinite = _restricted(spec, arrays, n_atoms,
@@ -248,8 +248,7 @@ def _check_op(spec, labels, arrays, n_atoms, order, seed):
                                           f"{spec.name} is not differentiable ({spec.kinks})")
     checked = check_gradients(_bound(spec, n_atoms)[0], arrays, order=order, seed=seed,
                               argnames=labels, name=spec.name)
-    notes = "; ".join(filter(None, (infinite, kinked)))
-    return report + _noted(checked, f"finite differences {notes}" if notes else "")
+    return report + _noted(checked, f"finite differences {kinked}" if kinked else infinite)
 
 
 @click.command(short_help="Check the ops' values and derivatives.")
