@@ -132,7 +132,8 @@ def test_matvec_of_scaled_positions_and_cell_gives_ases_positions(metals, source
 @pytest.mark.parametrize("precision", ["float64", "float32"])
 def test_every_op_on_random_data_in_small_chunks_to_a_file(tmp_path, random_file, precision):
     path, n_atoms, data = random_file
-    for op, fields in RANDOM_FIELDS.items():
+    turn = ["float64", "float32"].index(precision)
+    for op, fields in list(RANDOM_FIELDS.items())[turn::2]:  # each op in one precision
         out = tmp_path / f"{op}.h5"
         result = run("reduce", path, op, *fields, "-o", out, "--chunk-atoms", 7,
                      "--precision", precision, "--quiet")
