@@ -86,6 +86,7 @@ def steady_state(path, device, atoms):
     import jax
 
     from segcli import engine
+    from segcli.registry import OPS
     from segcli.io import open_batch
 
     target = jax.devices(device)[0] if device != "auto" else jax.devices()[0]
@@ -97,7 +98,7 @@ def steady_state(path, device, atoms):
                 forces[lo:lo + engine.DEFAULT_CHUNK_ATOMS]
 
     with open_batch(path) as batch:
-        job = engine.plan(path, engine.OPS["rms_norm"], ["forces"], batch.fields)
+        job = engine.plan(path, OPS["rms_norm"], ["forces"], batch.fields)
 
         def reduce():
             for _ in engine.run(batch, [job], target):
@@ -122,13 +123,14 @@ def bucketing(path, device, atoms, chunk_atoms):
     import jax
 
     from segcli import engine
+    from segcli.registry import OPS
     from segcli.io import open_batch
 
     target = jax.devices(device)[0] if device != "auto" else jax.devices()[0]
     out = {}
     with open_batch(path) as batch:
         stop = int(np.searchsorted(np.cumsum(batch.n_atoms), atoms)) + 1
-        job = engine.plan(path, engine.OPS["rms_norm"], ["forces"], batch.fields)
+        job = engine.plan(path, OPS["rms_norm"], ["forces"], batch.fields)
         for label, size in (("warm-up", engine.padded_size), ("padded", engine.padded_size),
                             ("exact", None)):
             engine._compiled.cache_clear()
