@@ -33,8 +33,8 @@ def main():
     import jax
 
     from segcli import engine
-    from segcli.registry import OPS
     from segcli.io import open_batch
+    from segcli.registry import OPS
 
     device = jax.devices(args.device)[0] if args.device != "auto" else jax.devices()[0]
     gpu = device.platform != "cpu"  # pinned buffers, ids expanded on the device: as engine.run

@@ -86,8 +86,8 @@ def steady_state(path, device, atoms):
     import jax
 
     from segcli import engine
-    from segcli.registry import OPS
     from segcli.io import open_batch
+    from segcli.registry import OPS
 
     target = jax.devices(device)[0] if device != "auto" else jax.devices()[0]
 
@@ -123,8 +123,8 @@ def bucketing(path, device, atoms, chunk_atoms):
     import jax
 
     from segcli import engine
-    from segcli.registry import OPS
     from segcli.io import open_batch
+    from segcli.registry import OPS
 
     target = jax.devices(device)[0] if device != "auto" else jax.devices()[0]
     out = {}
