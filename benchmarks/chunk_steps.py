@@ -34,11 +34,12 @@ def main():
 
     from segcli import engine
     from segcli.io import open_batch
+    from segcli.registry import OPS
 
     device = jax.devices(args.device)[0] if args.device != "auto" else jax.devices()[0]
     gpu = device.platform != "cpu"  # pinned buffers, ids expanded on the device: as engine.run
     with open_batch(path) as batch:
-        job = engine.plan(path, engine.OPS["rms_norm"], ["forces"], batch.fields)
+        job = engine.plan(path, OPS["rms_norm"], ["forces"], batch.fields)
         runs = []
         for _ in range(4):
             start, chunks = time.perf_counter(), 0

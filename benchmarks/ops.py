@@ -7,7 +7,9 @@ Implementations, timed side by side in one process on the same inputs:
   jax            segcli.reference (jax.ops.segment_sum / segment_max and jnp)
   nvalchemiops   nvalchemiops.jax.segment_ops, when importable
 
-Inputs: N atoms in structures of 1..63 atoms (32 on average), sorted ids, (N, 3) fields.
+Every op of segcli.registry.OPS, its inputs made from its argument data: (N, 3) per-atom
+fields (any trailing shape is 3), per-structure ones of their own shape, labels random in
+[0, length); N atoms in structures of 1..63 atoms (32 on average), sorted ids.
 grad is the gradient of Σ w·op(...) (w random, passed as an argument) with respect to the first
 argument; grad2 the gradient of <grad, v>. Each cell is the median wall time of `--repeats`
 calls of a jitted function, each call followed by block_until_ready; the implementations of a
@@ -25,52 +27,46 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-OPS = ["sum", "mean", "dot", "mul", "rms_norm", "max_norm", "matvec", "count"]
+from segcli.registry import OPS
+
 MODES = ["fwd", "grad", "grad2"]
 
 
 def inputs(n, dtype, seed=0):
+    """(rng, ids, number of structures, direction v (n, 3)) for n atoms."""
     rng = np.random.default_rng(seed)
     sizes = rng.integers(1, 64, size=n // 16 + 2)
     sizes = sizes[: np.searchsorted(np.cumsum(sizes), n) + 1]
     sizes[-1] -= sizes.sum() - n
     m = len(sizes)
     idx = jnp.asarray(np.repeat(np.arange(m, dtype=np.int32), sizes))
-    arrays = {
-        "x": rng.normal(size=(n, 3)),
-        "y": rng.normal(size=(n, 3)),
-        "s": rng.normal(size=(m,)),
-        "cell": rng.normal(size=(m, 3, 3)),
-    }
-    return {k: jnp.asarray(v.astype(dtype)) for k, v in arrays.items()}, idx, m
+    return rng, idx, m, jnp.asarray(rng.normal(size=(n, 3)).astype(dtype))
 
 
-ARGS = {
-    "sum": ("x",),
-    "mean": ("x",),
-    "dot": ("x", "y"),
-    "mul": ("x", "s"),
-    "rms_norm": ("x",),
-    "max_norm": ("x",),
-    "matvec": ("x", "cell"),
-    "count": (),
-}
+def arguments(op, rng, n, m, dtype):
+    """Random arguments of `op` (a registry.Op) from its argument data."""
+    args = []
+    for arg in op.inputs:
+        shape = ((n,) if arg.per == "atom" else (m,)) + (arg.shape if arg.shape is not None else (3,))
+        args.append(rng.integers(0, op.params["length"], shape) if arg.kind == "labels"
+                    else rng.normal(size=shape).astype(dtype))
+    return tuple(jnp.asarray(a) for a in args)
 
 
 def functions(module, op, m):
-    """Jitted fwd, grad and grad-of-grad of op from `module` (None where it has no such op).
+    """Jitted fwd, grad and grad-of-grad of `op` (a registry.Op) from `module` (none where it
+    has no such function; fwd only for an op that is not differentiable).
 
     Each takes (w, v, *args): the weights w of the loss Σ w·op(args), the direction v of the
     second order, then the op's arguments. w and v are arguments, not constants, as they are
     in a training step (XLA would otherwise embed them in the program)."""
-    name = "segmented_" + op
-    f = getattr(module, name, None)
+    f = getattr(module, "segmented_" + op.name, None)
     if f is None:
         return {}
     # ids are an argument too, so XLA cannot fold anything that depends on them
-    if op == "count":
-        return {"fwd": jax.jit(lambda w, v, ids: f(ids, m))}
-    call = lambda *a: f(*a[:-1], a[-1], m)  # noqa: E731
+    call = lambda *a: f(*a[:-1], a[-1], m, **op.params)  # noqa: E731
+    if not op.differentiable:
+        return {"fwd": jax.jit(lambda w, v, *a: call(*a))}
     grad = jax.grad(lambda *a, w: jnp.sum(w * call(*a)))
     return {
         "fwd": jax.jit(lambda w, v, *a: call(*a)),
@@ -79,11 +75,10 @@ def functions(module, op, m):
     }
 
 
-def loss_weights(op, data, idx, m):
+def loss_weights(op, args, idx, m, dtype):
     """Random weights w shaped like op's output (a constant cotangent would let XLA skip reading it)."""
-    f = getattr(importlib.import_module("segcli.reference"), "segmented_" + op)
-    shape = jax.eval_shape(lambda *a: f(*a[:-1], a[-1], m), *(data[k] for k in ARGS[op]), idx).shape
-    return jnp.asarray(np.random.default_rng(1).normal(size=shape), data["x"].dtype)
+    shape = jax.eval_shape(lambda *a: op.reference(*a[:-1], a[-1], m, **op.params), *args, idx).shape
+    return jnp.asarray(np.random.default_rng(1).normal(size=shape), dtype)
 
 
 def median_seconds(fns, args, repeats):
@@ -121,15 +116,16 @@ def run(atoms, dtypes, repeats, ops):
     impls = implementations()
     rows = []
     for dtype in dtypes:
-        data, idx, m = inputs(atoms, dtype)
-        for op in ops:
-            w = loss_weights(op, data, idx, m) if op != "count" else data["s"]
-            args = (w, data["y"], *(data[k] for k in ARGS[op]), idx)
-            per_impl = {name: functions(module, op, m) for name, module in impls.items()}
+        rng, idx, m, v = inputs(atoms, dtype)
+        for name in ops:
+            op = OPS[name]
+            data = arguments(op, rng, atoms, m, dtype)
+            args = (loss_weights(op, data, idx, m, dtype), v, *data, idx)
+            per_impl = {impl: functions(module, op, m) for impl, module in impls.items()}
             for mode in MODES:
-                fns = {name: f[mode] for name, f in per_impl.items() if mode in f}
+                fns = {impl: f[mode] for impl, f in per_impl.items() if mode in f}
                 if fns:
-                    rows.append((op, dtype, mode, median_seconds(fns, args, repeats)))
+                    rows.append((name, dtype, mode, median_seconds(fns, args, repeats)))
     return rows, list(impls), m
 
 
@@ -152,7 +148,7 @@ def main():
     parser.add_argument("--atoms", type=int, default=1_000_000)
     parser.add_argument("--dtype", default="float32,float64")
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--ops", default=",".join(OPS))
+    parser.add_argument("--ops", default=",".join(OPS), help="comma-separated op names")
     parser.add_argument("--out", help="also write the table (with its heading) to this file")
     args = parser.parse_args()
     dtypes = args.dtype.split(",")

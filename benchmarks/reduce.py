@@ -87,6 +87,7 @@ def steady_state(path, device, atoms):
 
     from segcli import engine
     from segcli.io import open_batch
+    from segcli.registry import OPS
 
     target = jax.devices(device)[0] if device != "auto" else jax.devices()[0]
 
@@ -97,7 +98,7 @@ def steady_state(path, device, atoms):
                 forces[lo:lo + engine.DEFAULT_CHUNK_ATOMS]
 
     with open_batch(path) as batch:
-        job = engine.plan(path, engine.OPS["rms_norm"], ["forces"], batch.fields)
+        job = engine.plan(path, OPS["rms_norm"], ["forces"], batch.fields)
 
         def reduce():
             for _ in engine.run(batch, [job], target):
@@ -123,12 +124,13 @@ def bucketing(path, device, atoms, chunk_atoms):
 
     from segcli import engine
     from segcli.io import open_batch
+    from segcli.registry import OPS
 
     target = jax.devices(device)[0] if device != "auto" else jax.devices()[0]
     out = {}
     with open_batch(path) as batch:
         stop = int(np.searchsorted(np.cumsum(batch.n_atoms), atoms)) + 1
-        job = engine.plan(path, engine.OPS["rms_norm"], ["forces"], batch.fields)
+        job = engine.plan(path, OPS["rms_norm"], ["forces"], batch.fields)
         for label, size in (("warm-up", engine.padded_size), ("padded", engine.padded_size),
                             ("exact", None)):
             engine._compiled.cache_clear()

@@ -1,4 +1,4 @@
-"""The op table and chunked evaluation: what each op takes, gives, and how it is applied.
+"""Chunked evaluation of the ops (`segcli.registry.OPS`) over the fields of a file.
 
 This layer sits between `segcli.ops` (pure math) and the I/O and command layers. It never
 imports jax or warp at module level, so the command line starts fast.
@@ -15,68 +15,13 @@ import functools
 import itertools
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
 
 from segcli.errors import DataError
-
-
-@dataclass(frozen=True)
-class InputSpec:
-    """One argument of an op: per-atom or per-structure, and its trailing shape (None: any)."""
-
-    per: str
-    shape: tuple | None = None
-
-    def describe(self):
-        rows = "N" if self.per == "atom" else "S"
-        tail = ", *F" if self.shape is None else "".join(f", {d}" for d in self.shape) or ","
-        return f"({rows}{tail})"
-
-
-@dataclass(frozen=True)
-class OpSpec:
-    """One segment op: its `segcli.ops` function, its inputs and where its output lives."""
-
-    name: str
-    function: str
-    inputs: tuple
-    output_per: str
-    output_shape: str
-    summary: str
-    differentiable: bool = True
-    takes_sorted: bool = True  # the function has `indices_are_sorted` (the reductions do)
-
-    def apply(self, *arrays, idx, num_segments, indices_are_sorted=False):
-        """Run the op on arrays (one per input) with segment ids `idx` and `num_segments`
-        structures; `indices_are_sorted` promises sorted ids to the ops that take the promise."""
-        from segcli import ops
-
-        promise = {"indices_are_sorted": indices_are_sorted} if self.takes_sorted else {}
-        return getattr(ops, self.function)(*arrays, idx, num_segments, **promise)
-
-
-_ATOM = InputSpec("atom")
-_VEC3 = InputSpec("atom", (3,))
-
-OPS = {
-    spec.name: spec
-    for spec in (
-        OpSpec("sum", "segmented_sum", (_ATOM,), "structure", "(S, *F)", "sum over each structure's atoms"),
-        OpSpec("mean", "segmented_mean", (_ATOM,), "structure", "(S, *F)", "mean over each structure's atoms (0 if empty)"),
-        OpSpec("dot", "segmented_dot", (_ATOM, _ATOM), "structure", "(S,)", "sum of <a_i, b_i> over each structure"),
-        OpSpec("mul", "segmented_mul", (_ATOM, InputSpec("structure", ())), "atom", "(N, *F)", "each atom's value times its structure's scalar", takes_sorted=False),
-        OpSpec("rms_norm", "segmented_rms_norm", (_ATOM,), "structure", "(S,)", "sqrt(mean over atoms of |x_i|^2)"),
-        OpSpec("max_norm", "segmented_max_norm", (_ATOM,), "structure", "(S,)", "largest |x_i| over each structure's atoms"),
-        OpSpec("matvec", "segmented_matvec", (_VEC3, InputSpec("structure", (3, 3))), "atom", "(N, 3)", "m_sᵀ @ v_i, e.g. scaled_positions × cell", takes_sorted=False),
-        OpSpec("count", "segmented_count", (), "structure", "(S,)", "atoms in each structure", differentiable=False),
-    )
-}
-
-
-# --- Chunked evaluation --------------------------------------------------------------------
+from segcli.registry import Arg, Op
 
 PRECISIONS = ("float32", "float64")
 DEFAULT_CHUNK_ATOMS = 1 << 21
@@ -91,12 +36,12 @@ def bucket(n):
 
 
 def _describe(info):
-    return InputSpec(info.per, tuple(info.shape)).describe()
+    return Arg(info.per, tuple(info.shape)).describe()
 
 
 def _field(path, name, wanted, fields, needs_float, role):
-    """The FieldInfo of `name`, or DataError unless it exists and fits `wanted` (an InputSpec)
-    as `role` ("rms_norm", "dot's second field", "--weights") needs."""
+    """The FieldInfo of `name`, or DataError unless it exists and fits `wanted` (an Arg) as
+    `role` ("rms_norm", "dot's second field", "--weights") needs."""
     if name not in fields:
         raise DataError(f"{path}: no field '{name}'; its fields are: "
                         f"{', '.join(sorted(fields)) or '(none)'}")
@@ -107,8 +52,10 @@ def _field(path, name, wanted, fields, needs_float, role):
     if wanted.shape is not None and tuple(info.shape) != wanted.shape:
         raise DataError(f"{path}: field '{name}' has shape {_describe(info)}, but {role} must "
                         f"be {wanted.describe()}")
-    if info.dtype.kind not in ("f" if needs_float else "biuf"):
-        what = "floating-point to be differentiated" if needs_float else "real numbers"
+    kinds, what = (("iu", "integer labels") if wanted.kind == "labels"
+                   else ("f", "floating-point to be differentiated") if needs_float
+                   else ("biuf", "real numbers"))
+    if info.dtype.kind not in kinds:
         from segcli.io.core import held
 
         raise DataError(f"{path}: field '{name}' holds {held(info.dtype)}, but {role} must be "
@@ -118,7 +65,8 @@ def _field(path, name, wanted, fields, needs_float, role):
 
 @dataclass(frozen=True)
 class Job:
-    """One op over named fields of one file, checked against its fields (see `plan`).
+    """One op (a registry.Op) over named fields of one file, checked against its fields (see
+    `plan`), with its static `params` (all of the op's).
 
     order 0: the op's value; 1: the gradient of Σ_s w_s · OP(...)_s (summed over every entry of
     each structure's result) with respect to each distinct per-atom input field; 2: that
@@ -127,13 +75,14 @@ class Job:
     """
 
     path: str
-    spec: OpSpec
+    spec: Op
     fields: tuple
     infos: tuple
     precision: str = "float64"
     order: int = 0
     weights: str | None = None
     direction: str | None = None
+    params: dict = field(default_factory=dict, hash=False)
 
     @property
     def wrt(self):
@@ -146,6 +95,13 @@ class Job:
         return tuple(dict.fromkeys((*self.fields, *filter(None, (self.weights, self.direction)))))
 
     @property
+    def integers(self):
+        """The integer input fields the op reduces as integers (its `integers`, or labels),
+        which are therefore read as int64 rather than cast to the precision."""
+        return tuple(name for name, info, wanted in zip(self.fields, self.infos, self.spec.inputs)
+                     if info.dtype.kind in "iu" and (self.spec.integers or wanted.kind == "labels"))
+
+    @property
     def outputs(self):
         """label -> (per, trailing shape, dtype) of what each chunk gives: "" for the op's value,
         "d_FIELD" for the derivative with respect to FIELD."""
@@ -153,17 +109,38 @@ class Job:
         if self.order:
             shapes = dict(zip(self.fields, (i.shape for i in self.infos)))
             return {f"d_{name}": ("atom", tuple(shapes[name]), dtype) for name in self.wrt}
-        tail = self.spec.output_shape.strip("()").split(", ")[1:]
-        shape = tuple(self.infos[0].shape) if tail == ["*F"] else tuple(int(d) for d in tail)
-        return {"": (self.spec.output_per, shape, np.dtype(np.int32) if not self.infos else dtype)}
+        spec = self.spec
+        shape = spec.trailing_shape(self.infos[0].shape if self.infos else (), self.params)
+        kept = bool(self.fields) and self.fields[0] in self.integers
+        dtype = {"float": dtype, "int32": np.dtype(np.int32),
+                 "input": np.dtype(np.int64) if kept else dtype}[spec.output_dtype]
+        return {"": (spec.output_per, shape, dtype)}
 
     def program(self, read):
         """The job as static data for `_compiled`, its fields given as indices into `read`
-        (the fields of a pass): (spec, inputs, order, wrt, weights, direction)."""
+        (the fields of a pass)."""
         where = {name: read.index(name) for name in self.read}
-        return (self.spec, tuple(where[n] for n in self.fields), self.order,
-                tuple(where[n] for n in self.wrt), where.get(self.weights),
-                where.get(self.direction))
+        return _Program(self.spec, tuple(sorted(self.params.items())),
+                        tuple(where[n] for n in self.fields),
+                        tuple(n in self.integers for n in self.fields), self.precision,
+                        self.order, tuple(where[n] for n in self.wrt), where.get(self.weights),
+                        where.get(self.direction))
+
+
+class _Program(NamedTuple):
+    """A job as static data: its op and params, its inputs (indices into the values of a
+    pass), which of them stay integers (the others are cast to `precision`), its order, the
+    inputs it differentiates against, its weights and its direction (indices or None)."""
+
+    op: Op
+    params: tuple
+    inputs: tuple
+    integers: tuple
+    precision: str
+    order: int
+    wrt: tuple
+    weights: int | None
+    direction: int | None
 
 
 def reads(jobs):
@@ -171,10 +148,20 @@ def reads(jobs):
     return tuple(dict.fromkeys(name for job in jobs for name in job.read))
 
 
+def field_dtypes(jobs):
+    """name -> the dtype every field some job of `jobs` reads is padded in: int64 for the
+    integer fields a job reduces as integers (see Job.integers), else the jobs' precision."""
+    kept = {name for job in jobs for name in job.integers}
+    precision = _precision(jobs)
+    return {name: np.dtype(np.int64 if name in kept else precision) for name in reads(jobs)}
+
+
 def plan(path, spec, names, fields, *, precision="float64", order=0, weights=None,
-         direction=None):
-    """A Job running `spec` on the fields `names` (one per input) of a file whose fields are
-    `fields` (name -> FieldInfo); DataError naming the file and field when one does not fit."""
+         direction=None, params=None):
+    """A Job running `spec` (a registry.Op) on the fields `names` (one per input) of a file
+    whose fields are `fields` (name -> FieldInfo), with `params` overriding the op's static
+    params (those it lacks are ignored); DataError naming the file and field when one does not
+    fit."""
     names = tuple(names)
     if len(names) != len(spec.inputs):
         raise ValueError(f"{spec.name} takes {len(spec.inputs)} field(s), got {len(names)}")
@@ -184,15 +171,19 @@ def plan(path, spec, names, fields, *, precision="float64", order=0, weights=Non
                                                    for n in ("first", "second")]
     infos = tuple(_field(path, name, wanted, fields, order > 0 and wanted.per == "atom", role)
                   for name, wanted, role in zip(names, spec.inputs, roles))
-    if spec.name == "dot" and infos[0].shape != infos[1].shape:
-        raise DataError(f"{path}: dot needs two fields of the same shape, but '{names[0]}' is "
-                        f"{_describe(infos[0])} and '{names[1]}' is {_describe(infos[1])}")
-    job = Job(path, spec, names, infos, precision, order, weights, direction)
+    shared = [(name, info) for name, info, wanted in zip(names, infos, spec.inputs)
+              if wanted.shape is None]  # these share one trailing shape *F
+    if any(info.shape != shared[0][1].shape for _, info in shared):
+        (a, first), (b, second) = shared[:2]
+        raise DataError(f"{path}: {spec.name} needs fields of the same shape, but "
+                        f"'{a}' is {_describe(first)} and '{b}' is {_describe(second)}")
+    params = {**spec.params, **{k: v for k, v in (params or {}).items() if k in spec.params}}
+    job = Job(path, spec, names, infos, precision, order, weights, direction, params)
     if weights is not None:
-        _field(path, weights, InputSpec("structure", ()), fields, False, "--weights")
+        _field(path, weights, Arg("structure", ()), fields, False, "--weights")
     if direction is not None:
         shape = tuple(fields[job.wrt[0]].shape)
-        _field(path, direction, InputSpec("atom", shape), fields, False,
+        _field(path, direction, Arg("atom", shape), fields, False,
                f"--direction (the shape of '{job.wrt[0]}')")
     return job
 
@@ -286,10 +277,10 @@ class _BufferRing:
         return None
 
 
-def _pad(read, precision, chunk, least, buffers, slot, ids=True):
-    """The chunk's fields `read`, cast to `precision` and padded (see _Padded, which has ids if
-    `ids`) to at least `least` = (rows, structures), in `buffers`' slot `slot`, or where the
-    chunk was read in place (see _padded_chunks)."""
+def _pad(dtypes, chunk, least, buffers, slot, ids=True):
+    """The chunk's fields (name -> dtype `dtypes`, see field_dtypes), cast and padded (see
+    _Padded, which has ids if `ids`) to at least `least` = (rows, structures), in `buffers`'
+    slot `slot`, or where the chunk was read in place (see _padded_chunks)."""
     n_structures, n_rows = len(chunk.n_atoms), int(chunk.n_atoms.sum())
     rows, segments = max(least[0], bucket(n_rows)), max(least[1], bucket(n_structures))
     offsets = buffers.take(slot, "offsets", (segments + 1,), np.int32)
@@ -303,13 +294,13 @@ def _pad(read, precision, chunk, least, buffers, slot, ids=True):
     else:
         ids = None
     arrays = {}
-    for name in read:
+    for name, dtype in dtypes.items():
         per_atom = name in chunk.atoms
         data = chunk.atoms[name] if per_atom else chunk.structures[name]
         shape = (rows if per_atom else segments, *data.shape[1:])
         out = buffers.holding(data) if per_atom else None
-        if out is None or out.shape != shape:
-            out = buffers.take(slot, ("pad", name), shape, precision)
+        if out is None or out.shape != shape or out.dtype != dtype:
+            out = buffers.take(slot, ("pad", name), shape, dtype)
             out[:len(data)] = data
         out[len(data):] = 0
         arrays[name] = out
@@ -331,7 +322,8 @@ def _padded_chunks(batch, jobs, chunk_atoms, structures, buffers, on_device=Fals
     _BufferRing); DataError if one holds NaN, with the count over the whole selection and the
     first structure. With `on_device` the NaN check and the expansion of the offsets into ids
     are left to the device (see compute)."""
-    read, precision = reads(jobs), _precision(jobs)
+    dtypes = field_dtypes(jobs)
+    read = tuple(dtypes)
     least = padded_size(batch.n_atoms[structures], chunk_atoms)
     fields, pieces = batch.fields, {}
 
@@ -342,14 +334,14 @@ def _padded_chunks(batch, jobs, chunk_atoms, structures, buffers, on_device=Fals
             return None
         pieces[name] = pieces.get(name, -1) + 1
         shape = (max(least[0], bucket(int(rows))), *fields[name].shape)  # as _pad pads it
-        return buffers.lend(pieces[name], ("read", name), shape, precision, rows)
+        return buffers.lend(pieces[name], ("read", name), shape, dtypes[name], rows)
 
     chunks = batch.iter_chunks(list(read), chunk_atoms=chunk_atoms, structures=structures,
                                into=into)
     if not on_device:
         chunks = nan_checked(jobs[0].path, chunks, read)
     for slot, chunk in enumerate(chunks):
-        yield chunk, _pad(read, precision, chunk, least, buffers, slot, ids=not on_device)
+        yield chunk, _pad(dtypes, chunk, least, buffers, slot, ids=not on_device)
 
 
 def _precision(jobs):
@@ -444,12 +436,15 @@ def _compiled(programs, on_device=False):
     from segcli import ops
 
     def outputs(program, values, idx, num_segments):
-        spec, inputs, order, wrt, weights, direction = program
+        spec, params, inputs, integers, precision, order, wrt, weights, direction = program
 
         def value(moving):
             given = dict(zip(wrt, moving))
-            return spec.apply(*(given.get(k, values[k]) for k in inputs), idx=idx,
-                              num_segments=num_segments, indices_are_sorted=True)
+            arrays = (given.get(k, values[k]) for k in inputs)
+            return spec.apply(*(a if kept else a.astype(precision)
+                                for a, kept in zip(arrays, integers)),
+                              idx=idx, num_segments=num_segments, indices_are_sorted=True,
+                              **dict(params))
 
         moving = tuple(values[k] for k in wrt)
         if order == 0:

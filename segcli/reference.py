@@ -1,11 +1,13 @@
-"""A pure-JAX reference for the eight segment ops, independent of the Warp kernels.
+"""A pure-JAX reference for every segment op (`segcli.registry.OPS`), independent of the
+Warp kernels.
 
 Built on `jax.ops.segment_sum`/`segment_max`/`segment_min` and `jax.numpy` only, with the
-semantics of SPEC §1: ids outside `[0, num_segments)` are dropped by reductions and give 0
-in gathers, empty segments give 0, `rms_norm` and `max_norm` have derivatives 0 (never NaN,
-at any order) where the norm is 0, and `max_norm` sends its gradient to the first element
-attaining the maximum. Every function supports forward and reverse mode to any order.
-Computes in the input dtype; `gradcheck` runs it in float64.
+semantics of SPEC §1 and §1b: ids outside `[0, num_segments)` are dropped by reductions and
+give 0 in gathers (and in softmax), empty segments give 0 (max and logsumexp -inf, min +inf),
+`rms_norm`, `max_norm` and `std` have derivatives 0 (never NaN, at any order) where they are
+0, and `max_norm`, `max` and `min` send their gradient to the first row attaining the
+extreme. Every function supports forward and reverse mode to any order. Computes in the
+input dtype; `gradcheck` runs it in float64.
 """
 
 import jax
@@ -16,12 +18,17 @@ def _valid(idx, num_segments):
     return (idx >= 0) & (idx < num_segments)
 
 
+def _take(values, index, found):
+    """values[index] along the first axis where `found`, else 0 (also from an empty `values`)."""
+    if values.shape[0] == 0:
+        return jnp.zeros(index.shape + values.shape[index.ndim:], values.dtype)
+    mask = found.reshape(found.shape + (1,) * (values.ndim - found.ndim))
+    return jnp.where(mask, jnp.take(values, jnp.where(found, index, 0), axis=0), 0)
+
+
 def _gather(values, idx, num_segments):
     """values[idx[i]] for each i, and 0 where idx[i] is out of range."""
-    valid = _valid(idx, num_segments)
-    gathered = jnp.take(values, jnp.where(valid, idx, 0), axis=0)
-    mask = valid.reshape(valid.shape + (1,) * (values.ndim - 1))
-    return jnp.where(mask, gathered, 0)
+    return _take(values, idx, _valid(idx, num_segments))
 
 
 def _sum_trailing(x):
@@ -81,8 +88,7 @@ def segmented_max_norm(x, idx, num_segments, *, indices_are_sorted=False):
     position = jnp.arange(x.shape[0])
     first = jax.ops.segment_min(jnp.where(attains, position, x.shape[0]), idx, num_segments,
                                 indices_are_sorted=indices_are_sorted)
-    found = first < x.shape[0]
-    return jnp.where(found, jnp.take(norms, jnp.where(found, first, 0)), 0)
+    return _take(norms, first, first < x.shape[0])
 
 
 def segmented_matvec(v, m, idx, num_segments):
@@ -90,6 +96,87 @@ def segmented_matvec(v, m, idx, num_segments):
     return jnp.einsum("nji,nj->ni", _gather(m, idx, num_segments), v)
 
 
-def segmented_count(idx, num_segments):
+def segmented_count(idx, num_segments, *, indices_are_sorted=False):
     """Atoms in each segment, int32, shape (M,)."""
     return _counts(idx, num_segments, jnp.int32)
+
+
+def _rows_mask(valid, x):
+    """valid (N,) broadcast against x (N, *F)."""
+    return valid.reshape(valid.shape + (1,) * (x.ndim - 1))
+
+
+def _first_attaining(x, idx, num_segments, segment_extreme, indices_are_sorted):
+    """Componentwise segment_extreme of x, with each component's derivative taken from the
+    first row attaining it (empty segments: segment_extreme's own value, -inf or +inf)."""
+    best = segment_extreme(jax.lax.stop_gradient(x), idx, num_segments,
+                           indices_are_sorted=indices_are_sorted)
+    attains = _rows_mask(_valid(idx, num_segments), x) & (x == _gather(best, idx, num_segments))
+    position = jnp.broadcast_to(jnp.arange(x.shape[0]).reshape((-1,) + (1,) * (x.ndim - 1)), x.shape)
+    first = jax.ops.segment_min(jnp.where(attains, position, x.shape[0]), idx, num_segments,
+                                indices_are_sorted=indices_are_sorted)
+    found = first < x.shape[0]
+    if x.shape[0] == 0:
+        return best
+    return jnp.where(found, jnp.take_along_axis(x, jnp.where(found, first, 0), axis=0), best)
+
+
+def segmented_max(x, idx, num_segments, *, indices_are_sorted=False):
+    """Componentwise max over each segment, (M, *F); an empty segment gives -inf (integers:
+    their smallest value)."""
+    return _first_attaining(x, idx, num_segments, jax.ops.segment_max, indices_are_sorted)
+
+
+def segmented_min(x, idx, num_segments, *, indices_are_sorted=False):
+    """Componentwise min over each segment, (M, *F); an empty segment gives +inf (integers:
+    their largest value)."""
+    return _first_attaining(x, idx, num_segments, jax.ops.segment_min, indices_are_sorted)
+
+
+def segmented_var(x, idx, num_segments, *, indices_are_sorted=False):
+    """Componentwise population variance (the mean of squared deviations from the mean), (M,
+    *F); an empty segment gives 0."""
+    mean = segmented_mean(x, idx, num_segments, indices_are_sorted=indices_are_sorted)
+    deviation = x - _gather(mean, idx, num_segments)
+    return segmented_mean(deviation * deviation, idx, num_segments,
+                          indices_are_sorted=indices_are_sorted)
+
+
+def segmented_std(x, idx, num_segments, *, indices_are_sorted=False):
+    """sqrt(segmented_var), with derivatives 0 where the variance is 0."""
+    return _safe_sqrt(segmented_var(x, idx, num_segments, indices_are_sorted=indices_are_sorted))
+
+
+def _shifted_exp(x, idx, num_segments, indices_are_sorted):
+    """(exp(x - shift) per row, 0 for out-of-range ids; the shift per segment): the shift is
+    the segment's max (0 if empty), held constant under differentiation."""
+    top = jax.ops.segment_max(jax.lax.stop_gradient(x), idx, num_segments,
+                              indices_are_sorted=indices_are_sorted)
+    shift = jnp.where(jnp.isfinite(top), top, 0)
+    valid = _rows_mask(_valid(idx, num_segments), x)
+    return jnp.exp(jnp.where(valid, x - _gather(shift, idx, num_segments), -jnp.inf)), shift
+
+
+def segmented_logsumexp(x, idx, num_segments, *, indices_are_sorted=False):
+    """Componentwise log Σ exp(x) over each segment, (M, *F), computed stably (shifted by the
+    segment's max); an empty segment gives -inf."""
+    scaled, shift = _shifted_exp(x, idx, num_segments, indices_are_sorted)
+    total = jax.ops.segment_sum(scaled, idx, num_segments, indices_are_sorted=indices_are_sorted)
+    positive = total > 0
+    return jnp.where(positive, jnp.log(jnp.where(positive, total, 1)) + shift, -jnp.inf)
+
+
+def segmented_softmax(x, idx, num_segments, *, indices_are_sorted=False):
+    """Componentwise exp(x[i]) / Σ_{idx[j]=idx[i]} exp(x[j]), (N, *F), stable; 0 for rows with
+    an out-of-range id."""
+    scaled, _ = _shifted_exp(x, idx, num_segments, indices_are_sorted)
+    total = jax.ops.segment_sum(scaled, idx, num_segments, indices_are_sorted=indices_are_sorted)
+    below = _gather(total, idx, num_segments)
+    return jnp.where(below > 0, scaled / jnp.where(below > 0, below, 1), 0)
+
+
+def segmented_bincount(labels, idx, num_segments, length, *, indices_are_sorted=False):
+    """How many rows of each segment have each label in [0, length), (M, length) int32; other
+    labels are dropped."""
+    one_hot = (labels.reshape(-1, 1) == jnp.arange(length)).astype(jnp.int32)
+    return jax.ops.segment_sum(one_hot, idx, num_segments, indices_are_sorted=indices_are_sorted)

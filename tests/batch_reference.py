@@ -1,11 +1,13 @@
-"""Independent references for the engine, reduce and grad tests: random segcli HDF5 files
-written with h5py, and every op of `segcli reduce` in NumPy float64 (values, one structure at
-a time) and in JAX (for jax.grad and jax.jvp). Never imports segcli."""
+"""References for the engine, reduce and grad tests: random segcli HDF5 files written with
+h5py, random arguments of any op from its registry data, and every op through its pure-JAX
+reference (segcli.reference, independent of the kernels) over the structures of n_atoms."""
+
+import collections
 
 import h5py
 import numpy as np
 
-PER_ATOM_OUTPUT = ("mul", "matvec")
+from segcli.registry import OPS
 
 
 def write_batch(path, n_atoms, atoms=(), structures=()):
@@ -38,59 +40,59 @@ def random_batch(path, seed, n_structures=40, max_atoms=9):
     return n_atoms, {**atoms, **structures}
 
 
-def reduce_numpy(op, n_atoms, *arrays):
-    """OP over each structure, in NumPy float64, one structure at a time."""
-    arrays = [np.asarray(a, np.float64) for a in arrays]
-    bounds = np.concatenate([[0], np.cumsum(n_atoms)])
-    parts = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
-    if op == "count":
-        return np.asarray(n_atoms)
-    if op in PER_ATOM_OUTPUT:
-        x, per_structure = arrays
-        rows = [x[p] * per_structure[s] if op == "mul" else x[p] @ per_structure[s]
-                for s, p in enumerate(parts)]
-        return np.concatenate(rows) if rows else x
-    one = {
-        "sum": lambda a: a.sum(axis=0),
-        "mean": lambda a: a.mean(axis=0) if len(a) else np.zeros(a.shape[1:]),
-        "dot": lambda a, b: np.sum(a * b),
-        "rms_norm": lambda a: np.sqrt(np.sum(a * a) / max(len(a), 1)),
-        "max_norm": lambda a: np.sqrt((a * a).sum(axis=tuple(range(1, a.ndim)))).max(initial=0.0),
-    }[op]
-    return np.array([one(*(a[p] for a in arrays)) for p in parts]).reshape(
-        len(parts), *(arrays[0].shape[1:] if op in ("sum", "mean") else ()))
+RANDOM_FIELDS = {
+    ("atom", None, "float"): [("x", "y"), ("t", "t"), ("v", "v"), ("x32", "x")],
+    ("atom", (3,), "float"): [("x",)],
+    ("structure", (), "float"): [("s",)],
+    ("structure", (3, 3), "float"): [("m",)],
+    ("atom", (), "labels"): [("z",)],
+}
+"""(per, shape, kind) of an op's argument -> alternative field names of random_batch for
+the first, second, ... argument of that kind."""
 
 
-def reduce_jax(op, n_atoms, *arrays):
-    """OP over each structure in plain JAX (jax.ops.segment_sum / segment_max), differentiable."""
+def fields_for(op, choices=RANDOM_FIELDS, turn=0):
+    """Field names for the inputs of `op` (a registry.Op): for the inputs of each kind
+    (per, shape, kind), in order, the names of alternative `turn` (modulo their number) of
+    choices[kind]."""
+    seen = collections.Counter()
+    names = []
+    for arg in op.inputs:
+        kind = (arg.per, arg.shape, arg.kind)
+        alternatives = choices[kind]
+        names.append(alternatives[turn % len(alternatives)][seen[kind]])
+        seen[kind] += 1
+    return names
+
+
+def random_args(rng, op, n, m, features=(3,), dtype=np.float64):
+    """Random NumPy arguments of `op` (a registry.Op) for n rows in m segments: per atom
+    (n, *features) or (n, *shape), per structure (m, *shape), labels ints in [0, length)."""
+    args = []
+    for arg in op.inputs:
+        shape = ((n,) if arg.per == "atom" else (m,)) + (features if arg.shape is None else arg.shape)
+        args.append(rng.integers(0, op.params["length"], shape) if arg.kind == "labels"
+                    else rng.normal(size=shape).astype(dtype))
+    return tuple(args)
+
+
+def reduce_jax(op, n_atoms, *arrays, **params):
+    """OP (a name) over the structures of n_atoms by its reference, in the arrays' dtypes
+    (integers as the op reduces them, else float64), differentiable."""
     import jax
-    import jax.numpy as jnp
 
-    def sqrt(a):  # SPEC §1: derivatives 0 (not NaN) where the norm is 0
-        return jnp.where(a > 0, jnp.sqrt(jnp.where(a > 0, a, 1)), 0)
+    spec = OPS[op]
+    idx = np.repeat(np.arange(len(n_atoms)), n_atoms)
+    with jax.enable_x64(True):
+        kept = [np.issubdtype(a.dtype, np.integer) and (spec.integers or arg.kind == "labels")
+                for a, arg in zip(arrays, spec.inputs)]
+        arrays = [a if keep else a.astype(np.float64) for a, keep in zip(arrays, kept)]
+        return spec.reference(*arrays, idx, len(n_atoms), **{**spec.params, **params})
 
-    s = len(n_atoms)
-    idx = np.repeat(np.arange(s), n_atoms)
-    x = arrays[0]
-    flat = x.reshape(len(x), -1)
-    count = jnp.asarray(np.maximum(n_atoms, 1), x.dtype)
-    trailing = (1,) * (x.ndim - 1)
-    if op == "sum":
-        return jax.ops.segment_sum(x, idx, s)
-    if op == "mean":
-        return jax.ops.segment_sum(x, idx, s) / count.reshape(-1, *trailing)
-    if op == "dot":
-        return jax.ops.segment_sum(jnp.sum(flat * arrays[1].reshape(len(x), -1), axis=1), idx, s)
-    if op == "mul":
-        return x * arrays[1][idx].reshape(-1, *trailing)
-    if op == "rms_norm":
-        return sqrt(jax.ops.segment_sum(jnp.sum(flat * flat, axis=1), idx, s) / count)
-    if op == "max_norm":
-        best = jax.ops.segment_max(sqrt(jnp.sum(flat * flat, axis=1)), idx, s)
-        return jnp.where(np.asarray(n_atoms) > 0, best, 0.0)
-    if op == "matvec":
-        return jnp.einsum("ni,nij->nj", x, arrays[1][idx])
-    raise ValueError(op)
+
+def reduce_reference(op, n_atoms, *arrays, **params):
+    """reduce_jax as a NumPy array."""
+    return np.asarray(reduce_jax(op, n_atoms, *arrays, **params))
 
 
 def objective_jax(op, n_atoms, weights, *arrays):
@@ -98,15 +100,18 @@ def objective_jax(op, n_atoms, weights, *arrays):
     import jax.numpy as jnp
 
     out = reduce_jax(op, n_atoms, *arrays)
-    w = np.repeat(weights, n_atoms) if op in PER_ATOM_OUTPUT else weights
+    w = np.repeat(weights, n_atoms) if OPS[op].output_per == "atom" else weights
     return jnp.sum(out * jnp.asarray(w).reshape(-1, *(1,) * (out.ndim - 1)))
 
 
 def assert_reduced(got, op, n_atoms, arrays, precision):
-    """got == OP(arrays) within rounding: |error| <= rtol · OP(|arrays|) entry by entry (the
-    size of the terms summed, so cancelling sums are judged fairly), rtol for the precision."""
+    """got == OP(arrays) within rounding: |error| <= rtol · max(|OP(arrays)|, OP(|arrays|))
+    entry by entry (OP(|arrays|): the size of the terms summed, so cancelling sums are
+    judged fairly), rtol for the precision; equal infinities agree."""
     rtol = {"float64": 1e-12, "float32": 2e-6}[precision]
-    expected = reduce_numpy(op, n_atoms, *arrays)
-    bound = reduce_numpy(op, n_atoms, *(np.abs(a) for a in arrays))
-    np.testing.assert_array_less(np.abs(np.asarray(got, np.float64) - expected),
-                                 rtol * bound + 1e-300)
+    expected = reduce_reference(op, n_atoms, *arrays).astype(np.float64)
+    bound = np.maximum(np.abs(expected), reduce_reference(op, n_atoms, *(np.abs(a) for a in arrays)))
+    got = np.asarray(got, np.float64)
+    with np.errstate(invalid="ignore"):  # inf - inf, where the two agree
+        error = np.where(got == expected, 0, np.abs(got - expected))
+    np.testing.assert_array_less(error, rtol * bound + 1e-300)

@@ -12,14 +12,22 @@ import h5py
 import jax
 import numpy as np
 import pytest
-from batch_reference import objective_jax, random_batch, write_batch
+from batch_reference import (
+    RANDOM_FIELDS,
+    fields_for,
+    objective_jax,
+    random_batch,
+    write_batch,
+)
 from click.testing import CliRunner
 
 from segcli.cli import main
+from segcli.registry import OPS
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_data"
-FIELDS = {"sum": ["t"], "mean": ["x"], "dot": ["x", "y"], "mul": ["v", "s"], "rms_norm": ["x"],
-          "max_norm": ["t"], "matvec": ["x", "m"]}
+CHOICES = {**RANDOM_FIELDS, ("atom", None, "float"): [("x", "y"), ("t", "t"), ("v", "v")]}
+FIELDS = {name: fields_for(op, CHOICES, k)
+          for k, (name, op) in enumerate(OPS.items()) if op.differentiable}
 DIRECTIONS = {"t": "t2", "x": "y", "y": "y", "v": "v2"}
 
 
@@ -71,8 +79,9 @@ def stored(path, name):
         return {label: ds[()] for label, ds in f[f"results/{name}"].items()}
 
 
-@pytest.mark.parametrize("precision", ["float64", "float32"])
-@pytest.mark.parametrize("op", list(FIELDS))
+@pytest.mark.parametrize("op, precision", [
+    pytest.param(op, precision, marks=() if (k + j) % 2 else pytest.mark.slow)
+    for k, op in enumerate(FIELDS) for j, precision in enumerate(["float64", "float32"])])
 def test_gradients_and_hessian_vector_products_match_jax(tmp_path, random_file, op, precision):
     path, n_atoms, data = random_file
     fields = FIELDS[op]

@@ -8,16 +8,22 @@ import time
 import jax
 import numpy as np
 import pytest
-from batch_reference import assert_reduced, random_batch, reduce_numpy, write_batch
+from batch_reference import (
+    assert_reduced,
+    fields_for,
+    random_batch,
+    reduce_jax,
+    reduce_reference,
+    write_batch,
+)
 
 from segcli import engine
-from segcli.engine import OPS
 from segcli.errors import DataError
 from segcli.io import open_batch
+from segcli.registry import OPS
 
 DEVICE = jax.devices()[0]  # the CPU in CI, a GPU where JAX has one
-FIELDS = {"sum": ["t"], "mean": ["x"], "dot": ["x", "y"], "mul": ["x", "s"], "rms_norm": ["x"],
-          "max_norm": ["t"], "matvec": ["x", "m"], "count": []}
+FIELDS = {name: fields_for(op, turn=k) for k, (name, op) in enumerate(OPS.items())}
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +46,7 @@ def plan(path, op, names, **kwargs):
 
 @pytest.mark.parametrize("op", list(OPS))
 def test_sorted_promise_goes_to_the_ops_that_take_it(op):
-    from segcli import ops
-
-    parameters = inspect.signature(getattr(ops, OPS[op].function)).parameters
+    parameters = inspect.signature(OPS[op].function).parameters
     assert OPS[op].takes_sorted == ("indices_are_sorted" in parameters)
 
 
@@ -51,14 +55,15 @@ def test_bucket_sizes():
         [1024, 1024, 1024, 2048, 2048, 4096, 1 << 21]
 
 
-@pytest.mark.parametrize("precision", ["float64", "float32"])
-@pytest.mark.parametrize("op", list(OPS))
-def test_every_op_matches_numpy_in_chunks_of_any_size(batch_file, op, precision):
+@pytest.mark.parametrize("op, precision", [
+    pytest.param(op, precision, marks=() if (k + j) % 2 else pytest.mark.slow)
+    for k, op in enumerate(OPS) for j, precision in enumerate(["float64", "float32"])])
+def test_every_op_matches_the_reference_in_chunks_of_any_size(batch_file, op, precision):
     path, n_atoms, data = batch_file
     job = plan(path, op, FIELDS[op], precision=precision)
     for chunk_atoms in (1, 23, engine.DEFAULT_CHUNK_ATOMS):
         got = run_all(path, job, chunk_atoms=chunk_atoms)[""]
-        assert got.dtype == (np.int32 if op == "count" else np.dtype(precision))
+        assert got.dtype == (np.int32 if OPS[op].output_dtype == "int32" else np.dtype(precision))
         assert_reduced(got, op, n_atoms, [data[name] for name in FIELDS[op]], precision)
 
 
@@ -71,10 +76,25 @@ def test_selected_structures_and_a_float32_field(batch_file):
                    "float64")
 
 
-def test_integer_fields_are_reduced_as_floats(batch_file):
+@pytest.mark.parametrize("op", [
+    pytest.param(name, marks=() if name in ("sum", "mean") or k % 2 else pytest.mark.slow)
+    for k, (name, op) in enumerate(OPS.items()) if op.inputs and op.inputs[0].shape in (None, ())])
+def test_integer_fields_stay_integers_where_the_op_reduces_integers(batch_file, op):
+    """sum, max, min of an integer field give int64 exactly; mean etc. compute in floats."""
     path, n_atoms, data = batch_file
-    got = run_all(path, plan(path, "sum", ["z"]))[""]
-    np.testing.assert_array_equal(got, reduce_numpy("sum", n_atoms, data["z"]))
+    fields = ["z"] + FIELDS[op][1:]
+    got = run_all(path, plan(path, op, fields, precision="float32"))[""]
+    expected = reduce_reference(op, n_atoms, *(data[f] for f in fields))
+    keeps = OPS[op].integers or OPS[op].inputs[0].kind == "labels"
+    assert got.dtype == (expected.dtype if keeps else np.float32)
+    np.testing.assert_allclose(got, expected, rtol=0 if keeps else 1e-6)
+
+
+def test_params_flow_to_the_op(batch_file):
+    path, n_atoms, data = batch_file
+    got = run_all(path, plan(path, "bincount", ["z"], params={"length": 5, "other": 1}))[""]
+    assert got.shape == (len(n_atoms), 5)
+    np.testing.assert_array_equal(got, reduce_reference("bincount", n_atoms, data["z"], length=5))
 
 
 def test_one_compilation_per_run_however_the_chunks_vary(tmp_path):
@@ -167,8 +187,11 @@ def test_nan_is_counted_over_every_chunk_and_the_first_structure_named(tmp_path)
                                "be (N, 3)"),
     ("matvec", ["x", "s"], {}, "field 's' has shape (S, 3), but matvec's second field must "
                                "be (S, 3, 3)"),
-    ("dot", ["x", "t"], {}, "dot needs two fields of the same shape, but 'x' is (N, 3) and "
+    ("dot", ["x", "t"], {}, "dot needs fields of the same shape, but 'x' is (N, 3) and "
                             "'t' is (N, 2, 2)"),
+    ("bincount", ["x"], {}, "field 'x' has shape (N, 3), but bincount must be (N,) labels"),
+    ("bincount", ["e"], {}, "field 'e' is per structure (S,), but bincount must be per atom (N,) "
+                            "labels"),
     ("sum", ["c"], {}, "field 'c' holds complex128 values, but sum must be real numbers"),
     ("sum", ["z"], {"order": 1}, "field 'z' holds int64 values, but sum must be "
                                  "floating-point to be differentiated"),
@@ -189,18 +212,16 @@ def test_plan_refuses_fields_that_do_not_fit(tmp_path, op, names, kwargs, messag
 
 
 def test_outputs_of_each_op_and_order(batch_file):
-    path = batch_file[0]
-    outputs = {op: plan(path, op, names).outputs for op, names in FIELDS.items()}
-    assert outputs == {
-        "sum": {"": ("structure", (2, 2), np.float64)},
-        "mean": {"": ("structure", (3,), np.float64)},
-        "dot": {"": ("structure", (), np.float64)},
-        "mul": {"": ("atom", (3,), np.float64)},
-        "rms_norm": {"": ("structure", (), np.float64)},
-        "max_norm": {"": ("structure", (), np.float64)},
-        "matvec": {"": ("atom", (3,), np.float64)},
-        "count": {"": ("structure", (), np.int32)},
-    }
+    """Each op's output: per structure or atom, trailing shape and dtype as its reference
+    gives them (floats in the precision)."""
+    path, n_atoms, data = batch_file
+    for op, names in FIELDS.items():
+        (per, shape, dtype), = plan(path, op, names, precision="float32").outputs.values()
+        expected = jax.eval_shape(lambda *a, op=op: reduce_jax(op, n_atoms, *a),
+                                  *(data[f] for f in names))
+        rows = {"structure": len(n_atoms), "atom": sum(n_atoms)}[per]
+        assert (rows, *shape) == expected.shape, op
+        assert dtype == (np.float32 if expected.dtype.kind == "f" else expected.dtype), op
     job = plan(path, "dot", ["x", "x"], order=1, precision="float32")
     assert job.wrt == ("x",) and job.outputs == {"d_x": ("atom", (3,), np.float32)}
     job = plan(path, "dot", ["x", "y"], order=2, weights="w", direction="x")
@@ -215,9 +236,8 @@ def test_pad_uses_a_read_buffer_only_for_exactly_the_rows_read_into_it():
     # a chunk made of part of a piece (as when a piece is split) is copied, not padded in place
     head, tail = piece[:4], piece[4:]
     assert ring.holding(head) is None and ring.holding(tail) is None
-    job = engine.Job("f.h5", OPS["sum"], ("x",), (None,))
     chunk = type("Chunk", (), {"n_atoms": np.array([4]), "atoms": {"x": head}, "structures": {}})
-    padded = engine._pad(job.read, job.precision, chunk, (8, 1024), ring, 1)
+    padded = engine._pad({"x": np.dtype(np.float64)}, chunk, (8, 1024), ring, 1)
     assert padded.arrays["x"].ctypes.data != piece.ctypes.data
     np.testing.assert_array_equal(piece[4:], np.arange(12.0, 18.0).reshape(2, 3))  # untouched
     np.testing.assert_array_equal(padded.arrays["x"][:4], np.arange(12.0).reshape(4, 3))

@@ -13,7 +13,7 @@ import ase.io
 import h5py
 import numpy as np
 import pytest
-from batch_reference import reduce_numpy, write_batch
+from batch_reference import reduce_reference, write_batch
 from click.testing import CliRunner
 
 from segcli.cli import main
@@ -166,7 +166,7 @@ def test_reduce_over_many_files_equals_reduce_over_their_conversion(shards, tmp_
             assert list(single.attrs["sources"].astype(str)) == [str(converted)]
             assert np.array_equal(single["structures/source"][()], np.zeros(len(n_atoms)))
             assert np.array_equal(single["structures/source_index"][()], np.arange(len(n_atoms)))
-    expected = reduce_numpy("rms_norm", n_atoms, x)
+    expected = reduce_reference("rms_norm", n_atoms, x)
     result = run("reduce", directory / "*.h5", "rms_norm", "x", "--chunk-atoms", 3,
                  "--structures", "2:11")
     lines = result.stdout.splitlines()

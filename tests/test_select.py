@@ -327,13 +327,13 @@ def test_an_extxyz_file_streams_its_structures(tmp_path, extxyz, ase_reference):
 def test_results_stored_by_reduce_and_grad_in_place(tmp_path):
     """--where on a result that `reduce --in-place` stored; a per-atom `grad` result and the
     per-structure one are sliced with the fields."""
-    from batch_reference import random_batch, reduce_numpy
+    from batch_reference import random_batch, reduce_reference
 
     path = tmp_path / "r.h5"
     n_atoms, data = random_batch(path, seed=11, n_structures=30)
     assert run("reduce", path, "max_norm", "x", "--in-place", "-q").exit_code == 0
     assert run("grad", path, "rms_norm", "y", "--in-place", "-q").exit_code == 0
-    norms = reduce_numpy("max_norm", n_atoms, data["x"])
+    norms = reduce_reference("max_norm", n_atoms, data["x"])
     limit = np.median(norms)
     select(path, tmp_path / "out.h5", "--where", f"max_norm_x < {float(limit)!r}")
     kept = np.flatnonzero(norms < limit)

@@ -5,17 +5,25 @@ reference."""
 import h5py
 import numpy as np
 import pytest
-from batch_reference import assert_reduced, random_batch
+from batch_reference import (
+    RANDOM_FIELDS,
+    assert_reduced,
+    fields_for,
+    random_batch,
+    reduce_reference,
+)
 from click.testing import CliRunner
+from test_engine import DEVICE
 
 from segcli import engine
 from segcli.cli import main
-from segcli.engine import OPS
 from segcli.io import open_batch
-from test_engine import DEVICE
+from segcli.registry import OPS
 
-STRUCTURE_OPS = [("rms_norm", ["x"]), ("max_norm", ["t"]), ("dot", ["x", "y"]),
-                 ("sum", ["x32"]), ("count", [])]
+STRUCTURE_OPS = [(name, fields_for(op, turn=k)) for k, (name, op) in enumerate(OPS.items())
+                 if op.output_per == "structure"]
+VECTOR_FIELDS = {**RANDOM_FIELDS, ("atom", None, "float"): [("x", "y")]}
+"""Fields for derivatives along one direction y (N, 3): every per-atom field (N, 3)."""
 
 
 def run(*args):
@@ -39,8 +47,9 @@ def random_file(tmp_path_factory):
 @pytest.mark.parametrize("order", [0, 1, 2])
 def test_one_pass_gives_each_jobs_bits_alone(random_file, order):
     path, n_atoms, data = random_file
-    ops = [("rms_norm", ["x"]), ("dot", ["x", "y"]), ("mul", ["x", "s"]),
-           ("max_norm", ["t" if order < 2 else "x"])] + ([("count", [])] if order == 0 else [])
+    ops = [(name, fields_for(op, VECTOR_FIELDS if order else RANDOM_FIELDS, k))
+           for k, (name, op) in enumerate(OPS.items())
+           if k % 3 == order and (order == 0 or op.differentiable)]
     plan = {"order": order, "weights": "w" if order else None,
             "direction": "y" if order == 2 else None}
     with open_batch(path) as batch:
@@ -80,11 +89,17 @@ def test_reduce_several_ops_to_stdout(random_file, fmt):
     names = ["_".join([op, *fields]) for op, fields in STRUCTURE_OPS]
     if fmt == "csv":
         lines = result.stdout.splitlines()
-        assert lines[0].split(",") == ["structure", names[0], names[1], names[2],
-                                       *(f"{names[3]}_{i}" for i in range(3)), names[4]]
+        header = lines[0].split(",")
         rows = np.array([[float(v) for v in line.split(",")] for line in lines[1:]])
         np.testing.assert_array_equal(rows[:, 0], np.arange(len(n_atoms)))
-        got = [rows[:, 1], rows[:, 2], rows[:, 3], rows[:, 4:7], rows[:, 7]]
+        got, start = [], 1
+        for (op, fields), name in zip(STRUCTURE_OPS, names):
+            shape = reduce_reference(op, n_atoms, *(data[f] for f in fields)).shape
+            first = "_".join([name, *"0" * (len(shape) - 1)])
+            assert header[start] == first
+            got.append(rows[:, start:start + int(np.prod(shape[1:]))].reshape(shape))
+            start += int(np.prod(shape[1:]))
+        assert start == len(header)
     elif fmt == "json":
         import json
 

@@ -9,7 +9,7 @@ import shutil
 import h5py
 import numpy as np
 import pytest
-from batch_reference import reduce_numpy, write_batch
+from batch_reference import reduce_reference, write_batch
 from click.testing import CliRunner
 
 from segcli.cli import main
@@ -139,7 +139,7 @@ def test_merged_shards_equal_one_run_bit_for_bit(tmp_path, lumpy, shards, comman
     assert_identical(tmp_path / "virtual.h5", whole)
     if command[1] == "rms_norm":
         values, _, _ = datasets(tmp_path / "merged.h5")[0]["results/rms_norm_forces"]
-        np.testing.assert_allclose(values, reduce_numpy("rms_norm", n_atoms, data["forces"]),
+        np.testing.assert_allclose(values, reduce_reference("rms_norm", n_atoms, data["forces"]),
                                    rtol=1e-12)
 
 
@@ -235,7 +235,7 @@ def test_a_virtual_merge_opens_after_the_parts_move_beside_it(tmp_path, lumpy):
     with open_batch(os.path.join(moved, "all.h5")) as batch:
         values = np.concatenate([c.structures["max_norm_forces"]
                                  for c in batch.iter_chunks(["max_norm_forces"])])
-    np.testing.assert_allclose(values, reduce_numpy("max_norm", n_atoms, data["forces"]),
+    np.testing.assert_allclose(values, reduce_reference("max_norm", n_atoms, data["forces"]),
                                rtol=1e-12)
     os.remove(os.path.join(moved, "r-0.h5"))
     result = run("info", os.path.join(moved, "all.h5"))

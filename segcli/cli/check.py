@@ -6,12 +6,13 @@ import click
 
 from segcli.cli import common
 from segcli.cli.common import parse_pair, progress_bar, structure_range
+from segcli.registry import OPS
 
 DEFAULT_STRUCTURES = "0:16"
 DEFAULT_RANDOM = "64:8"
-MAX_NORM_GAP = 1e-3
-"""Relative gap below which two atoms tie for a structure's max_norm (the finite differences,
-which move each entry by ~1e-5 relative, could cross it)."""
+TIE_GAP = 1e-3
+"""Relative gap below which two values tie (or a spread is zero) for the kink rules (the
+finite differences, which move each entry by ~1e-5 relative, could cross it)."""
 
 
 def _random_size(ctx, param, text):
@@ -24,8 +25,6 @@ def _random_size(ctx, param, text):
 
 
 def _op_names(ctx, param, text):
-    from segcli.engine import OPS
-
     if text is None:
         return list(OPS)
     names = [name.strip() for name in text.split(",") if name.strip()]
@@ -40,21 +39,21 @@ def _parameter_names(spec):
     """The names of the op's array parameters (x, y, v, m), from the reference's signature."""
     import inspect
 
-    from segcli import reference
-
-    parameters = inspect.signature(getattr(reference, spec.function)).parameters
-    return list(parameters)[: len(spec.inputs)]
+    return list(inspect.signature(spec.reference).parameters)[: len(spec.inputs)]
 
 
 def _default_fields(spec, field, available):
-    """Field names for each input: --field, else forces (else positions), for the first per-atom
-    input, positions for a second, energy (else the first per-structure float scalar) for a
-    per-structure scalar, scaled_positions × cell for matvec."""
+    """Field names for each input: numbers for labels; --field, else forces (else positions),
+    for the first per-atom input, positions for a second, energy (else the first per-structure
+    float scalar) for a per-structure scalar, cell for a (3, 3) one and scaled_positions for
+    a first (3,) input beside it (matvec)."""
     scalars = sorted(name for name, info in available.items()
                      if info.per == "structure" and info.shape == () and info.dtype.kind == "f")
     names = []
     for position, wanted in enumerate(spec.inputs):
-        if wanted.per == "structure":
+        if wanted.kind == "labels":
+            names.append("numbers")
+        elif wanted.per == "structure":
             names.append("cell" if wanted.shape == (3, 3)
                          else "energy" if "energy" in available or not scalars else scalars[0])
         elif position > 0:
@@ -123,31 +122,75 @@ def _random_inputs(size, specs, seed):
     n_atoms = rng.multinomial(atoms, weights / weights.sum()).astype(np.int64)
     inputs = {}
     for spec in specs:
-        arrays = [rng.normal(size=((atoms,) if wanted.per == "atom" else (structures,)) +
-                             (wanted.shape if wanted.shape is not None else (3,)))
-                  for wanted in spec.inputs]
+        arrays = []
+        for wanted in spec.inputs:
+            size = ((atoms,) if wanted.per == "atom" else (structures,)) + (
+                wanted.shape if wanted.shape is not None else (3,))
+            arrays.append(rng.integers(0, spec.params["length"], size)
+                          if wanted.kind == "labels" else rng.normal(size=size))
         inputs[spec.name] = (_parameter_names(spec), arrays)
     return n_atoms, inputs
 
 
-def _differentiable_structures(name, arrays, n_atoms):
-    """Which structures the op is differentiable at: rms_norm not where all of a structure's
-    entries are 0, max_norm not where the largest norm is 0 or tied (within MAX_NORM_GAP)."""
+def _zero_norm(rows):
+    return not rows.any()
+
+
+def _norm_ties(rows):
+    import numpy as np
+
+    norms = np.sort(np.linalg.norm(rows, axis=1))[::-1]
+    return norms[0] == 0 or (len(norms) > 1 and norms[1] >= norms[0] * (1 - TIE_GAP))
+
+
+def _value_ties(rows):
+    import numpy as np
+
+    ordered = np.sort(rows, axis=0)
+    gaps = np.minimum(ordered[-1] - ordered[-2], ordered[1] - ordered[0]) if len(rows) > 1 \
+        else np.inf
+    return bool(np.any(gaps <= TIE_GAP * np.abs(rows).max(axis=0)))
+
+
+def _zero_spread(rows):
+    import numpy as np
+
+    return bool(np.any(np.ptp(rows, axis=0) <= TIE_GAP * np.abs(rows).max(axis=0)))
+
+
+KINKS = {"zero_norm": _zero_norm, "norm_ties": _norm_ties, "value_ties": _value_ties,
+         "zero_spread": _zero_spread}
+"""Op.kinks -> whether a structure's rows (atoms x components of the first input) sit at a
+kink: all entries 0; the largest norm 0 or tied (within TIE_GAP); a component's largest or
+smallest value tied; a component without spread."""
+
+
+def _smooth_structures(spec, arrays, n_atoms):
+    """Which structures the op is differentiable at, by its kink rule (all without one)."""
     import numpy as np
 
     keep = np.ones(len(n_atoms), bool)
-    if name not in ("rms_norm", "max_norm"):
+    if spec.kinks is None:
         return keep
-    x = arrays[0].reshape(len(arrays[0]), -1)
-    norms = np.linalg.norm(x, axis=1)
+    rows = arrays[0].reshape(len(arrays[0]), -1)
     for s, (lo, hi) in enumerate(zip(np.cumsum(n_atoms) - n_atoms, np.cumsum(n_atoms))):
-        if hi == lo:
-            continue
-        ranked = np.sort(norms[lo:hi])[::-1]
-        if ranked[0] == 0:
-            keep[s] = False
-        elif name == "max_norm" and len(ranked) > 1:
-            keep[s] = ranked[1] < ranked[0] * (1 - MAX_NORM_GAP)
+        keep[s] = hi == lo or not KINKS[spec.kinks](rows[lo:hi])
+    return keep
+
+
+def _finite_structures(spec, arrays, n_atoms):
+    """Which structures the reference gives finite values for (max, min and logsumexp of an
+    empty structure are infinite, which neither differences nor compares)."""
+    import jax
+    import numpy as np
+
+    with jax.enable_x64(True):
+        out = np.asarray(_bound(spec, n_atoms)[1](*arrays))
+    bad = ~np.isfinite(out.reshape(len(out), -1)).all(axis=1)
+    if spec.output_per == "atom":
+        bad = np.repeat(np.arange(len(n_atoms)), n_atoms)[bad]
+    keep = np.ones(len(n_atoms), bool)
+    keep[bad] = False
     return keep
 
 
@@ -162,42 +205,56 @@ def _select_structures(spec, arrays, n_atoms, keep):
 
 def _bound(spec, n_atoms):
     """The op and its reference as functions of the op's arrays, for structures of n_atoms."""
-    from segcli import reference
     from segcli.ops import segment_ids
 
     idx = segment_ids(n_atoms)
-    expected = getattr(reference, spec.function)
     return (lambda *arrays: spec.apply(*arrays, idx=idx, num_segments=len(n_atoms)),
-            lambda *arrays: expected(*arrays, idx, len(n_atoms)))
+            lambda *arrays: spec.reference(*arrays, idx, len(n_atoms), **spec.params))
+
+
+def _noted(report, note):
+    """The report with `note` added to each row."""
+    from dataclasses import replace
+
+    from segcli.gradcheck import Report
+
+    return Report(tuple(replace(row, note="; ".join(filter(None, (row.note, note))))
+                        for row in report.rows))
+
+
+def _restricted(spec, arrays, n_atoms, keep, why):
+    """(arrays, n_atoms, note): the op's data restricted to the structures where `keep` is
+    True, and a note saying how many were left out and `why` ("" if none)."""
+    if keep.all():
+        return arrays, n_atoms, ""
+    arrays, n_atoms = _select_structures(spec, arrays, n_atoms, keep)
+    return arrays, n_atoms, f"leave out {int((~keep).sum())} structure(s) where {why}"
 
 
 def _check_op(spec, labels, arrays, n_atoms, order, seed):
-    """The rows for one op: finite differences (where it is differentiable) and the reference."""
-    from dataclasses import replace
+    """The rows for one op: the reference (where its values are finite) and finite
+    differences (where the op is also differentiable), noted with what they leave out."""
+    from segcli.gradcheck import check_gradients, compare_functions
 
-    from segcli.gradcheck import Report, check_gradients, compare_functions
-
-    report = compare_functions(*_bound(spec, n_atoms), arrays, order=order, seed=seed, argnames=labels,
-                               name=spec.name)
+    arrays, n_atoms, infinite = _restricted(spec, arrays, n_atoms,
+                                            _finite_structures(spec, arrays, n_atoms),
+                                            f"{spec.name} is infinite (empty)")
+    report = _noted(compare_functions(*_bound(spec, n_atoms), arrays, order=order, seed=seed,
+                                      argnames=labels, name=spec.name), infinite)
     if not spec.differentiable:
         return report
-    keep = _differentiable_structures(spec.name, arrays, n_atoms)
-    left_out = int((~keep).sum())
-    if left_out:
-        arrays, n_atoms = _select_structures(spec, arrays, n_atoms, keep)
-    checked = check_gradients(_bound(spec, n_atoms)[0], arrays, order=order, seed=seed, argnames=labels,
-                              name=spec.name)
-    if left_out:
-        note = (f"finite differences leave out {left_out} structure(s) where {spec.name} is not "
-                "differentiable (zero or tied norms)")
-        checked = Report(tuple(replace(row, note="; ".join(filter(None, (row.note, note)))) for row in checked.rows))
-    return report + checked
+    arrays, n_atoms, kinked = _restricted(spec, arrays, n_atoms,
+                                          _smooth_structures(spec, arrays, n_atoms),
+                                          f"{spec.name} is not differentiable ({spec.kinks})")
+    checked = check_gradients(_bound(spec, n_atoms)[0], arrays, order=order, seed=seed,
+                              argnames=labels, name=spec.name)
+    return report + _noted(checked, f"finite differences {kinked}" if kinked else infinite)
 
 
 @click.command(short_help="Check the ops' values and derivatives.")
 @click.argument("file", required=False)
 @click.option("--op", "op_names", callback=_op_names, metavar="OP[,OP...]",
-              help="Ops to check (default: all): sum, mean, dot, mul, rms_norm, max_norm, matvec, count.")
+              help=f"Ops to check (default: all): {', '.join(OPS)}.")
 @click.option("--order", type=click.IntRange(min=1), default=2, show_default=True,
               help="Highest derivative order checked.")
 @click.option("--structures", callback=structure_range, metavar="START:STOP",
@@ -222,14 +279,15 @@ def gradcheck(ctx, file, op_names, order, structures, field, random_size, device
     pure-JAX implementation. One row per op and order shows the worst check: its error,
     tolerance and result (order 0: values). Exit status 0 only if every check passes.
 
-    FILE's own fields and structures are used: forces (else positions) for sum, mean,
-    rms_norm and max_norm (--field picks another per-atom field), forces·positions for dot,
-    forces × energy (else another per-structure scalar) for mul, scaled_positions × cell
-    for matvec; ops whose fields FILE lacks are skipped, or an error if named in --op.
-    Only --structures (default 0:16, about 30 s on two CPU cores for the bundled
-    metals.h5 at order 2) are read. Where rms_norm or max_norm is not differentiable (a structure of zero
-    vectors, two atoms tied for the largest norm) those structures are left out of the
-    finite differences but still compared with the reference. Without FILE, random data of
+    FILE's own fields and structures are used: forces (else positions; --field picks
+    another) for an op's first per-atom input, positions for a second, scaled_positions
+    beside a (S, 3, 3) cell, energy (else another per-structure scalar) for a per-structure
+    scalar, numbers for labels; ops whose fields FILE lacks are skipped, or an error if
+    named in --op. Only --structures (default 0:16, about 30 s on two CPU cores for the
+    bundled metals.h5 at order 2) are read. Structures where an op is not differentiable
+    (zero norms or spread, tied extremes) are left out of the finite differences but still
+    compared with the reference; those where its value is infinite (the max of an empty
+    one) are left out of both. Without FILE, random data of
     --random atoms and structures, with sorted ids and some empty structures.
 
     \b
@@ -244,7 +302,6 @@ def gradcheck(ctx, file, op_names, order, structures, field, random_size, device
     target = common.device(device)
     import jax
 
-    from segcli.engine import OPS
     from segcli.gradcheck import Report
 
     specs = [OPS[name] for name in op_names]

@@ -21,12 +21,52 @@ from segcli.cli.common import (
     structure_range,
     table,
 )
+from segcli.registry import OPS
+
+_PARAMS = {name: [op for op in OPS.values() if name in op.params]
+           for name in dict.fromkeys(p for op in OPS.values() for p in op.params)}
+"""Each static param of some op -> the ops that take it (an option of reduce)."""
+
+
+def _op_table():
+    """Each op with its fields and shapes, for the help of reduce."""
+    rows = [(" ".join([op.name, *("FIELD", "FIELD2")[:len(op.inputs)]]),
+             " ".join([*(i.describe() for i in op.inputs), "->", op.describe_output()]))
+            for op in OPS.values()]
+    return "\n".join(" " * 6 + line for line in table(rows))
+
+
+def _with_op_lists(command):
+    """The command with its docstring's {op_table} and {not_differentiable} filled in from
+    the registry (before click reads the docstring)."""
+    command.__doc__ = command.__doc__.replace("{op_table}", _op_table()).replace(
+        "{not_differentiable}", ", ".join(n for n, op in OPS.items() if not op.differentiable))
+    return command
+
+
+def _param_options(command):
+    """An option --NAME for each static param of some op (bincount's --length)."""
+    for name, ops in reversed(_PARAMS.items()):
+        defaults = ", ".join(f"{op.params[name]} for {op.name}" for op in ops)
+        command = click.option(f"--{name}", type=click.IntRange(min=1), metavar="N",
+                               help=f"The {name} of {', '.join(op.name for op in ops)} "
+                                    f"(default {defaults}).")(command)
+    return command
+
+
+def _params(ops, options):
+    """The static params given as options (removed from `options`); UsageError for one that
+    none of `ops` takes."""
+    params = {name: options.pop(name) for name in _PARAMS}
+    params = {name: value for name, value in params.items() if value is not None}
+    for name in params:
+        if not any(name in spec.params for spec, _ in ops):
+            raise click.UsageError(f"--{name} is for {', '.join(op.name for op in _PARAMS[name])}")
+    return params
 
 
 def _op_list(ctx, param, words):
-    """OP [FIELD [FIELD2]] [+ OP [FIELD [FIELD2]] ...] as ((OpSpec, fields), ...)."""
-    from segcli.engine import OPS
-
+    """OP [FIELD [FIELD2]] [+ OP [FIELD [FIELD2]] ...] as ((registry.Op, fields), ...)."""
     groups = [[]]
     for word in words:
         if word == "+":
@@ -300,7 +340,7 @@ def _compute_into(batch, results, sink, device, lo, hi, chunk_atoms, progress=No
 
 
 def _plan(batch, path, ops, names, plan):
-    """The _Results of `ops` ((OpSpec, fields), ...) named `names` over `batch`."""
+    """The _Results of `ops` ((registry.Op, fields), ...) named `names` over `batch`."""
     from segcli import engine
 
     return _Results([engine.plan(path, spec, fields, batch.fields, **plan)
@@ -311,7 +351,6 @@ def _part(layout, ops, names, plan, device, chunk_atoms, lo, hi, path, attrs):
     """One shard of a command run on a cluster: structures [lo, hi) of the batch `layout`
     describes (see segcli.io.open_inputs) into the new file `path` (replaced whole if a
     retried task wrote it before); returns `path`. `ops` are (op name, fields) pairs."""
-    from segcli.engine import OPS
     from segcli.io import open_inputs
 
     target = common.device(device)
@@ -326,7 +365,8 @@ def _part(layout, ops, names, plan, device, chunk_atoms, lo, hi, path, attrs):
 
 
 def _execute(file, ops, *, output, in_place, fmt, name, force, structures, chunk_atoms,
-             device, precision, quiet, shard, scheduler, order=0, weights=None, direction=None):
+             device, precision, quiet, shard, scheduler, order=0, weights=None, direction=None,
+             params=None):
     """Run one reduce or grad command: check, plan, compute every op in one pass (here, one
     shard of it, or as shards on a cluster) and write the results."""
     _check_usage(ops, name, output, in_place, fmt, structures)
@@ -338,7 +378,8 @@ def _execute(file, ops, *, output, in_place, fmt, name, force, structures, chunk
 
     target = None if scheduler else common.device(device)
     names = [name] if name else ["_".join((spec.name, *fields)) for spec, fields in ops]
-    plan = {"precision": precision, "order": order, "weights": weights, "direction": direction}
+    plan = {"precision": precision, "order": order, "weights": weights, "direction": direction,
+            "params": params}
     with open_inputs(paths, name=file) as batch:
         results = _plan(batch, file, ops, names, plan)
         results.check_rows(output, in_place)
@@ -411,18 +452,16 @@ _OPS_ARGUMENT = click.argument("ops", nargs=-1, required=True, callback=_op_list
 @click.argument("file")
 @_OPS_ARGUMENT
 @_shared_options
+@_param_options
+@_with_op_lists
 def reduce(file, ops, **options):
     """Run OP on FIELD [FIELD2] of every structure of FILE; several ops joined by `+` run in
     one pass over the file (each result named OP_FIELD[_FIELD2]).
 
     \b
-    OP and its fields (per-atom: N rows; per-structure: S rows):
-      sum, mean, rms_norm, max_norm FIELD   per atom (N, *F)   -> per structure
-      dot FIELD FIELD2                      per atom, same shape -> per structure
-      mul FIELD SCALAR                      per atom x per-structure (S,) -> per atom
-      matvec FIELD MATRIX                   per atom (N, 3) x per-structure (S, 3, 3)
-                                            -> per atom (scaled_positions cell = positions)
-      count                                 no field -> atoms per structure
+    OP, its fields and their shapes (N rows per atom, S per structure, *F any
+    trailing shape, one per op; what each computes: `segcli ops`):
+{op_table}
 
     FILE is a segcli HDF5 file or any file ASE reads, or many files read as one batch: a
     directory, a quoted glob pattern ('shards/*.h5') or @LIST (see `segcli info --help`);
@@ -443,8 +482,10 @@ def reduce(file, ops, **options):
       segcli reduce batch.h5 dot forces velocities --in-place --name power
       segcli reduce data.h5 rms_norm forces --shard auto -o 'parts/r-{shard}.h5'
       segcli reduce data.h5 rms_norm forces --scheduler local:4 -o rms.h5
+      segcli reduce sample_data/metals.h5 bincount numbers -o composition.h5
     """
-    _execute(file, ops, **options)
+    params = _params(ops, options)
+    _execute(file, ops, params=params, **options)
 
 
 @click.command(short_help="Per-atom gradients of ops over a file.")
@@ -457,6 +498,7 @@ def reduce(file, ops, **options):
 @click.option("--direction", metavar="FIELD",
               help="Per-atom field, the shape of the differentiated fields (--order 2).")
 @_shared_options
+@_with_op_lists
 def grad(file, ops, weights, order, direction, **options):
     """Per-atom derivatives of Σ_s w_s · OP(FIELD [FIELD2])_s over the structures of FILE.
 
@@ -466,8 +508,8 @@ def grad(file, ops, weights, order, direction, **options):
     array with a field per d_F). Per-structure inputs (mul's scalar, matvec's matrix) are
     held fixed. With --order 2 --direction V, writes instead the Hessian-vector product: the
     derivative of that gradient as every per-atom input moves along V. OPs and fields are
-    as for `segcli reduce`, several joined by `+` (columns then OP_FIELD_d_F_0, ...); count
-    is not differentiable. FILE may be many files, as for `segcli reduce`.
+    as for `segcli reduce`, several joined by `+` (columns then OP_FIELD_d_F_0, ...); not
+    differentiable: {not_differentiable}. FILE may be many files, as for `segcli reduce`.
 
     \b
     Example:
@@ -477,8 +519,6 @@ def grad(file, ops, weights, order, direction, **options):
     """
     for op, _ in ops:
         if not op.differentiable:
-            from segcli.engine import OPS
-
             raise click.BadParameter(
                 f"{op.name} is not differentiable (choose from "
                 f"{', '.join(n for n, s in OPS.items() if s.differentiable)})",
@@ -498,11 +538,9 @@ def ops():
     Example:
       segcli ops
     """
-    from segcli.engine import OPS
-
     rows = [("op", "inputs", "output", "derivatives", "")] + [
-        (s.name, " ".join(i.describe() for i in s.inputs) or "-", s.output_shape,
-         "yes" if s.differentiable else "no", s.summary) for s in OPS.values()]
+        (op.name, " ".join(i.describe() for i in op.inputs) or "-", op.describe_output(),
+         "yes" if op.differentiable else "no", op.summary) for op in OPS.values()]
     click.echo("\n".join(table(rows)))
 
 
