@@ -8,6 +8,7 @@ import pytest
 
 from segcli import ops
 from segcli.ops import _primitives
+from segcli.registry import OPS
 
 
 @pytest.fixture(autouse=True)
@@ -35,25 +36,24 @@ ids = pytest.fixture(params=["sorted", "unsorted"])(_ids)
 any_ids = pytest.fixture(params=["sorted", "unsorted", "unsorted_gpu_paths"])(_ids)
 
 
-@pytest.mark.parametrize("name, fill", [("max", -np.inf), ("min", np.inf)])
-def test_extremes_tie_to_the_first_row_and_differentiate_there(any_ids, name, fill):
+@pytest.mark.parametrize("name", [name for name, op in OPS.items() if op.kinks == "value_ties"])
+def test_extremes_tie_to_the_first_row_and_differentiate_there(any_ids, name):
     idx, order = any_ids
-    # column 0 ties within segments 0 and 1; column 1 has a NaN in segment 3
+    # column 0 ties within segments 0 and 1 (at either extreme); column 1 has a NaN in segment 3
     x = np.array([[2.0, 1], [2, 5], [-1, 5], [7, 0], [7, 3], [1, np.nan], [1, -2], [9, 9]])
-    if name == "min":
-        x[:, 0] = -x[:, 0]
+    x[:2, 0] = x[:2, 0] if name == "max" else -3
     x = jnp.asarray(x[order])
-    function = getattr(ops, f"segmented_{name}")
+    function = OPS[name].function
     got = np.asarray(function(x, idx, 4))
-    expected = np.asarray(getattr(jax.ops, f"segment_{name}")(x, idx, 4))
-    np.testing.assert_array_equal(got[[0, 1, 3]], expected[[0, 1, 3]])
-    np.testing.assert_array_equal(got[2], [fill, fill])
+    np.testing.assert_array_equal(got, OPS[name].reference(x, idx, 4))
+    assert np.all(np.isinf(got[2]))
     grad = np.asarray(jax.jit(jax.grad(lambda x: jnp.sum(jnp.nan_to_num(function(x, idx, 4)))))(x))
     # the first row (in row order) of each tie gets the whole derivative, others nothing
     rows = np.asarray(idx)
     for s, column in ((0, 0), (1, 0), (0, 1)):
         members = np.flatnonzero(rows == s)
         winners = members[x[members, column] == got[s, column]]
+        assert len(winners) > 1 or (s, column) == (0, 1)
         assert grad[winners[0], column] == 1 and np.all(grad[winners[1:], column] == 0)
     assert np.isnan(got[3, 1]) and np.all(grad[rows == 4] == 0)
 
@@ -66,18 +66,21 @@ def test_integer_data_is_reduced_in_its_own_dtype(ids, dtype):
     x = rng.integers(info.min, info.max, size=(8, 2), dtype=dtype, endpoint=True)
     x[0, 0] = info.max  # overflow wraps in sum as jax.ops.segment_sum's does
     x = jnp.asarray(x[order])
-    for name in ("sum", "max", "min"):
-        got = getattr(ops, f"segmented_{name}")(x, idx, 4)
-        expected = getattr(jax.ops, f"segment_{name}")(x, idx, 4)
+    for op in (op for op in OPS.values() if op.integers):
+        got = op.function(x, idx, 4)
+        expected = op.reference(x, idx, 4)
         assert got.dtype == dtype
         np.testing.assert_array_equal(got, expected)
 
 
-@pytest.mark.parametrize("name", ["mean", "var", "std", "logsumexp", "softmax", "rms_norm", "max_norm"])
+@pytest.mark.parametrize("name", [name for name, op in OPS.items()
+                                  if not op.integers and op.inputs and op.inputs[0].shape is None])
 def test_other_ops_refuse_integer_data_naming_the_ones_that_take_it(name):
+    op, rows = OPS[name], jnp.ones((3, 1))
+    args = [rows.astype(jnp.int32), *(rows if a.per == "atom" else jnp.ones(1) for a in op.inputs[1:])]
     with pytest.raises(TypeError, match="x must be a real floating-point array, got dtype int32 "
                                         r"\(integer data: segmented_sum, _max, _min\)"):
-        getattr(ops, f"segmented_{name}")(jnp.ones(3, jnp.int32), jnp.zeros(3, jnp.int32), 1)
+        op.function(*args, jnp.zeros(3, jnp.int32), 1)
 
 
 @pytest.mark.parametrize("dtype, big", [(np.float32, 1e4), (np.float64, 1e300)])
@@ -140,16 +143,6 @@ def test_bincount_edge_cases_and_transforms():
         ops.segmented_bincount(jnp.ones(3), idx, 2, 4)
     with pytest.raises(ValueError, match="length must be a non-negative static int"):
         ops.segmented_bincount(labels, idx, 2, -1)
-
-
-@pytest.mark.parametrize("name, empty", [("max", -np.inf), ("min", np.inf), ("var", 0), ("std", 0),
-                                         ("logsumexp", -np.inf)])
-def test_empty_segments_and_no_rows(name, empty):
-    function = getattr(ops, f"segmented_{name}")
-    x, idx = jnp.ones((2, 3)), jnp.asarray([0, 0])
-    np.testing.assert_array_equal(function(x, idx, 2)[1], [empty] * 3)
-    np.testing.assert_array_equal(function(x[:0], idx[:0], 2), np.full((2, 3), empty))
-    assert function(x, idx, 0).shape == (0, 3)
 
 
 @pytest.mark.parametrize("name", [n for n in ops.__all__ if n.startswith("segmented_")])

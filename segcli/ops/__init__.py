@@ -510,8 +510,8 @@ def segmented_logsumexp(x, idx, num_segments, *, indices_are_sorted=False):
     params = _params(m, indices_are_sorted)
     exps, shift, _ = _shifted_exps(_rows(x), seg, m, params)
     total = P.sum_p.bind(exps, *seg, **params)
-    some = total > 0  # else -inf, with derivatives 0 (not NaN) in both modes
-    out = jnp.where(some, jnp.log(jnp.where(some, total, 1)), -jnp.inf) + shift
+    none = total == 0  # -inf, with derivatives 0 (not NaN) in both modes
+    out = jnp.where(none, -jnp.inf, jnp.log(jnp.where(none, 1, total))) + shift
     return out.reshape(m, *x.shape[1:]).astype(dtype)
 
 
