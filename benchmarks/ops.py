@@ -10,10 +10,13 @@ Implementations, timed side by side in one process on the same inputs:
 Every op of segcli.registry.OPS, its inputs made from its argument data: (N, 3) per-atom
 fields (any trailing shape is 3), per-structure ones of their own shape, labels random in
 [0, length); N atoms in structures of 1..63 atoms (32 on average), sorted ids.
-grad is the gradient of Σ w·op(...) (w random, passed as an argument) with respect to the first
-argument; grad2 the gradient of <grad, v>. Each cell is the median wall time of `--repeats`
-calls of a jitted function, each call followed by block_until_ready; the implementations of a
-cell are called in turns (see `median_seconds`).
+grad is the gradient of Σ w·op(...) (w random, passed as an argument) with respect to its
+arguments; grad2 the gradient of <grad, v>. Each cell gives, for a jitted function, its latency
+(the median of `--repeats` calls, each followed by block_until_ready) and its throughput time
+(the median over `--repeats` bursts of BURST calls back to back with one synchronisation, per
+call); the implementations of a cell are called in turns (see `median_seconds`). The floor is
+the bytes the call must move (its arguments read once, its result written once) at the rate of
+a large elementwise copy measured on the same device.
 """
 
 import argparse
@@ -30,6 +33,8 @@ import numpy as np
 from segcli.registry import OPS
 
 MODES = ["fwd", "grad", "grad2"]
+BURST = 20
+"""Calls back to back per throughput measurement."""
 
 
 def inputs(n, dtype, seed=0):
@@ -82,10 +87,11 @@ def loss_weights(op, args, idx, m, dtype):
 
 
 def median_seconds(fns, args, repeats):
-    """name -> median wall time of fns[name](*args) (or why it fails). The functions are called
-    in turns, one call of each per round, so that all see the same GPU clocks and load; each is
-    first called twice (compilation) and then for `repeats` rounds unmeasured (warming the GPU)."""
-    failed, times = {}, {name: [] for name in fns}
+    """name -> (latency, throughput time) of fns[name](*args) in seconds (or why it fails). The
+    functions are called in turns, one call (or burst) of each per round, so that all see the
+    same GPU clocks and load; each is first called twice (compilation) and then for `repeats`
+    rounds unmeasured (warming the GPU)."""
+    failed, latency, throughput = {}, {name: [] for name in fns}, {name: [] for name in fns}
     for name, fn in fns.items():
         try:
             for _ in range(2):
@@ -98,9 +104,30 @@ def median_seconds(fns, args, repeats):
             for name, fn in running.items():
                 start = time.perf_counter()
                 jax.block_until_ready(fn(*args))
+                middle = time.perf_counter()
+                jax.block_until_ready([fn(*args) for _ in range(BURST)])
                 if measured:
-                    times[name].append(time.perf_counter() - start)
-    return {**failed, **{name: statistics.median(times[name]) for name in running}}
+                    latency[name].append(middle - start)
+                    throughput[name].append((time.perf_counter() - middle) / BURST)
+    return {**failed, **{name: (statistics.median(latency[name]), statistics.median(throughput[name]))
+                         for name in running}}
+
+
+def copy_rate(dtype, repeats):
+    """Bytes per second of a large elementwise pass (read and write) on the default device."""
+    a = jnp.ones((1 << 27,), dtype)
+    scale = jax.jit(lambda a: a * 1.5)
+    seconds = median_seconds({"copy": scale}, (a,), repeats)["copy"][1]
+    return 2 * a.nbytes / seconds
+
+
+def floor_bytes(fn, args, mode):
+    """Bytes a call must move: the arguments it reads (w for grad, w and v for grad2, then the
+    op's own) and its result."""
+    w, v, *rest = args
+    read = {"fwd": rest, "grad": [w, *rest], "grad2": [w, v, *rest]}[mode]
+    out = jax.eval_shape(fn, *args)
+    return sum(a.nbytes for a in read) + sum(o.size * o.dtype.itemsize for o in jax.tree.leaves(out))
 
 
 def implementations():
@@ -117,6 +144,7 @@ def run(atoms, dtypes, repeats, ops):
     rows = []
     for dtype in dtypes:
         rng, idx, m, v = inputs(atoms, dtype)
+        rate = copy_rate(dtype, repeats)
         for name in ops:
             op = OPS[name]
             data = arguments(op, rng, atoms, m, dtype)
@@ -125,21 +153,26 @@ def run(atoms, dtypes, repeats, ops):
             for mode in MODES:
                 fns = {impl: f[mode] for impl, f in per_impl.items() if mode in f}
                 if fns:
-                    rows.append((name, dtype, mode, median_seconds(fns, args, repeats)))
+                    floor = floor_bytes(fns["segcli"], args, mode) / rate
+                    rows.append((name, dtype, mode, floor, median_seconds(fns, args, repeats)))
     return rows, list(impls), m
 
 
 def fmt(t):
-    return f"{t * 1e6:.0f}" if isinstance(t, float) else t
+    return f"{t[0] * 1e6:.0f} / {t[1] * 1e6:.0f}" if isinstance(t, tuple) else t
 
 
 def table(rows, impl_names):
-    head = "| op | dtype | mode | " + " | ".join(f"{n} µs" for n in impl_names) + " | jax / segcli |"
-    lines = [head, "|" + " --- |" * (len(impl_names) + 4)]
-    for op, dtype, mode, times in rows:
+    head = ("| op | dtype | mode | floor µs | " + " | ".join(f"{n} µs" for n in impl_names)
+            + " | jax / segcli | segcli / floor |")
+    lines = [head, "|" + " --- |" * (len(impl_names) + 6)]
+    for op, dtype, mode, floor, times in rows:
         cells = [fmt(times.get(n, "—")) for n in impl_names]
-        ratio = times.get("jax", 0) / times["segcli"] if isinstance(times.get("jax"), float) else float("nan")
-        lines.append(f"| {op} | {dtype} | {mode} | " + " | ".join(cells) + f" | {ratio:.2f} |")
+        ours, theirs = times["segcli"], times.get("jax")
+        ratio = f"{theirs[1] / ours[1]:.2f}" if isinstance(theirs, tuple) and isinstance(ours, tuple) else "—"
+        over = f"{ours[1] / floor:.1f}" if isinstance(ours, tuple) else "—"
+        lines.append(f"| {op} | {dtype} | {mode} | {floor * 1e6:.0f} | " + " | ".join(cells)
+                     + f" | {ratio} | {over} |")
     return "\n".join(lines)
 
 
@@ -159,8 +192,9 @@ def main():
     heading = (
         f"### {datetime.date.today()} — {device.device_kind} ({device.platform}), "
         f"N = {args.atoms:,} atoms, M = {m:,} structures, jax {jax.__version__}, {platform.python_version()}\n\n"
-        f"Median of {args.repeats} calls. Command: `python benchmarks/ops.py --atoms {args.atoms} "
-        f"--dtype {args.dtype} --repeats {args.repeats}`\n\n"
+        f"Each cell: latency / throughput time per call (bursts of {BURST}), medians of "
+        f"{args.repeats}; ratios of throughput. Command: `python benchmarks/ops.py --atoms "
+        f"{args.atoms} --dtype {args.dtype} --repeats {args.repeats}`\n\n"
     )
     text = heading + table(rows, impl_names) + "\n"
     print(text)
