@@ -244,12 +244,22 @@ def test_output_file_attributes_force_and_in_place(tmp_path, random_file, device
                                       "field must be (S, 3, 3)"]),
     (["dot", "forces", "energies"], ["dot needs fields of the same shape"]),
     (["sum", "forces", "--structures", "500:600"], ["selects no structure (the file has 199)"]),
+    (["sum", "forces", "--structures", "-500:-300"], ["--structures -500:-300 selects no structure"]),
+    (["sum", "forces", "--structures", "199"], ["--structures 199:200 selects no structure"]),
 ])
 def test_data_errors_exit_1_and_write_nothing(tmp_path, args, needles):
     out = tmp_path / "out.h5"
     assert_data_error(run("reduce", METALS, *args, "-o", out), *needles)
     assert os.listdir(tmp_path) == []
     assert_data_error(run("reduce", METALS, *args), *needles)
+
+
+@pytest.mark.parametrize("given, same_as", [("-5:", "194:"), (":10", "0:10"), ("7", "7:8"),
+                                             ("-1", "198:"), ("-3:-1", "196:198"), ("190:-5", "190:194")])
+def test_structures_are_python_slices(given, same_as):
+    got = run("reduce", METALS, "count", "--structures", given)
+    assert got.exit_code == 0, got.output
+    assert got.stdout == run("reduce", METALS, "count", "--structures", same_as).stdout
 
 
 def test_nan_and_bad_files_exit_1(tmp_path):
@@ -281,6 +291,8 @@ def test_nan_and_bad_files_exit_1(tmp_path):
     (["sum", "forces", "-o", "a.h5", "--format", "json"], "--format is for stdout"),
     (["sum", "forces", "--in-place", "--structures", "0:5"], "--structures cannot be used"),
     (["sum", "forces", "--structures", "5:2"], "STOP must be greater than START"),
+    (["sum", "forces", "--structures", "1:2:3"], "expected START:STOP or an index"),
+    (["sum", "forces", "--structures", "a"], "expected START:STOP or an index"),
     (["sum", "forces", "--format", "xml"], "'xml' is not one of"),
     (["sum", "forces", "--chunk-atoms", "0"], "0 is not in the range x>=1"),
     (["sum", "forces", "--name", "a//b"], "is not a result name"),

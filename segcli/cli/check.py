@@ -5,7 +5,7 @@ import json
 import click
 
 from segcli.cli import common
-from segcli.cli.common import parse_pair, progress_bar, structure_range
+from segcli.cli.common import parse_pair, progress_bar, selection, structure_range
 from segcli.registry import OPS
 
 DEFAULT_STRUCTURES = "0:16"
@@ -65,8 +65,8 @@ def _default_fields(spec, field, available):
 
 
 def _file_inputs(path, specs, field, structures, skip_unfit):
-    """(n_atoms, {op: (labels, arrays)}, {op: why skipped}) read from the file's
-    structures[0]:structures[1]. An op whose fields the file lacks or cannot fit raises
+    """(first structure, n_atoms, {op: (labels, arrays)}, {op: why skipped}) read from the
+    file's `structures` (a slice). An op whose fields the file lacks or cannot fit raises
     DataError, or with skip_unfit is skipped."""
     import numpy as np
 
@@ -75,12 +75,7 @@ def _file_inputs(path, specs, field, structures, skip_unfit):
     from segcli.io import open_inputs
 
     with open_inputs(path) as batch:
-        total = batch.n_structures
-        start, stop = structures
-        stop = total if stop is None else min(stop, total)
-        if start >= stop:
-            raise DataError(f"{path}: --structures {start}:{stop} selects no structure "
-                            f"(the file has {total})")
+        start, stop, _ = selection(batch, path, structures).indices(batch.n_structures)
         fields = batch.fields
         chosen, skipped = {}, {}
         for spec in specs:
@@ -106,7 +101,7 @@ def _file_inputs(path, specs, field, structures, skip_unfit):
         if spec.name in chosen:
             labels = [f"{parameter}={name}" for parameter, name in zip(_parameter_names(spec), chosen[spec.name])]
             inputs[spec.name] = (labels, [arrays[name] for name in chosen[spec.name]])
-    return n_atoms, inputs, skipped
+    return start, n_atoms, inputs, skipped
 
 
 def _random_inputs(size, specs, seed):
@@ -258,7 +253,8 @@ def _check_op(spec, labels, arrays, n_atoms, order, seed):
 @click.option("--order", type=click.IntRange(min=1), default=2, show_default=True,
               help="Highest derivative order checked.")
 @click.option("--structures", callback=structure_range, metavar="START:STOP",
-              help=f"Structures of FILE to check (default {DEFAULT_STRUCTURES}, which bounds the cost).")
+              help=f"Structures of FILE to check, a Python slice (-5:, :10, 7; default "
+                   f"{DEFAULT_STRUCTURES}, which bounds the cost).")
 @click.option("--field", metavar="NAME",
               help="Per-atom field of FILE for the first input (default: forces, else positions; "
                    "scaled_positions for matvec).")
@@ -308,8 +304,9 @@ def gradcheck(ctx, file, op_names, order, structures, field, random_size, device
     if file is not None:
         structures = structures or structure_range(ctx, None, DEFAULT_STRUCTURES)
         all_ops = ctx.get_parameter_source("op_names") == click.core.ParameterSource.DEFAULT
-        n_atoms, inputs, skipped = _file_inputs(file, specs, field, structures, skip_unfit=all_ops)
-        source = {"file": file, "structures": [structures[0], structures[0] + len(n_atoms)]}
+        start, n_atoms, inputs, skipped = _file_inputs(file, specs, field, structures,
+                                                       skip_unfit=all_ops)
+        source = {"file": file, "structures": [start, start + len(n_atoms)]}
     else:
         random_size = random_size or _random_size(ctx, None, DEFAULT_RANDOM)
         n_atoms, inputs = _random_inputs(random_size, specs, seed)

@@ -25,13 +25,30 @@ def parse_pair(text, name, allow_open):
 
 
 def structure_range(ctx, param, text):
-    """Click callback: (start, stop) from --structures START:STOP (stop None: to the end)."""
+    """Click callback: --structures as a Python slice of the structures, START:STOP (either
+    may be left out, and a negative one counts from the end: -5: is the last five) or one
+    index I (I:I+1)."""
     if text is None:
         return None
-    start, stop = parse_pair(text, "START:STOP", allow_open=True)
-    if stop is not None and stop <= start:
+    parts = text.split(":")
+    try:
+        values = [int(part) if part.strip() else None for part in parts]
+    except ValueError:
+        values = []
+    if len(values) not in (1, 2) or values == [None]:
+        raise click.BadParameter(f"expected START:STOP or an index (integers, as a Python slice: "
+                                 f"-5:, :10, 7), got {text!r}")
+    if len(values) == 1:
+        return slice(values[0], values[0] + 1 or None)
+    start, stop = values
+    if start is not None and stop is not None and (start < 0) == (stop < 0) and stop <= start:
         raise click.BadParameter(f"STOP must be greater than START, got {text!r}")
-    return start, stop
+    return slice(start, stop)
+
+
+def described(structures):
+    """--structures as given: START:STOP of a slice, blanks where left out."""
+    return ":".join("" if v is None else str(v) for v in (structures.start, structures.stop))
 
 
 def input_paths(file, in_place=False):
@@ -67,15 +84,15 @@ def refuse_structures_in_place(in_place, structures):
 
 
 def selection(batch, file, structures):
-    """The slice of `batch`'s structures that --structures (start, stop) selects, or all;
-    DataError when it selects none of a file that has some."""
+    """The slice of `batch`'s structures that --structures (a slice) selects, or all, with
+    non-negative bounds; DataError when it selects none of a file that has some."""
     from segcli.errors import DataError
 
-    start, stop = structures or (0, None)
-    if structures and start >= batch.n_structures:
-        raise DataError(f"{file}: --structures {start}:{stop or ''} selects no structure "
+    start, stop, _ = (structures or slice(None)).indices(batch.n_structures)
+    if structures and start >= stop:
+        raise DataError(f"{file}: --structures {described(structures)} selects no structure "
                         f"(the file has {batch.n_structures})")
-    return slice(start, stop)
+    return slice(start, max(start, stop))
 
 
 # Whether this process is the segcli program, which exits after one command (see as_program),

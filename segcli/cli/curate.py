@@ -23,7 +23,8 @@ def _streaming_options(command):
                      help="Atoms read at a time (whole structures; default 2097152): bounds "
                           "memory."),
         click.option("--structures", callback=structure_range, metavar="START:STOP",
-                     help="Only these structures (default: all)."),
+                     help="Only these structures, a Python slice: START:STOP, -5: (the last five), :10 "
+                          "or one index (default: all)."),
     ):
         command = option(command)
     return command
