@@ -123,3 +123,29 @@ print(*sorted(m for m in ("ase", "dask", "distributed", "scipy", "tqdm") if m in
 """
     result = python("-c", code)
     assert result.returncode == 0 and result.stderr == "\n", result.stderr
+
+
+@pytest.mark.parametrize("args, code, needle", [
+    (["reduce", "missing.h5", "sum", "forces"], 1, "missing.h5: no such file"),
+    (["reduce", METALS, "sum", "forcez"], 1, "no field 'forcez'"),
+    (["reduce", METALS, "summ", "forces"], 2, "unknown op 'summ'"),
+    (["reduce", METALS, "sum", "forces", "--structures", "500:"], 1, "selects no structure"),
+    (["reduce", METALS, "sum", "forces", "-o", "/nonexistent/x.h5"], 1, "cannot write there"),
+    (["grad", METALS, "sum", "forces", "--weights", "nope"], 1, "no field 'nope'"),
+    (["stats", METALS, "forcez"], 1, "no field 'forcez'"),
+    (["fit-e0", METALS, "--energy", "nope"], 1, "no field 'nope'"),
+    (["gradcheck", "missing.h5"], 1, "missing.h5: no such file"),
+    (["gradcheck", METALS, "--structures", "500:"], 1, "selects no structure"),
+])
+def test_errors_that_need_no_computation_come_before_jax_and_warp_load(args, code, needle):
+    script = f"""
+import runpy, sys
+sys.argv = ["segcli", *{[str(a) for a in args]!r}]
+try:
+    runpy.run_module("segcli", run_name="__main__")
+except SystemExit as exit:
+    print("exit", exit.code, *sorted(m for m in ("jax", "warp") if m in sys.modules))
+"""
+    result = python("-c", script)
+    assert result.stdout.split() == ["exit", str(code)], result.stdout + result.stderr
+    assert needle in result.stderr and "Traceback" not in result.stderr

@@ -295,11 +295,6 @@ def gradcheck(ctx, file, op_names, order, structures, field, random_size, device
         raise click.UsageError("give FILE or --random, not both")
     if file is None and (structures is not None or field is not None):
         raise click.UsageError("--structures and --field need FILE")
-    target = common.device(device)
-    import jax
-
-    from segcli.gradcheck import Report
-
     specs = [OPS[name] for name in op_names]
     if file is not None:
         structures = structures or structure_range(ctx, None, DEFAULT_STRUCTURES)
@@ -312,6 +307,11 @@ def gradcheck(ctx, file, op_names, order, structures, field, random_size, device
         n_atoms, inputs = _random_inputs(random_size, specs, seed)
         skipped = {}
         source = {"random": list(random_size)}
+    target = common.device(device)  # JAX loads only now, the inputs read and checked
+    import jax
+
+    from segcli.gradcheck import Report
+
     report = Report(())
     with jax.default_device(target), progress_bar(not (quiet or as_json), "gradcheck") as bar:
         for name, (labels, arrays) in inputs.items():

@@ -51,6 +51,20 @@ def described(structures):
     return ":".join("" if v is None else str(v) for v in (structures.start, structures.stop))
 
 
+def check_output_place(output):
+    """DataError, before any computation, when -o names a file in a directory that is missing
+    or not writable (the writer would find it only at the end of the setup)."""
+    from segcli.errors import DataError
+
+    if output is None:
+        return
+    directory = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(directory):
+        raise DataError(f"{output}: cannot write there (No such file or directory)")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise DataError(f"{output}: cannot write there (Permission denied)")
+
+
 def input_paths(file, in_place=False):
     """The files FILE stands for (see segcli.io.expand_inputs); UsageError when --in-place
     meets more than one."""

@@ -375,9 +375,9 @@ def _execute(file, ops, *, output, in_place, fmt, name, force, structures, chunk
     output = shard_output(output, shard)
     paths = common.input_paths(file, in_place)
     refuse_output_among_inputs(output, paths, "use --in-place to add to it")
+    common.check_output_place(output)
     from segcli.io import open_inputs
 
-    target = None if scheduler else common.device(device)
     names = [name] if name else ["_".join((spec.name, *fields)) for spec, fields in ops]
     plan = {"precision": precision, "order": order, "weights": weights, "direction": direction,
             "params": params}
@@ -385,6 +385,7 @@ def _execute(file, ops, *, output, in_place, fmt, name, force, structures, chunk
         results = _plan(batch, file, ops, names, plan)
         results.check_rows(output, in_place)
         leaves, part = shard_selection(batch, file, structures, shard)
+        target = None if scheduler else common.device(device)  # JAX loads only now
         lo, hi = int(leaves[0]), int(leaves[-1])
         n_atoms = batch.n_atoms[lo:hi]
         attrs = {"precision": precision, **part}
