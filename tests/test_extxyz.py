@@ -270,3 +270,21 @@ def test_fallback_in_the_middle_of_a_selection(tmp_path):
     assert_falls_back(path, first)
     for start, stop in [(0, first), (0, first + 1), (1, None), (first, first + 2), (5, 12)]:
         assert_identical(batch_pieces(path, start, stop), ase_pieces(path, start, stop))
+
+
+def test_dash_reads_extxyz_from_stdin_like_the_file(tmp_path):
+    from click.testing import CliRunner
+
+    from segcli.cli import main
+
+    path = tmp_path / "frames.extxyz"
+    ase.io.write(path, varied_frames(), format="extxyz")
+    runner = CliRunner()
+    for command in (["reduce", "{}", "sum", "forces", "+", "count"], ["stats", "{}", "energy"]):
+        from_file = runner.invoke(main, [str(path) if a == "{}" else a for a in command])
+        from_stdin = runner.invoke(main, ["-" if a == "{}" else a for a in command],
+                                   input=path.read_bytes())
+        assert from_file.exit_code == from_stdin.exit_code == 0, from_stdin.output
+        assert from_stdin.stdout == from_file.stdout
+    empty = runner.invoke(main, ["reduce", "-", "count"], input=b"")
+    assert empty.exit_code == 1 and "-: stdin holds no structure (it is empty)" in empty.output

@@ -115,8 +115,28 @@ def _check_readable(path):
         raise DataError(f"{path}: cannot read (permission denied)")
 
 
+def _spooled_stdin():
+    """The path of a temporary copy of stdin, read as extxyz (removed at exit): what `-` as
+    FILE stands for, since readers need to seek. DataError for a terminal or nothing."""
+    import atexit
+    import shutil
+    import tempfile
+
+    if sys.stdin is None or sys.stdin.isatty():
+        raise DataError("-: reads extxyz from stdin, which is a terminal (pipe a file into it)")
+    fd, path = tempfile.mkstemp(prefix="segcli-stdin-", suffix=".extxyz")
+    atexit.register(lambda: os.path.exists(path) and os.remove(path))
+    with os.fdopen(fd, "wb") as spool:
+        shutil.copyfileobj(sys.stdin.buffer, spool, 1 << 20)
+    if not os.path.getsize(path):
+        raise DataError("-: stdin holds no structure (it is empty)")
+    return path
+
+
 def _expand(spec):
     """The paths one FILE stands for (see expand_inputs)."""
+    if spec == "-":
+        return [_spooled_stdin()]
     if os.path.isdir(spec):
         return _directory(spec)
     if os.path.lexists(spec):
@@ -143,7 +163,8 @@ def _expand(spec):
 def expand_inputs(spec):
     """The files that FILE `spec` (a str, or a sequence of them, each expanded) stands for, in
     order: an existing file itself; a directory's regular, non-hidden files that segcli reads,
-    in sorted name order; a glob pattern's matches, sorted; @LIST's lines (`@-`: stdin's).
+    in sorted name order; a glob pattern's matches, sorted; @LIST's lines (`@-`: stdin's);
+    `-`: extxyz on stdin (spooled to a temporary file).
     A directory among a pattern's or list's paths stands for its files. DataError naming a
     member that is missing or unreadable, or a pattern, list or directory that names none."""
     specs = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
