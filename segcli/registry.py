@@ -17,6 +17,9 @@ class Arg:
     per: str
     shape: tuple | None = None
     kind: str = "float"
+    invertible: bool = False
+    """A per-structure square matrix that should be invertible (a cell): the commands count
+    the structures where it is singular, warn about them or, with --strict, refuse them."""
 
     def describe(self):
         rows = "N" if self.per == "atom" else "S"
@@ -102,7 +105,7 @@ OPS = {
            output_shape=(), kinks="zero_norm"),
         Op("max_norm", (_ATOMS,), "structure", "largest |x_i| over each structure's atoms",
            output_shape=(), kinks="norm_ties"),
-        Op("matvec", (_VEC3, Arg("structure", (3, 3))), "atom",
+        Op("matvec", (_VEC3, Arg("structure", (3, 3), invertible=True)), "atom",
            "m_sᵀ @ v_i, e.g. scaled_positions × cell", output_shape=(3,), takes_sorted=False),
         Op("count", (), "structure", "atoms in each structure", output_shape=(),
            output_dtype="int32", differentiable=False),

@@ -385,3 +385,23 @@ def test_in_place_survives_sigkill_at_any_moment(tmp_path):
                                    rtol=1e-12)
     assert {k: v for k, v in dataset_digests(path).items() if not k.startswith("results")} == \
         digests
+
+
+def test_matvec_on_structures_without_a_cell_warns_once_or_refuses(tmp_path):
+    import ase.build
+
+    path = tmp_path / "mixed.extxyz"
+    ase.io.write(path, [ase.build.bulk("Cu", cubic=True), ase.build.molecule("H2O"),
+                        ase.build.molecule("CH4")], format="extxyz")
+    command = ["reduce", path, "matvec", "scaled_positions", "cell"]
+    warned = run(*command)
+    assert warned.exit_code == 0 and len(table(warned.stdout)[1]) == 4 + 3 + 5
+    assert warned.stderr.count("warning:") == 1
+    assert "'cell' is singular or zero in 2 of 3 structure(s)" in warned.stderr
+    quiet = run(*command, "-q")
+    assert quiet.exit_code == 0 and quiet.stderr == "" and quiet.stdout == warned.stdout
+    out = tmp_path / "out.h5"
+    assert_data_error(run(*command, "--strict", "-o", out), "singular or zero in 2 of 3", "--strict")
+    assert not out.exists()
+    grad = run("grad", path, "matvec", "scaled_positions", "cell", "--strict")
+    assert_data_error(grad, "singular or zero")

@@ -118,6 +118,9 @@ def _shared_options(command):
                      default="float64", show_default=True,
                      help="Floating-point type of the computation and the results."),
         click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors and results."),
+        click.option("--strict", is_flag=True,
+                     help="Refuse (exit 1) structures whose matrix is singular or zero, such "
+                          "as a cell-less molecule's cell for matvec, rather than warn."),
     ]
     for option in reversed(options):
         command = option(command)
@@ -365,9 +368,34 @@ def _part(layout, ops, names, plan, device, chunk_atoms, lo, hi, path, attrs):
     return path
 
 
+def _singular_matrices(batch, file, ops, lo, hi, strict, quiet):
+    """Warn on stderr (not when quiet), or with `strict` raise DataError, when an op's
+    invertible per-structure matrix (see registry.Arg) is singular in some of the structures
+    [lo, hi): a structure without a cell, say, whose matvec gives 0."""
+    import numpy as np
+
+    from segcli.errors import DataError
+
+    for spec, fields in ops:
+        for arg, name in zip(spec.inputs, fields):
+            if not arg.invertible:
+                continue
+            singular = sum(int(np.count_nonzero(np.linalg.matrix_rank(chunk.structures[name]) < 3))
+                           for chunk in batch.iter_chunks([name], structures=slice(lo, hi)))
+            if not singular:
+                continue
+            message = (f"{file}: '{name}' is singular or zero in {singular} of {hi - lo} "
+                       f"structure(s) (no cell, say); {spec.name} gives 0 there for a zero "
+                       f"matrix")
+            if strict:
+                raise DataError(f"{message} (--strict)")
+            if not quiet:
+                click.echo(f"warning: {message} (--strict refuses them)", err=True)
+
+
 def _execute(file, ops, *, output, in_place, fmt, name, force, structures, chunk_atoms,
-             device, precision, quiet, shard, scheduler, order=0, weights=None, direction=None,
-             params=None):
+             device, precision, quiet, shard, scheduler, strict=False, order=0, weights=None,
+             direction=None, params=None):
     """Run one reduce or grad command: check, plan, compute every op in one pass (here, one
     shard of it, or as shards on a cluster) and write the results."""
     _check_usage(ops, name, output, in_place, fmt, structures)
@@ -385,8 +413,9 @@ def _execute(file, ops, *, output, in_place, fmt, name, force, structures, chunk
         results = _plan(batch, file, ops, names, plan)
         results.check_rows(output, in_place)
         leaves, part = shard_selection(batch, file, structures, shard)
-        target = None if scheduler else common.device(device)  # JAX loads only now
         lo, hi = int(leaves[0]), int(leaves[-1])
+        _singular_matrices(batch, file, ops, lo, hi, strict, quiet)
+        target = None if scheduler else common.device(device)  # JAX loads only now
         n_atoms = batch.n_atoms[lo:hi]
         attrs = {"precision": precision, **part}
         if order:
