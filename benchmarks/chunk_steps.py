@@ -16,7 +16,6 @@ import tempfile
 import time
 
 import numpy as np
-
 from reduce import make_file
 
 
@@ -81,7 +80,8 @@ def main():
     print("| " + " | ".join(steps) + " | prefetch thread per chunk | engine.run per chunk |")
     print("|" + " --- |" * (len(steps) + 2))
     print("| " + " | ".join(f"{statistics.median(v) * 1e3:.1f}" for v in steps.values())
-          + f" | {statistics.median(producer[1:]) * 1e3:.1f} | {statistics.median(runs[1:]) * 1e3:.1f} |")
+          + f" | {statistics.median(producer[1:]) * 1e3:.1f}"
+          + f" | {statistics.median(runs[1:]) * 1e3:.1f} |")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ ideal K×, and the peak RSS of each process (the client, and each shard process 
 
 import argparse
 import glob
+import itertools
 import os
 import resource
 import shutil
@@ -141,7 +142,7 @@ def main():
              [[sys.executable, "-c", READ, path, "0", str(args.atoms), str(step)]]),
             (f"h5py read, {k} processes (1/{k} each)", "read",
              [[sys.executable, "-c", READ, path, str(a), str(b), str(step)]
-              for a, b in zip(cuts[:-1], cuts[1:])]),
+              for a, b in itertools.pairwise(cuts)]),
         ]
         cluster = (_local_cluster(local) if args.gpus else
                    LocalCluster(n_workers=k, threads_per_worker=1, processes=True,

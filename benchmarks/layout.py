@@ -25,7 +25,8 @@ def main():
     idx = np.full(args.atoms, m, np.int32)  # padding rows, as the engine pads a chunk
     idx[:sizes.sum()] = np.repeat(np.arange(m, dtype=np.int32), sizes)
     idx = jnp.asarray(idx)
-    ways = {"binary search per segment": jax.jit(lambda i: launch("layout", i, dims=(m + 1,), out=(m + 1,))),
+    ways = {"binary search per segment":
+                jax.jit(lambda i: launch("layout", i, dims=(m + 1,), out=(m + 1,))),
             "one pass": jax.jit(lambda i: launch("layout_serial", i, dims=(1,), out=(m + 1,)))}
     results = [np.asarray(f(idx)) for f in ways.values()]
     assert all((r == results[0]).all() for r in results)

@@ -52,7 +52,8 @@ def arguments(op, rng, n, m, dtype):
     """Random arguments of `op` (a registry.Op) from its argument data."""
     args = []
     for arg in op.inputs:
-        shape = ((n,) if arg.per == "atom" else (m,)) + (arg.shape if arg.shape is not None else (3,))
+        shape = ((n,) if arg.per == "atom" else (m,)) + (
+            arg.shape if arg.shape is not None else (3,))
         args.append(rng.integers(0, op.params["length"], shape) if arg.kind == "labels"
                     else rng.normal(size=shape).astype(dtype))
     return tuple(jnp.asarray(a) for a in args)
@@ -81,8 +82,10 @@ def functions(module, op, m):
 
 
 def loss_weights(op, args, idx, m, dtype):
-    """Random weights w shaped like op's output (a constant cotangent would let XLA skip reading it)."""
-    shape = jax.eval_shape(lambda *a: op.reference(*a[:-1], a[-1], m, **op.params), *args, idx).shape
+    """Random weights w shaped like op's output (a constant cotangent would let XLA skip reading
+    it)."""
+    shape = jax.eval_shape(lambda *a: op.reference(*a[:-1], a[-1], m, **op.params), *args,
+                           idx).shape
     return jnp.asarray(np.random.default_rng(1).normal(size=shape), dtype)
 
 
@@ -96,7 +99,7 @@ def median_seconds(fns, args, repeats):
         try:
             for _ in range(2):
                 jax.block_until_ready(fn(*args))
-        except Exception as err:  # noqa: BLE001 - nvalchemiops fails on some ops/modes; record it
+        except Exception as err:  # noqa: BLE001, PERF203 - nvalchemiops fails on some ops/modes; record it
             failed[name] = f"fails: {type(err).__name__}"
     running = {name: fn for name, fn in fns.items() if name not in failed}
     for measured in (False, True):
@@ -109,7 +112,8 @@ def median_seconds(fns, args, repeats):
                 if measured:
                     latency[name].append(middle - start)
                     throughput[name].append((time.perf_counter() - middle) / BURST)
-    return {**failed, **{name: (statistics.median(latency[name]), statistics.median(throughput[name]))
+    return {**failed, **{name: (statistics.median(latency[name]),
+                                statistics.median(throughput[name]))
                          for name in running}}
 
 
@@ -127,12 +131,14 @@ def floor_bytes(fn, args, mode):
     w, v, *rest = args
     read = {"fwd": rest, "grad": [w, *rest], "grad2": [w, v, *rest]}[mode]
     out = jax.eval_shape(fn, *args)
-    return sum(a.nbytes for a in read) + sum(o.size * o.dtype.itemsize for o in jax.tree.leaves(out))
+    return (sum(a.nbytes for a in read)
+            + sum(o.size * o.dtype.itemsize for o in jax.tree.leaves(out)))
 
 
 def implementations():
-    impls = {"segcli": importlib.import_module("segcli.ops"), "jax": importlib.import_module("segcli.reference")}
-    try:
+    impls = {"segcli": importlib.import_module("segcli.ops"),
+             "jax": importlib.import_module("segcli.reference")}
+    try:  # noqa: SIM105 - the except clause says why
         impls["nvalchemiops"] = importlib.import_module("nvalchemiops.jax.segment_ops")
     except Exception:  # noqa: BLE001 - any import failure means nvalchemiops is not available here
         pass
@@ -169,7 +175,8 @@ def table(rows, impl_names):
     for op, dtype, mode, floor, times in rows:
         cells = [fmt(times.get(n, "—")) for n in impl_names]
         ours, theirs = times["segcli"], times.get("jax")
-        ratio = f"{theirs[1] / ours[1]:.2f}" if isinstance(theirs, tuple) and isinstance(ours, tuple) else "—"
+        ratio = (f"{theirs[1] / ours[1]:.2f}"
+                 if isinstance(theirs, tuple) and isinstance(ours, tuple) else "—")
         over = f"{ours[1] / floor:.1f}" if isinstance(ours, tuple) else "—"
         lines.append(f"| {op} | {dtype} | {mode} | {floor * 1e6:.0f} | " + " | ".join(cells)
                      + f" | {ratio} | {over} |")
@@ -191,7 +198,8 @@ def main():
     device = jax.devices()[0]
     heading = (
         f"### {datetime.date.today()} — {device.device_kind} ({device.platform}), "
-        f"N = {args.atoms:,} atoms, M = {m:,} structures, jax {jax.__version__}, {platform.python_version()}\n\n"
+        f"N = {args.atoms:,} atoms, M = {m:,} structures, jax {jax.__version__}, "
+        f"{platform.python_version()}\n\n"
         f"Each cell: latency / throughput time per call (bursts of {BURST}), medians of "
         f"{args.repeats}; ratios of throughput. Command: `python benchmarks/ops.py --atoms "
         f"{args.atoms} --dtype {args.dtype} --repeats {args.repeats}`\n\n"

@@ -1,6 +1,7 @@
 """Where an op's time goes on a GPU: wall time and each device kernel's time, from JAX's profiler.
 
-    python benchmarks/profile_ops.py --atoms 10000000 --dtype float32 --ops sum,mul --logdir /tmp/prof
+    python benchmarks/profile_ops.py --atoms 10000000 --dtype float32 --ops sum,mul \\
+        --logdir /tmp/prof
 
 For each op, mode (fwd, grad) and implementation (segcli, jax) of `benchmarks/ops.py`: the
 median wall time of 10 calls, then the kernels that 3 profiled calls ran, with each kernel's
@@ -14,15 +15,15 @@ import os
 import statistics
 
 import jax
-from jax.profiler import ProfileData
-
 import ops as bench
+from jax.profiler import ProfileData
 
 
 def kernel_times(logdir):
     """(name -> durations in µs) of every event on the GPU planes of the trace in logdir."""
     times = collections.defaultdict(list)
-    for plane in ProfileData.from_file(glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)[0]).planes:
+    trace = glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)[0]
+    for plane in ProfileData.from_file(trace).planes:
         if plane.name.startswith("/device:GPU"):
             for line in plane.lines:
                 for event in line.events:
@@ -56,9 +57,11 @@ def main():
                             jax.block_until_ready(fn(*call_args))
                     kernels = kernel_times(logdir)
                     busy = sum(sum(t) for t in kernels.values()) / 3
-                    print(f"{dtype} {op} {mode} {name}: wall {wall * 1e6:.0f} µs, kernels {busy:.0f} µs per call")
+                    print(f"{dtype} {op} {mode} {name}: wall {wall * 1e6:.0f} µs, "
+                          f"kernels {busy:.0f} µs per call")
                     for kernel, t in sorted(kernels.items(), key=lambda kv: -sum(kv[1])):
-                        print(f"    {len(t) / 3:4.1f}× {statistics.median(t):7.1f} µs  {kernel[:100]}")
+                        print(f"    {len(t) / 3:4.1f}× {statistics.median(t):7.1f} µs  "
+                              f"{kernel[:100]}")
 
 
 if __name__ == "__main__":

@@ -34,7 +34,8 @@ with h5py.File(sys.argv[1], "r") as f:
     forces, numbers = f["atoms/forces"][()], f["atoms/numbers"][()]
     energy, n_atoms = f["structures/energy"][()], f["structures/n_atoms"][()]
 def moments(x):
-    return x.mean(axis=0), x.std(axis=0), np.sqrt((x * x).mean(axis=0)), x.min(axis=0), x.max(axis=0)
+    return (x.mean(axis=0), x.std(axis=0), np.sqrt((x * x).mean(axis=0)), x.min(axis=0),
+            x.max(axis=0))
 norm = np.sqrt(np.einsum("ij,ij->i", forces, forces))[:, None]
 values = np.concatenate([forces, norm], axis=1)
 out = [moments(values[numbers == z]) for z in np.unique(numbers)]

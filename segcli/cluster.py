@@ -11,6 +11,7 @@ optional extra: `pip install 'segcli[cluster]'`.
 
 import contextlib
 import functools
+import itertools
 import logging
 import os
 import subprocess
@@ -28,7 +29,8 @@ def visible_gpus(environ=os.environ):
     if "CUDA_VISIBLE_DEVICES" in environ:
         return [d.strip() for d in environ["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
     try:
-        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60)
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60,
+                                check=False)
     except (OSError, subprocess.SubprocessError):
         return []
     return [str(i) for i, line in enumerate(listed.stdout.splitlines())
@@ -138,5 +140,5 @@ def leaf_stats_sharded(client, batch, names, leaves, progress=None, **options):
     cuts = even_cuts(np.diff(offsets[leaves]), shard_count(client, len(leaves) - 1))
     layout = shared(client, batch.layout)
     calls = [(layout, list(names), leaves[a:b + 1].tolist(), options)
-             for a, b in zip(cuts[:-1], cuts[1:])]
+             for a, b in itertools.pairwise(cuts)]
     return join_leaves(map_shards(client, stats_part, calls, progress))

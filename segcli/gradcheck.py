@@ -33,7 +33,8 @@ that a finite difference may have and still be trusted: beyond it the function i
 smooth enough at this step (a kink, a jump, or eps too large) and the check fails."""
 
 _UNAVAILABLE = (TypeError, NotImplementedError)
-"""What JAX raises for a mode a function does not support (jvp of a `custom_vjp`, a missing rule)."""
+"""What JAX raises for a mode a function does not support (jvp of a `custom_vjp`, a missing
+rule)."""
 
 
 @dataclass(frozen=True)
@@ -110,21 +111,26 @@ class Report:
 
         return {
             "passed": self.passed,
-            "rows": [{key: clean(value) for key, value in asdict(row).items()} for row in self.rows],
+            "rows": [{key: clean(value) for key, value in asdict(row).items()}
+                     for row in self.rows],
         }
 
     def __str__(self):
-        header = ("function", "order", "argument", "mode", "max abs err", "max rel err", "tolerance", "result", "note")
+        header = ("function", "order", "argument", "mode", "max abs err", "max rel err",
+                  "tolerance", "result", "note")
         cells = [header] + [
             (row.function, str(row.order), row.argument, row.mode, f"{row.abs_error:.2e}",
-             f"{row.rel_error:.2e}", f"{row.tolerance:.2e}", "pass" if row.passed else "FAIL", row.note)
+             f"{row.rel_error:.2e}", f"{row.tolerance:.2e}", "pass" if row.passed else "FAIL",
+             row.note)
             for row in self.rows
         ]
         widths = [max(len(line[column]) for line in cells) for column in range(len(header))]
-        lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in cells]
+        lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip()
+                 for line in cells]
         failures = self.failures
         lines.append(
-            f"FAILED: {len(failures)} of {len(self.rows)} rows" if failures else f"passed: {len(self.rows)} rows"
+            f"FAILED: {len(failures)} of {len(self.rows)} rows" if failures
+            else f"passed: {len(self.rows)} rows"
         )
         return "\n".join(lines)
 
@@ -134,10 +140,12 @@ class _Problem:
 
     def __init__(self, f, args, argnames):
         args = tuple(jnp.asarray(arg) for arg in args)
-        names = tuple(argnames) if argnames is not None else tuple(f"arg{i}" for i in range(len(args)))
+        names = (tuple(argnames) if argnames is not None
+                 else tuple(f"arg{i}" for i in range(len(args))))
         if len(names) != len(args):
             raise ValueError(f"argnames has {len(names)} names for {len(args)} arguments")
-        self.positions = tuple(i for i, arg in enumerate(args) if jnp.issubdtype(arg.dtype, jnp.floating))
+        self.positions = tuple(i for i, arg in enumerate(args)
+                               if jnp.issubdtype(arg.dtype, jnp.floating))
         self.names = tuple(names[i] for i in self.positions)
         self.xs = tuple(args[i].astype(jnp.float64) for i in self.positions)
         self._args = args
@@ -155,7 +163,8 @@ def _scaled_direction(key, x):
     so a step `eps` moves every entry by about `eps` relative to its own magnitude."""
     magnitude = jnp.abs(x)
     nonzero = magnitude > 0
-    fallback = jnp.sqrt(jnp.sum(jnp.where(nonzero, magnitude**2, 0)) / jnp.maximum(jnp.sum(nonzero), 1))
+    fallback = jnp.sqrt(jnp.sum(jnp.where(nonzero, magnitude**2, 0))
+                        / jnp.maximum(jnp.sum(nonzero), 1))
     fallback = jnp.where(fallback > 0, fallback, 1.0)
     return jax.random.normal(key, x.shape, jnp.float64) * jnp.where(nonzero, magnitude, fallback)
 
@@ -169,10 +178,12 @@ def _reverse(g, cotangent):
 
 
 def _chain(g, xs, forward, keys):
-    """g_k built from g = g₁ with one JVP (forward) or VJP per key, directions drawn from the keys."""
+    """g_k built from g = g₁ with one JVP (forward) or VJP per key, directions drawn from the
+    keys."""
     for key in keys:
         if forward:
-            g = _forward(g, tuple(_scaled_direction(k, x) for k, x in zip(jax.random.split(key, len(xs)), xs)))
+            g = _forward(g, tuple(_scaled_direction(k, x)
+                                  for k, x in zip(jax.random.split(key, len(xs)), xs)))
         else:
             out = jax.eval_shape(g, *xs)
             g = _reverse(g, jax.random.normal(key, out.shape, out.dtype))
@@ -241,7 +252,8 @@ def _fd_sample(error, scale, truncation, roundoff, rtol, atol, note):
     if not trusted and not note:
         note = (f"finite differences unreliable (estimated error {truncation:.1e} of {scale:.1e}): "
                 "not differentiable here, or eps too large")
-    return _Sample(error, scale, atol + rtol * scale + SAFETY * (truncation + roundoff), note, trusted)
+    return _Sample(error, scale, atol + rtol * scale + SAFETY * (truncation + roundoff), note,
+                   trusted)
 
 
 def _nonfinite_note(*products):
@@ -258,7 +270,8 @@ def _row(function, order, argument, mode, samples, note):
     scale, error = worst.scale, worst.error
     rel = error / scale if scale > 0 else (0.0 if error == 0 else math.inf)
     notes = "; ".join(part for part in (worst.note, note) if part)
-    return Row(function, order, argument, mode, error, rel, worst.tolerance, worst.ratio <= 1, notes)
+    return Row(function, order, argument, mode, error, rel, worst.tolerance, worst.ratio <= 1,
+               notes)
 
 
 def _unavailable_rows(function, order, names, note):
@@ -266,7 +279,8 @@ def _unavailable_rows(function, order, names, note):
                 f"no derivative available: {note}") for name in names]
 
 
-def check_gradients(f, args, *, order=2, eps=None, rtol=None, atol=None, seed=0, argnames=None, name=None):
+def check_gradients(f, args, *, order=2, eps=None, rtol=None, atol=None, seed=0, argnames=None,
+                    name=None):
     """Check the derivatives of `f(*args)` up to `order` against central finite differences.
 
     f: a JAX function of array arguments returning an array, scalar or pytree of them.
@@ -313,7 +327,8 @@ def check_gradients(f, args, *, order=2, eps=None, rtol=None, atol=None, seed=0,
                 rows += _unavailable_rows(function, k, problem.names, _first_line(error))
                 continue
             chain_note = "" if forward else "reverse-mode chain (forward mode unavailable)"
-            rows += _check_order(function, k, g, problem, keys[order + k - 1], eps, rtol, atol, chain_note)
+            rows += _check_order(function, k, g, problem, keys[order + k - 1], eps, rtol, atol,
+                                 chain_note)
         return Report(tuple(rows))
 
 
@@ -328,7 +343,8 @@ def _check_order(function, order, g, problem, key, eps, rtol, atol, chain_note):
     jvp = jax.jit(lambda xs, tangents: jax.jvp(g, xs, tangents)[1])
     vjp = jax.jit(lambda xs, cotangent: jax.vjp(g, *xs)[1](cotangent))
     forward_note = reverse_note = None
-    samples = {(a, mode): [] for a in range(len(xs)) for mode in ("jvp vs fd", "vjp vs fd", "vjp vs jvp")}
+    samples = {(a, mode): [] for a in range(len(xs))
+               for mode in ("jvp vs fd", "vjp vs fd", "vjp vs jvp")}
     for direction_key in jax.random.split(key, DIRECTIONS):
         u_key, *v_keys = jax.random.split(direction_key, 1 + len(xs))
         u = jax.random.normal(u_key, g0.shape, g0.dtype)
@@ -342,7 +358,8 @@ def _check_order(function, order, g, problem, key, eps, rtol, atol, chain_note):
             roundoff = machine * jnp.max(jnp.abs(jnp.stack(points)), axis=0) / step
             fd_note = _nonfinite_note(("finite difference", fd))
             tangent, forward_note = (
-                _try(jvp, xs, _with_tangent(xs, a, v)) if forward_note is None else (None, forward_note)
+                _try(jvp, xs, _with_tangent(xs, a, v)) if forward_note is None
+                else (None, forward_note)
             )
             if tangent is not None:
                 samples[a, "jvp vs fd"].append(_fd_sample(
@@ -353,7 +370,8 @@ def _check_order(function, order, g, problem, key, eps, rtol, atol, chain_note):
                 weights = jnp.abs(u)
                 samples[a, "vjp vs fd"].append(_fd_sample(
                     abs(projected - float(jnp.vdot(u, fd))), float(jnp.vdot(weights, jnp.abs(fd))),
-                    float(jnp.vdot(weights, truncation)), float(jnp.vdot(weights, roundoff)), rtol, atol,
+                    float(jnp.vdot(weights, truncation)), float(jnp.vdot(weights, roundoff)),
+                    rtol, atol,
                     fd_note or _nonfinite_note(("VJP", pullback[a]))))
             if tangent is not None and pullback is not None:
                 error = abs(projected - float(jnp.vdot(u, tangent)))
@@ -376,7 +394,8 @@ def _check_order(function, order, g, problem, key, eps, rtol, atol, chain_note):
     ]
 
 
-def compare_functions(f, reference, args, *, order=2, rtol=None, atol=None, seed=0, argnames=None, name=None):
+def compare_functions(f, reference, args, *, order=2, rtol=None, atol=None, seed=0, argnames=None,
+                      name=None):
     """Compare `f(*args)` with `reference(*args)`: values, then JVP and VJP products of every
     order up to `order`, along the same random directions (float64, under `jax.enable_x64`).
 
@@ -413,8 +432,8 @@ def _compared(function, order, argument, mode, actual, wanted, scale, rtol, atol
         return Row(function, order, argument, mode, math.nan, math.nan, math.nan, False,
                    f"size {actual.size} but the reference gives {wanted.size}")
     extra = _nonfinite_note(("result", actual), ("reference", wanted))
-    return _row(function, order, argument, mode, [_Sample(_norm(actual - wanted), scale, atol + rtol * scale, extra)],
-                note)
+    return _row(function, order, argument, mode,
+                [_Sample(_norm(actual - wanted), scale, atol + rtol * scale, extra)], note)
 
 
 def _compare_values(function, candidate, expected, key, rtol, atol):
@@ -423,7 +442,8 @@ def _compare_values(function, candidate, expected, key, rtol, atol):
     wanted = expected(*xs).astype(jnp.float64)
     scale = _norm(wanted)
     if xs:
-        directions = tuple(_scaled_direction(k, x) for k, x in zip(jax.random.split(key, len(xs)), xs))
+        directions = tuple(_scaled_direction(k, x)
+                           for k, x in zip(jax.random.split(key, len(xs)), xs))
         response, _ = _try(lambda: jax.jvp(expected, xs, directions)[1])
         if response is not None:
             scale = max(scale, _norm(response))
@@ -442,13 +462,17 @@ def _compare_order(function, order, g, r, problem, key, rtol, atol):
     for a, v_key in enumerate(v_keys):
         name = problem.names[a]
         tangents = _with_tangent(xs, a, _scaled_direction(v_key, xs[a]))
-        tangent, forward_note = _try(lambda: jax.jvp(g, xs, tangents)[1]) if forward_note is None else (None, forward_note)
+        tangent, forward_note = (
+            _try(lambda: jax.jvp(g, xs, tangents)[1])  # noqa: B023  (_try calls it at once)
+            if forward_note is None else (None, forward_note))
         if tangent is not None:
             wanted = jax.jvp(r, xs, tangents)[1]
-            rows.append(_compared(function, order, name, "jvp vs ref", tangent, wanted, _norm(wanted), rtol, atol))
+            rows.append(_compared(function, order, name, "jvp vs ref", tangent, wanted,
+                                  _norm(wanted), rtol, atol))
         if pullback is not None:
             wanted = expected_pullback[a]
-            rows.append(_compared(function, order, name, "vjp vs ref", pullback[a], wanted, _norm(wanted), rtol, atol))
+            rows.append(_compared(function, order, name, "vjp vs ref", pullback[a], wanted,
+                                  _norm(wanted), rtol, atol))
     notes = [f"forward mode unavailable ({forward_note})" if forward_note else "",
              f"reverse mode unavailable ({reverse_note})" if reverse_note else ""]
     note = "; ".join(part for part in notes if part)

@@ -59,7 +59,8 @@ def segmented_mean(x, idx, num_segments, *, indices_are_sorted=False):
 
 def segmented_dot(x, y, idx, num_segments, *, indices_are_sorted=False):
     """out[s] = Σ_{idx[i]=s} <x[i], y[i]>, contracting all trailing axes; shape (M,)."""
-    return segmented_sum(_sum_trailing(x * y), idx, num_segments, indices_are_sorted=indices_are_sorted)
+    return segmented_sum(_sum_trailing(x * y), idx, num_segments,
+                         indices_are_sorted=indices_are_sorted)
 
 
 def segmented_mul(x, y, idx, num_segments):
@@ -112,7 +113,8 @@ def _first_attaining(x, idx, num_segments, segment_extreme, indices_are_sorted):
     best = segment_extreme(jax.lax.stop_gradient(x), idx, num_segments,
                            indices_are_sorted=indices_are_sorted)
     attains = _rows_mask(_valid(idx, num_segments), x) & (x == _gather(best, idx, num_segments))
-    position = jnp.broadcast_to(jnp.arange(x.shape[0]).reshape((-1,) + (1,) * (x.ndim - 1)), x.shape)
+    position = jnp.broadcast_to(jnp.arange(x.shape[0]).reshape((-1,) + (1,) * (x.ndim - 1)),
+                                x.shape)
     first = jax.ops.segment_min(jnp.where(attains, position, x.shape[0]), idx, num_segments,
                                 indices_are_sorted=indices_are_sorted)
     found = first < x.shape[0]

@@ -207,7 +207,7 @@ def _numeric(path, name, info, role):
 
 
 def _check_numbers(path, numbers, chunk):
-    if len(numbers) and not (0 <= numbers.min() and numbers.max() < N_ELEMENTS):  # or NaN
+    if len(numbers) and not (numbers.min() >= 0 and numbers.max() < N_ELEMENTS):  # or NaN
         bad = int(np.argmin((numbers >= 0) & (numbers < N_ELEMENTS)))
         raise DataError(f"{path}: field 'numbers' holds {numbers[bad]} in structure "
                         f"{chunk.structure_of(bad)}, not an atomic number (0 to "

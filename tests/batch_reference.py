@@ -70,7 +70,8 @@ def random_args(rng, op, n, m, features=(3,), dtype=np.float64):
     (n, *features) or (n, *shape), per structure (m, *shape), labels ints in [0, length)."""
     args = []
     for arg in op.inputs:
-        shape = ((n,) if arg.per == "atom" else (m,)) + (features if arg.shape is None else arg.shape)
+        shape = ((n,) if arg.per == "atom" else (m,)) + (
+            features if arg.shape is None else arg.shape)
         args.append(rng.integers(0, op.params["length"], shape) if arg.kind == "labels"
                     else rng.normal(size=shape).astype(dtype))
     return tuple(args)
@@ -110,7 +111,8 @@ def assert_reduced(got, op, n_atoms, arrays, precision):
     judged fairly), rtol for the precision; equal infinities agree."""
     rtol = {"float64": 1e-12, "float32": 2e-6}[precision]
     expected = reduce_reference(op, n_atoms, *arrays).astype(np.float64)
-    bound = np.maximum(np.abs(expected), reduce_reference(op, n_atoms, *(np.abs(a) for a in arrays)))
+    bound = np.maximum(np.abs(expected),
+                       reduce_reference(op, n_atoms, *(np.abs(a) for a in arrays)))
     got = np.asarray(got, np.float64)
     with np.errstate(invalid="ignore"):  # inf - inf, where the two agree
         error = np.where(got == expected, 0, np.abs(got - expected))

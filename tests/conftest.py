@@ -91,4 +91,5 @@ def device_label():
     import jax
 
     device = jax.devices()[0]
-    return "cpu" if device.platform == "cpu" else f"{device.platform}:{device.id} ({device.device_kind})"
+    return ("cpu" if device.platform == "cpu"
+            else f"{device.platform}:{device.id} ({device.device_kind})")

@@ -57,10 +57,12 @@ def test_json_on_sample_file_names_the_fields_and_every_check():
         assert data["atoms"] == int(h5["structures/n_atoms"][2:6].sum())
     assert data["passed"] is True and data["structures"] == [2, 6] and data["order"] == 1
     arguments = {(row["function"], row["argument"]) for row in data["rows"] if row["order"] == 1}
-    assert arguments == {("dot", "x=forces"), ("dot", "y=positions"), ("mul", "x=forces"), ("mul", "y=energy"),
-                         ("matvec", "v=scaled_positions"), ("matvec", "m=cell")}
+    assert arguments == {("dot", "x=forces"), ("dot", "y=positions"), ("mul", "x=forces"),
+                         ("mul", "y=energy"), ("matvec", "v=scaled_positions"),
+                         ("matvec", "m=cell")}
     modes = {row["mode"] for row in data["rows"]}
-    assert modes == {"value vs ref", "jvp vs ref", "vjp vs ref", "jvp vs fd", "vjp vs fd", "vjp vs jvp"}
+    assert modes == {"value vs ref", "jvp vs ref", "vjp vs ref", "jvp vs fd", "vjp vs fd",
+                     "vjp vs jvp"}
     for row in data["rows"]:
         assert row["passed"] and 0 <= row["abs_error"] <= row["tolerance"]
         if row["mode"].endswith("vs fd"):
@@ -89,7 +91,8 @@ def test_wrong_gradient_of_an_op_fails_with_exit_1(monkeypatch):
     assert failing(data) == {("sum", 1)}
     failed = {(row["argument"], row["mode"]) for row in data["rows"] if not row["passed"]}
     assert failed == {("x", "vjp vs fd"), ("x", "vjp vs ref")}
-    assert any("forward mode unavailable" in row["note"] for row in data["rows"] if row["function"] == "sum")
+    assert any("forward mode unavailable" in row["note"]
+               for row in data["rows"] if row["function"] == "sum")
 
     table = run("--random", "24:4", "--op", "sum")
     assert table.exit_code == 1
@@ -101,7 +104,8 @@ def test_wrong_gradient_of_an_op_fails_with_exit_1(monkeypatch):
 
 def test_wrong_values_with_right_derivatives_fail_at_order_0_only(monkeypatch):
     correct = ops.segmented_mean
-    monkeypatch.setattr(ops, "segmented_mean", lambda x, idx, m, **kw: correct(x, idx, m, **kw) + 1e-6)
+    monkeypatch.setattr(ops, "segmented_mean",
+                        lambda x, idx, m, **kw: correct(x, idx, m, **kw) + 1e-6)
     result = run("--random", "24:4", "--op", "mean", "--order", "1", "--json")
     assert result.exit_code == 1
     assert failing(json.loads(result.output)) == {("mean", 0)}
@@ -140,7 +144,8 @@ def test_non_differentiable_structures_are_left_out_and_unfit_ops_skipped(tmp_pa
 
 
 def test_field_option_picks_the_per_atom_field():
-    result = run(METALS, "--structures", ":3", "--op", "rms_norm", "--field", "velocities", "--order", "1", "--json")
+    result = run(METALS, "--structures", ":3", "--op", "rms_norm", "--field", "velocities",
+                 "--order", "1", "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     assert {row["argument"] for row in data["rows"] if row["order"] == 1} == {"x=velocities"}
@@ -169,9 +174,11 @@ def test_command_line_errors_exit_2(args, message):
 
 @pytest.mark.parametrize("args, message", [
     (["--field", "no_such_field", "--op", "sum"], "no field 'no_such_field'"),
-    (["--field", "energy", "--op", "sum"], "field 'energy' is per structure (S,), but sum must be per atom"),
+    (["--field", "energy", "--op", "sum"],
+     "field 'energy' is per structure (S,), but sum must be per atom"),
     (["--field", "numbers", "--op", "sum"], "field 'numbers' holds int64"),
-    (["--field", "energies", "--op", "matvec"], "field 'energies' has shape (N,), but matvec's first field must be (N, 3)"),
+    (["--field", "energies", "--op", "matvec"],
+     "field 'energies' has shape (N,), but matvec's first field must be (N, 3)"),
     (["--structures", "500:600"], "selects no structure (the file has 199)"),
 ])
 def test_data_errors_exit_1_with_one_line(args, message):
@@ -185,7 +192,8 @@ def test_missing_default_field_is_a_data_error(tmp_path):
     path = tmp_path / "no_energy.h5"
     write_batch(path, [2, 3], np.ones((5, 3)), np.ones((5, 3)))
     result = run(path, "--op", "mul")
-    assert result.exit_code == 1 and "no field 'energy'; its fields are: forces, positions" in result.output
+    assert result.exit_code == 1
+    assert "no field 'energy'; its fields are: forces, positions" in result.output
 
 
 def test_device_choice():
@@ -211,12 +219,15 @@ def test_a_warp_build_without_cpu_backend_refuses_the_cpu(monkeypatch):
 
 
 def test_subprocess_entry_point():
-    result = subprocess.run([sys.executable, "-m", "segcli", "gradcheck", "--random", "32:4", "--op", "sum"],
-                            capture_output=True, text=True, cwd=ROOT, env={**os.environ}, timeout=300)
+    result = subprocess.run([sys.executable, "-m", "segcli", "gradcheck", "--random", "32:4",
+                             "--op", "sum"],
+                            capture_output=True, text=True, cwd=ROOT, env={**os.environ},
+                            timeout=300)
     assert result.returncode == 0, result.stderr
     assert table_rows(result.stdout) == [("sum", 0, "pass"), ("sum", 1, "pass"), ("sum", 2, "pass")]
 
 
 def test_help_has_an_example():
     result = run("--help")
-    assert result.exit_code == 0 and "Example:" in result.output and "segcli gradcheck sample_data/metals.h5" in result.output
+    assert result.exit_code == 0 and "Example:" in result.output
+    assert "segcli gradcheck sample_data/metals.h5" in result.output

@@ -244,7 +244,8 @@ def test_output_file_attributes_force_and_in_place(tmp_path, random_file, device
                                       "field must be (S, 3, 3)"]),
     (["dot", "forces", "energies"], ["dot needs fields of the same shape"]),
     (["sum", "forces", "--structures", "500:600"], ["selects no structure (the file has 199)"]),
-    (["sum", "forces", "--structures", "-500:-300"], ["--structures -500:-300 selects no structure"]),
+    (["sum", "forces", "--structures", "-500:-300"],
+     ["--structures -500:-300 selects no structure"]),
     (["sum", "forces", "--structures", "199"], ["--structures 199:200 selects no structure"]),
 ])
 def test_data_errors_exit_1_and_write_nothing(tmp_path, args, needles):
@@ -255,7 +256,8 @@ def test_data_errors_exit_1_and_write_nothing(tmp_path, args, needles):
 
 
 @pytest.mark.parametrize("given, same_as", [("-5:", "194:"), (":10", "0:10"), ("7", "7:8"),
-                                             ("-1", "198:"), ("-3:-1", "196:198"), ("190:-5", "190:194")])
+                                             ("-1", "198:"), ("-3:-1", "196:198"),
+                                             ("190:-5", "190:194")])
 def test_structures_are_python_slices(given, same_as):
     got = run("reduce", METALS, "count", "--structures", given)
     assert got.exit_code == 0, got.output
@@ -401,7 +403,8 @@ def test_matvec_on_structures_without_a_cell_warns_once_or_refuses(tmp_path):
     quiet = run(*command, "-q")
     assert quiet.exit_code == 0 and quiet.stderr == "" and quiet.stdout == warned.stdout
     out = tmp_path / "out.h5"
-    assert_data_error(run(*command, "--strict", "-o", out), "singular or zero in 2 of 3", "--strict")
+    assert_data_error(run(*command, "--strict", "-o", out), "singular or zero in 2 of 3",
+                      "--strict")
     assert not out.exists()
     grad = run("grad", path, "matvec", "scaled_positions", "cell", "--strict")
     assert_data_error(grad, "singular or zero")

@@ -1,6 +1,7 @@
 """--scheduler on real dask.distributed clusters of worker processes: reduce, grad and stats
 give the bits of a local run, even when a worker is killed; and the split into shards."""
 
+import itertools
 import json
 import os
 import pty
@@ -13,9 +14,8 @@ import numpy as np
 import pytest
 from batch_reference import write_batch
 from click.testing import CliRunner
-from test_stats import assert_rows_match, make_random_file, reference_rows, run, stats_json
-
 from test_shards import assert_identical
+from test_stats import assert_rows_match, make_random_file, reference_rows, run, stats_json
 
 from segcli.cli import main
 from segcli.shards import shard_bounds
@@ -29,8 +29,8 @@ pytest.importorskip("dask.distributed", reason="the cluster extra: pip install '
 def test_shards_are_contiguous_whole_structures_of_nearly_equal_atoms(n_atoms, shards):
     bounds = shard_bounds(np.array(n_atoms, dtype=np.int64), shards)
     assert len(bounds) == shards + 1 and bounds[0] == 0 and bounds[-1] == len(n_atoms)
-    assert all(a <= b for a, b in zip(bounds, bounds[1:]))
-    atoms = [sum(n_atoms[a:b]) for a, b in zip(bounds, bounds[1:])]
+    assert all(a <= b for a, b in itertools.pairwise(bounds))
+    atoms = [sum(n_atoms[a:b]) for a, b in itertools.pairwise(bounds)]
     assert sum(atoms) == sum(n_atoms)
     biggest = max(n_atoms, default=0)
     assert all(abs(a - sum(n_atoms) / shards) <= biggest for a in atoms)
@@ -103,9 +103,8 @@ def segcli(*args, **kwargs):
 
 
 def test_reduce_and_grad_on_a_cluster_equal_a_local_run_bit_for_bit(tmp_path):
-    from dask.distributed import LocalCluster
-
     from batch_reference import random_batch
+    from dask.distributed import LocalCluster
 
     path = tmp_path / "random.h5"
     random_batch(path, seed=5, n_structures=300)

@@ -1,4 +1,5 @@
-"""check_gradients and compare_functions on plain JAX functions, and segcli.reference against NumPy."""
+"""check_gradients and compare_functions on plain JAX functions, and segcli.reference against
+NumPy."""
 
 import jax
 import jax.numpy as jnp
@@ -35,10 +36,12 @@ def sin_with_derivative(derivative):
 
 def test_correct_function_passes_every_mode_and_argument(rng):
     x, y = rng.normal(size=(6, 3)), rng.normal(size=(6,))
-    report = check_gradients(lambda x, y: jnp.tanh(x) * jnp.exp(y)[:, None], (x, y), order=2, argnames=("x", "y"))
+    report = check_gradients(lambda x, y: jnp.tanh(x) * jnp.exp(y)[:, None], (x, y), order=2,
+                             argnames=("x", "y"))
     assert report.passed, str(report)
     assert {(row.order, row.argument, row.mode) for row in report.rows} == {
-        (k, a, m) for k in (1, 2) for a in ("x", "y") for m in ("jvp vs fd", "vjp vs fd", "vjp vs jvp")
+        (k, a, m) for k in (1, 2) for a in ("x", "y")
+        for m in ("jvp vs fd", "vjp vs fd", "vjp vs jvp")
     }
     assert all(0 <= row.abs_error <= row.tolerance for row in report.rows)
 
@@ -77,7 +80,8 @@ def linear_with_wrong_transpose(factor):
 def test_vjp_disagreeing_with_jvp_fails(rng):
     scale = linear_with_wrong_transpose(1 + 1e-3)
     c = jnp.asarray(rng.normal(size=8))
-    report = check_gradients(lambda x: scale.bind(x, c), (rng.normal(size=8),), order=1, argnames=("x",))
+    report = check_gradients(lambda x: scale.bind(x, c), (rng.normal(size=8),), order=1,
+                             argnames=("x",))
     assert failing(report) == {(1, "x", "vjp vs jvp"), (1, "x", "vjp vs fd")}
     jvp_row = next(row for row in report.rows if row.mode == "jvp vs fd")
     assert jvp_row.passed
@@ -116,7 +120,8 @@ def test_float32_inputs_are_checked_in_float64(rng):
 
 def test_third_order_of_smooth_function(rng):
     x, y = rng.normal(size=5), rng.normal(size=(5, 2))
-    report = check_gradients(lambda x, y: jnp.sin(x)[:, None] * jnp.exp(0.5 * y) + x[:, None] * y**2, (x, y), order=3)
+    report = check_gradients(
+        lambda x, y: jnp.sin(x)[:, None] * jnp.exp(0.5 * y) + x[:, None] * y**2, (x, y), order=3)
     assert report.passed, str(report)
     assert {row.argument for row in rows_of(report, 3)} == {"arg0", "arg1"}
 
@@ -153,7 +158,8 @@ def test_reverse_only_function_is_checked_in_reverse_mode(rng):
 def test_integer_arguments_are_held_fixed(rng):
     idx = np.sort(rng.integers(0, 4, size=10)).astype(np.int32)
     x = rng.normal(size=(10, 3))
-    report = check_gradients(lambda x, idx: jax.ops.segment_sum(jnp.sin(x), idx, 4), (x, idx), argnames=("x", "idx"))
+    report = check_gradients(lambda x, idx: jax.ops.segment_sum(jnp.sin(x), idx, 4), (x, idx),
+                             argnames=("x", "idx"))
     assert report.passed and {row.argument for row in report.rows} == {"x"}
 
 
@@ -162,8 +168,10 @@ def test_summary_keeps_the_worst_row_per_function_and_order(rng):
     report = check_gradients(lambda x, y: wrong(x) + y, (rng.normal(size=3), rng.normal(size=3)),
                              order=2, argnames=("x", "y"), name="g")
     summary = report.summary()
-    assert [(row.function, row.order, row.passed) for row in summary.rows] == [("g", 1, False), ("g", 2, True)]
-    assert summary.rows[0].argument == "x" and summary.rows[0].note.startswith("2 of 6 checks failed")
+    assert [(row.function, row.order, row.passed) for row in summary.rows] == [("g", 1, False),
+                                                                               ("g", 2, True)]
+    assert summary.rows[0].argument == "x"
+    assert summary.rows[0].note.startswith("2 of 6 checks failed")
     data = report.to_dict()
     assert data["passed"] is False and len(data["rows"]) == len(report.rows)
 
@@ -209,8 +217,10 @@ def test_reference_reductions_match_numpy(x64, rng, trailing):
     x, y = rng.normal(size=(len(idx),) + trailing), rng.normal(size=(len(idx),) + trailing)
     members = [np.flatnonzero(idx == s) for s in range(m)]
     zero = np.zeros(trailing)
-    np.testing.assert_allclose(reference.segmented_sum(x, idx, m), [x[i].sum(0) if len(i) else zero for i in members])
-    np.testing.assert_allclose(reference.segmented_mean(x, idx, m), [x[i].mean(0) if len(i) else zero for i in members])
+    np.testing.assert_allclose(reference.segmented_sum(x, idx, m),
+                               [x[i].sum(0) if len(i) else zero for i in members])
+    np.testing.assert_allclose(reference.segmented_mean(x, idx, m),
+                               [x[i].mean(0) if len(i) else zero for i in members])
     dots = [sum(np.vdot(x[j], y[j]) for j in i) for i in members]
     np.testing.assert_allclose(reference.segmented_dot(x, y, idx, m), dots)
     norms = [np.sqrt(np.mean([np.vdot(x[j], x[j]) for j in i])) if len(i) else 0 for i in members]

@@ -151,7 +151,7 @@ def assert_matches_ase(converted, source):
         else:
             assert np.array_equal(present[name], mask), name
             fill = {"f": np.nan, "O": ""}.get(expected.dtype.kind, 0)
-            assert fills[name] == fill or np.isnan(fill) and np.isnan(fills[name]), name
+            assert fills[name] == fill or (np.isnan(fill) and np.isnan(fills[name])), name
     with h5py.File(converted) as h5:
         assert set(h5.get("present", {})) == partial(reference)
     return reference

@@ -84,7 +84,7 @@ def test_a_directory_a_pattern_and_lists_name_the_same_files(shards, tmp_path, m
     listing.write_text("# the shards\n\nd.h5\n  a.h5\n" + str(directory / "b.h5") + "\n")
     assert expand_inputs(f"@{listing}") == [str(directory / n) for n in ("d.h5", "a.h5", "b.h5")]
     monkeypatch.chdir(directory)
-    monkeypatch.setattr(sys, "stdin", open(listing))
+    monkeypatch.setattr(sys, "stdin", open(listing))  # noqa: SIM115
     assert expand_inputs("@-") == ["d.h5", "a.h5", str(directory / "b.h5")]
     assert expand_inputs(["a.h5", "b.h5"]) == ["a.h5", "b.h5"]
     result = run("info", "--json", "@-", stdin="b.h5\nd.h5\n")
@@ -146,7 +146,7 @@ def test_chunks_run_across_members(shards, chunk_atoms):
 
 def test_reduce_over_many_files_equals_reduce_over_their_conversion(shards, tmp_path):
     directory, members = shards
-    n_atoms, x, v, s, source, index = joined(members)
+    n_atoms, x, _v, _s, source, index = joined(members)
     converted = tmp_path / "all.h5"
     assert run("convert", directory / "*.h5", "-o", converted).exit_code == 0
     for op, fields in (("rms_norm", ["x"]), ("mul", ["v", "s"])):
@@ -181,7 +181,7 @@ def test_reduce_over_many_files_equals_reduce_over_their_conversion(shards, tmp_
 
 def test_per_atom_json_lines_and_gradients_say_where_structures_came_from(shards, tmp_path):
     directory, members = shards
-    n_atoms, x, v, s, source, index = joined(members)
+    n_atoms, x, _v, _s, source, index = joined(members)
     result = run("reduce", directory, "mul", "v", "s", "--format", "json", "--chunk-atoms", 4)
     assert result.exit_code == 0, result.output
     rows = [json.loads(line) for line in result.stdout.splitlines()]

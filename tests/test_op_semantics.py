@@ -77,7 +77,8 @@ def test_integer_data_is_reduced_in_its_own_dtype(ids, dtype):
                                   if not op.integers and op.inputs and op.inputs[0].shape is None])
 def test_other_ops_refuse_integer_data_naming_the_ones_that_take_it(name):
     op, rows = OPS[name], jnp.ones((3, 1))
-    args = [rows.astype(jnp.int32), *(rows if a.per == "atom" else jnp.ones(1) for a in op.inputs[1:])]
+    args = [rows.astype(jnp.int32),
+            *(rows if a.per == "atom" else jnp.ones(1) for a in op.inputs[1:])]
     with pytest.raises(TypeError, match="x must be a real floating-point array, got dtype int32 "
                                         r"\(integer data: segmented_sum, _max, _min\)"):
         op.function(*args, jnp.zeros(3, jnp.int32), 1)
@@ -99,7 +100,8 @@ def test_logsumexp_and_softmax_stay_finite_at_extreme_values(ids, dtype, big):
         np.testing.assert_allclose(soft[rows == s], np.exp(part - top) / np.sum(np.exp(part - top)),
                                    rtol=1e-6 if dtype == np.float32 else 1e-14, atol=1e-30)
     assert lse[2] == -np.inf and np.all(np.asarray(soft)[rows == 4] == 0)
-    grad = jax.jit(jax.grad(lambda x: jnp.sum(ops.segmented_logsumexp(x, idx, 4)[jnp.array([0, 1, 3])])))(
+    grad = jax.jit(jax.grad(
+        lambda x: jnp.sum(ops.segmented_logsumexp(x, idx, 4)[jnp.array([0, 1, 3])])))(
         jnp.asarray(x))
     np.testing.assert_allclose(np.asarray(grad)[rows < 4], soft[rows < 4], rtol=1e-6)
 
@@ -124,7 +126,8 @@ def test_bincount_counts_labels_per_segment(any_ids):
     labels = np.array([1, 1, 8, 6, -3, 119, 8, 1])[order]
     got = ops.segmented_bincount(jnp.asarray(labels), idx, 4, 10)
     rows = np.asarray(idx)
-    expected = np.array([np.bincount(labels[(rows == s) & (labels >= 0) & (labels < 10)], minlength=10)
+    expected = np.array([np.bincount(labels[(rows == s) & (labels >= 0) & (labels < 10)],
+                                     minlength=10)
                          for s in range(4)])
     assert got.dtype == jnp.int32
     np.testing.assert_array_equal(got, expected)
@@ -137,7 +140,8 @@ def test_bincount_edge_cases_and_transforms():
     assert ops.segmented_bincount(labels, idx, 2, 0).shape == (2, 0)
     jitted = jax.jit(ops.segmented_bincount, static_argnums=(2, 3))(labels, idx, 2, 4)
     np.testing.assert_array_equal(jitted, [[0, 0, 0, 1], [1, 0, 0, 1]])
-    batched = jax.vmap(lambda l: ops.segmented_bincount(l, idx, 2, 4))(jnp.stack([labels, labels - 1]))
+    batched = jax.vmap(lambda lab: ops.segmented_bincount(lab, idx, 2, 4))(
+        jnp.stack([labels, labels - 1]))
     np.testing.assert_array_equal(batched[1], [[0, 0, 1, 0], [0, 0, 1, 0]])
     with pytest.raises(TypeError, match="labels must be a 1-D integer array"):
         ops.segmented_bincount(jnp.ones(3), idx, 2, 4)

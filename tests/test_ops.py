@@ -52,7 +52,8 @@ def assert_close(actual, expected, rtol):
     np.testing.assert_array_equal(actual[special], expected[special])
     a, e = actual[~special], expected[~special]
     scale = max(np.linalg.norm(e), 1e-300)
-    assert np.linalg.norm(a - e) <= rtol * scale + 1e-300, (np.linalg.norm(a - e) / scale, actual, expected)
+    assert np.linalg.norm(a - e) <= rtol * scale + 1e-300, (np.linalg.norm(a - e) / scale, actual,
+                                                            expected)
 
 
 def assert_tree_close(actual, expected, rtol=1e-10):
@@ -81,7 +82,9 @@ def _nested(loss, args, tangents, order):
     argnums = tuple(range(len(args)))
     g = loss
     for _ in range(order - 1):
-        g = (lambda h: lambda *a: sum(jnp.vdot(d, t) for d, t in zip(jax.grad(h, argnums)(*a), tangents)))(g)
+        # Bind h = g now (a closure over g would see its later values).
+        g = (lambda h: lambda *a: sum(  # noqa: PLC3002
+            jnp.vdot(d, t) for d, t in zip(jax.grad(h, argnums)(*a), tangents)))(g)
     return jax.grad(g, argnums)
 
 
@@ -91,7 +94,8 @@ TRANSFORMS = {
     "grad": lambda f, loss, args, tangents: _nested(loss, args, tangents, 1)(*args),
     "grad_grad": lambda f, loss, args, tangents: _nested(loss, args, tangents, 2)(*args),
     "grad_grad_grad": lambda f, loss, args, tangents: _nested(loss, args, tangents, 3)(*args),
-    "jit_grad_grad": lambda f, loss, args, tangents: jax.jit(_nested(loss, args, tangents, 2))(*args),
+    "jit_grad_grad":
+        lambda f, loss, args, tangents: jax.jit(_nested(loss, args, tangents, 2))(*args),
     "jvp": lambda f, loss, args, tangents: jax.jvp(f, args, tangents),
     "jacfwd": lambda f, loss, args, tangents: jax.jacfwd(f, tuple(range(len(args))))(*args),
     "jacrev": lambda f, loss, args, tangents: jax.jacrev(f, tuple(range(len(args))))(*args),
@@ -100,19 +104,23 @@ TRANSFORMS = {
     "linearize": lambda f, loss, args, tangents: jax.linearize(f, *args)[1](*tangents),
     "vjp": lambda f, loss, args, tangents: jax.vjp(f, *args)[1](f(*args)),
     "scan": lambda f, loss, args, tangents: jax.lax.scan(
-        lambda carry, s: (carry + jnp.sum(f(*(a * s for a in args))), None), 0.0, jnp.linspace(0.5, 1.5, 3)
+        lambda carry, s: (carry + jnp.sum(f(*(a * s for a in args))), None), 0.0,
+        jnp.linspace(0.5, 1.5, 3)
     )[0],
     "grad_scan": lambda f, loss, args, tangents: jax.grad(
-        lambda *a: jax.lax.scan(lambda c, s: (c + loss(*(x * s for x in a)), None), 0.0, jnp.linspace(0.5, 1.5, 3))[0],
+        lambda *a: jax.lax.scan(lambda c, s: (c + loss(*(x * s for x in a)), None), 0.0,
+                                jnp.linspace(0.5, 1.5, 3))[0],
         tuple(range(len(args))),
     )(*args),
     "vmap": lambda f, loss, args, tangents: jax.vmap(f)(*(jnp.stack([a, 2 * a, -a]) for a in args)),
-    "vmap_one_arg": lambda f, loss, args, tangents: jax.vmap(lambda a0: f(a0, *args[1:]))(jnp.stack([args[0], 3 * args[0]])),
+    "vmap_one_arg": lambda f, loss, args, tangents: jax.vmap(lambda a0: f(a0, *args[1:]))(
+        jnp.stack([args[0], 3 * args[0]])),
     "vmap_grad": lambda f, loss, args, tangents: jax.vmap(jax.grad(loss, tuple(range(len(args)))))(
         *(jnp.stack([a, 0.5 * a]) for a in args)
     ),
     "grad_vmap": lambda f, loss, args, tangents: jax.grad(
-        lambda *a: jnp.sum(jax.vmap(loss)(*(jnp.stack([x, x * x]) for x in a))), tuple(range(len(args)))
+        lambda *a: jnp.sum(jax.vmap(loss)(*(jnp.stack([x, x * x]) for x in a))),
+        tuple(range(len(args)))
     )(*args),
 }
 
@@ -129,7 +137,8 @@ def sampled(names, variants, share, turn=0):
 
 @pytest.mark.parametrize("name, transform", sampled(NAMES, TRANSFORMS, 6))
 def test_transform_matches_reference_float64(name, transform):
-    args, tangents, (f, loss), (f_ref, loss_ref), _ = setup(name, seed=hash((name, transform)) % 2**32)
+    args, tangents, (f, loss), (f_ref, loss_ref), _ = setup(name,
+                                                            seed=hash((name, transform)) % 2**32)
     ours = TRANSFORMS[transform](f, loss, args, tangents)
     theirs = TRANSFORMS[transform](f_ref, loss_ref, args, tangents)
     assert_tree_close(ours, theirs, rtol=1e-10)
@@ -142,12 +151,15 @@ def test_vmapped_ids(name):
     ours, theirs, op = functions(name)
     n, m = 15, 4
     args = make_args(rng, op, n, m)
-    ids = jnp.asarray(np.stack([np.sort(rng.integers(0, m, n)), rng.integers(-1, m + 1, n)]), jnp.int32)
+    ids = jnp.asarray(np.stack([np.sort(rng.integers(0, m, n)), rng.integers(-1, m + 1, n)]),
+                      jnp.int32)
     got = jax.vmap(lambda i: ours(*args, i, m))(ids)
     want = jax.vmap(lambda i: theirs(*args, i, m))(ids)
     assert_close(got, want, 1e-12)
-    grads = jax.vmap(lambda i: jax.grad(lambda a: jnp.sum(ours(a, *args[1:], i, m) ** 2))(args[0]))(ids)
-    grads_ref = jax.vmap(lambda i: jax.grad(lambda a: jnp.sum(theirs(a, *args[1:], i, m) ** 2))(args[0]))(ids)
+    grads = jax.vmap(
+        lambda i: jax.grad(lambda a: jnp.sum(ours(a, *args[1:], i, m) ** 2))(args[0]))(ids)
+    grads_ref = jax.vmap(
+        lambda i: jax.grad(lambda a: jnp.sum(theirs(a, *args[1:], i, m) ** 2))(args[0]))(ids)
     assert_close(grads, grads_ref, 1e-10)
 
 
@@ -155,9 +167,10 @@ def test_vmapped_ids(name):
     [n for n in NAMES if any(a.shape is None for a in OPS[n].inputs)],
     [((),), ((1,),), ((3,),), ((8,),), ((2, 4),)], 7))
 def test_trailing_shapes(name, features):
-    args, tangents, (f, loss), (f_ref, loss_ref), _ = setup(name, n=31, m=5, features=features)
+    args, _tangents, (f, loss), (f_ref, loss_ref), _ = setup(name, n=31, m=5, features=features)
     assert_close(f(*args), f_ref(*args), 1e-12)
-    assert_tree_close(jax.grad(loss, (0, 1) if len(args) == 2 else 0)(*args), jax.grad(loss_ref, (0, 1) if len(args) == 2 else 0)(*args))
+    assert_tree_close(jax.grad(loss, (0, 1) if len(args) == 2 else 0)(*args),
+                      jax.grad(loss_ref, (0, 1) if len(args) == 2 else 0)(*args))
 
 
 @pytest.mark.parametrize("name, x64_mode", sampled(NAMES, [True, False], 6))
@@ -169,7 +182,8 @@ def test_float32(name, x64_mode):
     assert_close(out, f_ref(*args), 1e-5)
     argnums = tuple(range(len(args)))
     assert_tree_close(jax.grad(loss, argnums)(*args), jax.grad(loss_ref, argnums)(*args), 1e-5)
-    assert_tree_close(_nested(loss, args, tangents, 2)(*args), _nested(loss_ref, args, tangents, 2)(*args), 1e-5)
+    assert_tree_close(_nested(loss, args, tangents, 2)(*args),
+                      _nested(loss_ref, args, tangents, 2)(*args), 1e-5)
 
 
 @pytest.mark.parametrize("name, dtype", sampled(NAMES, [jnp.float16, jnp.bfloat16], 4, 1))
@@ -199,8 +213,10 @@ def test_unsorted_ids_match_sorted(name):
         in_order = jnp.zeros_like(in_order).at[order].set(in_order)
     assert_close(unsorted, in_order, 1e-13)
     assert_close(unsorted, theirs(*args, jnp.asarray(idx), m), 1e-13)
-    g = jax.grad(lambda *a: jnp.sum(ours(*a, jnp.asarray(idx), m) ** 2), tuple(range(len(args))))(*args)
-    g_ref = jax.grad(lambda *a: jnp.sum(theirs(*a, jnp.asarray(idx), m) ** 2), tuple(range(len(args))))(*args)
+    g = jax.grad(lambda *a: jnp.sum(ours(*a, jnp.asarray(idx), m) ** 2),
+                 tuple(range(len(args))))(*args)
+    g_ref = jax.grad(lambda *a: jnp.sum(theirs(*a, jnp.asarray(idx), m) ** 2),
+                     tuple(range(len(args))))(*args)
     assert_tree_close(g, g_ref)
 
 
@@ -218,7 +234,8 @@ def test_out_of_range_ids_are_dropped(name, ids_dtype, sorted_):
     if sorted_:
         idx = np.sort(idx)
     valid = (idx >= 0) & (idx < m)
-    got = ours(*args, idx, m, **op.params, **({"indices_are_sorted": True} if sorted_ and op.takes_sorted else {}))
+    got = ours(*args, idx, m, **op.params,
+               **({"indices_are_sorted": True} if sorted_ and op.takes_sorted else {}))
     # the reference on the valid rows only, with invalid rows giving 0 for per-atom results
     kept = [a[valid] if arg.per == "atom" else a for a, arg in zip(args, op.inputs)]
     want = theirs(*kept, jnp.asarray(idx[valid].astype(np.int32)), m, **op.params)
@@ -234,7 +251,8 @@ def test_out_of_range_ids_are_dropped(name, ids_dtype, sorted_):
 def test_int64_ids_equal_int32():
     args, _, _, _, rng = setup("dot")
     idx = sorted_ids(rng, 23, 6)
-    assert np.array_equal(ops.segmented_dot(*args, idx, 6), ops.segmented_dot(*args, idx.astype(jnp.int64), 6))
+    assert np.array_equal(ops.segmented_dot(*args, idx, 6),
+                          ops.segmented_dot(*args, idx.astype(jnp.int64), 6))
 
 
 @pytest.mark.parametrize("name", [name for name, op in OPS.items() if op.inputs])
@@ -278,7 +296,7 @@ def test_no_segments(name):
 
 @pytest.mark.parametrize("name", sampled(NAMES, [()], 2, 0))
 def test_one_segment(name):
-    args, tangents, _, _, _ = setup(name, m=1)
+    args, _tangents, _, _, _ = setup(name, m=1)
     ours, theirs, _ = functions(name)
     idx = jnp.zeros((23,), jnp.int32)
     assert_close(ours(*args, idx, 1), theirs(*args, idx, 1), 1e-13)
@@ -293,7 +311,8 @@ def test_one_segment(name):
     assert_close(h, h_ref, 1e-10)
 
 
-@pytest.mark.parametrize("name", sampled([n for n in NAMES if OPS[n].output_per == "structure"], [()], 2, 1))
+@pytest.mark.parametrize(
+    "name", sampled([n for n in NAMES if OPS[n].output_per == "structure"], [()], 2, 1))
 def test_empty_segments_give_the_reference_and_finite_gradients(name):
     ours, theirs, op = functions(name)
     x, *rest = make_args(np.random.default_rng(1), op, 5, 4)
@@ -341,9 +360,11 @@ def test_max_norm_gradient_goes_to_first_attaining_row():
     x = jnp.asarray([[3.0, 4.0], [0.0, 5.0], [1.0, 0.0], [-5.0, 0.0], [0.0, 1.0]])
     grad = lambda ids: np.asarray(jax.grad(lambda a: jnp.sum(ops.segmented_max_norm(a, ids, 2)))(x))
     # segment 0 ties rows 0 and 1 (norm 5): row 0 takes the gradient
-    np.testing.assert_allclose(grad(jnp.asarray([0, 0, 0, 1, 1], jnp.int32)), [[0.6, 0.8], [0, 0], [0, 0], [-1, 0], [0, 0]])
+    np.testing.assert_allclose(grad(jnp.asarray([0, 0, 0, 1, 1], jnp.int32)),
+                               [[0.6, 0.8], [0, 0], [0, 0], [-1, 0], [0, 0]])
     # unsorted ids: segment 1 ties rows 0 and 3, row 0 wins; segment 0 is rows 1, 2, 4
-    np.testing.assert_allclose(grad(jnp.asarray([1, 0, 0, 1, 0], jnp.int32)), [[0.6, 0.8], [0, 1], [0, 0], [0, 0], [0, 0]])
+    np.testing.assert_allclose(grad(jnp.asarray([1, 0, 0, 1, 0], jnp.int32)),
+                               [[0.6, 0.8], [0, 1], [0, 0], [0, 0], [0, 0]])
 
 
 def test_sorted_results_are_bitwise_repeatable_and_flag_independent():
@@ -358,12 +379,13 @@ def test_sorted_results_are_bitwise_repeatable_and_flag_independent():
         def run(args):
             out = {}
             for name, op in OPS.items():
-                call = lambda *a, op=op: op.apply(*a, idx=idx, num_segments=m,  # noqa: E731
+                call = lambda *a, op=op: op.apply(*a, idx=idx, num_segments=m,
                                                   indices_are_sorted=promise, **op.params)
                 out[name] = call(*args[name])
                 if op.differentiable:
-                    out[name + " grad"] = jax.grad(lambda a, call=call, rest=args[name][1:]: jnp.sum(
-                        jnp.nan_to_num(call(a, *rest)) ** 2))(args[name][0])
+                    out[name + " grad"] = jax.grad(
+                        lambda a, call=call, rest=args[name][1:]: jnp.sum(
+                            jnp.nan_to_num(call(a, *rest)) ** 2))(args[name][0])
             return out
         return jax.jit(run)
 
@@ -378,7 +400,8 @@ def test_sorted_results_are_bitwise_repeatable_and_flag_independent():
 
 @pytest.fixture
 def gpu_code_paths():
-    """Lower the ops on this CPU with the code paths a GPU takes (scan layout, many-thread atomics)."""
+    """Lower the ops on this CPU with the code paths a GPU takes (scan layout, many-thread
+    atomics)."""
     _primitives.lower_cpu_as_gpu(True)
     yield
     _primitives.lower_cpu_as_gpu(False)
@@ -427,20 +450,36 @@ def test_check_segments_names_first_bad_position():
 @pytest.mark.parametrize(
     "call, error, message",
     [
-        (lambda: ops.segmented_mean(jnp.ones((3, 2), jnp.int32), jnp.zeros(3, jnp.int32), 2), TypeError, "x must be a real floating.*segmented_sum, _max, _min"),
-        (lambda: ops.segmented_sum(jnp.ones((3, 2), jnp.uint64), jnp.zeros(3, jnp.int32), 2), TypeError, "x must be a real floating-point or int8"),
-        (lambda: ops.segmented_sum(jnp.ones((3, 2), jnp.complex64), jnp.zeros(3, jnp.int32), 2), TypeError, "complex64"),
-        (lambda: ops.segmented_sum(jnp.ones((3, 2)), jnp.zeros(4, jnp.int32), 2), ValueError, r"idx has length 4 but x has 3 rows"),
-        (lambda: ops.segmented_sum(jnp.ones((3, 2)), jnp.zeros((3, 1), jnp.int32), 2), ValueError, r"one-dimensional.*\(3, 1\)"),
-        (lambda: ops.segmented_sum(jnp.ones((3, 2)), jnp.zeros(3), 2), TypeError, "idx must hold integers"),
-        (lambda: ops.segmented_sum(jnp.ones((3, 2)), jnp.zeros(3, jnp.int32), -1), ValueError, "num_segments must be a non-negative"),
-        (lambda: ops.segmented_dot(jnp.ones((3, 2)), jnp.ones((3, 3)), jnp.zeros(3, jnp.int32), 2), ValueError, r"x \(3, 2\) and y \(3, 3\)"),
-        (lambda: ops.segmented_mul(jnp.ones((3, 2)), jnp.ones(3), jnp.zeros(3, jnp.int32), 2), ValueError, r"y must have 2 rows.*\(3,\)"),
-        (lambda: ops.segmented_mul(jnp.ones((3, 2)), jnp.ones((2, 2)), jnp.zeros(3, jnp.int32), 2), ValueError, r"y must have shape \(num_segments,\)"),
-        (lambda: ops.segmented_matvec(jnp.ones((3, 3)), jnp.ones((2, 3, 2)), jnp.zeros(3, jnp.int32), 2), ValueError, r"m must have shape .*\(2, 3, 2\)"),
-        (lambda: ops.segmented_matvec(jnp.ones((3, 2)), jnp.ones((2, 3, 3)), jnp.zeros(3, jnp.int32), 2), ValueError, r"v must have shape \(N, 3\)"),
-        (lambda: ops.segmented_count(jnp.zeros((3, 1), jnp.int32), 2), ValueError, "one-dimensional"),
-        (lambda: jax.jit(lambda m: ops.segmented_sum(jnp.ones(3), jnp.zeros(3, jnp.int32), m))(2), TypeError, "static"),
+        (lambda: ops.segmented_mean(jnp.ones((3, 2), jnp.int32), jnp.zeros(3, jnp.int32), 2),
+         TypeError, "x must be a real floating.*segmented_sum, _max, _min"),
+        (lambda: ops.segmented_sum(jnp.ones((3, 2), jnp.uint64), jnp.zeros(3, jnp.int32), 2),
+         TypeError, "x must be a real floating-point or int8"),
+        (lambda: ops.segmented_sum(jnp.ones((3, 2), jnp.complex64), jnp.zeros(3, jnp.int32), 2),
+         TypeError, "complex64"),
+        (lambda: ops.segmented_sum(jnp.ones((3, 2)), jnp.zeros(4, jnp.int32), 2),
+         ValueError, r"idx has length 4 but x has 3 rows"),
+        (lambda: ops.segmented_sum(jnp.ones((3, 2)), jnp.zeros((3, 1), jnp.int32), 2),
+         ValueError, r"one-dimensional.*\(3, 1\)"),
+        (lambda: ops.segmented_sum(jnp.ones((3, 2)), jnp.zeros(3), 2),
+         TypeError, "idx must hold integers"),
+        (lambda: ops.segmented_sum(jnp.ones((3, 2)), jnp.zeros(3, jnp.int32), -1),
+         ValueError, "num_segments must be a non-negative"),
+        (lambda: ops.segmented_dot(jnp.ones((3, 2)), jnp.ones((3, 3)), jnp.zeros(3, jnp.int32), 2),
+         ValueError, r"x \(3, 2\) and y \(3, 3\)"),
+        (lambda: ops.segmented_mul(jnp.ones((3, 2)), jnp.ones(3), jnp.zeros(3, jnp.int32), 2),
+         ValueError, r"y must have 2 rows.*\(3,\)"),
+        (lambda: ops.segmented_mul(jnp.ones((3, 2)), jnp.ones((2, 2)), jnp.zeros(3, jnp.int32), 2),
+         ValueError, r"y must have shape \(num_segments,\)"),
+        (lambda: ops.segmented_matvec(jnp.ones((3, 3)), jnp.ones((2, 3, 2)),
+                                      jnp.zeros(3, jnp.int32), 2),
+         ValueError, r"m must have shape .*\(2, 3, 2\)"),
+        (lambda: ops.segmented_matvec(jnp.ones((3, 2)), jnp.ones((2, 3, 3)),
+                                      jnp.zeros(3, jnp.int32), 2),
+         ValueError, r"v must have shape \(N, 3\)"),
+        (lambda: ops.segmented_count(jnp.zeros((3, 1), jnp.int32), 2),
+         ValueError, "one-dimensional"),
+        (lambda: jax.jit(lambda m: ops.segmented_sum(jnp.ones(3), jnp.zeros(3, jnp.int32), m))(2),
+         TypeError, "static"),
     ],
 )
 def test_bad_calls_raise_at_trace_time(call, error, message):

@@ -82,7 +82,8 @@ def test_sigterm_during_an_in_place_write_changes_nothing(tmp_path, composition_
 
 
 def test_sigint_during_a_conversion_leaves_no_output(tmp_path):
-    frames = [Atoms("H2O", positions=np.random.default_rng(i).normal(size=(3, 3))) for i in range(4000)]
+    frames = [Atoms("H2O", positions=np.random.default_rng(i).normal(size=(3, 3)))
+              for i in range(4000)]
     for i, atoms in enumerate(frames):
         atoms.calc = SinglePointCalculator(atoms, energy=float(i), forces=np.zeros((3, 3)))
     ase.io.write(tmp_path / "water.extxyz", frames)
@@ -125,7 +126,7 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, composition_file):
                (["fit-e0", path, "--in-place"], path.stat().st_size + (2 << 20)),
                (["stats", path, "numbers", "--per-element", "-o", tmp_path / "s.h5"], 4096)]
     for args, limit in outputs:
-        code, out, err = finish(segcli(*args, limit=limit))
+        code, _out, err = finish(segcli(*args, limit=limit))
         name = (args[0], limit)
         assert code == 1 and err.startswith("Error: ") and len(err.splitlines()) == 1, (name, err)
         assert "File too large" in err and "Traceback" not in err, (name, err)
@@ -160,7 +161,7 @@ def test_only_regular_files_are_read_or_replaced_and_never_a_new_one(tmp_path, c
     target = tmp_path / "new.h5"
     with pytest.raises(DataError, match="made while this run worked"):
         with atomic_output(target, replace=False) as tmp:
-            open(tmp, "w").write("mine")
+            open(tmp, "w").write("mine")  # noqa: SIM115
             target.write_text("theirs")
     assert target.read_text() == "theirs" and sorted(os.listdir(tmp_path)) == ["fifo", "new.h5"]
     code, _, err = finish(segcli("stats", fifo, "energy"))

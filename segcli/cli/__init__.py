@@ -100,7 +100,7 @@ def main(ctx, debug):
 
 
 # The command modules, whose commands are added here.
-from segcli.cli import check, compute, curate, data, merge, select
+from segcli.cli import check, compute, curate, data, merge, select  # noqa: E402  (they use main)
 
 for _module in (data, compute, curate, select, merge, check):
     for _command in _module.COMMANDS:

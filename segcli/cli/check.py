@@ -1,4 +1,5 @@
-"""Command: gradcheck (values and derivatives of every op against finite differences and a reference)."""
+"""Command: gradcheck (values and derivatives of every op against finite differences and a
+reference)."""
 
 import json
 
@@ -99,7 +100,8 @@ def _file_inputs(path, specs, field, structures, skip_unfit):
     inputs = {}
     for spec in specs:
         if spec.name in chosen:
-            labels = [f"{parameter}={name}" for parameter, name in zip(_parameter_names(spec), chosen[spec.name])]
+            labels = [f"{parameter}={name}"
+                      for parameter, name in zip(_parameter_names(spec), chosen[spec.name])]
             inputs[spec.name] = (labels, [arrays[name] for name in chosen[spec.name]])
     return start, n_atoms, inputs, skipped
 
@@ -111,7 +113,8 @@ def _random_inputs(size, specs, seed):
 
     atoms, structures = size
     rng = np.random.default_rng(seed)
-    empty = rng.choice(structures, size=max(structures // 4, 1 if structures > 1 else 0), replace=False)
+    empty = rng.choice(structures, size=max(structures // 4, 1 if structures > 1 else 0),
+                       replace=False)
     weights = np.ones(structures)
     weights[empty] = 0
     n_atoms = rng.multinomial(atoms, weights / weights.sum()).astype(np.int64)
@@ -194,7 +197,8 @@ def _select_structures(spec, arrays, n_atoms, keep):
     import numpy as np
 
     atom_rows = np.repeat(keep, n_atoms)
-    chosen = [array[atom_rows] if wanted.per == "atom" else array[keep] for array, wanted in zip(arrays, spec.inputs)]
+    chosen = [array[atom_rows] if wanted.per == "atom" else array[keep]
+              for array, wanted in zip(arrays, spec.inputs)]
     return chosen, n_atoms[keep]
 
 
@@ -260,13 +264,16 @@ def _check_op(spec, labels, arrays, n_atoms, order, seed):
                    "scaled_positions for matvec).")
 @click.option("--random", "random_size", callback=_random_size, metavar="ATOMS:STRUCTURES",
               help=f"Without FILE: random data of this size (default {DEFAULT_RANDOM}).")
-@click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
-              help="Where to compute (auto: a GPU when JAX sees one).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random directions and data.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (every check) instead of the table.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto",
+              show_default=True, help="Where to compute (auto: a GPU when JAX sees one).")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Seed of the random directions and data.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON object (every check) instead of the table.")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors and failed checks.")
 @click.pass_context
-def gradcheck(ctx, file, op_names, order, structures, field, random_size, device, seed, as_json, quiet):
+def gradcheck(ctx, file, op_names, order, structures, field, random_size, device, seed, as_json,
+              quiet):
     """Check the values and derivatives of the ops on FILE's data or on random data.
 
     For each op and each order up to --order, JVP and VJP products (of the op and of its
@@ -320,8 +327,9 @@ def gradcheck(ctx, file, op_names, order, structures, field, random_size, device
                 bar.update(1)
     summary = report.summary()
     if as_json:
-        click.echo(json.dumps({**source, "order": order, "device": str(target), "atoms": int(n_atoms.sum()),
-                               **report.to_dict(), "summary": summary.to_dict()["rows"], "skipped": skipped}))
+        click.echo(json.dumps({**source, "order": order, "device": str(target),
+                               "atoms": int(n_atoms.sum()), **report.to_dict(),
+                               "summary": summary.to_dict()["rows"], "skipped": skipped}))
     elif not quiet:
         described = (f"{file}: structures {source['structures'][0]}:{source['structures'][1]} "
                      f"({int(n_atoms.sum())} atoms)" if file

@@ -107,8 +107,8 @@ def _shared_options(command):
         click.option("--force", is_flag=True,
                      help="Overwrite an existing output file or result."),
         click.option("--structures", callback=structure_range, metavar="START:STOP",
-                     help="Only these structures, a Python slice: START:STOP, -5: (the last five), :10 "
-                          "or one index (default: all; not with --in-place)."),
+                     help="Only these structures, a Python slice: START:STOP, -5: (the last "
+                          "five), :10 or one index (default: all; not with --in-place)."),
         click.option("--chunk-atoms", type=click.IntRange(min=1),
                      help="Atoms read and computed at a time (whole structures; default 2 Mi "
                           "= 2097152): bounds memory."),

@@ -7,10 +7,20 @@ import os
 
 import click
 
-from segcli.cli.common import (check_cluster_usage, cluster_options, input_paths, on_cluster,
-                               progress_bar, refuse_output_among_inputs,
-                               refuse_structures_in_place, selection, shard_output,
-                               shard_selection, structure_range, table)
+from segcli.cli.common import (
+    check_cluster_usage,
+    cluster_options,
+    input_paths,
+    on_cluster,
+    progress_bar,
+    refuse_output_among_inputs,
+    refuse_structures_in_place,
+    selection,
+    shard_output,
+    shard_selection,
+    structure_range,
+    table,
+)
 
 STAT_COLUMNS = ("count", "mean", "std", "rms", "min", "max")
 
@@ -23,8 +33,8 @@ def _streaming_options(command):
                      help="Atoms read at a time (whole structures; default 2097152): bounds "
                           "memory."),
         click.option("--structures", callback=structure_range, metavar="START:STOP",
-                     help="Only these structures, a Python slice: START:STOP, -5: (the last five), :10 "
-                          "or one index (default: all)."),
+                     help="Only these structures, a Python slice: START:STOP, -5: (the last "
+                          "five), :10 or one index (default: all)."),
     ):
         command = option(command)
     return command

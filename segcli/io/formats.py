@@ -6,8 +6,9 @@ Adding a format means adding one `Format` to FORMATS: a name (what `Batch.format
 
 import os
 import re
+from collections.abc import Callable
 from functools import partial
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 from segcli.errors import DataError
 from segcli.io.asedb import DatabaseBatch

@@ -1,12 +1,23 @@
 """HDF5 files: the segcli-batch layout, and the conformer-group layout of ANI-1x, SPICE and
 Transition1x, read in place."""
 
+import itertools
+
 import h5py
 import numpy as np
 
 from segcli.errors import DataError
-from segcli.io.core import (FORMAT, NUMERIC_KINDS, STRING, VERSION, Batch, Chunk, FieldInfo,
-                            Schema, plan_chunks)
+from segcli.io.core import (
+    FORMAT,
+    NUMERIC_KINDS,
+    STRING,
+    VERSION,
+    Batch,
+    Chunk,
+    FieldInfo,
+    Schema,
+    plan_chunks,
+)
 
 POSITION_NAMES = ("coordinates", "conformations", "positions")
 NUMBER_NAMES = ("atomic_numbers", "species")
@@ -19,7 +30,8 @@ def read_rows(path, ds, lo, hi, out=None):
     try:
         if h5py.check_string_dtype(ds.dtype):
             return ds.asstr()[lo:hi]
-        if out is None or hi <= lo or out.shape != (hi - lo, *ds.shape[1:]) or out.dtype != ds.dtype:
+        if (out is None or hi <= lo or out.shape != (hi - lo, *ds.shape[1:])
+                or out.dtype != ds.dtype):
             return ds[lo:hi]
         ds.read_direct(out, np.s_[lo:hi])
         return out
@@ -165,7 +177,7 @@ class SegcliBatch(Batch):
         names = list(self._stored) if names is None else names
         bounds = start + np.array(plan_chunks(self.n_atoms[start:stop], chunk_atoms))
         per = {**self._result_fields, **self._stored}
-        for a, b in zip(bounds[:-1], bounds[1:]):
+        for a, b in itertools.pairwise(bounds):
             lo, hi = self._offsets[a], self._offsets[b]
             data = {"atom": {}, "structure": {}}
             present = {}

@@ -5,6 +5,7 @@ file that one run over all of them writes, by copy or as HDF5 virtual datasets.
     merge_parts(parts, "r.h5")
 """
 
+import itertools
 import os
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -113,7 +114,7 @@ def check_parts(paths):
             raise DataError(f"{part.path}: attribute {key} is {part.attrs.get(key)!r}, but "
                             f"{first.path} has {first.attrs.get(key)!r}: parts of different "
                             "jobs or inputs")
-    for before, after in zip(parts, parts[1:]):
+    for before, after in itertools.pairwise(parts):
         if after.start > before.stop:
             raise DataError(f"parts leave structures {before.stop}:{after.start} uncovered "
                             f"({before.path} has {before.start}:{before.stop}, {after.path} "
@@ -220,7 +221,7 @@ def part_rows(parts, names, atoms_per_block=1 << 20):
                                 part.stop - part.start).astype(np.int64)
             offsets = np.concatenate([[0], np.cumsum(n_atoms)])
             bounds = plan_chunks(n_atoms, atoms_per_block)
-            for a, b in zip(bounds[:-1], bounds[1:]):
+            for a, b in itertools.pairwise(bounds):
                 rows = {}
                 for name in names:
                     ds = h5[f"results/{name}"]

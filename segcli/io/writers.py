@@ -15,8 +15,16 @@ import numpy as np
 
 from segcli import __version__
 from segcli.errors import DataError, hold_signals, raise_if_interrupted, release_signals
-from segcli.io.core import (FORMAT, STRING, VERSION, FieldInfo, Schema, check_fill, fill_value,
-                            merge_pieces)
+from segcli.io.core import (
+    FORMAT,
+    STRING,
+    VERSION,
+    FieldInfo,
+    Schema,
+    check_fill,
+    fill_value,
+    merge_pieces,
+)
 from segcli.io.formats import capable
 
 CHUNK_BYTES = 1 << 20

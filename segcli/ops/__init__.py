@@ -69,7 +69,8 @@ def _num_segments(num_segments):
 
 def _ids(idx, n, m, name="idx"):
     """Ids as int32, with every out-of-range id clipped to -1 or M (order is kept)."""
-    if isinstance(idx, np.ndarray) and np.issubdtype(idx.dtype, np.integer) and idx.dtype != np.int32:
+    if (isinstance(idx, np.ndarray) and np.issubdtype(idx.dtype, np.integer)
+            and idx.dtype != np.int32):
         idx = np.clip(idx, -1, m).astype(np.int32)
     idx = jnp.asarray(idx)
     if not jnp.issubdtype(idx.dtype, jnp.integer):
@@ -77,7 +78,8 @@ def _ids(idx, n, m, name="idx"):
     if idx.ndim != 1:
         raise ValueError(f"{name} must be one-dimensional (N,), got shape {idx.shape}")
     if n is not None and idx.shape[0] != n:
-        raise ValueError(f"{name} has length {idx.shape[0]} but x has {n} rows (shape of {name}: {idx.shape})")
+        raise ValueError(f"{name} has length {idx.shape[0]} but x has {n} rows "
+                         f"(shape of {name}: {idx.shape})")
     if idx.dtype != jnp.int32:
         idx = jnp.clip(idx, -1, m).astype(jnp.int32)
     return idx
@@ -97,7 +99,8 @@ def _floats(name, x, rows=None, integers=False):
             raise ValueError(f"{name} must have a leading axis of rows, got a scalar")
         return x.astype(_WIDENED.get(x.dtype.name, x.dtype)), x.dtype
     if not jnp.issubdtype(x.dtype, jnp.floating):
-        allowed = "real floating-point or int8..int64/uint8..uint32" if integers else "real floating-point"
+        allowed = ("real floating-point or int8..int64/uint8..uint32" if integers
+                   else "real floating-point")
         raise TypeError(f"{name} must be a {allowed} array, got dtype {x.dtype}"
                         + ("" if integers else " (integer data: segmented_sum, _max, _min)"))
     if x.ndim == 0:
@@ -253,7 +256,8 @@ def segmented_mean(x, idx, num_segments, *, indices_are_sorted=False):
     x, seg, m, dtype = _common("x", x, idx, num_segments)
     params = _params(m, indices_are_sorted)
     total = P.sum_p.bind(_rows(x), *seg, **params)
-    return (total / _nonzero_counts(seg, params, x.dtype)[:, None]).reshape(m, *x.shape[1:]).astype(dtype)
+    return (total / _nonzero_counts(seg, params, x.dtype)[:, None]).reshape(
+        m, *x.shape[1:]).astype(dtype)
 
 
 @_documented
@@ -330,7 +334,8 @@ def segmented_rms_norm(x, idx, num_segments, *, indices_are_sorted=False):
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
 def _squared_norms(g, seg, params):
-    """Σ |g[i]|² per segment and group: dot(g, g), with the JVP 2 dot(g, t) (one kernel, not two)."""
+    """Σ |g[i]|² per segment and group: dot(g, g), with the JVP 2 dot(g, t) (one kernel, not
+    two)."""
     return P.dot_p.bind(g, g, *seg, **dict(params))
 
 
@@ -590,8 +595,10 @@ def segmented_matvec(v, m, idx, num_segments):
     if v.ndim != 2 or v.shape[1] != 3:
         raise ValueError(f"v must have shape (N, 3), got {v.shape}")
     if m.shape != (segments, 3, 3):
-        raise ValueError(f"m must have shape (num_segments, 3, 3) = ({segments}, 3, 3), got {m.shape}")
-    out = P.matvec_p.bind(v[:, None], m.astype(v.dtype)[:, None], *seg, **_params(segments, False), transpose=False)
+        raise ValueError(f"m must have shape (num_segments, 3, 3) = ({segments}, 3, 3), "
+                         f"got {m.shape}")
+    out = P.matvec_p.bind(v[:, None], m.astype(v.dtype)[:, None], *seg, **_params(segments, False),
+                          transpose=False)
     return out[:, 0].astype(dtype)
 
 
@@ -599,10 +606,12 @@ def segment_ids(n_atoms):
     """Sorted segment ids (N,) int32 for segments of n_atoms[s] rows each: 0,0,…,1,1,…"""
     n_atoms = jnp.asarray(n_atoms)
     if n_atoms.ndim != 1 or not jnp.issubdtype(n_atoms.dtype, jnp.integer):
-        raise ValueError(f"n_atoms must be a 1-D integer array, got shape {n_atoms.shape} and dtype {n_atoms.dtype}")
+        raise ValueError(f"n_atoms must be a 1-D integer array, got shape {n_atoms.shape} "
+                         f"and dtype {n_atoms.dtype}")
     n_atoms = np.asarray(n_atoms)
     if (n_atoms < 0).any():
-        raise ValueError(f"n_atoms must be non-negative, got {int(n_atoms.min())} at position {int(np.argmin(n_atoms))}")
+        raise ValueError(f"n_atoms must be non-negative, got {int(n_atoms.min())} "
+                         f"at position {int(np.argmin(n_atoms))}")
     return jnp.asarray(np.repeat(np.arange(len(n_atoms), dtype=np.int32), n_atoms))
 
 
@@ -614,4 +623,5 @@ def check_segments(idx, num_segments):
         raise ValueError(f"idx must be one-dimensional (N,), got shape {ids.shape}")
     bad = np.flatnonzero((ids < 0) | (ids >= m))
     if bad.size:
-        raise ValueError(f"idx[{bad[0]}] = {ids[bad[0]]} is outside [0, {m}) ({bad.size} ids out of range)")
+        raise ValueError(f"idx[{bad[0]}] = {ids[bad[0]]} is outside [0, {m}) "
+                         f"({bad.size} ids out of range)")

@@ -2,23 +2,30 @@
 
 Shapes (rows first, then a group axis G that vmap folds into, then features):
 
-    layout      idx (N,)                       -> offsets (M+1,)  offsets[s] = first i with idx[i] >= s
-                                                  (a binary search per segment on GPUs, one pass on CPUs)
-    count       idx as a (N, 1)                -> (M, 1)          out[s] = #{i : idx[i]=s}
-    sum         x (N, K)                       -> (M, K)          out[s] = Σ_{idx[i]=s} x[i]
-    outer       a (N, G·K), b (N, G·L)         -> (M, G·K·L)      out[s,g] = Σ_{idx[i]=s} a[i,g] ⊗ b[i,g]
-    sum3, dot3  rows of vec3 (N, 1)            -> (M, 1)          sum and dot for K = 3, on CPUs (a GPU keeps
-                                                                  more rows in flight with a thread per
-                                                                  feature, and reads rows coalesced)
-    row_dot     x, y (N, G, K)                 -> (N, G)          out[i,g] = <x[i,g], y[i,g]>  (dot = sum of row_dot)
-    max_*, min_*, max_norm_*  x (N, G, K)      -> first (M, G)    the first row i attaining the largest x[i,g,0]
-                                                  (max), smallest (min), largest |x[i,g]|² (max_norm); N if none
-    bincount    labels (N,)                    -> (M, L) int32    out[s,c] = #{i : idx[i]=s, labels[i]=c}
-    gather      y (R, K), idx (L,)             -> (L, K)          out[i] = y[idx[i]]
-    scale       x (N, G, K), y (M, G)          -> (N, G, K)       out[i,g] = x[i,g] * y[idx[i],g]
-    matvec      v (N, G, K), m (M, G, K, K)    -> (N, G, K)       out[i,g] = v[i,g] @ m[idx[i],g]  (@ m[idx[i],g]ᵀ
-                                                                  with `transpose`)
-    gather3, scale3, matvec3                                      the same for G = 1, K = 3
+    layout      idx (N,)                     -> offsets (M+1,)  offsets[s] = first i with
+                                                                idx[i] >= s (a binary search per
+                                                                segment on GPUs, one pass on CPUs)
+    count       idx as a (N, 1)              -> (M, 1)          out[s] = #{i : idx[i]=s}
+    sum         x (N, K)                     -> (M, K)          out[s] = Σ_{idx[i]=s} x[i]
+    outer       a (N, G·K), b (N, G·L)       -> (M, G·K·L)      out[s,g] = Σ_{idx[i]=s} a[i,g] ⊗
+                                                                b[i,g]
+    sum3, dot3  rows of vec3 (N, 1)          -> (M, 1)          sum and dot for K = 3, on CPUs
+                                                                (a GPU keeps more rows in flight
+                                                                with a thread per feature, and
+                                                                reads rows coalesced)
+    row_dot     x, y (N, G, K)               -> (N, G)          out[i,g] = <x[i,g], y[i,g]>
+                                                                (dot = sum of row_dot)
+    max_*, min_*, max_norm_*  x (N, G, K)    -> first (M, G)    the first row i attaining the
+                                                                largest x[i,g,0] (max), smallest
+                                                                (min), largest |x[i,g]|²
+                                                                (max_norm); N if none
+    bincount    labels (N,)                  -> (M, L) int32    out[s,c] = #{i : idx[i]=s,
+                                                                labels[i]=c}
+    gather      y (R, K), idx (L,)           -> (L, K)          out[i] = y[idx[i]]
+    scale       x (N, G, K), y (M, G)        -> (N, G, K)       out[i,g] = x[i,g] * y[idx[i],g]
+    matvec      v (N, G, K), m (M, G, K, K)  -> (N, G, K)       out[i,g] = v[i,g] @ m[idx[i],g]
+                                                                (@ m[idx[i],g]ᵀ with `transpose`)
+    gather3, scale3, matvec3                                    the same for G = 1, K = 3
 
 The reductions (count, sum, outer, sum3, dot3) come from one factory (`_segment_reduction`)
 over the term each adds, and the searches for extremes from another (`_extreme`) over the key
@@ -175,18 +182,20 @@ def _segment_reduction(term):
 
 
 @wp.func
-def _one(a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any), out: wp.array2d(dtype=Any), i: int, p: int):
+def _one(a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any), out: wp.array2d(dtype=Any), i: int,
+         p: int):
     return 1
 
 
 @wp.func
-def _entry(a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any), out: wp.array2d(dtype=Any), i: int, p: int):
+def _entry(a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any), out: wp.array2d(dtype=Any), i: int,
+           p: int):
     return a[i, p]
 
 
 @wp.func
-def _outer_entry(a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any), out: wp.array2d(dtype=Any), i: int,
-                 p: int):
+def _outer_entry(a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any), out: wp.array2d(dtype=Any),
+                 i: int, p: int):
     # a (N, G·K) and b (N, G·L) into out (M, G·K·L), p = (g·K + k)·L + l
     k_count = out.shape[1] // b.shape[1]
     l_count = out.shape[1] // a.shape[1]
@@ -195,8 +204,8 @@ def _outer_entry(a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any), out: wp.arr
 
 
 @wp.func
-def _vector_dot(a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any), out: wp.array2d(dtype=Any), i: int,
-                p: int):
+def _vector_dot(a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any), out: wp.array2d(dtype=Any),
+                i: int, p: int):
     return wp.dot(a[i, p], b[i, p])
 
 
@@ -328,7 +337,8 @@ def _extreme(key, better, atomic_better):
 
 
 # max and min per entry (x as (N, entries, 1)), max_norm per group of features.
-for _name, _parts in (("max", (_value, _above, _atomic_above)), ("min", (_value, _below, _atomic_below)),
+for _name, _parts in (("max", (_value, _above, _atomic_above)),
+                      ("min", (_value, _below, _atomic_below)),
                       ("max_norm", (_squared_norm, _above, _atomic_above))):
     for _step, _kernel in zip(("ordered", "best", "first"), _extreme(*_parts)):
         _deferred(_kernel, f"{_name}_{_step}")
@@ -363,7 +373,8 @@ def _bincount_kernel(
                 wp.atomic_add(out, s, c, 1)
 
 @_deferred
-def _gather_kernel(y: wp.array2d(dtype=Any), idx: wp.array(dtype=wp.int32), out: wp.array2d(dtype=Any)):
+def _gather_kernel(y: wp.array2d(dtype=Any), idx: wp.array(dtype=wp.int32),
+                   out: wp.array2d(dtype=Any)):
     i = wp.tid()
     s = idx[i]
     valid = s >= 0 and s < y.shape[0]
@@ -430,7 +441,8 @@ def _matvec_kernel(
 
 
 @_deferred
-def _gather3_kernel(y: wp.array(dtype=Any), idx: wp.array(dtype=wp.int32), out: wp.array(dtype=Any)):
+def _gather3_kernel(y: wp.array(dtype=Any), idx: wp.array(dtype=wp.int32),
+                    out: wp.array(dtype=Any)):
     i = wp.tid()
     s = idx[i]
     if s >= 0 and s < y.shape[0]:
@@ -542,7 +554,8 @@ def launch(name, *args, dims, in_out=(), out=None, dtype=None):
     can capture it into its own CUDA graph."""
     if dtype is None:
         floats = [a for a in args if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating)]
-        dtype = jnp.dtype(floats[0].dtype).name if floats else next(iter(_DTYPES.get(name, _FLOATS)))
+        dtype = (jnp.dtype(floats[0].dtype).name if floats
+                 else next(iter(_DTYPES.get(name, _FLOATS))))
     call = _ffi(name, jnp.dtype(dtype).name, tuple(in_out))
     result = call(*args, launch_dims=dims, output_dims=None if out is None else {"out": out})
     return result[0] if len(result) == 1 else result

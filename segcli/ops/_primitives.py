@@ -86,7 +86,8 @@ def _fold_batch(args, dims, arity):
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     folded = []
     for a, d in zip(args[:arity], dims[:arity]):
-        a = jnp.moveaxis(a, d, 1) if d is not None else jnp.broadcast_to(a[:, None], (a.shape[0], size, *a.shape[1:]))
+        a = (jnp.moveaxis(a, d, 1) if d is not None
+             else jnp.broadcast_to(a[:, None], (a.shape[0], size, *a.shape[1:])))
         folded.append(a.reshape(a.shape[0], size * a.shape[2], *a.shape[3:]))
     return folded, size
 
@@ -98,7 +99,8 @@ def _unfold(out, size):
 def _loop_batch(prim, args, dims, params):
     """Vmapped ids or offsets: run the primitive once per batch element."""
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    moved = [jnp.moveaxis(a, d, 0) if d is not None else jnp.broadcast_to(a, (size, *a.shape)) for a, d in zip(args, dims)]
+    moved = [jnp.moveaxis(a, d, 0) if d is not None else jnp.broadcast_to(a, (size, *a.shape))
+             for a, d in zip(args, dims)]
     out = jax.lax.map(lambda xs: prim.bind(*xs, **params), moved)
     return out, 0
 
@@ -262,7 +264,8 @@ def _scale(x, y, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
         return jnp.zeros(x.shape, x.dtype)
     if _is_float_vec3(x):
         rows = x.reshape(x.shape[0], 3)
-        return launch("scale3", rows, y[:, 0], idx, dims=(idx.shape[0],), out=(idx.shape[0],)).reshape(x.shape)
+        return launch("scale3", rows, y[:, 0], idx, dims=(idx.shape[0],),
+                      out=(idx.shape[0],)).reshape(x.shape)
     return launch("scale", x, y, idx, dims=(idx.shape[0],), out=x.shape)
 
 
@@ -291,7 +294,7 @@ matvec_p = _multilinear(_Rule(
 
 
 def _outer(a, b, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
-    (n, groups, k), l = a.shape, b.shape[2]
+    (n, groups, k), l = a.shape, b.shape[2]  # noqa: E741  (a is (N, G, K), b is (N, G, L))
     shape = (num_segments, groups, k, l)
     if _empty(shape, a, b):
         return jnp.zeros(shape, a.dtype)
@@ -356,16 +359,19 @@ def _count(idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     if indices_are_sorted or offsets.shape[0]:  # differences of the offsets: no count kernel
         return jnp.diff(_layout(idx, offsets, num_segments, True, gpu)[0])
     rows, zeros = idx.reshape(-1, 1), jnp.zeros((num_segments, 1), jnp.int32)
-    return _reduce("count", rows, rows, idx, offsets, zeros, num_segments, indices_are_sorted, gpu)[:, 0]
+    return _reduce("count", rows, rows, idx, offsets, zeros, num_segments, indices_are_sorted,
+                   gpu)[:, 0]
 
 
-count_p = _integral(_Rule("count", _count, lambda idx, offsets, *, num_segments, **_: (num_segments,),
+count_p = _integral(_Rule("count", _count,
+                          lambda idx, offsets, *, num_segments, **_: (num_segments,),
                           dtype=jnp.int32))
 
 
 def count(idx, offsets, num_segments, indices_are_sorted):
     """Ids per segment, int32 (not differentiable)."""
-    return count_p.bind(idx, offsets, num_segments=num_segments, indices_are_sorted=bool(indices_are_sorted))
+    return count_p.bind(idx, offsets, num_segments=num_segments,
+                        indices_are_sorted=bool(indices_are_sorted))
 
 
 def _bincount(labels, idx, offsets, *, num_segments, indices_are_sorted, length, gpu=False):
@@ -379,6 +385,7 @@ def _bincount(labels, idx, offsets, *, num_segments, indices_are_sorted, length,
 
 
 bincount_p = _integral(_Rule(
-    "bincount", _bincount, lambda labels, idx, offsets, *, num_segments, length, **_: (num_segments, length),
+    "bincount", _bincount,
+    lambda labels, idx, offsets, *, num_segments, length, **_: (num_segments, length),
     dtype=jnp.int32))
 """Rows per segment with each label in [0, length) of int32 labels (N,): (M, length) int32."""
