@@ -93,3 +93,14 @@ def device_label():
     device = jax.devices()[0]
     return ("cpu" if device.platform == "cpu"
             else f"{device.platform}:{device.id} ({device.device_kind})")
+
+
+@pytest.fixture
+def x64():
+    """JAX's 64-bit mode for the test, restored after it."""
+    import jax
+
+    previous = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", previous)

@@ -13,13 +13,7 @@ from segcli import ops
 from segcli.ops import _primitives
 from segcli.registry import OPS
 
-
-@pytest.fixture(autouse=True)
-def x64():
-    previous = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", previous)
+pytestmark = pytest.mark.usefixtures("x64")
 
 
 NAMES = [name for name, op in OPS.items() if op.differentiable]
