@@ -38,6 +38,7 @@ def failing(data):
     return {(row["function"], row["order"]) for row in data["summary"] if not row["passed"]}
 
 
+@pytest.mark.slow  # order 2: about 16 s
 def test_random_data_table_has_one_passing_row_per_op_and_order():
     result = run("--random", "40:5", "--op", "sum,max_norm,count", "--order", "2", "--seed", "3")
     assert result.exit_code == 0, result.output
@@ -120,6 +121,7 @@ def write_batch(path, n_atoms, forces, positions):
         h5["atoms/positions"] = positions
 
 
+@pytest.mark.slow  # every fit op at order 1: about 27 s
 def test_non_differentiable_structures_are_left_out_and_unfit_ops_skipped(tmp_path):
     rng = np.random.default_rng()
     n_atoms = [3, 4, 5, 2]

@@ -255,9 +255,7 @@ def test_data_errors_exit_1_and_write_nothing(tmp_path, args, needles):
     assert_data_error(run("reduce", METALS, *args), *needles)
 
 
-@pytest.mark.parametrize("given, same_as", [("-5:", "194:"), (":10", "0:10"), ("7", "7:8"),
-                                             ("-1", "198:"), ("-3:-1", "196:198"),
-                                             ("190:-5", "190:194")])
+@pytest.mark.parametrize("given, same_as", [("-5:", "194:"), ("7", "7:8"), ("190:-5", "190:194")])
 def test_structures_are_python_slices(given, same_as):
     got = run("reduce", METALS, "count", "--structures", given)
     assert got.exit_code == 0, got.output

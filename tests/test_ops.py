@@ -129,7 +129,7 @@ def sampled(names, variants, share, turn=0):
             for i, name in enumerate(names) for j, v in enumerate(variants)]
 
 
-@pytest.mark.parametrize("name, transform", sampled(NAMES, TRANSFORMS, 6))
+@pytest.mark.parametrize("name, transform", sampled(NAMES, TRANSFORMS, 8))
 def test_transform_matches_reference_float64(name, transform):
     args, tangents, (f, loss), (f_ref, loss_ref), _ = setup(name,
                                                             seed=hash((name, transform)) % 2**32)
