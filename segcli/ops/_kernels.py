@@ -276,6 +276,14 @@ def _extreme(key, better, atomic_better):
     the worst key) takes the atomic best of the keys, NaN entering as `nan_key[0]` (the best
     possible key), and then `first` the atomic min of the rows attaining it."""
 
+    @wp.func
+    def atomic_key(x: wp.array3d(dtype=Any), i: int, g: int, nan_key: wp.array(dtype=Any)):
+        # The key as the atomic path compares it: NaN enters as the best possible key.
+        v = key(x, i, g)
+        if _is_nan(v):
+            v = nan_key[0]
+        return v
+
     def ordered_kernel(
         x: wp.array3d(dtype=Any),
         offsets: wp.array(dtype=wp.int32),
@@ -308,10 +316,7 @@ def _extreme(key, better, atomic_better):
             for i in range(t, x.shape[0], stride):
                 s = idx[i]
                 if s >= 0 and s < best.shape[0]:
-                    v = key(x, i, g)
-                    if _is_nan(v):
-                        v = nan_key[0]
-                    atomic_better(best, s, g, v)
+                    atomic_better(best, s, g, atomic_key(x, i, g, nan_key))
 
     def first_kernel(
         x: wp.array3d(dtype=Any),
@@ -326,11 +331,8 @@ def _extreme(key, better, atomic_better):
         if ordered[0] == 0:
             for i in range(t, x.shape[0], stride):
                 s = idx[i]
-                if s >= 0 and s < best.shape[0]:
-                    v = key(x, i, g)
-                    if _is_nan(v):
-                        v = nan_key[0]
-                    if v == best[s, g]:
+                if s >= 0 and s < best.shape[0]:  # noqa: SIM102  (best[s, g] only in range)
+                    if atomic_key(x, i, g, nan_key) == best[s, g]:
                         wp.atomic_min(first, s, g, i)
 
     return ordered_kernel, best_kernel, first_kernel
