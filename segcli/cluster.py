@@ -10,7 +10,6 @@ optional extra: `pip install 'segcli[cluster]'`.
 """
 
 import contextlib
-import functools
 import itertools
 import logging
 import os
@@ -93,25 +92,27 @@ def shared(client, value):
     return client.scatter(value, broadcast=True, hash=False)
 
 
-def map_shards(client, function, calls, progress=None):
+def map_shards(client, function, calls, progress=None, sizes=None):
     """[function(*call) for call in calls], in that order: on `client`'s cluster, one task per
-    call, or here one after another when `client` is None. `progress(1)` is called as each
-    finishes."""
+    call, or here one after another when `client` is None. As call k finishes,
+    `progress.update(sizes[k])` is called (1 without `sizes`; see segcli.cli.common.progress)."""
+    sizes = [1] * len(calls) if sizes is None else [int(n) for n in sizes]
     if client is None:
         out = []
-        for call in calls:
+        for call, size in zip(calls, sizes):
             out.append(function(*call))
-            if progress:
-                progress(1)
+            if progress is not None:
+                progress.update(size)
         return out
     from dask.distributed import as_completed
 
     futures = [client.submit(function, *call, pure=False) for call in calls]
+    size_of = {future.key: size for future, size in zip(futures, sizes)}
     for future in as_completed(futures):
         if future.status == "error":
             future.result()  # raises the task's error here
-        if progress:
-            progress(1)
+        if progress is not None:
+            progress.update(size_of[future.key])
     return client.gather(futures)
 
 
@@ -128,17 +129,19 @@ def stats_part(layout, names, leaves, options):
 def leaf_stats_sharded(client, batch, names, leaves, progress=None, **options):
     """segcli.stats.leaf_stats of `batch` over the structures between `leaves` (leaf
     boundaries, see segcli.shards.leaf_bounds): here in one piece (`client` None), or as
-    shards on `client`'s cluster, whose tasks open the file themselves; joined in leaf order."""
+    shards on `client`'s cluster, whose tasks open the file themselves; joined in leaf order.
+    `progress.update(n)` is called as n more structures are done."""
     from segcli.shards import even_cuts
     from segcli.stats import join_leaves, leaf_stats
 
     leaves = np.asarray(leaves, np.int64)
     if client is None:
-        return join_leaves(map_shards(None, functools.partial(leaf_stats, batch, **options),
-                                      [(list(names), leaves)], progress))
+        return join_leaves([leaf_stats(batch, list(names), leaves, progress=progress,
+                                       **options)])
     offsets = np.concatenate([[0], np.cumsum(batch.n_atoms)])
     cuts = even_cuts(np.diff(offsets[leaves]), shard_count(client, len(leaves) - 1))
     layout = shared(client, batch.layout)
     calls = [(layout, list(names), leaves[a:b + 1].tolist(), options)
              for a, b in itertools.pairwise(cuts)]
-    return join_leaves(map_shards(client, stats_part, calls, progress))
+    sizes = [leaves[b] - leaves[a] for a, b in itertools.pairwise(cuts)]
+    return join_leaves(map_shards(client, stats_part, calls, progress, sizes))

@@ -242,14 +242,15 @@ def _require(batch, names, role):
 
 
 def leaf_stats(batch, names, leaves, *, per_element=False, per_atom=False,
-               chunk_atoms=1 << 21):
+               chunk_atoms=1 << 21, progress=None):
     """FieldStats of each field of `names`, its moments stacked by leaf: one entry for each run
     of structures between consecutive structure numbers `leaves`, computed from that run alone
     (chunks of at most `chunk_atoms` atoms and blocks of BLOCK_ROWS rows hold whole leaves; a
     bigger leaf is chunked from its start), so the same in any shard. Per-atom fields go over
     all atoms (grouped by `numbers` with `per_element`), per-structure fields over all
     structures (divided by each structure's atom count with `per_atom`, empty structures left
-    out). Structures that lack a field (Chunk.present) are left out of it."""
+    out). Structures that lack a field (Chunk.present) are left out of it.
+    `progress.update(n)` is called with the structures of each chunk done."""
     from segcli.engine import prefetch
 
     names = list(dict.fromkeys(names))
@@ -287,6 +288,8 @@ def leaf_stats(batch, names, leaves, *, per_element=False, per_atom=False,
             _refuse_nan(batch.path, chunk, chunks, names)
         for s, part in zip(out.values(), parts):
             _add_leaves(s.moments, first, part)
+        if progress is not None:
+            progress.update(len(chunk.n_atoms))
     return out
 
 
@@ -443,9 +446,9 @@ class ReferenceFit:
         return dict(zip(self.elements, np.linalg.lstsq(a, b, rcond=None)[0].tolist()))
 
 
-def _energy_chunks(batch, energy, chunk_atoms, structures):
+def _energy_chunks(batch, energy, chunk_atoms, structures, progress):
     """(chunk, bool (S_c,) of its structures that have an energy) for each chunk, the numbers
-    checked."""
+    checked; `progress.update(n)` is called with the structures of each chunk once used."""
     infos = _require(batch, [energy, "numbers"], "fit-e0")
     if infos[0].per != "structure" or infos[0].shape != ():
         raise DataError(f"{batch.path}: field '{energy}' is per {infos[0].per} with shape "
@@ -456,16 +459,18 @@ def _energy_chunks(batch, energy, chunk_atoms, structures):
         _check_numbers(batch.path, chunk.atoms["numbers"], chunk)
         have = chunk.present.get(energy)
         yield chunk, np.ones(len(chunk.n_atoms), bool) if have is None else have
+        if progress is not None:
+            progress.update(len(chunk.n_atoms))
 
 
 def solve_e0(batch, energy="energy", *, fixed=None, chunk_atoms=1 << 21,
-             structures=slice(None)):
+             structures=slice(None), progress=None):
     """(Z -> E0, structures used): the per-element reference energies minimising
     Σ_s (E_s − Σ_Z c_sZ E0_Z)² over the selected structures that have an `energy`, c from
     `numbers`, streamed; elements absent from them are left out, those of `fixed` (Z -> E0)
-    held (and not returned)."""
+    held (and not returned). `progress.update(n)` is called as n more structures are read."""
     fit = ReferenceFit(dict(fixed or {}))
-    for chunk, have in _energy_chunks(batch, energy, chunk_atoms, structures):
+    for chunk, have in _energy_chunks(batch, energy, chunk_atoms, structures, progress):
         numbers, energies = chunk.atoms["numbers"], chunk.structures[energy]
         bounds = np.concatenate([[0], np.cumsum(chunk.n_atoms)])
         for lo in range(0, len(chunk.n_atoms), BLOCK_STRUCTURES):
@@ -477,14 +482,15 @@ def solve_e0(batch, energy="energy", *, fixed=None, chunk_atoms=1 << 21,
 
 
 def residual_errors(batch, energy, e0, *, chunk_atoms=1 << 21, structures=slice(None),
-                    on_chunk=None):
+                    on_chunk=None, progress=None):
     """(RMSE, MAE) of the per-atom residual (E − Σ_Z c_Z E0_Z) / n over the selected structures
     that have an `energy` and atoms (NaN if none), `e0` mapping Z -> E0; each chunk's residual
-    energies go to `on_chunk(chunk, values)` if given (NaN where a structure has no energy)."""
+    energies go to `on_chunk(chunk, values)` if given (NaN where a structure has no energy);
+    `progress.update(n)` is called as n more structures are read."""
     by_number = np.zeros(N_ELEMENTS)
     by_number[list(e0)] = list(e0.values())
     errors = Moments.empty(1, 2)
-    for chunk, have in _energy_chunks(batch, energy, chunk_atoms, structures):
+    for chunk, have in _energy_chunks(batch, energy, chunk_atoms, structures, progress):
         structure = np.repeat(np.arange(len(chunk.n_atoms)), chunk.n_atoms)
         reference = np.bincount(structure, weights=by_number[chunk.atoms["numbers"]],
                                 minlength=len(chunk.n_atoms))

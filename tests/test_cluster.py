@@ -4,7 +4,6 @@ give the bits of a local run, even when a worker is killed; and the split into s
 import itertools
 import json
 import os
-import pty
 import signal
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import numpy as np
 import pytest
 from batch_reference import write_batch
 from click.testing import CliRunner
+from terminal import BAR, final_screen, on_terminal
 from test_shards import assert_identical
 from test_stats import assert_rows_match, make_random_file, reference_rows, run, stats_json
 
@@ -127,16 +127,14 @@ def test_reduce_and_grad_on_a_cluster_equal_a_local_run_bit_for_bit(tmp_path):
         ["random.h5"] + [f"{w}-{k}.h5" for w in ("local", "remote") for k in range(2)])
 
 
-def test_progress_counts_finished_shards_and_in_place_lands(tmp_path):
+def test_progress_counts_structures_of_finished_shards_and_in_place_lands(tmp_path):
     path = write_batch(tmp_path / "f.h5", [2] * 30, {"forces": np.ones((60, 3))})
-    leader, follower = pty.openpty()
-    process = subprocess.Popen([sys.executable, "-m", "segcli", "reduce", path, "sum", "forces",
-                                "--in-place", "--scheduler", "local:2"], stderr=follower)
-    assert process.wait(timeout=300) == 0
-    os.close(follower)
-    shown = os.read(leader, 100_000).decode()
-    os.close(leader)
-    assert "shards of" in shown and "8/8" in shown, shown
+    code, shown, _ = on_terminal("reduce", path, "sum", "forces", "--in-place", "--scheduler",
+                                 "local:2", cwd=tmp_path)
+    assert code == 0, shown
+    bars = [m for m in map(BAR.fullmatch, final_screen(shown)) if m]
+    assert [(m["label"], m["done"], m["total"]) for m in bars] == [
+        (f"reducing {path} (shards)", "30", "30")], shown
     import h5py
 
     with h5py.File(path, "r") as f:

@@ -6,7 +6,7 @@ import json
 import click
 
 from segcli.cli import common
-from segcli.cli.common import parse_pair, progress_bar, selection, structure_range
+from segcli.cli.common import parse_pair, progress, selection, structure_range
 from segcli.registry import OPS
 
 DEFAULT_STRUCTURES = "0:16"
@@ -320,10 +320,11 @@ def gradcheck(ctx, file, op_names, order, structures, field, random_size, device
     from segcli.gradcheck import Report
 
     report = Report(())
-    with jax.default_device(target), progress_bar(not (quiet or as_json), "gradcheck") as bar:
+    with jax.default_device(target), \
+            progress(not (quiet or as_json), "gradcheck", len(inputs), unit="op") as bar:
         for name, (labels, arrays) in inputs.items():
             report += _check_op(OPS[name], labels, arrays, n_atoms, order, seed)
-            if bar:
+            if bar is not None:
                 bar.update(1)
     summary = report.summary()
     if as_json:

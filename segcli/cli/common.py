@@ -192,13 +192,38 @@ def device(choice):
     return target
 
 
-def progress_bar(enabled, label, length=None):
-    """A progress bar on stderr of `length` steps (None: unknown) when `enabled` and stderr is
-    a terminal; else no bar (None)."""
-    if not enabled or not sys.stderr.isatty():
-        return contextlib.nullcontext()
-    steps = {"length": length} if length is not None else {"iterable": (x for x in ())}
-    return click.progressbar(**steps, label=label, show_pos=True, file=sys.stderr)
+def stderr_is_terminal():
+    """Whether stderr is open and a terminal (closed stderr, `2>&-`, is None in Python)."""
+    try:
+        return sys.stderr is not None and sys.stderr.isatty()
+    except (OSError, ValueError):
+        return False
+
+
+@contextlib.contextmanager
+def progress(enabled, label, total=None, unit="structure"):
+    """A tqdm bar on stderr (done of `total`, rate and ETA; a count and rate while `total` is
+    None) when `enabled` and stderr is a terminal, else None. The bar stays when the block
+    succeeds and is cleared when it raises. Library functions take it as `progress` and call
+    its `update(n)` (and `reset(total)` once they know the total)."""
+    if not enabled or not stderr_is_terminal():
+        yield None
+        return
+    from tqdm import tqdm
+
+    try:  # follow the terminal's width, unless it reports none (a bare pseudo-terminal)
+        sized = os.get_terminal_size(sys.stderr.fileno()).columns > 0
+    except (OSError, ValueError):
+        sized = False
+    bar = tqdm(total=total, desc=label, unit=unit, file=sys.stderr, dynamic_ncols=sized,
+               **({} if sized else {"ncols": 80, "nrows": 24}))
+    try:
+        yield bar
+    except BaseException:
+        bar.leave = False
+        raise
+    finally:
+        bar.close()
 
 
 def _shard(ctx, param, text):

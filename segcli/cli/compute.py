@@ -13,7 +13,7 @@ from segcli.cli.common import (
     check_cluster_usage,
     cluster_options,
     on_cluster,
-    progress_bar,
+    progress,
     refuse_output_among_inputs,
     refuse_structures_in_place,
     shard_output,
@@ -339,8 +339,8 @@ def _compute_into(batch, results, sink, device, lo, hi, chunk_atoms, progress=No
     with contextlib.closing(chunks), sink:
         for chunk, outputs in chunks:
             sink.write(chunk, results.of(outputs))
-            if progress:
-                progress(len(chunk.n_atoms))
+            if progress is not None:
+                progress.update(len(chunk.n_atoms))
 
 
 def _plan(batch, path, ops, names, plan):
@@ -420,29 +420,28 @@ def _execute(file, ops, *, output, in_place, fmt, name, force, structures, chunk
         attrs = {"precision": precision, **part}
         if order:
             attrs.update(order=order, weights=weights, direction=direction)
+        verb = "reducing" if not order else "differentiating"
         where = {"output": output, "in_place": in_place, "file": paths[0], "fmt": fmt,
                  "force": force}
-        verb = "reducing" if not order else "differentiating"
         if scheduler:
             ops = [(spec.name, list(fields)) for spec, fields in ops]
-            _on_cluster(scheduler, quiet, batch, results, lo, hi,
+            _on_cluster(scheduler, None if quiet else f"{verb} {file}", batch, results, lo, hi,
                         (batch.layout, ops, names, plan, device, chunk_atoms), attrs, where)
         else:
             sink = _sink(results, batch, lo, hi,
                          attrs={**attrs, "device": _device_label(target)}, **where)
-            with progress_bar(not quiet, f"{verb} {file}", len(n_atoms)) as bar:
-                _compute_into(batch, results, sink, target, lo, hi, chunk_atoms,
-                              bar.update if bar else None)
+            with progress(not quiet, f"{verb} {file}", len(n_atoms)) as bar:
+                _compute_into(batch, results, sink, target, lo, hi, chunk_atoms, bar)
     if not quiet and (output or in_place):
         written = ", ".join(f"/results/{d}" for d in results.datasets)
         click.echo(f"{output or file}: {written} ({len(n_atoms)} structures, "
                    f"{int(n_atoms.sum())} atoms)", err=True)
 
 
-def _on_cluster(scheduler, quiet, batch, results, lo, hi, call, attrs, where):
+def _on_cluster(scheduler, label, batch, results, lo, hi, call, attrs, where):
     """The job over structures [lo, hi) as shards on the dask cluster at `scheduler`: each
     task writes its part into a temporary directory beside the output, and the parts are
-    then written out in order as one run writes them."""
+    then written out in order as one run writes them; a progress bar `label`ed (None: none)."""
     import os
     import shutil
     import tempfile
@@ -462,8 +461,9 @@ def _on_cluster(scheduler, quiet, batch, results, lo, hi, call, attrs, where):
             call = (shared(client, call[0]), *call[1:])
             calls = [(*call, int(a), int(b), os.path.join(parts_dir, f"part-{k}.h5"), attrs)
                      for k, (a, b) in enumerate(itertools.pairwise(bounds))]
-            with progress_bar(not quiet, f"shards of {batch.path}", len(calls)) as bar:
-                paths = map_shards(client, _part, calls, bar.update if bar else None)
+            with progress(label is not None, f"{label} (shards)", hi - lo) as bar:
+                paths = map_shards(client, _part, calls, bar, [b - a for a, b in
+                                                               itertools.pairwise(bounds)])
         parts = check_parts(paths)
         first = parts[0].datasets[next(iter(results.datasets))]
         sink = _sink(results, batch, lo, hi, attrs={**attrs, "device": first["device"]},

@@ -1,6 +1,7 @@
 """Commands: stats (count, mean, std, rms, min and max of fields) and fit-e0 (per-element
 reference energies), streamed over files of any size."""
 
+import contextlib
 import json
 import math
 import os
@@ -12,7 +13,7 @@ from segcli.cli.common import (
     cluster_options,
     input_paths,
     on_cluster,
-    progress_bar,
+    progress,
     refuse_output_among_inputs,
     refuse_structures_in_place,
     selection,
@@ -100,11 +101,10 @@ def stats(file, fields, per_element, per_atom, as_json, output, force, structure
         leaves, attrs = shard_selection(batch, file, structures, shard)
         summary = {"path": file, "structures": int(leaves[-1] - leaves[0]),
                    "atoms": int(batch.n_atoms[leaves[0]:leaves[-1]].sum())}
+        label = f"statistics of {file}" + " (shards)" * bool(scheduler)
         with on_cluster(scheduler) as client, \
-                progress_bar(bool(scheduler) and not quiet, f"statistics of {file} (shards)") \
-                as bar:
-            parts = leaf_stats_sharded(client, batch, fields, leaves,
-                                       progress=bar.update if bar else None, **options)
+                progress(not quiet, label, summary["structures"]) as bar:
+            parts = leaf_stats_sharded(client, batch, fields, leaves, progress=bar, **options)
     result = merge_stats([parts])
     rows = [row for s in result.values() for row in s.rows()]
     for row in rows:
@@ -185,8 +185,13 @@ def fit_e0(file, energy, fixed, as_json, in_place, name, force, structures, chun
     refuse_structures_in_place(in_place, structures)
     paths = input_paths(file, in_place)
     name = name or f"residual_{energy}"
-    with open_inputs(paths, name=file) as batch:
-        options = {"chunk_atoms": chunk_atoms, "structures": selection(batch, file, structures)}
+    with contextlib.ExitStack() as stack:
+        batch = stack.enter_context(open_inputs(paths, name=file))
+        chosen = selection(batch, file, structures)
+        passes = progress(not quiet, f"fitting E0 of {file} (2 passes)",
+                          2 * len(range(batch.n_structures)[chosen]))
+        bar = stack.enter_context(passes)
+        options = {"chunk_atoms": chunk_atoms, "structures": chosen, "progress": bar}
         e0, used = solve_e0(batch, energy, fixed=fixed, **options)
         everything = {**e0, **fixed}
         if in_place:

@@ -4,7 +4,7 @@ import json
 
 import click
 
-from segcli.cli.common import progress_bar, refuse_output_among_inputs, table
+from segcli.cli.common import progress, refuse_output_among_inputs, table
 
 
 def describe(batch):
@@ -167,11 +167,11 @@ def convert(inputs, output, compression, chunk_atoms, fill_missing, fields, drop
         raise click.UsageError("--fields and --drop cannot be used together")
     paths = expand_inputs(inputs)
     refuse_output_among_inputs(output, paths, "convert writes a new file")
-    with progress_bar(not quiet, f"converting to {output}") as bar:
+    with progress(not quiet, f"converting to {output}") as bar:
         structures, atoms, written = convert_files(
             paths, output, compression=compression, chunk_atoms=chunk_atoms,
             fill_missing=np.nan if fill_missing else None, fields=fields, drop=drop,
-            force=force, progress=bar.update if bar else None)
+            force=force, progress=bar)
     if not quiet:
         click.echo(f"{output}: {structures} structures, {atoms} atoms, fields: "
                    f"{', '.join(written) or 'none'}", err=True)

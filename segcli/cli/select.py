@@ -4,7 +4,7 @@ import sys
 
 import click
 
-from segcli.cli.common import progress_bar, refuse_output_among_inputs
+from segcli.cli.common import progress, refuse_output_among_inputs
 
 
 def _conditions(ctx, param, texts):
@@ -85,9 +85,8 @@ def select(file, output, conditions, structures_from, force, quiet):
             keep &= _listed(structures_from, batch.n_structures)
         if conditions:
             keep &= where_mask(batch, conditions)
-        with progress_bar(not quiet, f"writing {output}") as bar:
-            kept, atoms = write_subset(batch, keep, output, {"selected_from": file},
-                                       bar.update if bar else None, force)
+        with progress(not quiet, f"writing {output}", len(keep)) as bar:
+            kept, atoms = write_subset(batch, keep, output, {"selected_from": file}, bar, force)
     if not quiet:
         empty = " (none selected: an empty segcli file)" if not kept else ""
         click.echo(f"{output}: {kept} of {len(keep)} structures, {atoms} atoms{empty}", err=True)

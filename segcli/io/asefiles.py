@@ -97,6 +97,10 @@ class StreamedBatch(Batch):
         return self._scan[0]
 
     @property
+    def counted(self):
+        return self.n_structures if "_scan" in self.__dict__ else None
+
+    @property
     def _stored(self):
         return self._scan[1]
 

@@ -314,6 +314,11 @@ class Batch:
         return len(self.n_atoms)
 
     @property
+    def counted(self):
+        """n_structures where that needs no pass over the file, else None."""
+        return self.n_structures
+
+    @property
     def fields(self):
         """name -> FieldInfo: the stored fields, those derivable from them, and the stored
         results (/results/NAME) not named as one of these."""

@@ -25,7 +25,8 @@ def write_subset(batch, keep, output, attrs=None, progress=None, force=False):
     stream their structures through BatchWriter; many files also give the output where each
     structure came from (the root attribute `sources`, /structures/source and
     /structures/source_index, see Batch.source_of). The file appears only once complete.
-    Returns (structures, atoms) written.
+    `progress.update(n)` is called as n more structures' worth of `batch` is done (see
+    segcli.cli.common.progress). Returns (structures, atoms) written.
     """
     import h5py
 
@@ -60,8 +61,8 @@ def _stream(batch, keep, h5, progress):
         kept = [p for p in kept if len(p.n_atoms)]
         if kept:
             writer.append(batch.path, kept)
-        if progress:
-            progress(sum(len(p.n_atoms) for p in pieces))
+        if progress is not None:
+            progress.update(sum(len(p.n_atoms) for p in pieces))
     writer.finish()
 
 
@@ -82,14 +83,21 @@ def _take(piece, mask):
 
 def _copy(batch, keep, source, h5, progress):
     """Copy every group, dataset and attribute of `source` to `h5`, the per-structure and
-    per-atom datasets sliced to the kept structures."""
+    per-atom datasets sliced to the kept structures; progress goes by the bytes copied, as
+    structures' worth."""
     import h5py
 
     offsets = {"structure": np.arange(batch.n_structures + 1),
                "atom": np.concatenate([[0], np.cumsum(batch.n_atoms)])}
     _copy_attrs(source, h5)
+    sizes = []
+    source.visititems(lambda _, obj: sizes.append(obj.id.get_storage_size())
+                      if isinstance(obj, h5py.Dataset) else None)
+    total = max(sum(sizes), 1)
+    copied = reported = 0
 
     def visit(name, obj):
+        nonlocal copied, reported
         if isinstance(obj, h5py.Group):
             _copy_attrs(obj, h5.require_group(name))
             return
@@ -98,10 +106,15 @@ def _copy(batch, keep, source, h5, progress):
             source.copy(obj, h5, name)
         else:
             _copy_rows(batch.path, obj, h5, name, keep, offsets[per])
-        if progress:
-            progress(1)
+        copied += obj.id.get_storage_size()
+        if progress is not None:
+            worth = batch.n_structures * copied // total
+            progress.update(worth - reported)
+            reported = worth
 
     source.visititems(visit)
+    if progress is not None:
+        progress.update(batch.n_structures - reported)
 
 
 def _per(batch, name, obj):

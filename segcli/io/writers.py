@@ -467,8 +467,10 @@ def convert(inputs, output, *, compression=None, chunk_atoms=100_000, fill_missi
     `fill_missing` (NaN) fills fields that some structures lack (floats with NaN, integers and
     booleans with 0, strings with ""; /present/<name> says which structures have them);
     without it they raise DataError. `fields` (names) keeps only those fields, `drop` (names)
-    leaves those out; a name that no input has raises DataError. `progress(n)` is called with
-    the structures of each chunk written. Returns (structures, atoms, fields) written.
+    leaves those out; a name that no input has raises DataError. `progress.update(n)` is called
+    with the structures of each chunk written (see segcli.cli.common.progress), after
+    `progress.reset(total)` where the inputs' sizes are known without reading them through.
+    Returns (structures, atoms, fields) written.
     """
     import h5py
 
@@ -492,11 +494,14 @@ def convert(inputs, output, *, compression=None, chunk_atoms=100_000, fill_missi
         tmp = stack.enter_context(new_output(output, force))
         h5 = stack.enter_context(h5py.File(tmp, "w"))
         writer = BatchWriter(h5, compression, fill_missing)
+        counts = [batch.counted for batch in batches]
+        if progress is not None and None not in counts:
+            progress.reset(sum(counts))
         for batch in batches:
             for pieces in batch.stream(chunk_atoms, keep if named or fields is not None else None):
                 writer.append(batch.path, pieces)
-                if progress:
-                    progress(sum(len(p.n_atoms) for p in pieces))
+                if progress is not None:
+                    progress.update(sum(len(p.n_atoms) for p in pieces))
         unknown = sorted(named - seen)
         if unknown:
             option = "--fields" if fields is not None else "--drop"
