@@ -112,7 +112,7 @@ class Job:
         spec = self.spec
         shape = spec.trailing_shape(self.infos[0].shape if self.infos else (), self.params)
         kept = bool(self.fields) and self.fields[0] in self.integers
-        dtype = {"float": dtype, "int32": np.dtype(np.int32),
+        dtype = {"float": dtype, "count": np.dtype(np.int64),
                  "input": np.dtype(np.int64) if kept else dtype}[spec.output_dtype]
         return {"": (spec.output_per, shape, dtype)}
 
@@ -486,8 +486,8 @@ def compute(jobs, padded, device):
                             num_segments=padded.segments)
         out = [[np.asarray(o) for o in outputs] for outputs in out]
     rows = {"atom": padded.n_rows, "structure": padded.n_structures}
-    return tuple({label: array[:rows[per]]
-                  for (label, (per, _, _)), array in zip(job.outputs.items(), arrays)}
+    return tuple({label: array[:rows[per]].astype(dtype, copy=False)
+                  for (label, (per, _, dtype)), array in zip(job.outputs.items(), arrays)}
                  for job, arrays in zip(jobs, out)), bool(nan)
 
 

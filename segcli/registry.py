@@ -33,7 +33,9 @@ class Op:
 
     output_shape: the trailing shape of the result, None for the first input's, or a tuple
     whose strings name a static param (bincount's ("length",)). output_dtype: "float" (the
-    computing precision), "input" (the first input's: integer data stays integer) or "int32".
+    computing precision), "input" (the first input's: integer data stays integer) or "count"
+    (int32 from the library, as JAX's default integer; int64 in files and outputs, as every
+    count there: n_atoms, integer sums, statistics).
     kinks: None, or the rule saying where the op is not differentiable ("zero_norm",
     "norm_ties", "value_ties", "zero_spread"; gradcheck implements them). integers: integer
     data is reduced in its own dtype. takes_sorted: the function takes `indices_are_sorted`.
@@ -108,7 +110,7 @@ OPS = {
         Op("matvec", (_VEC3, Arg("structure", (3, 3), invertible=True)), "atom",
            "m_sᵀ @ v_i, e.g. scaled_positions × cell", output_shape=(3,), takes_sorted=False),
         Op("count", (), "structure", "atoms in each structure", output_shape=(),
-           output_dtype="int32", differentiable=False),
+           output_dtype="count", differentiable=False),
         Op("max", (_ATOMS,), "structure", "componentwise max over each structure (-inf if empty)",
            output_dtype="input", kinks="value_ties", integers=True),
         Op("min", (_ATOMS,), "structure", "componentwise min over each structure (+inf if empty)",
@@ -120,7 +122,7 @@ OPS = {
            "componentwise log sum exp, stable (-inf if empty)"),
         Op("softmax", (_ATOMS,), "atom", "componentwise exp(x_i) / sum over its structure"),
         Op("bincount", (_LABELS,), "structure", "per structure, rows of each label in [0, length)",
-           output_shape=("length",), output_dtype="int32", differentiable=False,
+           output_shape=("length",), output_dtype="count", differentiable=False,
            params={"length": 119}),
     )
 }

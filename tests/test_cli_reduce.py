@@ -141,7 +141,7 @@ def test_every_op_on_random_data_in_small_chunks_to_a_file(tmp_path, random_file
         with h5py.File(out, "r") as f:
             got = f[f"results/{name}"][()]
             np.testing.assert_array_equal(f["structures/n_atoms"][()], n_atoms)
-        assert got.dtype == (np.int32 if OPS[op].output_dtype == "int32" else np.dtype(precision))
+        assert got.dtype == (np.int64 if OPS[op].output_dtype == "count" else np.dtype(precision))
         assert_reduced(got, op, n_atoms, [data[f] for f in fields], precision)
 
 

@@ -63,7 +63,7 @@ def test_every_op_matches_the_reference_in_chunks_of_any_size(batch_file, op, pr
     job = plan(path, op, FIELDS[op], precision=precision)
     for chunk_atoms in (1, 23, engine.DEFAULT_CHUNK_ATOMS):
         got = run_all(path, job, chunk_atoms=chunk_atoms)[""]
-        assert got.dtype == (np.int32 if OPS[op].output_dtype == "int32" else np.dtype(precision))
+        assert got.dtype == (np.int64 if OPS[op].output_dtype == "count" else np.dtype(precision))
         assert_reduced(got, op, n_atoms, [data[name] for name in FIELDS[op]], precision)
 
 
@@ -213,7 +213,7 @@ def test_plan_refuses_fields_that_do_not_fit(tmp_path, op, names, kwargs, messag
 
 def test_outputs_of_each_op_and_order(batch_file):
     """Each op's output: per structure or atom, trailing shape and dtype as its reference
-    gives them (floats in the precision)."""
+    gives them (floats in the precision, counts in int64)."""
     path, n_atoms, data = batch_file
     for op, names in FIELDS.items():
         (per, shape, dtype), = plan(path, op, names, precision="float32").outputs.values()
@@ -221,7 +221,7 @@ def test_outputs_of_each_op_and_order(batch_file):
                                   *(data[f] for f in names))
         rows = {"structure": len(n_atoms), "atom": sum(n_atoms)}[per]
         assert (rows, *shape) == expected.shape, op
-        assert dtype == (np.float32 if expected.dtype.kind == "f" else expected.dtype), op
+        assert dtype == {"f": np.float32, "i": np.int64}[expected.dtype.kind], op
     job = plan(path, "dot", ["x", "x"], order=1, precision="float32")
     assert job.wrt == ("x",) and job.outputs == {"d_x": ("atom", (3,), np.float32)}
     job = plan(path, "dot", ["x", "y"], order=2, weights="w", direction="x")

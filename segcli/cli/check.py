@@ -286,7 +286,7 @@ def gradcheck(ctx, file, op_names, order, structures, field, random_size, device
     another) for an op's first per-atom input, positions for a second, scaled_positions
     beside a (S, 3, 3) cell, energy (else another per-structure scalar) for a per-structure
     scalar, numbers for labels; ops whose fields FILE lacks are skipped, or an error if
-    named in --op. Only --structures (default 0:16, about 30 s on two CPU cores for the
+    named in --op. Only --structures (default 0:16, about 40 s on two CPU cores for the
     bundled metals.h5 at order 2) are read. Structures where an op is not differentiable
     (zero norms or spread, tied extremes) are left out of the finite differences but still
     compared with the reference; those where its value is infinite (the max of an empty
@@ -328,14 +328,15 @@ def gradcheck(ctx, file, op_names, order, structures, field, random_size, device
                 bar.update(1)
     summary = report.summary()
     if as_json:
-        click.echo(json.dumps({**source, "order": order, "device": str(target),
+        click.echo(json.dumps({**source, "order": order, "device": common.device_label(target),
                                "atoms": int(n_atoms.sum()), **report.to_dict(),
                                "summary": summary.to_dict()["rows"], "skipped": skipped}))
     elif not quiet:
         described = (f"{file}: structures {source['structures'][0]}:{source['structures'][1]} "
                      f"({int(n_atoms.sum())} atoms)" if file
                      else f"random data: {random_size[0]} atoms in {random_size[1]} structures")
-        click.echo(f"{described}, order {order}, device {target}")
+        click.echo(f"{described}, order {order}, device "
+                   f"{common.device_label(target)}")
         click.echo(str(summary))
         for name, reason in skipped.items():
             click.echo(f"skipped {name}: {reason}")

@@ -192,6 +192,14 @@ def device(choice):
     return target
 
 
+def device_label(device):
+    """How every command names a JAX device, in --device's words: `cpu`, or e.g.
+    `gpu:0 (NVIDIA H200)`."""
+    if device.platform == "cpu":
+        return "cpu"
+    return f"{device.platform}:{device.id} ({device.device_kind})"
+
+
 def stderr_is_terminal():
     """Whether stderr is open and a terminal (closed stderr, `2>&-`, is None in Python)."""
     try:

@@ -301,13 +301,6 @@ class _NpySink:
         self._out.write(out)
 
 
-def _device_label(device):
-    """`cpu`, or e.g. `gpu:0 (NVIDIA H200)`, for the results' device attribute."""
-    if device.platform == "cpu":
-        return "cpu"
-    return f"{device.platform}:{device.id} ({device.device_kind})"
-
-
 def _sink(results, batch, lo, hi, *, output, in_place, file, fmt, force, attrs):
     """Where the results (a _Results) of structures [lo, hi) of `batch` go: a new file (-o),
     FILE itself (--in-place) or stdout (fmt)."""
@@ -363,7 +356,7 @@ def _part(layout, ops, names, plan, device, chunk_atoms, lo, hi, path, attrs):
                         plan)
         sink = _sink(results, batch, lo, hi, output=path, in_place=False, file=None, fmt=None,
                      force=True, attrs={**attrs, "structures": f"{lo}:{hi}",
-                                        "device": _device_label(target)})
+                                        "device": common.device_label(target)})
         _compute_into(batch, results, sink, target, lo, hi, chunk_atoms)
     return path
 
@@ -429,7 +422,7 @@ def _execute(file, ops, *, output, in_place, fmt, name, force, structures, chunk
                         (batch.layout, ops, names, plan, device, chunk_atoms), attrs, where)
         else:
             sink = _sink(results, batch, lo, hi,
-                         attrs={**attrs, "device": _device_label(target)}, **where)
+                         attrs={**attrs, "device": common.device_label(target)}, **where)
             with progress(not quiet, f"{verb} {file}", len(n_atoms)) as bar:
                 _compute_into(batch, results, sink, target, lo, hi, chunk_atoms, bar)
     if not quiet and (output or in_place):
