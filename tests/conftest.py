@@ -1,7 +1,14 @@
-"""Shared fixtures."""
+"""Shared fixtures, and XLA's CPU backend without its slower LLVM passes: the tests compile
+many hundreds of small programs and check their values, not their speed (a caller's own
+XLA_FLAGS are kept)."""
+
+import os
 
 import numpy as np
 import pytest
+
+os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 "
+                                   "--xla_llvm_disable_expensive_passes=true")
 
 
 @pytest.fixture
@@ -104,3 +111,15 @@ def x64():
     jax.config.update("jax_enable_x64", True)
     yield
     jax.config.update("jax_enable_x64", previous)
+
+
+@pytest.fixture(scope="module")
+def dask_cluster():
+    """A Dask LocalCluster of 2 single-threaded worker processes, shared by a module's tests
+    that only send it work (those that kill a worker start their own); closed after them, so
+    its threads never run beside another module's measurements."""
+    from dask.distributed import LocalCluster
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                      dashboard_address=":0") as cluster:
+        yield cluster

@@ -36,15 +36,11 @@ def test_shards_are_contiguous_whole_structures_of_nearly_equal_atoms(n_atoms, s
     assert all(abs(a - sum(n_atoms) / shards) <= biggest for a in atoms)
 
 
-def test_stats_on_a_cluster_equal_one_pass_and_numpy(tmp_path):
-    from dask.distributed import LocalCluster
-
+def test_stats_on_a_cluster_equal_one_pass_and_numpy(tmp_path, dask_cluster):
     path, n_atoms, data = make_random_file(tmp_path)
     args = [path, "forces", "energy", "--per-element", "--per-atom"]
     alone = stats_json(*args)
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                      dashboard_address=":0") as cluster:
-        remote = stats_json(*args, "--scheduler", cluster.scheduler_address)
+    remote = stats_json(*args, "--scheduler", dask_cluster.scheduler_address)
     local = stats_json(*args[:2], "--scheduler", "local:2", "--structures", "5:")
     assert remote["stats"] == alone["stats"]
     numbers = data["numbers"]
@@ -102,27 +98,24 @@ def segcli(*args, **kwargs):
                           **kwargs)
 
 
-def test_reduce_and_grad_on_a_cluster_equal_a_local_run_bit_for_bit(tmp_path):
+def test_reduce_and_grad_on_a_cluster_equal_a_local_run_bit_for_bit(tmp_path, dask_cluster):
     from batch_reference import random_batch
-    from dask.distributed import LocalCluster
 
     path = tmp_path / "random.h5"
     random_batch(path, seed=5, n_structures=300)
     jobs = [(["reduce", path, "mul", "x", "w"], "csv"),
             (["grad", path, "max_norm", "t", "--order", "2", "--direction", "t"], "npy")]
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                      dashboard_address=":0") as cluster:
-        for k, (job, fmt) in enumerate(jobs):  # the client here, the workers as processes
-            local, remote = tmp_path / f"local-{k}.h5", tmp_path / f"remote-{k}.h5"
-            assert run(*job, "-o", local, "--structures", "7:").exit_code == 0
-            result = run(*job, "-o", remote, "--structures", "7:", "--scheduler",
-                         cluster.scheduler_address)
-            assert result.exit_code == 0, result.output
-            assert_identical(remote, local)
-            alone = run(*job, "--format", fmt)
-            shared = CliRunner().invoke(main, [str(a) for a in (*job, "--format", fmt)],
-                                        env={"DASK_SCHEDULER_ADDRESS": cluster.scheduler_address})
-            assert shared.exit_code == 0 and shared.stdout_bytes == alone.stdout_bytes
+    address = dask_cluster.scheduler_address
+    for k, (job, fmt) in enumerate(jobs):  # the client here, the workers as processes
+        local, remote = tmp_path / f"local-{k}.h5", tmp_path / f"remote-{k}.h5"
+        assert run(*job, "-o", local, "--structures", "7:").exit_code == 0
+        result = run(*job, "-o", remote, "--structures", "7:", "--scheduler", address)
+        assert result.exit_code == 0, result.output
+        assert_identical(remote, local)
+        alone = run(*job, "--format", fmt)
+        shared = CliRunner().invoke(main, [str(a) for a in (*job, "--format", fmt)],
+                                    env={"DASK_SCHEDULER_ADDRESS": address})
+        assert shared.exit_code == 0 and shared.stdout_bytes == alone.stdout_bytes
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["random.h5"] + [f"{w}-{k}.h5" for w in ("local", "remote") for k in range(2)])
 

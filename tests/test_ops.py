@@ -22,10 +22,20 @@ ZERO_AT_KINK = ("zero_norm", "norm_ties", "zero_spread")
 """The kink rules (registry.Op.kinks) of ops whose derivatives are 0 where all rows are 0."""
 
 
-def functions(name):
-    """(segcli function, reference, registry.Op) of an op."""
+def jitted(function, op):
+    """`function` (an op's or its reference) as one program: eager JAX compiles one per
+    operation, and the edge-case tests need not pay for that (the transform tests run segcli's
+    ops eagerly too)."""
+    static = len(op.inputs) + 1  # num_segments, then the op's params
+    return jax.jit(function, static_argnums=tuple(range(static, static + 1 + len(op.params))),
+                   static_argnames=("indices_are_sorted",) * op.takes_sorted + tuple(op.params))
+
+
+def functions(name, eager=False):
+    """(segcli function, reference, registry.Op) of an op, both jitted (segcli's left eager
+    with `eager`)."""
     op = OPS[name]
-    return op.function, op.reference, op
+    return op.function if eager else jitted(op.function, op), jitted(op.reference, op), op
 
 
 def make_args(rng, op, n, m, features=(3,), dtype=np.float64):
@@ -55,9 +65,9 @@ def assert_tree_close(actual, expected, rtol=1e-10):
         assert_close(a, e, rtol)
 
 
-def setup(name, seed=0, n=23, m=6, features=(3,), dtype=np.float64):
+def setup(name, seed=0, n=23, m=6, features=(3,), dtype=np.float64, eager=False):
     rng = np.random.default_rng(seed)
-    ours, theirs, op = functions(name)
+    ours, theirs, op = functions(name, eager)
     args = make_args(rng, op, n, m, features, dtype)
     idx = sorted_ids(rng, n, m)
     weights = jnp.asarray(rng.normal(size=np.shape(theirs(*args, idx, m))).astype(dtype))
@@ -131,8 +141,8 @@ def sampled(names, variants, share, turn=0):
 
 @pytest.mark.parametrize("name, transform", sampled(NAMES, TRANSFORMS, 8))
 def test_transform_matches_reference_float64(name, transform):
-    args, tangents, (f, loss), (f_ref, loss_ref), _ = setup(name,
-                                                            seed=hash((name, transform)) % 2**32)
+    args, tangents, (f, loss), (f_ref, loss_ref), _ = setup(
+        name, seed=hash((name, transform)) % 2**32, eager=True)
     ours = TRANSFORMS[transform](f, loss, args, tangents)
     theirs = TRANSFORMS[transform](f_ref, loss_ref, args, tangents)
     assert_tree_close(ours, theirs, rtol=1e-10)

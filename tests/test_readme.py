@@ -89,28 +89,24 @@ def run_line(line, env):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-def test_every_fenced_segcli_line_of_the_readme_runs(tmp_path, monkeypatch):
-    from dask.distributed import LocalCluster
-
+def test_every_fenced_segcli_line_of_the_readme_runs(tmp_path, monkeypatch, dask_cluster):
     readers_files(tmp_path)
     monkeypatch.chdir(tmp_path)
     lines = [(block, line) for block, line in fenced_lines((ROOT / "README.md").read_text())
              if line.split(" ")[0] in RUN]
     assert sum(line.startswith("segcli ") for _, line in lines) >= 30
     env = {}
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                      dashboard_address=":0") as cluster:
-        for block, line in lines:
-            line = line.replace("tcp://10.0.0.5:8786", cluster.scheduler_address)
-            array = re.search(r"#SBATCH --array=(\d+)-(\d+)", block)
-            if not array:
-                run_line(line, env)
-                continue
-            first, last = int(array[1]), int(array[2])
-            for task in range(first, last + 1):
-                run_line(line, {**env, "SLURM_ARRAY_TASK_ID": str(task),
-                                "SLURM_ARRAY_TASK_MIN": str(first),
-                                "SLURM_ARRAY_TASK_COUNT": str(last - first + 1)})
+    for block, line in lines:
+        line = line.replace("tcp://10.0.0.5:8786", dask_cluster.scheduler_address)
+        array = re.search(r"#SBATCH --array=(\d+)-(\d+)", block)
+        if not array:
+            run_line(line, env)
+            continue
+        first, last = int(array[1]), int(array[2])
+        for task in range(first, last + 1):
+            run_line(line, {**env, "SLURM_ARRAY_TASK_ID": str(task),
+                            "SLURM_ARRAY_TASK_MIN": str(first),
+                            "SLURM_ARRAY_TASK_COUNT": str(last - first + 1)})
     for written in ("metals.h5", "mixed.h5", "positions.h5", "forces.h5", "grad.h5", "g.npy",
                     "calm.h5", "rms.h5", "rms-virtual.h5", "low.h5", "quiet.h5", "rms-array.h5",
                     "rms-local.h5", "rms-cluster.h5", "grad-cluster.h5"):
