@@ -4,6 +4,7 @@ not regular files."""
 
 import hashlib
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -184,3 +185,44 @@ def test_an_output_that_is_the_input_is_refused(tmp_path, command):
     result = CliRunner().invoke(main, [part.format(f=path) for part in command])
     assert result.exit_code == 2 and "is FILE itself" in result.output, result.output
     assert digest(path) == before
+
+
+def values(path):
+    """Every dataset's values (bytes; strings as a list), dtype and shape (not the attributes:
+    they hold the time)."""
+    out = {}
+
+    def visit(name, obj):
+        if isinstance(obj, h5py.Dataset):
+            data = obj[()]
+            out[name] = (data.tolist() if data.dtype.kind == "O" else data.tobytes(),
+                         obj.dtype.str, obj.shape)
+
+    with h5py.File(path, "r") as f:
+        f.visititems(visit)
+    return out
+
+
+@pytest.mark.parametrize("stderr", ["closed", "/dev/full"])
+def test_a_closed_or_full_stderr_loses_messages_not_results(tmp_path, stderr):
+    """convert, reduce (JAX and Warp loaded), select and stats -o, each run as a program with
+    stderr closed (`2>&-`) or on a full device: exit 0 and the outputs of a plain run."""
+    metals = os.path.join(os.path.dirname(__file__), "..", "sample_data", "metals")
+    commands = {
+        "converted.h5": ["convert", f"{metals}.extxyz", "-o"],
+        "reduced.h5": ["reduce", f"{metals}.h5", "rms_norm", "forces", "--chunk-atoms", "500",
+                       "-o"],
+        "selected.h5": ["select", f"{metals}.h5", "--where", "energy < 1", "-o"],
+        "stats.h5": ["stats", f"{metals}.h5", "forces", "-o"],
+    }
+    redirect = "2>&-" if stderr == "closed" else "2>/dev/full"
+    for directory in ("plain", "hampered"):
+        (tmp_path / directory).mkdir()
+    script = "\n".join(
+        f"{sys.executable} -m segcli {' '.join(map(shlex.quote, args))} {directory}/{name} "
+        f"{redirect if directory == 'hampered' else '2>/dev/null'}; echo {name} $?"
+        for name, args in commands.items() for directory in ("plain", "hampered"))
+    done = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True)
+    assert done.stdout.splitlines() == [f"{name} 0" for name in commands for _ in range(2)]
+    for name in commands:
+        assert values(tmp_path / "hampered" / name) == values(tmp_path / "plain" / name), name

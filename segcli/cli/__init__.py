@@ -11,7 +11,7 @@ import sys
 import click
 
 from segcli import __version__
-from segcli.cli.common import as_program
+from segcli.cli.common import as_program, note
 from segcli.errors import DataError, Interrupted, interruptible
 
 
@@ -75,12 +75,12 @@ class SegcliGroup(click.Group):
                 if ctx.meta.get("segcli.debug"):
                     raise
                 if isinstance(err, Interrupted):
-                    click.echo(f"Interrupted ({err})", err=True)
+                    note(f"Interrupted ({err})")
                     sys.exit(err.exit_code)
                 if isinstance(err, OSError):
                     err = f"{err.filename}: {err.strerror}" if err.filename else err
                     _silence_stdout()
-                click.echo(f"Error: {err}", err=True)
+                note(f"Error: {err}")
                 sys.exit(1)
 
 

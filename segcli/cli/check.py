@@ -6,7 +6,7 @@ import json
 import click
 
 from segcli.cli import common
-from segcli.cli.common import parse_pair, progress, selection, structure_range
+from segcli.cli.common import note, parse_pair, progress, selection, structure_range
 from segcli.registry import OPS
 
 DEFAULT_STRUCTURES = "0:16"
@@ -341,7 +341,7 @@ def gradcheck(ctx, file, op_names, order, structures, field, random_size, device
         for name, reason in skipped.items():
             click.echo(f"skipped {name}: {reason}")
     elif not summary.passed:
-        click.echo(str(Report(summary.failures)), err=True)
+        note(str(Report(summary.failures)))
     ctx.exit(0 if report.passed else 1)
 
 

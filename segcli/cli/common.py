@@ -117,10 +117,27 @@ _program = False
 def as_program():
     """Mark this process as the segcli program: it then keeps compiled programs across runs
     (see `device`), and at exit the cyclic garbage collector leaves what remains to the
-    operating system instead of traversing it (0.25 s once JAX and Warp are loaded)."""
+    operating system instead of traversing it (0.25 s once JAX and Warp are loaded). A closed
+    stderr (`2>&-`) is given /dev/null, so that no file the command opens takes its place and
+    receives what native libraries print there."""
     global _program
     _program = True
     atexit.register(gc.freeze)
+    try:
+        os.fstat(2)
+    except OSError:
+        null = os.open(os.devnull, os.O_WRONLY)
+        if null != 2:
+            os.dup2(null, 2)
+            os.close(null)
+
+
+def note(message):
+    """Tell the user `message` on stderr; the command's work never depends on it: a closed or
+    full stderr (`2>&-`, `2>/dev/full`) loses the message, not the result."""
+    if sys.stderr is not None:
+        with contextlib.suppress(OSError, ValueError):
+            click.echo(message, file=sys.stderr)
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ from segcli.cli import common
 from segcli.cli.common import (
     check_cluster_usage,
     cluster_options,
+    note,
     on_cluster,
     progress,
     refuse_output_among_inputs,
@@ -383,7 +384,7 @@ def _singular_matrices(batch, file, ops, lo, hi, strict, quiet):
             if strict:
                 raise DataError(f"{message} (--strict)")
             if not quiet:
-                click.echo(f"warning: {message} (--strict refuses them)", err=True)
+                note(f"warning: {message} (--strict refuses them)")
 
 
 def _execute(file, ops, *, output, in_place, fmt, name, force, structures, chunk_atoms,
@@ -427,8 +428,8 @@ def _execute(file, ops, *, output, in_place, fmt, name, force, structures, chunk
                 _compute_into(batch, results, sink, target, lo, hi, chunk_atoms, bar)
     if not quiet and (output or in_place):
         written = ", ".join(f"/results/{d}" for d in results.datasets)
-        click.echo(f"{output or file}: {written} ({len(n_atoms)} structures, "
-                   f"{int(n_atoms.sum())} atoms)", err=True)
+        note(f"{output or file}: {written} ({len(n_atoms)} structures, "
+             f"{int(n_atoms.sum())} atoms)")
 
 
 def _on_cluster(scheduler, label, batch, results, lo, hi, call, attrs, where):

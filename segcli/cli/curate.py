@@ -12,6 +12,7 @@ from segcli.cli.common import (
     check_cluster_usage,
     cluster_options,
     input_paths,
+    note,
     on_cluster,
     progress,
     refuse_output_among_inputs,
@@ -114,8 +115,8 @@ def stats(file, fields, per_element, per_atom, as_json, output, force, structure
         attrs.update(source=os.path.abspath(file), per_element=per_element, per_atom=per_atom)
         write_stats(output, result, attrs, force=force, leaves=parts if shard else None)
         if not quiet:
-            click.echo(f"{output}: statistics of {', '.join(result)} ({summary['structures']} "
-                       f"structures, {summary['atoms']} atoms)", err=True)
+            note(f"{output}: statistics of {', '.join(result)} ({summary['structures']} "
+                 f"structures, {summary['atoms']} atoms)")
         return
     if as_json:
         click.echo(json.dumps({**summary, "stats": rows}))
@@ -223,7 +224,7 @@ def fit_e0(file, energy, fixed, as_json, in_place, name, force, structures, chun
         click.echo(f"structures: {used}; residual per atom: RMSE {_number(nan_free['rmse'])}, "
                    f"MAE {_number(nan_free['mae'])}")
     if in_place and not quiet:
-        click.echo(f"{file}: /results/{name} ({batch.n_structures} structures)", err=True)
+        note(f"{file}: /results/{name} ({batch.n_structures} structures)")
 
 
 COMMANDS = [stats, fit_e0]

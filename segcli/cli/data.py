@@ -4,7 +4,7 @@ import json
 
 import click
 
-from segcli.cli.common import progress, refuse_output_among_inputs, table
+from segcli.cli.common import note, progress, refuse_output_among_inputs, table
 
 
 def describe(batch):
@@ -173,8 +173,8 @@ def convert(inputs, output, compression, chunk_atoms, fill_missing, fields, drop
             fill_missing=np.nan if fill_missing else None, fields=fields, drop=drop,
             force=force, progress=bar)
     if not quiet:
-        click.echo(f"{output}: {structures} structures, {atoms} atoms, fields: "
-                   f"{', '.join(written) or 'none'}", err=True)
+        note(f"{output}: {structures} structures, {atoms} atoms, fields: "
+             f"{', '.join(written) or 'none'}")
 
 
 COMMANDS = [info, convert]

@@ -32,7 +32,7 @@ def merge(parts, output, virtual, force, quiet):
       segcli reduce data.h5 rms_norm forces --shard 1/2 -o 'parts/r-{shard}.h5'
       segcli merge 'parts/r-*.h5' -o rms.h5
     """
-    from segcli.cli.common import input_paths, refuse_output_among_inputs
+    from segcli.cli.common import input_paths, note, refuse_output_among_inputs
     from segcli.io.merge import check_parts, merge_parts
 
     paths = input_paths(parts)
@@ -41,8 +41,8 @@ def merge(parts, output, virtual, force, quiet):
     merge_parts(checked, output, virtual=virtual, force=force)
     if not quiet:
         how = "virtual datasets over" if virtual else "copied from"
-        click.echo(f"{output}: structures {checked[0].start}:{checked[-1].stop}, {how} "
-                   f"{len(checked)} part(s)", err=True)
+        note(f"{output}: structures {checked[0].start}:{checked[-1].stop}, {how} "
+             f"{len(checked)} part(s)")
 
 
 COMMANDS = [merge]

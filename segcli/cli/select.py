@@ -4,7 +4,7 @@ import sys
 
 import click
 
-from segcli.cli.common import progress, refuse_output_among_inputs
+from segcli.cli.common import note, progress, refuse_output_among_inputs
 
 
 def _conditions(ctx, param, texts):
@@ -89,7 +89,7 @@ def select(file, output, conditions, structures_from, force, quiet):
             kept, atoms = write_subset(batch, keep, output, {"selected_from": file}, bar, force)
     if not quiet:
         empty = " (none selected: an empty segcli file)" if not kept else ""
-        click.echo(f"{output}: {kept} of {len(keep)} structures, {atoms} atoms{empty}", err=True)
+        note(f"{output}: {kept} of {len(keep)} structures, {atoms} atoms{empty}")
 
 
 COMMANDS = [select]

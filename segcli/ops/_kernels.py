@@ -58,7 +58,8 @@ def _init_warp():
     if jax.default_backend() != "cpu":
         wp.init()
         return
-    sys.stderr.flush()
+    if sys.stderr is not None:
+        sys.stderr.flush()
     saved = os.dup(2)
     try:
         with open(os.devnull, "w") as devnull:
