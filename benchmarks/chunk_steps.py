@@ -32,6 +32,7 @@ def main():
     import jax
 
     from segcli import engine
+    from segcli._jax import enable_x64
     from segcli.io import open_batch
     from segcli.registry import OPS
 
@@ -62,7 +63,7 @@ def main():
             t1 = time.perf_counter()
             padded = engine._pad(job.read, job.precision, chunk, least, ring, slot, not gpu)
             t2 = time.perf_counter()
-            with jax.enable_x64(True):
+            with enable_x64(True):
                 forces, offsets, ids = jax.block_until_ready(jax.device_put(
                     (padded.arrays["forces"], padded.offsets, padded.ids), device,
                     may_alias=True))

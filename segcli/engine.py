@@ -476,9 +476,11 @@ def compute(jobs, padded, device):
     check runs there only for a chunk padded without ids (see _Padded), else it is False."""
     import jax
 
+    from segcli._jax import enable_x64
+
     read = reads(jobs)
     function = _compiled(tuple(job.program(read) for job in jobs), padded.ids is None)
-    with jax.enable_x64(True):
+    with enable_x64(True):
         values, offsets, ids = jax.device_put(
             (tuple(padded.arrays[name] for name in read), padded.offsets, padded.ids), device,
             may_alias=True)

@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
+from segcli._jax import enable_x64
+
 DIRECTIONS = 3
 """Random directions per order and argument."""
 
@@ -313,7 +315,7 @@ def check_gradients(f, args, *, order=2, eps=None, rtol=None, atol=None, seed=0,
     """
     if order < 1:
         raise ValueError(f"order must be at least 1, got {order}")
-    with jax.enable_x64(True):
+    with enable_x64(True):
         problem = _Problem(f, args, argnames)
         if not problem.xs:
             raise ValueError("f has no floating-point argument to differentiate")
@@ -407,7 +409,7 @@ def compare_functions(f, reference, args, *, order=2, rtol=None, atol=None, seed
     direction scaled to |x|), which bounds the roundoff of sums that cancel (e.g. the total
     force of a structure).
     """
-    with jax.enable_x64(True):
+    with enable_x64(True):
         candidate = _Problem(f, args, argnames)
         expected = _Problem(reference, args, argnames)
         function = name or getattr(f, "__name__", "f")

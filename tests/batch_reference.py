@@ -80,11 +80,11 @@ def random_args(rng, op, n, m, features=(3,), dtype=np.float64):
 def reduce_jax(op, n_atoms, *arrays, **params):
     """OP (a name) over the structures of n_atoms by its reference, in the arrays' dtypes
     (integers as the op reduces them, else float64), differentiable."""
-    import jax
+    from segcli._jax import enable_x64
 
     spec = OPS[op]
     idx = np.repeat(np.arange(len(n_atoms)), n_atoms)
-    with jax.enable_x64(True):
+    with enable_x64(True):
         kept = [np.issubdtype(a.dtype, np.integer) and (spec.integers or arg.kind == "labels")
                 for a, arg in zip(arrays, spec.inputs)]
         arrays = [a if keep else a.astype(np.float64) for a, keep in zip(arrays, kept)]

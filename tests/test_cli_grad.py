@@ -21,6 +21,7 @@ from batch_reference import (
 )
 from click.testing import CliRunner
 
+from segcli._jax import enable_x64
 from segcli.cli import main
 from segcli.registry import OPS
 
@@ -51,7 +52,7 @@ def reference(op, fields, n_atoms, data, weights, order, direction=None):
     """{d_FIELD: array} from jax.grad (order 1) or jax.jvp of jax.grad (order 2) of the
     weighted objective over the distinct per-atom fields, the others held fixed."""
     wrt = list(dict.fromkeys(f for f in fields if len(data[f]) == sum(n_atoms)))
-    with jax.enable_x64(True):
+    with enable_x64(True):
         def objective(moving):
             values = {**data, **dict(zip(wrt, moving))}
             return objective_jax(op, n_atoms, weights, *(values[f] for f in fields))

@@ -18,6 +18,7 @@ from batch_reference import (
 )
 
 from segcli import engine
+from segcli._jax import enable_x64
 from segcli.errors import DataError
 from segcli.io import open_batch
 from segcli.registry import OPS
@@ -262,7 +263,7 @@ def test_ids_expanded_and_nan_checked_on_the_device_give_the_same_bits(batch_fil
 
 def test_ids_of_offsets_put_padding_rows_out_of_range():
     offsets = np.array([0, 2, 2, 5, 6, 6, 6, 6, 6], np.int32)  # 4 structures, 4 padding ones
-    with jax.enable_x64(True):
+    with enable_x64(True):
         got = np.asarray(jax.jit(engine._ids, static_argnums=1)(offsets, 10))
     np.testing.assert_array_equal(got, [0, 0, 2, 2, 2, 3, 8, 8, 8, 8])
 

@@ -9,6 +9,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, mlir
 
 from segcli import reference
+from segcli._jax import enable_x64
 from segcli.gradcheck import check_gradients, compare_functions
 
 
@@ -201,7 +202,7 @@ def test_compare_functions_tolerates_roundoff_of_cancelling_sums(rng):
 
 @pytest.fixture
 def x64():
-    with jax.enable_x64(True):
+    with enable_x64(True):
         yield
 
 

@@ -179,10 +179,11 @@ def _smooth_structures(spec, arrays, n_atoms):
 def _finite_structures(spec, arrays, n_atoms):
     """Which structures the reference gives finite values for (max, min and logsumexp of an
     empty structure are infinite, which neither differences nor compares)."""
-    import jax
     import numpy as np
 
-    with jax.enable_x64(True):
+    from segcli._jax import enable_x64
+
+    with enable_x64(True):
         out = np.asarray(_bound(spec, n_atoms)[1](*arrays))
     bad = ~np.isfinite(out.reshape(len(out), -1)).all(axis=1)
     if spec.output_per == "atom":
