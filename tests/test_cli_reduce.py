@@ -293,8 +293,12 @@ def test_nan_and_bad_files_exit_1(tmp_path):
     (["sum", "forces", "--structures", "1:2:3"], "expected START:STOP or an index"),
     (["sum", "forces", "--structures", "a"], "expected START:STOP or an index"),
     (["sum", "forces", "--format", "xml"], "'xml' is not one of"),
-    (["sum", "forces", "--chunk-atoms", "0"], "0 is not in the range x>=1"),
+    (["sum", "forces", "--chunk-atoms", "0"], "0 is not in the range 1<=x<="),
+    (["sum", "forces", "--chunk-atoms", str(10**20)], "not in the range 1<=x<=4611686018427387904"),
     (["sum", "forces", "--name", "a//b"], "is not a result name"),
+    (["sum", "forces", "--name", "."], "'.' is not a result name"),
+    (["sum", "forces", "--name", "a/../b"], "is not a result name"),
+    (["sum", "forces", "--name", "a\0b"], "is not a result name"),
     (["sum", "forces", "--length", "5"], "--length is for bincount"),
     (["bincount", "numbers", "--length", "0"], "0 is not in the range x>=1"),
 ])

@@ -226,3 +226,32 @@ def test_a_closed_or_full_stderr_loses_messages_not_results(tmp_path, stderr):
     assert done.stdout.splitlines() == [f"{name} 0" for name in commands for _ in range(2)]
     for name in commands:
         assert values(tmp_path / "hampered" / name) == values(tmp_path / "plain" / name), name
+
+
+def test_closed_stdin_or_stdout_and_a_full_stdout_are_one_line(tmp_path):
+    """Commands started with stdin or stdout closed (`<&-`, `>&-`), or printing --help and
+    --version to a full device: one line naming the stream, exit 1, and no file written in
+    the place of the closed one."""
+    metals = os.path.join(os.path.dirname(__file__), "..", "sample_data", "metals.h5")
+    closed_stdout = "Error: stdout: closed, nothing can be printed"
+    closed_stdin = "Error: stdin: closed, nothing to read"
+    cases = [
+        (f"info {metals} >&-", closed_stdout),
+        (f"reduce {metals} sum forces >&-", closed_stdout),
+        (f"stats {metals} forces --json >&-", closed_stdout),
+        ("ops >&-", closed_stdout),
+        (f"select {metals} --structures-from - -o out.h5 <&-", closed_stdin),
+        ("info - <&-", closed_stdin),
+        ("info @- <&-", closed_stdin),
+        ("--help >/dev/full", "Error: stdout: No space left on device"),
+        ("--version >/dev/full", "Error: stdout: No space left on device"),
+    ]
+    script = "\n".join(f"{sys.executable} -m segcli {line} 2>>err; echo $? >> codes"
+                       for line, _ in cases)
+    subprocess.run(["bash", "-c", script], cwd=tmp_path, check=True)
+    assert (tmp_path / "err").read_text().splitlines() == [message for _, message in cases]
+    assert (tmp_path / "codes").read_text().split() == ["1"] * len(cases)
+    assert sorted(os.listdir(tmp_path)) == ["codes", "err"]
+    done = subprocess.run(["bash", "-c", f"{sys.executable} -m segcli reduce {metals} rms_norm "
+                                         "forces -o out.h5 -q >&-"], cwd=tmp_path)
+    assert done.returncode == 0 and os.path.getsize(tmp_path / "out.h5") > 0

@@ -499,6 +499,8 @@ def test_fit_e0_leaves_out_structures_without_energy(tmp_path, e0_data):
     (["--fixed", "Xx=1"], 2, ["SYMBOL=VALUE", "Xx=1"]),
     (["--fixed", "H=abc"], 2, ["SYMBOL=VALUE"]),
     (["--name", "r"], 2, ["--in-place"]),
+    (["--in-place", "--name", "."], 2, ["'.' is not a result name"]),
+    (["--in-place", "--name", ""], 2, ["'' is not a result name"]),
     (["--in-place", "--structures", "0:3"], 2, ["--structures"]),
 ])
 def test_fit_e0_errors(e0_data, args, code, needles):

@@ -4,6 +4,7 @@ Command modules import only click at start-up; jax, warp, h5py and ase are impor
 the commands, so `segcli --help` stays fast.
 """
 
+import errno
 import io
 import os
 import sys
@@ -35,11 +36,16 @@ class _Stdout(io.RawIOBase):
         except BrokenPipeError:
             raise
         except OSError as err:
-            raise OSError(err.errno, err.strerror, "stdout") from None
+            reason = "closed, nothing can be printed" if err.errno == errno.EBADF else err.strerror
+            raise OSError(err.errno, reason, "stdout") from None
 
 
 def _name_stdout():
-    """Replace the process's stdout (not a test runner's stand-in) by one whose errors name it."""
+    """Replace the process's stdout (not a test runner's stand-in; None where it was closed) by
+    one whose errors name it."""
+    if sys.stdout is None:
+        sys.stdout = io.TextIOWrapper(io.BufferedWriter(_Stdout()), encoding="utf-8")
+        return
     try:
         if sys.stdout.fileno() != 1:
             return
@@ -51,6 +57,15 @@ def _name_stdout():
                                   line_buffering=sys.stdout.line_buffering)
 
 
+def _fail_on_stdout(err):
+    """Exit for an OSError writing stdout: 141 quietly for a closed pipe, else 1 saying why."""
+    _silence_stdout()
+    if isinstance(err, BrokenPipeError):
+        sys.exit(141)
+    note(f"Error: {err.filename or 'stdout'}: {err.strerror}")
+    sys.exit(1)
+
+
 class SegcliGroup(click.Group):
     """Every command's errors as one line on stderr and an exit code (a traceback only with
     --debug): 1 for bad data and for what the system refuses (a full disk, a missing
@@ -59,18 +74,20 @@ class SegcliGroup(click.Group):
     def main(self, args=None, **kwargs):
         if args is None:  # arguments from sys.argv: run as the program, not by a caller
             as_program()
-        return super().main(args, **kwargs)
+        _name_stdout()
+        try:
+            return super().main(args, **kwargs)
+        except OSError as err:  # printing --help or --version failed
+            _fail_on_stdout(err)
 
     def invoke(self, ctx):
-        _name_stdout()
         with interruptible():
             try:
                 result = super().invoke(ctx)
                 sys.stdout.flush()
                 return result
-            except BrokenPipeError:
-                _silence_stdout()
-                sys.exit(141)
+            except BrokenPipeError as err:
+                _fail_on_stdout(err)
             except (DataError, OSError, Interrupted) as err:
                 if ctx.meta.get("segcli.debug"):
                     raise

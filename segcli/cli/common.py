@@ -9,6 +9,19 @@ import sys
 import click
 
 
+def result_name(ctx, param, name):
+    """Click callback: a result name, NAME or GROUP/NAME, none of its parts empty, `.`, `..`
+    or holding a NUL."""
+    if name is not None and (not name or any(part in ("", ".", "..") or "\0" in part
+                                             for part in name.split("/"))):
+        raise click.BadParameter(f"{name!r} is not a result name (NAME or GROUP/NAME)")
+    return name
+
+
+CHUNK_ATOMS = click.IntRange(min=1, max=1 << 62)
+"""--chunk-atoms: at least one atom, at most what a chunk's atom count can hold."""
+
+
 def parse_pair(text, name, allow_open):
     """(a, b) from "A:B"; with allow_open, A defaults to 0 and B to None (the end)."""
     parts = text.split(":")
@@ -118,18 +131,27 @@ def as_program():
     """Mark this process as the segcli program: it then keeps compiled programs across runs
     (see `device`), and at exit the cyclic garbage collector leaves what remains to the
     operating system instead of traversing it (0.25 s once JAX and Warp are loaded). A closed
-    stderr (`2>&-`) is given /dev/null, so that no file the command opens takes its place and
-    receives what native libraries print there."""
+    stdin, stdout or stderr (`<&-`, `>&-`, `2>&-`) is given /dev/null opened the wrong way
+    for stdin and stdout (reading or writing them fails as on a closed one) and the right way
+    for stderr (messages are lost, see `note`): no file the command opens takes the place of
+    one and receives what was meant for it."""
     global _program
     _program = True
     atexit.register(gc.freeze)
+    for fd, mode in ((0, os.O_WRONLY), (1, os.O_RDONLY), (2, os.O_WRONLY)):
+        if not _is_open(fd):
+            null = os.open(os.devnull, mode)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+
+
+def _is_open(fd):
     try:
-        os.fstat(2)
+        os.fstat(fd)
     except OSError:
-        null = os.open(os.devnull, os.O_WRONLY)
-        if null != 2:
-            os.dup2(null, 2)
-            os.close(null)
+        return False
+    return True
 
 
 def note(message):

@@ -85,12 +85,6 @@ def _op_list(ctx, param, words):
     return tuple(ops)
 
 
-def _result_name(ctx, param, name):
-    if name is not None and (not name or any(not part for part in name.split("/"))):
-        raise click.BadParameter(f"{name!r} is not a result name (NAME or GROUP/NAME)")
-    return name
-
-
 def _shared_options(command):
     """The options reduce and grad share (SPEC §3)."""
     options = [
@@ -103,14 +97,14 @@ def _shared_options(command):
         click.option("--format", "fmt", type=click.Choice(["csv", "json", "npy"]),
                      help="Stdout format (default csv): csv with a header line, json (one "
                           "object per line) or npy (binary)."),
-        click.option("--name", callback=_result_name,
+        click.option("--name", callback=common.result_name,
                      help="Result name (default OP_FIELD[_FIELD2])."),
         click.option("--force", is_flag=True,
                      help="Overwrite an existing output file or result."),
         click.option("--structures", callback=structure_range, metavar="START:STOP",
                      help="Only these structures, a Python slice: START:STOP, -5: (the last "
                           "five), :10 or one index (default: all; not with --in-place)."),
-        click.option("--chunk-atoms", type=click.IntRange(min=1),
+        click.option("--chunk-atoms", type=common.CHUNK_ATOMS,
                      help="Atoms read and computed at a time (whole structures; default 2 Mi "
                           "= 2097152): bounds memory."),
         click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto",

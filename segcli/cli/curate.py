@@ -9,6 +9,7 @@ import os
 import click
 
 from segcli.cli.common import (
+    CHUNK_ATOMS,
     check_cluster_usage,
     cluster_options,
     input_paths,
@@ -17,6 +18,7 @@ from segcli.cli.common import (
     progress,
     refuse_output_among_inputs,
     refuse_structures_in_place,
+    result_name,
     selection,
     shard_output,
     shard_selection,
@@ -31,7 +33,7 @@ def _streaming_options(command):
     """--structures, --chunk-atoms and --quiet."""
     for option in (
         click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors and results."),
-        click.option("--chunk-atoms", type=click.IntRange(min=1), default=1 << 21,
+        click.option("--chunk-atoms", type=CHUNK_ATOMS, default=1 << 21,
                      help="Atoms read at a time (whole structures; default 2097152): bounds "
                           "memory."),
         click.option("--structures", callback=structure_range, metavar="START:STOP",
@@ -156,7 +158,8 @@ def _fixed(ctx, param, values):
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @click.option("--in-place", is_flag=True,
               help="Store the residual energies E - Σ c·E0 in FILE as a per-structure result.")
-@click.option("--name", help="Name of the stored residual (default: residual_FIELD).")
+@click.option("--name", callback=result_name,
+              help="Name of the stored residual (default: residual_FIELD).")
 @click.option("--force", is_flag=True, help="Replace an existing result of that name.")
 @_streaming_options
 def fit_e0(file, energy, fixed, as_json, in_place, name, force, structures, chunk_atoms, quiet):

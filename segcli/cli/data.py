@@ -4,7 +4,7 @@ import json
 
 import click
 
-from segcli.cli.common import note, progress, refuse_output_among_inputs, table
+from segcli.cli.common import CHUNK_ATOMS, note, progress, refuse_output_among_inputs, table
 
 
 def describe(batch):
@@ -127,7 +127,7 @@ def _names(ctx, param, text):
               help="The segcli HDF5 file to write.")
 @click.option("--compression", type=click.Choice(["gzip", "lzf"]),
               help="Compress the datasets (default: none, fastest to read).")
-@click.option("--chunk-atoms", type=click.IntRange(min=1), default=100_000, show_default=True,
+@click.option("--chunk-atoms", type=CHUNK_ATOMS, default=100_000, show_default=True,
               help="Atoms held in memory at a time (whole structures).")
 @click.option("--fill-missing", type=click.Choice(["nan"]),
               help="Fill the fields that some structures lack instead of failing: floats with "

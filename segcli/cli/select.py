@@ -1,6 +1,5 @@
 """Command: select (a new file with only the chosen structures)."""
 
-import sys
 
 import click
 
@@ -19,10 +18,11 @@ def _conditions(ctx, param, texts):
 def _listed(path, n_structures):
     """The --structures-from mask, read from the file `path` or stdin (`-`)."""
     from segcli.errors import DataError
+    from segcli.io.core import standard_input
     from segcli.select import listed_mask
 
     if path == "-":
-        return listed_mask(sys.stdin.buffer, "stdin", n_structures)
+        return listed_mask(standard_input().buffer, "stdin", n_structures)
     try:
         with open(path, "rb") as lines:
             return listed_mask(lines, path, n_structures)

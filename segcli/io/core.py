@@ -1,5 +1,6 @@
 """What every reader shares: field descriptions, chunks of whole structures, derived fields."""
 
+import sys
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import NamedTuple
@@ -19,6 +20,13 @@ def held(dtype):
     """What a field of `dtype` holds, for messages: "strings" or e.g. "int32 values"."""
     return "strings" if dtype == STRING else f"{dtype} values"
 
+
+
+def standard_input():
+    """sys.stdin, or DataError when the process was started with it closed (`<&-`)."""
+    if sys.stdin is None:
+        raise DataError("stdin: closed, nothing to read")
+    return sys.stdin
 
 class FieldInfo(NamedTuple):
     """A field: per "atom" or "structure", its trailing shape and dtype."""

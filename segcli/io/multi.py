@@ -9,13 +9,12 @@ opened again from that description in another process without reading its files 
 
 import glob
 import os
-import sys
 from typing import NamedTuple
 
 import numpy as np
 
 from segcli.errors import DataError
-from segcli.io.core import Batch, Schema, check_fill, fill_value
+from segcli.io.core import Batch, Schema, check_fill, fill_value, standard_input
 
 
 class Layout(NamedTuple):
@@ -73,7 +72,7 @@ def _listed(spec):
     and `#` comments skipped."""
     where = spec[1:]
     if where == "-":
-        lines, directory = sys.stdin.read().splitlines(), ""
+        lines, directory = standard_input().read().splitlines(), ""
     else:
         try:
             with open(where, encoding="utf-8") as listing:
@@ -122,12 +121,12 @@ def _spooled_stdin():
     import shutil
     import tempfile
 
-    if sys.stdin is None or sys.stdin.isatty():
+    if standard_input().isatty():
         raise DataError("-: reads extxyz from stdin, which is a terminal (pipe a file into it)")
     fd, path = tempfile.mkstemp(prefix="segcli-stdin-", suffix=".extxyz")
     atexit.register(lambda: os.path.exists(path) and os.remove(path))
     with os.fdopen(fd, "wb") as spool:
-        shutil.copyfileobj(sys.stdin.buffer, spool, 1 << 20)
+        shutil.copyfileobj(standard_input().buffer, spool, 1 << 20)
     if not os.path.getsize(path):
         raise DataError("-: stdin holds no structure (it is empty)")
     return path
