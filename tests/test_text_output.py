@@ -33,11 +33,20 @@ def spelled(array):
     return array.astype(str).astype(np.float64) if array.dtype == np.float32 else array
 
 
+def strict(value):
+    """A row's value as strict JSON has it: non-finite floats as None (null)."""
+    if isinstance(value, list):
+        return [strict(v) for v in value]
+    return None if isinstance(value, float) and not np.isfinite(value) else value
+
+
 def per_row(fmt, columns):
-    """The text Python writes row by row: repr of each number (CSV), json.dumps (JSON)."""
+    """The text Python writes row by row: repr of each number (CSV), json.dumps of the row with
+    its non-finite numbers null (JSON)."""
     lists = [spelled(a).tolist() for a in columns.values()]
     if fmt == "json":
-        return "".join(json.dumps(dict(zip(columns, row))) + "\n" for row in zip(*lists))
+        return "".join(json.dumps(dict(zip(columns, map(strict, row))), allow_nan=False) + "\n"
+                       for row in zip(*lists))
     flat = [spelled(a).reshape(len(a), int(np.prod(a.shape[1:]))).tolist()
             for a in columns.values()]
     return "".join(",".join(repr(v) for cells in row for v in cells) + "\n"
@@ -56,7 +65,7 @@ def read_back(fmt, body, columns):
     if fmt == "json":
         rows = [json.loads(line) for line in body.splitlines()]
         assert all(list(row) == list(columns) for row in rows)
-        return {name: np.reshape([row[name] for row in rows], a.shape)
+        return {name: np.reshape(np.array([row[name] for row in rows], dtype=a.dtype), a.shape)
                 for name, a in columns.items()}
     rows = list(csv.reader(io.StringIO(body)))
     out, k = {}, 0
@@ -95,6 +104,8 @@ def test_lines_are_pythons_text_and_read_back_exactly(fmt, dtype, rows):
         assert body == per_row(fmt, columns)
         for name, got in read_back(fmt, body, columns).items():
             want = columns[name]
+            if fmt == "json" and want.dtype.kind == "f":  # null: no number, read back as NaN
+                want = np.where(np.isfinite(want), want, np.nan).astype(want.dtype)
             assert same(got, want) if want.dtype != np.float32 else \
                 same(np.asarray(got, np.float64).astype(np.float32), want), name
 
@@ -172,3 +183,28 @@ def test_cli_csv_and_json_are_the_npy_results(tmp_path, precision):
         assert run(*args, "--format", "csv").stdout == text.header(shapes).decode() + \
             per_row("csv", columns)
         assert run(*args, "--format", "json").stdout == per_row("json", columns)
+
+
+def strict_json(line):
+    """A JSON document parsed as strict JSON: NaN and Infinity tokens refused."""
+    def refuse(token):
+        raise AssertionError(f"non-standard JSON token {token}")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_every_json_output_is_strict_json_with_null_for_non_finite_numbers(tmp_path):
+    """max of an empty structure (-inf), statistics of an infinite value (inf and NaN), fit-e0
+    with no usable structure (NaN errors): null."""
+    path = write_batch(tmp_path / "f.h5", [2, 0, 1], {"x": np.array([[1.0], [np.inf], [2.0]]),
+                                                      "numbers": np.array([1, 1, 8])},
+                       {"energy": np.array([np.nan, 1.0, 2.0])})
+    rows = [strict_json(line) for line in run("reduce", path, "max", "x", "--format",
+                                              "json").stdout.splitlines()]
+    assert [row["max_x"] for row in rows] == [[None], [None], [2.0]]
+    stats = strict_json(run("stats", path, "x", "--json").stdout)["stats"][0]
+    assert (stats["count"], stats["mean"], stats["max"], stats["std"]) == (3, None, None, None)
+    info = strict_json(run("info", path, "--json").stdout)
+    assert info["structures"] == 3
+    fit = strict_json(run("fit-e0", path, "--structures", "1:2", "--json").stdout)
+    assert fit["structures"] == 1 and fit["rmse_per_atom"] is None

@@ -1,7 +1,6 @@
 """Command: gradcheck (values and derivatives of every op against finite differences and a
 reference)."""
 
-import json
 
 import click
 
@@ -319,6 +318,7 @@ def gradcheck(ctx, file, op_names, order, structures, field, random_size, device
     import jax
 
     from segcli.gradcheck import Report
+    from segcli.io.text import finite_json
 
     report = Report(())
     with jax.default_device(target), \
@@ -329,9 +329,9 @@ def gradcheck(ctx, file, op_names, order, structures, field, random_size, device
                 bar.update(1)
     summary = report.summary()
     if as_json:
-        click.echo(json.dumps({**source, "order": order, "device": common.device_label(target),
-                               "atoms": int(n_atoms.sum()), **report.to_dict(),
-                               "summary": summary.to_dict()["rows"], "skipped": skipped}))
+        click.echo(finite_json({**source, "order": order, "device": common.device_label(target),
+                                "atoms": int(n_atoms.sum()), **report.to_dict(),
+                                "summary": summary.to_dict()["rows"], "skipped": skipped}))
     elif not quiet:
         described = (f"{file}: structures {source['structures'][0]}:{source['structures'][1]} "
                      f"({int(n_atoms.sum())} atoms)" if file

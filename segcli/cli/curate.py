@@ -2,7 +2,6 @@
 reference energies), streamed over files of any size."""
 
 import contextlib
-import json
 import math
 import os
 
@@ -45,7 +44,7 @@ def _streaming_options(command):
 
 
 def _number(value):
-    return "-" if value is None else f"{value:.7g}"
+    return "-" if value is None or math.isnan(value) else f"{value:.7g}"
 
 
 def _element(z):
@@ -93,6 +92,7 @@ def stats(file, fields, per_element, per_atom, as_json, output, force, structure
     from segcli.cluster import leaf_stats_sharded
     from segcli.io import open_inputs
     from segcli.io.statsfile import write_stats
+    from segcli.io.text import finite_json
     from segcli.stats import merge_stats
 
     check_cluster_usage(shard, scheduler, False)
@@ -121,7 +121,7 @@ def stats(file, fields, per_element, per_atom, as_json, output, force, structure
                  f"structures, {summary['atoms']} atoms)")
         return
     if as_json:
-        click.echo(json.dumps({**summary, "stats": rows}))
+        click.echo(finite_json({**summary, "stats": rows}))
         return
     by_element = any("element" in row for row in rows)
     header = ("field", *(("element",) if by_element else ()), "component", *STAT_COLUMNS)
@@ -182,6 +182,7 @@ def fit_e0(file, energy, fixed, as_json, in_place, name, force, structures, chun
     from ase.data import chemical_symbols
 
     from segcli.io import ResultWriter, open_inputs
+    from segcli.io.text import finite_json
     from segcli.stats import residual_errors, solve_e0
 
     if name is not None and not in_place:
@@ -212,20 +213,18 @@ def fit_e0(file, energy, fixed, as_json, in_place, name, force, structures, chun
                     **options)
         else:
             rmse, mae = residual_errors(batch, energy, everything, **options)
-    nan_free = {key: None if math.isnan(v) else v for key, v in (("rmse", rmse), ("mae", mae))}
     elements = [{"element": chemical_symbols[z], "number": z, "e0": everything[z],
                  "fixed": z in fixed} for z in sorted(everything)]
     if as_json:
-        click.echo(json.dumps({"path": file, "energy": energy, "structures": used,
-                               "e0": elements, "rmse_per_atom": nan_free["rmse"],
-                               "mae_per_atom": nan_free["mae"]}))
+        click.echo(finite_json({"path": file, "energy": energy, "structures": used,
+                                "e0": elements, "rmse_per_atom": rmse, "mae_per_atom": mae}))
     else:
         lines = [("element", "Z", "E0", "")] + [
             (e["element"], str(e["number"]), f"{e['e0']:.10g}", "fixed" if e["fixed"] else "")
             for e in elements]
         click.echo("\n".join(table(lines)))
-        click.echo(f"structures: {used}; residual per atom: RMSE {_number(nan_free['rmse'])}, "
-                   f"MAE {_number(nan_free['mae'])}")
+        click.echo(f"structures: {used}; residual per atom: RMSE {_number(rmse)}, "
+                   f"MAE {_number(mae)}")
     if in_place and not quiet:
         note(f"{file}: /results/{name} ({batch.n_structures} structures)")
 

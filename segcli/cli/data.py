@@ -78,13 +78,14 @@ def info(file, as_json):
     """
     from segcli.io import open_inputs
     from segcli.io.formats import DESCRIPTIONS
+    from segcli.io.text import finite_json
 
     descriptions = {**DESCRIPTIONS, "multi": "files read as one batch"}
 
     with open_inputs(file) as batch:
         summary = describe(batch)
     if as_json:
-        click.echo(json.dumps(summary))
+        click.echo(finite_json(summary))
         return
     click.echo(f"{summary['path']}: {descriptions[summary['format']]}")
     if "members" in summary:
