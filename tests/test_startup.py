@@ -73,7 +73,7 @@ def test_callers_keep_their_jax_settings_and_garbage_collector(tmp_path):
     code = f"""
 import gc, jax, numpy as np
 from click.testing import CliRunner
-before = dict(jax.config.values)
+before, frozen = dict(jax.config.values), gc.get_freeze_count()  # a site may freeze some
 from segcli import ops
 from segcli.cli import main
 ops.segmented_rms_norm(np.ones((4, 3)), np.array([0, 0, 1, 1]), 2)
@@ -81,7 +81,7 @@ result = CliRunner().invoke(main, ["reduce", {str(METALS)!r}, "rms_norm", "force
 assert result.exit_code == 0, result.output
 changed = {{k: v for k, v in jax.config.values.items() if before.get(k) != v}}
 assert not changed, changed
-assert gc.isenabled() and gc.get_freeze_count() == 0
+assert gc.isenabled() and gc.get_freeze_count() == frozen
 """
     result = python("-c", code, XDG_CACHE_HOME=str(tmp_path))
     assert result.returncode == 0, result.stderr
