@@ -255,3 +255,51 @@ def test_closed_stdin_or_stdout_and_a_full_stdout_are_one_line(tmp_path):
     done = subprocess.run(["bash", "-c", f"{sys.executable} -m segcli reduce {metals} rms_norm "
                                          "forces -o out.h5 -q >&-"], cwd=tmp_path)
     assert done.returncode == 0 and os.path.getsize(tmp_path / "out.h5") > 0
+
+
+def test_an_output_name_of_250_bytes_is_written(tmp_path):
+    """The temporaries of a long name carry a shortened one (a file name has 255 bytes)."""
+    from click.testing import CliRunner
+
+    from segcli.cli import main
+
+    metals = os.path.join(os.path.dirname(__file__), "..", "sample_data", "metals.h5")
+    written, copied = (tmp_path / (c * 123 + ".h5") for c in "éè")  # 249 bytes each
+    assert len(os.fsencode(written.name)) == 249
+    result = CliRunner().invoke(main, ["reduce", metals, "sum", "forces", "-o", str(written)])
+    assert result.exit_code == 0, result.output
+    shutil.copy(metals, copied)
+    result = CliRunner().invoke(main, ["reduce", str(copied), "rms_norm", "forces",
+                                       "--in-place"])
+    assert result.exit_code == 0, result.output
+    for path, name in ((written, "sum_forces"), (copied, "rms_norm_forces")):
+        with h5py.File(path) as f:
+            assert list(f["results"]) == [name]
+    assert sorted(os.listdir(tmp_path)) == sorted([written.name, copied.name])
+
+
+def test_a_cache_that_cannot_be_made_is_named_with_the_remedy(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "WARP_CACHE_PATH"}
+    metals = os.path.join(os.path.dirname(__file__), "..", "sample_data", "metals.h5")
+    done = subprocess.run([sys.executable, "-m", "segcli", "reduce", metals, "sum", "forces",
+                           "-o", tmp_path / "out.h5"], capture_output=True, text=True,
+                          env={**env, "XDG_CACHE_HOME": "/proc/nonexistent"})
+    assert done.returncode == 1 and os.listdir(tmp_path) == []
+    assert done.stderr == ("Error: /proc/nonexistent: cannot hold Warp's kernel cache (No such "
+                           "file or directory); set WARP_CACHE_PATH or XDG_CACHE_HOME to a "
+                           "writable directory\n")
+
+
+def test_a_text_file_is_an_error_not_an_empty_batch(tmp_path):
+    from click.testing import CliRunner
+
+    from segcli.cli import main
+
+    notes = tmp_path / "notes.md"  # ASE guesses castep-md from the name
+    notes.write_text("# Notes\n\nnot structures\n")
+    for args in (["info", notes], ["convert", notes, "-o", tmp_path / "out.h5"]):
+        result = CliRunner().invoke(main, [str(a) for a in args])
+        assert result.exit_code == 1
+        assert result.stderr == (f"Error: {notes}: ASE reads no structure from it as castep-md "
+                                 "(not a structure file?)\n")
+    assert os.listdir(tmp_path) == ["notes.md"]

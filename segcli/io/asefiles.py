@@ -1,6 +1,7 @@
 """Files that ASE reads (extxyz, xyz, traj, cif, POSCAR, ...), streamed a structure at a time:
 with ase.io.iread, and extended XYZ with segcli's own reader where it can."""
 
+import os
 from array import array
 from functools import cached_property
 
@@ -133,7 +134,8 @@ class AseBatch(StreamedBatch):
         return self._ase_pieces(start, stop, start)
     def _ase_pieces(self, start, stop, resume):
         """Pieces of the structures from `resume` to `stop`, reading with ASE from `start`
-        (ASE checks every frame header first, and reports a bad one at `start`)."""
+        (ASE checks every frame header first, and reports a bad one at `start`). A file with
+        content but no structure is a DataError, not an empty batch."""
         import ase.io
         from ase.io.formats import ioformats
 
@@ -145,6 +147,9 @@ class AseBatch(StreamedBatch):
             try:
                 atoms = next(frames)
             except StopIteration:
+                if index == 0 and os.path.getsize(self.path):
+                    raise DataError(f"{self.path}: ASE reads no structure from it as "
+                                    f"{self.ase_format} (not a structure file?)") from None
                 return
             except Exception as err:
                 raise DataError(f"{self.path}: ASE cannot read structure {index} as "

@@ -2,6 +2,7 @@
 when all went well, so that a failure or a kill leaves no partial output and an intact input."""
 
 import fcntl
+import hashlib
 import os
 import resource
 import shutil
@@ -58,6 +59,22 @@ def _host():
     return socket.gethostname().replace(".", "-")
 
 
+_TARGETS = {}
+"""The output that each live temporary of atomic_output stands for."""
+_LONG_NAME = 160
+"""Bytes of an output's name beyond which its temporaries carry a shortened one: the
+temporary's name adds up to 90 (pid, host, random part) and may have 255 in all."""
+
+
+def _temporary_prefix(target):
+    """`.NAME.`, the start of the names of `target`'s temporaries: NAME its name, or for a long
+    one its first 120 bytes and a digest of the whole."""
+    name = os.fsencode(os.path.basename(target))
+    if len(name) > _LONG_NAME:
+        name = name[:120] + b"~" + hashlib.sha256(name).hexdigest()[:16].encode()
+    return f".{os.fsdecode(name)}."
+
+
 def _sweep(directory, prefix):
     """Remove the temporaries `prefix`PID@HOST.*.tmp in `directory` that a run of this host
     left when it was killed (its process is gone)."""
@@ -86,7 +103,7 @@ def atomic_output(target, copy_of=None, replace=True):
     replacing its original is synced to disk first, so that even a system crash leaves one
     of the two whole. Temporaries of killed runs are removed first."""
     directory = os.path.dirname(os.path.abspath(target))
-    prefix = f".{os.path.basename(target)}."
+    prefix = _temporary_prefix(target)
     _sweep(directory, prefix)
     hold_signals()  # until the `try` that removes the temporary is entered
     try:
@@ -96,6 +113,7 @@ def atomic_output(target, copy_of=None, replace=True):
         release_signals(pending=False)
         raise DataError(f"{target}: cannot write there ({err.strerror})") from err
     held = True
+    _TARGETS[tmp] = target
     try:
         os.close(fd)
         held = False
@@ -128,12 +146,13 @@ def atomic_output(target, copy_of=None, replace=True):
         with suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+    finally:
+        _TARGETS.pop(tmp, None)
 
 
 def target_of(tmp):
     """The output a temporary of atomic_output stands for."""
-    directory, name = os.path.split(tmp)
-    return os.path.join(directory, name[1:].rsplit(".", 3)[0])
+    return _TARGETS.get(tmp, tmp)
 
 
 def ensure_room(h5, data):

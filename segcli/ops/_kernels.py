@@ -54,7 +54,17 @@ wp.config.log_level = wp.LOG_ERROR
 
 def _init_warp():
     """Initialise Warp; where JAX runs on the CPU, without the native warning that no CUDA
-    driver was found (irrelevant there, and noise on every command's stderr)."""
+    driver was found (irrelevant there, and noise on every command's stderr). An OSError
+    names the kernel cache Warp could not make."""
+    try:
+        _start_warp()
+    except OSError as err:
+        raise OSError(err.errno, f"cannot hold Warp's kernel cache ({err.strerror}); set "
+                                 "WARP_CACHE_PATH or XDG_CACHE_HOME to a writable directory",
+                      err.filename) from err
+
+
+def _start_warp():
     if jax.default_backend() != "cpu":
         wp.init()
         return
