@@ -208,3 +208,14 @@ def test_every_json_output_is_strict_json_with_null_for_non_finite_numbers(tmp_p
     assert info["structures"] == 3
     fit = strict_json(run("fit-e0", path, "--structures", "1:2", "--json").stdout)
     assert fit["structures"] == 1 and fit["rmse_per_atom"] is None
+
+
+def test_csv_header_quotes_names_holding_commas_quotes_or_line_breaks(tmp_path):
+    """Field names are the file's: the csv module reads the header back to them."""
+    names = ['a,b "c"', "e\nx"]
+    path = write_batch(tmp_path / "odd.h5", [2, 1], {names[0]: np.arange(3.0)},
+                       {names[1]: np.array([2.0, 3.0])})
+    result = run("reduce", path, "mul", *names)
+    rows = list(csv.reader(io.StringIO(result.stdout)))
+    assert rows == [["structure", "atom", f"mul_{names[0]}_{names[1]}"], ["0", "0", "0.0"],
+                    ["0", "1", "2.0"], ["1", "0", "6.0"]]

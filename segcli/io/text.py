@@ -16,6 +16,8 @@ negative exponent gets its zero (`1e-7`, |x| in [1e-9, 1e-5), becomes `1e-07`) a
 after the numbers, found with NumPy, become the format's separators (see _Layout).
 """
 
+import csv
+import io
 import json
 import math
 
@@ -49,10 +51,13 @@ def _finite(value):
 
 def header(shapes):
     """The CSV header line of columns `shapes` (name -> trailing shape): NAME for a scalar,
-    NAME_0, NAME_1, ... for a vector, NAME_0_0, NAME_0_1, ... for an array."""
+    NAME_0, NAME_1, ... for a vector, NAME_0_0, NAME_0_1, ... for an array; a name holding a
+    comma, quote or line break quoted as CSV quotes it."""
     names = [name if not shape else f"{name}_{'_'.join(map(str, i))}"
              for name, shape in shapes.items() for i in np.ndindex(*shape)]
-    return (",".join(names) + "\n").encode()
+    line = io.StringIO()
+    csv.writer(line, lineterminator="\n").writerow(names)
+    return line.getvalue().encode()
 
 
 def lines(fmt, columns):
