@@ -303,3 +303,23 @@ def test_a_text_file_is_an_error_not_an_empty_batch(tmp_path):
         assert result.stderr == (f"Error: {notes}: ASE reads no structure from it as castep-md "
                                  "(not a structure file?)\n")
     assert os.listdir(tmp_path) == ["notes.md"]
+
+
+def test_a_file_another_program_writes_is_busy_not_corrupt(tmp_path):
+    from click.testing import CliRunner
+
+    from segcli.cli import main
+
+    path = tmp_path / "held.h5"
+    shutil.copy(os.path.join(os.path.dirname(__file__), "..", "sample_data", "metals.h5"), path)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, h5py; f = h5py.File(sys.argv[1], "
+                               "'r+'); print('open', flush=True); sys.stdin.read()", str(path)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "open\n"
+        result = CliRunner().invoke(main, ["info", str(path)])
+    finally:
+        holder.communicate("")
+    assert result.exit_code == 1
+    assert result.stderr == (f"Error: {path}: busy: another program has it open for writing "
+                             "(HDF5's file lock); try again once it is done\n")

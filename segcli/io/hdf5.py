@@ -54,6 +54,9 @@ def open_file(path, batch_class):
     try:
         h5 = h5py.File(path, "r", rdcc_nbytes=0)
     except OSError as err:
+        if "unable to lock file" in str(err):
+            raise DataError(f"{path}: busy: another program has it open for writing (HDF5's "
+                            "file lock); try again once it is done") from err
         raise DataError(f"{path}: truncated or corrupt HDF5 file ({err})") from err
     try:
         return batch_class(path, h5)
