@@ -106,14 +106,24 @@ def map_shards(client, function, calls, progress=None, sizes=None):
         return out
     from dask.distributed import as_completed
 
-    futures = [client.submit(function, *call, pure=False) for call in calls]
+    futures = [client.submit(_task, function, *call, pure=False) for call in calls]
     size_of = {future.key: size for future, size in zip(futures, sizes)}
     for future in as_completed(futures):
-        if future.status == "error":
-            future.result()  # raises the task's error here
+        _, error = future.result()  # a failed task raises its error here
+        if error is not None:
+            raise error
         if progress is not None:
             progress.update(size_of[future.key])
-    return client.gather(futures)
+    return [value for value, _ in client.gather(futures)]
+
+
+def _task(function, *args):
+    """(function(*args), None) on a worker, or (None, the DataError it raised): bad data is an
+    outcome that the client reports in one line, not a failure for every worker to log."""
+    try:
+        return function(*args), None
+    except DataError as error:
+        return None, error
 
 
 def stats_part(layout, names, leaves, options):

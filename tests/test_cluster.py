@@ -166,3 +166,16 @@ def test_local_gpus_starts_one_worker_per_visible_gpu(tmp_path, monkeypatch):
                      env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert nothing.returncode == 1 and nothing.stderr.count(b"\n") == 1
     assert b"no GPU is visible" in nothing.stderr
+
+
+def test_bad_data_on_a_cluster_is_one_line_without_worker_logs(tmp_path):
+    """NaN in one shard: the workers (processes of a local cluster, sharing stderr) log
+    nothing; the error is the one line a run without a cluster gives."""
+    forces = np.ones((300, 3))
+    forces[250, 0] = np.nan
+    path = write_batch(tmp_path / "nan.h5", [3] * 100, {"forces": forces})
+    done = segcli("reduce", path, "sum", "forces", "-o", tmp_path / "out.h5",
+                  "--scheduler", "local:2", text=True)
+    assert done.returncode == 1 and sorted(os.listdir(tmp_path)) == ["nan.h5"]
+    assert done.stderr == (f"Error: {path}: field 'forces' holds 1 NaN value(s), the first in "
+                           "structure 83\n")
