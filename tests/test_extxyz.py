@@ -236,8 +236,6 @@ def test_fallback_to_ase(tmp_path, name):
 
 
 @pytest.mark.parametrize("name,index,cut", [
-    ("truncated_atoms", 5, lambda lines: lines[:-5]),
-    ("truncated_comment", 6, lambda lines: lines[:-3]),
     ("bad_header", 0, lambda lines: lines[:24] + ["three\n"] + lines[25:]),
     ("bad_float", 2, lambda lines: lines[:22] + [lines[22].replace(".", "x", 1)] + lines[23:]),
     ("bad_stress", 1, lambda lines: lines[:8] + [lines[8].replace("stress=\"", "stress=\"1 ")]
@@ -250,6 +248,28 @@ def test_bad_files_give_ases_error(tmp_path, extxyz, name, index, cut):
     message = assert_same_error(path)
     assert message.startswith(f"{path}: ASE cannot read structure {index} as extxyz")
 
+
+@pytest.mark.parametrize("name, cut, message", [
+    ("truncated_atoms", lambda lines: lines[:-5], "structure 5 claims 7 atoms, but the file ends "
+                                                  "6 atom line(s) later"),
+    ("truncated_comment", lambda lines: lines[:-3], "structure 6 claims 2 atoms, but the file "
+                                                    "ends 0 atom line(s) later"),
+    ("claims_1e12_atoms", lambda lines: ["1000000000000\n", *lines[1:3]],
+     "structure 0 claims 1000000000000 atoms, but the file ends 1 atom line(s) later"),
+    ("latin_1_comment", lambda lines: [lines[0], lines[1].replace("Properties", "é Properties")],
+     "structure 0 is not UTF-8 text (byte 0xe9: invalid continuation byte)"),
+])
+def test_a_truncated_frame_or_non_utf8_text_is_one_line_at_once(tmp_path, extxyz, name, cut,
+                                                                  message):
+    """A frame whose atom lines the file does not hold is refused before ASE reads it (ASE
+    would read on through 10^12 claimed atoms); text that is not UTF-8 is named."""
+    lines = extxyz.read_text().splitlines(keepends=True)
+    path = tmp_path / f"{name}.extxyz"
+    text = "".join(cut(lines))
+    path.write_bytes(text.encode("latin-1") if "é" in text else text.encode())
+    with pytest.raises(DataError) as error:
+        batch_pieces(path)
+    assert str(error.value) == f"{path}: {message}"
 
 def test_compressed(tmp_path, extxyz):
     import gzip

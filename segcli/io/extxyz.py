@@ -13,6 +13,7 @@ from itertools import islice
 
 import numpy as np
 
+from segcli.errors import DataError
 from segcli.io.asefiles import structure_piece
 
 DEFAULT_PROPERTIES = "species:S:1:pos:R:3"  # what ASE assumes without Properties
@@ -120,6 +121,11 @@ def parse_frame(lines, n, species):
     return arrays, cell, pbc, info, results
 
 
+def _not_text(path, index, err):
+    return DataError(f"{path}: structure {index} is not UTF-8 text (byte "
+                     f"{err.object[err.start]:#04x}: {err.reason})")
+
+
 def pieces(path, start, stop):
     """Yield a piece per structure from `start` to `stop` (None: the end), as `atoms_piece`
     makes them from what ASE reads; raise Unsupported at the first structure that ASE would
@@ -128,8 +134,11 @@ def pieces(path, start, stop):
 
     species = {}
     with open_with_compression(path, "r") as f:
-        header = f.readline()
         index = 0
+        try:
+            header = f.readline()
+        except UnicodeDecodeError as err:
+            raise _not_text(path, index, err) from err
         while header.strip():  # like ASE, a blank line ends the file
             try:
                 n = int(header)
@@ -137,10 +146,17 @@ def pieces(path, start, stop):
                     return
                 lines = list(islice(f, n + 1))
                 header = f.readline()
-                if n < 1 or len(lines) <= n or header.lstrip().startswith("VEC"):
+                if len(lines) <= n:
+                    raise DataError(f"{path}: structure {index} claims {n} atoms, but the file "
+                                    f"ends {max(len(lines) - 1, 0)} atom line(s) later")
+                if n < 1 or header.lstrip().startswith("VEC"):
                     raise ValueError("a frame that ASE reads otherwise")
                 if index >= start:
                     frame = parse_frame(lines, n, species)
+            except DataError:
+                raise
+            except UnicodeDecodeError as err:
+                raise _not_text(path, index, err) from err
             except Exception as err:
                 raise Unsupported(max(index, start)) from err
             if index >= start:
