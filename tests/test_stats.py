@@ -552,3 +552,15 @@ def test_curating_a_mixed_dataset_written_by_ase(tmp_path):
     assert stats_json(out, "stress")["stats"][0]["count"] == len(bulk)
     assert_one_line_error(run("stats", path, "config_type"), 1,
                           "'config_type' holds strings, but stats needs real numbers")
+
+
+def test_a_field_of_5000_components_is_written(tmp_path):
+    """Its 5001 component names (5000 and the norm) fit the stats file's attributes."""
+    rng = np.random.default_rng(2)
+    wide = rng.normal(size=(30, 5000))
+    path = write_batch(tmp_path / "wide.h5", [3] * 10, {"w": wide})
+    result = run("stats", path, "w", "-o", tmp_path / "s.h5")
+    assert result.exit_code == 0, result.output
+    with h5py.File(tmp_path / "s.h5") as f:
+        assert len(f["stats/w"].attrs["components"]) == 5001
+        np.testing.assert_allclose(f["stats/w/mean"][0, :5000], wide.mean(axis=0), rtol=1e-12)

@@ -23,7 +23,9 @@ def write_stats(path, stats, attrs, force=False, leaves=None):
     import h5py
 
     path = os.fspath(path)
-    with new_output(path, force) as tmp, h5py.File(tmp, "w") as h5:
+    # HDF5 1.8's object headers keep attributes of any size (a field of 5000 components has
+    # 5000 component names), where the default ones stop at 64 KiB
+    with new_output(path, force) as tmp, h5py.File(tmp, "w", libver=("v108", "latest")) as h5:
         h5.attrs.update({"format": STATS_FORMAT, "version": 1, **attrs})
         for s in stats.values():
             group = h5.create_group(f"stats/{s.name}")
