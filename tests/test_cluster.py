@@ -52,11 +52,17 @@ def test_stats_on_a_cluster_equal_one_pass_and_numpy(tmp_path, dask_cluster):
     assert_rows_match(local["stats"], reference_rows("forces", data["forces"][first:]))
 
 
-@pytest.mark.parametrize("address", ["local:0", "local:x"])
-def test_bad_scheduler_is_a_usage_error(tmp_path, address):
+@pytest.mark.parametrize("address, env", [
+    ("local:0", {}), ("local:x", {}), (f"local:{4 * os.cpu_count() + 1}", {}), ("foo", {}),
+    ("tcp://", {}), ("tcp://:8786", {}), ("tcp://host:99999", {}), ("tcp://[::1", {}),
+    (None, {"DASK_SCHEDULER_ADDRESS": "garbage"})])
+def test_bad_scheduler_is_a_usage_error_before_any_connection(tmp_path, address, env):
     path = write_batch(tmp_path / "f.h5", [1], {"forces": np.ones((1, 3))})
-    result = run("stats", path, "forces", "--scheduler", address)
-    assert result.exit_code == 2 and "--scheduler" in result.output
+    args = ["stats", str(path), "forces"] + (["--scheduler", address] if address else [])
+    result = CliRunner().invoke(main, args, env=env)
+    assert result.exit_code == 2 and "Invalid value for '--scheduler'" in result.stderr
+    assert "Traceback" not in result.output
+
 
 
 def run_killing_a_worker(*args):

@@ -286,13 +286,31 @@ def _shard(ctx, param, text):
 
 
 def _scheduler(ctx, param, text):
-    """Click callback: ADDRESS, local:K (K at least 1) or local:gpus from --scheduler."""
-    if text and text.startswith("local:"):
+    """Click callback: ADDRESS ([SCHEME://]HOST:PORT), local:K (K from 1 to 4 per CPU core) or
+    local:gpus from --scheduler (or DASK_SCHEDULER_ADDRESS)."""
+    if not text:
+        return text
+    most = 4 * (os.cpu_count() or 1)
+    if text.startswith("local:"):
         count = text.split(":", 1)[1]
-        if count != "gpus" and (not count.isdigit() or int(count) < 1):
-            raise click.BadParameter(f"expected ADDRESS, local:K (K workers, K >= 1) or "
-                                     f"local:gpus, got {text!r}")
+        if count != "gpus" and not (count.isdigit() and 1 <= int(count) <= most):
+            raise click.BadParameter(f"expected ADDRESS, local:K (K workers, 1 <= K <= {most}) "
+                                     f"or local:gpus, got {text!r}")
+    elif not _scheduler_address(text):
+        raise click.BadParameter(f"expected ADDRESS ([SCHEME://]HOST:PORT, e.g. "
+                                 f"tcp://10.0.0.5:8786), local:K or local:gpus, got {text!r}")
     return text
+
+
+def _scheduler_address(text):
+    """Whether `text` can name a dask scheduler: [SCHEME://]HOST:PORT, or inproc://..."""
+    from urllib.parse import urlsplit
+
+    try:
+        url = urlsplit(text if "://" in text else f"tcp://{text}")
+        return url.scheme == "inproc" or (bool(url.hostname) and url.port is not None)
+    except ValueError:  # a port out of range, unbalanced brackets
+        return False
 
 
 def cluster_options(command):
