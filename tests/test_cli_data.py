@@ -147,7 +147,7 @@ def write_bad_file(tmp_path, kind, extxyz, batch_h5):
         path = path.with_suffix(".extxyz")
         lines = extxyz.read_text().splitlines(keepends=True)
         path.write_text("".join(lines[:-5]))
-        return path, "ASE cannot read structure 5 as extxyz"
+        return path, "structure 5 claims 7 atoms, but the file ends 6 atom line(s) later"
     path.write_bytes(batch_h5.read_bytes())
     with h5py.File(path, "a") as h5:
         n_atoms = h5["structures/n_atoms"][()]
