@@ -112,12 +112,21 @@ def where_mask(batch, conditions, chunk_atoms=1_000_000):
     return keep
 
 
-def listed_mask(lines, source, n_structures):
-    """(S,) bool: the structures listed in `lines` (bytes, one structure number per line; blank
-    lines skipped). A structure listed twice is taken once; DataError naming `source`, the
-    line number and its text for a line that is not a structure number of the file."""
+_LINE_BYTES = 1024
+"""The longest line a list of structure numbers may have (a number and spaces)."""
+
+
+def listed_mask(stream, source, n_structures):
+    """(S,) bool: the structures listed in the binary `stream` (one structure number per line;
+    blank lines skipped). A structure listed twice is taken once; DataError naming `source`,
+    the line number and its text for a line that is not a structure number of the file, or
+    that runs past _LINE_BYTES (so that /dev/zero is refused, not read without end)."""
     keep = np.zeros(n_structures, bool)
+    lines = iter(lambda: stream.readline(_LINE_BYTES + 1), b"")
     for number, line in enumerate(lines, 1):
+        if len(line) > _LINE_BYTES:
+            raise DataError(f"{source}, line {number}: longer than {_LINE_BYTES} bytes, not a "
+                            "structure number (one integer per line)")
         text = line.strip()
         if not text:
             continue

@@ -258,6 +258,10 @@ def test_usage_and_output_errors(rich, tmp_path):
     assert_error(run("select", path, "-o", tmp_path / "new.h5", "--structures-from",
                      tmp_path / "none.txt"), 1,
                  "none.txt: cannot read")
+    assert_error(run("select", path, "-o", tmp_path / "new.h5", "--structures-from",
+                     "/dev/zero"), 1,  # one endless line: refused, not read without end
+                 "/dev/zero, line 1: longer than 1024 bytes, not a structure number")
+    assert not (tmp_path / "new.h5").exists()
     select(path, out, "--where", "energy < 1", "--force")
     assert_subset(path, out, np.flatnonzero(rich[2]["energy"] < 1))
     result = run("--help")
