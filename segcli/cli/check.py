@@ -1,7 +1,6 @@
 """Command: gradcheck (values and derivatives of every op against finite differences and a
 reference)."""
 
-
 import click
 
 from segcli.cli import common
@@ -336,8 +335,7 @@ def gradcheck(ctx, file, op_names, order, structures, field, random_size, device
         described = (f"{file}: structures {source['structures'][0]}:{source['structures'][1]} "
                      f"({int(n_atoms.sum())} atoms)" if file
                      else f"random data: {random_size[0]} atoms in {random_size[1]} structures")
-        click.echo(f"{described}, order {order}, device "
-                   f"{common.device_label(target)}")
+        click.echo(f"{described}, order {order}, device {common.device_label(target)}")
         click.echo(str(summary))
         for name, reason in skipped.items():
             click.echo(f"skipped {name}: {reason}")

@@ -193,9 +193,8 @@ def fit_e0(file, energy, fixed, as_json, in_place, name, force, structures, chun
     with contextlib.ExitStack() as stack:
         batch = stack.enter_context(open_inputs(paths, name=file))
         chosen = selection(batch, file, structures)
-        passes = progress(not quiet, f"fitting E0 of {file} (2 passes)",
-                          2 * len(range(batch.n_structures)[chosen]))
-        bar = stack.enter_context(passes)
+        bar = stack.enter_context(progress(not quiet, f"fitting E0 of {file} (2 passes)",
+                                           2 * (chosen.stop - chosen.start)))
         options = {"chunk_atoms": chunk_atoms, "structures": chosen, "progress": bar}
         e0, used = solve_e0(batch, energy, fixed=fixed, **options)
         everything = {**e0, **fixed}
