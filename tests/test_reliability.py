@@ -2,6 +2,7 @@
 writers, full disks (RLIMIT_FSIZE, /dev/full), temporaries of killed runs, outputs that are
 not regular files."""
 
+import contextlib
 import hashlib
 import os
 import shlex
@@ -47,11 +48,16 @@ def litter(directory):
     return [n for n in os.listdir(directory) if n.endswith((".tmp", ".lock"))]
 
 
-def signal_while_writing(directory, process, signum):
-    """Stop the process once its temporary output exists, send it `signum`, let it go on."""
+def wait_for_temporary(directory, process):
+    """Return once the process's temporary output exists in `directory`."""
     while not [n for n in os.listdir(directory) if n.endswith(".tmp")]:
         assert process.poll() is None, process.communicate()
         time.sleep(0.001)
+
+
+def signal_while_writing(directory, process, signum):
+    """Stop the process once its temporary output exists, send it `signum`, let it go on."""
+    wait_for_temporary(directory, process)
     process.send_signal(signal.SIGSTOP)
     process.send_signal(signum)
     process.send_signal(signal.SIGCONT)
@@ -114,6 +120,57 @@ def test_concurrent_in_place_writers_all_land(tmp_path, composition_file):
             np.testing.assert_allclose(f[f"results/r{i}"][()], energies - counts @ e0,
                                        rtol=1e-9, atol=1e-8)
     assert litter(tmp_path) == []
+
+
+def holds_open(process, name):
+    """Whether `process` has a file called `name` open (read from /proc)."""
+    fds = f"/proc/{process.pid}/fd"
+    with_names = []
+    for fd in os.listdir(fds) if os.path.isdir(fds) else ():
+        with contextlib.suppress(OSError):
+            with_names.append(os.path.basename(os.readlink(os.path.join(fds, fd))))
+    return name in with_names
+
+
+def test_writers_of_one_file_take_turns_through_any_name(tmp_path, composition_file):
+    """`convert -o F --force` is stopped while it writes; `fit-e0 --in-place` through a link
+    to F starts meanwhile, and must wait for it: then both land (the in-place result is in
+    convert's new file) and the link is still a link."""
+    source, counts, energies = composition_file
+    path = write_batch(tmp_path / "data.h5", [1], {"numbers": [1]}, {"energy": [-13.0]})
+    link = tmp_path / "link.h5"
+    link.symlink_to(path.name)
+    convert = segcli("convert", source, "-o", path, "--force")
+    wait_for_temporary(tmp_path, convert)
+    convert.send_signal(signal.SIGSTOP)
+    in_place = segcli("fit-e0", link, "--in-place", "--name", "e", "--fixed", "H=-13.6")
+    while not holds_open(in_place, ".data.h5.lock") and in_place.poll() is None:
+        time.sleep(0.01)
+    time.sleep(0.5)
+    convert.send_signal(signal.SIGCONT)
+    for process in (convert, in_place):
+        code, _, err = finish(process)
+        assert code == 0, err
+    assert link.is_symlink() and os.readlink(link) == "data.h5"
+    with h5py.File(path) as f:
+        np.testing.assert_array_equal(f["structures/n_atoms"][()], counts.sum(axis=1))
+        assert len(f["results/e"]) == len(counts)
+    assert litter(tmp_path) == []
+
+
+def test_an_output_through_a_link_writes_the_file_it_points_to(tmp_path):
+    from click.testing import CliRunner
+
+    from segcli.cli import main
+
+    source = write_batch(tmp_path / "in.h5", [2], {"numbers": [1, 8]}, {"energy": [-1.0]})
+    (tmp_path / "real.h5").write_bytes(b"old")
+    link = tmp_path / "link.h5"
+    link.symlink_to("real.h5")
+    result = CliRunner().invoke(main, ["convert", str(source), "-o", str(link), "--force"])
+    assert result.exit_code == 0, result.output
+    assert link.is_symlink() and values(tmp_path / "real.h5") == values(source)
+    assert sorted(os.listdir(tmp_path)) == ["in.h5", "link.h5", "real.h5"]
 
 
 def test_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, composition_file):

@@ -89,6 +89,19 @@ def input_paths(file, in_place=False):
     return paths
 
 
+@contextlib.contextmanager
+def read_inputs(paths, file, in_place=False):
+    """The batch of `paths` (segcli.io.open_inputs, FILE named `file`); with --in-place, read
+    under the lock of the file the results go into, so that no other writer replaces it
+    between this read and that write."""
+    from segcli.io import open_inputs as open_batches
+    from segcli.io.writers import locked
+
+    with (locked(paths[0]) if in_place else contextlib.nullcontext(),
+          open_batches(paths, name=file) as batch):
+        yield batch
+
+
 def table(rows):
     """Lines of text for rows of strings: left-aligned columns two spaces apart."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]

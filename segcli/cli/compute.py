@@ -392,12 +392,10 @@ def _execute(file, ops, *, output, in_place, fmt, name, force, structures, chunk
     paths = common.input_paths(file, in_place)
     refuse_output_among_inputs(output, paths, "use --in-place to add to it")
     common.check_output_place(output)
-    from segcli.io import open_inputs
-
     names = [name] if name else ["_".join((spec.name, *fields)) for spec, fields in ops]
     plan = {"precision": precision, "order": order, "weights": weights, "direction": direction,
             "params": params}
-    with open_inputs(paths, name=file) as batch:
+    with common.read_inputs(paths, file, in_place) as batch:
         results = _plan(batch, file, ops, names, plan)
         results.check_rows(output, in_place)
         leaves, part = shard_selection(batch, file, structures, shard)

@@ -15,6 +15,7 @@ from segcli.cli.common import (
     note,
     on_cluster,
     progress,
+    read_inputs,
     refuse_output_among_inputs,
     refuse_structures_in_place,
     result_name,
@@ -181,7 +182,7 @@ def fit_e0(file, energy, fixed, as_json, in_place, name, force, structures, chun
     """
     from ase.data import chemical_symbols
 
-    from segcli.io import ResultWriter, open_inputs
+    from segcli.io import ResultWriter
     from segcli.io.text import finite_json
     from segcli.stats import residual_errors, solve_e0
 
@@ -191,7 +192,7 @@ def fit_e0(file, energy, fixed, as_json, in_place, name, force, structures, chun
     paths = input_paths(file, in_place)
     name = name or f"residual_{energy}"
     with contextlib.ExitStack() as stack:
-        batch = stack.enter_context(open_inputs(paths, name=file))
+        batch = stack.enter_context(read_inputs(paths, file, in_place))
         chosen = selection(batch, file, structures)
         bar = stack.enter_context(progress(not quiet, f"fitting E0 of {file} (2 passes)",
                                            2 * (chosen.stop - chosen.start)))

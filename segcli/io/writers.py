@@ -34,10 +34,10 @@ ROOM_MARGIN = 1 << 20
 
 
 def refuse_overwrite(path, force):
-    """DataError if `path` exists, unless `force` and it is a regular file (the only kind of
-    file an output replaces)."""
+    """DataError if `path` (or the file a symbolic link `path` points to) exists, unless
+    `force` and it is a regular file (the only kind of file an output replaces)."""
     try:
-        mode = os.lstat(path).st_mode
+        mode = os.stat(path).st_mode
     except FileNotFoundError:
         return
     if not force:
@@ -101,9 +101,21 @@ def atomic_output(target, copy_of=None, replace=True):
     when the block ends cleanly and is removed when it fails or is interrupted. With
     `replace` False, a `target` that appeared meanwhile is never replaced (DataError). A copy
     replacing its original is synced to disk first, so that even a system crash leaves one
-    of the two whole. Temporaries of killed runs are removed first."""
-    directory = os.path.dirname(os.path.abspath(target))
-    prefix = _temporary_prefix(target)
+    of the two whole. Temporaries of killed runs are removed first.
+
+    A symbolic link `target` stays one: the file it points to is written. The block holds
+    `target`'s lock (see `locked`), so that writers of one file, through whichever name,
+    take turns."""
+    with locked(target), _atomic_output(os.path.realpath(target), target, copy_of,
+                                        replace) as tmp:
+        yield tmp
+
+
+@contextmanager
+def _atomic_output(real, target, copy_of, replace):
+    """atomic_output of the file `real`, which the user calls `target`."""
+    directory = os.path.dirname(real)
+    prefix = _temporary_prefix(real)
     _sweep(directory, prefix)
     hold_signals()  # until the `try` that removes the temporary is entered
     try:
@@ -135,9 +147,9 @@ def atomic_output(target, copy_of=None, replace=True):
         if copy_of is not None:
             _fsync(tmp)
         if replace:
-            os.replace(tmp, target)
+            os.replace(tmp, real)
         else:
-            _link(tmp, target)
+            _link(tmp, real, target)
         if copy_of is not None:
             _fsync(directory)
     except BaseException:
@@ -175,10 +187,11 @@ def ensure_room(h5, data):
                         f"{int(data) + ROOM_MARGIN} needed")
 
 
-def _link(tmp, target):
-    """Give `tmp` the name `target` unless that exists (DataError), then drop the name `tmp`."""
+def _link(tmp, real, target):
+    """Give `tmp` the name `real` unless that exists (DataError naming `target`), then drop the
+    name `tmp`."""
     try:
-        os.link(tmp, target)
+        os.link(tmp, real)
     except FileExistsError:
         raise DataError(f"{target}: already exists (made while this run worked); use --force "
                         "to overwrite it") from None
@@ -194,14 +207,26 @@ def new_output(target, force=False):
         yield tmp
 
 
+_LOCKS = {}
+"""The locks this process holds: the real path of each locked file -> times entered."""
+
+
 @contextmanager
 def locked(path):
     """Hold an exclusive lock for writing the file `path` while the block runs, waiting for
-    other writers first. The lock is taken on `.NAME.lock` beside it (HDF5 takes locks of its
-    own on the file itself), which the holder removes; a waiter that then holds a removed
-    lock file locks anew."""
-    directory, name = os.path.split(os.path.abspath(path))
-    lock = os.path.join(directory, f".{name}.lock")
+    other writers first. The lock belongs to the file a symbolic link points to, and a process
+    may take it again while it holds it. It is taken on `.NAME.lock` beside that file (HDF5
+    takes locks of its own on the file itself), which the holder removes; a waiter that then
+    holds a removed lock file locks anew."""
+    real = os.path.realpath(path)
+    if real in _LOCKS:
+        _LOCKS[real] += 1
+        try:
+            yield
+        finally:
+            _LOCKS[real] -= 1
+        return
+    lock = os.path.join(os.path.dirname(real), _temporary_prefix(real) + "lock")
     while True:
         hold_signals()  # until the `try` that closes the file is entered
         try:
@@ -219,9 +244,11 @@ def locked(path):
             os.close(fd)
             raise
         os.close(fd)
+    _LOCKS[real] = 1
     try:
         yield
     finally:
+        del _LOCKS[real]
         with suppress(FileNotFoundError):
             os.unlink(lock)
         os.close(fd)
