@@ -132,6 +132,29 @@ def holds_open(process, name):
     return name in with_names
 
 
+@pytest.mark.parametrize("compression", ["gzip", "lzf"])
+def test_a_compressed_output_that_fits_is_written_and_one_that_does_not_is_refused(
+        tmp_path, compression):
+    """A structure of 250 000 atoms (6 MB of positions) under a 4 MB file-size limit: zeros
+    compress to almost nothing and are written; random numbers are refused."""
+    n = 250_000
+    for kind, positions in (("zeros", np.zeros((n, 3))),
+                            ("random", np.random.default_rng(0).normal(size=(n, 3)))):
+        source = write_batch(tmp_path / f"{kind}.h5", [n], {"positions": positions})
+        out = tmp_path / f"{kind}-{compression}.h5"
+        code, _, err = finish(segcli("convert", source, "-o", out, "--compression", compression,
+                                     "--quiet", limit=4 << 20))
+        if kind == "zeros":
+            assert code == 0, err
+            with h5py.File(out) as f:
+                assert f["atoms/positions"].compression == compression
+                np.testing.assert_array_equal(f["atoms/positions"][()], positions)
+        else:
+            assert code == 1 and len(err.splitlines()) == 1 and "File too large" in err, err
+            assert not out.exists()
+    assert litter(tmp_path) == []
+
+
 def test_writers_of_one_file_take_turns_through_any_name(tmp_path, composition_file):
     """`convert -o F --force` is stopped while it writes; `fit-e0 --in-place` through a link
     to F starts meanwhile, and must wait for it: then both land (the in-place result is in

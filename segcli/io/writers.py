@@ -456,9 +456,19 @@ class BatchWriter:
             ds.resize(rows, axis=0)
         elif ds.dtype != array.dtype:
             ds = self._promote(ds, array.dtype)
-        ensure_room(self._h5, array)
+        self._ensure_room(array)
         ds.resize(rows + len(array), axis=0)
         ds[rows:] = array
+
+    def _ensure_room(self, array):
+        """ensure_room for `array`, compressed as the file's filters will compress it (an
+        estimate, made only when `array` as it is would not fit)."""
+        try:
+            ensure_room(self._h5, array)
+        except DataError:
+            if self._filters["compression"] is None or array.dtype == STRING:
+                raise
+            ensure_room(self._h5, _compressed_size(array, self._filters["compression"]))
 
     def _create(self, group, name, dtype, trailing, rows_hint):
         import h5py
@@ -503,6 +513,23 @@ class BatchWriter:
             block[absent] = fill
             ds[row:row + len(absent)] = block
             row += len(absent)
+
+
+_COMPRESSION_ESTIMATES = {"gzip": (4, 1.1), "lzf": (1, 2.0)}
+"""Per filter: the zlib level that estimates its output's size, and a factor of safety."""
+
+
+def _compressed_size(array, compression):
+    """About the bytes `array` takes on disk with `compression` after HDF5's shuffle filter
+    (zlib's size for bytes shuffled the same way, times a factor of safety), and a page per
+    HDF5 chunk of index and headers."""
+    import zlib
+
+    level, factor = _COMPRESSION_ESTIMATES[compression]
+    data = np.ascontiguousarray(array)
+    shuffled = data.view(np.uint8).reshape(-1, data.dtype.itemsize).T
+    chunks = data.nbytes // CHUNK_BYTES + 1
+    return int(len(zlib.compress(shuffled.tobytes(), level)) * factor) + 4096 * chunks
 
 
 def convert(inputs, output, *, compression=None, chunk_atoms=100_000, fill_missing=None,
