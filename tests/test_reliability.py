@@ -184,6 +184,38 @@ def test_writers_of_one_file_take_turns_through_any_name(tmp_path, composition_f
     assert litter(tmp_path) == []
 
 
+def test_a_writer_waits_its_turn_and_if_interrupted_leaves_nothing(tmp_path):
+    """The test holds the lock of a file; an in-place run waits for it. Interrupted while it
+    waits, the run leaves the file and the lock as they were. Another run waits until the lock
+    file is removed and released, then makes its own and lands."""
+    import fcntl
+
+    path = write_batch(tmp_path / "d.h5", [1, 2], {"numbers": [1, 1, 1]}, {"energy": [-1., -2.]})
+    before = digest(path)
+    lock = tmp_path / ".d.h5.lock"
+    with open(lock, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        waiter = segcli("fit-e0", path, "--in-place", "--quiet")
+        while not holds_open(waiter, lock.name):
+            assert waiter.poll() is None, waiter.communicate()
+            time.sleep(0.01)
+        waiter.send_signal(signal.SIGTERM)
+        assert finish(waiter)[::2] == (143, "Interrupted (SIGTERM)\n")
+        assert digest(path) == before and litter(tmp_path) == [lock.name]
+        waiter = segcli("fit-e0", path, "--in-place", "--quiet")
+        while not holds_open(waiter, lock.name):
+            assert waiter.poll() is None, waiter.communicate()
+            time.sleep(0.01)
+        time.sleep(0.2)
+        assert waiter.poll() is None
+        lock.unlink()
+    code, _, err = finish(waiter)
+    assert code == 0, err
+    with h5py.File(path) as f:
+        np.testing.assert_allclose(f["results/residual_energy"][()], [0, 0], atol=1e-12)
+    assert litter(tmp_path) == []
+
+
 def test_an_output_through_a_link_writes_the_file_it_points_to(tmp_path):
     from click.testing import CliRunner
 

@@ -241,7 +241,7 @@ def locked(path):
                 if os.fstat(fd).st_ino == os.stat(lock).st_ino:
                     break
         except BaseException:
-            os.close(fd)
+            _abandon(fd, lock)
             raise
         os.close(fd)
     _LOCKS[real] = 1
@@ -252,6 +252,16 @@ def locked(path):
         with suppress(FileNotFoundError):
             os.unlink(lock)
         os.close(fd)
+
+
+def _abandon(fd, lock):
+    """Close the lock file `lock` (open as `fd`) that a waiter gives up, removing it if no
+    other run holds it (so that a waiter interrupted after making it leaves nothing)."""
+    with suppress(OSError):
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.fstat(fd).st_ino == os.stat(lock).st_ino:
+            os.unlink(lock)
+    os.close(fd)
 
 
 def _set_attrs(obj, attrs):
