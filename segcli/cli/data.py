@@ -125,7 +125,8 @@ def _names(ctx, param, text):
 @click.command()
 @click.argument("inputs", metavar="INPUT...", nargs=-1, required=True)
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
-              help="The segcli HDF5 file to write.")
+              help="The file to write: segcli HDF5 (.h5, .hdf5), or any format ASE writes, "
+                   "by its name (.extxyz, .traj, .db, ...; .gz, .bz2, .xz compress).")
 @click.option("--compression", type=click.Choice(["gzip", "lzf"]),
               help="Compress the datasets (default: none, fastest to read).")
 @click.option("--chunk-atoms", type=CHUNK_ATOMS, default=100_000, show_default=True,
@@ -140,7 +141,7 @@ def _names(ctx, param, text):
 @click.option("--force", is_flag=True, help="Overwrite OUTPUT if it exists.")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
 def convert(inputs, output, compression, chunk_atoms, fill_missing, fields, drop, force, quiet):
-    """Convert files to one segcli HDF5 file.
+    """Convert files to one segcli HDF5 file, or export to ASE formats.
 
     The INPUT files are concatenated in order. Each is any file ASE reads (extxyz, xyz, traj,
     db, cif, POSCAR, ...), a segcli HDF5 file (its stored results are not copied) or a
@@ -153,29 +154,46 @@ def convert(inputs, output, compression, chunk_atoms, fill_missing, fields, drop
     an error unless --fill-missing fills it. Memory stays bounded by --chunk-atoms however
     large the input; OUTPUT appears only when the whole conversion succeeded.
 
+    An OUTPUT named for another format (out.extxyz, out.traj, out.db) gets every structure
+    as ASE writes it: positions, numbers, cell and pbc, calculator results (energy, forces,
+    stress, ...), a boolean per-atom `fixed` as a FixAtoms constraint, other per-atom fields
+    as arrays and per-structure ones as info (key-value pairs in a database), stored results
+    included; a structure without a field is written without it.
+
     \b
     Example:
       segcli convert sample_data/metals.extxyz -o metals.h5
       segcli convert mixed.extxyz -o mixed.h5 --fill-missing nan --drop initial_magmoms
       segcli convert run1.traj run2.extxyz -o runs.h5 --compression gzip --force
+      segcli convert sample_data/metals.h5 -o metals-again.extxyz
     """
     import numpy as np
 
     from segcli.io import convert as convert_files
     from segcli.io import expand_inputs
+    from segcli.io.export import export, export_format
 
     if fields is not None and drop is not None:
         raise click.UsageError("--fields and --drop cannot be used together")
+    fmt = export_format(output)
+    if fmt is not None and (compression or fill_missing):
+        option = "--compression" if compression else "--fill-missing"
+        raise click.UsageError(f"{option} applies to a segcli HDF5 output, not to {fmt}")
     paths = expand_inputs(inputs)
     refuse_output_among_inputs(output, paths, "convert writes a new file")
     with progress(not quiet, f"converting to {output}") as bar:
-        structures, atoms, written = convert_files(
-            paths, output, compression=compression, chunk_atoms=chunk_atoms,
-            fill_missing=np.nan if fill_missing else None, fields=fields, drop=drop,
-            force=force, progress=bar)
+        if fmt is not None:
+            structures, atoms = export(paths, output, fmt, chunk_atoms=chunk_atoms,
+                                       fields=fields, drop=drop, force=force, progress=bar)
+            written = None
+        else:
+            structures, atoms, written = convert_files(
+                paths, output, compression=compression, chunk_atoms=chunk_atoms,
+                fill_missing=np.nan if fill_missing else None, fields=fields, drop=drop,
+                force=force, progress=bar)
     if not quiet:
-        note(f"{output}: {structures} structures, {atoms} atoms, fields: "
-             f"{', '.join(written) or 'none'}")
+        what = f", fields: {', '.join(written) or 'none'}" if written is not None else ""
+        note(f"{output}: {structures} structures, {atoms} atoms{what}")
 
 
 COMMANDS = [info, convert]
