@@ -179,7 +179,7 @@ def test_shards_of_several_ops_merge_to_one_run(tmp_path, random_file):
     (["rms_norm", "x", "+", "dot", "x"], "dot takes 2 field(s)"),
     (["rms_norm", "x", "+", "rms_norm", "x"], "two ops give the same result"),
     (["rms_norm", "x", "+", "count", "--name", "n"], "--name names one op's result"),
-    (["rms_norm", "x", "+", "mul", "v", "s"], "stdout rows are per structure or per atom"),
+    (["rms_norm", "x", "+", "mul", "v", "s"], "the rows of a table are per structure or per atom"),
 ])
 def test_usage_errors_of_several_ops_exit_2(random_file, words, needle):
     result = run("reduce", random_file[0], *words)

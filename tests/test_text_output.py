@@ -141,8 +141,12 @@ def test_refuses_what_it_cannot_write_exactly():
         list(text.lines("csv", {"structure": np.arange(2), "source": np.array(["a", "b"])}))
 
 
+def invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
 def run(*args):
-    result = CliRunner().invoke(main, [str(a) for a in args])
+    result = invoke(*args)
     assert result.exit_code == 0, result.output
     return result
 
@@ -219,3 +223,29 @@ def test_csv_header_quotes_names_holding_commas_quotes_or_line_breaks(tmp_path):
     rows = list(csv.reader(io.StringIO(result.stdout)))
     assert rows == [["structure", "atom", f"mul_{names[0]}_{names[1]}"], ["0", "0", "0.0"],
                     ["0", "1", "2.0"], ["1", "0", "6.0"]]
+
+
+def test_an_output_named_csv_json_or_npy_holds_what_stdout_gets(tmp_path):
+    rng = np.random.default_rng(4)
+    path = write_batch(tmp_path / "f.h5", [3, 0, 2], {"x": rng.standard_normal((5, 3))},
+                       {"s": rng.standard_normal(3)})
+    for args in (["reduce", path, "rms_norm", "x", "+", "sum", "x"],
+                 ["grad", path, "dot", "x", "x"]):
+        for suffix, fmt in ((".csv", "csv"), (".json", "json"), (".jsonl", "json"),
+                            (".NPY", "npy")):
+            out = tmp_path / f"out{suffix}"
+            run(*args, "-o", out)
+            assert out.read_bytes() == run(*args, "--format", fmt).stdout_bytes
+            out.unlink()
+    cases = [(["-o", tmp_path / "out.txt"], 2, "name a segcli HDF5 file (.h5, .hdf5) or a table"),
+             (["+", "mul", "x", "s", "-o", tmp_path / "out.csv"], 2,
+              "the rows of a table are per structure or per atom"),
+             (["-o", path.parent / "f.h5.csv", "--format", "csv"], 2, "--format is for stdout")]
+    for args, code, message in cases:
+        result = invoke("reduce", path, "sum", "x", *args)
+        assert result.exit_code == code and message in result.output, result.output
+    (tmp_path / "kept.csv").write_text("mine")
+    result = invoke("reduce", path, "sum", "x", "-o", tmp_path / "kept.csv")
+    assert result.exit_code == 1 and "already exists; use --force" in result.output
+    assert (tmp_path / "kept.csv").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.h5", "kept.csv"]

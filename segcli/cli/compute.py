@@ -3,6 +3,7 @@ and ops (the table of ops)."""
 
 import contextlib
 import itertools
+import os
 import sys
 
 import click
@@ -22,6 +23,7 @@ from segcli.cli.common import (
     structure_range,
     table,
 )
+from segcli.errors import DataError
 from segcli.registry import OPS
 
 _PARAMS = {name: [op for op in OPS.values() if name in op.params]
@@ -89,8 +91,9 @@ def _shared_options(command):
     """The options reduce and grad share (SPEC §3)."""
     options = [
         click.option("-o", "--output", type=click.Path(dir_okay=False),
-                     help="Write a new segcli HDF5 file holding /structures/n_atoms and "
-                          "/results/NAME (instead of printing to stdout)."),
+                     help="Write a new file instead of printing to stdout: segcli HDF5 "
+                          "(.h5, .hdf5) holding /structures/n_atoms and /results/NAME, or "
+                          "the table stdout would get (.csv, .json, .jsonl, .npy)."),
         click.option("--in-place", is_flag=True,
                      help="Add /results/NAME to FILE itself (a segcli HDF5 file); FILE is "
                           "replaced only once the result is complete."),
@@ -135,8 +138,10 @@ def _check_usage(ops, name, output, in_place, fmt, structures):
     if output and in_place:
         raise click.UsageError("give -o/--output or --in-place, not both")
     if fmt and (output or in_place):
-        raise click.UsageError("--format is for stdout; -o and --in-place write HDF5")
+        raise click.UsageError("--format is for stdout; -o writes the format its name says "
+                               "and --in-place HDF5")
     refuse_structures_in_place(in_place, structures)
+    _file_format(output)
     if fmt == "npy" and sys.stdout.isatty():
         raise click.UsageError("--format npy writes binary data; redirect stdout to a file")
 
@@ -172,9 +177,51 @@ class _Results:
         per = {d: o[0] for d, o in self.outputs.items()}
         if not (output or in_place) and len(set(per.values())) > 1:
             raise click.UsageError(
-                "stdout rows are per structure or per atom, and these results are both ("
-                + ", ".join(f"{d}: per {p}" for d, p in per.items())
-                + "); write them with -o or --in-place, or run the ops separately")
+                "the rows of a table are per structure or per atom, and these results are "
+                "both (" + ", ".join(f"{d}: per {p}" for d, p in per.items())
+                + "); write them to HDF5 (-o OUT.h5 or --in-place), or run the ops separately")
+
+
+_TEXT_SUFFIXES = {".csv": "csv", ".json": "json", ".jsonl": "json", ".npy": "npy"}
+
+
+def _file_format(output):
+    """The format of the file -o names: "csv", "json" or "npy" by its suffix, or None for
+    HDF5 (.h5, .hdf5, no suffix); UsageError for another suffix."""
+    suffix = os.path.splitext(os.path.basename(output))[1].lower() if output else ""
+    if suffix in ("", ".h5", ".hdf5"):
+        return None
+    if suffix not in _TEXT_SUFFIXES:
+        raise click.UsageError(f"-o {output}: name a segcli HDF5 file (.h5, .hdf5) or a "
+                               "table (.csv, .json, .jsonl, .npy)")
+    return _TEXT_SUFFIXES[suffix]
+
+
+class _IntoFile:
+    """A _TextSink or _NpySink that writes the new file `path` (see new_output): it appears
+    only when complete."""
+
+    def __init__(self, sink, path, force):
+        self._sink, self._path, self._force = sink, path, force
+
+    def __enter__(self):
+        from segcli.io.writers import new_output
+
+        with contextlib.ExitStack() as stack:
+            tmp = stack.enter_context(new_output(self._path, self._force))
+            self._sink.out = stack.enter_context(open(tmp, "wb"))
+            stack.enter_context(self._sink)
+            self._stack = stack.pop_all()
+        return self
+
+    def __exit__(self, *exc):
+        return self._stack.__exit__(*exc)
+
+    def write(self, chunk, arrays):
+        try:
+            self._sink.write(chunk, arrays)
+        except OSError as err:
+            raise DataError(f"{self._path}: {err.strerror}") from err
 
 
 class _Hdf5Sink:
@@ -224,17 +271,17 @@ class _TextSink:
                 + (["atom"] if self._per == "atom" else []))
         self._shapes = {**dict.fromkeys(keys, ()),
                         **{columns[label]: shape for label, (_, shape, _) in outputs.items()}}
-        self._out = sys.stdout.buffer
+        self.out = sys.stdout.buffer
 
     def __enter__(self):
         from segcli.io import text
 
         if self._fmt == "csv":
-            self._out.write(text.header(self._shapes))
+            self.out.write(text.header(self._shapes))
         return self
 
     def __exit__(self, *exc):
-        self._out.flush()
+        self.out.flush()
 
     def write(self, chunk, arrays):
         import numpy as np
@@ -250,7 +297,7 @@ class _TextSink:
             index = {key: np.repeat(i, chunk.n_atoms) for key, i in index.items()}
             index["atom"] = np.arange(len(first)) - first
         values = {self._columns[label]: array for label, array in arrays.items()}
-        self._out.writelines(text.lines(self._fmt, {**index, **values}))
+        self.out.writelines(text.lines(self._fmt, {**index, **values}))
 
 
 class _NpySink:
@@ -270,30 +317,30 @@ class _NpySink:
                                     for label, (_, shape, dtype) in outputs.items()])
             self._shape = (rows,)
         self._columns = columns
-        self._out = sys.stdout.buffer
+        self.out = sys.stdout.buffer
 
     def __enter__(self):
         import numpy as np
 
         header = {"descr": np.lib.format.dtype_to_descr(self._dtype), "fortran_order": False,
                   "shape": self._shape}
-        np.lib.format.write_array_header_2_0(self._out, header)
+        np.lib.format.write_array_header_2_0(self.out, header)
         return self
 
     def __exit__(self, *exc):
-        self._out.flush()
+        self.out.flush()
 
     def write(self, chunk, arrays):
         import numpy as np
 
         if len(arrays) == 1:
             (array,), = [arrays.values()]
-            self._out.write(np.ascontiguousarray(array, self._dtype))
+            self.out.write(np.ascontiguousarray(array, self._dtype))
             return
         out = np.empty(len(next(iter(arrays.values()))), self._dtype)
         for label, array in arrays.items():
             out[self._columns[label]] = array
-        self._out.write(out)
+        self.out.write(out)
 
 
 def _sink(results, batch, lo, hi, *, output, in_place, file, fmt, force, attrs):
@@ -302,15 +349,18 @@ def _sink(results, batch, lo, hi, *, output, in_place, file, fmt, force, attrs):
     from segcli.io import ResultWriter
 
     n_atoms = batch.n_atoms[lo:hi]
-    if output or in_place:
+    fmt = fmt or _file_format(output)
+    if (output and not fmt) or in_place:
         writer = (ResultWriter(output_path=output, force=force) if output
                   else ResultWriter(in_place_of=file, force=force, names=results.datasets))
         sources = (batch.sources, *batch.source_of(slice(lo, hi))) if output else None
         return _Hdf5Sink(writer, results.outputs, n_atoms, results.attrs(attrs), sources)
     if fmt == "npy":
-        return _NpySink(results.outputs, results.columns, n_atoms)
-    return _TextSink(fmt or "csv", results.outputs, results.columns,
-                     batch.source_of if len(batch.sources) > 1 else None)
+        sink = _NpySink(results.outputs, results.columns, n_atoms)
+    else:
+        sink = _TextSink(fmt or "csv", results.outputs, results.columns,
+                         batch.source_of if len(batch.sources) > 1 else None)
+    return _IntoFile(sink, output, force) if output else sink
 
 
 def _dataset(name, label):
@@ -362,8 +412,6 @@ def _singular_matrices(batch, file, ops, lo, hi, strict, quiet):
     [lo, hi): a structure without a cell, say, whose matvec gives 0."""
     import numpy as np
 
-    from segcli.errors import DataError
-
     for spec, fields in ops:
         for arg, name in zip(spec.inputs, fields):
             if not arg.invertible:
@@ -397,7 +445,7 @@ def _execute(file, ops, *, output, in_place, fmt, name, force, structures, chunk
             "params": params}
     with common.read_inputs(paths, file, in_place) as batch:
         results = _plan(batch, file, ops, names, plan)
-        results.check_rows(output, in_place)
+        results.check_rows(output and not _file_format(output), in_place)
         leaves, part = shard_selection(batch, file, structures, shard)
         lo, hi = int(leaves[0]), int(leaves[-1])
         _singular_matrices(batch, file, ops, lo, hi, strict, quiet)
@@ -419,7 +467,8 @@ def _execute(file, ops, *, output, in_place, fmt, name, force, structures, chunk
             with progress(not quiet, f"{verb} {file}", len(n_atoms)) as bar:
                 _compute_into(batch, results, sink, target, lo, hi, chunk_atoms, bar)
     if not quiet and (output or in_place):
-        written = ", ".join(f"/results/{d}" for d in results.datasets)
+        written = (", ".join(results.columns.values()) if _file_format(output)
+                   else ", ".join(f"/results/{d}" for d in results.datasets))
         note(f"{output or file}: {written} ({len(n_atoms)} structures, "
              f"{int(n_atoms.sum())} atoms)")
 
