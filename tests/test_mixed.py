@@ -377,10 +377,13 @@ def test_results_are_fields(batch_h5):
     assert np.array_equal(got["grad/d_forces"], values["grad/d_forces"])
     assert np.array_equal(got["per_structure"], values["per_structure"])
     assert np.array_equal(got["energy"], energy) and not (energy == 7).all()
-    out = batch_h5.with_name("copy.h5")  # convert does not copy results
+    out = batch_h5.with_name("copy.h5")  # convert copies results as results
     convert([batch_h5], out)
-    with h5py.File(out) as h5:
-        assert "results" not in h5
+    with h5py.File(out) as h5, h5py.File(batch_h5) as original:
+        for name in ("per_structure", "grad/d_forces"):
+            np.testing.assert_array_equal(h5[f"results/{name}"][()], values[name])
+            assert dict(h5[f"results/{name}"].attrs) == dict(original[f"results/{name}"].attrs)
+        assert "untyped" not in h5["results"] and "energy" not in h5["results"]
     text = run("info", batch_h5).stdout
     fields = text.split("fields:\n")[1].split("results:")[0]
     rows = {line.split()[0]: line.split()[1:] for line in fields.splitlines()}

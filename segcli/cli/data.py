@@ -122,6 +122,25 @@ def _names(ctx, param, text):
     return names
 
 
+CASTS = ("float64", "float32", "int64", "int32", "int16", "int8", "uint8", "bool", "str")
+"""The dtypes --cast takes."""
+
+
+def _pairs(ctx, param, texts):
+    """Click callback: {A: B} from repeated "A=B" (a name given twice is a usage error)."""
+    pairs = {}
+    for text in texts:
+        key, sep, value = text.partition("=")
+        if not (sep and key and value):
+            raise click.BadParameter(f"expected {param.metavar}, got {text!r}")
+        if key in pairs:
+            raise click.BadParameter(f"{key} is given twice")
+        if param.name == "casts" and value not in CASTS:
+            raise click.BadParameter(f"{value!r} is not one of {', '.join(CASTS)}")
+        pairs[key] = value
+    return pairs
+
+
 @click.command()
 @click.argument("inputs", metavar="INPUT...", nargs=-1, required=True)
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
@@ -138,18 +157,25 @@ def _names(ctx, param, text):
 @click.option("--fields", callback=_names, metavar="A,B,...",
               help="Keep only these fields (and n_atoms).")
 @click.option("--drop", callback=_names, metavar="A,B,...", help="Leave these fields out.")
+@click.option("--rename", "renames", multiple=True, callback=_pairs, metavar="OLD=NEW",
+              help="Write field OLD (as read) as NEW. Repeatable.")
+@click.option("--cast", "casts", multiple=True, callback=_pairs, metavar="NAME=DTYPE",
+              help=f"Write field NAME (as renamed) as DTYPE, one of {', '.join(CASTS)}; a value "
+                   "that would change (1.5 as int64, text that is no number) is an error. "
+                   "Repeatable.")
 @click.option("--force", is_flag=True, help="Overwrite OUTPUT if it exists.")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
-def convert(inputs, output, compression, chunk_atoms, fill_missing, fields, drop, force, quiet):
+def convert(inputs, output, compression, chunk_atoms, fill_missing, fields, drop, renames, casts,
+            force, quiet):
     """Convert files to one segcli HDF5 file, or export to ASE formats.
 
     The INPUT files are concatenated in order. Each is any file ASE reads (extxyz, xyz, traj,
-    db, cif, POSCAR, ...), a segcli HDF5 file (its stored results are not copied) or a
+    db, cif, POSCAR, ...), a segcli HDF5 file or a
     conformer-layout HDF5 file; an INPUT may also be many files (a directory, a quoted glob
     pattern or @LIST, see `segcli info --help`). Every per-atom array, cell, pbc, numeric
-    or string info entry (an ASE database's id, unique_id and key-value pairs) and
-    calculator result (energy, forces, stress, ...) is kept, under ASE's names, unless
-    --fields or --drop say otherwise.
+    or string info entry (an ASE database's id, unique_id and key-value pairs), calculator
+    result (energy, forces, stress, ...) and stored result (/results/NAME, as a field) is
+    kept, under its own name, unless --fields, --drop or --rename say otherwise.
     A field that only some structures have (a molecule has no stress, a bulk cell no tags) is
     an error unless --fill-missing fills it. Memory stays bounded by --chunk-atoms however
     large the input; OUTPUT appears only when the whole conversion succeeded.
@@ -165,6 +191,7 @@ def convert(inputs, output, compression, chunk_atoms, fill_missing, fields, drop
       segcli convert sample_data/metals.extxyz -o metals.h5
       segcli convert mixed.extxyz -o mixed.h5 --fill-missing nan --drop initial_magmoms
       segcli convert run1.traj run2.extxyz -o runs.h5 --compression gzip --force
+      segcli convert surf.traj bulk.extxyz -o all.h5 --cast miller=str --rename energies=e
       segcli convert sample_data/metals.h5 -o metals-again.extxyz
     """
     import numpy as np
@@ -181,16 +208,17 @@ def convert(inputs, output, compression, chunk_atoms, fill_missing, fields, drop
         raise click.UsageError(f"{option} applies to a segcli HDF5 output, not to {fmt}")
     paths = expand_inputs(inputs)
     refuse_output_among_inputs(output, paths, "convert writes a new file")
+    choice = {"fields": fields, "drop": drop, "rename": renames, "cast": casts}
     with progress(not quiet, f"converting to {output}") as bar:
         if fmt is not None:
-            structures, atoms = export(paths, output, fmt, chunk_atoms=chunk_atoms,
-                                       fields=fields, drop=drop, force=force, progress=bar)
+            structures, atoms = export(paths, output, fmt, chunk_atoms=chunk_atoms, force=force,
+                                       progress=bar, **choice)
             written = None
         else:
             structures, atoms, written = convert_files(
                 paths, output, compression=compression, chunk_atoms=chunk_atoms,
-                fill_missing=np.nan if fill_missing else None, fields=fields, drop=drop,
-                force=force, progress=bar)
+                fill_missing=np.nan if fill_missing else None, force=force, progress=bar,
+                **choice)
     if not quiet:
         what = f", fields: {', '.join(written) or 'none'}" if written is not None else ""
         note(f"{output}: {structures} structures, {atoms} atoms{what}")

@@ -440,11 +440,22 @@ class Batch:
             yield Chunk(chunk.start, chunk.n_atoms, out["atom"], out["structure"], present)
 
     def stream(self, chunk_atoms, keep=None):
-        """Groups of pieces, each group one chunk, with every stored field (for which
-        `keep(name)`, if given, is true) that each structure has; one pass over the file, even
-        for ASE files (used by convert). Results are not part of it."""
+        """Groups of pieces, each group one chunk, with every stored field and streamed result
+        (for which `keep(name)`, if given, is true) that each structure has; one pass over the
+        file, even for ASE files (used by convert)."""
         names = None if keep is None else [n for n in self._stored if keep(n)]
+        results = [n for n in self.streamed_results if keep is None or keep(n)]
+        if results:
+            names = (list(self._stored) if names is None else names) + results
         return rechunk(self._pieces(0, None, names, chunk_atoms), chunk_atoms)
+
+    @property
+    def streamed_results(self):
+        """name -> attrs of the stored results that `stream` reads: those not named as a
+        stored field."""
+        if not self._result_fields:  # no pass over a file without results
+            return {}
+        return {n: self.results[n] for n in self._result_fields if n not in self._stored}
 
 
 class EmptyBatch(Batch):

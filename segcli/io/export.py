@@ -7,7 +7,7 @@ from contextlib import ExitStack
 import numpy as np
 
 from segcli.errors import DataError
-from segcli.io.writers import new_output
+from segcli.io.writers import FieldChoice, new_output
 
 HDF5_SUFFIXES = (".h5", ".hdf5")
 _COMPRESSED = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma"}
@@ -36,17 +36,8 @@ def export_format(path):
     return fmt
 
 
-def exported_fields(batch, fields=None, drop=None):
-    """The fields of `batch` that an export writes: its stored fields and results (not the
-    derived ones), those of `fields` only, or without those of `drop`."""
-    names = [n for n in batch.fields if n not in batch.derived]
-    if fields is not None:
-        return [n for n in names if n in fields]
-    return [n for n in names if n not in (drop or ())]
-
-
-def export(inputs, output, fmt, *, chunk_atoms=100_000, fields=None, drop=None, force=False,
-           progress=None):
+def export(inputs, output, fmt, *, chunk_atoms=100_000, fields=None, drop=None, rename=None,
+           cast=None, force=False, progress=None):
     """Write the structures of `inputs` (files open_batch reads), in order, to the new file
     `output` in ASE's format `fmt` (see export_format), compressed as its name says (.gz,
     .bz2, .xz), streaming `chunk_atoms` atoms at a time: per structure, positions, numbers,
@@ -54,20 +45,22 @@ def export(inputs, output, fmt, *, chunk_atoms=100_000, fields=None, drop=None, 
     SinglePointCalculator's, a per-atom bool field `fixed` as a FixAtoms constraint, the
     other per-atom fields as arrays and per-structure ones as info (or, in a database, as
     key-value pairs where ASE allows, else data); a structure without a field leaves it out.
-    `fields`/`drop` choose fields as convert's do. Returns (structures, atoms) written."""
+    `fields`, `drop`, `rename` and `cast` choose, rename and cast fields as convert's do.
+    Returns (structures, atoms) written."""
     from ase.io import write
     from ase.io.formats import ioformats
 
     from segcli.io import open_batch
 
     output = os.fspath(output)
+    choice = FieldChoice(fields, drop, rename, cast)
     counts = [0, 0]
     with ExitStack() as stack:
         batches = [stack.enter_context(open_batch(path)) for path in inputs]
         tmp = stack.enter_context(new_output(output, force))
         if progress is not None and None not in (b.counted for b in batches):
             progress.reset(sum(b.counted for b in batches))
-        images = _images(batches, fields, drop, chunk_atoms, counts, progress)
+        images = _images(batches, choice, chunk_atoms, counts, progress)
         if fmt in _DATABASES:
             _write_database(tmp, fmt, images)
         elif ioformats[fmt].single:
@@ -75,6 +68,7 @@ def export(inputs, output, fmt, *, chunk_atoms=100_000, fields=None, drop=None, 
         else:
             with _open(tmp, output, ioformats[fmt].isbinary) as fd:
                 write(fd, images, format=fmt)
+        choice.check(inputs)
     return tuple(counts)
 
 
@@ -115,64 +109,55 @@ def _write_database(tmp, fmt, images):
             db.write(atoms, key_value_pairs=pairs, data=data)
 
 
-def _images(batches, fields, drop, chunk_atoms, counts, progress):
+def _images(batches, choice, chunk_atoms, counts, progress):
     """Each structure of the batches as an ase.Atoms, counted into `counts` (structures,
     atoms) and `progress`."""
     for batch in batches:
-        names = set(exported_fields(batch, fields, drop))
-        per = {name: info.per for name, info in batch.fields.items()}
-        stored = _each_structure(batch.stream(chunk_atoms, names.__contains__))
-        results = sorted(names & batch.result_fields)
-        if results:
-            chunks = batch.iter_chunks(results, chunk_atoms=chunk_atoms)
-            stored = (({**values, **more}, n) for (values, n), (more, _) in
-                      zip(stored, _each_structure([chunk] for chunk in chunks)))
-        for values, n in stored:
-            yield _atoms(values, per, n)
-            counts[0] += 1
-            counts[1] += n
-            if progress is not None:
-                progress.update(1)
+        for group in batch.stream(chunk_atoms, choice.keep):
+            for atoms, structure, n in _each_structure(choice.apply(batch.path, group)):
+                yield _atoms(atoms, structure, n)
+                counts[0] += 1
+                counts[1] += n
+                if progress is not None:
+                    progress.update(1)
 
 
-def _each_structure(groups):
-    """(values, n_atoms) of each structure of groups of Chunks: values maps each field that
-    the structure has to its rows (per atom) or its value (per structure)."""
-    for group in groups:
-        for chunk in group:
-            ends = np.cumsum(chunk.n_atoms)
-            for s, (n, end) in enumerate(zip(chunk.n_atoms.tolist(), ends.tolist())):
-                values = {name: rows[end - n:end] for name, rows in chunk.atoms.items()}
-                values.update((name, rows[s]) for name, rows in chunk.structures.items())
-                yield ({k: v for k, v in values.items()
-                        if k not in chunk.present or chunk.present[k][s]}, n)
+def _each_structure(chunks):
+    """(per-atom values, per-structure values, n_atoms) of each structure of the Chunks, with
+    the fields that the structure has (name -> its rows, or its value)."""
+    for chunk in chunks:
+        ends = np.cumsum(chunk.n_atoms)
+        for s, (n, end) in enumerate(zip(chunk.n_atoms.tolist(), ends.tolist())):
+            absent = {k for k, mask in chunk.present.items() if not mask[s]}
+            yield ({k: v[end - n:end] for k, v in chunk.atoms.items() if k not in absent},
+                   {k: v[s] for k, v in chunk.structures.items() if k not in absent}, n)
 
 
-def _atoms(values, per, n):
+def _atoms(per_atom, per_structure, n):
     """An ase.Atoms of n atoms from one structure's field values (name -> array)."""
     from ase import Atoms
     from ase.calculators.singlepoint import SinglePointCalculator
     from ase.constraints import FixAtoms
     from ase.outputs import all_outputs
 
-    atoms = Atoms(numbers=values.pop("numbers", np.zeros(n, int)),
-                  positions=values.pop("positions", None), cell=values.pop("cell", None),
-                  pbc=values.pop("pbc", None))
-    fixed = values.pop("fixed", None)
-    if fixed is not None and fixed.dtype == bool:
+    per_atom, per_structure = dict(per_atom), dict(per_structure)
+    atoms = Atoms(numbers=per_atom.pop("numbers", np.zeros(n, int)),
+                  positions=per_atom.pop("positions", None),
+                  cell=per_structure.pop("cell", None), pbc=per_structure.pop("pbc", None))
+    if per_atom.get("fixed", np.zeros(0)).dtype == bool:
+        fixed = per_atom.pop("fixed")
         if fixed.any():
             atoms.set_constraint(FixAtoms(mask=fixed))
-    elif fixed is not None:
-        values["fixed"] = fixed
     results = {}
-    for name, value in values.items():
-        prop = all_outputs.get(name)
-        if prop is not None and (prop.shapespec[:1] == ("natoms",)) == (per[name] == "atom"):
-            results[name] = value
-        elif per[name] == "atom":
-            atoms.set_array(name, value)
-        else:
-            atoms.info[name] = value if isinstance(value, str) else value[()]
+    for per, values in (("atom", per_atom), ("structure", per_structure)):
+        for name, value in values.items():
+            prop = all_outputs.get(name)
+            if prop is not None and (prop.shapespec[:1] == ("natoms",)) == (per == "atom"):
+                results[name] = value
+            elif per == "atom":
+                atoms.set_array(name, value)
+            else:
+                atoms.info[name] = value if isinstance(value, str) else value[()]
     if results:
         atoms.calc = SinglePointCalculator(atoms, **results)
     return atoms

@@ -11,6 +11,7 @@ import stat
 import tempfile
 from contextlib import ExitStack, contextmanager, suppress
 from datetime import datetime, timezone
+from types import MappingProxyType
 
 import numpy as np
 
@@ -391,7 +392,8 @@ class BatchWriter:
 
     With `fill` (NaN), a field that some structures lack is filled there (see `fill_value`, also
     stored as the dataset's attribute `fill_value`), and /present/<name> records which
-    structures have it."""
+    structures have it. Results (see `append`) go to /results/<name>, which every structure
+    must have."""
 
     def __init__(self, h5, compression=None, fill=None):
         _set_attrs(h5, {"format": FORMAT, "version": VERSION})
@@ -404,15 +406,24 @@ class BatchWriter:
         self.n_structures = 0
         self.n_atoms = 0
         self._first_path = None
+        self._results = {}
 
-    def append(self, path, pieces):
-        """Append consecutive structures of `path` (the pieces of one chunk)."""
+    def append(self, path, pieces, results=MappingProxyType({})):
+        """Append consecutive structures of `path` (the pieces of one chunk); `results` maps
+        the names of the pieces' fields that are results in `path` to their attributes."""
         self._first_path = self._first_path or path
+        for name, attrs in results.items():
+            self._results.setdefault(name, {k: v for k, v in attrs.items() if k != "structures"})
         first_seen = {}
         for p in pieces:
             for per, data in (("atom", p.atoms), ("structure", p.structures)):
                 for name in data:
                     first_seen.setdefault(name, (per, p))
+        for name, (_, p) in first_seen.items():
+            if "/" in name and name not in self.schema and name not in self._results:
+                raise DataError(f"{path}: field '{name}' holds '/', which HDF5 reads as a group "
+                                f"(structure {p.start}); give it another name: --rename "
+                                f"{name}=NEW")
         late = [name for name in first_seen if name not in self.schema and self.n_structures]
         for name in late:
             check_fill(self._first_path, 0, name, self._fill)
@@ -425,7 +436,7 @@ class BatchWriter:
             array = (chunk.atoms if info.per == "atom" else chunk.structures)[name]
             self.schema.add(path, info._replace(dtype=array.dtype), chunk.start)
             rows = self.n_atoms if info.per == "atom" else self.n_structures
-            self._extend("atoms" if info.per == "atom" else "structures", name, rows, array)
+            self._extend(self._group(name), name, rows, array)
             self._mark(name, chunk.present.get(name), name in late)
         self.n_structures += len(chunk.n_atoms)
         self.n_atoms += int(chunk.n_atoms.sum())
@@ -440,8 +451,13 @@ class BatchWriter:
         that records which structures have its fields was filled with)."""
         return fill_value(dtype, np.nan if self._fill is None else self._fill)
 
+    def _group(self, name):
+        if name in self._results:
+            return "results"
+        return "atoms" if self.schema[name].per == "atom" else "structures"
+
     def _dataset(self, name):
-        return self._h5["atoms" if self.schema[name].per == "atom" else "structures"][name]
+        return self._h5[self._group(name)][name]
 
     def _mark(self, name, mask, late):
         """Record which structures of the chunk just written have field `name` (mask None:
@@ -452,6 +468,9 @@ class BatchWriter:
         if present is None:
             if mask is None and not late:
                 return
+            if name in self._results:
+                raise DataError(f"{self._first_path}: result '{name}' is not in every input; "
+                                f"leave it out (--drop {name})")
             present = self._h5.require_group("present").create_dataset(
                 name, shape=(self.n_structures,), maxshape=(None,), dtype=bool,
                 chunks=(int(np.clip(rows, 1, CHUNK_BYTES)),), fillvalue=not late, **self._filters)
@@ -460,10 +479,12 @@ class BatchWriter:
         present[self.n_structures:rows] = True if mask is None else mask
 
     def _extend(self, group, name, rows, array):
-        ds = self._h5[group].get(name)
+        ds = self._h5.require_group(group).get(name)
         if ds is None:
             ds = self._create(group, name, array.dtype, array.shape[1:], len(array))
             ds.resize(rows, axis=0)
+            if name in self._results:
+                _set_attrs(ds, {**self._results[name], "per": self.schema[name].per})
         elif ds.dtype != array.dtype:
             ds = self._promote(ds, array.dtype)
         self._ensure_room(array)
@@ -497,6 +518,7 @@ class BatchWriter:
         filled rows holding the new dtype's fill."""
         group, name = ds.parent, ds.name.rsplit("/", 1)[1]
         new = self._create(group.name, f"{name}.promoted", dtype, ds.shape[1:], ds.chunks[0])
+        _set_attrs(new, dict(ds.attrs))
         ensure_room(self._h5, ds.size * np.dtype(dtype).itemsize)
         new.resize(len(ds), axis=0)
         step = ds.chunks[0] * 64
@@ -542,16 +564,102 @@ def _compressed_size(array, compression):
     return int(len(zlib.compress(shuffled.tobytes(), level)) * factor) + 4096 * chunks
 
 
+def _cast(path, index, name, array, dtype):
+    """`array` (field `name` of the piece from structure `index`) as `dtype` (a NumPy dtype's
+    name, or "str" for strings), or DataError where a value would change (a fraction cast to
+    an integer, an overflow, text that is no number)."""
+    if dtype == "str":
+        if array.dtype == STRING:
+            return array
+        if array.ndim != 1:
+            raise DataError(f"{path}: field '{name}' has shape {array.shape[1:]}; only one "
+                            "value per row can be cast to str")
+        return np.array([str(v) for v in array.tolist()], STRING)
+    try:
+        cast = np.asarray(array.tolist() if array.dtype == STRING else array).astype(dtype)
+        same = array.dtype == STRING or np.array_equal(cast, array, equal_nan=True)
+    except (ValueError, TypeError, OverflowError):
+        same = False
+    if not same:
+        raise DataError(f"{path}: field '{name}' of structures from {index} cannot be cast to "
+                        f"{dtype} without changing its values")
+    return cast
+
+
+class FieldChoice:
+    """The fields a conversion writes, and their names: `fields` keeps only those, `drop`
+    leaves those out (names as read, results included); `rename` maps old names to new,
+    `cast` names (as renamed) to dtypes (see _cast)."""
+
+    def __init__(self, fields=None, drop=None, rename=None, cast=None):
+        if fields is not None and drop is not None:
+            raise ValueError("give at most one of fields and drop")
+        if drop is not None and "n_atoms" in drop:
+            raise ValueError("n_atoms is always kept")
+        self._fields, self._drop = fields, drop
+        self._rename, self._cast = dict(rename or {}), dict(cast or {})
+        self._seen = set()
+
+    @property
+    def keep(self):
+        """The `keep` of Batch.stream: None for every field."""
+        return None if self._fields is None and self._drop is None else self._keeps
+
+    def _keeps(self, name):
+        self._seen.add(name)
+        return name in self._fields if self._fields is not None else name not in self._drop
+
+    def apply(self, path, pieces):
+        """The pieces (of the file `path`) with their fields renamed and cast."""
+        for piece in pieces:
+            self._seen.update(piece.atoms, piece.structures)
+        if not (self._rename or self._cast):
+            return pieces
+        return [self._renamed(path, p) for p in pieces]
+
+    def _renamed(self, path, piece):
+        rename, out = self._rename, []
+        for data in (piece.atoms, piece.structures):
+            names = [rename.get(k, k) for k in data]
+            if len(set(names)) < len(names):
+                new = next(n for n in names if names.count(n) > 1)
+                old = next(o for o, n in rename.items() if n == new)
+                raise DataError(f"{path}: --rename {old}={new}: structure {piece.start} has a "
+                                f"field '{new}' already")
+            out.append({n: _cast(path, piece.start, n, v, self._cast[n]) if n in self._cast
+                        else v for n, v in zip(names, data.values())})
+        present = {rename.get(k, k): v for k, v in piece.present.items()}
+        return piece._replace(atoms=out[0], structures=out[1], present=present)
+
+    def renamed(self, attrs):
+        """`attrs` (name -> attributes) with the names renamed."""
+        return {self._rename.get(n, n): a for n, a in attrs.items()}
+
+    def check(self, inputs):
+        """DataError for the first name an option gives that no input has."""
+        renamed = {self._rename.get(n, n) for n in self._seen}
+        options = [("--fields", self._fields, self._seen), ("--drop", self._drop, self._seen),
+                   ("--rename", self._rename, self._seen), ("--cast", self._cast, renamed)]
+        for option, names, known in options:
+            unknown = sorted(set(names or ()) - known - {"n_atoms"})
+            if unknown:
+                raise DataError(f"{', '.join(map(os.fspath, inputs))}: no field "
+                                f"'{unknown[0]}' ({option}); the fields are: "
+                                f"{', '.join(sorted(known)) or '(none)'}")
+
+
 def convert(inputs, output, *, compression=None, chunk_atoms=100_000, fill_missing=None,
-            fields=None, drop=None, force=False, progress=None):
+            fields=None, drop=None, rename=None, cast=None, force=False, progress=None):
     """Write the structures of `inputs` (any files open_batch reads), concatenated in order,
     to a new segcli HDF5 file `output`, streaming `chunk_atoms` atoms at a time.
 
     `fill_missing` (NaN) fills fields that some structures lack (floats with NaN, integers and
     booleans with 0, strings with ""; /present/<name> says which structures have them);
     without it they raise DataError. `fields` (names) keeps only those fields, `drop` (names)
-    leaves those out; a name that no input has raises DataError. `progress.update(n)` is called
-    with the structures of each chunk written (see segcli.cli.common.progress), after
+    leaves those out; `rename` (old name -> new) renames fields, `cast` (name, as renamed ->
+    a NumPy dtype's name or "str") converts them; a name that no input has raises DataError.
+    Stored results (/results/NAME) are written as fields. `progress.update(n)` is called with
+    the structures of each chunk written (see segcli.cli.common.progress), after
     `progress.reset(total)` where the inputs' sizes are known without reading them through.
     Returns (structures, atoms, fields) written.
     """
@@ -559,17 +667,7 @@ def convert(inputs, output, *, compression=None, chunk_atoms=100_000, fill_missi
 
     from segcli.io import open_batch
 
-    if fields is not None and drop is not None:
-        raise ValueError("give at most one of fields and drop")
-    if drop is not None and "n_atoms" in drop:
-        raise ValueError("n_atoms is always kept")
-    named = set(fields if fields is not None else drop or ()) - {"n_atoms"}
-    seen = set()
-
-    def keep(name):
-        seen.add(name)
-        return name in fields if fields is not None else name not in (drop or ())
-
+    choice = FieldChoice(fields, drop, rename, cast)
     output = os.fspath(output)
     refuse_overwrite(output, force)
     with ExitStack() as stack:
@@ -581,14 +679,11 @@ def convert(inputs, output, *, compression=None, chunk_atoms=100_000, fill_missi
         if progress is not None and None not in counts:
             progress.reset(sum(counts))
         for batch in batches:
-            for pieces in batch.stream(chunk_atoms, keep if named or fields is not None else None):
-                writer.append(batch.path, pieces)
+            results = choice.renamed(batch.streamed_results)
+            for pieces in batch.stream(chunk_atoms, choice.keep):
+                writer.append(batch.path, choice.apply(batch.path, pieces), results)
                 if progress is not None:
                     progress.update(sum(len(p.n_atoms) for p in pieces))
-        unknown = sorted(named - seen)
-        if unknown:
-            option = "--fields" if fields is not None else "--drop"
-            raise DataError(f"{', '.join(map(os.fspath, inputs))}: no field '{unknown[0]}' "
-                            f"({option}); the fields are: {', '.join(sorted(seen)) or '(none)'}")
+        choice.check(inputs)
         writer.finish()
     return writer.n_structures, writer.n_atoms, dict(writer.schema)
