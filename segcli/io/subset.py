@@ -82,39 +82,61 @@ def _take(piece, mask):
 
 
 def _copy(batch, keep, source, h5, progress):
-    """Copy every group, dataset and attribute of `source` to `h5`, the per-structure and
-    per-atom datasets sliced to the kept structures; progress goes by the bytes copied, as
-    structures' worth."""
+    """Copy every group, dataset and attribute of `source` to `h5`, under every name it has
+    (see _names), the per-structure and per-atom datasets sliced to the kept structures;
+    progress goes by the bytes copied, as structures' worth."""
     import h5py
 
     offsets = {"structure": np.arange(batch.n_structures + 1),
                "atom": np.concatenate([[0], np.cumsum(batch.n_atoms)])}
     _copy_attrs(source, h5)
-    sizes = []
-    source.visititems(lambda _, obj: sizes.append(obj.id.get_storage_size())
-                      if isinstance(obj, h5py.Dataset) else None)
+    names = _names(source)
+    sizes = [obj.id.get_storage_size() if isinstance(obj, h5py.Dataset) and first is None else 0
+             for _, obj, _, first in names]
     total = max(sum(sizes), 1)
     copied = reported = 0
-
-    def visit(name, obj):
-        nonlocal copied, reported
-        if isinstance(obj, h5py.Group):
+    for (name, obj, link, first), size in zip(names, sizes):
+        if obj is None or (first is not None and isinstance(obj, h5py.Group)
+                           and isinstance(link, h5py.SoftLink)):
+            h5[name] = link  # to nothing, or back to a group copied: kept as it is
+        elif first is not None:
+            h5[name] = h5[first]
+        elif isinstance(obj, h5py.Group):
             _copy_attrs(obj, h5.require_group(name))
-            return
-        per = _per(batch, name, obj)
-        if per is None:
-            source.copy(obj, h5, name)
-        else:
+        elif isinstance(obj, h5py.Dataset) and (per := _per(batch, name, obj)) is not None:
             _copy_rows(batch.path, obj, h5, name, keep, offsets[per])
-        copied += obj.id.get_storage_size()
+        else:
+            source.copy(obj, h5, name)
+        copied += size
         if progress is not None:
             worth = batch.n_structures * copied // total
             progress.update(worth - reported)
             reported = worth
-
-    source.visititems(visit)
     if progress is not None:
         progress.update(batch.n_structures - reported)
+
+
+def _names(source):
+    """(name, object, link, first) for every name in the file `source`, parents first,
+    following hard, soft and external links: object is a Group, Dataset or Datatype (None for
+    a dangling link), link the link itself, first the name the object was first given under
+    the same top-level group (else None; then a group's names follow). So a field reached
+    through a link is copied as a dataset, and a cycle of links ends."""
+    import h5py
+
+    out, seen = [], {}
+
+    def walk(group, prefix):
+        for key in group:
+            name = prefix + key
+            obj, link = group.get(key), group.get(key, getlink=True)
+            first = None if obj is None else seen.setdefault((obj.id, name.split("/")[0]), name)
+            out.append((name, obj, link, None if first == name else first))
+            if first == name and isinstance(obj, h5py.Group):
+                walk(obj, name + "/")
+
+    walk(source, "")
+    return out
 
 
 def _per(batch, name, obj):
