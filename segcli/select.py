@@ -5,11 +5,15 @@ A condition holds for a structure when the structure has the field (see Batch.pr
 its value compares true. A NaN value never satisfies a comparison, not even `!=`;
 `NAME == nan` holds exactly for the NaN values and `NAME != nan` for the others. VALUE is
 rounded to the field's floating-point type before comparing (so `x <= 0.1` holds for a
-float32 x printed as 0.1). String fields compare with == and != only.
+float32 x printed as 0.1); integer and boolean fields compare exactly with VALUE's decimal
+value (`n > 2.5` is `n >= 3`, and a VALUE beyond the dtype's range holds for all or none).
+String fields compare with == and != only.
 """
 
+import math
 import operator
 import re
+from decimal import Decimal, InvalidOperation
 from typing import NamedTuple
 
 import numpy as np
@@ -25,13 +29,12 @@ _CONDITION = re.compile(
     rf"(?:\"(?P<double>[^\"]*)\"|'(?P<single>[^']*)'|(?P<bare>{_WORD}))\s*")
 _NUMBER = re.compile(r"[+-]?(?:(?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?|inf|infinity|nan)",
                      re.IGNORECASE)
-_INTEGER = re.compile(r"[+-]?\d+")
 _LINE_NUMBER = re.compile(rb"-?[0-9]+")
 
 
 class Condition(NamedTuple):
-    """One `NAME OP VALUE`: `value` is VALUE's text (unquoted), `number` its value when it is
-    a bare number (else None)."""
+    """One `NAME OP VALUE`: `value` is VALUE's text (unquoted), `number` its exact value (a
+    Decimal) when it is a bare number (else None)."""
 
     text: str
     name: str
@@ -44,10 +47,30 @@ class Condition(NamedTuple):
         if values.dtype.kind in "OSU":
             equal = values == self.value
             return equal if self.op == "==" else ~equal
-        nan = np.isnan(values) if values.dtype.kind in "fc" else np.zeros(len(values), bool)
-        if np.isnan(self.number):
+        if values.dtype.kind in "biu":
+            return self._holds_exactly(values)
+        nan = np.isnan(values)
+        if self.number.is_nan():
             return nan if self.op == "==" else ~nan
-        return COMPARE[self.op](values, self.number) & ~nan
+        with np.errstate(over="ignore"):  # VALUE beyond float16 or float32 rounds to inf
+            return COMPARE[self.op](values, float(self.number)) & ~nan
+
+    def _holds_exactly(self, values):
+        """holds() for integer or bool `values`, against VALUE's exact decimal value."""
+        if values.dtype.kind == "b":
+            values = values.view(np.uint8)
+        limits, threshold = np.iinfo(values.dtype), self.number
+        if threshold.is_nan():
+            return np.full(len(values), self.op == "!=")
+        if not limits.min <= threshold <= limits.max:  # every value is on one side
+            return np.full(len(values), COMPARE[self.op](0, 1 if threshold > 0 else -1))
+        whole = math.floor(threshold)
+        op = self.op
+        if whole != threshold:  # between whole and whole + 1: no value equals it
+            if op in ("==", "!="):
+                return np.full(len(values), op == "!=")
+            op = {"<": "<=", ">=": ">"}.get(op, op)
+        return COMPARE[op](values, values.dtype.type(whole))
 
 
 def parse_condition(text):
@@ -60,13 +83,15 @@ def parse_condition(text):
     name, op, bare = match["name"], match["op"], match["bare"]
     number = None
     if bare is not None and _NUMBER.fullmatch(bare):
-        small = _INTEGER.fullmatch(bare) and -2**63 <= int(bare) < 2**63
-        number = int(bare) if small else float(bare)
+        try:
+            number = Decimal(bare)
+        except InvalidOperation:  # an exponent of more than 18 digits
+            raise ValueError(f"{text!r}: the exponent of {bare!r} is out of range") from None
     value = next(v for v in (match["double"], match["single"], bare) if v is not None)
     if op in ORDERING and number is None:
         raise ValueError(f"{text!r}: {op} compares numbers, and {value!r} is not one (strings "
                          "compare with == and !=)")
-    if op in ORDERING and np.isnan(number):
+    if op in ORDERING and number.is_nan():
         raise ValueError(f"{text!r}: nothing is {op} nan (use {name} == nan or {name} != nan "
                          "to keep or drop NaN values)")
     return Condition(text, name, op, value, number)
