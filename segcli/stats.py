@@ -55,7 +55,7 @@ class Moments:
     @classmethod
     def of(cls, values, groups=None, n_groups=1):
         """The moments of the rows of `values` (n, *F), row i in group `groups[i]` (default 0)."""
-        rows = _rows(values)
+        rows = as_rows(values)
         if groups is None:
             return cls.of_runs(np.ascontiguousarray(rows.T, np.float64), [len(rows)])
         groups = np.asarray(groups, np.intp)
@@ -168,7 +168,7 @@ def component_names(shape):
     return ["_".join(map(str, i)) for i in np.ndindex(*shape)] + ["norm"]
 
 
-def _rows(array):
+def as_rows(array):
     """An array (n, *F) as rows (n, prod(F))."""
     array = np.asarray(array)
     return array.reshape(len(array), int(np.prod(array.shape[1:], dtype=np.int64)))
@@ -214,21 +214,61 @@ def _check_numbers(path, numbers, chunk):
                         f"{N_ELEMENTS - 1})")
 
 
-def _checked_chunks(batch, names, chunk_atoms, structures):
-    """The chunks of the selection, read ahead, refused (DataError) where a field holds NaN in
-    a structure that has it (see engine.nan_checked)."""
-    from segcli.engine import nan_checked, prefetch
+def _first_non_finite(chunk, name):
+    """(structure, value) of the first NaN or infinite value of field `name` in `chunk` where
+    present (see Chunk.present), or None."""
+    per_atom = name in chunk.atoms
+    rows = as_rows((chunk.atoms if per_atom else chunk.structures)[name])
+    bad = ~np.isfinite(rows)
+    have = chunk.present.get(name)
+    if have is not None:
+        bad &= (np.repeat(have, chunk.n_atoms) if per_atom else have)[:, None]
+    if not bad.any():
+        return None
+    row, column = np.unravel_index(np.argmax(bad), bad.shape)
+    return (chunk.structure_of(row) if per_atom else chunk.start + row), rows[row, column]
 
-    chunks = batch.iter_chunks(list(names), chunk_atoms=chunk_atoms, structures=structures)
-    return nan_checked(batch.path, prefetch(chunks), names, where_present=True)
+
+def _finite_chunks(batch, energy, chunk_atoms, structures):
+    """The chunks of the selection with `energy` and numbers, read ahead; DataError naming the
+    first structure whose energy (where present) is NaN or infinite (see _refuse_non_finite)."""
+    from segcli.engine import prefetch
+
+    chunks = batch.iter_chunks([energy, "numbers"], chunk_atoms=chunk_atoms,
+                               structures=structures)
+    chunks = prefetch(chunks)
+    for chunk in chunks:
+        _refuse_non_finite(batch.path, chunk, chunks, [energy], "fit-e0 needs finite energies")
+        yield chunk
 
 
-def _refuse_nan(path, chunk, rest, names):
-    """DataError if a field of `names` holds NaN in `chunk` where present, with the count over
-    it and the chunks `rest` (see engine.nan_checked); nothing if not (inf - inf is NaN too)."""
+def _refuse_non_finite(path, chunk, rest, names, need):
+    """DataError naming the first field of `names` that holds NaN (with the count over `chunk`
+    and the chunks `rest`, see engine.nan_checked) or an infinity (saying what `need`s finite
+    values) in `chunk` where present, and the structure; nothing if none does."""
     from segcli.engine import nan_checked
 
-    next(nan_checked(path, itertools.chain([chunk], rest), names, where_present=True))
+    for name in names:
+        found = _first_non_finite(chunk, name)
+        if found is None:
+            continue
+        if np.isnan(found[1]):
+            next(nan_checked(path, itertools.chain([chunk], rest), [name], where_present=True))
+        raise DataError(f"{path}: field '{name}' is {found[1]} in structure {found[0]}; {need}")
+
+
+def _overflow(path, name, what):
+    """The DataError for finite values of field `name` whose `what` overflows float64."""
+    return DataError(f"{path}: field '{name}': its values are too large for {what} in float64 "
+                     "(a sum or a sum of squares overflows)")
+
+
+def refuse_overflow(path, stats):
+    """DataError naming the first field of `stats` (name -> FieldStats) whose mean or spread
+    overflowed float64 (its values being finite)."""
+    for name, s in stats.items():
+        if not (np.isfinite(s.moments.mean).all() and np.isfinite(s.moments.m2).all()):
+            raise _overflow(path, name, "statistics")
 
 
 def _require(batch, names, role):
@@ -284,8 +324,8 @@ def leaf_stats(batch, names, leaves, *, per_element=False, per_atom=False,
         leaf -= first
         parts = [_chunk_moments(chunk, s, shapes[s.name], numbers, leaf, buffers)
                  for s in out.values()]
-        if any(_holds_nan(chunk, s, part) for s, part in zip(out.values(), parts)):
-            _refuse_nan(batch.path, chunk, chunks, names)
+        if not all(_finite(chunk, s, part) for s, part in zip(out.values(), parts)):
+            _refuse_non_finite(batch.path, chunk, chunks, names, "stats needs finite values")
         for s, part in zip(out.values(), parts):
             _add_leaves(s.moments, first, part)
         if progress is not None:
@@ -309,7 +349,7 @@ def _chunk_moments(chunk, s, shape, numbers, leaf, buffers):
         kept = np.repeat(keep, chunk.n_atoms) if per_atom else keep
         array = array[kept]
         numbers = numbers[kept] if s.by_element else None
-    values = _rows(array)
+    values = as_rows(array)
     count = np.bincount(leaf, rows).astype(np.int64)  # rows in each leaf
     offsets = np.concatenate([[0], np.cumsum(count)])
     n_groups, k = len(s.moments.count[0]), len(s.components)
@@ -343,13 +383,14 @@ def _by_element(rows, numbers, count, buffers):
     return rows, runs.reshape(len(count), N_ELEMENTS).T.ravel()
 
 
-def _holds_nan(chunk, s, part):
-    """Whether field `s` may hold NaN in `chunk` where present: a mean of its moments `part` is
-    NaN (NaN or inf - inf), or, per structure, a value is (one that `part` may leave out)."""
+def _finite(chunk, s, part):
+    """Whether field `s` holds only finite values in `chunk` where present: the means of its
+    moments `part` are finite, and, per structure, so is the sum of its values (which `part`
+    may leave out); False also where a sum overflows."""
     if s.per == "atom":
-        return np.isnan(part.mean).any()
+        return np.isfinite(part.mean).all()
     values, keep = chunk.structures[s.name], chunk.present.get(s.name)
-    return np.isnan((values if keep is None else values[keep]).sum())
+    return np.isfinite((values if keep is None else values[keep]).sum())
 
 
 def _add_leaves(moments, first, part):
@@ -455,7 +496,7 @@ def _energy_chunks(batch, energy, chunk_atoms, structures, progress):
                         f"{infos[0].shape}, but the energy must be one number per structure")
     if infos[1].per != "atom" or infos[1].shape != () or infos[1].dtype.kind not in "iu":
         raise DataError(f"{batch.path}: field 'numbers' must hold one integer per atom")
-    for chunk in _checked_chunks(batch, [energy, "numbers"], chunk_atoms, structures):
+    for chunk in _finite_chunks(batch, energy, chunk_atoms, structures):
         _check_numbers(batch.path, chunk.atoms["numbers"], chunk)
         have = chunk.present.get(energy)
         yield chunk, np.ones(len(chunk.n_atoms), bool) if have is None else have
@@ -478,7 +519,10 @@ def solve_e0(batch, energy="energy", *, fixed=None, chunk_atoms=1 << 21,
             use = have[lo:hi]
             counts = composition(numbers[bounds[lo]:bounds[hi]], chunk.n_atoms[lo:hi])
             fit.add(counts[use], np.asarray(energies[lo:hi], float)[use])
-    return fit.solve(batch.path), fit.structures
+    e0 = fit.solve(batch.path)
+    if not np.isfinite(list(e0.values())).all():
+        raise _overflow(batch.path, energy, "a fit")
+    return e0, fit.structures
 
 
 def residual_errors(batch, energy, e0, *, chunk_atoms=1 << 21, structures=slice(None),
@@ -502,4 +546,7 @@ def residual_errors(batch, energy, e0, *, chunk_atoms=1 << 21, structures=slice(
         errors = errors.merge(Moments.of(np.column_stack([per_atom, np.abs(per_atom)])))
     if not errors.count[0]:
         return float("nan"), float("nan")
-    return float(errors.rms[0, 0]), float(errors.mean[0, 1])
+    rmse, mae = float(errors.rms[0, 0]), float(errors.mean[0, 1])
+    if not np.isfinite([rmse, mae]).all():
+        raise _overflow(batch.path, energy, "the residual's errors")
+    return rmse, mae

@@ -76,7 +76,9 @@ def stats(file, fields, per_element, per_atom, as_json, output, force, structure
     A per-atom field is taken over all atoms, a per-structure field over all structures,
     each component on its own and, for vector fields, the norm of each row too. The
     standard deviation is the population one (divided by the count). Structures that lack
-    a field (see `segcli info`) are left out of its statistics; NaN values are refused.
+    a field (see `segcli info`) are left out of its statistics; NaN and infinite values are
+    refused (an error naming the field and the first structure holding one), as are values
+    so large that their statistics overflow float64.
     The file is streamed in chunks of whole structures, so its size does not matter, and
     the partial results combine in one fixed tree (Chan's pairwise formulas), so shards
     (--shard, joined by `segcli merge`) and --scheduler give the bits of one run. FIELD may
@@ -90,18 +92,20 @@ def stats(file, fields, per_element, per_atom, as_json, output, force, structure
       segcli stats sample_data/metals.h5 forces --scheduler local:2
       segcli stats data.h5 forces --shard auto -o 'parts/stats-{shard}.h5'
     """
+    import numpy as np
+
     from segcli.cluster import leaf_stats_sharded
     from segcli.io import open_inputs
     from segcli.io.statsfile import write_stats
     from segcli.io.text import finite_json
-    from segcli.stats import merge_stats
+    from segcli.stats import merge_stats, refuse_overflow
 
     check_cluster_usage(shard, scheduler, False)
     output = shard_output(output, shard)
     paths = input_paths(file)
     refuse_output_among_inputs(output, paths, "stats writes a new file")
     options = {"per_element": per_element, "per_atom": per_atom, "chunk_atoms": chunk_atoms}
-    with open_inputs(paths, name=file) as batch:
+    with open_inputs(paths, name=file) as batch, np.errstate(over="ignore", invalid="ignore"):
         leaves, attrs = shard_selection(batch, file, structures, shard)
         summary = {"path": file, "structures": int(leaves[-1] - leaves[0]),
                    "atoms": int(batch.n_atoms[leaves[0]:leaves[-1]].sum())}
@@ -109,7 +113,8 @@ def stats(file, fields, per_element, per_atom, as_json, output, force, structure
         with on_cluster(scheduler) as client, \
                 progress(not quiet, label, summary["structures"]) as bar:
             parts = leaf_stats_sharded(client, batch, fields, leaves, progress=bar, **options)
-    result = merge_stats([parts])
+        result = merge_stats([parts])
+        refuse_overflow(file, result)
     rows = [row for s in result.values() for row in s.rows()]
     for row in rows:
         if "element" in row:
@@ -172,7 +177,8 @@ def fit_e0(file, energy, fixed, as_json, in_place, name, force, structures, chun
     RMSE and MAE per atom of the residual (E − Σ c·E0) / n. Elements whose counts are
     linearly dependent (always 2 H per O) cannot be separated: that is an error naming them.
     Streamed in two passes, so the file's size does not matter; structures without an energy
-    are left out.
+    are left out, and a NaN or infinite energy is an error naming the first structure with
+    one.
 
     \b
     Example:
@@ -180,6 +186,7 @@ def fit_e0(file, energy, fixed, as_json, in_place, name, force, structures, chun
       segcli fit-e0 data.h5 --fixed H=-13.6 --json
       segcli fit-e0 data.h5 --in-place --name interaction_energy
     """
+    import numpy as np
     from ase.data import chemical_symbols
 
     from segcli.io import ResultWriter
@@ -193,6 +200,7 @@ def fit_e0(file, energy, fixed, as_json, in_place, name, force, structures, chun
     name = name or f"residual_{energy}"
     with contextlib.ExitStack() as stack:
         batch = stack.enter_context(read_inputs(paths, file, in_place))
+        stack.enter_context(np.errstate(over="ignore", invalid="ignore"))  # overflow: DataError
         chosen = selection(batch, file, structures)
         bar = stack.enter_context(progress(not quiet, f"fitting E0 of {file} (2 passes)",
                                            2 * (chosen.stop - chosen.start)))
