@@ -9,6 +9,10 @@ from segcli.registry import OPS
 
 DEFAULT_STRUCTURES = "0:16"
 DEFAULT_RANDOM = "64:8"
+MAX_RANDOM = 10**7
+"""The most atoms, and structures, of --random data (held in memory several times over)."""
+MAX_ORDER = 8
+"""The highest --order: each order multiplies the cost (order 8 of one op: minutes)."""
 TIE_GAP = 1e-3
 """Relative gap below which two values tie (or a spread is zero) for the kink rules (the
 finite differences, which move each entry by ~1e-5 relative, could cross it)."""
@@ -18,8 +22,9 @@ def _random_size(ctx, param, text):
     if text is None:
         return None
     atoms, structures = parse_pair(text, "ATOMS:STRUCTURES", allow_open=False)
-    if atoms < 1 or structures < 1:
-        raise click.BadParameter(f"ATOMS and STRUCTURES must be at least 1, got {text!r}")
+    if not (1 <= atoms <= MAX_RANDOM and 1 <= structures <= MAX_RANDOM):
+        raise click.BadParameter(f"ATOMS and STRUCTURES must be at least 1 and at most "
+                                 f"{MAX_RANDOM}, got {text!r}")
     return atoms, structures
 
 
@@ -74,6 +79,8 @@ def _file_inputs(path, specs, field, structures, skip_unfit):
     from segcli.io import open_inputs
 
     with open_inputs(path) as batch:
+        if not batch.n_structures:
+            raise DataError(f"{path}: the file holds no structures, so there is nothing to check")
         start, stop, _ = selection(batch, path, structures).indices(batch.n_structures)
         fields = batch.fields
         chosen, skipped = {}, {}
@@ -165,10 +172,12 @@ def _smooth_structures(spec, arrays, n_atoms):
     """Which structures the op is differentiable at, by its kink rule (all without one)."""
     import numpy as np
 
+    from segcli.stats import as_rows
+
     keep = np.ones(len(n_atoms), bool)
     if spec.kinks is None:
         return keep
-    rows = arrays[0].reshape(len(arrays[0]), -1)
+    rows = as_rows(arrays[0])
     for s, (lo, hi) in enumerate(zip(np.cumsum(n_atoms) - n_atoms, np.cumsum(n_atoms))):
         keep[s] = hi == lo or not KINKS[spec.kinks](rows[lo:hi])
     return keep
@@ -180,10 +189,11 @@ def _finite_structures(spec, arrays, n_atoms):
     import numpy as np
 
     from segcli._jax import enable_x64
+    from segcli.stats import as_rows
 
     with enable_x64(True):
         out = np.asarray(_bound(spec, n_atoms)[1](*arrays))
-    bad = ~np.isfinite(out.reshape(len(out), -1)).all(axis=1)
+    bad = ~np.isfinite(as_rows(out)).all(axis=1)
     if spec.output_per == "atom":
         bad = np.repeat(np.arange(len(n_atoms)), n_atoms)[bad]
     keep = np.ones(len(n_atoms), bool)
@@ -253,7 +263,7 @@ def _check_op(spec, labels, arrays, n_atoms, order, seed):
 @click.argument("file", required=False)
 @click.option("--op", "op_names", callback=_op_names, metavar="OP[,OP...]",
               help=f"Ops to check (default: all): {', '.join(OPS)}.")
-@click.option("--order", type=click.IntRange(min=1), default=2, show_default=True,
+@click.option("--order", type=click.IntRange(1, MAX_ORDER), default=2, show_default=True,
               help="Highest derivative order checked.")
 @click.option("--structures", callback=structure_range, metavar="START:STOP",
               help=f"Structures of FILE to check, a Python slice (-5:, :10, 7; default "
@@ -265,7 +275,7 @@ def _check_op(spec, labels, arrays, n_atoms, order, seed):
               help=f"Without FILE: random data of this size (default {DEFAULT_RANDOM}).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto",
               show_default=True, help="Where to compute (auto: a GPU when JAX sees one).")
-@click.option("--seed", type=int, default=0, show_default=True,
+@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True,
               help="Seed of the random directions and data.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object (every check) instead of the table.")
