@@ -207,8 +207,15 @@ def _numeric(path, name, info, role):
 
 
 def _check_numbers(path, numbers, chunk):
+    """DataError naming the first atom of `chunk`, in a structure that has numbers, whose
+    number (of `numbers`) is not an atomic number."""
     if len(numbers) and not (numbers.min() >= 0 and numbers.max() < N_ELEMENTS):  # or NaN
-        bad = int(np.argmin((numbers >= 0) & (numbers < N_ELEMENTS)))
+        valid = (numbers >= 0) & (numbers < N_ELEMENTS)
+        if "numbers" in chunk.present:
+            valid |= ~np.repeat(chunk.present["numbers"], chunk.n_atoms)
+        if valid.all():
+            return
+        bad = int(np.argmin(valid))
         raise DataError(f"{path}: field 'numbers' holds {numbers[bad]} in structure "
                         f"{chunk.structure_of(bad)}, not an atomic number (0 to "
                         f"{N_ELEMENTS - 1})")
@@ -289,7 +296,8 @@ def leaf_stats(batch, names, leaves, *, per_element=False, per_atom=False,
     bigger leaf is chunked from its start), so the same in any shard. Per-atom fields go over
     all atoms (grouped by `numbers` with `per_element`), per-structure fields over all
     structures (divided by each structure's atom count with `per_atom`, empty structures left
-    out). Structures that lack a field (Chunk.present) are left out of it.
+    out). Structures that lack a field (Chunk.present), or with `per_element` numbers, are
+    left out of it.
     `progress.update(n)` is called with the structures of each chunk done."""
     from segcli.engine import prefetch
 
@@ -340,6 +348,8 @@ def _chunk_moments(chunk, s, shape, numbers, leaf, buffers):
     per_atom = s.per == "atom"
     array = (chunk.atoms if per_atom else chunk.structures)[s.name]
     keep = chunk.present.get(s.name)
+    if s.by_element and "numbers" in chunk.present:  # atoms without numbers have no element
+        keep = chunk.present["numbers"] & (True if keep is None else keep)
     rows = chunk.n_atoms if per_atom else np.ones(len(leaf), np.int64)
     if s.per_atom:
         array = array / np.maximum(chunk.n_atoms, 1).reshape(-1, *(1,) * (array.ndim - 1))
@@ -488,8 +498,9 @@ class ReferenceFit:
 
 
 def _energy_chunks(batch, energy, chunk_atoms, structures, progress):
-    """(chunk, bool (S_c,) of its structures that have an energy) for each chunk, the numbers
-    checked; `progress.update(n)` is called with the structures of each chunk once used."""
+    """(chunk, its numbers checked (0 in structures without numbers), bool (S_c,) of its
+    structures that have an energy and numbers) for each chunk; `progress.update(n)` is called
+    with the structures of each chunk once used."""
     infos = _require(batch, [energy, "numbers"], "fit-e0")
     if infos[0].per != "structure" or infos[0].shape != ():
         raise DataError(f"{batch.path}: field '{energy}' is per {infos[0].per} with shape "
@@ -497,9 +508,14 @@ def _energy_chunks(batch, energy, chunk_atoms, structures, progress):
     if infos[1].per != "atom" or infos[1].shape != () or infos[1].dtype.kind not in "iu":
         raise DataError(f"{batch.path}: field 'numbers' must hold one integer per atom")
     for chunk in _finite_chunks(batch, energy, chunk_atoms, structures):
-        _check_numbers(batch.path, chunk.atoms["numbers"], chunk)
-        have = chunk.present.get(energy)
-        yield chunk, np.ones(len(chunk.n_atoms), bool) if have is None else have
+        numbers = chunk.atoms["numbers"]
+        _check_numbers(batch.path, numbers, chunk)
+        have = np.ones(len(chunk.n_atoms), bool)
+        for name in (energy, "numbers"):
+            have &= chunk.present.get(name, True)
+        if "numbers" in chunk.present:
+            numbers = np.where(np.repeat(chunk.present["numbers"], chunk.n_atoms), numbers, 0)
+        yield chunk, numbers, have
         if progress is not None:
             progress.update(len(chunk.n_atoms))
 
@@ -507,12 +523,14 @@ def _energy_chunks(batch, energy, chunk_atoms, structures, progress):
 def solve_e0(batch, energy="energy", *, fixed=None, chunk_atoms=1 << 21,
              structures=slice(None), progress=None):
     """(Z -> E0, structures used): the per-element reference energies minimising
-    Σ_s (E_s − Σ_Z c_sZ E0_Z)² over the selected structures that have an `energy`, c from
-    `numbers`, streamed; elements absent from them are left out, those of `fixed` (Z -> E0)
-    held (and not returned). `progress.update(n)` is called as n more structures are read."""
+    Σ_s (E_s − Σ_Z c_sZ E0_Z)² over the selected structures that have an `energy` and
+    `numbers` (c from them), streamed; elements absent from them are left out, those of
+    `fixed` (Z -> E0) held (and not returned). `progress.update(n)` is called as n more
+    structures are read."""
     fit = ReferenceFit(dict(fixed or {}))
-    for chunk, have in _energy_chunks(batch, energy, chunk_atoms, structures, progress):
-        numbers, energies = chunk.atoms["numbers"], chunk.structures[energy]
+    for chunk, numbers, have in _energy_chunks(batch, energy, chunk_atoms, structures,
+                                               progress):
+        energies = chunk.structures[energy]
         bounds = np.concatenate([[0], np.cumsum(chunk.n_atoms)])
         for lo in range(0, len(chunk.n_atoms), BLOCK_STRUCTURES):
             hi = min(lo + BLOCK_STRUCTURES, len(chunk.n_atoms))
@@ -528,15 +546,17 @@ def solve_e0(batch, energy="energy", *, fixed=None, chunk_atoms=1 << 21,
 def residual_errors(batch, energy, e0, *, chunk_atoms=1 << 21, structures=slice(None),
                     on_chunk=None, progress=None):
     """(RMSE, MAE) of the per-atom residual (E − Σ_Z c_Z E0_Z) / n over the selected structures
-    that have an `energy` and atoms (NaN if none), `e0` mapping Z -> E0; each chunk's residual
-    energies go to `on_chunk(chunk, values)` if given (NaN where a structure has no energy);
+    that have an `energy`, numbers and atoms (NaN if none), `e0` mapping Z -> E0; each chunk's
+    residual energies go to `on_chunk(chunk, values)` if given (NaN where a structure has no
+    energy or numbers);
     `progress.update(n)` is called as n more structures are read."""
     by_number = np.zeros(N_ELEMENTS)
     by_number[list(e0)] = list(e0.values())
     errors = Moments.empty(1, 2)
-    for chunk, have in _energy_chunks(batch, energy, chunk_atoms, structures, progress):
+    for chunk, numbers, have in _energy_chunks(batch, energy, chunk_atoms, structures,
+                                               progress):
         structure = np.repeat(np.arange(len(chunk.n_atoms)), chunk.n_atoms)
-        reference = np.bincount(structure, weights=by_number[chunk.atoms["numbers"]],
+        reference = np.bincount(structure, weights=by_number[numbers],
                                 minlength=len(chunk.n_atoms))
         values = np.where(have, chunk.structures[energy] - reference, np.nan)
         if on_chunk:

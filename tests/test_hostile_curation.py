@@ -235,3 +235,39 @@ def test_select_odd_conditions(tmp_path, where, code, needle):
     else:
         with h5py.File(out) as f:
             assert len(f["structures/n_atoms"]) == 0
+
+
+@pytest.mark.parametrize("fill", [0, -1])
+def test_structures_without_numbers_are_left_out_of_fit_e0_and_per_element(tmp_path, fill):
+    """numbers present in only some structures (filled with 0, element X, or with -1): those
+    structures are left out of fit-e0 and of --per-element, against numpy.linalg.lstsq and
+    NumPy means over the others."""
+    rng = np.random.default_rng(4)
+    n_atoms = np.array([2, 3, 1, 2, 3, 2, 1])
+    has = np.array([True, True, False, True, True, True, False])
+    numbers = np.where(np.repeat(has, n_atoms), rng.choice([1, 6, 8], n_atoms.sum()), fill)
+    forces = rng.normal(size=(n_atoms.sum(), 3))
+    energy = rng.normal(size=len(n_atoms))
+    path = write_batch(tmp_path / "n.h5", n_atoms, {"numbers": numbers, "forces": forces},
+                       {"energy": energy})
+    with h5py.File(path, "a") as f:
+        f["present/numbers"] = has
+    result = run("fit-e0", path, "--json")
+    assert result.exit_code == 0, result.output
+    fit = json.loads(result.stdout)
+    starts = np.cumsum(n_atoms) - n_atoms
+    counts = np.stack([np.bincount(numbers[starts[s]:starts[s] + n_atoms[s]], minlength=9)
+                       [[1, 6, 8]] for s in np.flatnonzero(has)])
+    expected = np.linalg.lstsq(counts, energy[has], rcond=None)[0]
+    assert fit["structures"] == has.sum()
+    np.testing.assert_allclose([e["e0"] for e in fit["e0"]], expected, rtol=1e-10)
+    result = run("stats", path, "forces", "--per-element", "--json")
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)["stats"]
+    atom_has = np.repeat(has, n_atoms)
+    assert {row["element"] for row in rows} == {1, 6, 8}
+    for row in rows:
+        if row["component"] == "0":
+            values = forces[atom_has & (numbers == row["element"]), 0]
+            assert row["count"] == len(values)
+            np.testing.assert_allclose(row["mean"], values.mean(), rtol=1e-12)

@@ -58,7 +58,8 @@ def _element(z):
 @click.argument("file")
 @click.argument("fields", metavar="FIELD...", nargs=-1, required=True)
 @click.option("--per-element", is_flag=True,
-              help="Per-atom fields by element (atomic number from `numbers`).")
+              help="Per-atom fields by element (atomic number from `numbers`; structures "
+                   "without numbers are left out).")
 @click.option("--per-atom", is_flag=True,
               help="Per-structure fields divided by each structure's atom count first "
                    "(energy per atom; structures without atoms are left out).")
@@ -177,8 +178,8 @@ def fit_e0(file, energy, fixed, as_json, in_place, name, force, structures, chun
     RMSE and MAE per atom of the residual (E − Σ c·E0) / n. Elements whose counts are
     linearly dependent (always 2 H per O) cannot be separated: that is an error naming them.
     Streamed in two passes, so the file's size does not matter; structures without an energy
-    are left out, and a NaN or infinite energy is an error naming the first structure with
-    one.
+    or numbers are left out, and a NaN or infinite energy is an error naming the first
+    structure with one.
 
     \b
     Example:
