@@ -185,7 +185,8 @@ def _smooth_structures(spec, arrays, n_atoms):
 
 def _finite_structures(spec, arrays, n_atoms):
     """Which structures the reference gives finite values for (max, min and logsumexp of an
-    empty structure are infinite, which neither differences nor compares)."""
+    empty structure are infinite, and NaN or infinite data gives such values, which neither
+    differences nor compares)."""
     import numpy as np
 
     from segcli._jax import enable_x64
@@ -246,7 +247,8 @@ def _check_op(spec, labels, arrays, n_atoms, order, seed):
 
     arrays, n_atoms, infinite = _restricted(spec, arrays, n_atoms,
                                             _finite_structures(spec, arrays, n_atoms),
-                                            f"{spec.name} is infinite (empty)")
+                                            f"{spec.name} is not finite (empty, or NaN "
+                                            "or infinite data)")
     report = _noted(compare_functions(*_bound(spec, n_atoms), arrays, order=order, seed=seed,
                                       argnames=labels, name=spec.name), infinite)
     if not spec.differentiable:
@@ -298,8 +300,8 @@ def gradcheck(ctx, file, op_names, order, structures, field, random_size, device
     named in --op. Only --structures (default 0:16, about 40 s on two CPU cores for the
     bundled metals.h5 at order 2) are read. Structures where an op is not differentiable
     (zero norms or spread, tied extremes) are left out of the finite differences but still
-    compared with the reference; those where its value is infinite (the max of an empty
-    one) are left out of both. Without FILE, random data of
+    compared with the reference; those where its value is not finite (the max of an empty
+    one, or of NaN data) are left out of both. Without FILE, random data of
     --random atoms and structures, with sorted ids and some empty structures.
 
     \b
