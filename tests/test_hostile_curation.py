@@ -271,3 +271,14 @@ def test_structures_without_numbers_are_left_out_of_fit_e0_and_per_element(tmp_p
             values = forces[atom_has & (numbers == row["element"]), 0]
             assert row["count"] == len(values)
             np.testing.assert_allclose(row["mean"], values.mean(), rtol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["out.extxyz", "out.xyz.gz", "out.traj"])
+def test_select_to_an_ase_name_is_refused_not_written_as_hdf5(tmp_path, name):
+    """select writes only segcli HDF5: a name that asks for another format is a usage error
+    (it used to get HDF5 bytes), and no file appears."""
+    path = tmp_path / "rich.h5"
+    write_rich(path)
+    result = run("select", path, "--where", "energy > 0", "-o", tmp_path / name)
+    assert result.exit_code == 2 and "segcli convert" in result.output, result.output
+    assert not (tmp_path / name).exists()

@@ -70,12 +70,17 @@ def select(file, output, conditions, structures_from, force, quiet):
 
     from segcli.cli.common import input_paths
     from segcli.io import open_inputs
+    from segcli.io.export import export_format
     from segcli.io.subset import write_subset
     from segcli.io.writers import refuse_overwrite
     from segcli.select import where_mask
 
     if not conditions and structures_from is None:
         raise click.UsageError("give --where 'NAME OP VALUE' or --structures-from LIST (or both)")
+    fmt = export_format(output)
+    if fmt is not None:
+        raise click.UsageError(f"-o {output}: select writes segcli HDF5 (.h5), not {fmt}; "
+                               f"select to OUT.h5, then: segcli convert OUT.h5 -o {output}")
     paths = input_paths(file)
     refuse_output_among_inputs(output, paths, "select writes a new file")
     refuse_overwrite(output, force)
