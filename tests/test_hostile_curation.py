@@ -20,8 +20,9 @@ from segcli.io import open_batch
 
 def test_select_keeps_fields_reached_through_hard_soft_and_external_links(tmp_path):
     """Each name a field, mask or result has (hard link, soft link, external link, a link to a
-    dataset outside the four groups) is in the output as a dataset of the kept rows; a dangling
-    link and a link cycle outside them are kept as links."""
+    dataset outside the four groups) is in the output as a dataset of the kept rows; outside
+    them, a dangling link and a link cycle are kept as links and a group under two names is
+    one group."""
     path = tmp_path / "linked.h5"
     n_atoms, data, present = write_rich(path)
     s, n = len(n_atoms), int(n_atoms.sum())
@@ -42,6 +43,7 @@ def test_select_keeps_fields_reached_through_hard_soft_and_external_links(tmp_pa
         f["results/norm_soft"] = h5py.SoftLink("/results/max_norm_forces")
         f["extra/loop"] = h5py.SoftLink("/extra")
         f["extra/dangling"] = h5py.SoftLink("/nowhere")
+        f["more/extra"] = f["extra"]
     out = tmp_path / "out.h5"
     result = run("select", path, "--where", "energy <= 0.5", "-o", out)
     assert result.exit_code == 0, result.output
@@ -61,6 +63,7 @@ def test_select_keeps_fields_reached_through_hard_soft_and_external_links(tmp_pa
             assert isinstance(f.get(name, getlink=True), h5py.HardLink), name
             np.testing.assert_array_equal(f[name][()], values, err_msg=name)
         assert f.get("extra/loop", getlink=True).path == "/extra"
+        assert f["more/extra"] == f["extra"]  # one group under two names
         assert f.get("extra/dangling", getlink=True).path == "/nowhere"
     with open_batch(out) as batch:
         fields = batch.fields

@@ -11,6 +11,9 @@ from segcli.io.hdf5 import plain, read_rows
 from segcli.io.writers import BatchWriter, ensure_room, new_output
 
 BLOCK_BYTES = 8 << 20
+ROW_GROUPS = {"structures": "structure", "present": "structure", "atoms": "atom",
+              "results": None}
+"""The groups whose datasets have a row per structure or atom (results: as `per` says)."""
 STREAM_ATOMS = 100_000
 
 
@@ -120,8 +123,9 @@ def _names(source):
     """(name, object, link, first) for every name in the file `source`, parents first,
     following hard, soft and external links: object is a Group, Dataset or Datatype (None for
     a dangling link), link the link itself, first the name the object was first given under
-    the same top-level group (else None; then a group's names follow). So a field reached
-    through a link is copied as a dataset, and a cycle of links ends."""
+    the same one of the four groups of rows (or outside them) (else None; then a group's names
+    follow). So a field reached through a link is copied as a dataset of its rows, and each
+    object is copied at most five times, so cycles and fans of links end."""
     import h5py
 
     out, seen = [], {}
@@ -130,7 +134,9 @@ def _names(source):
         for key in group:
             name = prefix + key
             obj, link = group.get(key), group.get(key, getlink=True)
-            first = None if obj is None else seen.setdefault((obj.id, name.split("/")[0]), name)
+            scope = name.split("/")[0]
+            scope = scope if scope in ROW_GROUPS else None
+            first = None if obj is None else seen.setdefault((obj.id, scope), name)
             out.append((name, obj, link, None if first == name else first))
             if first == name and isinstance(obj, h5py.Group):
                 walk(obj, name + "/")
@@ -142,7 +148,7 @@ def _names(source):
 def _per(batch, name, obj):
     """"structure" or "atom": what the rows of a dataset are; None outside the four groups."""
     group = name.split("/")[0]
-    per = {"structures": "structure", "present": "structure", "atoms": "atom"}.get(group)
+    per = ROW_GROUPS.get(group)
     if group == "results":
         per = plain(obj.attrs.get("per"))
         if per not in ("structure", "atom"):
