@@ -206,8 +206,8 @@ def test_every_json_output_is_strict_json_with_null_for_non_finite_numbers(tmp_p
     rows = [strict_json(line) for line in run("reduce", path, "max", "x", "--format",
                                               "json").stdout.splitlines()]
     assert [row["max_x"] for row in rows] == [[None], [None], [2.0]]
-    stats = strict_json(run("stats", path, "x", "--json").stdout)["stats"][0]
-    assert (stats["count"], stats["mean"], stats["max"], stats["std"]) == (3, None, None, None)
+    stats = strict_json(run("stats", path, "x", "--structures", "1:2", "--json").stdout)
+    assert (stats["stats"][0]["count"], stats["stats"][0]["mean"]) == (0, None)
     info = strict_json(run("info", path, "--json").stdout)
     assert info["structures"] == 3
     fit = strict_json(run("fit-e0", path, "--structures", "1:2", "--json").stdout)

@@ -44,14 +44,15 @@ def _listed(path, n_structures):
 @click.option("--force", is_flag=True, help="Overwrite OUTPUT if it exists.")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
 def select(file, output, conditions, structures_from, force, quiet):
-    """Copy chosen structures to a new segcli file.
+    """Copy chosen structures to a new segcli file (or export them).
 
     Writes to OUTPUT the structures of FILE that pass every --where condition and, with
     --structures-from, are listed, in FILE's order (a structure listed twice is taken once):
     all their fields, string fields and presence masks, per-structure and per-atom results,
     with their attributes. OUTPUT's root attribute selected_from names FILE. FILE may be any
     file segcli reads; results exist only in segcli HDF5 files. Memory stays bounded however
-    large FILE is; OUTPUT appears only once complete.
+    large FILE is; OUTPUT appears only once complete. An OUTPUT named for a format ASE
+    writes (out.extxyz, out.traj, ...) gets the structures as `segcli convert` exports them.
 
     VALUE is a number (nan and inf too) or, for a string field, a string (quoted or bare) for
     == and !=. A structure without the field (see `segcli info`), or whose value is NaN, never
@@ -62,6 +63,7 @@ def select(file, output, conditions, structures_from, force, quiet):
     \b
     Example:
       segcli select sample_data/metals.h5 --where 'energy < 1' -o low.h5
+      segcli select sample_data/metals.h5 --where 'energy < 1' -o low.extxyz
       segcli select batch.h5 --where 'config_type == bulk' --where 'max_norm_forces < 10' -o ok.h5
       segcli reduce batch.h5 max_norm forces | awk -F, 'NR>1 && $2 < 10 {print $1}' \\
         | segcli select batch.h5 --structures-from - -o clean.h5
@@ -70,7 +72,7 @@ def select(file, output, conditions, structures_from, force, quiet):
 
     from segcli.cli.common import input_paths
     from segcli.io import open_inputs
-    from segcli.io.export import export_format
+    from segcli.io.export import export, export_format
     from segcli.io.subset import write_subset
     from segcli.io.writers import refuse_overwrite
     from segcli.select import where_mask
@@ -78,9 +80,6 @@ def select(file, output, conditions, structures_from, force, quiet):
     if not conditions and structures_from is None:
         raise click.UsageError("give --where 'NAME OP VALUE' or --structures-from LIST (or both)")
     fmt = export_format(output)
-    if fmt is not None:
-        raise click.UsageError(f"-o {output}: select writes segcli HDF5 (.h5), not {fmt}; "
-                               f"select to OUT.h5, then: segcli convert OUT.h5 -o {output}")
     paths = input_paths(file)
     refuse_output_among_inputs(output, paths, "select writes a new file")
     refuse_overwrite(output, force)
@@ -91,7 +90,11 @@ def select(file, output, conditions, structures_from, force, quiet):
         if conditions:
             keep &= where_mask(batch, conditions)
         with progress(not quiet, f"writing {output}", len(keep)) as bar:
-            kept, atoms = write_subset(batch, keep, output, {"selected_from": file}, bar, force)
+            if fmt is None:
+                kept, atoms = write_subset(batch, keep, output, {"selected_from": file}, bar,
+                                           force)
+            else:
+                kept, atoms = export(paths, output, fmt, keep=keep, force=force, progress=bar)
     if not quiet:
         empty = " (none selected: an empty segcli file)" if not kept else ""
         note(f"{output}: {kept} of {len(keep)} structures, {atoms} atoms{empty}")

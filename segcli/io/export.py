@@ -37,7 +37,7 @@ def export_format(path):
 
 
 def export(inputs, output, fmt, *, chunk_atoms=100_000, fields=None, drop=None, rename=None,
-           cast=None, force=False, progress=None):
+           cast=None, keep=None, force=False, progress=None):
     """Write the structures of `inputs` (files open_batch reads), in order, to the new file
     `output` in ASE's format `fmt` (see export_format), compressed as its name says (.gz,
     .bz2, .xz), streaming `chunk_atoms` atoms at a time: per structure, positions, numbers,
@@ -45,7 +45,8 @@ def export(inputs, output, fmt, *, chunk_atoms=100_000, fields=None, drop=None, 
     SinglePointCalculator's, a per-atom bool field `fixed` as a FixAtoms constraint, the
     other per-atom fields as arrays and per-structure ones as info (or, in a database, as
     key-value pairs where ASE allows, else data); a structure without a field leaves it out.
-    `fields`, `drop`, `rename` and `cast` choose, rename and cast fields as convert's do.
+    `fields`, `drop`, `rename` and `cast` choose, rename and cast fields as convert's do;
+    `keep` (a bool per structure of the inputs, in order) writes only those it marks.
     Returns (structures, atoms) written."""
     from ase.io import write
     from ase.io.formats import ioformats
@@ -60,7 +61,7 @@ def export(inputs, output, fmt, *, chunk_atoms=100_000, fields=None, drop=None, 
         tmp = stack.enter_context(new_output(output, force))
         if progress is not None and None not in (b.counted for b in batches):
             progress.reset(sum(b.counted for b in batches))
-        images = _images(batches, choice, chunk_atoms, counts, progress)
+        images = _images(batches, choice, chunk_atoms, keep, counts, progress)
         if fmt in _DATABASES:
             _write_database(tmp, fmt, images)
         elif ioformats[fmt].single:
@@ -109,15 +110,18 @@ def _write_database(tmp, fmt, images):
             db.write(atoms, key_value_pairs=pairs, data=data)
 
 
-def _images(batches, choice, chunk_atoms, counts, progress):
-    """Each structure of the batches as an ase.Atoms, counted into `counts` (structures,
-    atoms) and `progress`."""
+def _images(batches, choice, chunk_atoms, keep, counts, progress):
+    """Each structure of the batches that `keep` (None: all) marks, as an ase.Atoms, counted
+    into `counts` (structures, atoms); `progress` counts every structure read."""
+    index = 0
     for batch in batches:
         for group in batch.stream(chunk_atoms, choice.keep):
             for atoms, structure, n in _each_structure(choice.apply(batch.path, group)):
-                yield _atoms(atoms, structure, n)
-                counts[0] += 1
-                counts[1] += n
+                if keep is None or keep[index]:
+                    yield _atoms(atoms, structure, n)
+                    counts[0] += 1
+                    counts[1] += n
+                index += 1
                 if progress is not None:
                     progress.update(1)
 
