@@ -215,13 +215,42 @@ def merge_pieces(path, pieces, schema, fill=None):
     return Chunk(pieces[0].start, n_atoms, out["atom"], out["structure"], present)
 
 
+RESERVED = frozenset({"n_atoms"})
+"""Names that segcli's layout gives to what is not a field (/structures/n_atoms)."""
+
+
+def check_name(path, index, name):
+    """DataError, naming `path`, structure `index` and the option of `segcli convert` that
+    leaves the field out, unless `name` can be a field's: not reserved, not empty, `.` or `..`,
+    no NUL byte and no `/` (an HDF5 group)."""
+    import shlex
+
+    if name in RESERVED:
+        problem = "is reserved for the atom counts"
+    elif name in ("", ".", ".."):
+        problem = "is not a name"
+    elif "\0" in name:
+        problem = "holds a NUL byte"
+    elif "/" in name:
+        problem = "holds a '/' (an HDF5 group)"
+    else:
+        return
+    if name in RESERVED or "\0" in name or "," in name or not name or name != name.strip():
+        hint = "`segcli convert --fields` naming the other fields leaves it out"
+    else:
+        hint = f"`segcli convert --drop {shlex.quote(name)}` leaves it out"
+    raise DataError(f"{path}: structure {index}: field name {name!r} {problem}; {hint}")
+
+
 class Schema(dict):
-    """Fields seen so far (name -> FieldInfo); dtypes promote as NumPy does, shapes must agree."""
+    """Fields seen so far (name -> FieldInfo); dtypes promote as NumPy does, shapes must agree,
+    names must be fields' (see check_name)."""
 
     def add(self, path, info, index):
         """Add a field found in structure `index` of `path`."""
         known = self.get(info.name)
         if known is None:
+            check_name(path, index, info.name)
             self[info.name] = info
         elif (known.per, known.shape) != (info.per, info.shape):
             raise DataError(

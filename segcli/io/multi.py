@@ -114,21 +114,57 @@ def _check_readable(path):
         raise DataError(f"{path}: cannot read (permission denied)")
 
 
-def _spooled_stdin():
-    """The path of a temporary copy of stdin, read as extxyz (removed at exit): what `-` as
-    FILE stands for, since readers need to seek. DataError for a terminal or nothing."""
+def _spooled(source, name):
+    """The path of a temporary copy of binary stream `source`, at `name` (a relative or
+    absolute path) under a new temporary directory that is removed at exit: what a stream as
+    FILE stands for, since readers need to seek; messages show `name` in it, and ASE sees its
+    file name."""
     import atexit
     import shutil
     import tempfile
 
+    from segcli.errors import hold_signals, release_signals
+
+    hold_signals()
+    try:
+        directory = tempfile.mkdtemp(prefix="segcli-spool-")
+        atexit.register(shutil.rmtree, directory, True)
+    finally:
+        release_signals()
+    path = os.path.join(directory, name.lstrip(os.sep))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as spool:
+        shutil.copyfileobj(source, spool, 1 << 20)
+    return path
+
+
+def _spooled_stdin():
+    """The path of a temporary copy of stdin, read as extxyz (see _spooled): what `-` as FILE
+    stands for. DataError for a terminal or nothing."""
     if standard_input().isatty():
         raise DataError("-: reads extxyz from stdin, which is a terminal (pipe a file into it)")
-    fd, path = tempfile.mkstemp(prefix="segcli-stdin-", suffix=".extxyz")
-    atexit.register(lambda: os.path.exists(path) and os.remove(path))
-    with os.fdopen(fd, "wb") as spool:
-        shutil.copyfileobj(standard_input().buffer, spool, 1 << 20)
+    path = _spooled(standard_input().buffer, "stdin.extxyz")
     if not os.path.getsize(path):
         raise DataError("-: stdin holds no structure (it is empty)")
+    return path
+
+
+def _seekable(path):
+    """`path`, or a temporary copy of it (see _spooled) where it is a stream: a pipe or FIFO
+    (`<(cat a.extxyz)`), or a file that stat calls empty but has content (/proc/...)."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+        stream = stat.S_ISFIFO(mode) or (stat.S_ISREG(mode) and os.path.getsize(path) == 0)
+        stream = open(path, "rb") if stream else None  # noqa: SIM115 (closed below)
+    except OSError:
+        return path  # open_batch names what is wrong
+    if stream is None:
+        return path
+    with stream:
+        if stat.S_ISFIFO(mode) or stream.peek(1):
+            return _spooled(stream, os.path.abspath(path))
     return path
 
 
@@ -139,7 +175,7 @@ def _expand(spec):
     if os.path.isdir(spec):
         return _directory(spec)
     if os.path.lexists(spec):
-        return [spec]
+        return [_seekable(spec)]
     if spec.startswith("@"):
         paths = _listed(spec)
     elif glob.has_magic(spec):
@@ -155,7 +191,7 @@ def _expand(spec):
         elif not os.path.lexists(path):
             raise DataError(f"{path}: no such file ({spec} names it)")
         else:
-            out.append(path)
+            out.append(_seekable(path))
     return out
 
 
