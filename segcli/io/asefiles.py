@@ -61,10 +61,10 @@ def atoms_piece(path, atoms, index):
                            atoms.info, getattr(atoms.calc, "results", {}))
 
 
-def structure_piece(path, index, n, arrays, cell, pbc, info, results):
+def structure_piece(path, index, n, arrays, cell, pbc, info, results, data=None):
     """One structure of n atoms as a Chunk: its numeric atoms.arrays and per-atom calculator
-    results per atom; cell, pbc, numeric and string atoms.info entries and the other
-    calculator results per structure. DataError for atomic numbers that are not integers, a
+    results and `data` entries (an ASE database row's) per atom; cell, pbc, numeric and
+    string atoms.info entries and the other results and data per structure. DataError for atomic numbers that are not integers, a
     string holding a NUL byte, and a name given twice with different values (`cell=3` beside
     a Lattice in an extxyz comment, a key both per atom and in info, ...)."""
     from ase.outputs import all_outputs
@@ -92,12 +92,13 @@ def structure_piece(path, index, n, arrays, cell, pbc, info, results):
         array = _field_value(value)
         if array is not None:
             add(key, array, False, "info entry")
-    for key, value in results.items():
-        array = _numeric(value)
-        if array is not None:
-            prop = all_outputs.get(key)
-            atom = prop.shapespec[:1] == ("natoms",) if prop else array.shape[:1] == (n,)
-            add(key, array, atom, "calculator result")
+    for source, entries in (("data entry", data or {}), ("calculator result", results)):
+        for key, value in entries.items():
+            array = _numeric(value)
+            if array is not None:
+                prop = all_outputs.get(key)
+                atom = prop.shapespec[:1] == ("natoms",) if prop else array.shape[:1] == (n,)
+                add(key, array, atom, source)
     return Chunk(index, np.array([n], np.int64), per_atom, per_structure)
 
 
