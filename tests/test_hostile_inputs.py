@@ -244,7 +244,9 @@ def test_streams_are_read_through_a_temporary_that_is_removed(tmp_path):
     writer.start()
     out = tmp_path / "out.h5"
     result = run("convert", fifo, "-o", out)
-    writer.join()
+    writer.join(timeout=10)
+    if writer.is_alive():  # nothing read the FIFO: let the writer finish
+        fifo.read_bytes()
     assert result.exit_code == 0, result.output
     with h5py.File(out) as h5:
         assert h5["structures/n_atoms"][:].tolist() == [3, 5]

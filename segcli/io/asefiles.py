@@ -64,9 +64,10 @@ def atoms_piece(path, atoms, index):
 def structure_piece(path, index, n, arrays, cell, pbc, info, results, data=None):
     """One structure of n atoms as a Chunk: its numeric atoms.arrays and per-atom calculator
     results and `data` entries (an ASE database row's) per atom; cell, pbc, numeric and
-    string atoms.info entries and the other results and data per structure. DataError for atomic numbers that are not integers, a
-    string holding a NUL byte, and a name given twice with different values (`cell=3` beside
-    a Lattice in an extxyz comment, a key both per atom and in info, ...)."""
+    string atoms.info entries and the other results and data per structure. DataError for
+    atomic numbers that are not integers, a string holding a NUL byte, and a name given twice
+    with different values (`cell=3` beside a Lattice in an extxyz comment, a key both per
+    atom and in info, ...)."""
     from ase.outputs import all_outputs
 
     per_atom = {k: v for k, v in arrays.items() if v.dtype.kind in NUMERIC_KINDS}
@@ -91,7 +92,7 @@ def structure_piece(path, index, n, arrays, cell, pbc, info, results, data=None)
     for key, value in info.items():
         array = _field_value(value)
         if array is not None:
-            add(key, array, False, "info entry")
+            add(key, array, False, "info entry (extxyz comment key)")
     for source, entries in (("data entry", data or {}), ("calculator result", results)):
         for key, value in entries.items():
             array = _numeric(value)
