@@ -116,6 +116,23 @@ def test_reserved_invalid_or_twice_given_names_are_refused(tmp_path, name):
                               np.concatenate([a.positions for a in ase.io.read(path, ":")]))
 
 
+def test_grouped_results_of_many_files_are_not_field_names(tmp_path):
+    """A result GROUP/NAME (/results/GROUP/NAME) is no field name: many files read it."""
+    from batch_reference import write_batch
+
+    from segcli.io import open_inputs
+
+    for i, values in enumerate(([1.5, 2.5], [3.5])):
+        path = write_batch(tmp_path / f"part{i}.h5", [1] * len(values), {"numbers": [1] * len(
+            values)})
+        with h5py.File(path, "a") as h5:
+            h5["results/g/x"] = values
+            h5["results/g/x"].attrs["per"] = "structure"
+    with open_inputs(str(tmp_path / "part*.h5")) as batch:
+        chunk, = batch.iter_chunks(["g/x"])
+    assert chunk.structures["g/x"].tolist() == [1.5, 2.5, 3.5]
+
+
 def frame(atoms, vectors=False):
     """One structure's extxyz text as ASE writes it (`vectors`: its cell as VEC lines, which
     only ASE's reader reads)."""

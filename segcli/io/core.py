@@ -244,13 +244,18 @@ def check_name(path, index, name):
 
 class Schema(dict):
     """Fields seen so far (name -> FieldInfo); dtypes promote as NumPy does, shapes must agree,
-    names must be fields' (see check_name)."""
+    names must be fields' (see check_name), unless these are `results` (GROUP/NAME)."""
+
+    def __init__(self, results=False):
+        super().__init__()
+        self.results = results
 
     def add(self, path, info, index):
         """Add a field found in structure `index` of `path`."""
         known = self.get(info.name)
         if known is None:
-            check_name(path, index, info.name)
+            if not self.results:
+                check_name(path, index, info.name)
             self[info.name] = info
         elif (known.per, known.shape) != (info.per, info.shape):
             raise DataError(

@@ -53,7 +53,7 @@ def member_layout(batch, name=None):
 def _join(layouts, name):
     """One Layout of the members of `layouts`, in order; DataError naming the first member whose
     fields disagree with those before it (per, shape, strings or numbers)."""
-    stored, result_fields, results = Schema(), Schema(), {}
+    stored, result_fields, results = Schema(), Schema(results=True), {}
     for layout in layouts:
         for info in layout.stored.values():
             stored.add(layout.sources[0], info, 0)
