@@ -210,7 +210,7 @@ def test_atomic_numbers_that_are_not_integers_are_refused(tmp_path, column, valu
 
 
 @pytest.mark.parametrize("text, named", [
-    ('1\nlabel="ab\0cd"\nH 0 0 0\n', "info entry 'label' holds a NUL byte"),
+    ('1\nlabel="ab\0cd"\nH 0 0 0\n', "comment or info entry 'label' holds a NUL byte"),
     ("1\nk\0=1\nH 0 0 0\n", "'k\\x00' holds a NUL byte"),
     ("1\n\nH\0 0 0 0\n", "ASE cannot read structure 0 as extxyz"),
 ])

@@ -92,7 +92,7 @@ def structure_piece(path, index, n, arrays, cell, pbc, info, results, data=None)
     for key, value in info.items():
         array = _field_value(value)
         if array is not None:
-            add(key, array, False, "info entry (extxyz comment key)")
+            add(key, array, False, "comment or info entry")
     for source, entries in (("data entry", data or {}), ("calculator result", results)):
         for key, value in entries.items():
             array = _numeric(value)
