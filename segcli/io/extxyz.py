@@ -163,10 +163,10 @@ class _Lines:
 
     def header(self):
         """The next line that is not blank, "" at the end of the file."""
-        while line := next(iter(self.read()), ""):
-            if line.strip():
+        while True:
+            line = "".join(self.read())
+            if not line or line.strip():
                 return line
-        return ""
 
 
 def _count(path, lines, header, index):
