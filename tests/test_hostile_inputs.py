@@ -248,9 +248,9 @@ def test_truncated_compressed_text_is_named(tmp_path, module, cut):
 
 
 def test_streams_are_read_through_a_temporary_that_is_removed(tmp_path):
-    """A FIFO is read as the file it streams; so are bash's `<(...)` and a /proc file, which
-    stat calls empty: that one holds no structure, an error naming it, and the temporaries
-    are gone when the process ends."""
+    """A FIFO is read as the file it streams (but not given to --in-place); so are bash's
+    `<(...)` and a /proc file, which stat calls empty: that one holds no structure, an error
+    naming it, and the temporaries are gone when the process ends."""
     import threading
 
     path = tmp_path / "two.extxyz"
@@ -268,6 +268,11 @@ def test_streams_are_read_through_a_temporary_that_is_removed(tmp_path):
     with h5py.File(out) as h5:
         assert h5["structures/n_atoms"][:].tolist() == [3, 5]
         assert h5["structures/energy"][:].tolist() == [-14.2, -24.0]
+    for stream in (fifo, "-"):  # results stored in its copy would be lost
+        result = CliRunner().invoke(main, ["reduce", str(stream), "sum", "positions",
+                                           "--in-place"], input=out.read_bytes())
+        assert result.exit_code == 2 and f"--in-place stores results in FILE itself; {stream} " \
+            "is a stream" in result.stderr, result.output
     spool = tmp_path / "tmp"
     spool.mkdir()
     result = subprocess.run(["bash", "-c", f"{sys.executable} -m segcli convert "

@@ -80,9 +80,14 @@ def check_output_place(output):
 
 def input_paths(file, in_place=False):
     """The files FILE stands for (see segcli.io.expand_inputs); UsageError when --in-place
-    meets more than one."""
+    meets more than one, or a stream read through a temporary copy (results stored there would
+    be lost)."""
     from segcli.io import expand_inputs
+    from segcli.io.multi import is_stream
 
+    if in_place and is_stream(file):
+        raise click.UsageError(f"--in-place stores results in FILE itself; {file} is a stream "
+                               "(stdin, a pipe or a /proc file), whose copy is read: use -o")
     paths = expand_inputs(file)
     if in_place and len(paths) > 1:
         raise click.UsageError(f"--in-place adds to one file; {file} is {len(paths)} files")

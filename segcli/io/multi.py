@@ -149,23 +149,35 @@ def _spooled_stdin():
     return path
 
 
-def _seekable(path):
-    """`path`, or a temporary copy of it (see _spooled) where it is a stream: a pipe or FIFO
-    (`<(cat a.extxyz)`), or a file that stat calls empty but has content (/proc/...)."""
+def is_stream(spec):
+    """Whether FILE `spec` is read through a temporary copy (see _spooled): `-` (stdin), a pipe
+    or FIFO (`<(cat a.extxyz)`), or a file that stat calls empty but has content (/proc/...)."""
     import stat
 
+    if spec == "-":
+        return True
     try:
-        mode = os.stat(path).st_mode
-        stream = stat.S_ISFIFO(mode) or (stat.S_ISREG(mode) and os.path.getsize(path) == 0)
-        stream = open(path, "rb") if stream else None  # noqa: SIM115 (closed below)
+        mode = os.stat(spec).st_mode
+        if stat.S_ISFIFO(mode):
+            return True
+        if not stat.S_ISREG(mode) or os.path.getsize(spec):
+            return False
+        with open(spec, "rb") as file:
+            return bool(file.read(1))
+    except OSError:
+        return False
+
+
+def _seekable(path):
+    """`path`, or a temporary copy of it where it is a stream (see is_stream)."""
+    if not is_stream(path):
+        return path
+    try:
+        stream = open(path, "rb")  # noqa: SIM115 (closed below)
     except OSError:
         return path  # open_batch names what is wrong
-    if stream is None:
-        return path
     with stream:
-        if stat.S_ISFIFO(mode) or stream.peek(1):
-            return _spooled(stream, os.path.abspath(path))
-    return path
+        return _spooled(stream, os.path.abspath(path))
 
 
 def _expand(spec):
