@@ -56,6 +56,14 @@ def database(path, *, data=None, **pairs):
     return path
 
 
+def trajectory(path, info):
+    """`two_molecules` written by ASE as a trajectory, the second with `info` entries."""
+    structures = two_molecules()
+    structures[1].info.update(info)
+    ase.io.write(path, structures, format="traj")
+    return path
+
+
 def extxyz_with(path, second_comment=" ", properties=None, columns=None):
     """`two_molecules` written by ASE, the second frame's comment line extended by
     `second_comment`, or its Properties and atom columns replaced by `properties` and
@@ -84,6 +92,8 @@ NAMES = {  # file -> (what the message names, the option that leaves it out or N
     "db_key_n_atoms": (lambda p: database(p, n_atoms=7), "'n_atoms'", "--fields"),
     "db_data_slash": (lambda p: database(p, data={"x/y": np.ones(5)}), "'x/y'", "--drop"),
     "db_data_empty": (lambda p: database(p, data={"": 1.0}), "''", "--fields"),
+    "traj_integer_key": (lambda p: trajectory(p, {3: 1.5}), "field name 3 is not a string",
+                         "--fields"),
     "comment_cell": (lambda p: extxyz_with(p, ' Lattice="9 0 0 0 9 0 0 0 9" cell=3'),
                      "two different 'cell'", None),
     "db_data_energy": (lambda p: database(p, data={"energy": 3.0}), "two different 'energy'",
@@ -97,7 +107,8 @@ def test_reserved_invalid_or_twice_given_names_are_refused(tmp_path, name):
     HDF5 group, is refused naming the file, the structure and the name, and the option that
     leaves it out leaves it out."""
     write, named, option = NAMES[name]
-    path = write(tmp_path / (f"{name}.db" if name.startswith("db") else f"{name}.extxyz"))
+    suffix = name.split("_")[0] if name.startswith(("db", "traj")) else "extxyz"
+    path = write(tmp_path / f"{name}.{suffix}")
     out = tmp_path / "out.h5"
     for command in (["info", path], ["convert", path, "-o", out]):
         assert_one_line_error(run(*command), f"{path}: structure 1", named,

@@ -221,11 +221,13 @@ RESERVED = frozenset({"n_atoms"})
 
 def check_name(path, index, name):
     """DataError, naming `path`, structure `index` and the option of `segcli convert` that
-    leaves the field out, unless `name` can be a field's: not reserved, not empty, `.` or `..`,
-    no NUL byte and no `/` (an HDF5 group)."""
+    leaves the field out, unless `name` can be a field's: a string, not reserved, not empty,
+    `.` or `..`, no NUL byte and no `/` (an HDF5 group)."""
     import shlex
 
-    if name in RESERVED:
+    if not isinstance(name, str):
+        problem = f"is not a string ({type(name).__name__})"
+    elif name in RESERVED:
         problem = "is reserved for the atom counts"
     elif name in ("", ".", ".."):
         problem = "is not a name"
@@ -235,10 +237,10 @@ def check_name(path, index, name):
         problem = "holds a '/' (an HDF5 group)"
     else:
         return
-    if name in RESERVED or "\0" in name or "," in name or not name or name != name.strip():
-        hint = "`segcli convert --fields` naming the other fields leaves it out"
-    else:
-        hint = f"`segcli convert --drop {shlex.quote(name)}` leaves it out"
+    droppable = isinstance(name, str) and name == name.strip() != "" and \
+        name not in RESERVED and not {"\0", ","} & set(name)  # what --drop A,B can name
+    hint = (f"`segcli convert --drop {shlex.quote(name)}` leaves it out" if droppable
+            else "`segcli convert --fields` naming the other fields leaves it out")
     raise DataError(f"{path}: structure {index}: field name {name!r} {problem}; {hint}")
 
 
