@@ -265,7 +265,8 @@ def test_usage_and_output_errors(rich, tmp_path):
     select(path, out, "--where", "energy < 1", "--force")
     assert_subset(path, out, np.flatnonzero(rich[2]["energy"] < 1))
     result = run("--help")
-    assert "select     Copy chosen structures to a new segcli file (or export them)." in result.stdout
+    assert "select     Copy chosen structures to a new segcli file (or export them)." in \
+        result.stdout
     result = run("select", "--help")
     assert "segcli select sample_data/metals.h5 --where 'energy < 1' -o low.h5" in result.stdout
 

@@ -80,9 +80,14 @@ def check_output_place(output):
 
 def input_paths(file, in_place=False):
     """The files FILE stands for (see segcli.io.expand_inputs); UsageError when --in-place
-    meets more than one."""
+    meets more than one, or a stream read through a temporary copy (results stored there would
+    be lost)."""
     from segcli.io import expand_inputs
+    from segcli.io.multi import is_stream
 
+    if in_place and is_stream(file):
+        raise click.UsageError(f"--in-place stores results in FILE itself; {file} is a stream "
+                               "(stdin, a pipe or a /proc file), whose copy is read: use -o")
     paths = expand_inputs(file)
     if in_place and len(paths) > 1:
         raise click.UsageError(f"--in-place adds to one file; {file} is {len(paths)} files")
@@ -147,10 +152,14 @@ def as_program():
     stdin, stdout or stderr (`<&-`, `>&-`, `2>&-`) is given /dev/null opened the wrong way
     for stdin and stdout (reading or writing them fails as on a closed one) and the right way
     for stderr (messages are lost, see `note`): no file the command opens takes the place of
-    one and receives what was meant for it."""
+    one and receives what was meant for it. A file name that is not UTF-8 (its bytes held
+    as surrogates) prints as its own bytes on stdout, even where stdout's encoding was made
+    strict (PYTHONIOENCODING=utf-8)."""
     global _program
     _program = True
     atexit.register(gc.freeze)
+    if sys.stdout is not None and sys.stdout.errors == "strict":
+        sys.stdout.reconfigure(errors="surrogateescape")
     for fd, mode in ((0, os.O_WRONLY), (1, os.O_RDONLY), (2, os.O_WRONLY)):
         if not _is_open(fd):
             null = os.open(os.devnull, mode)

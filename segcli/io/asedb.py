@@ -30,9 +30,8 @@ def row_piece(path, index, row):
     and key-value pairs per structure."""
     atoms = row.toatoms()
     info = {"id": row.id, "unique_id": row.unique_id, **row.key_value_pairs}
-    results = {**row.get("data", {}), **getattr(atoms.calc, "results", {})}
     return structure_piece(path, index, len(atoms), atoms.arrays, atoms.cell.array, atoms.pbc,
-                           info, results)
+                           info, getattr(atoms.calc, "results", {}), row.get("data", {}))
 
 
 class DatabaseBatch(StreamedBatch):

@@ -1,7 +1,9 @@
 """Files that ASE reads (extxyz, xyz, traj, cif, POSCAR, ...), streamed a structure at a time:
 with ase.io.iread, and extended XYZ with segcli's own reader where it can."""
 
+import lzma
 import os
+import zlib
 from array import array
 from functools import cached_property
 
@@ -9,6 +11,21 @@ import numpy as np
 
 from segcli.errors import DataError
 from segcli.io.core import NUMERIC_KINDS, STRING, Batch, Chunk, Schema, rechunk
+
+DECOMPRESSION_ERRORS = (EOFError, OSError, zlib.error, lzma.LZMAError)
+"""What reading gzip, bzip2 or xz data that is cut short or corrupt raises (see
+decompression_error)."""
+
+
+def decompression_error(path, err):
+    """What to raise for `err`, raised reading `path`: a DataError where compressed data is cut
+    short or corrupt, `err` itself where it is the system's OSError (one with an errno)."""
+    if isinstance(err, OSError) and err.errno is not None:
+        return err
+    if isinstance(err, EOFError):
+        return DataError(f"{path}: truncated: its compressed data ends before the end of the "
+                         "stream")
+    return DataError(f"{path}: corrupt compressed data ({err})")
 
 
 def ase_format(path):
@@ -44,32 +61,56 @@ def atoms_piece(path, atoms, index):
                            atoms.info, getattr(atoms.calc, "results", {}))
 
 
-def structure_piece(path, index, n, arrays, cell, pbc, info, results):
+def structure_piece(path, index, n, arrays, cell, pbc, info, results, data=None):
     """One structure of n atoms as a Chunk: its numeric atoms.arrays and per-atom calculator
-    results per atom; cell, pbc, numeric and string atoms.info entries and the other
-    calculator results per structure."""
+    results and `data` entries (an ASE database row's) per atom; cell, pbc, numeric and
+    string atoms.info entries and the other results and data per structure. DataError for
+    atomic numbers that are not integers, a string holding a NUL byte, and a name given twice
+    with different values (`cell=3` beside a Lattice in an extxyz comment, a key both per
+    atom and in info, ...)."""
     from ase.outputs import all_outputs
 
     per_atom = {k: v for k, v in arrays.items() if v.dtype.kind in NUMERIC_KINDS}
+    if "numbers" in per_atom and per_atom["numbers"].dtype.kind == "f":
+        per_atom["numbers"] = _atomic_numbers(path, index, per_atom["numbers"])
     per_structure = {"cell": cell[np.newaxis], "pbc": pbc[np.newaxis]}
+    sources = {**dict.fromkeys(per_atom, "per-atom array"), "cell": "cell", "pbc": "pbc"}
+
+    def add(key, array, atom, source):
+        where = per_atom if atom else per_structure
+        array = array if atom else array[np.newaxis]
+        if key in sources:
+            if key in where and np.array_equal(where[key], array):
+                return
+            raise DataError(f"{path}: structure {index} has two different '{key}': its "
+                            f"{sources[key]} and its {source}")
+        if array.dtype == STRING and "\0" in array.item():
+            raise DataError(f"{path}: structure {index}: {source} '{key}' holds a NUL byte")
+        sources[key] = source
+        where[key] = array
+
     for key, value in info.items():
         array = _field_value(value)
         if array is not None:
-            per_structure[key] = array[np.newaxis]
-    for key, value in results.items():
-        array = _numeric(value)
-        if array is None:
-            continue
-        prop = all_outputs.get(key)
-        if (prop.shapespec[:1] == ("natoms",)) if prop else (array.shape[:1] == (n,)):
-            per_atom[key] = array
-        else:
-            per_structure[key] = array[np.newaxis]
-    both = per_atom.keys() & per_structure.keys()
-    if both:
-        raise DataError(f"{path}: structure {index} has '{min(both)}' both per atom "
-                        "and per structure")
+            add(key, array, False, "comment or info entry")
+    for source, entries in (("data entry", data or {}), ("calculator result", results)):
+        for key, value in entries.items():
+            array = _numeric(value)
+            if array is not None:
+                prop = all_outputs.get(key)
+                atom = prop.shapespec[:1] == ("natoms",) if prop else array.shape[:1] == (n,)
+                add(key, array, atom, source)
     return Chunk(index, np.array([n], np.int64), per_atom, per_structure)
+
+
+def _atomic_numbers(path, index, numbers):
+    """Atomic numbers read as floats, as int64; DataError naming the first that is not an
+    integer (ASE would cut 1.9 to 1)."""
+    bad = np.flatnonzero(~np.isfinite(numbers) | (numbers != np.round(numbers)))
+    if len(bad):
+        raise DataError(f"{path}: structure {index}: atom {bad[0]} has atomic number "
+                        f"{float(numbers[bad[0]])!r}, not an integer")
+    return numbers.astype(np.int64)
 
 
 class StreamedBatch(Batch):
@@ -131,11 +172,9 @@ class AseBatch(StreamedBatch):
         self.ase_format = ase_format
 
     def structures(self, start, stop):
-        return self._ase_pieces(start, stop, start)
-    def _ase_pieces(self, start, stop, resume):
-        """Pieces of the structures from `resume` to `stop`, reading with ASE from `start`
-        (ASE checks every frame header first, and reports a bad one at `start`). A file with
-        content but no structure is a DataError, not an empty batch."""
+        """Pieces of the structures from `start` to `stop` (ASE checks every frame header
+        first, and reports a bad one at `start`). A file with content but no structure is a
+        DataError, not an empty batch."""
         import ase.io
         from ase.io.formats import ioformats
 
@@ -154,14 +193,13 @@ class AseBatch(StreamedBatch):
             except Exception as err:
                 raise DataError(f"{self.path}: ASE cannot read structure {index} as "
                                 f"{self.ase_format} ({type(err).__name__}: {err})") from err
-            if index >= resume:
+            if index >= start:
                 yield atoms_piece(self.path, atoms, index)
             index += 1
 
 
 class ExtxyzBatch(AseBatch):
-    """An extended XYZ file: segcli's reader, and ASE from the first structure it leaves to
-    ASE."""
+    """An extended XYZ file, read by segcli's reader (see segcli.io.extxyz)."""
 
     format = "extxyz"
 
@@ -169,9 +207,6 @@ class ExtxyzBatch(AseBatch):
         super().__init__(path, "extxyz")
 
     def structures(self, start, stop):
-        from segcli.io.extxyz import Unsupported, pieces
+        from segcli.io.extxyz import pieces
 
-        try:
-            yield from pieces(self.path, start, stop)
-        except Unsupported as exc:
-            yield from self._ase_pieces(start, stop, exc.index)
+        return pieces(self.path, start, stop)

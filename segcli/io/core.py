@@ -215,13 +215,46 @@ def merge_pieces(path, pieces, schema, fill=None):
     return Chunk(pieces[0].start, n_atoms, out["atom"], out["structure"], present)
 
 
-class Schema(dict):
-    """Fields seen so far (name -> FieldInfo); dtypes promote as NumPy does, shapes must agree."""
+RESERVED = frozenset({"n_atoms"})
+"""Names that segcli's layout gives to what is not a field (/structures/n_atoms)."""
 
-    def add(self, path, info, index):
-        """Add a field found in structure `index` of `path`."""
+
+def check_name(path, index, name):
+    """DataError, naming `path`, structure `index` and the option of `segcli convert` that
+    leaves the field out, unless `name` can be a field's: a string, not reserved, not empty,
+    `.` or `..`, no NUL byte and no `/` (an HDF5 group)."""
+    import shlex
+
+    if not isinstance(name, str):
+        problem = f"is not a string ({type(name).__name__})"
+    elif name in RESERVED:
+        problem = "is reserved for the atom counts"
+    elif name in ("", ".", ".."):
+        problem = "is not a name"
+    elif "\0" in name:
+        problem = "holds a NUL byte"
+    elif "/" in name:
+        problem = "holds a '/' (an HDF5 group)"
+    else:
+        return
+    droppable = isinstance(name, str) and name == name.strip() != "" and \
+        name not in RESERVED and not {"\0", ","} & set(name)  # what --drop A,B can name
+    hint = (f"`segcli convert --rename {shlex.quote(name + '=NEW')}` renames it, "
+            f"`--drop {shlex.quote(name)}` leaves it out" if droppable
+            else "`segcli convert --fields` naming the other fields leaves it out")
+    raise DataError(f"{path}: structure {index}: field name {name!r} {problem}; {hint}")
+
+
+class Schema(dict):
+    """Fields seen so far (name -> FieldInfo); dtypes promote as NumPy does, shapes must agree,
+    names must be fields' (see check_name), but for results' (GROUP/NAME)."""
+
+    def add(self, path, info, index, result=False):
+        """Add a field (or with `result`, a result) found in structure `index` of `path`."""
         known = self.get(info.name)
         if known is None:
+            if not result:
+                check_name(path, index, info.name)
             self[info.name] = info
         elif (known.per, known.shape) != (info.per, info.shape):
             raise DataError(

@@ -4,33 +4,31 @@
 The comment line goes through ASE's own `key_val_str_to_dict` and `parse_properties`; the atom
 lines are split once and each column block converted by NumPy with Python's `float` and `int`
 rules. A structure with anything else (cell vectors as VEC lines, a missing or extra column, an
-unknown element, Properties that ASE maps in other ways, ...) raises `Unsupported`, and the
-caller reads the rest with ASE.
+unknown element, Properties that ASE maps in other ways, ...) is read by ASE alone, from its
+own lines.
 """
 
+import io
 from functools import lru_cache
 from itertools import islice
 
 import numpy as np
 
 from segcli.errors import DataError
-from segcli.io.asefiles import structure_piece
+from segcli.io.asefiles import (
+    DECOMPRESSION_ERRORS,
+    atoms_piece,
+    decompression_error,
+    structure_piece,
+)
 
 DEFAULT_PROPERTIES = "species:S:1:pos:R:3"  # what ASE assumes without Properties
 DTYPES = {"R": np.float64, "I": np.int32, "L": np.bool_}  # ASE's column dtypes
 BOOLS = {"T": True, "F": False, "True": True, "False": False}
 # Columns that ASE passes to Atoms() or drops (constraints), with the types and widths handled
-SPECIAL = {"numbers": {("I", 1)}, "symbols": {("S", 1)}, "positions": {("R", 3)},
+SPECIAL = {"numbers": {("I", 1), ("R", 1)}, "symbols": {("S", 1)}, "positions": {("R", 3)},
            "initial_charges": {("R", 1)}, "move_mask": {("L", 1), ("L", 3)}}
 RAW_RESULTS = {"energy", "magmom", "free_energy"}  # SinglePointCalculator keeps these as given
-
-
-class Unsupported(Exception):
-    """A structure that only ASE reads exactly; `index` is the first structure not yielded."""
-
-    def __init__(self, index):
-        super().__init__(index)
-        self.index = index
 
 
 @lru_cache(maxsize=64)
@@ -74,7 +72,8 @@ def convert(block, ptype):
 def parse_frame(lines, n, species):
     """(arrays, cell, pbc, info, results) of one structure from its comment and atom lines,
     as the Atoms that ASE builds holds them (arrays in atoms.arrays order, results as its
-    SinglePointCalculator keeps them); raises on anything the fast path does not handle."""
+    SinglePointCalculator keeps them; atomic numbers of a float column as floats, which
+    `structure_piece` checks); raises on anything the fast path does not handle."""
     from ase.calculators.calculator import all_properties
     from ase.io.extxyz import key_val_str_to_dict, per_config_properties
 
@@ -96,8 +95,9 @@ def parse_frame(lines, n, species):
         parsed[name] = block if ptype == "S" else convert(block, ptype)
     numbers = parsed.pop("numbers", None)
     symbols = parsed.pop("symbols", None)
-    arrays = {"numbers": (numbers.astype(np.int64) if numbers is not None
-                          else atomic_numbers(symbols.tolist(), species)),
+    if numbers is None:
+        numbers = atomic_numbers(symbols.tolist(), species)
+    arrays = {"numbers": numbers if numbers.dtype.kind == "f" else numbers.astype(np.int64),
               "positions": parsed.pop("positions")}
     if "initial_charges" in parsed:
         arrays["initial_charges"] = parsed.pop("initial_charges")
@@ -121,44 +121,114 @@ def parse_frame(lines, n, species):
     return arrays, cell, pbc, info, results
 
 
-def _not_text(path, index, err):
-    return DataError(f"{path}: structure {index} is not UTF-8 text (byte "
-                     f"{err.object[err.start]:#04x}: {err.reason})")
+def _not_text(path):
+    """DataError naming the first line of `path` (decompressed) that is not UTF-8."""
+    from ase.io.formats import open_with_compression
+
+    with open_with_compression(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            err = _utf8_error(line)
+            if err:
+                return DataError(f"{path}: line {number} is not UTF-8 text (byte "
+                                 f"{err.object[err.start]:#04x}: {err.reason})")
+    return DataError(f"{path}: not UTF-8 text")
+
+
+def _utf8_error(data):
+    """The UnicodeDecodeError of decoding `data` as UTF-8, or None."""
+    try:
+        data.decode()
+    except UnicodeDecodeError as err:
+        return err
+    return None
+
+
+class _Lines:
+    """The lines of a text file, numbered; DataError for text that is not UTF-8 or compressed
+    data that is cut short or corrupt."""
+
+    def __init__(self, path, file):
+        self.path, self._file, self.number = path, file, 0
+
+    def read(self, count=1):
+        """The next `count` lines (fewer at the end of the file)."""
+        try:
+            lines = list(islice(self._file, count))
+        except UnicodeDecodeError:
+            raise _not_text(self.path) from None
+        except DECOMPRESSION_ERRORS as err:
+            raise decompression_error(self.path, err) from None
+        self.number += len(lines)
+        return lines
+
+    def header(self):
+        """The next line that is not blank, "" at the end of the file."""
+        while True:
+            line = "".join(self.read())
+            if not line or line.strip():
+                return line
+
+
+def _count(path, lines, header, index):
+    """The atom count on a header line; DataError naming the line when it holds none."""
+    try:
+        n = int(header)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise DataError(f"{path}: line {lines.number}: expected the atom count of structure "
+                        f"{index}, found {header.strip()[:60]!r}")
+    return n
+
+
+def _ase_frame(path, index, text):
+    """One structure read by ASE alone from its `text`, as `atoms_piece` makes it."""
+    import ase.io
+
+    try:
+        atoms = ase.io.read(io.StringIO(text), format="extxyz")
+    except Exception as err:
+        raise DataError(f"{path}: ASE cannot read structure {index} as extxyz "
+                        f"({type(err).__name__}: {err})") from err
+    return atoms_piece(path, atoms, index)
 
 
 def pieces(path, start, stop):
     """Yield a piece per structure from `start` to `stop` (None: the end), as `atoms_piece`
-    makes them from what ASE reads; raise Unsupported at the first structure that ASE would
-    read otherwise, or that it would fail on."""
+    makes them from what ASE reads of each; a structure that the fast path does not handle
+    (or that it fails on) is read by ASE alone. Blank lines between structures are skipped
+    (ASE's own reader ends the file at the first); anything else where an atom count belongs
+    is a DataError naming the line."""
     from ase.io.formats import open_with_compression
 
     species = {}
     with open_with_compression(path, "r") as f:
-        index = 0
-        try:
-            header = f.readline()
-        except UnicodeDecodeError as err:
-            raise _not_text(path, index, err) from err
-        while header.strip():  # like ASE, a blank line ends the file
-            try:
-                n = int(header)
-                if stop is not None and index >= stop:
-                    return
-                lines = list(islice(f, n + 1))
-                header = f.readline()
-                if len(lines) <= n:
-                    raise DataError(f"{path}: structure {index} claims {n} atoms, but the file "
-                                    f"ends {max(len(lines) - 1, 0)} atom line(s) later")
-                if n < 1 or header.lstrip().startswith("VEC"):
-                    raise ValueError("a frame that ASE reads otherwise")
-                if index >= start:
-                    frame = parse_frame(lines, n, species)
-            except DataError:
-                raise
-            except UnicodeDecodeError as err:
-                raise _not_text(path, index, err) from err
-            except Exception as err:
-                raise Unsupported(max(index, start)) from err
+        lines, index = _Lines(path, f), 0
+        header = lines.header()
+        while header and (stop is None or index < stop):
+            n = _count(path, lines, header, index)
+            frame = lines.read(n + 1)
+            if len(frame) <= n:
+                raise DataError(f"{path}: structure {index} claims {n} atoms, but the file "
+                                f"ends {max(len(frame) - 1, 0)} atom line(s) later")
+            following, vectors = lines.header(), []
+            while following.lstrip().startswith("VEC"):
+                vectors.append(following)
+                following = lines.header()
             if index >= start:
-                yield structure_piece(path, index, n, *frame)
+                yield _piece(path, index, n, [header, *frame, *vectors], species)
+            header = following
             index += 1
+
+
+def _piece(path, index, n, text, species):
+    """The piece of one structure from its lines: the fast path's, or ASE's where that does
+    not apply (no atoms, VEC lines, ...)."""
+    if n and len(text) == n + 2:
+        try:
+            return structure_piece(path, index, n, *parse_frame(text[1:], n, species))
+        except DataError:
+            raise
+        except Exception:  # noqa: BLE001  (what the fast path does not handle: ASE reads it)
+            pass
+    return _ase_frame(path, index, "".join(text))

@@ -12,7 +12,13 @@ from typing import NamedTuple
 
 from segcli.errors import DataError
 from segcli.io.asedb import DatabaseBatch
-from segcli.io.asefiles import AseBatch, ExtxyzBatch, ase_format
+from segcli.io.asefiles import (
+    DECOMPRESSION_ERRORS,
+    AseBatch,
+    ExtxyzBatch,
+    ase_format,
+    decompression_error,
+)
 from segcli.io.core import EmptyBatch
 
 HEAD_BYTES = 2048  # what content detection reads of a file (decompressed, as ASE reads it)
@@ -129,19 +135,23 @@ COMPRESSIONS = {b"\x1f\x8b": "gzip", b"BZh": "bz2", b"\xfd7zXZ\x00": "lzma"}
 
 def head(path):
     """The first HEAD_BYTES of a file, decompressed when its content is gzip, bzip2 or xz (as
-    ASE reads such files); b"" if unreadable."""
+    ASE reads such files); b"" if unreadable; DataError when its compressed data ends there
+    or is corrupt."""
     import importlib
 
     try:
         with open(path, "rb") as f:
             start = f.read(HEAD_BYTES)
-        module = next((m for magic, m in COMPRESSIONS.items() if start.startswith(magic)), None)
-        if module is None:
-            return start
+    except (OSError, ValueError):
+        return b""
+    module = next((m for magic, m in COMPRESSIONS.items() if start.startswith(magic)), None)
+    if module is None:
+        return start
+    try:
         with importlib.import_module(module).open(path, "rb") as f:
             return f.read(HEAD_BYTES)
-    except (OSError, EOFError, ValueError):
-        return b""
+    except DECOMPRESSION_ERRORS as err:
+        raise decompression_error(path, err) from None
 
 
 def detect(path):

@@ -60,7 +60,7 @@ def _join(layouts, name):
     for layout in layouts:
         for info in layout.result_fields.values():
             if info.name not in stored:
-                result_fields.add(layout.sources[0], info, 0)
+                result_fields.add(layout.sources[0], info, 0, result=True)
         results = {**layout.results, **results}
     parts = zip(*(layout[2:7] for layout in layouts))
     return Layout(name, os.getcwd(), *(sum(part, ()) for part in parts), dict(stored),
@@ -114,22 +114,70 @@ def _check_readable(path):
         raise DataError(f"{path}: cannot read (permission denied)")
 
 
-def _spooled_stdin():
-    """The path of a temporary copy of stdin, read as extxyz (removed at exit): what `-` as
-    FILE stands for, since readers need to seek. DataError for a terminal or nothing."""
+def _spooled(source, name):
+    """The path of a temporary copy of binary stream `source`, at `name` (a relative or
+    absolute path) under a new temporary directory that is removed at exit: what a stream as
+    FILE stands for, since readers need to seek; messages show `name` in it, and ASE sees its
+    file name."""
     import atexit
     import shutil
     import tempfile
 
+    from segcli.errors import hold_signals, release_signals
+
+    hold_signals()
+    try:
+        directory = tempfile.mkdtemp(prefix="segcli-spool-")
+        atexit.register(shutil.rmtree, directory, True)
+    finally:
+        release_signals()
+    path = os.path.join(directory, name.lstrip(os.sep))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as spool:
+        shutil.copyfileobj(source, spool, 1 << 20)
+    return path
+
+
+def _spooled_stdin():
+    """The path of a temporary copy of stdin, read as extxyz (see _spooled): what `-` as FILE
+    stands for. DataError for a terminal or nothing."""
     if standard_input().isatty():
         raise DataError("-: reads extxyz from stdin, which is a terminal (pipe a file into it)")
-    fd, path = tempfile.mkstemp(prefix="segcli-stdin-", suffix=".extxyz")
-    atexit.register(lambda: os.path.exists(path) and os.remove(path))
-    with os.fdopen(fd, "wb") as spool:
-        shutil.copyfileobj(standard_input().buffer, spool, 1 << 20)
+    path = _spooled(standard_input().buffer, "stdin.extxyz")
     if not os.path.getsize(path):
         raise DataError("-: stdin holds no structure (it is empty)")
     return path
+
+
+def is_stream(spec):
+    """Whether FILE `spec` is read through a temporary copy (see _spooled): `-` (stdin), a pipe
+    or FIFO (`<(cat a.extxyz)`), or a file that stat calls empty but has content (/proc/...)."""
+    import stat
+
+    if spec == "-":
+        return True
+    try:
+        mode = os.stat(spec).st_mode
+        if stat.S_ISFIFO(mode):
+            return True
+        if not stat.S_ISREG(mode) or os.path.getsize(spec):
+            return False
+        with open(spec, "rb") as file:
+            return bool(file.read(1))
+    except OSError:
+        return False
+
+
+def _seekable(path):
+    """`path`, or a temporary copy of it where it is a stream (see is_stream)."""
+    if not is_stream(path):
+        return path
+    try:
+        stream = open(path, "rb")  # noqa: SIM115 (closed below)
+    except OSError:
+        return path  # open_batch names what is wrong
+    with stream:
+        return _spooled(stream, os.path.abspath(path))
 
 
 def _expand(spec):
@@ -139,7 +187,7 @@ def _expand(spec):
     if os.path.isdir(spec):
         return _directory(spec)
     if os.path.lexists(spec):
-        return [spec]
+        return [_seekable(spec)]
     if spec.startswith("@"):
         paths = _listed(spec)
     elif glob.has_magic(spec):
@@ -155,7 +203,7 @@ def _expand(spec):
         elif not os.path.lexists(path):
             raise DataError(f"{path}: no such file ({spec} names it)")
         else:
-            out.append(path)
+            out.append(_seekable(path))
     return out
 
 

@@ -419,17 +419,13 @@ class BatchWriter:
             for per, data in (("atom", p.atoms), ("structure", p.structures)):
                 for name in data:
                     first_seen.setdefault(name, (per, p))
-        for name, (_, p) in first_seen.items():
-            if "/" in name and name not in self.schema and name not in self._results:
-                raise DataError(f"{path}: field '{name}' holds '/', which HDF5 reads as a group "
-                                f"(structure {p.start}); give it another name: --rename "
-                                f"{name}=NEW")
         late = [name for name in first_seen if name not in self.schema and self.n_structures]
         for name in late:
             check_fill(self._first_path, 0, name, self._fill)
         for name, (per, p) in first_seen.items():
             array = (p.atoms if per == "atom" else p.structures)[name]
-            self.schema.add(path, FieldInfo(name, per, array.shape[1:], array.dtype), p.start)
+            self.schema.add(path, FieldInfo(name, per, array.shape[1:], array.dtype), p.start,
+                            result=name in self._results)
         chunk = merge_pieces(path, pieces, self.schema, self._fill)
         self._extend("structures", "n_atoms", self.n_structures, chunk.n_atoms)
         for name, info in list(self.schema.items()):
