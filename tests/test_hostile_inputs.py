@@ -316,6 +316,14 @@ def test_file_names_that_are_not_utf8_are_read_and_printed(tmp_path):
     assert result.exit_code == 0, result.output
     got = np.loadtxt(io.StringIO(result.stdout), delimiter=",", skiprows=1)
     assert np.allclose(got[:, 1:], [a.positions.max(axis=0) for a in expected], rtol=1e-6)
+    converted = os.fsdecode(directory + b"/o\xff.h5")
+    for args in (["reduce", converted, "sum", "positions", "-o", tmp_path / "r.h5"],
+                 ["select", converted, "--where", "energy < 0", "-o", tmp_path / "s.h5"]):
+        result = run(*args)
+        assert result.exit_code == 0, result.output
+    with h5py.File(tmp_path / "r.h5") as r, h5py.File(tmp_path / "s.h5") as s:
+        assert r.attrs["sources"].tolist() == [f"{tmp_path}/o\\xff.h5"]
+        assert s.attrs["selected_from"] == f"{tmp_path}/o\\xff.h5"
     result = run("info", os.fsdecode(directory + b"/missing\xff.h5"))
     assert_one_line_error(result, f"{tmp_path}/missing\\udcff.h5: no such file")
     result = subprocess.run([sys.executable, "-m", "segcli", "info", path], capture_output=True,

@@ -72,6 +72,7 @@ def select(file, output, conditions, structures_from, force, quiet):
 
     from segcli.cli.common import input_paths
     from segcli.io import open_inputs
+    from segcli.io.core import path_text
     from segcli.io.export import export, export_format
     from segcli.io.subset import write_subset
     from segcli.io.writers import refuse_overwrite
@@ -91,8 +92,8 @@ def select(file, output, conditions, structures_from, force, quiet):
             keep &= where_mask(batch, conditions)
         with progress(not quiet, f"writing {output}", len(keep)) as bar:
             if fmt is None:
-                kept, atoms = write_subset(batch, keep, output, {"selected_from": file}, bar,
-                                           force)
+                kept, atoms = write_subset(batch, keep, output,
+                                           {"selected_from": path_text(file)}, bar, force)
             else:
                 kept, atoms = export(paths, output, fmt, keep=keep, force=force, progress=bar)
     if not quiet:

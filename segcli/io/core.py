@@ -1,5 +1,6 @@
 """What every reader shares: field descriptions, chunks of whole structures, derived fields."""
 
+import os
 import sys
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -20,6 +21,12 @@ def held(dtype):
     """What a field of `dtype` holds, for messages: "strings" or e.g. "int32 values"."""
     return "strings" if dtype == STRING else f"{dtype} values"
 
+
+
+def path_text(path):
+    """A file's path as text that HDF5 stores (UTF-8): bytes of the name that are not UTF-8
+    as backslash escapes."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
 def standard_input():

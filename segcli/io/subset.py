@@ -5,7 +5,7 @@ import os
 import numpy as np
 
 from segcli.errors import DataError
-from segcli.io.core import Chunk
+from segcli.io.core import Chunk, path_text
 from segcli.io.formats import capable
 from segcli.io.hdf5 import plain, read_rows
 from segcli.io.writers import BatchWriter, ensure_room, new_output
@@ -41,7 +41,8 @@ def write_subset(batch, keep, output, attrs=None, progress=None, force=False):
             if source is None:
                 _stream(batch, keep, h5, progress)
                 if len(batch.sources) > 1:
-                    h5.attrs["sources"] = np.array(batch.sources, dtype=h5py.string_dtype())
+                    h5.attrs["sources"] = np.array([path_text(p) for p in batch.sources],
+                                                   dtype=h5py.string_dtype())
             else:
                 _copy(batch, keep, source, h5, progress)
             for key, value in (attrs or {}).items():

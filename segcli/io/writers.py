@@ -26,6 +26,7 @@ from segcli.io.core import (
     check_fill,
     fill_value,
     merge_pieces,
+    path_text,
 )
 from segcli.io.formats import capable
 
@@ -364,7 +365,7 @@ class ResultWriter:
 
         if self.in_place:
             raise ValueError("ResultWriter: sources describe the structures of a new file")
-        self._h5.attrs["sources"] = np.array([os.fspath(p) for p in paths],
+        self._h5.attrs["sources"] = np.array([path_text(p) for p in paths],
                                              dtype=h5py.string_dtype())
         self._h5.create_dataset("structures/source", data=np.asarray(source, np.int32))
         self._h5.create_dataset("structures/source_index", data=np.asarray(source_index, np.int64))
