@@ -9,7 +9,7 @@ import pytest
 from ase import Atoms
 from ase.build import bulk, fcc111, molecule
 from ase.calculators.singlepoint import SinglePointCalculator
-from ase.constraints import FixAtoms
+from ase.constraints import FixAtoms, FixCartesian
 from batch_reference import write_batch
 from click.testing import CliRunner
 
@@ -74,10 +74,15 @@ def test_a_mixed_dataset_exported_is_what_ase_wrote(tmp_path, suffix):
     h5 = tmp_path / "in.h5"
     assert run("convert", tmp_path / "in.extxyz", "-o", h5, "--fill-missing", "nan",
                "--quiet").exit_code == 0
-    with h5py.File(h5, "a") as f:  # the constraint as a field (what convert keeps of it)
-        fixed = np.concatenate([np.isin(np.arange(len(a)), a.constraints[0].index)
-                                if a.constraints else np.zeros(len(a), bool) for a in frames])
-        f["atoms/fixed"] = fixed
+    with h5py.File(h5) as f:  # the constraints as a field, in the structures that have them
+        surfaces = [a for a in frames if a.constraints]
+        np.testing.assert_array_equal(f["present/fixed"][()], [bool(a.constraints)
+                                                               for a in frames])
+        start = np.cumsum([0] + [len(a) for a in frames])
+        rows = np.concatenate([np.arange(start[i], start[i + 1])
+                               for i, a in enumerate(frames) if a.constraints])
+        np.testing.assert_array_equal(f["atoms/fixed"][()][rows], np.concatenate(
+            [np.isin(np.arange(len(a)), a.constraints[0].index) for a in surfaces]))
     out = tmp_path / f"out{suffix}"
     result = run("convert", h5, "-o", out)
     assert result.exit_code == 0, result.output
@@ -140,3 +145,33 @@ def test_export_refusals_leave_nothing(tmp_path):
     assert run("convert", tmp_path / "one.extxyz", "-o", tmp_path / "POSCAR.vasp",
                "--quiet").exit_code == 0
     assert_same([one], [ase.io.read(tmp_path / "POSCAR.vasp")], constraints=False)
+
+
+def cartesian_masks(atoms):
+    """(n, 3) bool: the coordinates that FixAtoms or FixCartesian hold still."""
+    held = np.zeros((len(atoms), 3), bool)
+    for c in atoms.constraints:
+        held[c.index] |= np.asarray(getattr(c, "mask", (True, True, True)), bool)
+    return held
+
+
+@pytest.mark.parametrize("suffix", [".extxyz", ".traj"])
+def test_fix_atoms_and_fix_cartesian_survive_convert_and_export(tmp_path, suffix):
+    frames = []
+    for i in range(3):
+        atoms = Atoms("H5", positions=np.random.default_rng(i).normal(size=(5, 3)))
+        atoms.set_constraint([FixAtoms([i]), FixCartesian([3, 4], (True, False, i == 1))])
+        frames.append(atoms)
+    source = tmp_path / f"in{suffix}"
+    ase.io.write(source, frames)
+    h5 = tmp_path / "in.h5"
+    assert run("convert", source, "-o", h5, "--quiet").exit_code == 0
+    with h5py.File(h5) as f:
+        held = f["atoms/fixed_cartesian"][()].reshape(3, 5, 3)
+        if "fixed" in f["atoms"]:  # a trajectory keeps FixAtoms as it is
+            held |= f["atoms/fixed"][()].reshape(3, 5, 1)
+    np.testing.assert_array_equal(held, [cartesian_masks(a) for a in frames])
+    out = tmp_path / f"out{suffix}"
+    assert run("convert", h5, "-o", out, "--quiet").exit_code == 0
+    np.testing.assert_array_equal([cartesian_masks(a) for a in ase.io.read(out, ":")],
+                                  [cartesian_masks(a) for a in frames])

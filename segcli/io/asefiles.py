@@ -58,19 +58,24 @@ def only(piece, keep):
 def atoms_piece(path, atoms, index):
     """One structure as a Chunk (see `structure_piece`)."""
     return structure_piece(path, index, len(atoms), atoms.arrays, atoms.cell.array, atoms.pbc,
-                           atoms.info, getattr(atoms.calc, "results", {}))
+                           atoms.info, getattr(atoms.calc, "results", {}),
+                           constraints=atoms.constraints)
 
 
-def structure_piece(path, index, n, arrays, cell, pbc, info, results, data=None):
+def structure_piece(path, index, n, arrays, cell, pbc, info, results, data=None,
+                    constraints=()):
     """One structure of n atoms as a Chunk: its numeric atoms.arrays and per-atom calculator
     results and `data` entries (an ASE database row's) per atom; cell, pbc, numeric and
-    string atoms.info entries and the other results and data per structure. DataError for
+    string atoms.info entries and the other results and data per structure; the atoms that
+    `constraints` (or an extxyz move_mask) hold still as booleans (see constraint_fields).
+    DataError for
     atomic numbers that are not integers, a string holding a NUL byte, and a name given twice
     with different values (`cell=3` beside a Lattice in an extxyz comment, a key both per
     atom and in info, ...)."""
     from ase.outputs import all_outputs
 
     per_atom = {k: v for k, v in arrays.items() if v.dtype.kind in NUMERIC_KINDS}
+    per_atom.update(constraint_fields(n, constraints, per_atom.pop("move_mask", None)))
     if "numbers" in per_atom and per_atom["numbers"].dtype.kind == "f":
         per_atom["numbers"] = _atomic_numbers(path, index, per_atom["numbers"])
     per_structure = {"cell": cell[np.newaxis], "pbc": pbc[np.newaxis]}
@@ -101,6 +106,25 @@ def structure_piece(path, index, n, arrays, cell, pbc, info, results, data=None)
                 atom = prop.shapespec[:1] == ("natoms",) if prop else array.shape[:1] == (n,)
                 add(key, array, atom, source)
     return Chunk(index, np.array([n], np.int64), per_atom, per_structure)
+
+
+def constraint_fields(n, constraints, move_mask=None):
+    """The per-atom boolean fields that hold ASE's constraints of a structure of n atoms:
+    `fixed` (n,), True where FixAtoms holds an atom, and `fixed_cartesian` (n, 3), True where
+    FixCartesian holds a coordinate; from an extxyz `move_mask` column (True where an atom or
+    coordinate moves) when the file was read without ASE. Other constraints are not kept."""
+    from ase.constraints import FixAtoms, FixCartesian
+
+    out = {}
+    if move_mask is not None:
+        out["fixed" if move_mask.ndim == 1 else "fixed_cartesian"] = ~move_mask.astype(bool)
+    for constraint in constraints:
+        if isinstance(constraint, FixAtoms):
+            out.setdefault("fixed", np.zeros(n, bool))[constraint.index] = True
+        elif isinstance(constraint, FixCartesian):
+            out.setdefault("fixed_cartesian", np.zeros((n, 3), bool))[constraint.index] |= \
+                np.asarray(constraint.mask, bool)
+    return out
 
 
 def _atomic_numbers(path, index, numbers):

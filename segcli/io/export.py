@@ -137,21 +137,34 @@ def _each_structure(chunks):
                    {k: v[s] for k, v in chunk.structures.items() if k not in absent}, n)
 
 
+def _constraints(per_atom):
+    """The ASE constraints that boolean `fixed` and `fixed_cartesian` fields (see
+    asefiles.constraint_fields) hold, popped from `per_atom`."""
+    from ase.constraints import FixAtoms, FixCartesian
+
+    constraints = []
+    if per_atom.get("fixed", np.zeros(0)).dtype == bool:
+        fixed = per_atom.pop("fixed")
+        if fixed.any():
+            constraints.append(FixAtoms(mask=fixed))
+    if per_atom.get("fixed_cartesian", np.zeros(0)).dtype == bool:
+        fixed = per_atom.pop("fixed_cartesian")
+        constraints.extend(FixCartesian(np.flatnonzero((fixed == mask).all(axis=1)), mask)
+                           for mask in np.unique(fixed[fixed.any(axis=1)], axis=0))
+    return constraints
+
+
 def _atoms(per_atom, per_structure, n):
     """An ase.Atoms of n atoms from one structure's field values (name -> array)."""
     from ase import Atoms
     from ase.calculators.singlepoint import SinglePointCalculator
-    from ase.constraints import FixAtoms
     from ase.outputs import all_outputs
 
     per_atom, per_structure = dict(per_atom), dict(per_structure)
     atoms = Atoms(numbers=per_atom.pop("numbers", np.zeros(n, int)),
                   positions=per_atom.pop("positions", None),
                   cell=per_structure.pop("cell", None), pbc=per_structure.pop("pbc", None))
-    if per_atom.get("fixed", np.zeros(0)).dtype == bool:
-        fixed = per_atom.pop("fixed")
-        if fixed.any():
-            atoms.set_constraint(FixAtoms(mask=fixed))
+    atoms.set_constraint(_constraints(per_atom))
     results = {}
     for per, values in (("atom", per_atom), ("structure", per_structure)):
         for name, value in values.items():

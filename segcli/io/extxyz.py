@@ -25,7 +25,7 @@ from segcli.io.asefiles import (
 DEFAULT_PROPERTIES = "species:S:1:pos:R:3"  # what ASE assumes without Properties
 DTYPES = {"R": np.float64, "I": np.int32, "L": np.bool_}  # ASE's column dtypes
 BOOLS = {"T": True, "F": False, "True": True, "False": False}
-# Columns that ASE passes to Atoms() or drops (constraints), with the types and widths handled
+# Columns that ASE passes to Atoms() or makes constraints of, with the types and widths handled
 SPECIAL = {"numbers": {("I", 1), ("R", 1)}, "symbols": {("S", 1)}, "positions": {("R", 3)},
            "initial_charges": {("R", 1)}, "move_mask": {("L", 1), ("L", 3)}}
 RAW_RESULTS = {"energy", "magmom", "free_energy"}  # SinglePointCalculator keeps these as given
@@ -99,9 +99,9 @@ def parse_frame(lines, n, species):
         numbers = atomic_numbers(symbols.tolist(), species)
     arrays = {"numbers": numbers if numbers.dtype.kind == "f" else numbers.astype(np.int64),
               "positions": parsed.pop("positions")}
-    if "initial_charges" in parsed:
-        arrays["initial_charges"] = parsed.pop("initial_charges")
-    parsed.pop("move_mask", None)
+    for name in ("initial_charges", "move_mask"):  # move_mask: constraints, as atoms_piece
+        if name in parsed:
+            arrays[name] = parsed.pop(name)
 
     results = {}
     for name, array in parsed.items():
