@@ -183,8 +183,9 @@ def convert(inputs, output, compression, chunk_atoms, fill_missing, fields, drop
     An OUTPUT named for another format (out.extxyz, out.traj, out.db) gets every structure
     as ASE writes it: positions, numbers, cell and pbc, calculator results (energy, forces,
     stress, ...), constraints from `fixed` (FixAtoms) and `fixed_cartesian` (FixCartesian),
-    which convert keeps them as, other per-atom fields as arrays and per-structure ones as info (key-value pairs in a database), stored results
-    included; a structure without a field is written without it.
+    which convert keeps them as, other per-atom fields as arrays and per-structure ones as
+    info (key-value pairs in a database), stored results included; a structure without a
+    field is written without it.
 
     \b
     Example:
