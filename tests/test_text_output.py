@@ -249,3 +249,12 @@ def test_an_output_named_csv_json_or_npy_holds_what_stdout_gets(tmp_path):
     assert result.exit_code == 1 and "already exists; use --force" in result.output
     assert (tmp_path / "kept.csv").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f.h5", "kept.csv"]
+
+
+@pytest.mark.parametrize("command", [["stats", "{f}", "x"], ["merge", "{f}"]])
+def test_commands_that_write_hdf5_refuse_another_suffix(tmp_path, command):
+    path = write_batch(tmp_path / "f.h5", [1], {"x": np.ones((1, 3))})
+    for name, code in (("out.csv", 2), ("out.JSON", 2)):
+        result = invoke(*[part.format(f=path) for part in command], "-o", tmp_path / name)
+        assert result.exit_code == code and f"{command[0]} writes segcli HDF5" in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.h5"]

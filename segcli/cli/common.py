@@ -18,6 +18,15 @@ def result_name(ctx, param, name):
     return name
 
 
+def hdf5_output(ctx, param, output):
+    """Click callback: an -o that names a segcli HDF5 file (.h5, .hdf5 or no suffix)."""
+    suffix = os.path.splitext(os.path.basename(output or ""))[1].lower()
+    if suffix not in ("", ".h5", ".hdf5"):
+        raise click.BadParameter(f"{output}: {ctx.command.name} writes segcli HDF5; name it "
+                                 ".h5 or .hdf5")
+    return output
+
+
 CHUNK_ATOMS = click.IntRange(min=1, max=1 << 62)
 """--chunk-atoms: at least one atom, at most what a chunk's atom count can hold."""
 

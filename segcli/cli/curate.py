@@ -11,6 +11,7 @@ from segcli.cli.common import (
     CHUNK_ATOMS,
     check_cluster_usage,
     cluster_options,
+    hdf5_output,
     input_paths,
     note,
     on_cluster,
@@ -64,7 +65,7 @@ def _element(z):
               help="Per-structure fields divided by each structure's atom count first "
                    "(energy per atom; structures without atoms are left out).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
-@click.option("-o", "--output", type=click.Path(dir_okay=False),
+@click.option("-o", "--output", type=click.Path(dir_okay=False), callback=hdf5_output,
               help="Write the statistics to a new HDF5 file instead (/stats/FIELD: count, "
                    "mean, m2, min, max, std, rms).")
 @click.option("--force", is_flag=True, help="Overwrite OUTPUT if it exists.")

@@ -2,11 +2,13 @@
 
 import click
 
+from segcli.cli.common import hdf5_output
+
 
 @click.command(short_help="Join shard outputs into one file.")
 @click.argument("parts", metavar="PART...", nargs=-1, required=True)
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
-              help="The file to write.")
+              callback=hdf5_output, help="The segcli HDF5 file to write.")
 @click.option("--virtual", is_flag=True,
               help="Map the results onto the parts as HDF5 virtual datasets (by paths relative "
                    "to OUTPUT) instead of copying them.")
