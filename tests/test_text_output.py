@@ -258,3 +258,12 @@ def test_commands_that_write_hdf5_refuse_another_suffix(tmp_path, command):
         result = invoke(*[part.format(f=path) for part in command], "-o", tmp_path / name)
         assert result.exit_code == code and f"{command[0]} writes segcli HDF5" in result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f.h5"]
+
+
+@pytest.mark.parametrize("command", [["reduce", "{f}", "sum", "x"], ["convert", "{f}"],
+                                     ["select", "{f}", "--where", "e < 1"],
+                                     ["stats", "{f}", "x"]])
+def test_an_empty_output_name_is_a_usage_error(tmp_path, command):
+    path = write_batch(tmp_path / "f.h5", [1], {"x": np.ones((1, 3))}, {"e": [0.0]})
+    result = invoke(*[part.format(f=path) for part in command], "-o", "")
+    assert result.exit_code == 2 and "'' names no file" in result.output, result.output

@@ -18,8 +18,16 @@ def result_name(ctx, param, name):
     return name
 
 
+def output_name(ctx, param, output):
+    """Click callback: an -o that names a file (not an empty name, nor a directory's)."""
+    if output is not None and (not output or output.endswith(os.sep)):
+        raise click.BadParameter(f"{output!r} names no file")
+    return output
+
+
 def hdf5_output(ctx, param, output):
     """Click callback: an -o that names a segcli HDF5 file (.h5, .hdf5 or no suffix)."""
+    output = output_name(ctx, param, output)
     suffix = os.path.splitext(os.path.basename(output or ""))[1].lower()
     if suffix not in ("", ".h5", ".hdf5"):
         raise click.BadParameter(f"{output}: {ctx.command.name} writes segcli HDF5; name it "

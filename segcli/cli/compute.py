@@ -90,7 +90,7 @@ def _op_list(ctx, param, words):
 def _shared_options(command):
     """The options reduce and grad share (SPEC §3)."""
     options = [
-        click.option("-o", "--output", type=click.Path(dir_okay=False),
+        click.option("-o", "--output", type=click.Path(dir_okay=False), callback=common.output_name,
                      help="Write a new file instead of printing to stdout: segcli HDF5 "
                           "(.h5, .hdf5) holding /structures/n_atoms and /results/NAME, or "
                           "the table stdout would get (.csv, .json, .jsonl, .npy)."),

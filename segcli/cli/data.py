@@ -4,7 +4,14 @@ import json
 
 import click
 
-from segcli.cli.common import CHUNK_ATOMS, note, progress, refuse_output_among_inputs, table
+from segcli.cli.common import (
+    CHUNK_ATOMS,
+    note,
+    output_name,
+    progress,
+    refuse_output_among_inputs,
+    table,
+)
 
 
 def describe(batch):
@@ -144,6 +151,7 @@ def _pairs(ctx, param, texts):
 @click.command()
 @click.argument("inputs", metavar="INPUT...", nargs=-1, required=True)
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
+              callback=output_name,
               help="The file to write: segcli HDF5 (.h5, .hdf5), or any format ASE writes, "
                    "by its name (.extxyz, .traj, .db, ...; .gz, .bz2, .xz compress).")
 @click.option("--compression", type=click.Choice(["gzip", "lzf"]),

@@ -3,7 +3,7 @@
 
 import click
 
-from segcli.cli.common import note, progress, refuse_output_among_inputs
+from segcli.cli.common import note, output_name, progress, refuse_output_among_inputs
 
 
 def _conditions(ctx, param, texts):
@@ -33,6 +33,7 @@ def _listed(path, n_structures):
 @click.command()
 @click.argument("file")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
+              callback=output_name,
               help="The new segcli HDF5 file.")
 @click.option("--where", "conditions", multiple=True, metavar="'NAME OP VALUE'",
               callback=_conditions,
