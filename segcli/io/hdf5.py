@@ -85,7 +85,7 @@ def _check_text(path, texts, what):
         raise DataError(f"{path}: {what} holds {bad[0]!r}, which is not UTF-8 text")
 
 
-def _check_attributes(path, obj, where, limit):
+def check_attributes(path, obj, where, limit=ATTRIBUTE_BYTES):
     """DataError unless each attribute of `obj` (a File, Group, Dataset or Datatype at `where`)
     has a UTF-8 name and holds numbers, or UTF-8 text, in at most `limit` bytes, checked by
     its size in the file before it is read."""
@@ -123,15 +123,15 @@ def _kind(dtype):
 
 def check_metadata(path, h5, limit=ATTRIBUTE_BYTES):
     """DataError naming the first object of the open file `h5` (at `path`) whose name is not
-    UTF-8 or whose attributes segcli cannot read safely (see _check_attributes); every link
+    UTF-8 or whose attributes segcli cannot read safely (see check_attributes); every link
     is checked, every object that a hard link reaches read no further than its header."""
-    _check_attributes(path, h5, "/", limit)
+    check_attributes(path, h5, "/", limit)
     names = []
     h5.id.links.visit(names.append)
     for raw in names:
         name = f"/{_utf8(path, raw, 'an object')}"
         if h5.id.links.get_info(raw).type == h5py.h5l.TYPE_HARD:
-            _check_attributes(path, h5[name], name, limit)
+            check_attributes(path, h5[name], name, limit)
 
 
 def read_rows(path, ds, lo, hi, out=None):
