@@ -144,3 +144,24 @@ def test_hostile_metadata_is_refused_in_one_line(tmp_path, case):
     with h5py.File(path, "r+", libver=("v108", "latest")) as f:  # attributes of any size
         damage(f, tmp_path)
     assert_refused(path, *needles)
+
+
+@pytest.mark.parametrize("offset", [140, 700, 1008, 1302, 1869, 2058])
+def test_damaged_metadata_is_named_by_the_reader(tmp_path, offset):
+    """A byte of the metadata (superblock, object headers, B-trees, heaps) flipped: every
+    command says the file is damaged."""
+    path = batch(tmp_path / "batch.h5")
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert_refused(path, "damaged HDF5 file")
+
+
+def test_a_structure_larger_than_memory_is_refused(tmp_path):
+    """n_atoms claiming 10**12 atoms in a file without per-atom data: count would need ids for
+    every atom at once, so the structure is named, not allocated."""
+    path = write_batch(tmp_path / "lying.h5", [10 ** 12, 3], {}, {"energy": np.zeros(2)})
+    result = run("reduce", path, "count", "--chunk-atoms", 1000)
+    assert result.exit_code == 1, result.output
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert f"{path}: structure 0 has 1000000000000 atoms" in result.stderr
