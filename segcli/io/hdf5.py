@@ -217,7 +217,7 @@ class SegcliBatch(Batch):
                     raise DataError(f"{path}: {where} holds {_kind(ds.dtype)}; a field holds "
                                     "numbers, booleans or strings")
                 self._check_rows(where, ds, per, rows[per])
-                self._check_written(where, ds)
+                self._check_written(where, ds, self._absent_rows(groups["present"].get(name), per))
                 if name in self._stored:
                     raise DataError(f"{path}: '{name}' is both in /atoms and in /structures")
                 self._stored[name] = FieldInfo(name, per, ds.shape[1:],
@@ -276,22 +276,32 @@ class SegcliBatch(Batch):
                             f"{np.argmax(running < 0)})")
         return counts
 
-    def _check_written(self, where, ds):
-        """DataError when part of dataset `ds` (at `where`) was never written, where HDF5 would
-        read its fill value: a chunked dataset missing chunks, a contiguous one without storage
-        (virtual ones are checked by _check_rows)."""
+    def _absent_rows(self, mask, per):
+        """How many rows (per `per`) belong to structures that /present/NAME, `mask`, says lack
+        the field (segcli leaves them unwritten, to read as the fill value); 0 without a
+        valid mask (see the check of /present)."""
+        if not (isinstance(mask, h5py.Dataset) and mask.shape == self.n_atoms.shape
+                and mask.dtype == bool):
+            return 0
+        lacking = ~read_rows(self.path, mask, 0, len(mask))
+        return int(self.n_atoms[lacking].sum()) if per == "atom" else int(lacking.sum())
+
+    def _check_written(self, where, ds, absent):
+        """DataError when dataset `ds` (at `where`) stores fewer elements than its rows but
+        `absent` ones need: HDF5 would read its fill value for the rest (a chunked dataset's
+        missing chunks, a contiguous one's missing storage). Virtual datasets are checked by
+        _check_rows."""
         if ds.is_virtual or ds.size == 0 or ds.external:
             return
         if ds.chunks:
-            have = ds.id.get_num_chunks()
-            need = math.prod(-(-n // c) for n, c in zip(ds.shape, ds.chunks))
+            stored = ds.id.get_num_chunks() * math.prod(ds.chunks)
         else:
-            have = ds.id.get_storage_size()
-            need = ds.size * ds.id.get_type().get_size()
-        if have < need:
-            unit = "chunks" if ds.chunks else "bytes"
-            raise DataError(f"{self.path}: {where} holds data for {have} of its {need} {unit} "
-                            "only; the rest was never written (HDF5 would read zeros)")
+            stored = ds.id.get_storage_size() // ds.id.get_type().get_size()
+        need = ds.size - absent * math.prod(ds.shape[1:])
+        if stored < need:
+            raise DataError(f"{self.path}: {where} stores {stored} of the {need} values its "
+                            "structures hold; the rest was never written (HDF5 would read "
+                            "zeros)")
 
     def _check_rows(self, where, ds, per, rows):
         """DataError unless dataset `ds` (at `where`), per `per`, has `rows` rows and, if it
@@ -357,7 +367,10 @@ class SegcliBatch(Batch):
         names = list(self._stored) if names is None else names
         bounds = start + np.array(plan_chunks(self.n_atoms[start:stop], chunk_atoms))
         per = {**self._result_fields, **self._stored}
+        row_bytes = sum(per[name].dtype.itemsize * math.prod(per[name].shape) for name in names
+                        if per[name].per == "atom")
         for a, b in itertools.pairwise(bounds):
+            check_memory(self.path, self.n_atoms[a:b], a, row_bytes)
             lo, hi = self._offsets[a], self._offsets[b]
             data = {"atom": {}, "structure": {}}
             present = {}
