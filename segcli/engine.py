@@ -13,6 +13,7 @@ Several jobs given to `run` share one read of the file and one compiled program 
 import contextlib
 import functools
 import itertools
+import math
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -322,10 +323,17 @@ def _padded_chunks(batch, jobs, chunk_atoms, structures, buffers, on_device=Fals
     _BufferRing); DataError if one holds NaN, with the count over the whole selection and the
     first structure. With `on_device` the NaN check and the expansion of the offsets into ids
     are left to the device (see compute)."""
+    from segcli.io.hdf5 import check_memory
+
     dtypes = field_dtypes(jobs)
     read = tuple(dtypes)
-    least = padded_size(batch.n_atoms[structures], chunk_atoms)
     fields, pieces = batch.fields, {}
+    # per atom: its segment id and each per-atom field, read and padded (to up to twice the rows)
+    row_bytes = 2 * (np.dtype(np.int32).itemsize + 2 * sum(
+        dtype.itemsize * math.prod(fields[name].shape) for name, dtype in dtypes.items()
+        if fields[name].per == "atom"))
+    check_memory(jobs[0].path, batch.n_atoms[structures], structures.start or 0, row_bytes)
+    least = padded_size(batch.n_atoms[structures], chunk_atoms)
 
     def into(name, rows):
         """A padded buffer to read the next piece of per-atom input `name` into, in a slot of

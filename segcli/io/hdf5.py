@@ -1,7 +1,10 @@
 """HDF5 files: the segcli-batch layout, and the conformer-group layout of ANI-1x, SPICE and
 Transition1x, read in place."""
 
+import contextlib
 import itertools
+import math
+import os
 
 import h5py
 import numpy as np
@@ -21,6 +24,114 @@ from segcli.io.core import (
 
 POSITION_NAMES = ("coordinates", "conformations", "positions")
 NUMBER_NAMES = ("atomic_numbers", "species")
+ATTRIBUTE_BYTES = 1 << 20
+"""The most an attribute of an input file may take in the file (a damaged one can claim
+gigabytes, which HDF5 would allocate before segcli could refuse them)."""
+HDF5_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError)
+"""What h5py raises for damaged metadata or data."""
+
+
+def available_memory():
+    """Bytes of memory this process can still take: the kernel's MemAvailable (Linux), else the
+    machine's physical memory."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        with open("/proc/meminfo") as meminfo:
+            line = next(line for line in meminfo if line.startswith("MemAvailable:"))
+        return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_memory(path, n_atoms, first, row_bytes):
+    """DataError naming the largest structure of `n_atoms` (structures numbered from `first`)
+    when its atoms, at `row_bytes` each, cannot fit in the memory available: a structure is
+    never split across chunks, whatever --chunk-atoms says."""
+    if not len(n_atoms):
+        return
+    largest = int(np.argmax(n_atoms))
+    need, have = int(n_atoms[largest]) * row_bytes, available_memory()
+    if need > have:
+        raise DataError(f"{path}: structure {first + largest} has {n_atoms[largest]} atoms, "
+                        f"which need {need} bytes at once, more than the {have} bytes of "
+                        "memory available")
+
+
+def damaged(path, err):
+    """The DataError for an HDF5 file that h5py cannot read (`err`: what it raised)."""
+    return DataError(f"{path}: damaged HDF5 file ({type(err).__name__}: {err})")
+
+
+def _utf8(path, raw, what):
+    """The name `raw` (bytes) of `what` as text; DataError when it is not UTF-8."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise DataError(f"{path}: the name of {what}, {raw!r}, is not UTF-8 text") from None
+
+
+def _is_utf8(item):
+    """Whether an attribute's string is UTF-8 text (h5py gives bytes, or str that hides
+    undecodable bytes as surrogates)."""
+    try:
+        item.decode("utf-8") if isinstance(item, bytes) else str(item).encode("utf-8")
+    except UnicodeError:
+        return False
+    return True
+
+
+def _check_text(path, texts, what):
+    """DataError unless every string of an attribute (`texts`) is UTF-8 text."""
+    bad = [item for item in texts if not _is_utf8(item)]
+    if bad:
+        raise DataError(f"{path}: {what} holds {bad[0]!r}, which is not UTF-8 text")
+
+
+def check_attributes(path, obj, where, limit=ATTRIBUTE_BYTES):
+    """DataError unless each attribute of `obj` (a File, Group, Dataset or Datatype at `where`)
+    has a UTF-8 name and holds numbers, or UTF-8 text, in at most `limit` bytes, checked by
+    its size in the file before it is read."""
+    for index in range(h5py.h5a.get_num_attrs(obj.id)):
+        attr = h5py.h5a.open(obj.id, index=index)
+        name = _utf8(path, attr.name, f"an attribute of {where}")
+        what = f"attribute {name} of {where}"
+        points = attr.get_space().get_simple_extent_npoints()
+        size = max(attr.get_storage_size(), points * attr.get_type().get_size())
+        if size > limit:
+            raise DataError(f"{path}: {what} takes {size} bytes, more than the {limit} that "
+                            "segcli reads of an attribute")
+        string = h5py.check_string_dtype(attr.dtype) is not None
+        if not (string or attr.dtype.kind in NUMERIC_KINDS):
+            raise DataError(f"{path}: {what} holds {_kind(attr.dtype)}, not numbers or text")
+        if string:  # variable-length text lies outside the attribute: its size is known once read
+            texts = np.ravel(np.asarray(obj.attrs[name], dtype=object))
+            size = sum(len(text) for text in texts)
+            if size > limit:
+                raise DataError(f"{path}: {what} holds {size} bytes of text, more than the "
+                                f"{limit} that segcli reads of an attribute")
+            _check_text(path, texts, what)
+
+
+def _kind(dtype):
+    """What values of an HDF5 type that segcli does not read are, for messages."""
+    if h5py.check_ref_dtype(dtype) is not None:
+        return "references"
+    if h5py.check_enum_dtype(dtype) is not None:
+        return f"enumerated values (an HDF5 enum of {dtype})"
+    if h5py.check_vlen_dtype(dtype) is not None:
+        return "variable-length sequences"
+    return f"{'compound' if dtype.names else 'opaque'} values of dtype {dtype}"
+
+
+def check_metadata(path, h5, limit=ATTRIBUTE_BYTES):
+    """DataError naming the first object of the open file `h5` (at `path`) whose name is not
+    UTF-8 or whose attributes segcli cannot read safely (see check_attributes); every link
+    is checked, every object that a hard link reaches read no further than its header."""
+    check_attributes(path, h5, "/", limit)
+    names = []
+    h5.id.links.visit(names.append)
+    for raw in names:
+        name = f"/{_utf8(path, raw, 'an object')}"
+        if h5.id.links.get_info(raw).type == h5py.h5l.TYPE_HARD:
+            check_attributes(path, h5[name], name, limit)
 
 
 def read_rows(path, ds, lo, hi, out=None):
@@ -35,7 +146,7 @@ def read_rows(path, ds, lo, hi, out=None):
             return ds[lo:hi]
         ds.read_direct(out, np.s_[lo:hi])
         return out
-    except (OSError, UnicodeDecodeError) as err:
+    except (*HDF5_ERRORS, UnicodeDecodeError) as err:
         raise DataError(f"{path}: cannot read {ds.name} rows {lo}:{hi} ({err})") from err
 
 
@@ -59,12 +170,13 @@ def open_file(path, batch_class):
                             "file lock); try again once it is done") from err
         raise DataError(f"{path}: truncated or corrupt HDF5 file ({err})") from err
     try:
+        check_metadata(path, h5)
         return batch_class(path, h5)
-    except (OSError, KeyError) as err:
-        h5.close()
-        raise DataError(f"{path}: corrupt HDF5 file ({err})") from err
-    except BaseException:
-        h5.close()
+    except BaseException as err:
+        with contextlib.suppress(*HDF5_ERRORS):
+            h5.close()
+        if isinstance(err, HDF5_ERRORS):
+            raise damaged(path, err) from err
         raise
 
 
@@ -79,38 +191,40 @@ class SegcliBatch(Batch):
         if plain(h5.attrs["format"]) != FORMAT:
             raise DataError(f"{path}: attribute format is {plain(h5.attrs['format'])!r}, "
                             f"not {FORMAT!r}")
-        if h5.attrs.get("version") != VERSION:
-            raise DataError(f"{path}: version {h5.attrs.get('version')} of {FORMAT} is not "
-                            f"supported (this segcli reads version {VERSION})")
-        counts = h5.get("structures/n_atoms")
+        version = plain(h5.attrs.get("version"))
+        if version != VERSION:
+            raise DataError(f"{path}: version {version!r} of {FORMAT} is not supported (this "
+                            f"segcli reads version {VERSION})")
+        groups = {name: self._group(name) for name in ("atoms", "structures", "present")}
+        counts = groups["structures"].get("n_atoms")
         if not isinstance(counts, h5py.Dataset):
             raise DataError(f"{path}: /structures/n_atoms is missing")
-        if counts.ndim != 1 or counts.dtype.kind not in "iu":
-            raise DataError(f"{path}: /structures/n_atoms must be a 1-D integer array, "
-                            f"not {counts.dtype} of shape {counts.shape}")
-        self.n_atoms = read_rows(path, counts, 0, len(counts)).astype(np.int64)
-        negative = np.flatnonzero(self.n_atoms < 0)
-        if len(negative):
-            s = negative[0]
-            raise DataError(f"{path}: /structures/n_atoms[{s}] is {self.n_atoms[s]}; "
-                            "atom counts cannot be negative")
+        self.n_atoms = self._counts(counts)
         self._offsets = np.concatenate([[0], np.cumsum(self.n_atoms)])
         rows = {"atom": self._offsets[-1], "structure": len(self.n_atoms)}
         self._stored, self._datasets = {}, {}
         for per, group in (("atom", "atoms"), ("structure", "structures")):
-            for name, ds in h5.get(group, {}).items():
-                is_string = isinstance(ds, h5py.Dataset) and h5py.check_string_dtype(ds.dtype)
-                if (not isinstance(ds, h5py.Dataset) or (group, name) == ("structures", "n_atoms")
-                        or not (is_string or ds.dtype.kind in NUMERIC_KINDS)):
+            for name, ds in groups[group].items():
+                where = f"/{group}/{name}"
+                if not isinstance(ds, h5py.Dataset):
+                    raise DataError(f"{path}: {where} is a group, not a field (a dataset of "
+                                    f"one row per {per})")
+                if where == "/structures/n_atoms":
                     continue
-                self._check_rows(f"/{group}/{name}", ds, per, rows[per])
+                is_string = h5py.check_string_dtype(ds.dtype) is not None
+                if not (is_string or ds.dtype.kind in NUMERIC_KINDS) or \
+                        h5py.check_enum_dtype(ds.dtype) is not None:
+                    raise DataError(f"{path}: {where} holds {_kind(ds.dtype)}; a field holds "
+                                    "numbers, booleans or strings")
+                self._check_rows(where, ds, per, rows[per])
+                self._check_written(where, ds, self._absent_rows(groups["present"].get(name), per))
                 if name in self._stored:
                     raise DataError(f"{path}: '{name}' is both in /atoms and in /structures")
                 self._stored[name] = FieldInfo(name, per, ds.shape[1:],
                                                STRING if is_string else ds.dtype)
                 self._datasets[name] = ds
         self._masks = {}
-        for name, ds in h5.get("present", {}).items():
+        for name, ds in groups["present"].items():
             if name in self._stored:
                 if not isinstance(ds, h5py.Dataset) or ds.shape != (len(self.n_atoms),) or \
                         ds.dtype != bool:
@@ -123,7 +237,7 @@ class SegcliBatch(Batch):
             per = plain(ds.attrs.get("per"))
             if per is None or ds.dtype.kind not in NUMERIC_KINDS:
                 continue
-            if per not in rows:
+            if not isinstance(per, str) or per not in rows:
                 raise DataError(f"{path}: /results/{name} has per={per!r}, neither 'atom' nor "
                                 "'structure'")
             self._check_rows(f"/results/{name}", ds, per, rows[per])
@@ -131,24 +245,97 @@ class SegcliBatch(Batch):
                 self._result_fields[name] = FieldInfo(name, per, ds.shape[1:], ds.dtype)
                 self._datasets[name] = ds
 
+    def _group(self, name):
+        """Group /`name` of the file, or an empty dict where there is none; DataError for
+        another kind of object by that name."""
+        group = self._h5.get(name)
+        if group is not None and not isinstance(group, h5py.Group):
+            raise DataError(f"{self.path}: /{name} is a dataset, not a group")
+        return {} if group is None else group
+
+    def _counts(self, ds):
+        """The atom counts of /structures/n_atoms, `ds`, as int64; DataError for counts that are
+        not integers, negative, or whose sum int64 cannot hold (checked before anything is
+        allocated for them)."""
+        if ds.ndim != 1 or ds.dtype.kind not in "iu":
+            raise DataError(f"{self.path}: /structures/n_atoms must be a 1-D integer array, "
+                            f"not {ds.dtype} of shape {ds.shape}")
+        counts = read_rows(self.path, ds, 0, len(ds))
+        bad = np.flatnonzero((counts < 0) | (counts > np.iinfo(np.int64).max))
+        if len(bad):
+            value = counts[bad[0]]
+            rule = ("cannot be negative" if value < 0
+                    else f"cannot exceed {np.iinfo(np.int64).max}")
+            raise DataError(f"{self.path}: /structures/n_atoms[{bad[0]}] is {value}; atom counts "
+                            f"{rule}")
+        counts = counts.astype(np.int64)
+        running = np.cumsum(counts)
+        if len(running) and running.min() < 0:  # the first sum past int64's range wraps below 0
+            raise DataError(f"{self.path}: /structures/n_atoms sums to more than "
+                            f"{np.iinfo(np.int64).max} atoms (from structure "
+                            f"{np.argmax(running < 0)})")
+        return counts
+
+    def _absent_rows(self, mask, per):
+        """How many rows (per `per`) belong to structures that /present/NAME, `mask`, says lack
+        the field (segcli leaves them unwritten, to read as the fill value); 0 without a
+        valid mask (see the check of /present)."""
+        if not (isinstance(mask, h5py.Dataset) and mask.shape == self.n_atoms.shape
+                and mask.dtype == bool):
+            return 0
+        lacking = ~read_rows(self.path, mask, 0, len(mask))
+        return int(self.n_atoms[lacking].sum()) if per == "atom" else int(lacking.sum())
+
+    def _check_written(self, where, ds, absent):
+        """DataError when dataset `ds` (at `where`) stores fewer elements than its rows but
+        `absent` ones need: HDF5 would read its fill value for the rest (a chunked dataset's
+        missing chunks, a contiguous one's missing storage). Virtual datasets are checked by
+        _check_rows."""
+        if ds.is_virtual or ds.size == 0 or ds.external:
+            return
+        if ds.chunks:
+            stored = ds.id.get_num_chunks() * math.prod(ds.chunks)
+        else:
+            stored = ds.id.get_storage_size() // ds.id.get_type().get_size()
+        need = ds.size - absent * math.prod(ds.shape[1:])
+        if stored < need:
+            raise DataError(f"{self.path}: {where} stores {stored} of the {need} values its "
+                            "structures hold; the rest was never written (HDF5 would read "
+                            "zeros)")
+
     def _check_rows(self, where, ds, per, rows):
         """DataError unless dataset `ds` (at `where`), per `per`, has `rows` rows and, if it
-        is virtual, the files it reads exist (HDF5 would read zeros for a missing one)."""
+        is virtual, reads existing data everywhere (see _check_virtual)."""
         if ds.is_virtual:
-            import os
-
-            here = os.path.dirname(os.path.abspath(self.path))
-            for source in ds.virtual_sources():
-                name = source.file_name
-                if name != "." and not os.path.exists(os.path.join(here, name)):
-                    raise DataError(f"{self.path}: {where} is a virtual dataset reading "
-                                    f"{name}, which is missing (keep the parts of `segcli "
-                                    "merge --virtual` beside it)")
+            self._check_virtual(where, ds)
         if ds.ndim == 0 or ds.shape[0] != rows:
             length = ds.shape[0] if ds.ndim else "no"
             expected = ("/structures/n_atoms sums to" if per == "atom"
                         else "/structures/n_atoms has")
             raise DataError(f"{self.path}: {where} has {length} rows, but {expected} {rows}")
+
+    def _check_virtual(self, where, ds):
+        """DataError unless the virtual dataset `ds` (at `where`) maps every element to a
+        dataset of a file that exists: HDF5 reads zeros for a missing file or dataset, and
+        for elements that no source maps."""
+        here = os.path.dirname(os.path.abspath(self.path))
+        mapped = 0
+        for source in ds.virtual_sources():
+            name = source.file_name
+            mapped += source.vspace.get_select_npoints()
+            target = self.path if name == "." else os.path.join(here, name)
+            if not os.path.isfile(target):
+                raise DataError(f"{self.path}: {where} is a virtual dataset reading {name}, "
+                                "which is missing (keep the parts of `segcli merge --virtual` "
+                                "beside it)")
+            with h5py.File(target, "r") as part:
+                if not isinstance(part.get(source.dset_name), h5py.Dataset):
+                    raise DataError(f"{self.path}: {where} is a virtual dataset reading "
+                                    f"{source.dset_name} of {name}, which has no such dataset")
+        if mapped < ds.size:
+            raise DataError(f"{self.path}: {where} is a virtual dataset whose sources cover "
+                            f"{mapped} of its {ds.size} elements (HDF5 would read zeros for "
+                            "the rest)")
 
     def close(self):
         self._h5.close()
@@ -180,7 +367,10 @@ class SegcliBatch(Batch):
         names = list(self._stored) if names is None else names
         bounds = start + np.array(plan_chunks(self.n_atoms[start:stop], chunk_atoms))
         per = {**self._result_fields, **self._stored}
+        row_bytes = sum(per[name].dtype.itemsize * math.prod(per[name].shape) for name in names
+                        if per[name].per == "atom")
         for a, b in itertools.pairwise(bounds):
+            check_memory(self.path, self.n_atoms[a:b], a, row_bytes)
             lo, hi = self._offsets[a], self._offsets[b]
             data = {"atom": {}, "structure": {}}
             present = {}

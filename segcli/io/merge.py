@@ -14,8 +14,16 @@ import numpy as np
 
 from segcli.errors import DataError
 from segcli.io.core import FORMAT, plan_chunks
-from segcli.io.hdf5 import plain, read_rows
-from segcli.io.statsfile import STATS_FORMAT
+from segcli.io.hdf5 import (
+    ATTRIBUTE_BYTES,
+    HDF5_ERRORS,
+    check_attributes,
+    check_metadata,
+    damaged,
+    plain,
+    read_rows,
+)
+from segcli.io.statsfile import STATS_ATTRIBUTE_BYTES, STATS_FORMAT
 from segcli.io.writers import ensure_room, new_output
 
 BLOCK_BYTES = 8 << 20
@@ -52,35 +60,48 @@ def _describe(path):
     except OSError as err:
         raise DataError(f"{path}: cannot open it as HDF5 ({err})") from err
     with h5:
-        attrs = {k: plain(v) for k, v in h5.attrs.items()}
-        kind = attrs.get("format")
-        if kind == FORMAT:
-            names = []
-            if isinstance(h5.get("results"), h5py.Group):
-                h5["results"].visititems(
-                    lambda n, obj: names.append(n) if isinstance(obj, h5py.Dataset) else None)
-            datasets = {n: {**{k: plain(v) for k, v in h5["results"][n].attrs.items()},
-                            "dtype": str(h5["results"][n].dtype),
-                            "shape": list(h5["results"][n].shape[1:])} for n in names}
-            ranges = {d.get("structures") for d in datasets.values()}
-            what = "results"
-        elif kind == STATS_FORMAT:
-            datasets = {n: {k: plain(v) for k, v in g.attrs.items()}
-                        for n, g in h5.get("stats", {}).items()}
-            ranges = {attrs.get("structures")}
-            what = "statistics"
-        else:
-            raise DataError(f"{path}: neither results (segcli reduce/grad -o) nor statistics "
-                            "(segcli stats -o)")
-        if not datasets:
-            raise DataError(f"{path}: holds no {what} to merge")
-        if None in ranges or len(ranges) != 1:
-            raise DataError(f"{path}: its {what} carry no single `structures` range (written "
-                            "by an older segcli?)")
-        start, stop = _range(path, ranges.pop())
-        if kind == FORMAT and len(h5["structures/n_atoms"]) != stop - start:
-            raise DataError(f"{path}: holds {len(h5['structures/n_atoms'])} structures, but "
-                            f"its results say structures {start}:{stop}")
+        try:
+            return _described(path, h5)
+        except HDF5_ERRORS as err:
+            raise damaged(path, err) from err
+
+
+def _described(path, h5):
+    """The Part of the open file `h5` (see _describe), its attributes checked first (see
+    check_metadata; statistics files name their components in attributes of any size)."""
+    import h5py
+
+    check_attributes(path, h5, "/")
+    attrs = {k: plain(v) for k, v in h5.attrs.items()}
+    kind = attrs.get("format")
+    check_metadata(path, h5, STATS_ATTRIBUTE_BYTES if kind == STATS_FORMAT else ATTRIBUTE_BYTES)
+    if kind == FORMAT:
+        names = []
+        if isinstance(h5.get("results"), h5py.Group):
+            h5["results"].visititems(
+                lambda n, obj: names.append(n) if isinstance(obj, h5py.Dataset) else None)
+        datasets = {n: {**{k: plain(v) for k, v in h5["results"][n].attrs.items()},
+                        "dtype": str(h5["results"][n].dtype),
+                        "shape": list(h5["results"][n].shape[1:])} for n in names}
+        ranges = {d.get("structures") for d in datasets.values()}
+        what = "results"
+    elif kind == STATS_FORMAT:
+        datasets = {n: {k: plain(v) for k, v in g.attrs.items()}
+                    for n, g in h5.get("stats", {}).items()}
+        ranges = {attrs.get("structures")}
+        what = "statistics"
+    else:
+        raise DataError(f"{path}: neither results (segcli reduce/grad -o) nor statistics "
+                        "(segcli stats -o)")
+    if not datasets:
+        raise DataError(f"{path}: holds no {what} to merge")
+    if None in ranges or len(ranges) != 1:
+        raise DataError(f"{path}: its {what} carry no single `structures` range (written "
+                        "by an older segcli?)")
+    start, stop = _range(path, ranges.pop())
+    if kind == FORMAT and len(h5["structures/n_atoms"]) != stop - start:
+        raise DataError(f"{path}: holds {len(h5['structures/n_atoms'])} structures, but "
+                        f"its results say structures {start}:{stop}")
     return Part(path, kind, start, stop, attrs, datasets)
 
 

@@ -11,6 +11,9 @@ from segcli.io.writers import new_output
 STATS_FORMAT = "segcli-stats"
 MOMENTS = ("count", "mean", "m2", "min", "max", "std", "rms")
 LEAF_MOMENTS = ("count", "mean", "m2", "min", "max")
+STATS_ATTRIBUTE_BYTES = 1 << 28
+"""The most an attribute of a statistics file may take when read back: `components` names
+each component of a field (millions for a large per-atom tensor)."""
 
 
 def write_stats(path, stats, attrs, force=False, leaves=None):

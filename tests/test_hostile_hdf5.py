@@ -1,0 +1,171 @@
+"""Untrusted segcli HDF5 inputs: metadata of the wrong kind, lying atom counts, unwritten or
+unmapped data, oversized attributes and damaged bytes each get one line naming the file and
+the object from every command that reads the file, and leave no output."""
+
+import h5py
+import numpy as np
+import pytest
+from batch_reference import write_batch
+from click.testing import CliRunner
+
+from segcli.cli import main
+
+N_ATOMS = [3, 2, 4]
+FORCES = np.arange(27.0).reshape(9, 3)
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def commands(path, out):
+    """Every command that reads FILE, writing (where it writes) to `out`."""
+    return [("info", path), ("info", "--json", path), ("convert", path, "-o", out),
+            ("reduce", path, "sum", "forces"), ("grad", path, "sum", "forces", "-o", out),
+            ("stats", path, "forces"), ("select", path, "-o", out, "--where", "energy < 10")]
+
+
+def assert_refused(path, *needles):
+    """Each command exits 1 with one line naming the file and `needles`, no traceback and no
+    output file."""
+    out = path.with_name("out.h5")
+    for args in commands(path, out):
+        result = run(*args)
+        lines = result.stderr.strip().splitlines()
+        assert result.exit_code == 1, (args, result.output)
+        assert len(lines) == 1 and lines[0].startswith(f"Error: {path}: "), (args, result.stderr)
+        assert "Traceback" not in result.output
+        for needle in needles:
+            assert needle in lines[0], (args, needle, lines[0])
+        assert not out.exists(), args
+
+
+def batch(path):
+    return write_batch(path, N_ATOMS, {"forces": FORCES}, {"energy": np.arange(3.0)})
+
+
+def replace(f, name, data, **kwargs):
+    del f[name]
+    f.create_dataset(name, data=data, **kwargs)
+
+
+def virtual(f, tmp_path, source_name, dataset, rows):
+    """/atoms/forces as a virtual dataset reading `rows` rows of `dataset` of tmp_path/src.h5
+    (written with FORCES), `source_name` as the file name it records."""
+    with h5py.File(tmp_path / "src.h5", "w") as src:
+        src["forces"] = FORCES
+    layout = h5py.VirtualLayout(shape=FORCES.shape, dtype=FORCES.dtype)
+    layout[:rows] = h5py.VirtualSource(source_name, dataset, shape=FORCES.shape)[:rows]
+    del f["atoms/forces"]
+    f.create_virtual_dataset("atoms/forces", layout)
+
+
+def link(group, raw_name, target):
+    """A hard link named `raw_name` (bytes, any) in `group` to the object at `target`."""
+    group.id.links.create_hard(raw_name, group.file.id, target.encode())
+
+
+def no_atom_fields(f):
+    del f["atoms/forces"]
+
+
+BAD_UTF8 = h5py.string_dtype("utf-8", None)
+HOSTILE = {
+    # metadata of the wrong kind
+    "array version": (lambda f, _: f.attrs.__setitem__("version", [1, 1]), ["version [1, 1]"]),
+    "array format": (lambda f, _: f.attrs.__setitem__("format", ["segcli-batch", "x"]),
+                     ["attribute format is"]),
+    "opaque format": (lambda f, _: f.attrs.create("format", np.void(b"\xff\xfe")),
+                      ["attribute format of /", "opaque"]),
+    "/atoms a dataset": (lambda f, _: replace(f, "atoms", np.zeros(3)),
+                         ["/atoms is a dataset, not a group"]),
+    "/structures a dataset": (lambda f, _: replace(f, "structures", np.zeros(3)),
+                              ["/structures is a dataset"]),
+    "/present a dataset": (lambda f, _: f.create_dataset("present", data=np.zeros(3)),
+                           ["/present is a dataset"]),
+    "field a group": (lambda f, _: f.create_group("atoms/charges"), ["/atoms/charges is a group"]),
+    "non-UTF-8 attribute": (lambda f, _: f["atoms/forces"].attrs.create(
+        "units", b"eV\xff", dtype=BAD_UTF8), ["attribute units of /atoms/forces", "UTF-8"]),
+    "non-UTF-8 per": (lambda f, _: (f.create_dataset("results/r", data=np.zeros(3)).attrs.create(
+        "per", b"atom\xff", dtype=BAD_UTF8)), ["attribute per of /results/r", "UTF-8"]),
+    "array per": (lambda f, _: f.create_dataset("results/r", data=np.zeros(3)).attrs.__setitem__(
+        "per", ["structure", "atom"]), ["/results/r has per=['structure', 'atom']"]),
+    "non-UTF-8 name": (lambda f, _: link(f["atoms"], b"bad\xffname", "atoms/forces"),
+                       ["b'atoms/bad\\xffname'", "UTF-8"]),
+    "object reference": (lambda f, _: f["atoms/forces"].attrs.__setitem__(
+        "ref", f["structures/energy"].ref), ["attribute ref of /atoms/forces holds references"]),
+    "region reference": (lambda f, _: f.attrs.__setitem__(
+        "region", f["atoms/forces"].regionref[0:2]), ["attribute region of / holds references"]),
+    "compound field": (lambda f, _: f.create_dataset(
+        "atoms/pair", data=np.zeros(9, [("a", "f8"), ("b", "i4")])), ["/atoms/pair", "compound"]),
+    "enum field": (lambda f, _: f.create_dataset(
+        "structures/color", data=np.zeros(3, "i1"), dtype=h5py.enum_dtype({"RED": 0, "BLUE": 1})),
+        ["/structures/color", "enum"]),
+    # lying atom counts
+    "n_atoms summing past int64": (lambda f, _: (no_atom_fields(f), replace(
+        f, "structures/n_atoms", [2 ** 62] * 3)), ["n_atoms sums to more than"]),
+    "negative n_atoms": (lambda f, _: replace(f, "structures/n_atoms", [5, -2, 6]),
+                         ["n_atoms[1] is -2"]),
+    "n_atoms past int64": (lambda f, _: replace(
+        f, "structures/n_atoms", np.array([2 ** 63 + 5, 1, 1], np.uint64)),
+        ["n_atoms[0] is 9223372036854775813"]),
+    "float n_atoms": (lambda f, _: replace(f, "structures/n_atoms", [3.0, 2.0, 4.0]),
+                      ["n_atoms must be a 1-D integer array, not float64"]),
+    "string n_atoms": (lambda f, _: replace(f, "structures/n_atoms", [b"3", b"2", b"4"]),
+                       ["n_atoms must be a 1-D integer array"]),
+    "rows not n_atoms": (lambda f, _: replace(f, "structures/n_atoms", [3, 2, 5]),
+                         ["/atoms/forces has 9 rows, but /structures/n_atoms sums to 10"]),
+    # data that is not there: HDF5 would read zeros
+    "sparse 10**12 atoms": (lambda f, _: (replace(f, "structures/n_atoms", [10 ** 12, 0, 0]),
+                                          f.__delitem__("atoms/forces"),
+                                          f.create_dataset("atoms/forces", shape=(10 ** 12, 3),
+                                                           dtype="f8", chunks=(4096, 3))),
+                            ["/atoms/forces stores 0 of the 3000000000000 values"]),
+    "sparse, marked present": (lambda f, tmp: (HOSTILE["sparse 10**12 atoms"][0](f, tmp),
+                                               f.create_dataset("present/forces",
+                                                                data=np.ones(3, bool))),
+                               ["/atoms/forces stores 0 of the 3000000000000 values"]),
+    "unwritten contiguous": (lambda f, _: (f.__delitem__("atoms/forces"), f.create_dataset(
+        "atoms/forces", shape=(9, 3), dtype="f8")), ["/atoms/forces stores 0 of the 27 values"]),
+    "virtual, source missing": (lambda f, tmp: virtual(f, tmp, "gone.h5", "forces", 9),
+                                ["/atoms/forces is a virtual dataset reading gone.h5"]),
+    "virtual, dataset missing": (lambda f, tmp: virtual(f, tmp, "src.h5", "nope", 9),
+                                 ["reading nope of src.h5, which has no such dataset"]),
+    "virtual, rows unmapped": (lambda f, tmp: virtual(f, tmp, "src.h5", "forces", 4),
+                               ["sources cover 12 of its 27 elements"]),
+    # attributes too large to read
+    "large fixed-length attribute": (lambda f, _: f.create_group("notes").attrs.__setitem__(
+        "text", np.bytes_(b"x" * (2 << 20))), ["attribute text of /notes takes 2097152 bytes"]),
+    "large text attribute": (lambda f, _: f.attrs.__setitem__("note", "x" * (2 << 20)),
+                             ["attribute note of / holds 2097152 bytes of text"]),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE)
+def test_hostile_metadata_is_refused_in_one_line(tmp_path, case):
+    path = batch(tmp_path / "batch.h5")
+    damage, needles = HOSTILE[case]
+    with h5py.File(path, "r+", libver=("v108", "latest")) as f:  # attributes of any size
+        damage(f, tmp_path)
+    assert_refused(path, *needles)
+
+
+@pytest.mark.parametrize("offset", [140, 700, 1008, 1302, 1869, 2058])
+def test_damaged_metadata_is_named_by_the_reader(tmp_path, offset):
+    """A byte of the metadata (superblock, object headers, B-trees, heaps) flipped: every
+    command says the file is damaged."""
+    path = batch(tmp_path / "batch.h5")
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert_refused(path, "damaged HDF5 file")
+
+
+def test_a_structure_larger_than_memory_is_refused(tmp_path):
+    """n_atoms claiming 10**12 atoms in a file without per-atom data: count would need ids for
+    every atom at once, so the structure is named, not allocated."""
+    path = write_batch(tmp_path / "lying.h5", [10 ** 12, 3], {}, {"energy": np.zeros(2)})
+    result = run("reduce", path, "count", "--chunk-atoms", 1000)
+    assert result.exit_code == 1, result.output
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert f"{path}: structure 0 has 1000000000000 atoms" in result.stderr
