@@ -150,7 +150,7 @@ def test_hostile_metadata_is_refused_in_one_line(tmp_path, case):
     assert_refused(path, *needles)
 
 
-@pytest.mark.parametrize("offset", [140, 700, 1008, 1302, 1869, 2058])
+@pytest.mark.parametrize("offset", [112, 140, 700, 854, 861, 1008, 1302, 1869, 2058])
 def test_damaged_metadata_is_named_by_the_reader(tmp_path, offset):
     """A byte of the metadata (superblock, object headers, B-trees, heaps) flipped: every
     command says the file is damaged."""
@@ -169,3 +169,28 @@ def test_a_structure_larger_than_memory_is_refused(tmp_path):
     assert result.exit_code == 1, result.output
     assert result.stderr.strip().splitlines() == [result.stderr.strip()]
     assert f"{path}: structure 0 has 1000000000000 atoms" in result.stderr
+    assert result.stdout == ""  # not even the csv header: the error comes before any output
+
+
+def test_results_reached_through_links_are_results(tmp_path):
+    """A result under a second name (a hard or soft link, a soft link to its group) is listed,
+    read and converted as the result itself; a link back to /results ends."""
+    path = write_batch(tmp_path / "links.h5", N_ATOMS, {"forces": FORCES})
+    with h5py.File(path, "a") as f:
+        f["results/a"] = np.arange(3.0)
+        f["results/a"].attrs["per"] = "structure"
+        f["results/hard"] = f["results/a"]
+        f["results/soft"] = h5py.SoftLink("/results/a")
+        f["results/g/d"] = FORCES * 2
+        f["results/g/d"].attrs["per"] = "atom"
+        f["results/loop"] = h5py.SoftLink("/results")
+    result = run("info", path)
+    assert result.exit_code == 0, result.output
+    for name in ("a", "hard", "soft", "g/d"):
+        assert f"\n  {name}  " in result.stdout.split("results:")[1], (name, result.stdout)
+    result = run("convert", path, "-o", tmp_path / "out.h5", "--quiet")
+    assert result.exit_code == 0, result.output
+    with h5py.File(tmp_path / "out.h5") as f:
+        for name in ("a", "hard", "soft"):
+            np.testing.assert_array_equal(f[f"results/{name}"][()], np.arange(3.0))
+        np.testing.assert_array_equal(f["results/g/d"][()], FORCES * 2)

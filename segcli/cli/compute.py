@@ -374,11 +374,13 @@ def _compute_into(batch, results, sink, device, lo, hi, chunk_atoms, progress=No
 
     chunks = engine.run(batch, results.jobs, device, structures=slice(lo, hi),
                         chunk_atoms=chunk_atoms or engine.DEFAULT_CHUNK_ATOMS)
-    with contextlib.closing(chunks), sink:
-        for chunk, outputs in chunks:
-            sink.write(chunk, results.of(outputs))
-            if progress is not None:
-                progress.update(len(chunk.n_atoms))
+    with contextlib.closing(chunks):
+        first = next(chunks, None)  # what fails at once fails before any output
+        with sink:
+            for chunk, outputs in itertools.chain([first] if first else [], chunks):
+                sink.write(chunk, results.of(outputs))
+                if progress is not None:
+                    progress.update(len(chunk.n_atoms))
 
 
 def _plan(batch, path, ops, names, plan):

@@ -51,12 +51,14 @@ def _hdf5(path):
 def _has_format_attribute(path, head):
     import h5py
 
+    from segcli.io.hdf5 import HDF5_ERRORS
+
     if not _hdf5(path):
         return False
     try:
         with h5py.File(path, "r") as h5:
             return "format" in h5.attrs
-    except OSError:
+    except HDF5_ERRORS:
         return False  # a broken HDF5 file: the conformer reader says what is wrong
 
 

@@ -341,11 +341,21 @@ class SegcliBatch(Batch):
         self._h5.close()
 
     def _result_names(self):
-        """Names of the datasets under /results (NAME or NAME/d_FIELD), in file order."""
-        out = []
+        """Names of the datasets under /results (NAME or NAME/d_FIELD), in file order,
+        through hard and soft links too (a group reached twice is walked once)."""
+        out, walked = [], set()
+
+        def walk(group, prefix):
+            walked.add(group.id)
+            for key in group:
+                obj = group.get(key)
+                if isinstance(obj, h5py.Dataset):
+                    out.append(prefix + key)
+                elif isinstance(obj, h5py.Group) and obj.id not in walked:
+                    walk(obj, f"{prefix}{key}/")
+
         if isinstance(self._h5.get("results"), h5py.Group):
-            self._h5["results"].visititems(
-                lambda name, obj: out.append(name) if isinstance(obj, h5py.Dataset) else None)
+            walk(self._h5["results"], "")
         return out
 
     @property
