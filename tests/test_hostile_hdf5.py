@@ -172,6 +172,18 @@ def test_a_structure_larger_than_memory_is_refused(tmp_path):
     assert result.stdout == ""  # not even the csv header: the error comes before any output
 
 
+def test_empty_attributes_are_read(tmp_path):
+    """Attributes of no elements (an op without fields lists none) have no storage: read."""
+    path = write_batch(tmp_path / "empty.h5", N_ATOMS, {"forces": FORCES})
+    with h5py.File(path, "a") as f:
+        f.attrs["nothing"] = np.zeros(0)
+        f["results/n"] = np.ones(3)
+        f["results/n"].attrs.update(per="structure", fields=np.array([], h5py.string_dtype()))
+    result = run("info", "--json", path)
+    assert result.exit_code == 0, result.output
+    assert '"fields": []' in result.stdout
+
+
 def test_results_reached_through_links_are_results(tmp_path):
     """A result under a second name (a hard or soft link, a soft link to its group) is listed,
     read and converted as the result itself; a link back to /results ends."""

@@ -94,7 +94,11 @@ def check_attributes(path, obj, where, limit=ATTRIBUTE_BYTES):
         name = _utf8(path, attr.name, f"an attribute of {where}")
         what = f"attribute {name} of {where}"
         points = attr.get_space().get_simple_extent_npoints()
-        size = max(attr.get_storage_size(), points * attr.get_type().get_size())
+        try:
+            stored = attr.get_storage_size()
+        except RuntimeError:  # HDF5's answer for an attribute of no elements
+            stored = 0
+        size = max(stored, points * attr.get_type().get_size())
         if size > limit:
             raise DataError(f"{path}: {what} takes {size} bytes, more than the {limit} that "
                             "segcli reads of an attribute")
