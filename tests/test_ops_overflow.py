@@ -26,7 +26,7 @@ RTOL = {np.float64: 1e-13, np.float32: 4e-6}
 def code_paths(request):
     """The CPU's code paths, or the GPU's (many-thread atomics, no vec3 kernels) on the CPU."""
     _primitives.lower_cpu_as_gpu(request.param == "gpu_paths")
-    yield
+    yield request.param
     _primitives.lower_cpu_as_gpu(False)
 
 
@@ -122,8 +122,9 @@ def case(dtype, ordering, specials=True):
 @pytest.mark.parametrize("dtype, ordering, code_paths", CASES, indirect=["code_paths"])
 def test_values_stay_finite_near_the_float_max(code_paths, dtype, ordering):
     x, ids, m, call = case(dtype, ordering)
-    got = jax.jit(lambda a: {(name, i): call(function, a) for name, functions in OPS.items()
-                             for i, function in enumerate(functions)})(x)
+    functions = 2 if code_paths == "cpu_paths" else 1  # the reference has no code paths
+    got = jax.jit(lambda a: {(name, i): call(pair[i], a) for name, pair in OPS.items()
+                             for i in range(functions)})(x)
     for (name, i), value in got.items():
         want, scale = expected(name, x, ids, m)
         assert np.isfinite(want[:5]).all() and np.isinf(want[5]).any() and np.isnan(want[6]).any()
@@ -136,7 +137,7 @@ def loss_weights(m):
 
 
 def expected_gradient(name, x, ids, m):
-    """d Σ_s w[s] op(x)[s] / dx, (N, *F), in long double."""
+    """d Σ_s w[s] norm(x)[s] / dx, (N, *F), in long double."""
     rows = x.astype(LONG).reshape(len(x), -1)
     grad = np.zeros_like(rows)
     for s, w in enumerate(loss_weights(m)):
@@ -145,9 +146,7 @@ def expected_gradient(name, x, ids, m):
             continue
         segment = rows[members]
         norms = np.sqrt(np.sum(segment * segment, axis=1))
-        if name == "mean":
-            grad[members] = w / len(members)
-        elif name == "rms_norm":
+        if name == "rms_norm":
             rms = np.sqrt(np.sum(norms * norms) / len(members))
             grad[members] = w * segment / (len(members) * rms) if rms else 0
         elif norms.max():
@@ -157,17 +156,17 @@ def expected_gradient(name, x, ids, m):
 
 
 def expected_hessian(name, x, ids, m):
-    """d² Σ_s w[s] op(x)[s] / dx², (N·K, N·K), in long double (mean's is 0)."""
+    """d² Σ_s w[s] norm(x)[s] / dx², (N·K, N·K), in long double."""
     rows = x.astype(LONG).reshape(len(x), -1)
     k = rows.shape[1]
     hessian = np.zeros((rows.size, rows.size), LONG)
     for s, w in enumerate(loss_weights(m)):
         members = np.flatnonzero(ids == s)
         norms = np.sqrt(np.sum(rows[members] ** 2, axis=1))
-        if name == "mean" or not len(members) or not norms.max():
+        if not len(members) or not norms.max():
             continue
         if name == "max_norm":  # |v|'' = I/|v| - v vᵀ/|v|³ at the first row attaining the max
-            members = members[np.argmax(norms):][:1]
+            members = members[[np.argmax(norms)]]
         n = len(members) if name == "rms_norm" else 1
         v = rows[members].reshape(-1)
         r = np.sqrt(np.sum(v * v) / n)
@@ -178,33 +177,34 @@ def expected_hessian(name, x, ids, m):
 
 @pytest.mark.parametrize("dtype, ordering, code_paths", CASES, indirect=["code_paths"])
 def test_derivatives_stay_finite_and_exact_near_the_float_max(code_paths, dtype, ordering):
-    """grad, and jvp (of segcli.ops: the reference scales tangents with the values, which
-    then flush to 0), near the float max; a Hessian-vector product where squares overflow
-    but the Hessian's entries (about 1/norm) are still normal numbers."""
+    """The norms' grad and jvp near the float max, and a Hessian-vector product where squares
+    overflow but the Hessian's entries (about 1/norm) are still normal numbers; the
+    reference's grad in the CPU cases (its tangents, scaled with the values, flush to 0 near
+    the float max). The mean is linear: its derivatives do not depend on x."""
     x, ids, m, call = case(dtype, ordering, specials=False)
     moderate = (x / np.finfo(dtype).max ** 0.25).astype(dtype)
     tangent = np.random.default_rng(6).normal(size=x.shape).astype(dtype)
     weights = jnp.asarray(loss_weights(m), dtype)
+    names = ("rms_norm", "max_norm")
+
+    def loss(function):
+        return lambda a: jnp.sum(weights * call(function, a))
 
     def derivatives(a, t, b):
-        out = {}
-        for name, functions in OPS.items():
-            for i, function in enumerate(functions):
-                def loss(a, function=function):
-                    return jnp.sum(weights[:, None] * call(function, a).reshape(m, -1))
+        ours = {name: (jax.grad(loss(OPS[name][0]))(a), jax.jvp(loss(OPS[name][0]), (a,), (t,))[1],
+                       jax.jvp(jax.grad(loss(OPS[name][0])), (b,), (t,))[1]) for name in names}
+        theirs = ({name: jax.grad(loss(OPS[name][1]))(a) for name in names}
+                  if code_paths == "cpu_paths" else {})
+        return ours, theirs
 
-                out[name, i] = (jax.grad(loss)(a), jax.jvp(loss, (a,), (t,))[1],
-                                jax.jvp(jax.grad(loss), (b,), (t,))[1])
-        return out
-
+    ours, theirs = jax.jit(derivatives)(x, tangent, moderate)
     tolerance = RTOL[dtype] * 10
-    for (name, i), (grad, jvp, hvp) in jax.jit(derivatives)(x, tangent, moderate).items():
-        message = f"{OPS[name][i]} {name}"
+    for name in names:
         want = expected_gradient(name, x, ids, m)
-        np.testing.assert_allclose(grad, want.astype(dtype), rtol=tolerance, err_msg=message)
-        if i == 0:
-            np.testing.assert_allclose(jvp, np.sum(want * tangent), rtol=tolerance,
-                                       err_msg=message)
+        for grad in (ours[name][0], *([theirs[name]] if theirs else [])):
+            np.testing.assert_allclose(grad, want.astype(dtype), rtol=tolerance, err_msg=name)
+        np.testing.assert_allclose(ours[name][1], np.sum(want * tangent), rtol=tolerance,
+                                   err_msg=name)
         want = (expected_hessian(name, moderate, ids, m) @ tangent.reshape(-1)).reshape(x.shape)
-        np.testing.assert_allclose(hvp, want.astype(dtype), rtol=tolerance,
-                                   atol=float(np.abs(want).max()) * tolerance, err_msg=message)
+        np.testing.assert_allclose(ours[name][2], want.astype(dtype), rtol=tolerance,
+                                   atol=float(np.abs(want).max()) * tolerance, err_msg=name)

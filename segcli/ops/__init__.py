@@ -18,6 +18,9 @@ Semantics shared by all functions:
   returned in their own dtype.
 * Empty segments give 0. `segmented_rms_norm` and `segmented_max_norm` have gradient 0 where
   the norm is 0, and `segmented_max_norm` sends its gradient to the first row attaining the max.
+* `segmented_mean`, `segmented_rms_norm` and `segmented_max_norm` are finite wherever their
+  exact values are, up to the float max (no sum or square on the way overflows), and so are
+  their derivatives.
 """
 
 import functools

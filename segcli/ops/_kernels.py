@@ -7,18 +7,32 @@ Shapes (rows first, then a group axis G that vmap folds into, then features):
                                                                 segment on GPUs, one pass on CPUs)
     count       idx as a (N, 1)              -> (M, 1)          out[s] = #{i : idx[i]=s}
     sum         x (N, K)                     -> (M, K)          out[s] = Σ_{idx[i]=s} x[i]
+    mean        x (N, K), w (M, 1)           -> (M, K)          out[s] = Σ_{idx[i]=s} x[i] w[s]
+                                                                (w = 1/count: no partial sum
+                                                                exceeds the largest |x|)
+    rms_norm    x (N, G, K)                  -> (M, G)          out[s,g] = sqrt(Σ_{idx[i]=s}
+                                                                |x[i,g]|² / count), a segment
+                                                                whose squares overflow summed
+                                                                again scaled by a power of two
+                                                                (ordered ids; otherwise Σ|x|²
+                                                                by atomics, and rms_norm_top
+                                                                and rms_norm_rescaled redo the
+                                                                segments that overflowed)
     outer       a (N, G·K), b (N, G·L)       -> (M, G·K·L)      out[s,g] = Σ_{idx[i]=s} a[i,g] ⊗
                                                                 b[i,g]
-    sum3, dot3  rows of vec3 (N, 1)          -> (M, 1)          sum and dot for K = 3, on CPUs
-                                                                (a GPU keeps more rows in flight
-                                                                with a thread per feature, and
-                                                                reads rows coalesced)
+    sum3, mean3, dot3  rows of vec3 (N, 1)   -> (M, 1)          sum, mean and dot for K = 3, on
+                                                                CPUs (a GPU keeps more rows in
+                                                                flight with a thread per
+                                                                feature, and reads rows
+                                                                coalesced)
     row_dot     x, y (N, G, K)               -> (N, G)          out[i,g] = <x[i,g], y[i,g]>
                                                                 (dot = sum of row_dot)
     max_*, min_*, max_norm_*  x (N, G, K)    -> first (M, G)    the first row i attaining the
                                                                 largest x[i,g,0] (max), smallest
-                                                                (min), largest |x[i,g]|²
-                                                                (max_norm); N if none
+                                                                (min), largest |x[i,g]|
+                                                                (max_norm, each norm scaled by a
+                                                                power of two: no overflow); N if
+                                                                none
     bincount    labels (N,)                  -> (M, L) int32    out[s,c] = #{i : idx[i]=s,
                                                                 labels[i]=c}
     gather      y (R, K), idx (L,)           -> (L, K)          out[i] = y[idx[i]]
@@ -27,9 +41,10 @@ Shapes (rows first, then a group axis G that vmap folds into, then features):
                                                                 (@ m[idx[i],g]ᵀ with `transpose`)
     gather3, scale3, matvec3                                    the same for G = 1, K = 3
 
-The reductions (count, sum, outer, sum3, dot3) come from one factory (`_segment_reduction`)
-over the term each adds, and the searches for extremes from another (`_extreme`) over the key
-they compare. sum, max and min are made for int32 and int64 as well as the float types.
+The reductions (count, sum, mean, outer, sum3, mean3, dot3) come from one factory
+(`_segment_reduction`) over the term each adds, and the searches for extremes from another
+(`_extreme`) over the key they compare. sum, max and min are made for int32 and int64 as
+well as the float types.
 
 Ids outside [0, M) are skipped by reductions and give 0 in gathers; no id reads or writes
 outside an array. Reductions take `ordered`, a one-element flag computed from the ids: when it

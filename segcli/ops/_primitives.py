@@ -6,6 +6,7 @@ the sum of the primitive applied with one operand replaced by its tangent, and i
 with respect to each operand is another primitive of the set:
 
     sum(x)         x ↦ gather(ct)                     (segment sum ↔ broadcast back)
+    mean(x)        x ↦ gather(ct / count)
     gather(y)      y ↦ sum(ct)
     dot(x, y)      x ↦ scale(y, ct)      y ↦ scale(x, ct)
     scale(x, y)    x ↦ scale(ct, y)      y ↦ dot(ct, x)
@@ -13,11 +14,13 @@ with respect to each operand is another primitive of the set:
     matvecᵀ(v, m)  v ↦ matvec(ct, m)     m ↦ outer(ct, v)
     outer(a, b)    a ↦ matvecᵀ(b, ct)    b ↦ matvec(a, ct)
 
-JAX derives every higher derivative, forward or reverse, from these rules. The other
-primitives give integers, so no derivative: `extreme` (the first row attaining each segment's
-max, min or max norm, through which the ops differentiate), `count` and `bincount`. Batching
-folds a vmapped axis into axis 1 of every float operand (the feature or group axis), which
-keeps the segment ids and their order; vmapped ids fall back to a loop over the batch.
+JAX derives every higher derivative, forward or reverse, from these rules. `rms_norm` (the
+RMS norm of each segment, in one kernel) has no rule: segcli.ops differentiates it through a
+custom JVP built of the others. The other primitives give integers, so no derivative:
+`extreme` (the first row attaining each segment's max, min or max norm, through which the ops
+differentiate), `count` and `bincount`. Batching folds a vmapped axis into axis 1 of every
+float operand (the feature or group axis), which keeps the segment ids and their order;
+vmapped ids fall back to a loop over the batch.
 
 Operands are the data arrays followed by int32 ids and int32 offsets: the segments' CSR
 offsets (M+1,) when the caller has them (the ids then non-decreasing), else an empty array and
@@ -431,7 +434,7 @@ extreme_p = _integral(_Rule(
     "extreme", _extreme, lambda x, idx, offsets, *, num_segments, **_: (num_segments, x.shape[1]),
     1, jnp.int32))
 """The first row attaining each segment's and group's extreme of x (N, G, K), or N: with
-kind "max" or "min" the largest or smallest x[i, g, 0], with "max_norm" the largest |x[i, g]|²."""
+kind "max" or "min" the largest or smallest x[i, g, 0], with "max_norm" the largest |x[i, g]|."""
 
 
 def _count(idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
