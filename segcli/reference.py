@@ -7,7 +7,10 @@ give 0 in gathers (and in softmax), empty segments give 0 (max and logsumexp -in
 `rms_norm`, `max_norm` and `std` have derivatives 0 (never NaN, at any order) where they are
 0, and `max_norm`, `max` and `min` send their gradient to the first row attaining the
 extreme. Every function supports forward and reverse mode to any order. Computes in the
-input dtype; `gradcheck` runs it in float64.
+input dtype; `gradcheck` runs it in float64. `mean` divides each row by its count, and
+`rms_norm` and `max_norm` divide rows by a power of two above their largest entry before
+squaring: their values and reverse-mode derivatives stay finite up to the float max (there,
+forward-mode tangents, divided too, flush to 0).
 """
 
 import jax
