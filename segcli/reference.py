@@ -7,7 +7,10 @@ give 0 in gathers (and in softmax), empty segments give 0 (max and logsumexp -in
 `rms_norm`, `max_norm` and `std` have derivatives 0 (never NaN, at any order) where they are
 0, and `max_norm`, `max` and `min` send their gradient to the first row attaining the
 extreme. Every function supports forward and reverse mode to any order. Computes in the
-input dtype; `gradcheck` runs it in float64.
+input dtype; `gradcheck` runs it in float64. `mean` divides each row by its count, and
+`rms_norm` and `max_norm` divide rows by a power of two above their largest entry before
+squaring: their values and reverse-mode derivatives stay finite up to the float max (there,
+forward-mode tangents, divided too, flush to 0).
 """
 
 import jax
@@ -36,13 +39,29 @@ def _sum_trailing(x):
 
 
 def _safe_sqrt(t):
-    """sqrt(t) for t >= 0 whose derivatives of every order are 0 (not NaN) where t == 0."""
-    positive = t > 0
-    return jnp.where(positive, jnp.sqrt(jnp.where(positive, t, 1)), 0)
+    """sqrt(t) for t >= 0 (or NaN) whose derivatives of every order are 0 (not NaN) where
+    t == 0."""
+    zero = t == 0
+    return jnp.where(zero, 0, jnp.sqrt(jnp.where(zero, 1, t)))
 
 
 def _counts(idx, num_segments, dtype):
     return jax.ops.segment_sum(jnp.ones(idx.shape, dtype), idx, num_segments)
+
+
+def _power_of_two_above(top):
+    """2^e > top for top >= 0, held constant under differentiation, with e clamped so that
+    2^e and 2^-e are normal numbers (XLA flushes subnormal ones to 0, and may divide by
+    multiplying by the reciprocal): dividing by it is exact and brings every |x| <= top
+    below 4, so that squares of values up to the float max do not overflow."""
+    info = jnp.finfo(top.dtype)
+    e = jnp.clip(jnp.frexp(jax.lax.stop_gradient(top))[1], info.minexp, info.maxexp - 2)
+    return jnp.ldexp(jnp.ones_like(top), e)
+
+
+def _per_row(values, x):
+    """values (N,) broadcast against x (N, *F)."""
+    return values.reshape(values.shape + (1,) * (x.ndim - 1))
 
 
 def segmented_sum(x, idx, num_segments, *, indices_are_sorted=False):
@@ -51,10 +70,11 @@ def segmented_sum(x, idx, num_segments, *, indices_are_sorted=False):
 
 
 def segmented_mean(x, idx, num_segments, *, indices_are_sorted=False):
-    """Sum over each segment divided by its count; an empty segment gives 0."""
-    total = segmented_sum(x, idx, num_segments, indices_are_sorted=indices_are_sorted)
-    count = jnp.maximum(_counts(idx, num_segments, x.dtype), 1)
-    return total / count.reshape(count.shape + (1,) * (x.ndim - 1))
+    """Sum over each segment of its rows divided by its count (no partial sum exceeds the
+    largest |x|); an empty segment gives 0."""
+    count = jnp.maximum(_gather(_counts(idx, num_segments, x.dtype), idx, num_segments), 1)
+    return segmented_sum(x / _per_row(count, x), idx, num_segments,
+                         indices_are_sorted=indices_are_sorted)
 
 
 def segmented_dot(x, y, idx, num_segments, *, indices_are_sorted=False):
@@ -70,10 +90,30 @@ def segmented_mul(x, y, idx, num_segments):
 
 
 def segmented_rms_norm(x, idx, num_segments, *, indices_are_sorted=False):
-    """out[s] = sqrt(Σ_{idx[i]=s} |x[i]|² / count); an empty segment gives 0; shape (M,)."""
-    squares = segmented_dot(x, x, idx, num_segments, indices_are_sorted=indices_are_sorted)
+    """out[s] = sqrt(Σ_{idx[i]=s} |x[i]|² / count); an empty segment gives 0; shape (M,).
+    Each segment's rows are divided by a power of two above its largest |entry| first, so
+    no square overflows."""
+    top = jnp.maximum(jax.ops.segment_max(_largest(x), idx, num_segments,
+                                          indices_are_sorted=indices_are_sorted), 0)
+    scale = _power_of_two_above(top)
+    scaled = x / _per_row(_power_of_two_above(_gather(top, idx, num_segments)), x)
+    squares = segmented_dot(scaled, scaled, idx, num_segments,
+                            indices_are_sorted=indices_are_sorted)
     count = jnp.maximum(_counts(idx, num_segments, x.dtype), 1)
-    return _safe_sqrt(squares / count)
+    return scale * _safe_sqrt(squares / count)
+
+
+def _largest(x):
+    """max |x[i]| over each row's entries, (N,)."""
+    return jnp.max(jnp.abs(x), axis=tuple(range(1, x.ndim)), initial=0)
+
+
+def _norms(x):
+    """|x[i]| per row, (N,), each row divided by a power of two above its largest |entry|
+    first (no square overflows)."""
+    scale = _power_of_two_above(_largest(x))
+    scaled = x / _per_row(scale, x)
+    return scale * _safe_sqrt(_sum_trailing(scaled * scaled))
 
 
 def segmented_max_norm(x, idx, num_segments, *, indices_are_sorted=False):
@@ -81,7 +121,7 @@ def segmented_max_norm(x, idx, num_segments, *, indices_are_sorted=False):
 
     The derivative flows through the first element attaining the maximum only.
     """
-    norms = _safe_sqrt(_sum_trailing(x * x))
+    norms = _norms(x)
     valid = _valid(idx, num_segments)
     largest = jax.ops.segment_max(jax.lax.stop_gradient(norms), idx, num_segments,
                                   indices_are_sorted=indices_are_sorted)
@@ -89,7 +129,7 @@ def segmented_max_norm(x, idx, num_segments, *, indices_are_sorted=False):
     position = jnp.arange(x.shape[0])
     first = jax.ops.segment_min(jnp.where(attains, position, x.shape[0]), idx, num_segments,
                                 indices_are_sorted=indices_are_sorted)
-    return _take(norms, first, first < x.shape[0])
+    return jnp.where(jnp.isnan(largest), largest, _take(norms, first, first < x.shape[0]))
 
 
 def segmented_matvec(v, m, idx, num_segments):

@@ -18,6 +18,9 @@ Semantics shared by all functions:
   returned in their own dtype.
 * Empty segments give 0. `segmented_rms_norm` and `segmented_max_norm` have gradient 0 where
   the norm is 0, and `segmented_max_norm` sends its gradient to the first row attaining the max.
+* `segmented_mean`, `segmented_rms_norm` and `segmented_max_norm` are finite wherever their
+  exact values are, up to the float max (no sum or square on the way overflows), and so are
+  their derivatives.
 """
 
 import functools
@@ -247,17 +250,16 @@ def segmented_mean(x, idx, num_segments, *, indices_are_sorted=False):
       {segment args}
 
     Returns:
-      (M, *F): Σ_{idx[i]=s} x[i] / count; 0 for an empty segment.
+      (M, *F): Σ_{idx[i]=s} x[i] / count, summed as Σ x[i] · (1/count): finite wherever the
+      mean is, up to the float max; 0 for an empty segment.
 
     Example::
 
         segmented_mean(jnp.array([1., 2., 3.]), jnp.array([0, 0, 2]), 3)  # [1.5, 0., 3.]
     """
     x, seg, m, dtype = _common("x", x, idx, num_segments)
-    params = _params(m, indices_are_sorted)
-    total = P.sum_p.bind(_rows(x), *seg, **params)
-    return (total / _nonzero_counts(seg, params, x.dtype)[:, None]).reshape(
-        m, *x.shape[1:]).astype(dtype)
+    out = P.mean_p.bind(_rows(x), *seg, **_params(m, indices_are_sorted))
+    return out.reshape(m, *x.shape[1:]).astype(dtype)
 
 
 @_documented
@@ -319,8 +321,10 @@ def segmented_rms_norm(x, idx, num_segments, *, indices_are_sorted=False):
       {segment args}
 
     Returns:
-      (M,): sqrt(Σ_{idx[i]=s} |x[i]|² / count); 0 for an empty segment. Every derivative is 0
-      (never NaN) where the norm is 0.
+      (M,): sqrt(Σ_{idx[i]=s} |x[i]|² / count); 0 for an empty segment. Finite wherever the
+      norm is, up to the float max (a segment whose squares overflow is summed again, scaled
+      by a power of two), and so are its derivatives. Every derivative is 0 (never NaN) where
+      the norm is 0.
 
     Example::
 
@@ -328,21 +332,28 @@ def segmented_rms_norm(x, idx, num_segments, *, indices_are_sorted=False):
     """
     x, seg, m, dtype = _common("x", x, idx, num_segments)
     params = _params(m, indices_are_sorted)
-    squares = _squared_norms(_grouped(x), seg, tuple(params.items()))[:, 0]
-    return _safe_sqrt(squares / _nonzero_counts(seg, params, x.dtype)).astype(dtype)
+    return _rms_norms(_grouped(x), seg, tuple(params.items()))[:, 0].astype(dtype)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
-def _squared_norms(g, seg, params):
-    """Σ |g[i]|² per segment and group: dot(g, g), with the JVP 2 dot(g, t) (one kernel, not
-    two)."""
-    return P.dot_p.bind(g, g, *seg, **dict(params))
+def _rms_norms(g, seg, params):
+    """sqrt(Σ |g[i]|² / count) per segment and group of g (N, G, K), by one kernel."""
+    return P.rms_norm_p.bind(g, *seg, **dict(params))
 
 
-@_squared_norms.defjvp
-def _squared_norms_jvp(params, primals, tangents):
+@_rms_norms.defjvp
+def _rms_norms_jvp(params, primals, tangents):
+    """d norm = Σ <g[i], dg[i]> / (count · norm), with g and the norm divided by a power of two
+    near the norm (held constant: every derivative stays exact) so that nothing overflows."""
     g, seg = primals
-    return _squared_norms(g, seg, params), 2 * P.dot_p.bind(g, tangents[0], *seg, **dict(params))
+    norms = _rms_norms(g, seg, params)
+    _, inverse = P.power_of_two(jax.lax.stop_gradient(norms))
+    params = dict(params)
+    scaled = P.scale_p.bind(g, inverse, *seg, **params)
+    zero = norms == 0
+    divisor = _nonzero_counts(seg, params, g.dtype)[:, None] * jnp.where(zero, 1, norms * inverse)
+    tangent = P.dot_p.bind(scaled, tangents[0], *seg, **params) / divisor
+    return norms, jnp.where(zero, 0, tangent)
 
 
 def _at_first(rows, first, fill):
@@ -418,8 +429,10 @@ def segmented_max_norm(x, idx, num_segments, *, indices_are_sorted=False):
       {segment args}
 
     Returns:
-      (M,): max_{idx[i]=s} |x[i]|; 0 for an empty segment. The derivative flows to the first
-      row attaining the max, and is 0 (never NaN) where the norm is 0.
+      (M,): max_{idx[i]=s} |x[i]|; 0 for an empty segment. Each norm is computed with the row
+      scaled by a power of two near its largest entry, so it is finite wherever it is true,
+      up to the float max. The derivative flows to the first row attaining the max, and is
+      0 (never NaN) where the norm is 0.
 
     Example::
 
@@ -429,7 +442,28 @@ def segmented_max_norm(x, idx, num_segments, *, indices_are_sorted=False):
     first = P.extreme_p.bind(_grouped(x), *seg, kind="max_norm", **_params(m, indices_are_sorted))
     rows = _rows(x)
     winners = _at_first(rows, jnp.broadcast_to(first, (m, rows.shape[1])), 0)
-    return _safe_sqrt(jnp.sum(winners * winners, axis=1)).astype(dtype)
+    return _norms(winners).astype(dtype)
+
+
+@jax.custom_jvp
+def _norms(rows):
+    """|rows[s]| of rows (M, K), each row scaled by a power of two near its largest entry
+    (so no square overflows or underflows)."""
+    scale, inverse = P.power_of_two(jnp.max(jnp.abs(rows), axis=1, initial=0))
+    scaled = rows * inverse[:, None]
+    return scale * jnp.sqrt(jnp.sum(scaled * scaled, axis=1))
+
+
+@_norms.defjvp
+def _norms_jvp(primals, tangents):
+    """d |v| = <v, dv> / |v|, with v and |v| (not dv, which would underflow) divided by a power
+    of two near |v|, held constant: every derivative stays exact; 0 where |v| is."""
+    (rows,), (dv,) = primals, tangents
+    norms = _norms(rows)
+    _, inverse = P.power_of_two(jax.lax.stop_gradient(norms))
+    zero = norms == 0
+    units = rows * inverse[:, None] / jnp.where(zero, 1, norms * inverse)[:, None]
+    return norms, jnp.where(zero, 0, jnp.sum(units * dv, axis=1))
 
 
 def _variance(rows, seg, params):

@@ -7,18 +7,32 @@ Shapes (rows first, then a group axis G that vmap folds into, then features):
                                                                 segment on GPUs, one pass on CPUs)
     count       idx as a (N, 1)              -> (M, 1)          out[s] = #{i : idx[i]=s}
     sum         x (N, K)                     -> (M, K)          out[s] = Σ_{idx[i]=s} x[i]
+    mean        x (N, K), w (M, 1)           -> (M, K)          out[s] = Σ_{idx[i]=s} x[i] w[s]
+                                                                (w = 1/count: no partial sum
+                                                                exceeds the largest |x|)
+    rms_norm    x (N, G, K)                  -> (M, G)          out[s,g] = sqrt(Σ_{idx[i]=s}
+                                                                |x[i,g]|² / count), a segment
+                                                                whose squares overflow summed
+                                                                again scaled by a power of two
+                                                                (ordered ids; otherwise Σ|x|²
+                                                                by atomics, and rms_norm_top
+                                                                and rms_norm_rescaled redo the
+                                                                segments that overflowed)
     outer       a (N, G·K), b (N, G·L)       -> (M, G·K·L)      out[s,g] = Σ_{idx[i]=s} a[i,g] ⊗
                                                                 b[i,g]
-    sum3, dot3  rows of vec3 (N, 1)          -> (M, 1)          sum and dot for K = 3, on CPUs
-                                                                (a GPU keeps more rows in flight
-                                                                with a thread per feature, and
-                                                                reads rows coalesced)
+    sum3, mean3, dot3  rows of vec3 (N, 1)   -> (M, 1)          sum, mean and dot for K = 3, on
+                                                                CPUs (a GPU keeps more rows in
+                                                                flight with a thread per
+                                                                feature, and reads rows
+                                                                coalesced)
     row_dot     x, y (N, G, K)               -> (N, G)          out[i,g] = <x[i,g], y[i,g]>
                                                                 (dot = sum of row_dot)
     max_*, min_*, max_norm_*  x (N, G, K)    -> first (M, G)    the first row i attaining the
                                                                 largest x[i,g,0] (max), smallest
-                                                                (min), largest |x[i,g]|²
-                                                                (max_norm); N if none
+                                                                (min), largest |x[i,g]|
+                                                                (max_norm, each norm scaled by a
+                                                                power of two: no overflow); N if
+                                                                none
     bincount    labels (N,)                  -> (M, L) int32    out[s,c] = #{i : idx[i]=s,
                                                                 labels[i]=c}
     gather      y (R, K), idx (L,)           -> (L, K)          out[i] = y[idx[i]]
@@ -27,9 +41,10 @@ Shapes (rows first, then a group axis G that vmap folds into, then features):
                                                                 (@ m[idx[i],g]ᵀ with `transpose`)
     gather3, scale3, matvec3                                    the same for G = 1, K = 3
 
-The reductions (count, sum, outer, sum3, dot3) come from one factory (`_segment_reduction`)
-over the term each adds, and the searches for extremes from another (`_extreme`) over the key
-they compare. sum, max and min are made for int32 and int64 as well as the float types.
+The reductions (count, sum, mean, outer, sum3, mean3, dot3) come from one factory
+(`_segment_reduction`) over the term each adds, and the searches for extremes from another
+(`_extreme`) over the key they compare. sum, max and min are made for int32 and int64 as
+well as the float types.
 
 Ids outside [0, M) are skipped by reductions and give 0 in gathers; no id reads or writes
 outside an array. Reductions take `ordered`, a one-element flag computed from the ids: when it
@@ -158,7 +173,8 @@ def _layout_serial_kernel(idx: wp.array(dtype=wp.int32), out: wp.array(dtype=wp.
 
 
 def _segment_reduction(term):
-    """A kernel adding term(a, b, out, i, p) over the rows i of each segment s into out[s, p].
+    """A kernel adding term(a, b, out, i, s, p) over the rows i of each segment s into
+    out[s, p].
 
     Launched over (max(M, stride), P) threads: with ordered ids, thread (s, p) adds its
     segment's rows in index order (bitwise repeatable); otherwise threads t < stride walk the
@@ -181,32 +197,40 @@ def _segment_reduction(term):
                 lo, hi = _segment_range(offsets, t, n)
                 acc = out.dtype(0)
                 for i in range(lo, hi):
-                    acc += term(a, b, out, i, p)
+                    acc += term(a, b, out, i, t, p)
                 out[t, p] = acc
         elif t < stride:
             for i in range(t, n, stride):
                 s = idx[i]
                 if s >= 0 and s < m:
-                    wp.atomic_add(out, s, p, term(a, b, out, i, p))
+                    wp.atomic_add(out, s, p, term(a, b, out, i, s, p))
 
     return kernel
 
 
 @wp.func
 def _one(a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any), out: wp.array2d(dtype=Any), i: int,
-         p: int):
+         s: int, p: int):
     return 1
 
 
 @wp.func
 def _entry(a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any), out: wp.array2d(dtype=Any), i: int,
-           p: int):
+           s: int, p: int):
     return a[i, p]
 
 
 @wp.func
+def _weighted_entry(a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any),
+                    out: wp.array2d(dtype=Any), i: int, s: int, p: int):
+    # a[i, p] times its segment's weight b[s, 0] (mean: 1/count, so no partial sum exceeds
+    # the largest |a|)
+    return a[i, p] * b[s, 0]
+
+
+@wp.func
 def _outer_entry(a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any), out: wp.array2d(dtype=Any),
-                 i: int, p: int):
+                 i: int, s: int, p: int):
     # a (N, G·K) and b (N, G·L) into out (M, G·K·L), p = (g·K + k)·L + l
     k_count = out.shape[1] // b.shape[1]
     l_count = out.shape[1] // a.shape[1]
@@ -216,13 +240,15 @@ def _outer_entry(a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any), out: wp.arr
 
 @wp.func
 def _vector_dot(a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any), out: wp.array2d(dtype=Any),
-                i: int, p: int):
+                i: int, s: int, p: int):
     return wp.dot(a[i, p], b[i, p])
 
 
-# The reductions; sum3 and dot3 read rows of vec3 (one per thread), which CPUs run faster.
+# The reductions; sum3, mean3 and dot3 read rows of vec3 (one per thread), which CPUs run
+# faster.
 for _name, _term in (("count", _one), ("sum", _entry), ("sum3", _entry), ("outer", _outer_entry),
-                     ("dot3", _vector_dot)):
+                     ("dot3", _vector_dot), ("mean", _weighted_entry),
+                     ("mean3", _weighted_entry)):
     _deferred(_segment_reduction(_term), _name)
 
 @wp.func
@@ -231,6 +257,133 @@ def _squared_norm(x: wp.array3d(dtype=Any), i: int, g: int):
     for k in range(x.shape[2]):
         acc += x[i, g, k] * x[i, g, k]
     return acc
+
+
+@wp.func
+def _power_of_two(top: wp.float64):
+    # (2^e, 2^-e) with 2^e <= top < 2^(e+1), e clamped to [-1022, 1021] so that both are
+    # normal numbers (not flushed to zero): from the exponent bits of top >= 0
+    e = wp.clamp((wp.cast(top, wp.int64) >> wp.int64(52)) & wp.int64(0x7FF), wp.int64(1),
+                 wp.int64(2044))
+    return (wp.cast(e << wp.int64(52), wp.float64),
+            wp.cast((wp.int64(2046) - e) << wp.int64(52), wp.float64))
+
+
+@wp.func
+def _power_of_two(top: wp.float32):  # an overload per dtype: e clamped to [-126, 125]
+    e = wp.clamp((wp.cast(top, wp.int32) >> 23) & 0xFF, 1, 252)
+    return wp.cast(e << 23, wp.float32), wp.cast((254 - e) << 23, wp.float32)
+
+
+@wp.func
+def _largest_entry(x: wp.array3d(dtype=Any), i: int, g: int):
+    top = x.dtype(0.0)
+    for k in range(x.shape[2]):
+        top = wp.max(top, wp.abs(x[i, g, k]))
+    return top
+
+
+@wp.func
+def _scaled_squared_norm(x: wp.array3d(dtype=Any), i: int, g: int, inverse: Any):
+    acc = x.dtype(0.0)
+    for k in range(x.shape[2]):
+        v = x[i, g, k] * inverse
+        acc += v * v
+    return acc
+
+
+@wp.func
+def _norm(x: wp.array3d(dtype=Any), i: int, g: int):
+    # |x[i, g]|, its squares scaled by a power of two near the largest entry: no overflow or
+    # underflow, and bitwise sqrt(_squared_norm) wherever that neither overflows nor underflows
+    scale, inverse = _power_of_two(_largest_entry(x, i, g))
+    return scale * wp.sqrt(_scaled_squared_norm(x, i, g, inverse))
+
+
+@wp.func
+def _segment_rms_norm(x: wp.array3d(dtype=Any), lo: int, hi: int, g: int):
+    # sqrt(Σ |x[i, g]|² / n) over rows lo:hi (n > 0); where Σ |x|² overflows (or an entry is
+    # infinite), again with the rows scaled by a power of two near the segment's largest entry
+    total = x.dtype(0.0)
+    for i in range(lo, hi):
+        total += _squared_norm(x, i, g)
+    count = x.dtype(hi - lo)
+    if not wp.isinf(total):
+        return wp.sqrt(total / count)
+    top = x.dtype(0.0)
+    for i in range(lo, hi):
+        top = wp.max(top, _largest_entry(x, i, g))
+    scale, inverse = _power_of_two(top)
+    total = x.dtype(0.0)
+    for i in range(lo, hi):
+        total += _scaled_squared_norm(x, i, g, inverse)
+    return scale * wp.sqrt(total / count)
+
+
+@_deferred
+def _rms_norm_kernel(
+    x: wp.array3d(dtype=Any),
+    idx: wp.array(dtype=wp.int32),
+    offsets: wp.array(dtype=wp.int32),
+    ordered: wp.array(dtype=wp.int32),
+    stride: int,
+    squares: wp.array2d(dtype=Any),
+    out: wp.array2d(dtype=Any),
+):
+    # Ordered ids: thread (s, g) writes out[s, g], the segment's RMS norm (0 if empty).
+    # Otherwise threads t < stride add each row's |x[i, g]|² atomically into `squares`.
+    t, g = wp.tid()
+    m = out.shape[0]
+    if ordered[0] != 0:
+        if t < m:
+            lo, hi = _segment_range(offsets, t, x.shape[0])
+            if lo < hi:
+                out[t, g] = _segment_rms_norm(x, lo, hi, g)
+    elif t < stride:
+        for i in range(t, x.shape[0], stride):
+            s = idx[i]
+            if s >= 0 and s < m:
+                wp.atomic_add(squares, s, g, _squared_norm(x, i, g))
+
+
+@_deferred
+def _rms_norm_top_kernel(
+    x: wp.array3d(dtype=Any),
+    idx: wp.array(dtype=wp.int32),
+    overflowed: wp.array(dtype=wp.int32),
+    stride: int,
+    squares: wp.array2d(dtype=Any),
+    top: wp.array2d(dtype=Any),
+):
+    # Unordered ids whose `squares` overflowed somewhere (else at once): the atomic max of the
+    # entries |x[i, g, k]| of each segment whose squares are infinite.
+    t, g = wp.tid()
+    if overflowed[0] != 0:
+        for i in range(t, x.shape[0], stride):
+            s = idx[i]
+            if s >= 0 and s < top.shape[0]:  # noqa: SIM102  (squares[s, g] only in range)
+                if wp.isinf(squares[s, g]):
+                    wp.atomic_max(top, s, g, _largest_entry(x, i, g))
+
+
+@_deferred
+def _rms_norm_rescaled_kernel(
+    x: wp.array3d(dtype=Any),
+    idx: wp.array(dtype=wp.int32),
+    overflowed: wp.array(dtype=wp.int32),
+    stride: int,
+    squares: wp.array2d(dtype=Any),
+    inverse: wp.array2d(dtype=Any),
+    rescaled: wp.array2d(dtype=Any),
+):
+    # Then the atomic sum of |x[i, g] * inverse[s, g]|² over the rows of those segments.
+    t, g = wp.tid()
+    if overflowed[0] != 0:
+        for i in range(t, x.shape[0], stride):
+            s = idx[i]
+            if s >= 0 and s < rescaled.shape[0]:  # noqa: SIM102  (squares[s, g] only in range)
+                if wp.isinf(squares[s, g]):
+                    wp.atomic_add(rescaled, s, g, _scaled_squared_norm(x, i, g, inverse[s, g]))
 
 
 @wp.func
@@ -352,7 +505,7 @@ def _extreme(key, better, atomic_better):
 # max and min per entry (x as (N, entries, 1)), max_norm per group of features.
 for _name, _parts in (("max", (_value, _above, _atomic_above)),
                       ("min", (_value, _below, _atomic_below)),
-                      ("max_norm", (_squared_norm, _above, _atomic_above))):
+                      ("max_norm", (_norm, _above, _atomic_above))):
     for _step, _kernel in zip(("ordered", "best", "first"), _extreme(*_parts)):
         _deferred(_kernel, f"{_name}_{_step}")
 
@@ -503,6 +656,7 @@ def _matvec3_kernel(
 _ELEMENTS = {
     "count": {"a": "int32", "b": "int32", "out": "int32"},
     "sum3": {"a": "vec3", "b": "vec3", "out": "vec3"},
+    "mean3": {"a": "vec3", "out": "vec3"},
     "dot3": {"a": "vec3", "b": "vec3"},
     "gather3": {"y": "vec3", "out": "vec3"},
     "scale3": {"x": "vec3", "out": "vec3"},

@@ -6,6 +6,7 @@ the sum of the primitive applied with one operand replaced by its tangent, and i
 with respect to each operand is another primitive of the set:
 
     sum(x)         x ↦ gather(ct)                     (segment sum ↔ broadcast back)
+    mean(x)        x ↦ gather(ct / count)
     gather(y)      y ↦ sum(ct)
     dot(x, y)      x ↦ scale(y, ct)      y ↦ scale(x, ct)
     scale(x, y)    x ↦ scale(ct, y)      y ↦ dot(ct, x)
@@ -13,11 +14,13 @@ with respect to each operand is another primitive of the set:
     matvecᵀ(v, m)  v ↦ matvec(ct, m)     m ↦ outer(ct, v)
     outer(a, b)    a ↦ matvecᵀ(b, ct)    b ↦ matvec(a, ct)
 
-JAX derives every higher derivative, forward or reverse, from these rules. The other
-primitives give integers, so no derivative: `extreme` (the first row attaining each segment's
-max, min or max norm, through which the ops differentiate), `count` and `bincount`. Batching
-folds a vmapped axis into axis 1 of every float operand (the feature or group axis), which
-keeps the segment ids and their order; vmapped ids fall back to a loop over the batch.
+JAX derives every higher derivative, forward or reverse, from these rules. `rms_norm` (the
+RMS norm of each segment, in one kernel) has no rule: segcli.ops differentiates it through a
+custom JVP built of the others. The other primitives give integers, so no derivative:
+`extreme` (the first row attaining each segment's max, min or max norm, through which the ops
+differentiate), `count` and `bincount`. Batching folds a vmapped axis into axis 1 of every
+float operand (the feature or group axis), which keeps the segment ids and their order;
+vmapped ids fall back to a loop over the batch.
 
 Operands are the data arrays followed by int32 ids and int32 offsets: the segments' CSR
 offsets (M+1,) when the caller has them (the ids then non-decreasing), else an empty array and
@@ -50,14 +53,23 @@ def _layout(idx, offsets, num_segments, indices_are_sorted, gpu):
     return offsets, jnp.all(idx[1:] >= idx[:-1]).astype(jnp.int32).reshape(1)
 
 
-def _reduce(name, a, b, idx, offsets, zeros, num_segments, indices_are_sorted, gpu):
-    """Reduction kernel `name` of rows a, b (N, ·) into `zeros` (M, P), over max(M, stride) × P
-    threads: a segment per thread for ordered ids, else atomics."""
-    offsets, ordered = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
+def _reduce(name, a, b, idx, layout, zeros, gpu):
+    """Reduction kernel `name` of rows a (N, ·) and b into `zeros` (M, P), over max(M, stride)
+    × P threads: a segment per thread for ordered ids, else atomics; `layout` is `_layout`'s."""
     threads = stride(gpu, idx.shape[0])
-    dims = (max(num_segments, threads), zeros.shape[1])
-    return launch(name, a, b, idx, offsets, ordered, threads, zeros, dims=dims, in_out=("out",),
+    dims = (max(zeros.shape[0], threads), zeros.shape[1])
+    return launch(name, a, b, idx, *layout, threads, zeros, dims=dims, in_out=("out",),
                   dtype=a.dtype)
+
+
+def _row_counts(idx, layout, known_sorted, gpu):
+    """Rows per segment (M,) int32: the differences of the offsets where the ids are known to
+    be sorted (no kernel), else the count kernel."""
+    if known_sorted:
+        return jnp.diff(layout[0])
+    rows = idx.reshape(-1, 1)
+    zeros = jnp.zeros((layout[0].shape[0] - 1, 1), jnp.int32)
+    return _reduce("count", rows, rows, idx, layout, zeros, gpu)[:, 0]
 
 
 def _is_float_vec3(x):
@@ -213,14 +225,15 @@ def _empty(shape, *operands):
 
 
 def _sum(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
-    shape, ordering = (num_segments, x.shape[1]), (num_segments, indices_are_sorted, gpu)
+    shape = (num_segments, x.shape[1])
     if _empty(shape, x):
         return jnp.zeros(shape, x.dtype)
+    layout = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
     if not gpu and _is_float_vec3(x):
         rows = x.reshape(x.shape[0], 1, 3)
         zeros = jnp.zeros((num_segments, 1, 3), x.dtype)
-        return _reduce("sum3", rows, rows, idx, offsets, zeros, *ordering).reshape(shape)
-    return _reduce("sum", x, x, idx, offsets, jnp.zeros(shape, x.dtype), *ordering)
+        return _reduce("sum3", rows, rows, idx, layout, zeros, gpu).reshape(shape)
+    return _reduce("sum", x, x, idx, layout, jnp.zeros(shape, x.dtype), gpu)
 
 
 sum_p = _multilinear(_Rule(
@@ -237,20 +250,43 @@ def _gather(y, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     return launch("gather", y, idx, dims=(idx.shape[0],), out=shape)
 
 
+def _mean(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
+    shape = (num_segments, x.shape[1])
+    if _empty(shape, x):
+        return jnp.zeros(shape, x.dtype)
+    layout = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
+    counts = _row_counts(idx, layout, indices_are_sorted or offsets.shape[0] > 0, gpu)
+    weights = (1 / jnp.maximum(counts, 1).astype(x.dtype))[:, None]
+    if not gpu and _is_float_vec3(x):
+        rows = x.reshape(x.shape[0], 1, 3)
+        zeros = jnp.zeros((num_segments, 1, 3), x.dtype)
+        return _reduce("mean3", rows, weights, idx, layout, zeros, gpu).reshape(shape)
+    return _reduce("mean", x, weights, idx, layout, jnp.zeros(shape, x.dtype), gpu)
+
+
+mean_p = _multilinear(_Rule(
+    "mean", _mean, lambda x, idx, offsets, *, num_segments, **_: (num_segments, x.shape[1]), 1,
+    transposes=(lambda ct, seg, p: gather_p.bind(
+        ct / jnp.maximum(count(*seg, **p), 1).astype(ct.dtype)[:, None], *seg, **p),)))
+"""Σ x[i] / count over each segment of x (N, K), as Σ x[i] · (1/count) (no partial sum
+exceeds the largest |x[i]|); 0 for an empty segment."""
+
+
 gather_p = _multilinear(_Rule(
     "gather", _gather, lambda y, idx, offsets, **_: (idx.shape[0], y.shape[1]), 1,
     transposes=(lambda ct, seg, p: sum_p.bind(ct, *seg, **p),)))
 
 
 def _dot(x, y, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
-    shape, ordering = (num_segments, x.shape[1]), (num_segments, indices_are_sorted, gpu)
+    shape = (num_segments, x.shape[1])
     if _empty(shape, x, y):
         return jnp.zeros(shape, x.dtype)
+    layout = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
     if not gpu and _is_float_vec3(x):
         rows = [a.reshape(a.shape[0], 1, 3) for a in (x, y)]
-        return _reduce("dot3", *rows, idx, offsets, jnp.zeros(shape, x.dtype), *ordering)
+        return _reduce("dot3", *rows, idx, layout, jnp.zeros(shape, x.dtype), gpu)
     products = launch("row_dot", x, y, dims=(idx.shape[0],), out=x.shape[:2])  # rows coalesced
-    return _reduce("sum", products, products, idx, offsets, jnp.zeros(shape, x.dtype), *ordering)
+    return _reduce("sum", products, products, idx, layout, jnp.zeros(shape, x.dtype), gpu)
 
 
 dot_p = _multilinear(_Rule(
@@ -299,8 +335,9 @@ def _outer(a, b, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     if _empty(shape, a, b):
         return jnp.zeros(shape, a.dtype)
     zeros = jnp.zeros((num_segments, groups * k * l), a.dtype)
-    out = _reduce("outer", a.reshape(n, groups * k), b.reshape(n, groups * l), idx, offsets, zeros,
-                  num_segments, indices_are_sorted, gpu)
+    layout = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
+    out = _reduce("outer", a.reshape(n, groups * k), b.reshape(n, groups * l), idx, layout, zeros,
+                  gpu)
     return out.reshape(shape)
 
 
@@ -309,6 +346,53 @@ outer_p = _multilinear(_Rule(
     lambda a, b, idx, offsets, *, num_segments, **_: (num_segments, *a.shape[1:], b.shape[2]), 2,
     transposes=(lambda ct, b, seg, p: matvec_p.bind(b, ct, *seg, **p, transpose=True),
                 lambda ct, a, seg, p: matvec_p.bind(a, ct, *seg, **p, transpose=False))))
+
+
+def power_of_two(top):
+    """(2^e, 2^-e) with 2^e <= top < 2^(e+1) for top >= 0, e clamped so that both are normal
+    numbers (XLA and the kernels flush subnormal ones to 0): dividing by a power of two is
+    exact, so scaling by it keeps every digit."""
+    info = jnp.finfo(top.dtype)
+    e = jnp.clip(jnp.frexp(top)[1] - 1, info.minexp, info.maxexp - 3)
+    one = jnp.ones_like(top)
+    return jnp.ldexp(one, e), jnp.ldexp(one, -e)
+
+
+def _rms_norm(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
+    n, groups = x.shape[:2]
+    shape = (num_segments, groups)
+    if _empty(shape, x):
+        return jnp.zeros(shape, x.dtype)
+    given = offsets.shape[0] > 0
+    layout = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
+    threads = stride(gpu, n)
+    zeros = jnp.zeros(shape, x.dtype)
+    squares, out = launch("rms_norm", x, idx, *layout, threads, zeros, zeros,
+                          dims=(max(num_segments, threads), groups), in_out=("squares", "out"))
+    if indices_are_sorted or given:
+        return out
+    # Unordered ids: Σ|x|² came by atomics; the segments where it overflowed are summed again,
+    # scaled by a power of two near their largest entry, by kernels that return at once (their
+    # one-element flag 0) where none did.
+    ordered = layout[1][0] != 0
+    overflowed = (~ordered & jnp.any(jnp.isinf(squares))).astype(jnp.int32).reshape(1)
+    top = launch("rms_norm_top", x, idx, overflowed, threads, squares, zeros,
+                 dims=(threads, groups), in_out=("top",))
+    scale, inverse = power_of_two(top)
+    rescaled = launch("rms_norm_rescaled", x, idx, overflowed, threads, squares, inverse, zeros,
+                      dims=(threads, groups), in_out=("rescaled",))
+    counts = jnp.maximum(_row_counts(idx, layout, False, gpu), 1).astype(x.dtype)[:, None]
+    unordered = jnp.where(jnp.isinf(squares), scale * jnp.sqrt(rescaled / counts),
+                          jnp.sqrt(squares / counts))
+    return jnp.where(ordered, out, unordered)
+
+
+rms_norm_p = _register(_Rule(
+    "rms_norm", _rms_norm,
+    lambda x, idx, offsets, *, num_segments, **_: (num_segments, x.shape[1]), 1))
+"""sqrt(Σ |x[i, g]|² / count) over each segment and group of x (N, G, K), 0 for an empty
+segment, by one kernel on the ordered path; finite wherever the true value is. No derivative
+rule of its own (segcli.ops gives it one)."""
 
 
 # --- The integer primitives.
@@ -350,17 +434,15 @@ extreme_p = _integral(_Rule(
     "extreme", _extreme, lambda x, idx, offsets, *, num_segments, **_: (num_segments, x.shape[1]),
     1, jnp.int32))
 """The first row attaining each segment's and group's extreme of x (N, G, K), or N: with
-kind "max" or "min" the largest or smallest x[i, g, 0], with "max_norm" the largest |x[i, g]|²."""
+kind "max" or "min" the largest or smallest x[i, g, 0], with "max_norm" the largest |x[i, g]|."""
 
 
 def _count(idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     if idx.shape[0] == 0 or num_segments == 0:
         return jnp.zeros((num_segments,), jnp.int32)
-    if indices_are_sorted or offsets.shape[0]:  # differences of the offsets: no count kernel
-        return jnp.diff(_layout(idx, offsets, num_segments, True, gpu)[0])
-    rows, zeros = idx.reshape(-1, 1), jnp.zeros((num_segments, 1), jnp.int32)
-    return _reduce("count", rows, rows, idx, offsets, zeros, num_segments, indices_are_sorted,
-                   gpu)[:, 0]
+    known_sorted = indices_are_sorted or offsets.shape[0] > 0
+    layout = _layout(idx, offsets, num_segments, known_sorted, gpu)
+    return _row_counts(idx, layout, known_sorted, gpu)
 
 
 count_p = _integral(_Rule("count", _count,
