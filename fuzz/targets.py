@@ -9,6 +9,7 @@ import shutil
 import tempfile
 from typing import NamedTuple
 
+import ase.io
 import numpy as np
 
 import segcli.cli.data
@@ -70,8 +71,6 @@ def extxyz(data):
 
 def _compare_with_ase(path, pieces):
     """WrongResult unless `pieces` equal what ASE reads from `path`, where ASE reads it."""
-    import ase.io
-
     try:
         images = ase.io.read(path, ":", format="extxyz")
     except Exception:  # noqa: BLE001 -- ASE refuses the file, so there is nothing to compare
