@@ -41,10 +41,13 @@ def _file(name, data):
 
 
 def read_through(batch):
-    """What `segcli info` says of a batch, then every field streamed in small chunks: those
-    that every structure has together, then each of the others alone (which a format without
-    fill values refuses, with DataError)."""
+    """What `segcli info` says of a batch (whose field names must be text), then every field
+    streamed in small chunks: those that every structure has together, then each of the
+    others alone (which a format without fill values refuses, with DataError)."""
     segcli.cli.data.describe(batch)
+    names = [name for name in batch.fields if not isinstance(name, str)]
+    if names:
+        raise WrongResult(f"field name {names[0]!r} is not text (info cannot print it)")
     everywhere = [name for name in sorted(batch.fields) if batch.present(name) is None]
     partial = sorted(set(batch.fields).difference(everywhere))
     for names in [everywhere, *([name] for name in partial)]:

@@ -6,6 +6,8 @@ seen (strict)."""
 
 import contextlib
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ FUZZ = Path(__file__).resolve().parents[1] / "fuzz"
 TIME_LIMIT = 0.5
 """CPU seconds (not wall time: the machine may be busy) that an input of a few KB may take:
 segcli answers any file within seconds (SPEC §3d)."""
+CHILD_CPU_S = 2  # the same for a reproducer replayed in a child, which also imports segcli
 
 FINDINGS = {
     "extxyz/hang-count-past-maxsize.extxyz":
@@ -31,6 +34,39 @@ FINDINGS = {
         "a Properties column count of 10^8: segcli/io/extxyz.py:columns calls ASE's "
         "parse_properties (ase/io/extxyz.py:380) first, which builds a dtype entry per column "
         "(GBs, minutes)",
+    "hdf5/native-hang-format-attribute.h5":
+        "a damaged global heap: reading the variable-length string attribute `format` "
+        "(segcli/io/hdf5.py:SegcliBatch.__init__, h5py attrs.py:77) never returns from HDF5",
+    "hdf5/keyerror-detecting-format.h5":
+        "a bad metadata checksum: `\"format\" in h5.attrs` raises KeyError in "
+        "segcli/io/formats.py:_has_format_attribute, which catches OSError only",
+    "hdf5/runtimeerror-visiting-results.h5":
+        "a bad metadata checksum: h5py's visititems raises RuntimeError in "
+        "segcli/io/hdf5.py:SegcliBatch._result_names; open_file catches OSError, KeyError",
+    "hdf5/indexerror-number-past-table.h5":
+        "atomic number 203: deriving velocities indexes ase.data.atomic_masses past its end "
+        "(IndexError in segcli/io/core.py:derive); a negative number silently takes another "
+        "element's mass",
+    "hdf5/typeerror-name-not-utf8.h5":
+        "a dataset name that is not UTF-8 becomes a bytes field name "
+        "(segcli/io/hdf5.py:SegcliBatch.__init__); `segcli info` fails on it with TypeError "
+        "(its table, and JSON)",
+    "formats/badgzipfile-gz-name.bin":
+        "a .gz name on content that is not gzip: ASE's filetype, called by "
+        "segcli/io/asefiles.py:ase_format (from formats.py:detect), raises BadGzipFile; the "
+        "CLI prints its text without the file's name",
+    "formats/oserror-bz2-name.bin":
+        "a .bz2 name on content that is not bzip2: OSError (Invalid data stream) from ASE's "
+        "filetype in segcli/io/asefiles.py:ase_format",
+    "formats/eoferror-truncated-bz2.bin":
+        "a truncated bzip2 stream: EOFError from ASE's filetype in "
+        "segcli/io/asefiles.py:ase_format, which click turns into `Aborted!`",
+    "formats/keyerror-detecting-format.bin":
+        "a bad metadata checksum in a conformer file: KeyError from `\"format\" in h5.attrs` "
+        "in segcli/io/formats.py:_has_format_attribute (detect and recognised)",
+    "conformers/species-not-utf8.h5":
+        "species bytes that are not UTF-8: UnicodeDecodeError in "
+        "segcli/io/hdf5.py:Molecule.__init__, which open_file does not catch",
 }
 """target/file of a reproducer under fuzz/crashes/ -> its finding, while it is not fixed."""
 
@@ -64,11 +100,25 @@ def inputs():
 
 @pytest.mark.parametrize("path", list(inputs()))
 def test_replay(path):
+    if path.name.startswith("native-"):
+        return replay_in_child(path)
     try:
         with cpu_time_limit(TIME_LIMIT), contextlib.suppress(DataError):
             TARGETS[path.parent.name].function(path.read_bytes())
     except TookTooLong:
         pytest.fail(f"{path}: still running after {TIME_LIMIT} s of CPU time")
+
+
+def replay_in_child(path):
+    """A reproducer whose finding is in native code (a loop that no Python signal handler
+    interrupts, a crash), replayed in a process of its own under a CPU-time limit."""
+    code = (f"import resource; resource.setrlimit(resource.RLIMIT_CPU, ({CHILD_CPU_S}, "
+            f"{CHILD_CPU_S}))\nimport contextlib, sys\nfrom fuzz.targets import TARGETS\n"
+            "from segcli.errors import DataError\nwith contextlib.suppress(DataError):\n"
+            f"    TARGETS[{path.parent.name!r}].function(open(sys.argv[1], 'rb').read())")
+    child = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True,
+                           cwd=FUZZ.parent, timeout=120)
+    assert child.returncode == 0, f"{path}: exit {child.returncode}\n{child.stderr[-2000:]}"
 
 
 def test_every_finding_has_its_reproducer():
