@@ -4,8 +4,10 @@ input). Any other exception is a finding; `WrongResult` is one that segcli would
 off as data."""
 
 import atexit
+import functools
 import os
 import shutil
+import sys
 import tempfile
 from typing import NamedTuple
 
@@ -29,7 +31,27 @@ atexit.register(shutil.rmtree, _scratch, ignore_errors=True)
 
 
 class WrongResult(Exception):
-    """segcli returned data that differs from what ASE reads from the same file."""
+    """segcli's outcome is wrong though nothing raised: data that differs from what ASE reads,
+    a field name `info` cannot print, a traceback printed from a destructor."""
+
+
+def no_printed_tracebacks(function):
+    """`function`, raising WrongResult when an exception rose where Python can only print it
+    (a `__del__`): the user would see a traceback besides segcli's answer."""
+
+    @functools.wraps(function)
+    def checked(data):
+        reports = []
+        previous, sys.unraisablehook = sys.unraisablehook, reports.append
+        try:
+            return function(data)
+        finally:
+            sys.unraisablehook = previous
+            if reports:
+                raise WrongResult(f"traceback printed from {reports[0].object!r}: "
+                                  f"{reports[0].exc_type.__name__}: {reports[0].exc_value}")
+
+    return checked
 
 
 def _file(name, data):
@@ -62,6 +84,7 @@ def _same(a, b):
     return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b)
 
 
+@no_printed_tracebacks
 def extxyz(data):
     """segcli's extended XYZ reader (its own fast path, ASE for the rest): where ASE reads the
     whole file too, each structure must equal what ASE reads; then info and every field."""
@@ -93,6 +116,7 @@ def _compare_with_ase(path, pieces):
                                       f"reads {want[name]!r}")
 
 
+@no_printed_tracebacks
 def hdf5(data):
     """open_batch on an HDF5 file (detected as whatever it is), info, every field."""
     path = _file("data.h5", data)
@@ -100,6 +124,7 @@ def hdf5(data):
         read_through(batch)
 
 
+@no_printed_tracebacks
 def conformers(data):
     """The conformer-layout reader on an HDF5 file, info, every field."""
     path = _file("data.h5", data)
@@ -107,6 +132,7 @@ def conformers(data):
         read_through(batch)
 
 
+@no_printed_tracebacks
 def formats(data):
     """Format detection (`detect`, `recognised`, `reads`) of content under a file name that
     the first byte picks; detection and recognition must agree."""
