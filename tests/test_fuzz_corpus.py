@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fuzz.targets import TARGETS, WrongResult
+from fuzz.targets import TARGETS
 from segcli.errors import DataError
 
 FUZZ = Path(__file__).resolve().parents[1] / "fuzz"
@@ -24,84 +24,10 @@ CHILD_CPU_S = 2  # the same for a reproducer replayed in a child, which also imp
 CHILD_BYTES = 8 << 30  # the child's address space: a bound on a runaway allocation
 
 FINDINGS = {
-    "extxyz/hang-count-past-maxsize.extxyz": (
-        TimeoutError,
-        "an atom count past sys.maxsize makes islice raise ValueError in "
-        "segcli/io/extxyz.py:pieces, taken for a frame to leave to ASE, whose read_xyz "
-        "(ase/io/extxyz.py:710) then reads that many lines at the end of the file forever"),
-    "extxyz/hang-lying-count-after-ase-frame.extxyz": (
-        TimeoutError,
-        "after a frame that segcli/io/extxyz.py:pieces leaves to ASE (VEC lines), "
-        "AseBatch._ase_pieces hands the file to ase.io.iread, whose read_xyz "
-        "(ase/io/extxyz.py:710) reads the 10^12 lines a later header claims, past the end"),
-    "extxyz/memory-properties-columns.extxyz": (
-        TimeoutError,
-        "a Properties column count of 10^8: segcli/io/extxyz.py:columns calls ASE's "
-        "parse_properties (ase/io/extxyz.py:380) first, which builds a dtype entry per column "
-        "(GBs, minutes)"),
     "hdf5/native-hang-format-attribute.h5": (
         TimeoutError,
         "a damaged global heap: reading the variable-length string attribute `format` "
         "(segcli/io/hdf5.py:SegcliBatch.__init__, h5py attrs.py:77) never returns from HDF5"),
-    "hdf5/native-memory-string-heap.h5": (
-        TimeoutError,
-        "a damaged global heap: reading the string dataset /structures/label "
-        "(segcli/io/hdf5.py:read_rows, ds.asstr()[lo:hi]) makes HDF5 allocate 4 GB and run "
-        "22 s for a 7.8 KB file before it fails (bad global heap collection signature)"),
-    "hdf5/runtimeerror-visiting-results.h5": (
-        RuntimeError,
-        "a bad metadata checksum: h5py's visititems raises RuntimeError in "
-        "segcli/io/hdf5.py:SegcliBatch._result_names; open_file catches OSError, KeyError"),
-    "hdf5/runtimeerror-iterating-group.h5.gz": (
-        RuntimeError,
-        "a damaged link: iterating /atoms (segcli/io/hdf5.py:SegcliBatch.__init__) raises "
-        "RuntimeError (Link iteration failed); open_file catches OSError, KeyError"),
-    "hdf5/runtimeerror-fill-value-attribute.h5.gz": (
-        RuntimeError,
-        "a damaged dataspace message: `\"fill_value\" in ...attrs` in "
-        "segcli/io/hdf5.py:SegcliBatch.fill_value (after open) raises RuntimeError"),
-    "hdf5/valueerror-float-type.h5.gz": (
-        ValueError,
-        "a float type NumPy has no dtype for: `ds.dtype` in "
-        "segcli/io/hdf5.py:SegcliBatch.__init__ raises ValueError (h5t: Insufficient "
-        "precision)"),
-    "hdf5/indexerror-number-past-table.h5": (
-        IndexError,
-        "atomic number 203: deriving velocities indexes ase.data.atomic_masses past its end "
-        "(IndexError in segcli/io/core.py:derive); a negative number silently takes another "
-        "element's mass"),
-    "hdf5/bytes-field-name.h5": (
-        WrongResult,
-        "a dataset name that is not UTF-8 becomes a bytes field name "
-        "(segcli/io/hdf5.py:SegcliBatch.__init__); `segcli info` fails on it with TypeError "
-        "(its table, and JSON)"),
-    "formats/badgzipfile-gz-name.bin": (
-        OSError,
-        "a .gz name on content that is not gzip: ASE's filetype, called by "
-        "segcli/io/asefiles.py:ase_format (from formats.py:detect), raises BadGzipFile; the "
-        "CLI prints its text without the file's name"),
-    "formats/oserror-bz2-name.bin": (
-        OSError,
-        "a .bz2 name on content that is not bzip2: OSError (Invalid data stream) from ASE's "
-        "filetype in segcli/io/asefiles.py:ase_format"),
-    "formats/eoferror-truncated-bz2.bin": (
-        EOFError,
-        "a truncated bzip2 stream: EOFError from ASE's filetype in "
-        "segcli/io/asefiles.py:ase_format, which click turns into `Aborted!`"),
-    "formats/keyerror-detecting-format.bin": (
-        KeyError,
-        "a bad metadata checksum in a conformer file: KeyError from `\"format\" in h5.attrs` "
-        "in segcli/io/formats.py:_has_format_attribute (detect, recognised, open_batch), "
-        "which catches OSError only"),
-    "formats/unraisable-aselmdb-not-lmdb.bin": (
-        WrongResult,
-        "a .aselmdb name on a file that is not LMDB: detection and open_batch answer "
-        "correctly, but ase_db_backends' LMDBDatabase.__del__ raises InvalidError, printed "
-        "as a traceback (twice under `segcli info`) beside segcli's error line"),
-    "conformers/species-not-utf8.h5": (
-        UnicodeDecodeError,
-        "species bytes that are not UTF-8: UnicodeDecodeError in "
-        "segcli/io/hdf5.py:Molecule.__init__, which open_file does not catch"),
 }
 """target/file of a reproducer under fuzz/crashes/ -> (what it raises, its finding), while the
 finding is not fixed; TimeoutError: it ran past its CPU-time limit."""

@@ -29,14 +29,17 @@ def decompression_error(path, err):
 
 
 def ase_format(path):
-    """ASE's name for the format of a file, or DataError when ASE knows none."""
+    """ASE's name for the format of a file, or None when ASE knows none; a database's name
+    (.db, .aselmdb) is none, as databases are recognised by their content."""
     from ase.io.formats import UnknownFileTypeError, filetype, ioformats
 
     try:
         fmt = filetype(path)
     except UnknownFileTypeError:
         fmt = None
-    return fmt if fmt in ioformats and ioformats[fmt].can_read else None
+    except DECOMPRESSION_ERRORS as err:  # a compressed file's name on data that is not
+        raise decompression_error(path, err) from err
+    return fmt if fmt in ioformats and ioformats[fmt].can_read and fmt != "db" else None
 
 
 def _numeric(value):

@@ -299,15 +299,21 @@ def needs(name, stored):
     return ["positions", "cell"]
 
 
-def derive(name, chunk):
-    """Compute a derived field of a chunk exactly as ASE's Atoms methods do."""
+def derive(path, name, chunk):
+    """Compute a derived field of a chunk (of the file `path`) exactly as ASE's Atoms methods
+    do; DataError for an atomic number that has no mass."""
     atoms = chunk.atoms
     if name == "velocities":
         if "masses" in atoms:
             masses = atoms["masses"]
         else:
             from ase.data import atomic_masses
-            masses = atomic_masses[atoms["numbers"]]
+            numbers = atoms["numbers"]
+            bad = np.flatnonzero((numbers < 0) | (numbers >= len(atomic_masses)))
+            if len(bad):
+                raise DataError(f"{path}: structure {chunk.structure_of(bad[0])}: atomic "
+                                f"number {numbers[bad[0]]} has no mass (velocities need one)")
+            masses = atomic_masses[numbers]
         return atoms["momenta"] / masses[:, np.newaxis]
     return scaled_positions(atoms["positions"], chunk.structures["cell"], chunk.n_atoms)
 
@@ -473,7 +479,8 @@ class Batch:
             present = {}
             for name, names in sources.items():
                 data = chunk.atoms if available[name].per == "atom" else chunk.structures
-                out[available[name].per][name] = data[name] if name in data else derive(name, chunk)
+                out[available[name].per][name] = (data[name] if name in data
+                                                  else derive(self.path, name, chunk))
                 mask = all_of([chunk.present.get(n) for n in names])
                 if mask is not None:
                     present[name] = mask

@@ -9,6 +9,8 @@ own lines.
 """
 
 import io
+import re
+import sys
 from functools import lru_cache
 from itertools import islice
 
@@ -178,6 +180,9 @@ def _count(path, lines, header, index):
     if n < 0:
         raise DataError(f"{path}: line {lines.number}: expected the atom count of structure "
                         f"{index}, found {header.strip()[:60]!r}")
+    if n >= sys.maxsize:
+        raise DataError(f"{path}: line {lines.number}: structure {index} claims {n} atoms, "
+                        "more than any file holds")
     return n
 
 
@@ -221,9 +226,25 @@ def pieces(path, start, stop):
             index += 1
 
 
+_PROPERTIES = re.compile(r"""Properties=["']?([^\s"']+)""")
+_MOST_COLUMNS = 1 << 16
+
+
+def _check_columns(path, index, text):
+    """DataError when the comment line's Properties declare more columns than any reader
+    should make room for (ASE makes an entry for each before it reads an atom)."""
+    found = _PROPERTIES.search(text[1]) if len(text) > 1 else None
+    counts = found.group(1).split(":")[2::3] if found else []
+    declared = sum(int(c) if c.isdigit() and len(c) < 8 else _MOST_COLUMNS + 1 for c in counts)
+    if declared > _MOST_COLUMNS:
+        raise DataError(f"{path}: structure {index}: its Properties declare {declared} columns, "
+                        f"more than the {_MOST_COLUMNS} segcli reads")
+
+
 def _piece(path, index, n, text, species):
     """The piece of one structure from its lines: the fast path's, or ASE's where that does
     not apply (no atoms, VEC lines, ...)."""
+    _check_columns(path, index, text)
     if n and len(text) == n + 2:
         try:
             return structure_piece(path, index, n, *parse_frame(text[1:], n, species))
