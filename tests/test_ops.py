@@ -310,8 +310,8 @@ def test_one_segment(name):
             return jnp.vdot(jnp.linspace(0.5, 1.5, out.size), out.ravel())
         return loss
 
-    h = jax.hessian(weighted(ours))(args[0])
-    h_ref = jax.hessian(weighted(theirs))(args[0])
+    h = jax.jit(jax.hessian(weighted(ours)))(args[0])
+    h_ref = jax.jit(jax.hessian(weighted(theirs)))(args[0])
     assert_close(h, h_ref, 1e-10)
 
 
@@ -328,7 +328,7 @@ def test_empty_segments_give_the_reference_and_finite_gradients(name):
         return jnp.sum(jnp.where(jnp.isfinite(out), out, 0))  # the max of an empty one: -inf
 
     for derivative in (jax.grad, jax.hessian):
-        assert np.all(np.isfinite(derivative(total)(x)))
+        assert np.all(np.isfinite(jax.jit(derivative(total))(x)))
 
 
 @pytest.mark.parametrize("name", [n for n in NAMES if OPS[n].kinks in ZERO_AT_KINK])
@@ -337,10 +337,11 @@ def test_zero_vectors_have_zero_gradient(name):
     x = jnp.zeros((6, 3)).at[4].set(jnp.asarray([1.0, -2.0, 0.5]))
     idx = jnp.asarray([0, 0, 0, 1, 2, 2], jnp.int32)
     f = lambda a: jnp.sum(ours(a, idx, 3))
-    g = jax.grad(f)(x)
+    g = jax.jit(jax.grad(f))(x)
     assert np.all(np.asarray(g)[:4] == 0)
-    assert np.all(np.isfinite(jax.hessian(f)(x)))
-    third = jax.grad(lambda a: jnp.vdot(jax.grad(lambda b: jnp.vdot(jax.grad(f)(b), a))(a), a))(x)
+    assert np.all(np.isfinite(jax.jit(jax.hessian(f))(x)))
+    third = jax.jit(jax.grad(
+        lambda a: jnp.vdot(jax.grad(lambda b: jnp.vdot(jax.grad(f)(b), a))(a), a)))(x)
     assert np.all(np.isfinite(third))
 
 

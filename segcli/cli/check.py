@@ -213,12 +213,15 @@ def _select_structures(spec, arrays, n_atoms, keep):
 
 
 def _bound(spec, n_atoms):
-    """The op and its reference as functions of the op's arrays, for structures of n_atoms."""
+    """The op and its reference as functions of the op's arrays, for structures of n_atoms;
+    the reference jitted (many small jnp steps, each compiled alone when eager)."""
+    import jax
+
     from segcli.ops import segment_ids
 
     idx = segment_ids(n_atoms)
     return (lambda *arrays: spec.apply(*arrays, idx=idx, num_segments=len(n_atoms)),
-            lambda *arrays: spec.reference(*arrays, idx, len(n_atoms), **spec.params))
+            jax.jit(lambda *arrays: spec.reference(*arrays, idx, len(n_atoms), **spec.params)))
 
 
 def _noted(report, note):
