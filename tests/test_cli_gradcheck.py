@@ -50,6 +50,7 @@ def test_random_data_table_has_one_passing_row_per_op_and_order():
     assert "random data: 40 atoms in 5 structures, order 2" in result.output
 
 
+@pytest.mark.slow
 def test_json_on_sample_file_names_the_fields_and_every_check():
     result = run(METALS, "--structures", "2:6", "--op", "dot,mul,matvec", "--order", "1", "--json")
     assert result.exit_code == 0, result.output

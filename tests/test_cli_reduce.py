@@ -128,7 +128,8 @@ def test_matvec_of_scaled_positions_and_cell_gives_ases_positions(metals, source
     np.testing.assert_allclose(positions, metals[1]["positions"], rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("precision", ["float64", "float32"])
+@pytest.mark.parametrize("precision", [pytest.param("float64", marks=pytest.mark.slow),
+                                       "float32"])
 def test_every_op_on_random_data_in_small_chunks_to_a_file(tmp_path, random_file, precision):
     path, n_atoms, data = random_file
     turn = ["float64", "float32"].index(precision)

@@ -87,6 +87,7 @@ def run_killing_a_worker(*args):
     return out
 
 
+@pytest.mark.slow
 def test_a_killed_worker_is_replaced_and_no_shard_counted_twice(tmp_path):
     """SIGKILL one worker process while the shards run: its tasks run again elsewhere, and the
     statistics are one pass's, bit for bit."""

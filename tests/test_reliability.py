@@ -314,7 +314,7 @@ def values(path):
     return out
 
 
-@pytest.mark.parametrize("stderr", ["closed", "/dev/full"])
+@pytest.mark.parametrize("stderr", ["closed", pytest.param("/dev/full", marks=pytest.mark.slow)])
 def test_a_closed_or_full_stderr_loses_messages_not_results(tmp_path, stderr):
     """convert, reduce (JAX and Warp loaded), select and stats -o, each run as a program with
     stderr closed (`2>&-`) or on a full device: exit 0 and the outputs of a plain run."""

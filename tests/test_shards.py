@@ -143,7 +143,7 @@ def test_merged_shards_equal_one_run_bit_for_bit(tmp_path, lumpy, shards, comman
                                    rtol=1e-12)
 
 
-@pytest.mark.parametrize("shards", [1, 2, 3, 7, 80])
+@pytest.mark.parametrize("shards", [1, 2, 3, 7, pytest.param(80, marks=pytest.mark.slow)])
 def test_merged_stats_parts_equal_one_run_bit_for_bit(tmp_path, lumpy, shards):
     path, _, _ = lumpy
     args = [path, "forces", "energy", "--per-element", "--per-atom", "--chunk-atoms", "50"]

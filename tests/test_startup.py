@@ -43,7 +43,7 @@ def test_a_second_run_takes_its_compiled_programs_from_the_cache(tmp_path, comma
     assert second.stdout == first.stdout
 
 
-@pytest.mark.parametrize("setting", [None, "off"])
+@pytest.mark.parametrize("setting", [None, pytest.param("off", marks=pytest.mark.slow)])
 def test_the_cache_is_in_the_user_cache_directory_unless_off(tmp_path, setting):
     env = {"XDG_CACHE_HOME": str(tmp_path)}
     if setting:
