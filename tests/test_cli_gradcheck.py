@@ -146,6 +146,7 @@ def test_non_differentiable_structures_are_left_out_and_unfit_ops_skipped(tmp_pa
     assert set(data["skipped"]) == set(OPS) - fit and "no field 'energy'" in data["skipped"]["mul"]
 
 
+@pytest.mark.slow
 def test_field_option_picks_the_per_atom_field():
     result = run(METALS, "--structures", ":3", "--op", "rms_norm", "--field", "velocities",
                  "--order", "1", "--json")

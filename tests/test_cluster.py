@@ -127,6 +127,7 @@ def test_reduce_and_grad_on_a_cluster_equal_a_local_run_bit_for_bit(tmp_path, da
         ["random.h5"] + [f"{w}-{k}.h5" for w in ("local", "remote") for k in range(2)])
 
 
+@pytest.mark.slow
 def test_progress_counts_structures_of_finished_shards_and_in_place_lands(tmp_path):
     path = write_batch(tmp_path / "f.h5", [2] * 30, {"forces": np.ones((60, 3))})
     code, shown, _ = on_terminal("reduce", path, "sum", "forces", "--in-place", "--scheduler",
@@ -153,6 +154,7 @@ def test_a_killed_worker_loses_no_reduce_shard(tmp_path):
     assert_identical(tmp_path / "remote.h5", tmp_path / "local.h5")
 
 
+@pytest.mark.slow
 def test_local_gpus_starts_one_worker_per_visible_gpu(tmp_path, monkeypatch):
     """local:gpus gives each worker one device of CUDA_VISIBLE_DEVICES (the real GPUs where
     there are some; on a machine without, two named ones, and the workers compute on the

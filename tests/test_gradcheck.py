@@ -266,6 +266,7 @@ def test_reference_max_norm_gradient_goes_to_first_maximum(x64, rng):
     assert np.all(np.asarray(gradient)[[0, 2, 3]] == 0)
 
 
+@pytest.mark.slow
 def test_kink_is_not_hidden_by_the_finite_difference_error_estimate(x64, rng):
     x = rng.normal(size=(6, 3))
     x[:2] = 0  # segment 0 has norm 0: rms_norm has a kink there

@@ -69,6 +69,7 @@ def test_an_unwritable_cache_directory_is_passed_over_silently(tmp_path, where):
     assert result.stdout == CliRunner().invoke(main, list(map(str, REDUCE))).stdout
 
 
+@pytest.mark.slow
 def test_callers_keep_their_jax_settings_and_garbage_collector(tmp_path):
     code = f"""
 import gc, jax, numpy as np
