@@ -66,6 +66,10 @@ def shard_bounds(n_atoms, shards):
     return leaf_bounds(n_atoms)[shard_leaves(n_atoms, shards)].tolist()
 
 
+MOST_SHARDS = 1 << 22
+"""The most shards a job is cut into (a SLURM array holds at most 4 Mi tasks)."""
+
+
 def parse_shard(text, environ=os.environ):
     """(index, count) from "I/N" (0 <= I < N) or "auto" (see ENVIRONMENTS); ValueError
     saying what is wrong."""
@@ -83,6 +87,8 @@ def parse_shard(text, environ=os.environ):
                 if not 0 <= index < count:
                     raise ValueError(f"{index_name} gives shard {index}, outside 0 to "
                                      f"{count - 1} ({count_name}={count})")
+                if count > MOST_SHARDS:
+                    raise ValueError(f"{count_name}={count} is more than {MOST_SHARDS} shards")
                 return index, count
         names = ", ".join(f"{i}/{c}" for i, c in ENVIRONMENTS)
         raise ValueError(f"auto needs one of {names} in the environment; none is set")
@@ -92,6 +98,8 @@ def parse_shard(text, environ=os.environ):
     index, count = int(index), int(count)
     if not 0 <= index < count:
         raise ValueError(f"expected I/N with 0 <= I < N, got {text!r}")
+    if count > MOST_SHARDS:
+        raise ValueError(f"{text!r} has more than {MOST_SHARDS} shards")
     return index, count
 
 

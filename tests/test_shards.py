@@ -180,6 +180,7 @@ def test_shard_auto_reads_slurm_open_mpi_and_pmi(even):
 
 @pytest.mark.parametrize("args, needle", [
     (["--shard", "3/3"], "0 <= I < N"), (["--shard", "1"], "expected I/N"),
+    (["--shard", f"{10 ** 20}/{10 ** 23}"], "more than 4194304 shards"),
     (["--shard", "0/2", "--in-place"], "--in-place"),
     (["--shard", "0/2", "--scheduler", "local:2"], "give one of them"),
     (["-o", "part-{shard}.h5"], "which --shard I/N fills")])
