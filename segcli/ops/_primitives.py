@@ -224,16 +224,24 @@ def _empty(shape, *operands):
 # transposes refer to primitives defined further down.
 
 
+def _reduce_rows(name, x, b, idx, layout, num_segments, gpu):
+    """Reduction `name` of the rows x (N, K) with its second operand `b` (None: x itself), as
+    its vec3 kernel (NAME3) where a CPU reduces rows of 3 floats faster."""
+    if not gpu and _is_float_vec3(x):
+        rows = x.reshape(x.shape[0], 1, 3)
+        zeros = jnp.zeros((num_segments, 1, 3), x.dtype)
+        out = _reduce(f"{name}3", rows, rows if b is None else b, idx, layout, zeros, gpu)
+        return out.reshape(num_segments, 3)
+    return _reduce(name, x, x if b is None else b, idx, layout,
+                   jnp.zeros((num_segments, x.shape[1]), x.dtype), gpu)
+
+
 def _sum(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     shape = (num_segments, x.shape[1])
     if _empty(shape, x):
         return jnp.zeros(shape, x.dtype)
     layout = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
-    if not gpu and _is_float_vec3(x):
-        rows = x.reshape(x.shape[0], 1, 3)
-        zeros = jnp.zeros((num_segments, 1, 3), x.dtype)
-        return _reduce("sum3", rows, rows, idx, layout, zeros, gpu).reshape(shape)
-    return _reduce("sum", x, x, idx, layout, jnp.zeros(shape, x.dtype), gpu)
+    return _reduce_rows("sum", x, None, idx, layout, num_segments, gpu)
 
 
 sum_p = _multilinear(_Rule(
@@ -257,11 +265,7 @@ def _mean(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     layout = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
     counts = _row_counts(idx, layout, indices_are_sorted or offsets.shape[0] > 0, gpu)
     weights = (1 / jnp.maximum(counts, 1).astype(x.dtype))[:, None]
-    if not gpu and _is_float_vec3(x):
-        rows = x.reshape(x.shape[0], 1, 3)
-        zeros = jnp.zeros((num_segments, 1, 3), x.dtype)
-        return _reduce("mean3", rows, weights, idx, layout, zeros, gpu).reshape(shape)
-    return _reduce("mean", x, weights, idx, layout, jnp.zeros(shape, x.dtype), gpu)
+    return _reduce_rows("mean", x, weights, idx, layout, num_segments, gpu)
 
 
 mean_p = _multilinear(_Rule(
