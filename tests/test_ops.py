@@ -139,7 +139,7 @@ def sampled(names, variants, share, turn=0):
             for i, name in enumerate(names) for j, v in enumerate(variants)]
 
 
-@pytest.mark.parametrize("name, transform", sampled(NAMES, TRANSFORMS, 8))
+@pytest.mark.parametrize("name, transform", sampled(NAMES, TRANSFORMS, 10))
 def test_transform_matches_reference_float64(name, transform):
     args, tangents, (f, loss), (f_ref, loss_ref), _ = setup(
         name, seed=hash((name, transform)) % 2**32, eager=True)
@@ -177,7 +177,7 @@ def test_trailing_shapes(name, features):
                       jax.grad(loss_ref, (0, 1) if len(args) == 2 else 0)(*args))
 
 
-@pytest.mark.parametrize("name, x64_mode", sampled(NAMES, [True, False], 6))
+@pytest.mark.parametrize("name, x64_mode", sampled(NAMES, [True, False], 8))
 def test_float32(name, x64_mode):
     jax.config.update("jax_enable_x64", x64_mode)
     args, tangents, (f, loss), (f_ref, loss_ref), _ = setup(name, n=200, m=9, dtype=np.float32)
