@@ -323,7 +323,7 @@ def _padded_chunks(batch, jobs, chunk_atoms, structures, buffers, on_device=Fals
     _BufferRing); DataError if one holds NaN, with the count over the whole selection and the
     first structure. With `on_device` the NaN check and the expansion of the offsets into ids
     are left to the device (see compute)."""
-    from segcli.io.hdf5 import check_memory
+    from segcli.io.core import check_memory
 
     dtypes = field_dtypes(jobs)
     read = tuple(dtypes)

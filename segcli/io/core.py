@@ -1,5 +1,6 @@
 """What every reader shares: field descriptions, chunks of whole structures, derived fields."""
 
+import contextlib
 import os
 import sys
 from collections.abc import Mapping
@@ -27,6 +28,30 @@ def path_text(path):
     """A file's path as text that HDF5 stores (UTF-8): bytes of the name that are not UTF-8
     as backslash escapes."""
     return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+def available_memory():
+    """Bytes of memory this process can still take: the kernel's MemAvailable (Linux), else the
+    machine's physical memory."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        with open("/proc/meminfo") as meminfo:
+            line = next(line for line in meminfo if line.startswith("MemAvailable:"))
+        return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_memory(path, n_atoms, first, row_bytes):
+    """DataError naming the largest structure of `n_atoms` (structures numbered from `first`)
+    when its atoms, at `row_bytes` each, cannot fit in the memory available: a structure is
+    never split across chunks, whatever --chunk-atoms says."""
+    if not len(n_atoms):
+        return
+    largest = int(np.argmax(n_atoms))
+    need, have = int(n_atoms[largest]) * row_bytes, available_memory()
+    if need > have:
+        raise DataError(f"{path}: structure {first + largest} has {n_atoms[largest]} atoms, "
+                        f"which need {need} bytes at once, more than the {have} bytes of "
+                        "memory available")
 
 
 def standard_input():

@@ -346,46 +346,6 @@ def _rms_norm_kernel(
                 wp.atomic_add(squares, s, g, _squared_norm(x, i, g))
 
 
-@_deferred
-def _rms_norm_top_kernel(
-    x: wp.array3d(dtype=Any),
-    idx: wp.array(dtype=wp.int32),
-    overflowed: wp.array(dtype=wp.int32),
-    stride: int,
-    squares: wp.array2d(dtype=Any),
-    top: wp.array2d(dtype=Any),
-):
-    # Unordered ids whose `squares` overflowed somewhere (else at once): the atomic max of the
-    # entries |x[i, g, k]| of each segment whose squares are infinite.
-    t, g = wp.tid()
-    if overflowed[0] != 0:
-        for i in range(t, x.shape[0], stride):
-            s = idx[i]
-            if s >= 0 and s < top.shape[0]:  # noqa: SIM102  (squares[s, g] only in range)
-                if wp.isinf(squares[s, g]):
-                    wp.atomic_max(top, s, g, _largest_entry(x, i, g))
-
-
-@_deferred
-def _rms_norm_rescaled_kernel(
-    x: wp.array3d(dtype=Any),
-    idx: wp.array(dtype=wp.int32),
-    overflowed: wp.array(dtype=wp.int32),
-    stride: int,
-    squares: wp.array2d(dtype=Any),
-    inverse: wp.array2d(dtype=Any),
-    rescaled: wp.array2d(dtype=Any),
-):
-    # Then the atomic sum of |x[i, g] * inverse[s, g]|² over the rows of those segments.
-    t, g = wp.tid()
-    if overflowed[0] != 0:
-        for i in range(t, x.shape[0], stride):
-            s = idx[i]
-            if s >= 0 and s < rescaled.shape[0]:  # noqa: SIM102  (squares[s, g] only in range)
-                if wp.isinf(squares[s, g]):
-                    wp.atomic_add(rescaled, s, g, _scaled_squared_norm(x, i, g, inverse[s, g]))
-
-
 @wp.func
 def _is_nan(v: wp.float32):
     return wp.isnan(v)
@@ -429,6 +389,47 @@ def _atomic_above(best: wp.array2d(dtype=Any), s: int, g: int, key: Any):
 @wp.func
 def _atomic_below(best: wp.array2d(dtype=Any), s: int, g: int, key: Any):
     wp.atomic_min(best, s, g, key)
+
+
+@wp.func
+def _atomic_sum(total: wp.array2d(dtype=Any), s: int, g: int, term: Any):
+    wp.atomic_add(total, s, g, term)
+
+
+@wp.func
+def _largest_entry_of(x: wp.array3d(dtype=Any), i: int, g: int, factor: Any):
+    return _largest_entry(x, i, g)
+
+
+def _overflow_rescue(term, accumulate):
+    """A kernel for unordered ids whose atomic Σ|x|² (`squares`) overflowed somewhere (else it
+    returns at once, its flag `overflowed` 0): accumulate(out, s, g, term(x, i, g,
+    factors[s, g])) over the rows of each segment whose squares are infinite."""
+
+    def kernel(
+        x: wp.array3d(dtype=Any),
+        idx: wp.array(dtype=wp.int32),
+        overflowed: wp.array(dtype=wp.int32),
+        stride: int,
+        squares: wp.array2d(dtype=Any),
+        factors: wp.array2d(dtype=Any),
+        out: wp.array2d(dtype=Any),
+    ):
+        t, g = wp.tid()
+        if overflowed[0] != 0:
+            for i in range(t, x.shape[0], stride):
+                s = idx[i]
+                if s >= 0 and s < out.shape[0]:  # noqa: SIM102  (squares[s, g] only in range)
+                    if wp.isinf(squares[s, g]):
+                        accumulate(out, s, g, term(x, i, g, factors[s, g]))
+
+    return kernel
+
+
+# rms_norm of unordered ids that overflowed: the atomic max of each such segment's entries
+# |x[i, g, k]| (its factors unused), then the atomic sum of |x[i, g] * inverse[s, g]|².
+_deferred(_overflow_rescue(_largest_entry_of, _atomic_above), "rms_norm_top")
+_deferred(_overflow_rescue(_scaled_squared_norm, _atomic_sum), "rms_norm_rescaled")
 
 
 def _extreme(key, better, atomic_better):

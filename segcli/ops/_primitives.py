@@ -380,11 +380,11 @@ def _rms_norm(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     # one-element flag 0) where none did.
     ordered = layout[1][0] != 0
     overflowed = (~ordered & jnp.any(jnp.isinf(squares))).astype(jnp.int32).reshape(1)
-    top = launch("rms_norm_top", x, idx, overflowed, threads, squares, zeros,
-                 dims=(threads, groups), in_out=("top",))
+    top = launch("rms_norm_top", x, idx, overflowed, threads, squares, squares, zeros,
+                 dims=(threads, groups), in_out=("out",))
     scale, inverse = power_of_two(top)
     rescaled = launch("rms_norm_rescaled", x, idx, overflowed, threads, squares, inverse, zeros,
-                      dims=(threads, groups), in_out=("rescaled",))
+                      dims=(threads, groups), in_out=("out",))
     counts = jnp.maximum(_row_counts(idx, layout, False, gpu), 1).astype(x.dtype)[:, None]
     unordered = jnp.where(jnp.isinf(squares), scale * jnp.sqrt(rescaled / counts),
                           jnp.sqrt(squares / counts))
