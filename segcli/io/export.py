@@ -74,15 +74,13 @@ def export(inputs, output, fmt, *, chunk_atoms=100_000, fields=None, drop=None, 
 
 
 def _open(tmp, output, binary):
-    """The temporary `tmp` opened for writing, compressed as `output`'s suffix says."""
-    import bz2
-    import gzip
-    import lzma
+    """The temporary `tmp` opened for writing, compressed as `output`'s suffix says (by the
+    module of that compression: gzip, bz2 or lzma)."""
+    import importlib
 
-    mode = "wb" if binary else "wt"
-    opener = {"gzip": gzip.open, "bz2": bz2.open, "lzma": lzma.open}.get(
-        _COMPRESSED.get(os.path.splitext(output)[1].lower()), open)
-    return opener(tmp, mode)
+    module = _COMPRESSED.get(os.path.splitext(output)[1].lower())
+    opener = importlib.import_module(module).open if module else open
+    return opener(tmp, "wb" if binary else "wt")
 
 
 def _only_one(output, fmt, images):
