@@ -188,9 +188,9 @@ _TEXT_SUFFIXES = {".csv": "csv", ".json": "json", ".jsonl": "json", ".npy": "npy
 def _file_format(output):
     """The format of the file -o names: "csv", "json" or "npy" by its suffix, or None for
     HDF5 (.h5, .hdf5, no suffix); UsageError for another suffix."""
-    suffix = os.path.splitext(os.path.basename(output))[1].lower() if output else ""
-    if suffix in ("", ".h5", ".hdf5"):
+    if common.names_hdf5(output):
         return None
+    suffix = os.path.splitext(os.path.basename(output))[1].lower()
     if suffix not in _TEXT_SUFFIXES:
         raise click.UsageError(f"-o {output}: name a segcli HDF5 file (.h5, .hdf5) or a "
                                "table (.csv, .json, .jsonl, .npy)")
