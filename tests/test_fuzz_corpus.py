@@ -23,12 +23,7 @@ segcli answers any file within seconds (SPEC §3d)."""
 CHILD_CPU_S = 2  # the same for a reproducer replayed in a child, which also imports segcli
 CHILD_BYTES = 8 << 30  # the child's address space: a bound on a runaway allocation
 
-FINDINGS = {
-    "hdf5/native-hang-format-attribute.h5": (
-        TimeoutError,
-        "a damaged global heap: reading the variable-length string attribute `format` "
-        "(segcli/io/hdf5.py:SegcliBatch.__init__, h5py attrs.py:77) never returns from HDF5"),
-}
+FINDINGS = {}
 """target/file of a reproducer under fuzz/crashes/ -> (what it raises, its finding), while the
 finding is not fixed; TimeoutError: it ran past its CPU-time limit."""
 

@@ -2,6 +2,9 @@
 unmapped data, oversized attributes and damaged bytes each get one line naming the file and
 the object from every command that reads the file, and leave no output."""
 
+import subprocess
+import sys
+
 import h5py
 import numpy as np
 import pytest
@@ -206,3 +209,105 @@ def test_results_reached_through_links_are_results(tmp_path):
         for name in ("a", "hard", "soft"):
             np.testing.assert_array_equal(f[f"results/{name}"][()], np.arange(3.0))
         np.testing.assert_array_equal(f["results/g/d"][()], FORCES * 2)
+
+
+def loop_heap(path, text):
+    """Damages the global heap collection holding `text` (bytes) as HDF5 (2.0.0 included)
+    cannot survive: its free-space object claims 0 bytes, so that walking the collection
+    never moves on. Returns the collection's byte offset."""
+    data = bytearray(path.read_bytes())
+    start = data.rfind(b"GCOL", 0, data.find(text))
+    size = int.from_bytes(data[start + 8:start + 16], "little")
+    position = 16
+    while True:  # to the free-space object, index 0
+        index = int.from_bytes(data[start + position:start + position + 2], "little")
+        object_size = int.from_bytes(data[start + position + 8:start + position + 16], "little")
+        if index == 0:
+            break
+        position += 16 + (object_size + 7) // 8 * 8
+        assert position < size
+    data[start + position + 8:start + position + 16] = bytes(8)
+    path.write_bytes(bytes(data))
+    return start
+
+
+def refused_without_looping(path, *args):
+    """`segcli ARGS PATH` in a child process (a loop inside HDF5 holds the GIL: it could not
+    be stopped in this one) exits 1 within a minute, saying why in one line."""
+    child = subprocess.run([sys.executable, "-c", "from segcli.cli import main; main()",
+                            *map(str, args), str(path)], capture_output=True, text=True,
+                           timeout=60)
+    assert child.returncode == 1, child.stderr
+    assert child.stderr.strip().count("\n") == 0, child.stderr
+    return child.stderr
+
+
+@pytest.mark.parametrize("where", ["root attribute", "field attribute", "string field",
+                                   "chunked gzip string field", "result string field"])
+def test_a_global_heap_that_hdf5_would_walk_forever_is_refused(tmp_path, where):
+    """A damaged collection of variable-length strings (fuzz finding 4: HDF5 loops forever
+    reading it, in H5HG__cache_heap_deserialize) is walked by segcli first and refused,
+    naming the file and the collection, by the commands that read it."""
+    path = tmp_path / "batch.h5"
+    labels = np.array([f"label-{i}" for i in range(3)], dtype=h5py.string_dtype())
+    text = {"root attribute": b"segcli-batch", "field attribute": b"units-of-forces"}.get(
+        where, b"label-1")
+    with h5py.File(batch(path), "a") as f:
+        if where == "field attribute":
+            f["atoms/forces"].attrs["units"] = "units-of-forces"
+        elif where == "string field":
+            f["structures/label"] = labels
+        elif where == "chunked gzip string field":
+            f.create_dataset("structures/label", data=labels, chunks=(2,), compression="gzip",
+                             shuffle=True)
+        elif where == "result string field":
+            f["results/label"] = labels
+            f["results/label"].attrs["per"] = "structure"
+    start = loop_heap(path, text)
+    for command in (["info"], ["convert", "-o", tmp_path / "out.h5"]):
+        message = refused_without_looping(path, *command)
+        assert f"{path}: damaged HDF5 file (in the global heap collection at byte {start}" \
+            in message
+    assert not (tmp_path / "out.h5").exists()
+
+
+def test_a_part_whose_global_heap_loops_is_refused_by_merge(tmp_path):
+    """merge reads its parts' attributes through the same check."""
+    path = batch(tmp_path / "batch.h5")
+    parts = [tmp_path / f"part{i}.h5" for i in range(2)]
+    for i, part in enumerate(parts):
+        result = run("reduce", path, "sum", "forces", "--shard", f"{i}/2", "-o", part)
+        assert result.exit_code == 0, result.output
+    start = loop_heap(parts[1], b"segcli-batch")
+    message = refused_without_looping(parts[1], "merge", parts[0], "-o", tmp_path / "m.h5")
+    assert f"{parts[1]}: damaged HDF5 file (in the global heap collection at byte {start}" \
+        in message
+    assert not (tmp_path / "m.h5").exists()
+
+
+def test_text_in_every_storage_is_read_back(tmp_path):
+    """Strings stored compact, contiguous, chunked with deflate (read for their heap IDs) or
+    with lzf (read through HDF5), after a user block, an empty string among them, pass the
+    heap check and read back as written."""
+    path = tmp_path / "text.h5"
+    labels = np.array(["", "ä-label", "x" * 5000], dtype=h5py.string_dtype())
+    with h5py.File(path, "w", userblock_size=512) as f:
+        f.attrs["format"] = "segcli-batch"
+        f.attrs["version"] = 1
+        f["structures/n_atoms"] = np.array(N_ATOMS, np.int64)
+        f["atoms/forces"] = FORCES
+        compact = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+        compact.set_layout(h5py.h5d.COMPACT)
+        h5py.h5d.create(f["structures"].id, b"compact",
+                        h5py.h5t.py_create(h5py.string_dtype(), logical=True),
+                        h5py.h5s.create_simple((3,)), compact)
+        f["structures/compact"][:] = labels
+        f["structures/contiguous"] = labels
+        f.create_dataset("structures/chunked", data=labels, chunks=(1,), compression="gzip",
+                         shuffle=True, maxshape=(None,))
+        f.create_dataset("structures/lzf", data=labels, chunks=(2,), compression="lzf")
+    result = run("convert", path, "-o", tmp_path / "out.h5")
+    assert result.exit_code == 0, result.output
+    with h5py.File(tmp_path / "out.h5") as out:
+        for name in ("compact", "contiguous", "chunked", "lzf"):
+            assert out[f"structures/{name}"].asstr()[:].tolist() == labels.tolist(), name

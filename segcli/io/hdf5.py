@@ -22,6 +22,7 @@ from segcli.io.core import (
     check_memory,
     plan_chunks,
 )
+from segcli.io.heap import TextHeaps, guarded
 
 POSITION_NAMES = ("coordinates", "conformations", "positions")
 NUMBER_NAMES = ("atomic_numbers", "species")
@@ -102,17 +103,41 @@ def _kind(dtype):
     return f"{'compound' if dtype.names else 'opaque'} values of dtype {dtype}"
 
 
-def check_metadata(path, h5, limit=ATTRIBUTE_BYTES):
-    """DataError naming the first object of the open file `h5` (at `path`) whose name is not
-    UTF-8 or whose attributes segcli cannot read safely (see check_attributes); every link
-    is checked, every object that a hard link reaches read no further than its header."""
-    check_attributes(path, h5, "/", limit)
+def check_metadata(path, h5, text, limit=ATTRIBUTE_BYTES):
+    """DataError naming the first link of the file `h5` (at `path`) whose name is not UTF-8,
+    or the first object whose attributes segcli cannot read safely (see check_attributes).
+    Objects are read no further than their headers, but attributes are read through `text`
+    (the same file open with heap.guarded) and each global heap collection of text that
+    datasets hold is walked (heap.check_strings), so that any read of the file after is
+    safe from HDF5's loop over a damaged one."""
     names = []
     h5.id.links.visit(names.append)
     for raw in names:
-        name = f"/{_utf8(path, raw, 'an object')}"
-        if h5.id.links.get_info(raw).type == h5py.h5l.TYPE_HARD:
-            check_attributes(path, h5[name], name, limit)
+        _utf8(path, raw, "an object")
+    check_attributes(path, text, "/", limit)
+    objects = []  # (name, kind, attributes) of each object once (h5py's visits lose errors)
+    h5py.h5o.visit(h5.id, lambda raw, info: objects.append((raw, info.type, info.num_attrs)),
+                   info=True)
+    with open(path, "rb") as file:
+        heaps = TextHeaps(path, h5, file)
+        for raw, kind, attributes in objects:
+            name = f"/{raw.decode()}"
+            if attributes:
+                check_attributes(path, text[name], name, limit)
+            if kind == h5py.h5o.TYPE_DATASET:
+                dsid = h5py.h5d.open(h5.id, raw)
+                stored = dsid.get_type()
+                if (isinstance(stored, h5py.h5t.TypeStringID) and stored.is_variable_str()
+                        and not heaps.check(dsid)):
+                    _read_strings(text[name])
+
+
+def _read_strings(ds, rows=1 << 16):
+    """Reads the strings of `ds`, a block of `rows` at a time."""
+    if ds.ndim == 0:
+        ds[()]
+    for lo in range(0, len(ds) if ds.ndim else 0, rows):
+        ds[lo:lo + rows]
 
 
 def read_rows(path, ds, lo, hi, out=None):
@@ -151,7 +176,8 @@ def open_file(path, batch_class):
                             "file lock); try again once it is done") from err
         raise DataError(f"{path}: truncated or corrupt HDF5 file ({err})") from err
     try:
-        check_metadata(path, h5)
+        with guarded(path) as text:
+            check_metadata(path, h5, text)
         return batch_class(path, h5)
     except BaseException as err:
         with contextlib.suppress(*HDF5_ERRORS):

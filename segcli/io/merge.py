@@ -23,6 +23,7 @@ from segcli.io.hdf5 import (
     plain,
     read_rows,
 )
+from segcli.io.heap import guarded
 from segcli.io.statsfile import STATS_ATTRIBUTE_BYTES, STATS_FORMAT
 from segcli.io.writers import ensure_room, new_output
 
@@ -53,13 +54,7 @@ def _range(path, text):
 def _describe(path):
     """The Part of the file `path`; DataError when it is not a result or statistics file of
     a job over a known range of structures."""
-    import h5py
-
-    try:
-        h5 = h5py.File(path, "r")
-    except OSError as err:
-        raise DataError(f"{path}: cannot open it as HDF5 ({err})") from err
-    with h5:
+    with guarded(path) as h5:
         try:
             return _described(path, h5)
         except HDF5_ERRORS as err:
@@ -74,7 +69,7 @@ def _described(path, h5):
     check_attributes(path, h5, "/")
     attrs = {k: plain(v) for k, v in h5.attrs.items()}
     kind = attrs.get("format")
-    check_metadata(path, h5, STATS_ATTRIBUTE_BYTES if kind == STATS_FORMAT else ATTRIBUTE_BYTES)
+    check_metadata(path, h5, h5, STATS_ATTRIBUTE_BYTES if kind == STATS_FORMAT else ATTRIBUTE_BYTES)
     if kind == FORMAT:
         names = []
         if isinstance(h5.get("results"), h5py.Group):

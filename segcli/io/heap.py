@@ -1,0 +1,155 @@
+"""HDF5's global heap, walked here before HDF5 walks it.
+
+Variable-length strings, in attributes and datasets, live in global heap collections. HDF5
+(2.0.0 included) steps through a collection's objects without checking that each step moves
+forward, so a damaged collection whose free-space object claims 0 bytes makes it loop
+forever, holding the GIL (`H5HG__cache_heap_deserialize`). Two guards walk collections
+before HDF5 does (see `hdf5.check_metadata`, run on every HDF5 input):
+- `guarded` opens a file through h5py's file-object driver, which reads each collection on
+  its own: attributes are read through it;
+- `TextHeaps` finds the collections of datasets of text from their heap IDs, read from the
+  file's bytes (faster than HDF5 reads the strings).
+Once each is walked, the file reads safely through any handle.
+"""
+
+import contextlib
+import io
+import os
+import struct
+import zlib
+
+import h5py
+import numpy as np
+
+from segcli.errors import DataError
+
+SIGNATURE = b"\x89HDF\r\n\x1a\n"
+COLLECTION = b"GCOL"
+
+
+class HeapGuard(io.FileIO):
+    """A file opened for HDF5 to read, which refuses a damaged global heap collection."""
+
+    def __init__(self, path):
+        super().__init__(path, "rb")
+        self.path = path
+        self.length_size = 8  # bytes of a length, from the superblock
+
+    def readinto(self, buffer):
+        start = self.tell()
+        count = super().readinto(buffer)
+        view = memoryview(buffer)[:count]
+        if view[:8] == SIGNATURE and count > 14:
+            self.length_size = view[14] if view[8] < 2 else view[10]
+        elif view[:4] == COLLECTION:
+            check_collection(self.path, view, start, self.length_size)
+        return count
+
+
+def check_collection(path, view, start, length_size=8):
+    """DataError unless the global heap collection read at byte `start` of `path` (`view`,
+    its bytes, or its first bytes when HDF5 reads it in two steps) can be walked object by
+    object to its end, each step forward and inside it."""
+    header = 8 + length_size
+    if len(view) < header:
+        return
+    size = int.from_bytes(view[8:header], "little")
+    if size > len(view):
+        return  # HDF5 reads it again, whole
+    if size < header:
+        raise DataError(f"{path}: damaged HDF5 file (the global heap collection at byte "
+                        f"{start} claims {size} bytes)")
+    unpack = struct.Struct(f"<H6x{ {2: 'H', 4: 'I', 8: 'Q'}.get(length_size, 'Q') }").unpack_from
+    position = header
+    while position + header <= size:
+        index, object_size = unpack(view, position)
+        step = header + (object_size + 7) // 8 * 8 if index else object_size
+        if step <= 0 or position + step > size:
+            raise DataError(f"{path}: damaged HDF5 file (in the global heap collection at byte "
+                            f"{start}, object {index} at byte {start + position} claims "
+                            f"{object_size} bytes of the {size - position} left)")
+        position += step
+
+
+@contextlib.contextmanager
+def guarded(path):
+    """The HDF5 file at `path`, open read-only so that reading a damaged global heap
+    collection raises DataError (see check_collection) where HDF5 would loop forever;
+    DataError when it cannot be opened."""
+    try:
+        raw = HeapGuard(path)
+    except OSError as err:
+        raise DataError(f"{path}: cannot open it ({err.strerror or err})") from err
+    with raw:
+        try:
+            h5 = h5py.File(raw, "r")
+        except OSError as err:
+            raise DataError(f"{path}: cannot open it as HDF5 ({err})") from err
+        try:
+            yield h5
+        finally:
+            h5.close()
+
+
+class TextHeaps:
+    """The global heap collections that the datasets of text of the open file `h5` (at
+    `path`; `raw`: the same, open with open()) point to, each walked once with
+    check_collection so that HDF5 never walks one first. Their heap IDs are read from the
+    file's bytes: each string is stored as its length, then the collection's address and the
+    object's index (HDF5 file format, "Variable-length" datatype)."""
+
+    def __init__(self, path, h5, raw):
+        self.path = path
+        self._raw = raw  # the file, open for reading bytes
+        plist = h5.id.get_create_plist()
+        self.base = plist.get_userblock()
+        offset_size, self.length_size = plist.get_sizes()
+        self.heap_id = np.dtype([("length", "<u4"), ("address", f"<u{offset_size}"),
+                                 ("index", "<u4")])
+        self.undefined = (1 << 8 * offset_size) - 1
+        self.seen = set()
+        self._size = os.fstat(raw.fileno()).st_size
+
+    def check(self, dsid):
+        """Walks the collections of the dataset `dsid` (low-level); False where its storage
+        cannot be read so (compact, or a filter other than deflate: HDF5 skips shuffle for
+        variable-length data), for the caller to read it through `guarded`."""
+        plist = dsid.get_create_plist()
+        layout = plist.get_layout()
+        if layout == h5py.h5d.VIRTUAL:
+            return True  # its strings lie in its source files
+        filters = [plist.get_filter(i)[0] for i in range(plist.get_nfilters())]
+        if layout == h5py.h5d.COMPACT:
+            return False
+        if layout == h5py.h5d.CONTIGUOUS:
+            stored = [(dsid.get_offset(), dsid.get_storage_size(), 0)]
+        else:
+            stored = [(info.byte_offset, info.size, info.filter_mask)
+                      for info in map(dsid.get_chunk_info, range(dsid.get_num_chunks()))]
+        item = self.heap_id.itemsize
+        for offset, size, skipped in stored:
+            if offset is None or size == 0:
+                continue
+            applied = [f for i, f in enumerate(filters) if not skipped >> i & 1]
+            if set(applied) - {h5py.h5z.FILTER_DEFLATE}:
+                return False
+            data = os.pread(self._raw.fileno(), size, offset)
+            for _ in applied:
+                data = zlib.decompress(data)
+            ids = np.frombuffer(data[:len(data) // item * item], self.heap_id)
+            for address in np.unique(ids["address"][ids["length"] > 0]).tolist():
+                if address not in self.seen and 0 < address < self.undefined:
+                    self.seen.add(address)
+                    self._check_at(self.base + address)
+        return True
+
+    def _check_at(self, start):
+        """check_collection of the collection at byte `start`, unless its claimed size runs
+        past the end of the file (HDF5 then refuses it itself)."""
+        head = os.pread(self._raw.fileno(), 8 + self.length_size, start)
+        if head[:4] != COLLECTION or len(head) < 8 + self.length_size:
+            return
+        size = int.from_bytes(head[8:], "little")
+        if start + size <= self._size:
+            check_collection(self.path, memoryview(os.pread(self._raw.fileno(), size, start)),
+                             start, self.length_size)
