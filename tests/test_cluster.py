@@ -14,6 +14,7 @@ import pytest
 from batch_reference import write_batch
 from click.testing import CliRunner
 from terminal import BAR, final_screen, on_terminal
+from test_input_format import poscars
 from test_shards import assert_identical
 from test_stats import assert_rows_match, make_random_file, reference_rows, run, stats_json
 
@@ -50,6 +51,16 @@ def test_stats_on_a_cluster_equal_one_pass_and_numpy(tmp_path, dask_cluster):
     assert_rows_match(remote["stats"], wanted)
     first = int(n_atoms[:5].sum())
     assert_rows_match(local["stats"], reference_rows("forces", data["forces"][first:]))
+
+
+def test_workers_read_the_format_forced_on_the_inputs(tmp_path, dask_cluster):
+    """--format travels with the inputs' layout to each worker, which opens its files so."""
+    _, frames = poscars(tmp_path)
+    args = [tmp_path / "cell*.dat", "positions", "--format", "vasp"]
+    remote = stats_json(*args, "--scheduler", dask_cluster.scheduler_address)
+    assert remote["stats"] == stats_json(*args)["stats"]
+    assert_rows_match(remote["stats"], reference_rows(
+        "positions", np.concatenate([a.positions for a in frames])))
 
 
 @pytest.mark.parametrize("address, env", [

@@ -78,7 +78,7 @@ def _file_inputs(path, specs, field, structures, skip_unfit):
     from segcli.errors import DataError
     from segcli.io import open_inputs
 
-    with open_inputs(path) as batch:
+    with open_inputs(path, input_format=common.input_format()) as batch:
         if not batch.n_structures:
             raise DataError(f"{path}: the file holds no structures, so there is nothing to check")
         start, stop, _ = selection(batch, path, structures).indices(batch.n_structures)
@@ -266,6 +266,7 @@ def _check_op(spec, labels, arrays, n_atoms, order, seed):
 
 @click.command(short_help="Check the ops' values and derivatives.")
 @click.argument("file", required=False)
+@common.input_format_option()
 @click.option("--op", "op_names", callback=_op_names, metavar="OP[,OP...]",
               help=f"Ops to check (default: all): {', '.join(OPS)}.")
 @click.option("--order", type=click.IntRange(1, MAX_ORDER), default=2, show_default=True,

@@ -116,16 +116,44 @@ def input_paths(file, in_place=False):
     return paths
 
 
+def _remember_format(ctx, param, name):
+    from segcli.errors import DataError
+    from segcli.io.formats import named
+
+    if name is not None:
+        try:
+            named(name)
+        except DataError as err:
+            raise click.BadParameter(str(err).removeprefix("--format ")) from None
+        ctx.meta["segcli.input_format"] = name
+
+
+def input_format_option(*names):
+    """The option (`--format`, or `names` where a command's --format says what it writes) that
+    forces the format of every input file, whatever its content (see input_format)."""
+    return click.option(*(names or ("--format", "--input-format")), metavar="NAME", expose_value=False,
+                        callback=_remember_format,
+                        help="Read every input as format NAME, whatever its content: segcli, "
+                             "conformers, extxyz, db, json, aselmdb, or any format ASE reads "
+                             "(vasp-out, lammps-data, ...).")
+
+
+def input_format():
+    """The input format the running command was given (see input_format_option), or None."""
+    ctx = click.get_current_context(silent=True)
+    return None if ctx is None else ctx.meta.get("segcli.input_format")
+
+
 @contextlib.contextmanager
 def read_inputs(paths, file, in_place=False):
-    """The batch of `paths` (segcli.io.open_inputs, FILE named `file`); with --in-place, read
-    under the lock of the file the results go into, so that no other writer replaces it
-    between this read and that write."""
+    """The batch of `paths` (segcli.io.open_inputs, FILE named `file`, in the format
+    input_format forces); with --in-place, read under the lock of the file the results go
+    into, so that no other writer replaces it between this read and that write."""
     from segcli.io import open_inputs as open_batches
     from segcli.io.writers import locked
 
     with (locked(paths[0]) if in_place else contextlib.nullcontext(),
-          open_batches(paths, name=file) as batch):
+          open_batches(paths, name=file, input_format=input_format()) as batch):
         yield batch
 
 

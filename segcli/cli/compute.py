@@ -518,6 +518,7 @@ _OPS_ARGUMENT = click.argument("ops", nargs=-1, required=True, callback=_op_list
 
 @click.command(short_help="Run ops per structure over a file.")
 @click.argument("file")
+@common.input_format_option("--input-format")
 @_OPS_ARGUMENT
 @_shared_options
 @_param_options
@@ -558,6 +559,7 @@ def reduce(file, ops, **options):
 
 @click.command(short_help="Per-atom gradients of ops over a file.")
 @click.argument("file")
+@common.input_format_option("--input-format")
 @_OPS_ARGUMENT
 @click.option("--weights", metavar="FIELD",
               help="Per-structure scalar field w_s weighting each structure (default: 1).")

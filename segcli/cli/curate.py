@@ -12,6 +12,8 @@ from segcli.cli.common import (
     check_cluster_usage,
     cluster_options,
     hdf5_output,
+    input_format,
+    input_format_option,
     input_paths,
     note,
     on_cluster,
@@ -57,6 +59,7 @@ def _element(z):
 
 @click.command(short_help="Count, mean, std, rms, min, max of fields.")
 @click.argument("file")
+@input_format_option()
 @click.argument("fields", metavar="FIELD...", nargs=-1, required=True)
 @click.option("--per-element", is_flag=True,
               help="Per-atom fields by element (atomic number from `numbers`; structures "
@@ -107,7 +110,8 @@ def stats(file, fields, per_element, per_atom, as_json, output, force, structure
     paths = input_paths(file)
     refuse_output_among_inputs(output, paths, "stats writes a new file")
     options = {"per_element": per_element, "per_atom": per_atom, "chunk_atoms": chunk_atoms}
-    with open_inputs(paths, name=file) as batch, np.errstate(over="ignore", invalid="ignore"):
+    with (open_inputs(paths, name=file, input_format=input_format()) as batch,
+          np.errstate(over="ignore", invalid="ignore")):
         leaves, attrs = shard_selection(batch, file, structures, shard)
         summary = {"path": file, "structures": int(leaves[-1] - leaves[0]),
                    "atoms": int(batch.n_atoms[leaves[0]:leaves[-1]].sum())}
@@ -159,6 +163,7 @@ def _fixed(ctx, param, values):
 
 @click.command("fit-e0", short_help="Fit per-element reference energies.")
 @click.argument("file")
+@input_format_option()
 @click.option("--energy", default="energy", show_default=True, metavar="FIELD",
               help="Per-structure energy field (or result) to fit.")
 @click.option("--fixed", multiple=True, callback=_fixed, metavar="SYMBOL=VALUE",

@@ -6,6 +6,8 @@ import click
 
 from segcli.cli.common import (
     CHUNK_ATOMS,
+    input_format,
+    input_format_option,
     note,
     output_name,
     progress,
@@ -55,6 +57,7 @@ def _notes(summary, f):
 
 @click.command()
 @click.argument("file")
+@input_format_option()
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 def info(file, as_json):
     """Show what a file holds.
@@ -89,7 +92,7 @@ def info(file, as_json):
 
     descriptions = {**DESCRIPTIONS, "multi": "files read as one batch"}
 
-    with open_inputs(file) as batch:
+    with open_inputs(file, input_format=input_format()) as batch:
         summary = describe(batch)
     if as_json:
         click.echo(finite_json(summary))
@@ -172,6 +175,7 @@ def _pairs(ctx, param, texts):
                    "that would change (1.5 as int64, text that is no number) is an error. "
                    "Repeatable.")
 @click.option("--force", is_flag=True, help="Overwrite OUTPUT if it exists.")
+@input_format_option()
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
 def convert(inputs, output, compression, chunk_atoms, fill_missing, fields, drop, renames, casts,
             force, quiet):
@@ -221,13 +225,13 @@ def convert(inputs, output, compression, chunk_atoms, fill_missing, fields, drop
     with progress(not quiet, f"converting to {output}") as bar:
         if fmt is not None:
             structures, atoms = export(paths, output, fmt, chunk_atoms=chunk_atoms, force=force,
-                                       progress=bar, **choice)
+                                       progress=bar, input_format=input_format(), **choice)
             written = None
         else:
             structures, atoms, written = convert_files(
                 paths, output, compression=compression, chunk_atoms=chunk_atoms,
                 fill_missing=np.nan if fill_missing else None, force=force, progress=bar,
-                **choice)
+                input_format=input_format(), **choice)
     if not quiet:
         what = f", fields: {', '.join(written) or 'none'}" if written is not None else ""
         note(f"{output}: {structures} structures, {atoms} atoms{what}")

@@ -3,7 +3,14 @@
 
 import click
 
-from segcli.cli.common import note, output_name, progress, refuse_output_among_inputs
+from segcli.cli.common import (
+    input_format,
+    input_format_option,
+    note,
+    output_name,
+    progress,
+    refuse_output_among_inputs,
+)
 
 
 def _conditions(ctx, param, texts):
@@ -32,6 +39,7 @@ def _listed(path, n_structures):
 
 @click.command()
 @click.argument("file")
+@input_format_option()
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
               callback=output_name,
               help="The new segcli HDF5 file.")
@@ -85,7 +93,7 @@ def select(file, output, conditions, structures_from, force, quiet):
     paths = input_paths(file)
     refuse_output_among_inputs(output, paths, "select writes a new file")
     refuse_overwrite(output, force)
-    with open_inputs(paths, name=file) as batch:
+    with open_inputs(paths, name=file, input_format=input_format()) as batch:
         keep = np.ones(batch.n_structures, bool)
         if structures_from is not None:
             keep &= _listed(structures_from, batch.n_structures)
@@ -96,7 +104,8 @@ def select(file, output, conditions, structures_from, force, quiet):
                 kept, atoms = write_subset(batch, keep, output,
                                            {"selected_from": path_text(file)}, bar, force)
             else:
-                kept, atoms = export(paths, output, fmt, keep=keep, force=force, progress=bar)
+                kept, atoms = export(paths, output, fmt, keep=keep, force=force, progress=bar,
+                                     input_format=input_format())
     if not quiet:
         empty = " (none selected: an empty segcli file)" if not kept else ""
         note(f"{output}: {kept} of {len(keep)} structures, {atoms} atoms{empty}")

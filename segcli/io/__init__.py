@@ -17,13 +17,14 @@ __all__ = ["Batch", "Chunk", "FieldInfo", "Layout", "MultiBatch", "ResultWriter"
            "expand_inputs", "open_batch", "open_inputs", "reads"]
 
 
-def open_batch(path):
+def open_batch(path, input_format=None):
     """Open a file in the first format of `segcli.io.formats.FORMATS` that recognises it (segcli
-    HDF5, conformer-layout HDF5, an ASE database, extended XYZ, any file ASE reads, ...).
+    HDF5, conformer-layout HDF5, an ASE database, extended XYZ, any file ASE reads, ...), or
+    in `input_format` (a name of segcli.io.formats.named) whatever its content.
 
     Raises DataError naming the file and the problem when it is none of these.
     """
-    from segcli.io.formats import detect
+    from segcli.io.formats import detect, named
 
     path = os.fspath(path)
     if not os.path.exists(path):
@@ -33,10 +34,13 @@ def open_batch(path):
     if not os.path.isfile(path):
         raise DataError(f"{path}: not a regular file (a pipe, FIFO or device); segcli reads "
                         "files it can seek in: save the stream to a file first")
-    fmt = detect(path)
+    fmt = detect(path) if input_format is None else named(input_format)
     if fmt is None:
-        raise DataError(f"{path}: neither HDF5 nor a file format that ASE can read")
-    return fmt.open(path)
+        raise DataError(f"{path}: neither HDF5 nor a file format that ASE can read (`--format "
+                        "NAME` names its format)")
+    batch = fmt.open(path)
+    batch.input_format = input_format
+    return batch
 
 
 def reads(path):

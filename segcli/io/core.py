@@ -374,6 +374,7 @@ class Batch:
     """
 
     format = ""
+    input_format = None  # the format `--format` forced on the file (see segcli.io.open_batch)
     _result_fields = MappingProxyType({})
 
     def __init__(self, path):

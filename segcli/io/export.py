@@ -37,14 +37,15 @@ def export_format(path):
 
 
 def export(inputs, output, fmt, *, chunk_atoms=100_000, fields=None, drop=None, rename=None,
-           cast=None, keep=None, force=False, progress=None):
-    """Write the structures of `inputs` (files open_batch reads), in order, to the new file
-    `output` in ASE's format `fmt` (see export_format), compressed as its name says (.gz,
-    .bz2, .xz), streaming `chunk_atoms` atoms at a time: per structure, positions, numbers,
-    cell and pbc as the Atoms', calculator results (energy, forces, stress, ...) as a
-    SinglePointCalculator's, a per-atom bool field `fixed` as a FixAtoms constraint, the
-    other per-atom fields as arrays and per-structure ones as info (or, in a database, as
-    key-value pairs where ASE allows, else data); a structure without a field leaves it out.
+           cast=None, keep=None, force=False, progress=None, input_format=None):
+    """Write the structures of `inputs` (files open_batch reads, in `input_format` if given),
+    in order, to the new file `output` in ASE's format `fmt` (see export_format), compressed
+    as its name says (.gz, .bz2, .xz), streaming `chunk_atoms` atoms at a time: per
+    structure, positions, numbers, cell and pbc as the Atoms', calculator results (energy,
+    forces, stress, ...) as a SinglePointCalculator's, a per-atom bool field `fixed` as a
+    FixAtoms constraint, the other per-atom fields as arrays and per-structure ones as info
+    (or, in a database, as key-value pairs where ASE allows, else data); a structure without
+    a field leaves it out.
     `fields`, `drop`, `rename` and `cast` choose, rename and cast fields as convert's do;
     `keep` (a bool per structure of the inputs, in order) writes only those it marks.
     Returns (structures, atoms) written."""
@@ -57,7 +58,7 @@ def export(inputs, output, fmt, *, chunk_atoms=100_000, fields=None, drop=None, 
     choice = FieldChoice(fields, drop, rename, cast)
     counts = [0, 0]
     with ExitStack() as stack:
-        batches = [stack.enter_context(open_batch(path)) for path in inputs]
+        batches = [stack.enter_context(open_batch(path, input_format)) for path in inputs]
         tmp = stack.enter_context(new_output(output, force))
         if progress is not None and None not in (b.counted for b in batches):
             progress.reset(sum(b.counted for b in batches))

@@ -165,6 +165,21 @@ def detect(path):
     return next((fmt for fmt in FORMATS if fmt.by_name and fmt.by_name(path)), None)
 
 
+def named(name):
+    """The Format that `--format NAME` forces: a reader of FORMATS by its name, or ASE's
+    reader of any format ASE reads by its name (`ase.io.formats.ioformats`); DataError listing
+    the names when it is neither."""
+    from ase.io.formats import ioformats
+
+    own = {fmt.name: fmt for fmt in FORMATS if fmt.name not in ("empty", "ase")}
+    if name in own:
+        return own[name]
+    if name in ioformats and ioformats[name].can_read:
+        return FORMATS[-1]._replace(name=name, open=partial(AseBatch, ase_format=name))
+    raise DataError(f"--format {name}: no such input format; segcli's are {', '.join(own)}, "
+                    "and any that ASE reads (`python -m ase info --formats` lists them)")
+
+
 def recognised(path):
     """Whether some reader recognises a regular file by its content (never by name alone)."""
     start = head(path)

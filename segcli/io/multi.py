@@ -22,7 +22,7 @@ class Layout(NamedTuple):
     paths as given (`sources`, relative ones to `directory`), each member's format, n_atoms,
     field names (stored fields and results) and presence masks of the fields it has for some
     of its structures only; the merged stored fields and results (name -> FieldInfo) and the
-    attributes of the stored results."""
+    attributes of the stored results; the format forced on them, if any."""
 
     name: str
     directory: str
@@ -34,6 +34,7 @@ class Layout(NamedTuple):
     stored: dict
     result_fields: dict
     results: dict
+    input_format: str = None  # the format forced on every member (see open_batch)
 
     def path(self, member):
         """The path that opens member `member`, wherever the current directory is."""
@@ -47,7 +48,8 @@ def member_layout(batch, name=None):
     return Layout(name or batch.path, os.getcwd(), (batch.path,), (batch.format,),
                   (np.asarray(batch.n_atoms, np.int64),), (frozenset(names),),
                   ({n: m for n, m in present.items() if m is not None},),
-                  dict(batch._stored), dict(batch._result_fields), dict(batch.results))
+                  dict(batch._stored), dict(batch._result_fields), dict(batch.results),
+                  batch.input_format)
 
 
 def _join(layouts, name):
@@ -222,20 +224,22 @@ def expand_inputs(spec):
     return paths
 
 
-def open_inputs(spec, name=None):
+def open_inputs(spec, name=None, input_format=None):
     """A Batch of the files `spec` stands for (see expand_inputs), or of a Layout: one file's own
     batch (see open_batch), else a MultiBatch. `name`: what messages call many files
-    (default: `spec`)."""
+    (default: `spec`); `input_format`: the format forced on every file (see open_batch)."""
     from segcli.io import open_batch
 
     if isinstance(spec, Layout):
-        return open_batch(spec.path(0)) if len(spec.sources) == 1 else MultiBatch(spec)
+        if len(spec.sources) == 1:
+            return open_batch(spec.path(0), spec.input_format)
+        return MultiBatch(spec)
     paths = expand_inputs(spec)
     if len(paths) == 1:
-        return open_batch(paths[0])
+        return open_batch(paths[0], input_format)
     if name is None:
         name = os.fspath(spec) if isinstance(spec, (str, os.PathLike)) else ", ".join(spec)
-    return MultiBatch.scan(paths, name)
+    return MultiBatch.scan(paths, name, input_format)
 
 
 class MultiBatch(Batch):
@@ -258,15 +262,16 @@ class MultiBatch(Batch):
         self._open = []
 
     @classmethod
-    def scan(cls, paths, name):
-        """Open each file once, to learn its structures and fields."""
+    def scan(cls, paths, name, input_format=None):
+        """Open each file once (in `input_format`, if given), to learn its structures and
+        fields."""
         from segcli.io import open_batch
 
         layouts = []
         for path in paths:
-            with open_batch(path) as batch:
+            with open_batch(path, input_format) as batch:
                 layouts.append(member_layout(batch))
-        return cls(_join(layouts, name))
+        return cls(_join(layouts, name)._replace(input_format=input_format))
 
     @property
     def layout(self):
@@ -320,7 +325,7 @@ class MultiBatch(Batch):
             if lo >= hi:
                 continue
             has = self._layout.fields[member]
-            batch = open_batch(self._layout.path(member))
+            batch = open_batch(self._layout.path(member), self._layout.input_format)
             self._open.append(batch)
             try:
                 for piece in batch._pieces(int(lo - first), int(hi - first),

@@ -646,9 +646,11 @@ class FieldChoice:
 
 
 def convert(inputs, output, *, compression=None, chunk_atoms=100_000, fill_missing=None,
-            fields=None, drop=None, rename=None, cast=None, force=False, progress=None):
-    """Write the structures of `inputs` (any files open_batch reads), concatenated in order,
-    to a new segcli HDF5 file `output`, streaming `chunk_atoms` atoms at a time.
+            fields=None, drop=None, rename=None, cast=None, force=False, progress=None,
+            input_format=None):
+    """Write the structures of `inputs` (any files open_batch reads, in `input_format` if
+    given), concatenated in order, to a new segcli HDF5 file `output`, streaming
+    `chunk_atoms` atoms at a time.
 
     `fill_missing` (NaN) fills fields that some structures lack (floats with NaN, integers and
     booleans with 0, strings with ""; /present/<name> says which structures have them);
@@ -668,7 +670,7 @@ def convert(inputs, output, *, compression=None, chunk_atoms=100_000, fill_missi
     output = os.fspath(output)
     refuse_overwrite(output, force)
     with ExitStack() as stack:
-        batches = [stack.enter_context(open_batch(path)) for path in inputs]
+        batches = [stack.enter_context(open_batch(path, input_format)) for path in inputs]
         tmp = stack.enter_context(new_output(output, force))
         h5 = stack.enter_context(h5py.File(tmp, "w"))
         writer = BatchWriter(h5, compression, fill_missing)
