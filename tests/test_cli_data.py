@@ -204,7 +204,7 @@ def test_empty_file_has_zero_structures(tmp_path):
 
 
 def test_samples_are_the_conversion_of_the_extxyz(tmp_path):
-    convert([SAMPLES / "metals.extxyz"], tmp_path / "metals.h5", drop=["config_type"])
+    convert([SAMPLES / "metals.extxyz"], tmp_path / "metals.h5")
     with open_batch(SAMPLES / "metals.h5") as stored, open_batch(tmp_path / "metals.h5") as fresh:
         assert stored.fields == fresh.fields and 1 in stored.n_atoms
         assert np.array_equal(stored.n_atoms, fresh.n_atoms)

@@ -156,13 +156,18 @@ E = 0.5  # an energy that several structures have
 def test_where_keeps_every_dataset_of_the_matching_structures(rich, tmp_path, wheres, expected):
     path, n_atoms, data, present = rich
     out = tmp_path / "out.h5"
-    result = select(path, out, *(a for w in wheres for a in ("--where", w)))
+    conditions = [a for w in wheres for a in ("--where", w)]
+    result = select(path, out, *conditions)
     with np.errstate(invalid="ignore"):
         kept = np.flatnonzero(expected(data, present))
+    if not len(kept):  # said, and nothing written unless asked for
+        assert result.stderr == (f"{path}: no structure of {len(n_atoms)} is selected; {out} "
+                                 "is not written (--allow-empty writes an empty file)\n")
+        assert not out.exists()
+        result = select(path, out, *conditions, "--allow-empty")
     assert_subset(path, out, kept)
     assert result.stderr.startswith(f"{out}: {len(kept)} of {len(n_atoms)} structures, "
                                     f"{n_atoms[kept].sum()} atoms")
-    assert ("empty" in result.stderr) == (len(kept) == 0)
     from segcli.io import open_batch
 
     with open_batch(out) as batch:  # a valid segcli file, however many structures it holds
@@ -303,13 +308,13 @@ def test_files_without_structures_or_atoms(tmp_path):
     assert_subset(path, tmp_path / "a.h5", [0, 2])
     path = write_batch(tmp_path / "empty.h5", np.zeros(0, int), {"forces": np.zeros((0, 3))},
                        {"energy": np.zeros(0)})
-    result = select(path, tmp_path / "b.h5", "--where", "energy > 0")
+    result = select(path, tmp_path / "b.h5", "--where", "energy > 0", "--allow-empty")
     assert_subset(path, tmp_path / "b.h5", [])
-    assert "0 of 0 structures, 0 atoms (none selected: an empty segcli file)" in result.stderr
+    assert "0 of 0 structures, 0 atoms" in result.stderr
     assert_error(run("select", path, "-o", tmp_path / "c.h5", "--structures-from", "-",
                      input="0\n"), 1, "stdin, line 1: structure 0 is out of range (the file "
                  "has 0 structures: none)")
-    select(path, tmp_path / "c.h5", "--structures-from", "-", input="\n")
+    select(path, tmp_path / "c.h5", "--structures-from", "-", "--allow-empty", input="\n")
     assert_subset(path, tmp_path / "c.h5", [])
 
 

@@ -211,6 +211,9 @@ def test_stats_of_a_stored_result_and_to_a_file(tmp_path, random_file):
     (["forces", "--per-element", "--structures", "99:"], 1, ["selects no structure"]),
     (["--per-element", "forces"], 0, []),
     (["forces", "--chunk-atoms", "0"], 2, ["--chunk-atoms"]),
+    (["energy", "stress", "--per-element"], 2,
+     ["--per-element applies to per-atom fields; energy, stress are not"]),
+    (["forces", "--per-atom"], 2, ["--per-atom applies to per-structure fields; forces is not"]),
 ])
 def test_stats_errors(random_file, args, code, needles):
     path, _, _ = random_file
@@ -438,6 +441,7 @@ def test_fit_e0_fixed_elements_absent_ones_and_table(e0_data):
         ("H", True), ("C", False), ("O", False), ("Cu", False), ("Au", True)]
     np.testing.assert_allclose([e["e0"] for e in got["e0"]][1:4], free, rtol=1e-8)
     assert_residual_errors(got, counts, energies, np.array([-13.0, *free]))
+    assert fit_json(path, "--fixed", "h=-13", "--fixed", "AU=-3.5") == got  # any case
     lines = run("fit-e0", path, "--fixed", "H=-13").output.splitlines()
     assert lines[0].split() == ["element", "Z", "E0"]
     assert lines[1].split() == ["H", "1", "-13", "fixed"]
@@ -496,8 +500,10 @@ def test_fit_e0_leaves_out_structures_without_energy(tmp_path, e0_data):
 @pytest.mark.parametrize("args, code, needles", [
     (["--energy", "numbers"], 1, ["'numbers' is per atom", "one number per structure"]),
     (["--energy", "nope"], 1, ["no field 'nope'"]),
-    (["--fixed", "Xx=1"], 2, ["SYMBOL=VALUE", "Xx=1"]),
+    (["--fixed", "Xx=1"], 2, ["'Xx=1': 'Xx' is not an element's symbol"]),
+    (["--fixed", "X=1"], 2, ["'X=1': 'X' is not an element's symbol"]),
     (["--fixed", "H=abc"], 2, ["SYMBOL=VALUE"]),
+    (["--fixed", "H=nan"], 2, ["'H=nan': the energy must be finite"]),
     (["--name", "r"], 2, ["--in-place"]),
     (["--in-place", "--name", "."], 2, ["'.' is not a result name"]),
     (["--in-place", "--name", ""], 2, ["'' is not a result name"]),

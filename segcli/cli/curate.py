@@ -112,6 +112,7 @@ def stats(file, fields, per_element, per_atom, as_json, output, force, structure
     options = {"per_element": per_element, "per_atom": per_atom, "chunk_atoms": chunk_atoms}
     with (open_inputs(paths, name=file, input_format=input_format()) as batch,
           np.errstate(over="ignore", invalid="ignore")):
+        _check_grouping(batch, fields, per_element, per_atom)
         leaves, attrs = shard_selection(batch, file, structures, shard)
         summary = {"path": file, "structures": int(leaves[-1] - leaves[0]),
                    "atoms": int(batch.n_atoms[leaves[0]:leaves[-1]].sum())}
@@ -144,20 +145,35 @@ def stats(file, fields, per_element, per_atom, as_json, output, force, structure
     click.echo("\n".join(table(lines)))
 
 
+def _check_grouping(batch, fields, per_element, per_atom):
+    """UsageError when --per-element or --per-atom applies to none of `fields` (those of
+    `batch` only: an unknown one is named later)."""
+    pers = {batch.fields[name].per for name in fields if name in batch.fields}
+    for flag, given, per in (("--per-element", per_element, "atom"),
+                             ("--per-atom", per_atom, "structure")):
+        if given and pers and per not in pers:
+            raise click.UsageError(f"{flag} applies to per-{per} fields; {', '.join(fields)} "
+                                   f"{'is' if len(fields) == 1 else 'are'} not")
+
+
 def _fixed(ctx, param, values):
-    """{Z: E0} from --fixed SYMBOL=VALUE options."""
+    """{Z: E0} from --fixed SYMBOL=VALUE options (the symbol in any case: cu, CU, Cu)."""
     from ase.data import atomic_numbers
 
     out = {}
     for text in values:
         symbol, _, value = text.partition("=")
+        symbol = symbol.strip().capitalize()
         try:
             energy = float(value)
         except ValueError:
-            energy = math.nan
-        if symbol.strip() not in atomic_numbers or not math.isfinite(energy):
-            raise click.BadParameter(f"expected SYMBOL=VALUE (e.g. H=-13.6), got {text!r}")
-        out[atomic_numbers[symbol.strip()]] = energy
+            raise click.BadParameter(
+                f"expected SYMBOL=VALUE (e.g. H=-13.6), got {text!r}") from None
+        if symbol not in atomic_numbers or symbol == "X":
+            raise click.BadParameter(f"{text!r}: {symbol!r} is not an element's symbol")
+        if not math.isfinite(energy):
+            raise click.BadParameter(f"{text!r}: the energy must be finite")
+        out[atomic_numbers[symbol]] = energy
     return out
 
 

@@ -50,9 +50,11 @@ def _listed(path, n_structures):
 @click.option("--structures-from", metavar="LIST|-", type=click.Path(dir_okay=False,
               allow_dash=True),
               help="Keep the structures numbered in LIST (- : stdin), one number per line.")
+@click.option("--allow-empty", is_flag=True,
+              help="Write OUTPUT even when no structure is selected (an empty file).")
 @click.option("--force", is_flag=True, help="Overwrite OUTPUT if it exists.")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
-def select(file, output, conditions, structures_from, force, quiet):
+def select(file, output, conditions, structures_from, allow_empty, force, quiet):
     """Copy chosen structures to a new segcli file (or export them).
 
     Writes to OUTPUT the structures of FILE that pass every --where condition and, with
@@ -62,6 +64,8 @@ def select(file, output, conditions, structures_from, force, quiet):
     file segcli reads; results exist only in segcli HDF5 files. Memory stays bounded however
     large FILE is; OUTPUT appears only once complete. An OUTPUT named for a format ASE
     writes (out.extxyz, out.traj, ...) gets the structures as `segcli convert` exports them.
+    When no structure is selected, a line on stderr says so and OUTPUT is not written
+    (unless --allow-empty).
 
     VALUE is a number (nan and inf too) or, for a string field, a string (quoted or bare) for
     == and !=. A structure without the field (see `segcli info`), or whose value is NaN, never
@@ -99,6 +103,10 @@ def select(file, output, conditions, structures_from, force, quiet):
             keep &= _listed(structures_from, batch.n_structures)
         if conditions:
             keep &= where_mask(batch, conditions)
+        if not keep.any() and not allow_empty:
+            note(f"{file}: no structure of {len(keep)} is selected; {output} is not written "
+                 "(--allow-empty writes an empty file)")
+            return
         with progress(not quiet, f"writing {output}", len(keep)) as bar:
             if fmt is None:
                 kept, atoms = write_subset(batch, keep, output,
@@ -107,8 +115,7 @@ def select(file, output, conditions, structures_from, force, quiet):
                 kept, atoms = export(paths, output, fmt, keep=keep, force=force, progress=bar,
                                      input_format=input_format())
     if not quiet:
-        empty = " (none selected: an empty segcli file)" if not kept else ""
-        note(f"{output}: {kept} of {len(keep)} structures, {atoms} atoms{empty}")
+        note(f"{output}: {kept} of {len(keep)} structures, {atoms} atoms")
 
 
 COMMANDS = [select]
