@@ -230,7 +230,7 @@ def test_select_odd_conditions(tmp_path, where, code, needle):
     path = tmp_path / "rich.h5"
     write_rich(path)
     out = tmp_path / "out.h5"
-    result = run("select", path, "--where", where, "-o", out)
+    result = run("select", path, "--where", where, "-o", out, "--allow-empty")
     assert result.exit_code == code, result.output
     assert "Traceback" not in result.output
     if needle:
