@@ -159,6 +159,7 @@ class _Results:
             raise click.UsageError("two ops give the same result: "
                                    + ", ".join(f"/results/{d}" for d in self.datasets))
         self.outputs = {d: jobs[k].outputs[label] for d, (k, label) in self.datasets.items()}
+        self.names = tuple(names)
         single = len(jobs) == 1
         self.columns = {d: (label or names[k]) if single else d.replace("/", "_")
                         for d, (k, label) in self.datasets.items()}
@@ -387,7 +388,7 @@ def _plan(batch, path, ops, names, plan):
     """The _Results of `ops` ((registry.Op, fields), ...) named `names` over `batch`."""
     from segcli import engine
 
-    return _Results([engine.plan(path, spec, fields, batch.fields, **plan)
+    return _Results([engine.plan(path, spec, fields, batch.fields, present=batch.present, **plan)
                      for spec, fields in ops], names)
 
 
@@ -418,8 +419,10 @@ def _singular_matrices(batch, file, ops, lo, hi, strict, quiet):
         for arg, name in zip(spec.inputs, fields):
             if not arg.invertible:
                 continue
-            singular = sum(int(np.count_nonzero(np.linalg.matrix_rank(chunk.structures[name]) < 3))
-                           for chunk in batch.iter_chunks([name], structures=slice(lo, hi)))
+            singular = sum(int(np.count_nonzero(
+                (np.linalg.matrix_rank(np.nan_to_num(chunk.structures[name])) < 3)
+                & chunk.present.get(name, True)))
+                for chunk in batch.iter_chunks([name], structures=slice(lo, hi)))
             if not singular:
                 continue
             message = (f"{file}: '{name}' is singular or zero in {singular} of {hi - lo} "
@@ -429,6 +432,28 @@ def _singular_matrices(batch, file, ops, lo, hi, strict, quiet):
                 raise DataError(f"{message} (--strict)")
             if not quiet:
                 note(f"warning: {message} (--strict refuses them)")
+
+
+def _absent(batch, file, results, selected, lo, hi, quiet):
+    """Say on stderr (not when quiet), once per result, how many of the structures [lo, hi)
+    lack a field that its job reads (their rows are NaN); DataError when none of the
+    `selected` structures (a slice) has one."""
+    import numpy as np
+
+    from segcli import engine
+
+    for name, job in zip(results.names, results.jobs):
+        have = engine.job_present(batch.present, job)
+        if have is None:
+            continue
+        lacking = [n for n in job.read if batch.present(n) is not None]
+        if not have[selected].any():
+            raise DataError(f"{file}: no selected structure has "
+                            f"{' and '.join(repr(n) for n in lacking)}")
+        missing = int(np.count_nonzero(~have[lo:hi]))
+        if missing and not quiet:
+            note(f"{file}: {missing} of {hi - lo} structure(s) lack "
+                 f"{' or '.join(repr(n) for n in lacking)}: their rows of {name} are NaN")
 
 
 def _execute(file, ops, *, output, in_place, fmt, name, force, structures, chunk_atoms,
@@ -450,6 +475,7 @@ def _execute(file, ops, *, output, in_place, fmt, name, force, structures, chunk
         results.check_rows(output and not _file_format(output), in_place)
         leaves, part = shard_selection(batch, file, structures, shard)
         lo, hi = int(leaves[0]), int(leaves[-1])
+        _absent(batch, file, results, common.selection(batch, file, structures), lo, hi, quiet)
         _singular_matrices(batch, file, ops, lo, hi, strict, quiet)
         target = None if scheduler else common.device(device)  # JAX loads only now
         n_atoms = batch.n_atoms[lo:hi]
@@ -538,7 +564,8 @@ def reduce(file, ops, **options):
     structures (--chunk-atoms), the next chunk while this one computes, so files larger than
     memory work. Results go to stdout (csv: `structure` first, `structure,atom` for per-atom
     results, vector entries as NAME_0, NAME_1, ...), to a new file (-o) or into FILE
-    (--in-place); see `segcli ops`. Fields holding NaN are refused. --shard runs one of N
+    (--in-place); see `segcli ops`. Fields holding NaN are refused; a structure that lacks a
+    field (`segcli info`: present in K of S) gets NaN (csv: empty cells). --shard runs one of N
     ranges of structures (join the parts with `segcli merge`), --scheduler all of them on a
     Dask cluster; either gives the bits of one run.
 
