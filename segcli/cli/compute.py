@@ -368,15 +368,17 @@ def _dataset(name, label):
     return f"{name}/{label}" if label else name
 
 
-def _compute_into(batch, results, sink, device, lo, hi, chunk_atoms, progress=None):
+def _compute_into(batch, results, sink, device, lo, hi, chunk_atoms, progress=None, notes=()):
     """Compute the results' jobs over structures [lo, hi) of `batch` on `device`, in one pass,
-    into `sink`."""
+    into `sink`; the `notes` go to stderr once the first chunk is computed."""
     from segcli import engine
 
     chunks = engine.run(batch, results.jobs, device, structures=slice(lo, hi),
                         chunk_atoms=chunk_atoms or engine.DEFAULT_CHUNK_ATOMS)
     with contextlib.closing(chunks):
         first = next(chunks, None)  # what fails at once fails before any output
+        for message in notes:
+            note(message)
         with sink:
             for chunk, outputs in itertools.chain([first] if first else [], chunks):
                 sink.write(chunk, results.of(outputs))
@@ -434,26 +436,26 @@ def _singular_matrices(batch, file, ops, lo, hi, strict, quiet):
                 note(f"warning: {message} (--strict refuses them)")
 
 
-def _absent(batch, file, results, selected, lo, hi, quiet):
-    """Say on stderr (not when quiet), once per result, how many of the structures [lo, hi)
-    lack a field that its job reads (their rows are NaN); DataError when none of the
-    `selected` structures (a slice) has one."""
+def _absent(batch, file, results, selected, lo, hi):
+    """What to say on stderr, a line per result, of how many of the structures [lo, hi) lack
+    a field that its job reads (their rows are NaN); DataError when none of the `selected`
+    structures (a slice) has one."""
     import numpy as np
 
     from segcli import engine
 
-    for name, job in zip(results.names, results.jobs):
-        have = engine.job_present(batch.present, job)
-        if have is None:
-            continue
-        lacking = [n for n in job.read if batch.present(n) is not None]
+    partial = [(name, job, have) for name, job in zip(results.names, results.jobs)
+               if (have := engine.job_present(batch.present, job)) is not None]
+    lacking = {name: [n for n in job.read if batch.present(n) is not None]
+               for name, job, _ in partial}
+    for name, _, have in partial:
         if not have[selected].any():
             raise DataError(f"{file}: no selected structure has "
-                            f"{' and '.join(repr(n) for n in lacking)}")
-        missing = int(np.count_nonzero(~have[lo:hi]))
-        if missing and not quiet:
-            note(f"{file}: {missing} of {hi - lo} structure(s) lack "
-                 f"{' or '.join(repr(n) for n in lacking)}: their rows of {name} are NaN")
+                            f"{' and '.join(map(repr, lacking[name]))}")
+    missing = {name: int(np.count_nonzero(~have[lo:hi])) for name, _, have in partial}
+    return [f"{file}: {missing[name]} of {hi - lo} structure(s) lack "
+            f"{' or '.join(map(repr, lacking[name]))}: their rows of {name} are NaN"
+            for name in missing if missing[name]]
 
 
 def _execute(file, ops, *, output, in_place, fmt, name, force, structures, chunk_atoms,
@@ -475,7 +477,8 @@ def _execute(file, ops, *, output, in_place, fmt, name, force, structures, chunk
         results.check_rows(output and not _file_format(output), in_place)
         leaves, part = shard_selection(batch, file, structures, shard)
         lo, hi = int(leaves[0]), int(leaves[-1])
-        _absent(batch, file, results, common.selection(batch, file, structures), lo, hi, quiet)
+        notes = _absent(batch, file, results, common.selection(batch, file, structures), lo, hi)
+        notes = [] if quiet else notes
         _singular_matrices(batch, file, ops, lo, hi, strict, quiet)
         target = None if scheduler else common.device(device)  # JAX loads only now
         n_atoms = batch.n_atoms[lo:hi]
@@ -487,13 +490,15 @@ def _execute(file, ops, *, output, in_place, fmt, name, force, structures, chunk
                  "force": force}
         if scheduler:
             ops = [(spec.name, list(fields)) for spec, fields in ops]
+            for message in notes:
+                note(message)
             _on_cluster(scheduler, None if quiet else f"{verb} {file}", batch, results, lo, hi,
                         (batch.layout, ops, names, plan, device, chunk_atoms), attrs, where)
         else:
             sink = _sink(results, batch, lo, hi,
                          attrs={**attrs, "device": common.device_label(target)}, **where)
             with progress(not quiet, f"{verb} {file}", len(n_atoms)) as bar:
-                _compute_into(batch, results, sink, target, lo, hi, chunk_atoms, bar)
+                _compute_into(batch, results, sink, target, lo, hi, chunk_atoms, bar, notes)
     if not quiet and (output or in_place):
         written = (", ".join(results.columns.values()) if _file_format(output)
                    else ", ".join(f"/results/{d}" for d in results.datasets))
