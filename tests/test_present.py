@@ -162,6 +162,24 @@ def test_refusals_look_only_at_present_structures(files, tmp_path):
                       f"{path}: field 'extra' holds 1 NaN value(s), the first in structure 3")
 
 
+def test_per_atom_rows_of_matvec_with_a_partly_present_matrix(tmp_path):
+    """matvec by a per-structure matrix that some structures lack (an h5py-written file with
+    /present/m): NaN atom rows there, m_sᵀ x elsewhere; the fills do not reach the check of
+    singular matrices."""
+    from batch_reference import write_batch
+
+    rng = np.random.default_rng(2)
+    n_atoms, have = np.array([2, 3, 1, 2]), np.array([True, False, True, False])
+    x, m = rng.normal(size=(8, 3)), rng.normal(size=(4, 3, 3))
+    m[~have] = np.nan
+    path = write_batch(tmp_path / "m.h5", n_atoms, {"x": x}, {"m": m})
+    with h5py.File(path, "a") as h5:
+        h5["present/m"] = have
+    got = npy(run("reduce", path, "matvec", "x", "m", "--format", "npy", "--strict"))
+    expected = np.einsum("iba,ib->ia", np.repeat(m, n_atoms, axis=0), x)
+    np.testing.assert_allclose(got, expected, rtol=1e-13)  # NaN rows where m is absent
+
+
 @pytest.mark.parametrize("on_device", [False, True])
 def test_engine_blanks_absent_rows_wherever_it_checks_for_nan(files, on_device):
     """The NaN check on the host and the one on the device (GPUs; here on the CPU) both pass
