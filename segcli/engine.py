@@ -75,8 +75,8 @@ class Job:
     gradient's derivative along `direction` (a Hessian-vector product), the direction being
     applied to every per-atom input field at once.
 
-    `partial`: some structures lack a field the job reads (see `present`); their rows of every
-    output are NaN (see `run`), an integer output therefore float64.
+    `partial`: some structures lack a field the job reads (see `job_present`); their rows of
+    every output are NaN (see `run`), an integer output therefore float64.
     """
 
     path: str

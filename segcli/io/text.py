@@ -8,13 +8,13 @@ Every number is written as Python writes it, so it reads back exactly: a float64
 shortest text reads back as, an integer as an integer; in CSV NaN (no value: a structure that
 lacks a field) as an empty cell and ±inf as `inf`, `-inf`, in JSON all three as `null` (it has
 no such numbers): a JSON line is what json.dumps writes for the row's dict, its non-finite
-numbers None (see finite_json). How: orjson writes a block's
-numbers, one flat float64 array (integers among them are exact, below 2**53), with the
-shortest round-trip digits; its text differs from repr only in notation, fixed here: an
-integer's `12.0` loses `.0`; `null`, any non-finite value, becomes its spelling; a one-digit
-negative exponent gets its zero (`1e-7`, |x| in [1e-9, 1e-5), becomes `1e-07`) and |x| in
-[1e-5, 1e-4) goes from positional to scientific (`0.0000123` becomes `1.23e-05`). The commas
-after the numbers, found with NumPy, become the format's separators (see _Layout).
+numbers None (see finite_json). How: orjson writes a block's numbers, one flat float64 array
+(integers among them are exact, below 2**53), with the shortest round-trip digits; its text
+differs from repr only in notation, fixed here: an integer's `12.0` loses `.0`; `null`, any
+non-finite value, becomes its spelling; a one-digit negative exponent gets its zero (`1e-7`,
+|x| in [1e-9, 1e-5), becomes `1e-07`) and |x| in [1e-5, 1e-4) goes from positional to
+scientific (`0.0000123` becomes `1.23e-05`). The commas after the numbers, found with NumPy,
+become the format's separators (see _Layout).
 """
 
 import csv
