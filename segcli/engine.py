@@ -11,6 +11,7 @@ Several jobs given to `run` share one read of the file and one compiled program 
 """
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import math
@@ -73,6 +74,9 @@ class Job:
     each structure's result) with respect to each distinct per-atom input field; 2: that
     gradient's derivative along `direction` (a Hessian-vector product), the direction being
     applied to every per-atom input field at once.
+
+    `partial`: some structures lack a field the job reads (see `job_present`); their rows of
+    every output are NaN (see `run`), an integer output therefore float64.
     """
 
     path: str
@@ -84,6 +88,7 @@ class Job:
     weights: str | None = None
     direction: str | None = None
     params: dict = field(default_factory=dict, hash=False)
+    partial: bool = False
 
     @property
     def wrt(self):
@@ -115,6 +120,8 @@ class Job:
         kept = bool(self.fields) and self.fields[0] in self.integers
         dtype = {"float": dtype, "count": np.dtype(np.int64),
                  "input": np.dtype(np.int64) if kept else dtype}[spec.output_dtype]
+        if self.partial and dtype.kind != "f":
+            dtype = np.dtype(np.float64)
         return {"": (spec.output_per, shape, dtype)}
 
     def program(self, read):
@@ -158,11 +165,12 @@ def field_dtypes(jobs):
 
 
 def plan(path, spec, names, fields, *, precision="float64", order=0, weights=None,
-         direction=None, params=None):
+         direction=None, params=None, present=None):
     """A Job running `spec` (a registry.Op) on the fields `names` (one per input) of a file
     whose fields are `fields` (name -> FieldInfo), with `params` overriding the op's static
     params (those it lacks are ignored); DataError naming the file and field when one does not
-    fit."""
+    fit. `present(name)` (Batch.present) says which structures have a field: the job is
+    `partial` when some lack one it reads."""
     names = tuple(names)
     if len(names) != len(spec.inputs):
         raise ValueError(f"{spec.name} takes {len(spec.inputs)} field(s), got {len(names)}")
@@ -186,7 +194,17 @@ def plan(path, spec, names, fields, *, precision="float64", order=0, weights=Non
         shape = tuple(fields[job.wrt[0]].shape)
         _field(path, direction, Arg("atom", shape), fields, False,
                f"--direction (the shape of '{job.wrt[0]}')")
+    if present is not None and any(present(name) is not None for name in job.read):
+        job = dataclasses.replace(job, partial=True)
     return job
+
+
+def job_present(have, job):
+    """(S,) bool, True where a structure has every field `job` reads, given `have(name)`
+    (Batch.present, or a Chunk's present.get); None where all do."""
+    from segcli.io.core import all_of
+
+    return all_of([have(name) for name in job.read])
 
 
 class _Padded(NamedTuple):
@@ -281,7 +299,8 @@ class _BufferRing:
 def _pad(dtypes, chunk, least, buffers, slot, ids=True):
     """The chunk's fields (name -> dtype `dtypes`, see field_dtypes), cast and padded (see
     _Padded, which has ids if `ids`) to at least `least` = (rows, structures), in `buffers`'
-    slot `slot`, or where the chunk was read in place (see _padded_chunks)."""
+    slot `slot`, or where the chunk was read in place (see _padded_chunks); the rows of
+    structures that lack a field (Chunk.present) hold 0, not its fill."""
     n_structures, n_rows = len(chunk.n_atoms), int(chunk.n_atoms.sum())
     rows, segments = max(least[0], bucket(n_rows)), max(least[1], bucket(n_structures))
     offsets = buffers.take(slot, "offsets", (segments + 1,), np.int32)
@@ -304,6 +323,9 @@ def _pad(dtypes, chunk, least, buffers, slot, ids=True):
             out = buffers.take(slot, ("pad", name), shape, dtype)
             out[:len(data)] = data
         out[len(data):] = 0
+        if name in chunk.present:
+            have = chunk.present[name]
+            out[:len(data)][~np.repeat(have, chunk.n_atoms) if per_atom else ~have] = 0
         arrays[name] = out
     return _Padded(n_structures, n_rows, segments, rows, ids, offsets, arrays)
 
@@ -347,7 +369,7 @@ def _padded_chunks(batch, jobs, chunk_atoms, structures, buffers, on_device=Fals
     chunks = batch.iter_chunks(list(read), chunk_atoms=chunk_atoms, structures=structures,
                                into=into)
     if not on_device:
-        chunks = nan_checked(jobs[0].path, chunks, read)
+        chunks = nan_checked(jobs[0].path, chunks, read, where_present=True)
     for slot, chunk in enumerate(chunks):
         yield chunk, _pad(dtypes, chunk, least, buffers, slot, ids=not on_device)
 
@@ -521,11 +543,27 @@ def run(batch, jobs, device, *, chunk_atoms=DEFAULT_CHUNK_ATOMS, structures=slic
                 outputs, nan = compute(jobs, padded, device)
                 if nan:  # counted and named on the host, over this chunk and the rest
                     rest = itertools.chain([chunk], (chunk for chunk, _ in items))
-                    for _ in nan_checked(jobs[0].path, rest, reads(jobs)):
+                    for _ in nan_checked(jobs[0].path, rest, reads(jobs), where_present=True):
                         pass
-                yield chunk, outputs
+                yield chunk, tuple(_blank_absent(job, chunk, out)
+                                   for job, out in zip(jobs, outputs))
     finally:
         _SPARE_RINGS[pinned] = buffers
+
+
+def _blank_absent(job, chunk, outputs):
+    """A job's outputs of a chunk with NaN in the rows of structures that lack a field the job
+    reads (an integer output as float64, as a `partial` job declares it)."""
+    have = job_present(chunk.present.get, job)
+    if have is None:
+        return outputs
+    rows = {"structure": ~have, "atom": np.repeat(~have, chunk.n_atoms)}
+    out = {}
+    for label, array in outputs.items():
+        array = np.array(array, array.dtype if array.dtype.kind == "f" else np.float64)
+        array[rows[job.outputs[label][0]]] = np.nan
+        out[label] = array
+    return out
 
 
 _SPARE_RINGS = {}

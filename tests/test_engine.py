@@ -21,6 +21,7 @@ from segcli import engine
 from segcli._jax import enable_x64
 from segcli.errors import DataError
 from segcli.io import open_batch
+from segcli.io.core import Chunk
 from segcli.registry import OPS
 
 DEVICE = jax.devices()[0]  # the CPU in CI, a GPU where JAX has one
@@ -237,7 +238,7 @@ def test_pad_uses_a_read_buffer_only_for_exactly_the_rows_read_into_it():
     # a chunk made of part of a piece (as when a piece is split) is copied, not padded in place
     head, tail = piece[:4], piece[4:]
     assert ring.holding(head) is None and ring.holding(tail) is None
-    chunk = type("Chunk", (), {"n_atoms": np.array([4]), "atoms": {"x": head}, "structures": {}})
+    chunk = Chunk(0, np.array([4]), {"x": head}, {})
     padded = engine._pad({"x": np.dtype(np.float64)}, chunk, (8, 1024), ring, 1)
     assert padded.arrays["x"].ctypes.data != piece.ctypes.data
     np.testing.assert_array_equal(piece[4:], np.arange(12.0, 18.0).reshape(2, 3))  # untouched

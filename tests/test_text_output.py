@@ -41,15 +41,15 @@ def strict(value):
 
 
 def per_row(fmt, columns):
-    """The text Python writes row by row: repr of each number (CSV), json.dumps of the row with
-    its non-finite numbers null (JSON)."""
+    """The text Python writes row by row: repr of each number, NaN as an empty cell (CSV),
+    json.dumps of the row with its non-finite numbers null (JSON)."""
     lists = [spelled(a).tolist() for a in columns.values()]
     if fmt == "json":
         return "".join(json.dumps(dict(zip(columns, map(strict, row))), allow_nan=False) + "\n"
                        for row in zip(*lists))
     flat = [spelled(a).reshape(len(a), int(np.prod(a.shape[1:]))).tolist()
             for a in columns.values()]
-    return "".join(",".join(repr(v) for cells in row for v in cells) + "\n"
+    return "".join(",".join("" if v != v else repr(v) for cells in row for v in cells) + "\n"
                    for row in zip(*flat))
 
 
@@ -71,7 +71,7 @@ def read_back(fmt, body, columns):
     out, k = {}, 0
     for name, a in columns.items():
         width = int(np.prod(a.shape[1:]))
-        kind = int if a.dtype.kind in "iu" else float
+        kind = int if a.dtype.kind in "iu" else lambda v: float(v or "nan")
         cells = [[kind(v) for v in row[k:k + width]] for row in rows]
         out[name] = np.reshape(cells, a.shape)
         k += width

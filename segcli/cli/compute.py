@@ -159,6 +159,7 @@ class _Results:
             raise click.UsageError("two ops give the same result: "
                                    + ", ".join(f"/results/{d}" for d in self.datasets))
         self.outputs = {d: jobs[k].outputs[label] for d, (k, label) in self.datasets.items()}
+        self.names = tuple(names)
         single = len(jobs) == 1
         self.columns = {d: (label or names[k]) if single else d.replace("/", "_")
                         for d, (k, label) in self.datasets.items()}
@@ -367,15 +368,17 @@ def _dataset(name, label):
     return f"{name}/{label}" if label else name
 
 
-def _compute_into(batch, results, sink, device, lo, hi, chunk_atoms, progress=None):
+def _compute_into(batch, results, sink, device, lo, hi, chunk_atoms, progress=None, notes=()):
     """Compute the results' jobs over structures [lo, hi) of `batch` on `device`, in one pass,
-    into `sink`."""
+    into `sink`; the `notes` go to stderr once the first chunk is computed."""
     from segcli import engine
 
     chunks = engine.run(batch, results.jobs, device, structures=slice(lo, hi),
                         chunk_atoms=chunk_atoms or engine.DEFAULT_CHUNK_ATOMS)
     with contextlib.closing(chunks):
         first = next(chunks, None)  # what fails at once fails before any output
+        for message in notes:
+            note(message)
         with sink:
             for chunk, outputs in itertools.chain([first] if first else [], chunks):
                 sink.write(chunk, results.of(outputs))
@@ -387,7 +390,7 @@ def _plan(batch, path, ops, names, plan):
     """The _Results of `ops` ((registry.Op, fields), ...) named `names` over `batch`."""
     from segcli import engine
 
-    return _Results([engine.plan(path, spec, fields, batch.fields, **plan)
+    return _Results([engine.plan(path, spec, fields, batch.fields, present=batch.present, **plan)
                      for spec, fields in ops], names)
 
 
@@ -418,8 +421,10 @@ def _singular_matrices(batch, file, ops, lo, hi, strict, quiet):
         for arg, name in zip(spec.inputs, fields):
             if not arg.invertible:
                 continue
-            singular = sum(int(np.count_nonzero(np.linalg.matrix_rank(chunk.structures[name]) < 3))
-                           for chunk in batch.iter_chunks([name], structures=slice(lo, hi)))
+            singular = sum(int(np.count_nonzero(
+                (np.linalg.matrix_rank(np.nan_to_num(chunk.structures[name])) < 3)
+                & chunk.present.get(name, True)))
+                for chunk in batch.iter_chunks([name], structures=slice(lo, hi)))
             if not singular:
                 continue
             message = (f"{file}: '{name}' is singular or zero in {singular} of {hi - lo} "
@@ -429,6 +434,28 @@ def _singular_matrices(batch, file, ops, lo, hi, strict, quiet):
                 raise DataError(f"{message} (--strict)")
             if not quiet:
                 note(f"warning: {message} (--strict refuses them)")
+
+
+def _absent(batch, file, results, selected, lo, hi):
+    """What to say on stderr, a line per result, of how many of the structures [lo, hi) lack
+    a field that its job reads (their rows are NaN); DataError when none of the `selected`
+    structures (a slice) has one."""
+    import numpy as np
+
+    from segcli import engine
+
+    partial = [(name, job, have) for name, job in zip(results.names, results.jobs)
+               if (have := engine.job_present(batch.present, job)) is not None]
+    lacking = {name: [n for n in job.read if batch.present(n) is not None]
+               for name, job, _ in partial}
+    for name, _, have in partial:
+        if not have[selected].any():
+            raise DataError(f"{file}: no selected structure has "
+                            f"{' and '.join(map(repr, lacking[name]))}")
+    missing = {name: int(np.count_nonzero(~have[lo:hi])) for name, _, have in partial}
+    return [f"{file}: {missing[name]} of {hi - lo} structure(s) lack "
+            f"{' or '.join(map(repr, lacking[name]))}: their rows of {name} are NaN"
+            for name in missing if missing[name]]
 
 
 def _execute(file, ops, *, output, in_place, fmt, name, force, structures, chunk_atoms,
@@ -450,6 +477,8 @@ def _execute(file, ops, *, output, in_place, fmt, name, force, structures, chunk
         results.check_rows(output and not _file_format(output), in_place)
         leaves, part = shard_selection(batch, file, structures, shard)
         lo, hi = int(leaves[0]), int(leaves[-1])
+        notes = _absent(batch, file, results, common.selection(batch, file, structures), lo, hi)
+        notes = [] if quiet else notes
         _singular_matrices(batch, file, ops, lo, hi, strict, quiet)
         target = None if scheduler else common.device(device)  # JAX loads only now
         n_atoms = batch.n_atoms[lo:hi]
@@ -461,13 +490,15 @@ def _execute(file, ops, *, output, in_place, fmt, name, force, structures, chunk
                  "force": force}
         if scheduler:
             ops = [(spec.name, list(fields)) for spec, fields in ops]
+            for message in notes:
+                note(message)
             _on_cluster(scheduler, None if quiet else f"{verb} {file}", batch, results, lo, hi,
                         (batch.layout, ops, names, plan, device, chunk_atoms), attrs, where)
         else:
             sink = _sink(results, batch, lo, hi,
                          attrs={**attrs, "device": common.device_label(target)}, **where)
             with progress(not quiet, f"{verb} {file}", len(n_atoms)) as bar:
-                _compute_into(batch, results, sink, target, lo, hi, chunk_atoms, bar)
+                _compute_into(batch, results, sink, target, lo, hi, chunk_atoms, bar, notes)
     if not quiet and (output or in_place):
         written = (", ".join(results.columns.values()) if _file_format(output)
                    else ", ".join(f"/results/{d}" for d in results.datasets))
@@ -539,7 +570,8 @@ def reduce(file, ops, **options):
     structures (--chunk-atoms), the next chunk while this one computes, so files larger than
     memory work. Results go to stdout (csv: `structure` first, `structure,atom` for per-atom
     results, vector entries as NAME_0, NAME_1, ...), to a new file (-o) or into FILE
-    (--in-place); see `segcli ops`. Fields holding NaN are refused. --shard runs one of N
+    (--in-place); see `segcli ops`. Fields holding NaN are refused; a structure that lacks a
+    field (`segcli info`: present in K of S) gets NaN (csv: empty cells). --shard runs one of N
     ranges of structures (join the parts with `segcli merge`), --scheduler all of them on a
     Dask cluster; either gives the bits of one run.
 

@@ -497,10 +497,11 @@ class Batch:
 
     def _chunks(self, pieces, chunk_atoms, read, sources):
         """Chunks of the pieces, with each field of `sources` (name -> the fields of `read`
-        that it is read or derived from)."""
+        that it is read or derived from); a field that some structures lack is filled there
+        (see fill_value) and marked in the chunk's `present`, as in a converted file."""
         available = self.fields
         for group in rechunk(pieces, chunk_atoms):
-            chunk = merge_pieces(self.path, group, read)
+            chunk = merge_pieces(self.path, group, read, np.nan)
             out = {"atom": {}, "structure": {}}
             present = {}
             for name, names in sources.items():

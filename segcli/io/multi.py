@@ -14,7 +14,7 @@ from typing import NamedTuple
 import numpy as np
 
 from segcli.errors import DataError
-from segcli.io.core import Batch, Schema, check_fill, fill_value, standard_input
+from segcli.io.core import Batch, Schema, fill_value, standard_input
 
 
 class Layout(NamedTuple):
@@ -337,16 +337,16 @@ class MultiBatch(Batch):
                     batch.close()
 
     def _completed(self, member, piece, names):
-        """A member's piece numbered in the batch, with the fields that its file lacks filled."""
+        """A member's piece numbered in the batch, with the fields that its file lacks filled
+        (those that only some of its structures have are filled where pieces merge, see
+        Batch._chunks, or not: convert without --fill-missing refuses them)."""
         atoms, structures = dict(piece.atoms), dict(piece.structures)
         present = dict(piece.present)
         fields = self.fields
         for name in names:
             data = atoms if fields[name].per == "atom" else structures
-            if name in data:
+            if name in data or name in self._layout.fields[member]:
                 continue
-            if name in self._layout.fields[member]:
-                check_fill(self._layout.sources[member], piece.start, name, None)
             info = fields[name]
             rows = int(piece.n_atoms.sum()) if info.per == "atom" else len(piece.n_atoms)
             data[name] = np.full((rows, *info.shape), fill_value(info.dtype, np.nan), info.dtype)

@@ -56,8 +56,9 @@ def write_subset(batch, keep, output, attrs=None, progress=None, force=False):
 
 
 def _stream(batch, keep, h5, progress):
-    """Append the kept structures of each chunk of `batch.stream` to a BatchWriter."""
-    writer = BatchWriter(h5)
+    """Append the kept structures of each chunk of `batch.stream` to a BatchWriter, a field
+    that only some of them have filled as `convert --fill-missing nan` fills it."""
+    writer = BatchWriter(h5, fill=np.nan)
     for pieces in batch.stream(STREAM_ATOMS):
         if len(batch.sources) > 1:
             pieces = [_with_sources(batch, p) for p in pieces]

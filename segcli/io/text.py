@@ -5,15 +5,16 @@ row), made a block of rows at a time with no Python loop over rows.
 
 Every number is written as Python writes it, so it reads back exactly: a float64 as its repr
 (the shortest text that reads back as it), a float32 as the repr of the float64 that its own
-shortest text reads back as, an integer as an integer, NaN and ±inf as `nan`, `inf`, `-inf`
-(CSV) or `null` (JSON, which has no such numbers); a JSON line is what json.dumps writes for
-the row's dict, its non-finite numbers None (see finite_json). How: orjson writes a block's
-numbers, one flat float64 array (integers among them are exact, below 2**53), with the
-shortest round-trip digits; its text differs from repr only in notation, fixed here: an
-integer's `12.0` loses `.0`; `null`, any non-finite value, becomes its spelling; a one-digit
-negative exponent gets its zero (`1e-7`, |x| in [1e-9, 1e-5), becomes `1e-07`) and |x| in
-[1e-5, 1e-4) goes from positional to scientific (`0.0000123` becomes `1.23e-05`). The commas
-after the numbers, found with NumPy, become the format's separators (see _Layout).
+shortest text reads back as, an integer as an integer; in CSV NaN (no value: a structure that
+lacks a field) as an empty cell and ±inf as `inf`, `-inf`, in JSON all three as `null` (it has
+no such numbers): a JSON line is what json.dumps writes for the row's dict, its non-finite
+numbers None (see finite_json). How: orjson writes a block's numbers, one flat float64 array
+(integers among them are exact, below 2**53), with the shortest round-trip digits; its text
+differs from repr only in notation, fixed here: an integer's `12.0` loses `.0`; `null`, any
+non-finite value, becomes its spelling; a one-digit negative exponent gets its zero (`1e-7`,
+|x| in [1e-9, 1e-5), becomes `1e-07`) and |x| in [1e-5, 1e-4) goes from positional to
+scientific (`0.0000123` becomes `1.23e-05`). The commas after the numbers, found with NumPy,
+become the format's separators (see _Layout).
 """
 
 import csv
@@ -27,7 +28,7 @@ import orjson
 _BLOCK_CELLS = 1 << 17
 """Numbers formatted at a time: the block's buffers stay in the CPU's caches."""
 _EXACT = 2 ** 53
-_SPELLING = {"csv": (b"nan", b"inf", b"-inf"), "json": (b"null", b"null", b"null")}
+_SPELLING = {"csv": (b"", b"inf", b"-inf"), "json": (b"null", b"null", b"null")}
 _MARKERS = bytes(b for b in range(256) if not 0x20 <= b <= 0x7f and b != 0x0a)
 """Bytes in no number and no separator (json.dumps escapes control characters and non-ASCII)."""
 _TINY, _SMALL, _NOTATION = np.float64(1e-9), np.float64(1e-5), np.float64(1e-4)
