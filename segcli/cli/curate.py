@@ -25,6 +25,8 @@ from segcli.cli.common import (
     shard_selection,
     structure_range,
     table,
+    where_option,
+    where_selection,
 )
 
 STAT_COLUMNS = ("count", "mean", "std", "rms", "min", "max")
@@ -64,6 +66,10 @@ def _element(z):
 @click.option("--per-atom", is_flag=True,
               help="Per-structure fields divided by each structure's atom count first "
                    "(energy per atom; structures without atoms are left out).")
+@click.option("--by", metavar="FIELD",
+              help="Every field grouped by the value of FIELD, a per-structure integer or "
+                   "string field such as config_type (structures without it are left out).")
+@where_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), callback=hdf5_output,
               help="Write the statistics to a new HDF5 file instead (/stats/FIELD: count, "
@@ -71,8 +77,8 @@ def _element(z):
 @click.option("--force", is_flag=True, help="Overwrite OUTPUT if it exists.")
 @cluster_options
 @_streaming_options
-def stats(file, fields, per_element, per_atom, as_json, output, force, structures, chunk_atoms,
-          quiet, scheduler, shard):
+def stats(file, fields, per_element, per_atom, by, where, as_json, output, force, structures,
+          chunk_atoms, quiet, scheduler, shard):
     """Count, mean, std, rms, min and max of each FIELD of FILE.
 
     A per-atom field is taken over all atoms, a per-structure field over all structures,
@@ -84,13 +90,16 @@ def stats(file, fields, per_element, per_atom, as_json, output, force, structure
     The file is streamed in chunks of whole structures, so its size does not matter, and
     the partial results combine in one fixed tree (Chan's pairwise formulas), so shards
     (--shard, joined by `segcli merge`) and --scheduler give the bits of one run. FIELD may
-    be a stored result (`segcli reduce ... --in-place`).
+    be a stored result (`segcli reduce ... --in-place`). --where takes only the structures
+    that `segcli select --where` would keep; --by FIELD gives each value of FIELD (at most
+    256 distinct ones) its own statistics, as --per-element does each element.
 
     \b
     Example:
       segcli stats sample_data/metals.h5 forces energy
       segcli stats sample_data/metals.h5 forces --per-element --json
       segcli stats sample_data/metals.h5 energy --per-atom
+      segcli stats data.h5 energy forces --by config_type --where 'energy < 0'
       segcli stats sample_data/metals.h5 forces --scheduler local:2
       segcli stats data.h5 forces --shard auto -o 'parts/stats-{shard}.h5'
     """
@@ -100,21 +109,30 @@ def stats(file, fields, per_element, per_atom, as_json, output, force, structure
     from segcli.io import open_inputs
     from segcli.io.statsfile import write_stats
     from segcli.io.text import finite_json
-    from segcli.stats import merge_stats, refuse_overflow
+    from segcli.stats import group_values, merge_stats, refuse_overflow
 
     check_cluster_usage(shard, scheduler, False)
+    if by is not None and per_element:
+        raise click.UsageError("--per-element groups by element and --by by a field: give one")
     output = shard_output(output, shard)
     paths = input_paths(file)
     refuse_output_among_inputs(output, paths, "stats writes a new file")
     options = {"per_element": per_element, "per_atom": per_atom, "chunk_atoms": chunk_atoms}
     with open_inputs(paths, name=file) as batch, np.errstate(over="ignore", invalid="ignore"):
         leaves, attrs = shard_selection(batch, file, structures, shard)
-        summary = {"path": file, "structures": int(leaves[-1] - leaves[0]),
-                   "atoms": int(batch.n_atoms[leaves[0]:leaves[-1]].sum())}
+        chosen = slice(int(leaves[0]), int(leaves[-1]))
+        keep = where_selection(batch, file, where, chosen, needed=not shard, quiet=quiet)
+        if by is not None:  # the groups of the whole selection: the same in every shard
+            options.update(by=by, groups=group_values(batch, by, selection(batch, file,
+                                                                           structures)))
+        counted = np.ones(chosen.stop - chosen.start, bool) if keep is None else keep[chosen]
+        summary = {"path": file, "structures": int(counted.sum()),
+                   "atoms": int(batch.n_atoms[chosen][counted].sum())}
         label = f"statistics of {file}" + " (shards)" * bool(scheduler)
         with on_cluster(scheduler) as client, \
                 progress(not quiet, label, summary["structures"]) as bar:
-            parts = leaf_stats_sharded(client, batch, fields, leaves, progress=bar, **options)
+            parts = leaf_stats_sharded(client, batch, fields, leaves, progress=bar, where=where,
+                                       keep=keep, **options)
         result = merge_stats([parts])
         refuse_overflow(file, result)
     rows = [row for s in result.values() for row in s.rows()]
@@ -123,18 +141,20 @@ def stats(file, fields, per_element, per_atom, as_json, output, force, structure
             row["symbol"] = _element(row["element"])
     if output:
         attrs.update(source=os.path.abspath(file), per_element=per_element, per_atom=per_atom)
+        if where:
+            attrs["where"] = [condition.text for condition in where]
         write_stats(output, result, attrs, force=force, leaves=parts if shard else None)
         if not quiet:
             note(f"{output}: statistics of {', '.join(result)} ({summary['structures']} "
                  f"structures, {summary['atoms']} atoms)")
         return
     if as_json:
-        click.echo(finite_json({**summary, "stats": rows}))
+        click.echo(finite_json({**summary, **({"by": by} if by else {}), "stats": rows}))
         return
-    by_element = any("element" in row for row in rows)
-    header = ("field", *(("element",) if by_element else ()), "component", *STAT_COLUMNS)
+    group = by or ("element" if any("element" in row for row in rows) else None)
+    header = ("field", *((group,) if group else ()), "component", *STAT_COLUMNS)
     lines = [header] + [
-        (row["field"], *((row.get("symbol", ""),) if by_element else ()),
+        (row["field"], *((str(row.get("group", row.get("symbol", ""))),) if group else ()),
          row["component"] or "-", str(row["count"]), *(_number(row[c]) for c in STAT_COLUMNS[1:]))
         for row in rows]
     click.echo("\n".join(table(lines)))
