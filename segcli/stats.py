@@ -249,13 +249,14 @@ def _first_non_finite(chunk, name):
         rows[row, column]
 
 
-def _finite_chunks(batch, energy, chunk_atoms, structures):
-    """The chunks of the selection with `energy` and numbers, read ahead; DataError naming the
-    first structure whose energy (where present) is NaN or infinite (see _refuse_non_finite)."""
+def _finite_chunks(batch, energy, chunk_atoms, structures, keep):
+    """The chunks of the selection (of the structures `keep` marks, if given) with `energy`
+    and numbers, read ahead; DataError naming the first structure whose energy (where present)
+    is NaN or infinite (see _refuse_non_finite)."""
     from segcli.engine import prefetch
 
     chunks = batch.iter_chunks([energy, "numbers"], chunk_atoms=chunk_atoms,
-                               structures=structures)
+                               structures=structures, keep=keep)
     chunks = prefetch(chunks)
     for chunk in chunks:
         _refuse_non_finite(batch.path, chunk, chunks, [energy], "fit-e0 needs finite energies")
@@ -548,17 +549,18 @@ class ReferenceFit:
         return dict(zip(self.elements, np.linalg.lstsq(a, b, rcond=None)[0].tolist()))
 
 
-def _energy_chunks(batch, energy, chunk_atoms, structures, progress):
+def _energy_chunks(batch, energy, chunk_atoms, structures, keep, progress):
     """(chunk, its numbers checked (0 in structures without numbers), bool (S_c,) of its
-    structures that have an energy and numbers) for each chunk; `progress.update(n)` is called
-    with the structures of each chunk once used."""
+    structures that have an energy and numbers) for each chunk (of the structures `keep`
+    marks, if given); `progress.update(n)` is called with the structures of each chunk once
+    used."""
     infos = _require(batch, [energy, "numbers"], "fit-e0")
     if infos[0].per != "structure" or infos[0].shape != ():
         raise DataError(f"{batch.path}: field '{energy}' is per {infos[0].per} with shape "
                         f"{infos[0].shape}, but the energy must be one number per structure")
     if infos[1].per != "atom" or infos[1].shape != () or infos[1].dtype.kind not in "iu":
         raise DataError(f"{batch.path}: field 'numbers' must hold one integer per atom")
-    for chunk in _finite_chunks(batch, energy, chunk_atoms, structures):
+    for chunk in _finite_chunks(batch, energy, chunk_atoms, structures, keep):
         numbers = chunk.atoms["numbers"]
         _check_numbers(batch.path, numbers, chunk)
         have = np.ones(len(chunk.n_atoms), bool)
@@ -572,14 +574,15 @@ def _energy_chunks(batch, energy, chunk_atoms, structures, progress):
 
 
 def solve_e0(batch, energy="energy", *, fixed=None, chunk_atoms=1 << 21,
-             structures=slice(None), progress=None):
+             structures=slice(None), keep=None, progress=None):
     """(Z -> E0, structures used): the per-element reference energies minimising
-    Σ_s (E_s − Σ_Z c_sZ E0_Z)² over the selected structures that have an `energy` and
-    `numbers` (c from them), streamed; elements absent from them are left out, those of
-    `fixed` (Z -> E0) held (and not returned). `progress.update(n)` is called as n more
+    Σ_s (E_s − Σ_Z c_sZ E0_Z)² over the selected structures (of the slice `structures`, and
+    those `keep` marks, if given) that have an `energy` and `numbers` (c from them),
+    streamed; elements absent from them are left out, those of `fixed` (Z -> E0) held (and
+    not returned). `progress.update(n)` is called as n more
     structures are read."""
     fit = ReferenceFit(dict(fixed or {}))
-    for chunk, numbers, have in _energy_chunks(batch, energy, chunk_atoms, structures,
+    for chunk, numbers, have in _energy_chunks(batch, energy, chunk_atoms, structures, keep,
                                                progress):
         energies = chunk.structures[energy]
         bounds = np.concatenate([[0], np.cumsum(chunk.n_atoms)])
@@ -595,16 +598,17 @@ def solve_e0(batch, energy="energy", *, fixed=None, chunk_atoms=1 << 21,
 
 
 def residual_errors(batch, energy, e0, *, chunk_atoms=1 << 21, structures=slice(None),
-                    on_chunk=None, progress=None):
+                    keep=None, on_chunk=None, progress=None):
     """(RMSE, MAE) of the per-atom residual (E − Σ_Z c_Z E0_Z) / n over the selected structures
-    that have an `energy`, numbers and atoms (NaN if none), `e0` mapping Z -> E0; each chunk's
+    (as solve_e0 selects them) that have an `energy`, numbers and atoms (NaN if none), `e0`
+    mapping Z -> E0; each chunk's
     residual energies go to `on_chunk(chunk, values)` if given (NaN where a structure has no
     energy or numbers);
     `progress.update(n)` is called as n more structures are read."""
     by_number = np.zeros(N_ELEMENTS)
     by_number[list(e0)] = list(e0.values())
     errors = Moments.empty(1, 2)
-    for chunk, numbers, have in _energy_chunks(batch, energy, chunk_atoms, structures,
+    for chunk, numbers, have in _energy_chunks(batch, energy, chunk_atoms, structures, keep,
                                                progress):
         structure = np.repeat(np.arange(len(chunk.n_atoms)), chunk.n_atoms)
         reference = np.bincount(structure, weights=by_number[numbers],

@@ -189,8 +189,10 @@ def _fixed(ctx, param, values):
 @click.option("--name", callback=result_name,
               help="Name of the stored residual (default: residual_FIELD).")
 @click.option("--force", is_flag=True, help="Replace an existing result of that name.")
+@where_option
 @_streaming_options
-def fit_e0(file, energy, fixed, as_json, in_place, name, force, structures, chunk_atoms, quiet):
+def fit_e0(file, energy, fixed, as_json, in_place, name, force, where, structures, chunk_atoms,
+           quiet):
     """Per-element reference energies E0 of FILE by least squares.
 
     Finds the E0 minimising Σ_s (E_s − Σ_Z c_sZ E0_Z)² over the structures, c_sZ being how
@@ -200,18 +202,21 @@ def fit_e0(file, energy, fixed, as_json, in_place, name, force, structures, chun
     linearly dependent (always 2 H per O) cannot be separated: that is an error naming them.
     Streamed in two passes, so the file's size does not matter; structures without an energy
     or numbers are left out, and a NaN or infinite energy is an error naming the first
-    structure with one.
+    structure with one. --where fits only the structures that `segcli select --where` would
+    keep; with --in-place the others' residuals are NaN.
 
     \b
     Example:
       segcli fit-e0 sample_data/metals.h5
       segcli fit-e0 data.h5 --fixed H=-13.6 --json
+      segcli fit-e0 data.h5 --where 'config_type == bulk'
       segcli fit-e0 data.h5 --in-place --name interaction_energy
     """
     import numpy as np
     from ase.data import chemical_symbols
 
     from segcli.io import ResultWriter
+    from segcli.io.core import spread
     from segcli.io.text import finite_json
     from segcli.stats import residual_errors, solve_e0
 
@@ -224,9 +229,12 @@ def fit_e0(file, energy, fixed, as_json, in_place, name, force, structures, chun
         batch = stack.enter_context(read_inputs(paths, file, in_place))
         stack.enter_context(np.errstate(over="ignore", invalid="ignore"))  # overflow: DataError
         chosen = selection(batch, file, structures)
+        keep = where_selection(batch, file, where, chosen, needed=True)
+        total = chosen.stop - chosen.start if keep is None else int(keep.sum())
         bar = stack.enter_context(progress(not quiet, f"fitting E0 of {file} (2 passes)",
-                                           2 * (chosen.stop - chosen.start)))
-        options = {"chunk_atoms": chunk_atoms, "structures": chosen, "progress": bar}
+                                           2 * total))
+        options = {"chunk_atoms": chunk_atoms, "structures": chosen, "keep": keep,
+                   "progress": bar}
         e0, used = solve_e0(batch, energy, fixed=fixed, **options)
         everything = {**e0, **fixed}
         if in_place:
@@ -236,10 +244,13 @@ def fit_e0(file, energy, fixed, as_json, in_place, name, force, structures, chun
                 writer.create(name, (batch.n_structures,), "float64", {
                     "op": "fit-e0", "fields": [energy, "numbers"], "per": "structure",
                     "elements": sorted(everything),
-                    "e0": [everything[z] for z in sorted(everything)]})
+                    "e0": [everything[z] for z in sorted(everything)],
+                    **({"where": [c.text for c in where]} if where else {})}, np.nan)
+                rows = np.arange(batch.n_structures + 1)
                 rmse, mae = residual_errors(
                     batch, energy, everything,
-                    on_chunk=lambda chunk, values: writer.write(name, chunk.start, values),
+                    on_chunk=lambda chunk, values: writer.write(
+                        name, *spread(values, chunk.structure_numbers, rows, np.nan)),
                     **options)
         else:
             rmse, mae = residual_errors(batch, energy, everything, **options)
