@@ -493,6 +493,38 @@ def field_stats(batch, names, *, structures=slice(None), **options):
     return merge_stats([leaf_stats(batch, names, leaves, **options)])
 
 
+def census(batch, chunk_atoms=1 << 21):
+    """(elements, strings) of `batch`, streamed in one pass: elements (2, N_ELEMENTS) the atoms
+    of each atomic number and the structures holding one (None without an integer per-atom
+    `numbers`), strings a Counter of the values of each per-structure string field, over the
+    structures that have the field."""
+    import collections
+
+    fields = batch.fields
+    numbers = fields.get("numbers")
+    counted = numbers is not None and numbers.per == "atom" and not numbers.shape \
+        and numbers.dtype.kind in "iu"
+    texts = [f.name for f in fields.values()
+             if f.per == "structure" and not f.shape and f.dtype.kind == "O"]
+    elements = np.zeros((2, N_ELEMENTS), np.int64) if counted else None
+    strings = {name: collections.Counter() for name in texts}
+    read = ["numbers"] * counted + texts
+    for chunk in batch.iter_chunks(read, chunk_atoms=chunk_atoms) if read else ():
+        for name in texts:
+            strings[name].update(chunk.structures[name][chunk.present.get(name, slice(None))])
+        if counted:
+            atoms = chunk.atoms["numbers"]
+            _check_numbers(batch.path, atoms, chunk)
+            structure = np.repeat(np.arange(len(chunk.n_atoms)), chunk.n_atoms)
+            if "numbers" in chunk.present:
+                have = np.repeat(chunk.present["numbers"], chunk.n_atoms)
+                atoms, structure = atoms[have], structure[have]
+            elements[0] += np.bincount(atoms, minlength=N_ELEMENTS)
+            pairs = np.unique(structure * N_ELEMENTS + atoms)
+            elements[1] += np.bincount(pairs % N_ELEMENTS, minlength=N_ELEMENTS)
+    return elements, strings
+
+
 def composition(numbers, n_atoms):
     """(S, N_ELEMENTS) counts of each atomic number in each structure, from the atoms' numbers
     (concatenated in structure order) and the structures' atom counts."""
