@@ -594,7 +594,10 @@ def reduce(file, ops, **options):
     results, vector entries as NAME_0, NAME_1, ...), to a new file (-o) or into FILE
     (--in-place); see `segcli ops`. Fields holding NaN are refused. --shard runs one of N
     ranges of structures (join the parts with `segcli merge`), --scheduler all of them on a
-    Dask cluster; either gives the bits of one run.
+    Dask cluster; either gives the bits of one run. --where computes only the structures
+    that `segcli select --where` would keep: stdout gets their rows (under their numbers in
+    FILE), -o OUT.h5 and --in-place NaN in the rows of the others (integer results then as
+    float64).
 
     \b
     Example:
@@ -605,6 +608,7 @@ def reduce(file, ops, **options):
       segcli reduce data.h5 rms_norm forces --shard auto -o 'parts/r-{shard}.h5'
       segcli reduce data.h5 rms_norm forces --scheduler local:4 -o rms.h5
       segcli reduce sample_data/metals.h5 bincount numbers -o composition.h5
+      segcli reduce data.h5 rms_norm forces --where 'config_type == bulk' --where 'energy < 0'
     """
     params = _params(ops, options)
     _execute(file, ops, params=params, **options)
@@ -631,13 +635,15 @@ def grad(file, ops, weights, order, direction, **options):
     held fixed. With --order 2 --direction V, writes instead the Hessian-vector product: the
     derivative of that gradient as every per-atom input moves along V. OPs and fields are
     as for `segcli reduce`, several joined by `+` (columns then OP_FIELD_d_F_0, ...); not
-    differentiable: {not_differentiable}. FILE may be many files, as for `segcli reduce`.
+    differentiable: {not_differentiable}. FILE may be many files, and --where selects
+    structures, as for `segcli reduce`.
 
     \b
     Example:
       segcli grad sample_data/metals.h5 rms_norm forces -o grad.h5
       segcli grad sample_data/metals.h5 dot forces positions --weights energy
       segcli grad sample_data/metals.h5 max_norm forces --order 2 --direction momenta
+      segcli grad data.h5 rms_norm forces --where 'config_type == bulk' -o grad.h5
     """
     for op, _ in ops:
         if not op.differentiable:

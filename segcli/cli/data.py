@@ -82,6 +82,8 @@ def info(file, as_json):
     of FILE. A field computed from others is marked `derived`, a stored result usable as a
     field (by its name, e.g. in `segcli reduce`) `result`, and a field that only some
     structures have `present in K of S` (with what fills the others in a converted file).
+    Then the elements (atoms of each, and structures holding it) and, for each per-structure
+    string field, its 20 most common values with their counts, counted in one streamed pass.
 
     FILE is a segcli HDF5 file, an HDF5 file in the conformer layout of ANI-1x, SPICE or
     Transition1x, an ASE database (.db, .json, OMat24/OMol25 .aselmdb) or any file ASE reads
