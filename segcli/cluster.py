@@ -126,32 +126,39 @@ def _task(function, *args):
         return None, error
 
 
-def stats_part(layout, names, leaves, options):
+def stats_part(layout, names, leaves, where, options):
     """The leaf statistics (segcli.stats.leaf_stats) of the batch `layout` describes (see
-    segcli.io.open_inputs) over the structures between `leaves`: one task."""
+    segcli.io.open_inputs) over the structures between `leaves` where the --where conditions
+    `where` hold: one task."""
     from segcli.io import open_inputs
+    from segcli.select import where_mask
     from segcli.stats import leaf_stats
 
     with open_inputs(layout) as batch:
-        return leaf_stats(batch, names, leaves, **options)
+        keep = where_mask(batch, where, structures=slice(leaves[0], leaves[-1])) if where \
+            else None
+        return leaf_stats(batch, names, leaves, keep=keep, **options)
 
 
-def leaf_stats_sharded(client, batch, names, leaves, progress=None, **options):
+def leaf_stats_sharded(client, batch, names, leaves, progress=None, where=(), keep=None,
+                       **options):
     """segcli.stats.leaf_stats of `batch` over the structures between `leaves` (leaf
-    boundaries, see segcli.shards.leaf_bounds): here in one piece (`client` None), or as
-    shards on `client`'s cluster, whose tasks open the file themselves; joined in leaf order.
-    `progress.update(n)` is called as n more structures are done."""
+    boundaries, see segcli.shards.leaf_bounds) where the --where conditions `where` hold
+    (`keep`: where they do, see segcli.select.where_mask): here in one piece (`client` None),
+    or as shards on `client`'s cluster, whose tasks open the file themselves (and evaluate
+    `where` over their structures); joined in leaf order. `progress.update(n)` is called as n
+    more structures are done."""
     from segcli.shards import even_cuts
     from segcli.stats import join_leaves, leaf_stats
 
     leaves = np.asarray(leaves, np.int64)
     if client is None:
         return join_leaves([leaf_stats(batch, list(names), leaves, progress=progress,
-                                       **options)])
+                                       keep=keep, **options)])
     offsets = np.concatenate([[0], np.cumsum(batch.n_atoms)])
     cuts = even_cuts(np.diff(offsets[leaves]), shard_count(client, len(leaves) - 1))
     layout = shared(client, batch.layout)
-    calls = [(layout, list(names), leaves[a:b + 1].tolist(), options)
+    calls = [(layout, list(names), leaves[a:b + 1].tolist(), where, options)
              for a, b in itertools.pairwise(cuts)]
     sizes = [leaves[b] - leaves[a] for a, b in itertools.pairwise(cuts)]
     return join_leaves(map_shards(client, stats_part, calls, progress, sizes))

@@ -241,7 +241,8 @@ def nan_checked(path, chunks, names, where_present=False):
                 continue
             if bad is None:
                 first = int(np.argmax(rows))
-                first = chunk.structure_of(first) if name in chunk.atoms else chunk.start + first
+                first = (chunk.structure_of(first) if name in chunk.atoms
+                         else int(chunk.structure_numbers[first]))
                 bad = [name, 0, first]
             bad[1] += int(np.count_nonzero(np.isnan(array[rows])))
         if bad is None:
@@ -340,11 +341,12 @@ def padded_size(n_atoms, chunk_atoms):
     return bucket(int(atoms.max(initial=0))), bucket(int(np.diff(bounds).max(initial=0)))
 
 
-def _padded_chunks(batch, jobs, chunk_atoms, structures, buffers, on_device=False):
-    """(Chunk, _Padded) for each chunk, holding every field the jobs read, in `buffers` (a
-    _BufferRing); DataError if one holds NaN, with the count over the whole selection and the
-    first structure. With `on_device` the NaN check and the expansion of the offsets into ids
-    are left to the device (see compute)."""
+def _padded_chunks(batch, jobs, chunk_atoms, structures, buffers, on_device=False, keep=None):
+    """(Chunk, _Padded) for each chunk (of the structures `keep` marks, see Batch.iter_chunks),
+    holding every field the jobs read, in `buffers` (a _BufferRing); DataError if one holds
+    NaN, with the count over the whole selection and the first structure. With `on_device`
+    the NaN check and the expansion of the offsets into ids are left to the device (see
+    compute)."""
     from segcli.io.core import check_memory
 
     dtypes = field_dtypes(jobs)
@@ -367,7 +369,7 @@ def _padded_chunks(batch, jobs, chunk_atoms, structures, buffers, on_device=Fals
         return buffers.lend(pieces[name], ("read", name), shape, dtypes[name], rows)
 
     chunks = batch.iter_chunks(list(read), chunk_atoms=chunk_atoms, structures=structures,
-                               into=into)
+                               into=into, keep=keep)
     if not on_device:
         chunks = nan_checked(jobs[0].path, chunks, read, where_present=True)
     for slot, chunk in enumerate(chunks):
@@ -524,19 +526,21 @@ def compute(jobs, padded, device):
 
 
 def run(batch, jobs, device, *, chunk_atoms=DEFAULT_CHUNK_ATOMS, structures=slice(None),
-        on_device=None):
+        on_device=None, keep=None):
     """Yield (Chunk, outputs) for each chunk of whole structures of `batch`, outputs holding
     each of `jobs`' outputs (see compute): every field read once, the next chunk read and
     padded in a background thread while this one is computed on `device`. Every chunk is
     padded to the same power-of-two sizes (`padded_size`): one compilation. With `on_device`
     (default: on GPUs, where it leaves the host thread little but the read), the device
     expands the segment ids and checks for NaN itself; else the background thread does. On
-    GPUs the host buffers are pinned. A chunk's arrays are valid until the next is asked for."""
+    GPUs the host buffers are pinned. A chunk's arrays are valid until the next is asked for.
+    With `keep` ((S,) bool), only the structures it marks are read into chunks and computed."""
     jobs = tuple(jobs)
     on_device = device.platform != "cpu" if on_device is None else on_device
     pinned = device.platform != "cpu"
     buffers = _SPARE_RINGS.pop(pinned, None) or _BufferRing(pinned=pinned)
-    items = prefetch(_padded_chunks(batch, jobs, chunk_atoms, structures, buffers, on_device))
+    items = prefetch(_padded_chunks(batch, jobs, chunk_atoms, structures, buffers, on_device,
+                                    keep))
     try:
         with contextlib.closing(items):
             for chunk, padded in items:

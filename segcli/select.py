@@ -121,15 +121,18 @@ def _check(path, condition, fields):
                         f"{condition.value!r} is not one")
 
 
-def where_mask(batch, conditions, chunk_atoms=1_000_000):
-    """(S,) bool: the structures of `batch` that have the named fields and where every condition
-    holds, streamed in chunks of those fields."""
+def where_mask(batch, conditions, chunk_atoms=1_000_000, structures=slice(None)):
+    """(S,) bool: the structures of `batch` (of the slice `structures`; False outside it) that
+    have the named fields and where every condition holds, streamed in chunks of those
+    fields."""
     fields = batch.fields
     for condition in conditions:
         _check(batch.path, condition, fields)
-    keep = np.ones(batch.n_structures, bool)
+    start, stop, _ = structures.indices(batch.n_structures)
+    keep = np.zeros(batch.n_structures, bool)
+    keep[start:stop] = True
     names = [c.name for c in conditions]
-    for chunk in batch.iter_chunks(names, chunk_atoms=chunk_atoms):
+    for chunk in batch.iter_chunks(names, chunk_atoms=chunk_atoms, structures=structures):
         rows = slice(chunk.start, chunk.start + len(chunk.n_atoms))
         for condition in conditions:
             keep[rows] &= condition.holds(chunk.structures[condition.name])

@@ -24,6 +24,9 @@ N_ELEMENTS = 119
 """Atomic numbers 0 (ASE's placeholder X) to 118."""
 BLOCK_STRUCTURES = 1 << 15
 """Structures whose composition rows are built at a time (bounds memory for tiny structures)."""
+MAX_GROUPS = 256
+"""The most distinct values a field that `--by` groups by may have (each group's moments are
+kept for every leaf)."""
 BLOCK_ROWS = 1 << 16
 """Rows of a field reduced at a time (whole leaves, a bigger leaf alone), so that the passes
 over them stay in the cache."""
@@ -133,7 +136,8 @@ class Moments:
 @dataclass
 class FieldStats:
     """Moments of one field over a batch: per component (`components` names them, "norm" last
-    for vector fields), in one group or, with `by_element`, one per atomic number."""
+    for vector fields), in one group or, with `by_element`, one per atomic number, or, with
+    `by` (a per-structure field's name), one per value of `groups` (that field's values)."""
 
     name: str
     per: str
@@ -141,12 +145,18 @@ class FieldStats:
     by_element: bool
     per_atom: bool
     moments: Moments = None
+    by: str | None = None
+    groups: list | None = None
+
+    @property
+    def grouped(self):
+        return self.by_element or self.by is not None
 
     def rows(self):
-        """One dict per (element,) component with count, mean, std, rms, min and max; a field
-        without values gives one row of count 0 per component."""
+        """One dict per (element or group,) component with count, mean, std, rms, min and max; a
+        field without values gives one row of count 0 per component."""
         m = self.moments
-        groups = np.flatnonzero(m.count) if self.by_element else [0]
+        groups = np.flatnonzero(m.count) if self.grouped else [0]
         out = []
         columns = {"mean": m.mean, "std": m.std, "rms": m.rms, "min": m.min, "max": m.max}
         for g in groups:
@@ -154,6 +164,8 @@ class FieldStats:
                 row = {"field": self.name}
                 if self.by_element:
                     row["element"] = int(g)
+                elif self.by is not None:
+                    row["group"] = self.groups[g]
                 row.update(component=component, count=int(m.count[g]))
                 row.update({key: float(v[g, k]) if m.count[g] else None
                             for key, v in columns.items()})
@@ -233,16 +245,18 @@ def _first_non_finite(chunk, name):
     if not bad.any():
         return None
     row, column = np.unravel_index(np.argmax(bad), bad.shape)
-    return (chunk.structure_of(row) if per_atom else chunk.start + row), rows[row, column]
+    return (chunk.structure_of(row) if per_atom else int(chunk.structure_numbers[row])), \
+        rows[row, column]
 
 
-def _finite_chunks(batch, energy, chunk_atoms, structures):
-    """The chunks of the selection with `energy` and numbers, read ahead; DataError naming the
-    first structure whose energy (where present) is NaN or infinite (see _refuse_non_finite)."""
+def _finite_chunks(batch, energy, chunk_atoms, structures, keep):
+    """The chunks of the selection (of the structures `keep` marks, if given) with `energy`
+    and numbers, read ahead; DataError naming the first structure whose energy (where present)
+    is NaN or infinite (see _refuse_non_finite)."""
     from segcli.engine import prefetch
 
     chunks = batch.iter_chunks([energy, "numbers"], chunk_atoms=chunk_atoms,
-                               structures=structures)
+                               structures=structures, keep=keep)
     chunks = prefetch(chunks)
     for chunk in chunks:
         _refuse_non_finite(batch.path, chunk, chunks, [energy], "fit-e0 needs finite energies")
@@ -288,49 +302,85 @@ def _require(batch, names, role):
     return [fields[name] for name in names]
 
 
-def leaf_stats(batch, names, leaves, *, per_element=False, per_atom=False,
-               chunk_atoms=1 << 21, progress=None):
+def group_values(batch, by, structures=slice(None), chunk_atoms=1 << 21):
+    """The distinct values (sorted, Python ints or strings) of the per-structure integer or
+    string field `by` over the structures of the slice `structures` that have it; DataError
+    naming the field when it is not such a field or has more than MAX_GROUPS values."""
+    info = _require_group_field(batch, by)
+    values = set()
+    for chunk in batch.iter_chunks([by], chunk_atoms=chunk_atoms, structures=structures):
+        column = chunk.structures[by]
+        values.update(np.unique(column[chunk.present.get(by, slice(None))]).tolist())
+        if len(values) > MAX_GROUPS:
+            raise DataError(f"{batch.path}: field '{by}' has more than {MAX_GROUPS} distinct "
+                            "values; --by groups by a field of fewer")
+    return sorted(values) if info.dtype.kind in "OSU" else sorted(int(v) for v in values)
+
+
+def _require_group_field(batch, by):
+    """The FieldInfo of `by`; DataError unless it holds one integer or string per structure."""
+    batch.check_fields([by])
+    info = batch.fields[by]
+    if info.per != "structure" or info.shape or info.dtype.kind not in "biuOSU":
+        raise DataError(f"{batch.path}: --by {by}: field '{by}' is per {info.per} with shape "
+                        f"{info.shape} of {held(info.dtype)}, but --by groups by one integer or "
+                        "string per structure")
+    return info
+
+
+def leaf_stats(batch, names, leaves, *, per_element=False, per_atom=False, by=None,
+               groups=None, keep=None, chunk_atoms=1 << 21, progress=None):
     """FieldStats of each field of `names`, its moments stacked by leaf: one entry for each run
     of structures between consecutive structure numbers `leaves`, computed from that run alone
     (chunks of at most `chunk_atoms` atoms and blocks of BLOCK_ROWS rows hold whole leaves; a
     bigger leaf is chunked from its start), so the same in any shard. Per-atom fields go over
     all atoms (grouped by `numbers` with `per_element`), per-structure fields over all
     structures (divided by each structure's atom count with `per_atom`, empty structures left
-    out). Structures that lack a field (Chunk.present), or with `per_element` numbers, are
-    left out of it.
+    out). With `by`, every field is grouped by the value of that per-structure field, one
+    group per value of `groups` (see group_values). Structures that lack a field
+    (Chunk.present), or with `per_element` numbers or with `by` that field, and those that
+    `keep` ((S,) bool), if given, leaves out, are left out of it.
     `progress.update(n)` is called with the structures of each chunk done."""
     from segcli.engine import prefetch
 
+    if per_element and by is not None:
+        raise ValueError("group by element or by a field, not both")
     names = list(dict.fromkeys(names))
     infos = _require(batch, names, "stats")
     shapes = {info.name: info.shape for info in infos}
     out = {info.name: FieldStats(info.name, info.per, component_names(info.shape),
                                  per_element and info.per == "atom",
-                                 per_atom and info.per == "structure") for info in infos}
-    grouped = any(s.by_element for s in out.values())
-    if grouped:
+                                 per_atom and info.per == "structure", by=by,
+                                 groups=None if by is None else list(groups)) for info in infos}
+    by_element = any(s.by_element for s in out.values())
+    if by_element:
         _require(batch, ["numbers"], "--per-element")
+    if by is not None:
+        _require_group_field(batch, by)
+        values = np.array(groups, object if batch.fields[by].dtype.kind in "OSU" else np.int64)
     leaves = np.asarray(leaves, np.int64)
     n_leaves = len(leaves) - 1
     for s in out.values():
-        s.moments = Moments.empty(N_ELEMENTS if s.by_element else 1, len(s.components),
-                                  leaves=n_leaves)
-    read = list(dict.fromkeys(names + ["numbers"] * grouped))
+        n_groups = N_ELEMENTS if s.by_element else len(groups) if by is not None else 1
+        s.moments = Moments.empty(n_groups, len(s.components), leaves=n_leaves)
+    read = list(dict.fromkeys(names + ["numbers"] * by_element + [by] * (by is not None)))
     structures = slice(int(leaves[0]), int(leaves[-1]))
     buffers = _Buffers()
     chunks = prefetch(batch.iter_chunks(read, chunk_atoms=chunk_atoms, structures=structures,
-                                        breaks=leaves[1:-1]))
+                                        breaks=leaves[1:-1], keep=keep))
     for chunk in chunks:
-        numbers = None
-        if grouped:
+        labels = {}  # per: the group of each row (uint8)
+        if by_element:
             numbers = chunk.atoms["numbers"]
             _check_numbers(batch.path, numbers, chunk)
-            numbers = numbers.astype(np.uint8)
-        leaf = np.searchsorted(leaves, chunk.start + np.arange(len(chunk.n_atoms)),
-                               side="right") - 1
+            labels["atom"] = numbers.astype(np.uint8)
+        if by is not None:
+            group = np.searchsorted(values, chunk.structures[by]).astype(np.uint8)
+            labels = {"structure": group, "atom": np.repeat(group, chunk.n_atoms)}
+        leaf = np.searchsorted(leaves, chunk.structure_numbers, side="right") - 1
         first = int(leaf[0])
         leaf -= first
-        parts = [_chunk_moments(chunk, s, shapes[s.name], numbers, leaf, buffers)
+        parts = [_chunk_moments(chunk, s, shapes[s.name], labels.get(s.per), leaf, buffers)
                  for s in out.values()]
         if not all(_finite(chunk, s, part) for s, part in zip(out.values(), parts)):
             _refuse_non_finite(batch.path, chunk, chunks, names, "stats needs finite values")
@@ -341,15 +391,17 @@ def leaf_stats(batch, names, leaves, *, per_element=False, per_atom=False,
     return out
 
 
-def _chunk_moments(chunk, s, shape, numbers, leaf, buffers):
+def _chunk_moments(chunk, s, shape, labels, leaf, buffers):
     """The moments (L, G, K) of field `s` (FieldStats) in each of the L leaves of `chunk`,
-    whose structures are in leaves `leaf` (S_c,) from 0, its atoms of atomic numbers `numbers`
-    (uint8), reduced block by block in `buffers` (_Buffers)."""
+    whose structures are in leaves `leaf` (S_c,) from 0, its rows in groups `labels` (uint8;
+    for a field grouped by element or by `s.by`), reduced block by block in `buffers`
+    (_Buffers)."""
     per_atom = s.per == "atom"
     array = (chunk.atoms if per_atom else chunk.structures)[s.name]
     keep = chunk.present.get(s.name)
-    if s.by_element and "numbers" in chunk.present:  # atoms without numbers have no element
-        keep = chunk.present["numbers"] & (True if keep is None else keep)
+    by = "numbers" if s.by_element else s.by
+    if by in chunk.present:  # rows without what they are grouped by have no group
+        keep = chunk.present[by] & (True if keep is None else keep)
     rows = chunk.n_atoms if per_atom else np.ones(len(leaf), np.int64)
     if s.per_atom:
         array = array / np.maximum(chunk.n_atoms, 1).reshape(-1, *(1,) * (array.ndim - 1))
@@ -358,7 +410,7 @@ def _chunk_moments(chunk, s, shape, numbers, leaf, buffers):
         rows = rows * keep
         kept = np.repeat(keep, chunk.n_atoms) if per_atom else keep
         array = array[kept]
-        numbers = numbers[kept] if s.by_element else None
+        labels = labels[kept] if s.grouped else None
     values = as_rows(array)
     count = np.bincount(leaf, rows).astype(np.int64)  # rows in each leaf
     offsets = np.concatenate([[0], np.cumsum(count)])
@@ -368,29 +420,29 @@ def _chunk_moments(chunk, s, shape, numbers, leaf, buffers):
     for a, b in itertools.pairwise(blocks):
         lo, hi = offsets[a], offsets[b]
         block, runs = values[lo:hi], count[a:b]
-        if s.by_element:
-            block, runs = _by_element(block, numbers[lo:hi], runs, buffers)
+        if s.grouped:
+            block, runs = _by_group(block, labels[lo:hi], runs, n_groups, buffers)
         part = Moments.of_runs(_columns(block, shape, buffers.get("columns", (k, hi - lo))),
                                runs)
         for key in MOMENT_NAMES:
             value = getattr(part, key)
             tail = value.shape[1:]
-            if s.by_element:  # element-major, as _by_element sorts them
+            if s.grouped:  # group-major, as _by_group sorts them
                 value = value.reshape(n_groups, b - a, *tail).swapaxes(0, 1)
             getattr(out, key)[a:b] = value.reshape(b - a, n_groups, *tail)
     return out
 
 
-def _by_element(rows, numbers, count, buffers):
-    """(`rows` sorted by atomic number (uint8 `numbers`), stably, in `buffers`, and the number
-    of rows (N_ELEMENTS * L,) of each element in each leaf, element-major) for rows in leaves
+def _by_group(rows, labels, count, n_groups, buffers):
+    """(`rows` sorted by group (uint8 `labels`, below `n_groups`), stably, in `buffers`, and the
+    number of rows (n_groups * L,) of each group in each leaf, group-major) for rows in leaves
     of `count` (L,) rows."""
-    order = np.argsort(numbers, kind="stable")  # a radix sort
-    cell = np.repeat(np.arange(0, len(count) * N_ELEMENTS, N_ELEMENTS), count) + numbers
-    runs = np.bincount(cell, minlength=len(count) * N_ELEMENTS)
+    order = np.argsort(labels, kind="stable")  # a radix sort
+    cell = np.repeat(np.arange(0, len(count) * n_groups, n_groups), count) + labels
+    runs = np.bincount(cell, minlength=len(count) * n_groups)
     rows = np.take(rows, order, axis=0, out=buffers.get("sorted", rows.shape, rows.dtype),
                    mode="clip")  # not "raise", which takes a copy first
-    return rows, runs.reshape(len(count), N_ELEMENTS).T.ravel()
+    return rows, runs.reshape(len(count), n_groups).T.ravel()
 
 
 def _finite(chunk, s, part):
@@ -439,6 +491,38 @@ def field_stats(batch, names, *, structures=slice(None), **options):
     stop = max(start, stop)
     leaves = start + leaf_bounds(batch.n_atoms[start:stop])
     return merge_stats([leaf_stats(batch, names, leaves, **options)])
+
+
+def census(batch, chunk_atoms=1 << 21):
+    """(elements, strings) of `batch`, streamed in one pass: elements (2, N_ELEMENTS) the atoms
+    of each atomic number and the structures holding one (None without an integer per-atom
+    `numbers`), strings a Counter of the values of each per-structure string field, over the
+    structures that have the field."""
+    import collections
+
+    fields = batch.fields
+    numbers = fields.get("numbers")
+    counted = numbers is not None and numbers.per == "atom" and not numbers.shape \
+        and numbers.dtype.kind in "iu"
+    texts = [f.name for f in fields.values()
+             if f.per == "structure" and not f.shape and f.dtype.kind == "O"]
+    elements = np.zeros((2, N_ELEMENTS), np.int64) if counted else None
+    strings = {name: collections.Counter() for name in texts}
+    read = ["numbers"] * counted + texts
+    for chunk in batch.iter_chunks(read, chunk_atoms=chunk_atoms) if read else ():
+        for name in texts:
+            strings[name].update(chunk.structures[name][chunk.present.get(name, slice(None))])
+        if counted:
+            atoms = chunk.atoms["numbers"]
+            _check_numbers(batch.path, atoms, chunk)
+            structure = np.repeat(np.arange(len(chunk.n_atoms)), chunk.n_atoms)
+            if "numbers" in chunk.present:
+                have = np.repeat(chunk.present["numbers"], chunk.n_atoms)
+                atoms, structure = atoms[have], structure[have]
+            elements[0] += np.bincount(atoms, minlength=N_ELEMENTS)
+            pairs = np.unique(structure * N_ELEMENTS + atoms)
+            elements[1] += np.bincount(pairs % N_ELEMENTS, minlength=N_ELEMENTS)
+    return elements, strings
 
 
 def composition(numbers, n_atoms):
@@ -497,17 +581,18 @@ class ReferenceFit:
         return dict(zip(self.elements, np.linalg.lstsq(a, b, rcond=None)[0].tolist()))
 
 
-def _energy_chunks(batch, energy, chunk_atoms, structures, progress):
+def _energy_chunks(batch, energy, chunk_atoms, structures, keep, progress):
     """(chunk, its numbers checked (0 in structures without numbers), bool (S_c,) of its
-    structures that have an energy and numbers) for each chunk; `progress.update(n)` is called
-    with the structures of each chunk once used."""
+    structures that have an energy and numbers) for each chunk (of the structures `keep`
+    marks, if given); `progress.update(n)` is called with the structures of each chunk once
+    used."""
     infos = _require(batch, [energy, "numbers"], "fit-e0")
     if infos[0].per != "structure" or infos[0].shape != ():
         raise DataError(f"{batch.path}: field '{energy}' is per {infos[0].per} with shape "
                         f"{infos[0].shape}, but the energy must be one number per structure")
     if infos[1].per != "atom" or infos[1].shape != () or infos[1].dtype.kind not in "iu":
         raise DataError(f"{batch.path}: field 'numbers' must hold one integer per atom")
-    for chunk in _finite_chunks(batch, energy, chunk_atoms, structures):
+    for chunk in _finite_chunks(batch, energy, chunk_atoms, structures, keep):
         numbers = chunk.atoms["numbers"]
         _check_numbers(batch.path, numbers, chunk)
         have = np.ones(len(chunk.n_atoms), bool)
@@ -521,14 +606,15 @@ def _energy_chunks(batch, energy, chunk_atoms, structures, progress):
 
 
 def solve_e0(batch, energy="energy", *, fixed=None, chunk_atoms=1 << 21,
-             structures=slice(None), progress=None):
+             structures=slice(None), keep=None, progress=None):
     """(Z -> E0, structures used): the per-element reference energies minimising
-    Σ_s (E_s − Σ_Z c_sZ E0_Z)² over the selected structures that have an `energy` and
-    `numbers` (c from them), streamed; elements absent from them are left out, those of
-    `fixed` (Z -> E0) held (and not returned). `progress.update(n)` is called as n more
+    Σ_s (E_s − Σ_Z c_sZ E0_Z)² over the selected structures (of the slice `structures`, and
+    those `keep` marks, if given) that have an `energy` and `numbers` (c from them),
+    streamed; elements absent from them are left out, those of `fixed` (Z -> E0) held (and
+    not returned). `progress.update(n)` is called as n more
     structures are read."""
     fit = ReferenceFit(dict(fixed or {}))
-    for chunk, numbers, have in _energy_chunks(batch, energy, chunk_atoms, structures,
+    for chunk, numbers, have in _energy_chunks(batch, energy, chunk_atoms, structures, keep,
                                                progress):
         energies = chunk.structures[energy]
         bounds = np.concatenate([[0], np.cumsum(chunk.n_atoms)])
@@ -544,16 +630,17 @@ def solve_e0(batch, energy="energy", *, fixed=None, chunk_atoms=1 << 21,
 
 
 def residual_errors(batch, energy, e0, *, chunk_atoms=1 << 21, structures=slice(None),
-                    on_chunk=None, progress=None):
+                    keep=None, on_chunk=None, progress=None):
     """(RMSE, MAE) of the per-atom residual (E − Σ_Z c_Z E0_Z) / n over the selected structures
-    that have an `energy`, numbers and atoms (NaN if none), `e0` mapping Z -> E0; each chunk's
+    (as solve_e0 selects them) that have an `energy`, numbers and atoms (NaN if none), `e0`
+    mapping Z -> E0; each chunk's
     residual energies go to `on_chunk(chunk, values)` if given (NaN where a structure has no
     energy or numbers);
     `progress.update(n)` is called as n more structures are read."""
     by_number = np.zeros(N_ELEMENTS)
     by_number[list(e0)] = list(e0.values())
     errors = Moments.empty(1, 2)
-    for chunk, numbers, have in _energy_chunks(batch, energy, chunk_atoms, structures,
+    for chunk, numbers, have in _energy_chunks(batch, energy, chunk_atoms, structures, keep,
                                                progress):
         structure = np.repeat(np.arange(len(chunk.n_atoms)), chunk.n_atoms)
         reference = np.bincount(structure, weights=by_number[numbers],

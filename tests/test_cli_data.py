@@ -43,7 +43,8 @@ def test_info_text(batch_h5):
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
     assert lines[:3] == [f"{batch_h5}: segcli HDF5", "structures: 7", f"atoms: {n_atoms.sum()}"]
-    rows = {line.split()[0]: line.split()[1:] for line in lines[4:-2]}
+    results = lines.index("results:")
+    rows = {line.split()[0]: line.split()[1:] for line in lines[4:results]}
     assert rows["name"] == ["per", "shape", "dtype"]
     assert rows["forces"] == ["atom", "(3,)", "float64"]
     assert rows["numbers"] == ["atom", "()", "int64"]
@@ -52,7 +53,7 @@ def test_info_text(batch_h5):
     assert rows["pbc"] == ["structure", "(3,)", "bool"]
     assert rows["label"] == ["structure", "()", "str"]
     assert rows["sum_forces"] == ["structure", "(3,)", "float64", "result"]
-    assert lines[-2:] == ["results:", "  sum_forces  op=sum  fields=forces  per=structure"]
+    assert lines[results + 1] == "  sum_forces  op=sum  fields=forces  per=structure"
 
 
 def _groups(h5):

@@ -138,6 +138,24 @@ def test_reduce_and_grad_on_a_cluster_equal_a_local_run_bit_for_bit(tmp_path, da
         ["random.h5"] + [f"{w}-{k}.h5" for w in ("local", "remote") for k in range(2)])
 
 
+def test_where_on_a_cluster_equals_a_local_run(tmp_path, dask_cluster):
+    from batch_reference import random_batch
+
+    path = tmp_path / "random.h5"
+    random_batch(path, seed=6, n_structures=200)
+    where = ["--where", "s > 0", "--where", "w < 1.5"]
+    address = dask_cluster.scheduler_address
+    for job in (["reduce", path, "rms_norm", "x", "+", "count"], ["stats", path, "x", "--json"]):
+        alone = run(*job, *where)
+        remote = run(*job, *where, "--scheduler", address)
+        assert alone.exit_code == remote.exit_code == 0, remote.output
+        assert remote.stdout == alone.stdout != ""
+    local, remote = tmp_path / "local.h5", tmp_path / "remote.h5"
+    assert run("reduce", path, "count", *where, "-o", local).exit_code == 0
+    assert run("reduce", path, "count", *where, "-o", remote, "--scheduler", address).exit_code == 0
+    assert_identical(remote, local)
+
+
 @pytest.mark.slow
 def test_progress_counts_structures_of_finished_shards_and_in_place_lands(tmp_path):
     path = write_batch(tmp_path / "f.h5", [2] * 30, {"forces": np.ones((60, 3))})

@@ -100,6 +100,46 @@ def check_output_place(output):
         raise DataError(f"{output}: cannot write there (Permission denied)")
 
 
+def where_conditions(ctx, param, texts):
+    """Click callback: the segcli.select.Condition of each --where 'NAME OP VALUE'."""
+    from segcli.select import parse_condition
+
+    try:
+        return tuple(parse_condition(text) for text in texts)
+    except ValueError as err:
+        raise click.BadParameter(str(err)) from None
+
+
+def where_option(command):
+    """--where 'NAME OP VALUE' (repeatable), the conditions of `segcli select`."""
+    return click.option(
+        "--where", multiple=True, metavar="'NAME OP VALUE'", callback=where_conditions,
+        help="Only the structures where a per-structure field or result compares true, as "
+             "`segcli select --where` chooses them (OP: < <= > >= == !=). Repeat it: all "
+             "must hold.")(command)
+
+
+def where_selection(batch, file, where, structures, needed=False, quiet=False):
+    """(S,) bool: the structures of `batch` in the slice `structures` where every --where
+    condition holds (None without conditions). When none does: DataError if they are
+    `needed`, else one line on stderr (unless `quiet`)."""
+    from segcli.errors import DataError
+    from segcli.select import where_mask
+
+    if not where:
+        return None
+    keep = where_mask(batch, where, structures=structures)
+    if not keep.any():
+        start, stop, _ = structures.indices(batch.n_structures)
+        message = (f"{file}: --where {' --where '.join(repr(c.text) for c in where)} selects "
+                   f"none of the {max(stop - start, 0)} structure(s)")
+        if needed:
+            raise DataError(f"{message}; nothing to compute")
+        if not quiet:
+            note(message)
+    return keep
+
+
 def input_paths(file, in_place=False):
     """The files FILE stands for (see segcli.io.expand_inputs); UsageError when --in-place
     meets more than one, or a stream read through a temporary copy (results stored there would

@@ -22,6 +22,8 @@ from segcli.cli.common import (
     shard_selection,
     structure_range,
     table,
+    where_option,
+    where_selection,
 )
 from segcli.errors import DataError
 from segcli.registry import OPS
@@ -122,7 +124,7 @@ def _shared_options(command):
     ]
     for option in reversed(options):
         command = option(command)
-    return cluster_options(command)
+    return where_option(cluster_options(command))
 
 
 def _check_usage(ops, name, output, in_place, fmt, structures):
@@ -226,14 +228,21 @@ class _IntoFile:
 
 
 class _Hdf5Sink:
-    """Results into /results/<dataset> of a new file or, in place, of the input (ResultWriter);
-    a new file also says where its structures come from (`sources`: the arguments of
+    """Results into /results/<dataset> of a new file or, in place, of the input (ResultWriter),
+    a row for each of the `n_atoms` structures from structure `first` (or for their atoms);
+    with `selected`, NaN in the rows that no chunk writes (see _selected_outputs). A new file
+    also says where its structures come from (`sources`: the arguments of
     ResultWriter.set_sources)."""
 
-    def __init__(self, writer, outputs, n_atoms, attrs, sources=None):
-        self._writer, self._outputs, self._attrs = writer, outputs, attrs
+    def __init__(self, writer, outputs, n_atoms, attrs, sources=None, first=0, selected=False):
+        import numpy as np
+
+        self._writer, self._attrs, self._first = writer, attrs, first
+        self._outputs = _selected_outputs(outputs) if selected else outputs
+        self._fill = np.nan if selected else None
         self._n_atoms, self._sources = n_atoms, sources
-        self._row = dict.fromkeys(outputs, 0)
+        self._offsets = {"structure": np.arange(len(n_atoms) + 1),
+                         "atom": np.concatenate([[0], np.cumsum(n_atoms)])}
 
     def __enter__(self):
         self._writer.__enter__()
@@ -244,7 +253,7 @@ class _Hdf5Sink:
             rows = {"atom": int(self._n_atoms.sum()), "structure": len(self._n_atoms)}
             for dataset, (per, shape, dtype) in self._outputs.items():
                 self._writer.create(dataset, (rows[per], *shape), dtype,
-                                    {**self._attrs[dataset], "per": per})
+                                    {**self._attrs[dataset], "per": per}, self._fill)
         except BaseException:
             self._writer.__exit__(*sys.exc_info())
             raise
@@ -254,9 +263,23 @@ class _Hdf5Sink:
         return self._writer.__exit__(*exc)
 
     def write(self, chunk, arrays):
+        from segcli.io.core import spread
+
+        numbers = chunk.structure_numbers - self._first
         for dataset, array in arrays.items():
-            self._writer.write(dataset, self._row[dataset], array)
-            self._row[dataset] += len(array)
+            offsets = self._offsets[self._outputs[dataset][0]]
+            row, block = (spread(array, numbers, offsets, self._fill) if chunk.selected is not None
+                          else (offsets[numbers[0]], array))
+            self._writer.write(dataset, int(row), block)
+
+
+def _selected_outputs(outputs):
+    """`outputs` (dataset -> (per, shape, dtype)) as stored for a selection: integer results
+    as float64, so that the rows of structures not selected can hold NaN."""
+    import numpy as np
+
+    return {d: (per, shape, np.dtype(np.float64) if np.dtype(dtype).kind in "biu" else dtype)
+            for d, (per, shape, dtype) in outputs.items()}
 
 
 class _TextSink:
@@ -289,10 +312,11 @@ class _TextSink:
 
         from segcli.io import text
 
-        stop = chunk.start + len(chunk.n_atoms)
-        index = {"structure": np.arange(chunk.start, stop)}
+        numbers = chunk.structure_numbers
+        index = {"structure": numbers}
         if self._source_of:
-            index["source"], index["source_index"] = self._source_of(slice(chunk.start, stop))
+            span = self._source_of(slice(numbers[0], numbers[-1] + 1))
+            index["source"], index["source_index"] = (c[numbers - numbers[0]] for c in span)
         if self._per == "atom":
             first = np.repeat(np.cumsum(chunk.n_atoms) - chunk.n_atoms, chunk.n_atoms)
             index = {key: np.repeat(i, chunk.n_atoms) for key, i in index.items()}
@@ -344,9 +368,10 @@ class _NpySink:
         self.out.write(out)
 
 
-def _sink(results, batch, lo, hi, *, output, in_place, file, fmt, force, attrs):
+def _sink(results, batch, lo, hi, *, output, in_place, file, fmt, force, attrs, keep=None):
     """Where the results (a _Results) of structures [lo, hi) of `batch` go: a new file (-o),
-    FILE itself (--in-place) or stdout (fmt)."""
+    FILE itself (--in-place) or stdout (fmt); `keep` ((S,) bool), if given, marks the
+    structures computed (the others get NaN rows in HDF5, no rows elsewhere)."""
     from segcli.io import ResultWriter
 
     n_atoms = batch.n_atoms[lo:hi]
@@ -355,9 +380,11 @@ def _sink(results, batch, lo, hi, *, output, in_place, file, fmt, force, attrs):
         writer = (ResultWriter(output_path=output, force=force) if output
                   else ResultWriter(in_place_of=file, force=force, names=results.datasets))
         sources = (batch.sources, *batch.source_of(slice(lo, hi))) if output else None
-        return _Hdf5Sink(writer, results.outputs, n_atoms, results.attrs(attrs), sources)
+        return _Hdf5Sink(writer, results.outputs, n_atoms, results.attrs(attrs), sources, lo,
+                         keep is not None)
     if fmt == "npy":
-        sink = _NpySink(results.outputs, results.columns, n_atoms)
+        sink = _NpySink(results.outputs, results.columns,
+                        n_atoms if keep is None else n_atoms[keep[lo:hi]])
     else:
         sink = _TextSink(fmt or "csv", results.outputs, results.columns,
                          batch.source_of if len(batch.sources) > 1 else None)
@@ -368,13 +395,15 @@ def _dataset(name, label):
     return f"{name}/{label}" if label else name
 
 
-def _compute_into(batch, results, sink, device, lo, hi, chunk_atoms, progress=None, notes=()):
-    """Compute the results' jobs over structures [lo, hi) of `batch` on `device`, in one pass,
-    into `sink`; the `notes` go to stderr once the first chunk is computed."""
+def _compute_into(batch, results, sink, device, lo, hi, chunk_atoms, progress=None, notes=(),
+                  keep=None):
+    """Compute the results' jobs over structures [lo, hi) of `batch` (those `keep` marks, if
+    given) on `device`, in one pass, into `sink`; the `notes` go to stderr once the first
+    chunk is computed."""
     from segcli import engine
 
     chunks = engine.run(batch, results.jobs, device, structures=slice(lo, hi),
-                        chunk_atoms=chunk_atoms or engine.DEFAULT_CHUNK_ATOMS)
+                        chunk_atoms=chunk_atoms or engine.DEFAULT_CHUNK_ATOMS, keep=keep)
     with contextlib.closing(chunks):
         first = next(chunks, None)  # what fails at once fails before any output
         for message in notes:
@@ -394,27 +423,31 @@ def _plan(batch, path, ops, names, plan):
                      for spec, fields in ops], names)
 
 
-def _part(layout, ops, names, plan, device, chunk_atoms, lo, hi, path, attrs):
+def _part(layout, ops, names, plan, device, chunk_atoms, where, lo, hi, path, attrs):
     """One shard of a command run on a cluster: structures [lo, hi) of the batch `layout`
-    describes (see segcli.io.open_inputs) into the new file `path` (replaced whole if a
-    retried task wrote it before); returns `path`. `ops` are (op name, fields) pairs."""
+    describes (see segcli.io.open_inputs), those where the --where conditions `where` hold,
+    into the new file `path` (replaced whole if a retried task wrote it before); returns
+    `path`. `ops` are (op name, fields) pairs."""
     from segcli.io import open_inputs
+    from segcli.select import where_mask
 
     target = common.device(device)
     with open_inputs(layout) as batch:
         results = _plan(batch, batch.path, [(OPS[op], fields) for op, fields in ops], names,
                         plan)
+        keep = where_mask(batch, where, structures=slice(lo, hi)) if where else None
         sink = _sink(results, batch, lo, hi, output=path, in_place=False, file=None, fmt=None,
                      force=True, attrs={**attrs, "structures": f"{lo}:{hi}",
-                                        "device": common.device_label(target)})
-        _compute_into(batch, results, sink, target, lo, hi, chunk_atoms)
+                                        "device": common.device_label(target)}, keep=keep)
+        _compute_into(batch, results, sink, target, lo, hi, chunk_atoms, keep=keep)
     return path
 
 
-def _singular_matrices(batch, file, ops, lo, hi, strict, quiet):
+def _singular_matrices(batch, file, ops, lo, hi, strict, quiet, keep=None):
     """Warn on stderr (not when quiet), or with `strict` raise DataError, when an op's
     invertible per-structure matrix (see registry.Arg) is singular in some of the structures
-    [lo, hi): a structure without a cell, say, whose matvec gives 0."""
+    [lo, hi) (those `keep` marks, if given): a structure without a cell, say, whose matvec
+    gives 0."""
     import numpy as np
 
     for spec, fields in ops:
@@ -424,10 +457,11 @@ def _singular_matrices(batch, file, ops, lo, hi, strict, quiet):
             singular = sum(int(np.count_nonzero(
                 (np.linalg.matrix_rank(np.nan_to_num(chunk.structures[name])) < 3)
                 & chunk.present.get(name, True)))
-                for chunk in batch.iter_chunks([name], structures=slice(lo, hi)))
+                for chunk in batch.iter_chunks([name], structures=slice(lo, hi), keep=keep))
             if not singular:
                 continue
-            message = (f"{file}: '{name}' is singular or zero in {singular} of {hi - lo} "
+            total = hi - lo if keep is None else int(keep.sum())
+            message = (f"{file}: '{name}' is singular or zero in {singular} of {total} "
                        f"structure(s) (no cell, say); {spec.name} gives 0 there for a zero "
                        f"matrix")
             if strict:
@@ -436,10 +470,10 @@ def _singular_matrices(batch, file, ops, lo, hi, strict, quiet):
                 note(f"warning: {message} (--strict refuses them)")
 
 
-def _absent(batch, file, results, selected, lo, hi):
-    """What to say on stderr, a line per result, of how many of the structures [lo, hi) lack
-    a field that its job reads (their rows are NaN); DataError when none of the `selected`
-    structures (a slice) has one."""
+def _absent(batch, file, results, selected, lo, hi, keep=None):
+    """What to say on stderr, a line per result, of how many of the structures [lo, hi) (those
+    `keep` marks, if given) lack a field that its job reads (their rows are NaN); DataError
+    when none of the `selected` structures (a slice or a mask) has one."""
     import numpy as np
 
     from segcli import engine
@@ -452,15 +486,17 @@ def _absent(batch, file, results, selected, lo, hi):
         if not have[selected].any():
             raise DataError(f"{file}: no selected structure has "
                             f"{' and '.join(map(repr, lacking[name]))}")
-    missing = {name: int(np.count_nonzero(~have[lo:hi])) for name, _, have in partial}
-    return [f"{file}: {missing[name]} of {hi - lo} structure(s) lack "
+    counted = slice(lo, hi) if keep is None else np.flatnonzero(keep[lo:hi]) + lo
+    missing = {name: int(np.count_nonzero(~have[counted])) for name, _, have in partial}
+    total = hi - lo if keep is None else int(keep[lo:hi].sum())
+    return [f"{file}: {missing[name]} of {total} structure(s) lack "
             f"{' or '.join(map(repr, lacking[name]))}: their rows of {name} are NaN"
             for name in missing if missing[name]]
 
 
 def _execute(file, ops, *, output, in_place, fmt, name, force, structures, chunk_atoms,
-             device, precision, quiet, shard, scheduler, strict=False, order=0, weights=None,
-             direction=None, params=None):
+             device, precision, quiet, shard, scheduler, where, strict=False, order=0,
+             weights=None, direction=None, params=None):
     """Run one reduce or grad command: check, plan, compute every op in one pass (here, one
     shard of it, or as shards on a cluster) and write the results."""
     _check_usage(ops, name, output, in_place, fmt, structures)
@@ -477,39 +513,47 @@ def _execute(file, ops, *, output, in_place, fmt, name, force, structures, chunk
         results.check_rows(output and not _file_format(output), in_place)
         leaves, part = shard_selection(batch, file, structures, shard)
         lo, hi = int(leaves[0]), int(leaves[-1])
-        notes = _absent(batch, file, results, common.selection(batch, file, structures), lo, hi)
+        keep = where_selection(batch, file, where, slice(lo, hi), quiet=quiet)
+        selected = common.selection(batch, file, structures) if keep is None else keep
+        notes = _absent(batch, file, results, selected, lo, hi, keep)
         notes = [] if quiet else notes
-        _singular_matrices(batch, file, ops, lo, hi, strict, quiet)
+        _singular_matrices(batch, file, ops, lo, hi, strict, quiet, keep)
         target = None if scheduler else common.device(device)  # JAX loads only now
-        n_atoms = batch.n_atoms[lo:hi]
+        n_atoms = batch.n_atoms[lo:hi] if keep is None else batch.n_atoms[lo:hi][keep[lo:hi]]
         attrs = {"precision": precision, **part}
+        if where:
+            attrs["where"] = [condition.text for condition in where]
         if order:
             attrs.update(order=order, weights=weights, direction=direction)
         verb = "reducing" if not order else "differentiating"
-        where = {"output": output, "in_place": in_place, "file": paths[0], "fmt": fmt,
-                 "force": force}
+        into = {"output": output, "in_place": in_place, "file": paths[0], "fmt": fmt,
+                "force": force, "keep": keep}
         if scheduler:
             ops = [(spec.name, list(fields)) for spec, fields in ops]
             for message in notes:
                 note(message)
             _on_cluster(scheduler, None if quiet else f"{verb} {file}", batch, results, lo, hi,
-                        (batch.layout, ops, names, plan, device, chunk_atoms), attrs, where)
+                        (batch.layout, ops, names, plan, device, chunk_atoms, where), attrs,
+                        into)
         else:
             sink = _sink(results, batch, lo, hi,
-                         attrs={**attrs, "device": common.device_label(target)}, **where)
+                         attrs={**attrs, "device": common.device_label(target)}, **into)
             with progress(not quiet, f"{verb} {file}", len(n_atoms)) as bar:
-                _compute_into(batch, results, sink, target, lo, hi, chunk_atoms, bar, notes)
+                _compute_into(batch, results, sink, target, lo, hi, chunk_atoms, bar, notes,
+                              keep)
     if not quiet and (output or in_place):
         written = (", ".join(results.columns.values()) if _file_format(output)
                    else ", ".join(f"/results/{d}" for d in results.datasets))
-        note(f"{output or file}: {written} ({len(n_atoms)} structures, "
+        chosen = "" if keep is None else f" selected of {hi - lo}"
+        note(f"{output or file}: {written} ({len(n_atoms)} structures{chosen}, "
              f"{int(n_atoms.sum())} atoms)")
 
 
-def _on_cluster(scheduler, label, batch, results, lo, hi, call, attrs, where):
+def _on_cluster(scheduler, label, batch, results, lo, hi, call, attrs, into):
     """The job over structures [lo, hi) as shards on the dask cluster at `scheduler`: each
     task writes its part into a temporary directory beside the output, and the parts are
-    then written out in order as one run writes them; a progress bar `label`ed (None: none)."""
+    then written out in order as one run writes them (`into`: the arguments of _sink); a
+    progress bar `label`ed (None: none)."""
     import os
     import shutil
     import tempfile
@@ -519,7 +563,7 @@ def _on_cluster(scheduler, label, batch, results, lo, hi, call, attrs, where):
     from segcli.io.merge import check_parts, part_rows
     from segcli.shards import shard_bounds
 
-    beside = where["output"] or (where["file"] if where["in_place"] else None)
+    beside = into["output"] or (into["file"] if into["in_place"] else None)
     parts_dir = tempfile.mkdtemp(prefix=".segcli-parts-", dir=os.path.dirname(
         os.path.abspath(beside)) if beside else os.getcwd())
     try:
@@ -535,12 +579,27 @@ def _on_cluster(scheduler, label, batch, results, lo, hi, call, attrs, where):
         parts = check_parts(paths)
         first = parts[0].datasets[next(iter(results.datasets))]
         sink = _sink(results, batch, lo, hi, attrs={**attrs, "device": first["device"]},
-                     **where)
+                     **into)
         with sink:
             for start, counts, rows in part_rows(parts, list(results.datasets)):
-                sink.write(Chunk(start, counts, {}, {}), rows)
+                chunk = Chunk(start, counts, {}, {})
+                if into["keep"] is not None and not isinstance(sink, _Hdf5Sink):
+                    chunk, rows = _kept_rows(chunk, rows, results.outputs, into["keep"])
+                if len(chunk.n_atoms):
+                    sink.write(chunk, rows)
     finally:
         shutil.rmtree(parts_dir, ignore_errors=True)
+
+
+def _kept_rows(chunk, rows, outputs, keep):
+    """(the chunk's structures that `keep` ((S,) bool) marks, their rows of each dataset of
+    `rows`, in its dtype of `outputs`): a part's NaN rows of structures not selected left out."""
+    import numpy as np
+
+    mask = keep[chunk.start:chunk.start + len(chunk.n_atoms)]
+    atoms = np.repeat(mask, chunk.n_atoms)
+    return chunk.take(mask), {d: r[mask if outputs[d][0] == "structure" else atoms].astype(
+        outputs[d][2], copy=False) for d, r in rows.items()}
 
 
 _OPS_ARGUMENT = click.argument("ops", nargs=-1, required=True, callback=_op_list,
@@ -573,7 +632,10 @@ def reduce(file, ops, **options):
     (--in-place); see `segcli ops`. Fields holding NaN are refused; a structure that lacks a
     field (`segcli info`: present in K of S) gets NaN (csv: empty cells). --shard runs one of N
     ranges of structures (join the parts with `segcli merge`), --scheduler all of them on a
-    Dask cluster; either gives the bits of one run.
+    Dask cluster; either gives the bits of one run. --where computes only the structures
+    that `segcli select --where` would keep: stdout gets their rows (under their numbers in
+    FILE), -o OUT.h5 and --in-place NaN in the rows of the others (integer results then as
+    float64).
 
     \b
     Example:
@@ -584,6 +646,7 @@ def reduce(file, ops, **options):
       segcli reduce data.h5 rms_norm forces --shard auto -o 'parts/r-{shard}.h5'
       segcli reduce data.h5 rms_norm forces --scheduler local:4 -o rms.h5
       segcli reduce sample_data/metals.h5 bincount numbers -o composition.h5
+      segcli reduce data.h5 rms_norm forces --where 'config_type == bulk' --where 'energy < 0'
     """
     params = _params(ops, options)
     _execute(file, ops, params=params, **options)
@@ -611,13 +674,15 @@ def grad(file, ops, weights, order, direction, **options):
     held fixed. With --order 2 --direction V, writes instead the Hessian-vector product: the
     derivative of that gradient as every per-atom input moves along V. OPs and fields are
     as for `segcli reduce`, several joined by `+` (columns then OP_FIELD_d_F_0, ...); not
-    differentiable: {not_differentiable}. FILE may be many files, as for `segcli reduce`.
+    differentiable: {not_differentiable}. FILE may be many files, and --where selects
+    structures, as for `segcli reduce`.
 
     \b
     Example:
       segcli grad sample_data/metals.h5 rms_norm forces -o grad.h5
       segcli grad sample_data/metals.h5 dot forces positions --weights energy
       segcli grad sample_data/metals.h5 max_norm forces --order 2 --direction momenta
+      segcli grad data.h5 rms_norm forces --where 'config_type == bulk' -o grad.h5
     """
     for op, _ in ops:
         if not op.differentiable:

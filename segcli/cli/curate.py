@@ -27,6 +27,8 @@ from segcli.cli.common import (
     shard_selection,
     structure_range,
     table,
+    where_option,
+    where_selection,
 )
 
 STAT_COLUMNS = ("count", "mean", "std", "rms", "min", "max")
@@ -67,6 +69,10 @@ def _element(z):
 @click.option("--per-atom", is_flag=True,
               help="Per-structure fields divided by each structure's atom count first "
                    "(energy per atom; structures without atoms are left out).")
+@click.option("--by", metavar="FIELD",
+              help="Every field grouped by the value of FIELD, a per-structure integer or "
+                   "string field such as config_type (structures without it are left out).")
+@where_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), callback=hdf5_output,
               help="Write the statistics to a new HDF5 file instead (/stats/FIELD: count, "
@@ -74,8 +80,8 @@ def _element(z):
 @click.option("--force", is_flag=True, help="Overwrite OUTPUT if it exists.")
 @cluster_options
 @_streaming_options
-def stats(file, fields, per_element, per_atom, as_json, output, force, structures, chunk_atoms,
-          quiet, scheduler, shard):
+def stats(file, fields, per_element, per_atom, by, where, as_json, output, force, structures,
+          chunk_atoms, quiet, scheduler, shard):
     """Count, mean, std, rms, min and max of each FIELD of FILE.
 
     A per-atom field is taken over all atoms, a per-structure field over all structures,
@@ -87,13 +93,16 @@ def stats(file, fields, per_element, per_atom, as_json, output, force, structure
     The file is streamed in chunks of whole structures, so its size does not matter, and
     the partial results combine in one fixed tree (Chan's pairwise formulas), so shards
     (--shard, joined by `segcli merge`) and --scheduler give the bits of one run. FIELD may
-    be a stored result (`segcli reduce ... --in-place`).
+    be a stored result (`segcli reduce ... --in-place`). --where takes only the structures
+    that `segcli select --where` would keep; --by FIELD gives each value of FIELD (at most
+    256 distinct ones) its own statistics, as --per-element does each element.
 
     \b
     Example:
       segcli stats sample_data/metals.h5 forces energy
       segcli stats sample_data/metals.h5 forces --per-element --json
       segcli stats sample_data/metals.h5 energy --per-atom
+      segcli stats data.h5 energy forces --by config_type --where 'energy < 0'
       segcli stats sample_data/metals.h5 forces --scheduler local:2
       segcli stats data.h5 forces --shard auto -o 'parts/stats-{shard}.h5'
     """
@@ -103,9 +112,11 @@ def stats(file, fields, per_element, per_atom, as_json, output, force, structure
     from segcli.io import open_inputs
     from segcli.io.statsfile import write_stats
     from segcli.io.text import finite_json
-    from segcli.stats import merge_stats, refuse_overflow
+    from segcli.stats import group_values, merge_stats, refuse_overflow
 
     check_cluster_usage(shard, scheduler, False)
+    if by is not None and per_element:
+        raise click.UsageError("--per-element groups by element and --by by a field: give one")
     output = shard_output(output, shard)
     paths = input_paths(file)
     refuse_output_among_inputs(output, paths, "stats writes a new file")
@@ -114,12 +125,19 @@ def stats(file, fields, per_element, per_atom, as_json, output, force, structure
           np.errstate(over="ignore", invalid="ignore")):
         _check_grouping(batch, fields, per_element, per_atom)
         leaves, attrs = shard_selection(batch, file, structures, shard)
-        summary = {"path": file, "structures": int(leaves[-1] - leaves[0]),
-                   "atoms": int(batch.n_atoms[leaves[0]:leaves[-1]].sum())}
+        chosen = slice(int(leaves[0]), int(leaves[-1]))
+        keep = where_selection(batch, file, where, chosen, needed=not shard, quiet=quiet)
+        if by is not None:  # the groups of the whole selection: the same in every shard
+            options.update(by=by, groups=group_values(batch, by, selection(batch, file,
+                                                                           structures)))
+        counted = np.ones(chosen.stop - chosen.start, bool) if keep is None else keep[chosen]
+        summary = {"path": file, "structures": int(counted.sum()),
+                   "atoms": int(batch.n_atoms[chosen][counted].sum())}
         label = f"statistics of {file}" + " (shards)" * bool(scheduler)
         with on_cluster(scheduler) as client, \
                 progress(not quiet, label, summary["structures"]) as bar:
-            parts = leaf_stats_sharded(client, batch, fields, leaves, progress=bar, **options)
+            parts = leaf_stats_sharded(client, batch, fields, leaves, progress=bar, where=where,
+                                       keep=keep, **options)
         result = merge_stats([parts])
         refuse_overflow(file, result)
     rows = [row for s in result.values() for row in s.rows()]
@@ -128,18 +146,20 @@ def stats(file, fields, per_element, per_atom, as_json, output, force, structure
             row["symbol"] = _element(row["element"])
     if output:
         attrs.update(source=os.path.abspath(file), per_element=per_element, per_atom=per_atom)
+        if where:
+            attrs["where"] = [condition.text for condition in where]
         write_stats(output, result, attrs, force=force, leaves=parts if shard else None)
         if not quiet:
             note(f"{output}: statistics of {', '.join(result)} ({summary['structures']} "
                  f"structures, {summary['atoms']} atoms)")
         return
     if as_json:
-        click.echo(finite_json({**summary, "stats": rows}))
+        click.echo(finite_json({**summary, **({"by": by} if by else {}), "stats": rows}))
         return
-    by_element = any("element" in row for row in rows)
-    header = ("field", *(("element",) if by_element else ()), "component", *STAT_COLUMNS)
+    group = by or ("element" if any("element" in row for row in rows) else None)
+    header = ("field", *((group,) if group else ()), "component", *STAT_COLUMNS)
     lines = [header] + [
-        (row["field"], *((row.get("symbol", ""),) if by_element else ()),
+        (row["field"], *((str(row.get("group", row.get("symbol", ""))),) if group else ()),
          row["component"] or "-", str(row["count"]), *(_number(row[c]) for c in STAT_COLUMNS[1:]))
         for row in rows]
     click.echo("\n".join(table(lines)))
@@ -190,8 +210,10 @@ def _fixed(ctx, param, values):
 @click.option("--name", callback=result_name,
               help="Name of the stored residual (default: residual_FIELD).")
 @click.option("--force", is_flag=True, help="Replace an existing result of that name.")
+@where_option
 @_streaming_options
-def fit_e0(file, energy, fixed, as_json, in_place, name, force, structures, chunk_atoms, quiet):
+def fit_e0(file, energy, fixed, as_json, in_place, name, force, where, structures, chunk_atoms,
+           quiet):
     """Per-element reference energies E0 of FILE by least squares.
 
     Finds the E0 minimising Σ_s (E_s − Σ_Z c_sZ E0_Z)² over the structures, c_sZ being how
@@ -201,18 +223,21 @@ def fit_e0(file, energy, fixed, as_json, in_place, name, force, structures, chun
     linearly dependent (always 2 H per O) cannot be separated: that is an error naming them.
     Streamed in two passes, so the file's size does not matter; structures without an energy
     or numbers are left out, and a NaN or infinite energy is an error naming the first
-    structure with one.
+    structure with one. --where fits only the structures that `segcli select --where` would
+    keep; with --in-place the others' residuals are NaN.
 
     \b
     Example:
       segcli fit-e0 sample_data/metals.h5
       segcli fit-e0 data.h5 --fixed H=-13.6 --json
+      segcli fit-e0 data.h5 --where 'config_type == bulk'
       segcli fit-e0 data.h5 --in-place --name interaction_energy
     """
     import numpy as np
     from ase.data import chemical_symbols
 
     from segcli.io import ResultWriter
+    from segcli.io.core import spread
     from segcli.io.text import finite_json
     from segcli.stats import residual_errors, solve_e0
 
@@ -225,9 +250,12 @@ def fit_e0(file, energy, fixed, as_json, in_place, name, force, structures, chun
         batch = stack.enter_context(read_inputs(paths, file, in_place))
         stack.enter_context(np.errstate(over="ignore", invalid="ignore"))  # overflow: DataError
         chosen = selection(batch, file, structures)
+        keep = where_selection(batch, file, where, chosen, needed=True)
+        total = chosen.stop - chosen.start if keep is None else int(keep.sum())
         bar = stack.enter_context(progress(not quiet, f"fitting E0 of {file} (2 passes)",
-                                           2 * (chosen.stop - chosen.start)))
-        options = {"chunk_atoms": chunk_atoms, "structures": chosen, "progress": bar}
+                                           2 * total))
+        options = {"chunk_atoms": chunk_atoms, "structures": chosen, "keep": keep,
+                   "progress": bar}
         e0, used = solve_e0(batch, energy, fixed=fixed, **options)
         everything = {**e0, **fixed}
         if in_place:
@@ -237,10 +265,13 @@ def fit_e0(file, energy, fixed, as_json, in_place, name, force, structures, chun
                 writer.create(name, (batch.n_structures,), "float64", {
                     "op": "fit-e0", "fields": [energy, "numbers"], "per": "structure",
                     "elements": sorted(everything),
-                    "e0": [everything[z] for z in sorted(everything)]})
+                    "e0": [everything[z] for z in sorted(everything)],
+                    **({"where": [c.text for c in where]} if where else {})}, np.nan)
+                rows = np.arange(batch.n_structures + 1)
                 rmse, mae = residual_errors(
                     batch, energy, everything,
-                    on_chunk=lambda chunk, values: writer.write(name, chunk.start, values),
+                    on_chunk=lambda chunk, values: writer.write(
+                        name, *spread(values, chunk.structure_numbers, rows, np.nan)),
                     **options)
         else:
             rmse, mae = residual_errors(batch, energy, everything, **options)

@@ -15,10 +15,15 @@ from segcli.cli.common import (
     table,
 )
 
+MOST_COMMON = 20
+"""The values of a string field that `info` lists (the most common)."""
+
 
 def describe(batch):
     """What `info` prints, as one JSON-friendly dict (a NaN fill_value as the string "nan")."""
     import math
+
+    from segcli.stats import census
 
     def field(f):
         present = batch.present(f.name)
@@ -32,6 +37,7 @@ def describe(batch):
         return out
 
     fields = sorted(batch.fields.values(), key=lambda f: f.per != "atom")
+    elements, strings = census(batch)
     return {
         "path": batch.path,
         "format": batch.format,
@@ -41,7 +47,20 @@ def describe(batch):
         **({"members": batch.members} if batch.format == "multi" else {}),
         "fields": {f.name: field(f) for f in fields},
         "results": batch.results,
+        "elements": None if elements is None else _elements(elements),
+        "values": {name: {"distinct": len(counts), "most_common": dict(
+            sorted(counts.items(), key=lambda item: (-item[1], item[0]))[:MOST_COMMON])}
+                   for name, counts in strings.items()},
     }
+
+
+def _elements(counts):
+    """Each element present: its symbol, atomic number, atoms and structures holding it, from
+    `counts` (see segcli.stats.census)."""
+    from ase.data import chemical_symbols
+
+    return [{"symbol": chemical_symbols[z], "number": int(z), "atoms": int(counts[0, z]),
+             "structures": int(counts[1, z])} for z in counts[0].nonzero()[0]]
 
 
 def _notes(summary, f):
@@ -66,6 +85,8 @@ def info(file, as_json):
     of FILE. A field computed from others is marked `derived`, a stored result usable as a
     field (by its name, e.g. in `segcli reduce`) `result`, and a field that only some
     structures have `present in K of S` (with what fills the others in a converted file).
+    Then the elements (atoms of each, and structures holding it) and, for each per-structure
+    string field, its 20 most common values with their counts, counted in one streamed pass.
 
     FILE is a segcli HDF5 file, an HDF5 file in the conformer layout of ANI-1x, SPICE or
     Transition1x, an ASE database (.db, .json, OMat24/OMol25 .aselmdb) or any file ASE reads
@@ -118,6 +139,21 @@ def info(file, as_json):
             f"{k}={','.join(map(str, attrs[k])) if isinstance(attrs[k], list) else attrs[k]}"
             for k in ("op", "fields", "per") if k in attrs)
         click.echo(f"  {name}  {described}".rstrip())
+    if summary["elements"] is not None:
+        rows = [("element", "Z", "atoms", "structures")] + [
+            (e["symbol"], str(e["number"]), str(e["atoms"]), str(e["structures"]))
+            for e in summary["elements"]]
+        click.echo("elements:" + ("" if len(rows) > 1 else " none"))
+        for line in table(rows) if len(rows) > 1 else []:
+            click.echo(f"  {line}")
+    for name, values in summary["values"].items():
+        click.echo(f"values of {name}: {values['distinct']} distinct")
+        rows = [(json.dumps(v, ensure_ascii=False), str(n))
+                for v, n in values["most_common"].items()]
+        for line in table(rows) if rows else []:
+            click.echo(f"  {line}")
+        if values["distinct"] > len(values["most_common"]):
+            click.echo(f"  … and {values['distinct'] - len(values['most_common'])} more")
 
 
 def _names(ctx, param, text):

@@ -10,16 +10,8 @@ from segcli.cli.common import (
     output_name,
     progress,
     refuse_output_among_inputs,
+    where_conditions,
 )
-
-
-def _conditions(ctx, param, texts):
-    from segcli.select import parse_condition
-
-    try:
-        return [parse_condition(text) for text in texts]
-    except ValueError as err:
-        raise click.BadParameter(str(err)) from None
 
 
 def _listed(path, n_structures):
@@ -44,7 +36,7 @@ def _listed(path, n_structures):
               callback=output_name,
               help="The new segcli HDF5 file.")
 @click.option("--where", "conditions", multiple=True, metavar="'NAME OP VALUE'",
-              callback=_conditions,
+              callback=where_conditions,
               help="Keep structures where a per-structure field or result compares true; OP is "
                    "< <= > >= == or !=. Repeat it: all must hold.")
 @click.option("--structures-from", metavar="LIST|-", type=click.Path(dir_okay=False,

@@ -72,17 +72,47 @@ class FieldInfo(NamedTuple):
 class Chunk(NamedTuple):
     """Consecutive whole structures from `start`: per-atom arrays (N_c, ...) and per-structure
     arrays (S_c, ...); `present` maps a field that only some of these structures have to an
-    (S_c,) bool array, True where a structure has it (elsewhere its rows hold a fill)."""
+    (S_c,) bool array, True where a structure has it (elsewhere its rows hold a fill).
+    `selected`, for a chunk of chosen structures (see `take`), holds their numbers (S_c,),
+    which then need not run on from `start`."""
 
     start: int
     n_atoms: np.ndarray
     atoms: dict
     structures: dict
     present: Mapping = MappingProxyType({})
+    selected: np.ndarray | None = None
+
+    @property
+    def structure_numbers(self):
+        """(S_c,) int64: the numbers (in the file) of the chunk's structures."""
+        if self.selected is not None:
+            return self.selected
+        return np.arange(self.start, self.start + len(self.n_atoms), dtype=np.int64)
 
     def structure_of(self, row):
         """The number (in the file) of the structure that holds per-atom row `row` of the chunk."""
-        return self.start + int(np.searchsorted(np.cumsum(self.n_atoms), row, side="right"))
+        return int(self.structure_numbers[np.searchsorted(np.cumsum(self.n_atoms), row,
+                                                          side="right")])
+
+    def take(self, mask):
+        """The chunk's structures where `mask` (S_c,) is true, with their numbers."""
+        rows = np.repeat(mask, self.n_atoms)
+        return Chunk(self.start, self.n_atoms[mask], {n: a[rows] for n, a in self.atoms.items()},
+                     {n: a[mask] for n, a in self.structures.items()},
+                     {n: m[mask] for n, m in self.present.items()}, self.structure_numbers[mask])
+
+
+def spread(rows, numbers, offsets, fill):
+    """(first row, block): the rows (n, ...) of the structures `numbers` (increasing), whose
+    rows are offsets[s] to offsets[s + 1], placed in a block of the rows of every structure
+    from numbers[0] to numbers[-1], `fill` in the rows of those not among `numbers`."""
+    first, last = int(offsets[numbers[0]]), int(offsets[numbers[-1] + 1])
+    block = np.full((last - first, *rows.shape[1:]), fill, np.result_type(rows.dtype, fill))
+    lengths = offsets[numbers + 1] - offsets[numbers]
+    block[np.repeat(offsets[numbers] - first - (np.cumsum(lengths) - lengths), lengths)
+          + np.arange(len(rows))] = rows
+    return first, block
 
 
 def check_fill(path, index, name, fill):
@@ -462,7 +492,7 @@ class Batch:
                                 f"{', '.join(sorted(available)) or '(none)'}")
 
     def iter_chunks(self, fields, *, chunk_atoms=1_000_000, structures=slice(None), into=None,
-                    breaks=()):
+                    breaks=(), keep=None):
         """Yield Chunks of whole structures, at most `chunk_atoms` atoms each (a bigger structure
         alone), holding the requested per-atom and per-structure fields. With `breaks`
         (structure numbers), a chunk holds whole segments (see segment_bounds): runs between
@@ -471,7 +501,10 @@ class Batch:
 
         `into(name, rows)`, if given, may return an array to read a chunk's stored per-atom field
         into (or None); a format that can read in place (segcli HDF5, when the array has the
-        field's shape and dtype) then returns that array in the Chunk, saving a copy."""
+        field's shape and dtype) then returns that array in the Chunk, saving a copy.
+
+        `keep` ((S,) bool over the batch's structures), if given, leaves in each chunk only the
+        structures where it is true (see Chunk.take), and out the chunks left empty."""
         if isinstance(fields, str):
             fields = [fields]
         fields = list(dict.fromkeys(fields))
@@ -493,7 +526,13 @@ class Batch:
                                             np.asarray(breaks, np.int64) - start, chunk_atoms)
             chunks = whole_segments(self.path, chunks, bounds,
                                     {name: available[name] for name in fields})
-        yield from chunks
+        if keep is None:
+            yield from chunks
+            return
+        for chunk in chunks:
+            mask = keep[chunk.start:chunk.start + len(chunk.n_atoms)]
+            if mask.any():
+                yield chunk.take(mask)
 
     def _chunks(self, pieces, chunk_atoms, read, sources):
         """Chunks of the pieces, with each field of `sources` (name -> the fields of `read`

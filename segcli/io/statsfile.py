@@ -19,8 +19,10 @@ each component of a field (millions for a large per-atom tensor)."""
 def write_stats(path, stats, attrs, force=False, leaves=None):
     """Write `stats` (name -> segcli.stats.FieldStats) to a new HDF5 file: root attributes
     format, version and `attrs`; a group /stats/<name> per field holding count (G,) and mean,
-    m2, min, max, std, rms (G, K) for its G groups (those with values, atomic numbers in
-    `element` when grouped by element) and K components (the attribute `components`). A
+    m2, min, max, std, rms (G, K) for its G groups (those with values: atomic numbers in
+    `element` when grouped by element, the values of the field that the attribute `by` names
+    in `group` when grouped by it, all of them in the attribute `groups`) and K components
+    (the attribute `components`). A
     shard's part also holds its `leaves` (name -> FieldStats stacked by leaf) in
     /stats/<name>/leaves, which `segcli merge` joins."""
     import h5py
@@ -34,15 +36,27 @@ def write_stats(path, stats, attrs, force=False, leaves=None):
             group = h5.create_group(f"stats/{s.name}")
             group.attrs.update(per=s.per, components=s.components, by_element=s.by_element,
                                per_atom=s.per_atom)
-            rows = np.flatnonzero(s.moments.count) if s.by_element else np.zeros(1, int)
+            rows = np.flatnonzero(s.moments.count) if s.grouped else np.zeros(1, int)
             if s.by_element:
                 group["element"] = rows
+            if s.by is not None:
+                group.attrs.update(by=s.by, groups=_storable(s.groups))
+                group["group"] = _storable([s.groups[g] for g in rows])
             for key in MOMENTS:
                 group[key] = getattr(s.moments, key)[rows]
             if leaves is not None:
                 for key in LEAF_MOMENTS:
                     group.create_dataset(f"leaves/{key}", data=getattr(leaves[s.name].moments, key),
                                          compression="gzip", shuffle=True)
+
+
+def _storable(values):
+    """Group values (ints or strings) as an array h5py stores (strings variable-length)."""
+    import h5py
+
+    if values and isinstance(values[0], str):
+        return np.array(values, dtype=h5py.string_dtype())
+    return np.array(values, np.int64)
 
 
 def read_leaves(path, h5):
@@ -58,6 +72,9 @@ def read_leaves(path, h5):
         attrs = {k: plain(group.attrs[k]) for k in ("per", "components", "by_element",
                                                     "per_atom")}
         moments = Moments(*(group["leaves"][key][()] for key in LEAF_MOMENTS))
+        by = plain(group.attrs["by"]) if "by" in group.attrs else None
+        groups = None if by is None else plain(group.attrs["groups"])
         out[name] = FieldStats(name, attrs["per"], list(attrs["components"]),
-                               bool(attrs["by_element"]), bool(attrs["per_atom"]), moments)
+                               bool(attrs["by_element"]), bool(attrs["per_atom"]), moments,
+                               by, groups)
     return out

@@ -5,7 +5,7 @@ import os
 import numpy as np
 
 from segcli.errors import DataError
-from segcli.io.core import Chunk, path_text
+from segcli.io.core import path_text
 from segcli.io.formats import capable
 from segcli.io.hdf5 import plain, read_rows
 from segcli.io.writers import BatchWriter, ensure_room, new_output
@@ -62,7 +62,7 @@ def _stream(batch, keep, h5, progress):
     for pieces in batch.stream(STREAM_ATOMS):
         if len(batch.sources) > 1:
             pieces = [_with_sources(batch, p) for p in pieces]
-        kept = [_take(p, keep[p.start:p.start + len(p.n_atoms)]) for p in pieces]
+        kept = [p.take(keep[p.start:p.start + len(p.n_atoms)]) for p in pieces]
         kept = [p for p in kept if len(p.n_atoms)]
         if kept:
             writer.append(batch.path, kept)
@@ -76,14 +76,6 @@ def _with_sources(batch, piece):
     source, index = batch.source_of(slice(piece.start, piece.start + len(piece.n_atoms)))
     return piece._replace(structures={**piece.structures, "source": source,
                                       "source_index": index})
-
-
-def _take(piece, mask):
-    """The structures of a piece where `mask` is true."""
-    rows = np.repeat(mask, piece.n_atoms)
-    return Chunk(piece.start, piece.n_atoms[mask], {n: a[rows] for n, a in piece.atoms.items()},
-                 {n: a[mask] for n, a in piece.structures.items()},
-                 {n: m[mask] for n, m in piece.present.items()})
 
 
 def _copy(batch, keep, source, h5, progress):

@@ -370,15 +370,15 @@ class ResultWriter:
         self._h5.create_dataset("structures/source", data=np.asarray(source, np.int32))
         self._h5.create_dataset("structures/source_index", data=np.asarray(source_index, np.int64))
 
-    def create(self, name, shape, dtype, attrs):
-        """Create /results/<name>; a result already there (or a result where one of its
-        groups would go) is replaced only with force."""
+    def create(self, name, shape, dtype, attrs, fill=None):
+        """Create /results/<name>, its rows `fill` (default 0) until written; a result already
+        there (or a result where one of its groups would go) is replaced only with force."""
         existing = _existing_result(self._h5, name)
         if existing is not None:
             self._refuse(existing)
             del self._h5[existing]
         ensure_room(self._h5, int(np.prod(shape)) * np.dtype(dtype).itemsize)
-        ds = self._h5.create_dataset(f"results/{name}", shape=shape, dtype=dtype)
+        ds = self._h5.create_dataset(f"results/{name}", shape=shape, dtype=dtype, fillvalue=fill)
         _set_attrs(ds, {"segcli_version": __version__,
                         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                         **attrs})
