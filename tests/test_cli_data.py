@@ -44,7 +44,7 @@ def test_info_text(batch_h5):
     lines = result.stdout.splitlines()
     assert lines[:3] == [f"{batch_h5}: segcli HDF5", "structures: 7", f"atoms: {n_atoms.sum()}"]
     rows = {line.split()[0]: line.split()[1:] for line in lines[4:-2]}
-    assert rows["name"] == ["per", "shape", "dtype"]
+    assert rows["name"] == ["per", "shape", "dtype", "units"]
     assert rows["forces"] == ["atom", "(3,)", "float64"]
     assert rows["numbers"] == ["atom", "()", "int64"]
     assert rows["velocities"] == ["atom", "(3,)", "float64", "derived"]
@@ -81,7 +81,7 @@ def test_info_json_on_every_kind(tmp_path, batch_h5, extxyz, kind):
         assert summary["structures"] == batch.n_structures
         assert summary["fields"] == {
             f.name: {"per": f.per, "shape": list(f.shape),
-                     "dtype": "str" if f.name == "label" else str(f.dtype),
+                     "dtype": "str" if f.name == "label" else str(f.dtype), "units": f.units,
                      "derived": f.name in ("velocities", "scaled_positions"), "result": False,
                      "present": batch.n_structures}
             for f in batch.fields.values()}
@@ -89,7 +89,7 @@ def test_info_json_on_every_kind(tmp_path, batch_h5, extxyz, kind):
     if kind != "empty":
         assert summary["fields"]["positions"] == {
             "per": "atom", "shape": [3], "dtype": "float64", "derived": False, "result": False,
-            "present": summary["structures"]}
+            "present": summary["structures"], "units": "Ang" if kind == "conformers" else None}
 
 
 def test_convert_round_trip(extxyz, ase_reference):

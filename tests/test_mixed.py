@@ -198,7 +198,7 @@ def test_info_shows_partial_fields(mixed, tmp_path):
     summary = json.loads(run("info", "--json", out).stdout)
     assert summary["fields"]["stress"] == {
         "per": "structure", "shape": [6], "dtype": "float64", "derived": False,
-        "result": False, "present": 10, "fill_value": "nan"}
+        "result": False, "present": 10, "fill_value": "nan", "units": None}
     assert summary["fields"]["miller"]["present"] == 4
     assert summary["fields"]["miller"]["fill_value"] == 0
     assert summary["fields"]["energy"]["present"] == 30
