@@ -76,16 +76,15 @@ def is_ase(unit):
     return unit not in known() or known()[unit][0] == unit
 
 
-def join(path, name, index, before, unit):
+def join(path, name, index, before, unit, hint=""):
     """The unit of field `name` after structures in `unit` (from structure `index` of `path`)
-    join those in `before`; DataError when both are stated and differ, or one is stated,
-    not ASE's, and the other unstated (ASE's units assumed)."""
+    join those in `before`; DataError (ending with `hint`) when both are stated and differ,
+    or one is stated, not ASE's, and the other unstated (ASE's units assumed)."""
     if before == unit or (None in (before, unit) and is_ase(before or unit)):
         return before or unit
     said = [f"in {u}" if u else "without units" for u in (unit, before)]
     raise DataError(f"{path}: field '{name}' is {said[0]} in structure {index}, {said[1]} "
-                    "before; `segcli convert --to-ase-units` converts each input to ASE's "
-                    "units, `--units NAME=UNIT` states an input's")
+                    f"before{hint}")
 
 
 def to_ase(path, piece, units, left):

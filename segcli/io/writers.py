@@ -388,6 +388,10 @@ class ResultWriter:
         self._h5[f"results/{name}"][start_row:start_row + len(array)] = array
 
 
+JOIN_HINT = ("; `--to-ase-units` converts each input to ASE's units, `--units NAME=UNIT` "
+             "states those of an input that states none")
+
+
 class BatchWriter:
     """Appends chunks of structures to a new segcli HDF5 file, in resizable chunked datasets.
 
@@ -429,7 +433,7 @@ class BatchWriter:
             check_fill(self._first_path, 0, name, self._fill)
         for name, (per, p) in first_seen.items():
             unit = units.get(name)
-            self._units[name] = (join(path, name, p.start, self._units[name], unit)
+            self._units[name] = (join(path, name, p.start, self._units[name], unit, JOIN_HINT)
                                  if name in self._units else unit)
             array = (p.atoms if per == "atom" else p.structures)[name]
             self.schema.add(path, FieldInfo(name, per, array.shape[1:], array.dtype), p.start,
