@@ -59,7 +59,8 @@ def _notes(summary, f):
 def info(file, as_json):
     """Show what a file holds.
 
-    The structures, atoms, fields (per atom or per structure, shape, dtype) and stored results
+    The structures, atoms, fields (per atom or per structure, shape, dtype, units where the
+    file states them or, for a conformer file, its dataset's convention) and stored results
     of FILE. A field computed from others is marked `derived`, a stored result usable as a
     field (by its name, e.g. in `segcli reduce`) `result`, and a field that only some
     structures have `present in K of S` (with what fills the others in a converted file).
@@ -209,6 +210,12 @@ def convert(inputs, output, compression, chunk_atoms, fill_missing, fields, drop
     info (key-value pairs in a database), stored results included; a structure without a
     field is written without it.
 
+    A field's units (what its file states; a conformer file's by its dataset's convention,
+    SPICE's and ANI-1x's in Hartree and Bohr) are kept, and --units states them where an
+    input states none. Inputs whose units differ are refused, and so is an OUTPUT of an ASE
+    format with a field in known units that are not ASE's, unless --to-ase-units converts
+    them (a field in units segcli does not know is left as it is, and named on stderr).
+
     \b
     Example:
       segcli convert sample_data/metals.extxyz -o metals.h5
@@ -216,6 +223,7 @@ def convert(inputs, output, compression, chunk_atoms, fill_missing, fields, drop
       segcli convert run1.traj run2.extxyz -o runs.h5 --compression gzip --force
       segcli convert surf.traj bulk.extxyz -o all.h5 --cast miller=str --rename energies=e
       segcli convert sample_data/metals.h5 -o metals-again.extxyz
+      segcli convert spice.hdf5 -o spice.h5 --to-ase-units
     """
     import numpy as np
 
