@@ -6,6 +6,7 @@ import functools
 import re
 
 from segcli.errors import DataError
+from segcli.io.core import held
 
 CONVENTIONS = {
     "conformations": (("conformations", "Bohr"), ("*_energy", "Hartree"),
@@ -102,31 +103,33 @@ def to_ase(path, piece, units, left):
                 converted[name] = values
                 continue
             if values.dtype.kind not in "iufc":
-                raise DataError(f"{path}: field '{name}' holds {values.dtype} values, which "
+                raise DataError(f"{path}: field '{name}' holds {held(values.dtype)}, which "
                                 f"have no units (it is said to be in {unit})")
-            target, factor = known()[unit]
-            if target == "eV/Ang" and GRADIENT.fullmatch(name):
-                if "forces" in data or "forces" in converted:
-                    raise DataError(f"{path}: --to-ase-units turns '{name}' into 'forces', "
+            new, _, factor = _in_ase_units(name, unit)
+            if new != name:
+                if new in data or new in converted:
+                    raise DataError(f"{path}: --to-ase-units turns '{name}' into '{new}', "
                                     f"which structure {piece.start} has already")
-                names[name], factor = "forces", -factor
-            converted[names.get(name, name)] = values * factor if factor != 1 else values
+                names[name] = new
+            converted[new] = values * factor if factor != 1 else values
         out.append(converted)
     present = {names.get(n, n): mask for n, mask in piece.present.items()}
     return piece._replace(atoms=out[0], structures=out[1], present=present)
 
 
+def _in_ase_units(name, unit):
+    """(name, unit, factor to it) of field `name`, in the known `unit`, in ASE's units: a
+    gradient's name is `forces` and its factor negated."""
+    target, factor = known()[unit]
+    if target == "eV/Ang" and GRADIENT.fullmatch(name):
+        return "forces", target, -factor
+    return name, target, factor
+
+
 def ase_units(units):
-    """`units` (name -> unit) as --to-ase-units leaves them: known ones ASE's, a gradient
-    field's as forces' (see to_ase)."""
-    out = {}
-    for name, unit in units.items():
-        if unit in known():
-            unit = known()[unit][0]
-            if unit == "eV/Ang" and GRADIENT.fullmatch(name):
-                name = "forces"
-        out[name] = unit
-    return out
+    """`units` (name -> unit) as --to-ase-units leaves them (see to_ase)."""
+    return dict(_in_ase_units(name, unit)[:2] if unit in known() else (name, unit)
+                for name, unit in units.items())
 
 
 def check_ase(path, units):
