@@ -44,7 +44,7 @@ def test_info_text(batch_h5):
     lines = result.stdout.splitlines()
     assert lines[:3] == [f"{batch_h5}: segcli HDF5", "structures: 7", f"atoms: {n_atoms.sum()}"]
     rows = {line.split()[0]: line.split()[1:] for line in lines[4:-2]}
-    assert rows["name"] == ["per", "shape", "dtype", "units"]
+    assert rows["name"] == ["per", "shape", "dtype"]
     assert rows["forces"] == ["atom", "(3,)", "float64"]
     assert rows["numbers"] == ["atom", "()", "int64"]
     assert rows["velocities"] == ["atom", "(3,)", "float64", "derived"]

@@ -363,8 +363,8 @@ def test_results_are_fields(batch_h5):
             w.write(name, 0, array)
     with open_batch(batch_h5) as batch:
         fields = batch.fields
-        assert fields["per_structure"] == ("per_structure", "structure", (2,), np.float64)
-        assert fields["grad/d_forces"] == ("grad/d_forces", "atom", (3,), np.float64)
+        assert fields["per_structure"] == ("per_structure", "structure", (2,), np.float64, None)
+        assert fields["grad/d_forces"] == ("grad/d_forces", "atom", (3,), np.float64, None)
         assert fields["energy"].shape == ()  # the stored field, not the result
         assert "untyped" not in fields  # no per: not a field
         assert batch.result_fields == {"per_structure", "grad/d_forces"}

@@ -107,6 +107,8 @@ def info(file, as_json):
     rows = [("name", "per", "shape", "dtype", "units", "")] + [
         (name, f["per"], str(tuple(f["shape"])), f["dtype"], f["units"] or "", _notes(summary, f))
         for name, f in summary["fields"].items()]
+    if not any(f["units"] for f in summary["fields"].values()):  # no column where none is stated
+        rows = [row[:4] + row[5:] for row in rows]
     click.echo("fields:" + ("" if len(rows) > 1 else " none"))
     for line in table(rows) if len(rows) > 1 else []:
         click.echo(f"  {line}")

@@ -381,6 +381,9 @@ class Batch:
 
     format = ""
     _result_fields = MappingProxyType({})
+    _states_units = False
+    """Whether the format's fields may state units (known once the file is open); ASE's
+    formats state none, so `units` reads no file of theirs through."""
 
     def __init__(self, path):
         self.path = path
@@ -413,6 +416,8 @@ class Batch:
     @property
     def units(self):
         """name -> units of each field whose units are stated."""
+        if not self._states_units:
+            return {}
         return {name: f.units for name, f in self.fields.items() if f.units}
 
     @property

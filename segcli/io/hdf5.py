@@ -203,6 +203,7 @@ class SegcliBatch(Batch):
     """A segcli-batch HDF5 file (SPEC §4)."""
 
     format = "segcli"
+    _states_units = True
 
     def __init__(self, path, h5):
         super().__init__(path)
@@ -478,6 +479,7 @@ class ConformerBatch(Batch):
     """The conformer-group layout: each conformer of each molecule group is one structure."""
 
     format = "conformers"
+    _states_units = True
 
     def __init__(self, path, h5):
         super().__init__(path)
