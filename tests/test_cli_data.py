@@ -82,7 +82,7 @@ def test_info_json_on_every_kind(tmp_path, batch_h5, extxyz, kind):
         assert summary["structures"] == batch.n_structures
         assert summary["fields"] == {
             f.name: {"per": f.per, "shape": list(f.shape),
-                     "dtype": "str" if f.name == "label" else str(f.dtype),
+                     "dtype": "str" if f.name == "label" else str(f.dtype), "units": f.units,
                      "derived": f.name in ("velocities", "scaled_positions"), "result": False,
                      "present": batch.n_structures}
             for f in batch.fields.values()}
@@ -90,7 +90,7 @@ def test_info_json_on_every_kind(tmp_path, batch_h5, extxyz, kind):
     if kind != "empty":
         assert summary["fields"]["positions"] == {
             "per": "atom", "shape": [3], "dtype": "float64", "derived": False, "result": False,
-            "present": summary["structures"]}
+            "present": summary["structures"], "units": "Ang" if kind == "conformers" else None}
 
 
 def test_convert_round_trip(extxyz, ase_reference):

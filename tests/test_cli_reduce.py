@@ -237,7 +237,8 @@ def test_output_file_attributes_force_and_in_place(tmp_path, random_file, device
 
 
 @pytest.mark.parametrize("args, needles", [
-    (["sum", "forcez"], ["metals.h5: no field 'forcez'; its fields are: cell, config_type, energies, energy,"]),
+    (["sum", "forcez"],
+     ["metals.h5: no field 'forcez'; its fields are: cell, config_type, energies, energy,"]),
     (["sum", "energy"], ["field 'energy' is per structure (S,), but sum must be per atom"]),
     (["mul", "forces", "positions"], ["field 'positions' is per atom (N, 3), but mul's second"]),
     (["matvec", "forces", "stress"], ["field 'stress' has shape (S, 6), but matvec's second "

@@ -234,6 +234,8 @@ def write_conformers(path):
                     "charges": rng.normal(size=(c, n)).astype(np.float32),
                     "energy": rng.normal(size=c), "dipole": rng.normal(size=(c, 3))}
             g[positions_key] = data.pop("positions")
+            if positions_key == "conformations":  # SPICE's name, in Bohr unless stated
+                g[positions_key].attrs["units"] = "Ang"
             positions = g[positions_key][()]
             for key, value in data.items():
                 g[key] = value

@@ -198,7 +198,7 @@ def test_info_shows_partial_fields(mixed, tmp_path):
     summary = json.loads(run("info", "--json", out).stdout)
     assert summary["fields"]["stress"] == {
         "per": "structure", "shape": [6], "dtype": "float64", "derived": False,
-        "result": False, "present": 10, "fill_value": "nan"}
+        "result": False, "present": 10, "fill_value": "nan", "units": None}
     assert summary["fields"]["miller"]["present"] == 4
     assert summary["fields"]["miller"]["fill_value"] == 0
     assert summary["fields"]["energy"]["present"] == 30
@@ -365,8 +365,8 @@ def test_results_are_fields(batch_h5):
             w.write(name, 0, array)
     with open_batch(batch_h5) as batch:
         fields = batch.fields
-        assert fields["per_structure"] == ("per_structure", "structure", (2,), np.float64)
-        assert fields["grad/d_forces"] == ("grad/d_forces", "atom", (3,), np.float64)
+        assert fields["per_structure"] == ("per_structure", "structure", (2,), np.float64, None)
+        assert fields["grad/d_forces"] == ("grad/d_forces", "atom", (3,), np.float64, None)
         assert fields["energy"].shape == ()  # the stored field, not the result
         assert "untyped" not in fields  # no per: not a field
         assert batch.result_fields == {"per_structure", "grad/d_forces"}

@@ -28,7 +28,7 @@ def describe(batch):
     def field(f):
         present = batch.present(f.name)
         out = {"per": f.per, "shape": list(f.shape),
-               "dtype": "str" if f.dtype == object else str(f.dtype),
+               "dtype": "str" if f.dtype == object else str(f.dtype), "units": f.units,
                "derived": f.name in batch.derived, "result": f.name in batch.result_fields,
                "present": batch.n_structures if present is None else int(present.sum())}
         fill = batch.fill_value(f.name) if present is not None else None
@@ -81,7 +81,8 @@ def _notes(summary, f):
 def info(file, as_json):
     """Show what a file holds.
 
-    The structures, atoms, fields (per atom or per structure, shape, dtype) and stored results
+    The structures, atoms, fields (per atom or per structure, shape, dtype, units where the
+    file states them or, for a conformer file, its dataset's convention) and stored results
     of FILE. A field computed from others is marked `derived`, a stored result usable as a
     field (by its name, e.g. in `segcli reduce`) `result`, and a field that only some
     structures have `present in K of S` (with what fills the others in a converted file).
@@ -127,9 +128,11 @@ def info(file, as_json):
             click.echo(f"  {line}")
     click.echo(f"structures: {summary['structures']}")
     click.echo(f"atoms: {summary['atoms']}")
-    rows = [("name", "per", "shape", "dtype", "")] + [
-        (name, f["per"], str(tuple(f["shape"])), f["dtype"], _notes(summary, f))
+    rows = [("name", "per", "shape", "dtype", "units", "")] + [
+        (name, f["per"], str(tuple(f["shape"])), f["dtype"], f["units"] or "", _notes(summary, f))
         for name, f in summary["fields"].items()]
+    if not any(f["units"] for f in summary["fields"].values()):  # no column where none is stated
+        rows = [row[:4] + row[5:] for row in rows]
     click.echo("fields:" + ("" if len(rows) > 1 else " none"))
     for line in table(rows) if len(rows) > 1 else []:
         click.echo(f"  {line}")
@@ -183,6 +186,13 @@ def _pairs(ctx, param, texts):
             raise click.BadParameter(f"{key} is given twice")
         if param.name == "casts" and value not in CASTS:
             raise click.BadParameter(f"{value!r} is not one of {', '.join(CASTS)}")
+        if param.name == "units":
+            from segcli.io.units import canonical, known
+
+            if canonical(value) is None:
+                raise click.BadParameter(f"{value!r} is not a unit segcli knows: "
+                                         f"{', '.join(known())}")
+            value = canonical(value)
         pairs[key] = value
     return pairs
 
@@ -210,11 +220,18 @@ def _pairs(ctx, param, texts):
               help=f"Write field NAME (as renamed) as DTYPE, one of {', '.join(CASTS)}; a value "
                    "that would change (1.5 as int64, text that is no number) is an error. "
                    "Repeatable.")
+@click.option("--units", "units", multiple=True, callback=_pairs, metavar="NAME=UNIT",
+              help="Field NAME (as renamed) is in UNIT (eV, Hartree, Ang, Bohr, eV/Ang, "
+                   "Hartree/Bohr, amu, e, ...) in the inputs that state no units for it. "
+                   "Repeatable.")
+@click.option("--to-ase-units", is_flag=True,
+              help="Convert every field of known units to ASE's (eV, Ang, eV/Ang, eV/Ang^3), "
+                   "and a gradient field (dft_total_gradient) into forces, its negative.")
 @click.option("--force", is_flag=True, help="Overwrite OUTPUT if it exists.")
 @input_format_option()
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
 def convert(inputs, output, compression, chunk_atoms, fill_missing, fields, drop, renames, casts,
-            force, quiet):
+            units, to_ase_units, force, quiet):
     """Convert files to one segcli HDF5 file, or export to ASE formats.
 
     The INPUT files are concatenated in order. Each is any file ASE reads (extxyz, xyz, traj,
@@ -235,6 +252,12 @@ def convert(inputs, output, compression, chunk_atoms, fill_missing, fields, drop
     info (key-value pairs in a database), stored results included; a structure without a
     field is written without it.
 
+    A field's units (what its file states; a conformer file's by its dataset's convention,
+    SPICE's and ANI-1x's in Hartree and Bohr) are kept, and --units states them where an
+    input states none. Inputs whose units differ are refused, and so is an OUTPUT of an ASE
+    format with a field in known units that are not ASE's, unless --to-ase-units converts
+    them (a field in units segcli does not know is left as it is, and named on stderr).
+
     \b
     Example:
       segcli convert sample_data/metals.extxyz -o metals.h5
@@ -242,6 +265,7 @@ def convert(inputs, output, compression, chunk_atoms, fill_missing, fields, drop
       segcli convert run1.traj run2.extxyz -o runs.h5 --compression gzip --force
       segcli convert surf.traj bulk.extxyz -o all.h5 --cast miller=str --rename energies=e
       segcli convert sample_data/metals.h5 -o metals-again.extxyz
+      segcli convert spice.hdf5 -o spice.h5 --to-ase-units
     """
     import numpy as np
 
@@ -257,7 +281,9 @@ def convert(inputs, output, compression, chunk_atoms, fill_missing, fields, drop
         raise click.UsageError(f"{option} applies to a segcli HDF5 output, not to {fmt}")
     paths = expand_inputs(inputs)
     refuse_output_among_inputs(output, paths, "convert writes a new file")
-    choice = {"fields": fields, "drop": drop, "rename": renames, "cast": casts}
+    left = {}
+    choice = {"fields": fields, "drop": drop, "rename": renames, "cast": casts, "units": units,
+              "to_ase_units": to_ase_units, "left": left}
     with progress(not quiet, f"converting to {output}") as bar:
         if fmt is not None:
             structures, atoms = export(paths, output, fmt, chunk_atoms=chunk_atoms, force=force,
@@ -269,6 +295,9 @@ def convert(inputs, output, compression, chunk_atoms, fill_missing, fields, drop
                 fill_missing=np.nan if fill_missing else None, force=force, progress=bar,
                 input_format=input_format(), **choice)
     if not quiet:
+        for name, unit in left.items():
+            note(f"{output}: --to-ase-units left field '{name}' as it is: its units, "
+                 f"{unit!r}, are not ones segcli knows")
         what = f", fields: {', '.join(written) or 'none'}" if written is not None else ""
         note(f"{output}: {structures} structures, {atoms} atoms{what}")
 

@@ -61,12 +61,14 @@ def standard_input():
     return sys.stdin
 
 class FieldInfo(NamedTuple):
-    """A field: per "atom" or "structure", its trailing shape and dtype."""
+    """A field: per "atom" or "structure", its trailing shape and dtype, and its units where
+    the file states them (see segcli.io.units)."""
 
     name: str
     per: str
     shape: tuple
     dtype: np.dtype
+    units: str | None = None
 
 
 class Chunk(NamedTuple):
@@ -308,8 +310,9 @@ def check_name(path, index, name):
 
 
 class Schema(dict):
-    """Fields seen so far (name -> FieldInfo); dtypes promote as NumPy does, shapes must agree,
-    names must be fields' (see check_name), but for results' (GROUP/NAME)."""
+    """Fields seen so far (name -> FieldInfo); dtypes promote as NumPy does, shapes and units
+    must agree (see segcli.io.units.join), names must be fields' (see check_name), but for
+    results' (GROUP/NAME)."""
 
     def add(self, path, info, index, result=False):
         """Add a field (or with `result`, a result) found in structure `index` of `path`."""
@@ -322,9 +325,12 @@ class Schema(dict):
             raise DataError(
                 f"{path}: field '{info.name}' is per {info.per} with shape {info.shape} in "
                 f"structure {index}, per {known.per} with shape {known.shape} before")
-        elif known.dtype != info.dtype:
+        elif (known.dtype, known.units) != (info.dtype, info.units):
+            from segcli.io.units import join
+
             self[info.name] = known._replace(
-                dtype=common_dtype(path, info.name, index, known.dtype, info.dtype))
+                dtype=common_dtype(path, info.name, index, known.dtype, info.dtype),
+                units=join(path, info.name, index, known.units, info.units))
 
     def add_piece(self, path, piece):
         for per, data in (("atom", piece.atoms), ("structure", piece.structures)):
@@ -406,6 +412,9 @@ class Batch:
     format = ""
     input_format = None  # the format `--format` forced on the file (see segcli.io.open_batch)
     _result_fields = MappingProxyType({})
+    _states_units = False
+    """Whether the format's fields may state units (known once the file is open); ASE's
+    formats state none, so `units` reads no file of theirs through."""
 
     def __init__(self, path):
         self.path = path
@@ -434,6 +443,13 @@ class Batch:
         results (/results/NAME) not named as one of these."""
         fields = {**self._stored, **derivable(self._stored)}
         return {**fields, **{n: f for n, f in self._result_fields.items() if n not in fields}}
+
+    @property
+    def units(self):
+        """name -> units of each field whose units are stated."""
+        if not self._states_units:
+            return {}
+        return {name: f.units for name, f in self.fields.items() if f.units}
 
     @property
     def derived(self):

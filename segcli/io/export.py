@@ -37,7 +37,8 @@ def export_format(path):
 
 
 def export(inputs, output, fmt, *, chunk_atoms=100_000, fields=None, drop=None, rename=None,
-           cast=None, keep=None, force=False, progress=None, input_format=None):
+           cast=None, units=None, to_ase_units=False, left=None, keep=None, force=False,
+           progress=None, input_format=None):
     """Write the structures of `inputs` (files open_batch reads, in `input_format` if given),
     in order, to the new file `output` in ASE's format `fmt` (see export_format), compressed
     as its name says (.gz, .bz2, .xz), streaming `chunk_atoms` atoms at a time: per
@@ -46,23 +47,29 @@ def export(inputs, output, fmt, *, chunk_atoms=100_000, fields=None, drop=None, 
     FixAtoms constraint, the other per-atom fields as arrays and per-structure ones as info
     (or, in a database, as key-value pairs where ASE allows, else data); a structure without
     a field leaves it out.
-    `fields`, `drop`, `rename` and `cast` choose, rename and cast fields as convert's do;
-    `keep` (a bool per structure of the inputs, in order) writes only those it marks.
+    `fields`, `drop`, `rename`, `cast`, `units`, `to_ase_units` and `left` choose, rename,
+    cast and convert fields as convert's do; a field in known units that are not ASE's
+    raises DataError (see units.check_ase) unless `to_ase_units` converts it. `keep` (a bool
+    per structure of the inputs, in order) writes only those it marks.
     Returns (structures, atoms) written."""
     from ase.io import write
     from ase.io.formats import ioformats
 
     from segcli.io import open_batch
+    from segcli.io.units import check_ase
 
     output = os.fspath(output)
-    choice = FieldChoice(fields, drop, rename, cast)
+    choice = FieldChoice(fields, drop, rename, cast, units, to_ase_units, left)
     counts = [0, 0]
     with ExitStack() as stack:
         batches = [stack.enter_context(open_batch(path, input_format)) for path in inputs]
+        stated = [choice.units(batch) for batch in batches]
+        for batch, units in zip(batches, stated):
+            check_ase(batch.path, choice.written(units))
         tmp = stack.enter_context(new_output(output, force))
         if progress is not None and None not in (b.counted for b in batches):
             progress.reset(sum(b.counted for b in batches))
-        images = _images(batches, choice, chunk_atoms, keep, counts, progress)
+        images = _images(batches, stated, choice, chunk_atoms, keep, counts, progress)
         if fmt in _DATABASES:
             _write_database(tmp, fmt, images)
         elif ioformats[fmt].single:
@@ -109,13 +116,14 @@ def _write_database(tmp, fmt, images):
             db.write(atoms, key_value_pairs=pairs, data=data)
 
 
-def _images(batches, choice, chunk_atoms, keep, counts, progress):
-    """Each structure of the batches that `keep` (None: all) marks, as an ase.Atoms, counted
-    into `counts` (structures, atoms); `progress` counts every structure read."""
+def _images(batches, stated, choice, chunk_atoms, keep, counts, progress):
+    """Each structure of the batches that `keep` (None: all) marks, as an ase.Atoms (fields
+    converted from the units `stated` of each batch as `choice` says), counted into `counts`
+    (structures, atoms); `progress` counts every structure read."""
     index = 0
-    for batch in batches:
+    for batch, units in zip(batches, stated):
         for group in batch.stream(chunk_atoms, choice.keep):
-            for atoms, structure, n in _each_structure(choice.apply(batch.path, group)):
+            for atoms, structure, n in _each_structure(choice.apply(batch.path, group, units)):
                 if keep is None or keep[index]:
                     yield _atoms(atoms, structure, n)
                     counts[0] += 1

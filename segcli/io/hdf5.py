@@ -23,6 +23,7 @@ from segcli.io.core import (
     plan_chunks,
 )
 from segcli.io.heap import TextHeaps, guarded
+from segcli.io.units import convention, stated
 
 POSITION_NAMES = ("coordinates", "conformations", "positions")
 NUMBER_NAMES = ("atomic_numbers", "species")
@@ -165,6 +166,17 @@ def plain(value):
     return value.decode() if isinstance(value, bytes) else value
 
 
+def units_of(path, ds, default=None):
+    """The units the dataset `ds` states in its attribute `units` (see units.stated), else
+    `default`; DataError when the attribute is not text."""
+    if "units" not in ds.attrs:
+        return default
+    units = plain(ds.attrs["units"])
+    if not isinstance(units, str):
+        raise DataError(f"{path}: attribute units of {ds.name} is {units!r}, not text")
+    return stated(units)
+
+
 def open_file(path, batch_class):
     """An HDF5 file opened as `batch_class` (SegcliBatch or ConformerBatch); DataError when
     HDF5 cannot read it."""
@@ -191,6 +203,7 @@ class SegcliBatch(Batch):
     """A segcli-batch HDF5 file (SPEC §4)."""
 
     format = "segcli"
+    _states_units = True
 
     def __init__(self, path, h5):
         super().__init__(path)
@@ -228,7 +241,8 @@ class SegcliBatch(Batch):
                 if name in self._stored:
                     raise DataError(f"{path}: '{name}' is both in /atoms and in /structures")
                 self._stored[name] = FieldInfo(name, per, ds.shape[1:],
-                                               STRING if is_string else ds.dtype)
+                                               STRING if is_string else ds.dtype,
+                                               units_of(path, ds))
                 self._datasets[name] = ds
         self._masks = {}
         for name, ds in groups["present"].items():
@@ -249,7 +263,8 @@ class SegcliBatch(Batch):
                                 "'structure'")
             self._check_rows(f"/results/{name}", ds, per, rows[per])
             if name not in self._stored:
-                self._result_fields[name] = FieldInfo(name, per, ds.shape[1:], ds.dtype)
+                self._result_fields[name] = FieldInfo(name, per, ds.shape[1:], ds.dtype,
+                                                      units_of(path, ds))
                 self._datasets[name] = ds
 
     def _group(self, name):
@@ -404,7 +419,9 @@ class SegcliBatch(Batch):
 
 
 class Molecule:
-    """One group of the conformer layout: C conformers of the same n atoms."""
+    """One group of the conformer layout: C conformers of the same n atoms; `datasets` maps
+    each field to (its dataset's name, trailing shape, dtype, units), units as the dataset
+    states them or else by its dataset's convention (see units.CONVENTIONS)."""
 
     def __init__(self, path, group):
         self.name = group.name
@@ -431,12 +448,15 @@ class Molecule:
                             f"not (conformers, {n}, 3) for the {n} atomic numbers")
         self.n_conformers = positions.shape[0]
         self.n_atoms = n
-        self.datasets = {"positions": (found[0], positions.shape[1:], positions.dtype)}
+        fields = {"positions": (found[0], positions)}
         for key, ds in group.items():
             if (key not in NUMBER_NAMES + POSITION_NAMES and isinstance(ds, h5py.Dataset)
                     and ds.dtype.kind in NUMERIC_KINDS and ds.ndim
                     and ds.shape[0] == self.n_conformers):
-                self.datasets[key] = (key, ds.shape[1:], ds.dtype)
+                fields[key] = (key, ds)
+        self.datasets = {name: (key, ds.shape[1:], ds.dtype,
+                                units_of(path, ds, convention(found[0], key)))
+                         for name, (key, ds) in fields.items()}
 
 
 def find_molecules(path, h5):
@@ -459,6 +479,7 @@ class ConformerBatch(Batch):
     """The conformer-group layout: each conformer of each molecule group is one structure."""
 
     format = "conformers"
+    _states_units = True
 
     def __init__(self, path, h5):
         super().__init__(path)
@@ -473,14 +494,14 @@ class ConformerBatch(Batch):
         # (C, n, ...) is per atom, unless the same name has another shape in another group
         per_atom = {}
         for m in self._molecules:
-            for name, (_, shape, _) in m.datasets.items():
+            for name, (_, shape, _, _) in m.datasets.items():
                 per_atom[name] = per_atom.get(name, True) and shape[:1] == (m.n_atoms,)
         schema = Schema()
         for m, first in zip(self._molecules, self._first):
             schema.add(path, FieldInfo("numbers", "atom", (), np.dtype(np.int64)), first)
-            for name, (_, shape, dtype) in m.datasets.items():
-                info = (FieldInfo(name, "atom", shape[1:], dtype) if per_atom[name]
-                        else FieldInfo(name, "structure", shape, dtype))
+            for name, (_, shape, dtype, units) in m.datasets.items():
+                info = (FieldInfo(name, "atom", shape[1:], dtype, units) if per_atom[name]
+                        else FieldInfo(name, "structure", shape, dtype, units))
                 schema.add(path, info, first)
         self._stored = dict(schema)
 
@@ -505,7 +526,7 @@ class ConformerBatch(Batch):
                 data = {"atom": {}, "structure": {}}
                 if names is None or "numbers" in names:
                     data["atom"]["numbers"] = np.tile(mol.numbers, b - a)
-                for name, (key, _, _) in mol.datasets.items():
+                for name, (key, _, _, _) in mol.datasets.items():
                     if names is None or name in names:
                         array = read_rows(self.path, group[key], a, b)
                         per = self._stored[name].per

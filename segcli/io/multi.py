@@ -250,6 +250,7 @@ class MultiBatch(Batch):
     Built from a Layout; a member file is opened only while structures of it are read."""
 
     format = "multi"
+    _states_units = True
 
     def __init__(self, layout):
         super().__init__(layout.name)

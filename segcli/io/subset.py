@@ -65,7 +65,7 @@ def _stream(batch, keep, h5, progress):
         kept = [p.take(keep[p.start:p.start + len(p.n_atoms)]) for p in pieces]
         kept = [p for p in kept if len(p.n_atoms)]
         if kept:
-            writer.append(batch.path, kept)
+            writer.append(batch.path, kept, units=batch.units)
         if progress is not None:
             progress.update(sum(len(p.n_atoms) for p in pieces))
     writer.finish()

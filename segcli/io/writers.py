@@ -388,13 +388,17 @@ class ResultWriter:
         self._h5[f"results/{name}"][start_row:start_row + len(array)] = array
 
 
+JOIN_HINT = ("; `--to-ase-units` converts each input to ASE's units, `--units NAME=UNIT` "
+             "states those of an input that states none")
+
+
 class BatchWriter:
     """Appends chunks of structures to a new segcli HDF5 file, in resizable chunked datasets.
 
     With `fill` (NaN), a field that some structures lack is filled there (see `fill_value`, also
     stored as the dataset's attribute `fill_value`), and /present/<name> records which
     structures have it. Results (see `append`) go to /results/<name>, which every structure
-    must have."""
+    must have. Each field's units (see `append`) become its dataset's attribute `units`."""
 
     def __init__(self, h5, compression=None, fill=None):
         _set_attrs(h5, {"format": FORMAT, "version": VERSION})
@@ -408,10 +412,14 @@ class BatchWriter:
         self.n_atoms = 0
         self._first_path = None
         self._results = {}
+        self._units = {}
 
-    def append(self, path, pieces, results=MappingProxyType({})):
+    def append(self, path, pieces, results=MappingProxyType({}), units=MappingProxyType({})):
         """Append consecutive structures of `path` (the pieces of one chunk); `results` maps
-        the names of the pieces' fields that are results in `path` to their attributes."""
+        the names of the pieces' fields that are results in `path` to their attributes,
+        `units` those of its fields whose units are stated to them (see units.join)."""
+        from segcli.io.units import join
+
         self._first_path = self._first_path or path
         for name, attrs in results.items():
             self._results.setdefault(name, {k: v for k, v in attrs.items() if k != "structures"})
@@ -424,6 +432,9 @@ class BatchWriter:
         for name in late:
             check_fill(self._first_path, 0, name, self._fill)
         for name, (per, p) in first_seen.items():
+            unit = units.get(name)
+            self._units[name] = (join(path, name, p.start, self._units[name], unit, JOIN_HINT)
+                                 if name in self._units else unit)
             array = (p.atoms if per == "atom" else p.structures)[name]
             self.schema.add(path, FieldInfo(name, per, array.shape[1:], array.dtype), p.start,
                             result=name in self._results)
@@ -439,9 +450,13 @@ class BatchWriter:
         self.n_atoms += int(chunk.n_atoms.sum())
 
     def finish(self):
-        """Give a file without structures its empty /structures/n_atoms."""
+        """Give a file without structures its empty /structures/n_atoms, and each field its
+        units."""
         if "n_atoms" not in self._h5["structures"]:
             self._h5["structures"].create_dataset("n_atoms", data=np.zeros(0, np.int64))
+        for name, unit in self._units.items():
+            if unit:
+                self._dataset(name).attrs["units"] = unit
 
     def _fill_of(self, dtype):
         """The fill of a field of `dtype` (NaN for floats without `fill`: what a converted input
@@ -584,17 +599,22 @@ def _cast(path, index, name, array, dtype):
 
 
 class FieldChoice:
-    """The fields a conversion writes, and their names: `fields` keeps only those, `drop`
+    """The fields a conversion writes, their names and units: `fields` keeps only those, `drop`
     leaves those out (names as read, results included); `rename` maps old names to new,
-    `cast` names (as renamed) to dtypes (see _cast)."""
+    `cast` names (as renamed) to dtypes (see _cast), `units` names (as renamed) to the units
+    of an input that states none (see segcli.io.units); `to_ase_units` converts the fields of
+    known units to ASE's, putting those of units it does not know into `left` (name -> unit)."""
 
-    def __init__(self, fields=None, drop=None, rename=None, cast=None):
+    def __init__(self, fields=None, drop=None, rename=None, cast=None, units=None,
+                 to_ase_units=False, left=None):
         if fields is not None and drop is not None:
             raise ValueError("give at most one of fields and drop")
         if drop is not None and "n_atoms" in drop:
             raise ValueError("n_atoms is always kept")
         self._fields, self._drop = fields, drop
         self._rename, self._cast = dict(rename or {}), dict(cast or {})
+        self._units, self._to_ase = dict(units or {}), to_ase_units
+        self.left = {} if left is None else left
         self._seen = set()
 
     @property
@@ -606,13 +626,37 @@ class FieldChoice:
         self._seen.add(name)
         return name in self._fields if self._fields is not None else name not in self._drop
 
-    def apply(self, path, pieces):
-        """The pieces (of the file `path`) with their fields renamed and cast."""
+    def units(self, batch):
+        """name (as renamed) -> units of the fields of `batch` this choice keeps, as read: as
+        the batch states them, else as `units` gives them; DataError where both do and
+        differ."""
+        keep = self.keep
+        units = self.renamed({n: u for n, u in batch.units.items() if keep is None or keep(n)})
+        for name, unit in self._units.items():
+            if units.get(name, unit) != unit:
+                raise DataError(f"{batch.path}: field '{name}' is in {units[name]}, which the "
+                                f"file states; --units {name}={unit} states the units of an "
+                                "input that states none")
+        return {**self._units, **units}
+
+    def written(self, units):
+        """The units (see `units`) of the fields as this choice writes them."""
+        from segcli.io.units import ase_units
+
+        return ase_units(units) if self._to_ase else units
+
+    def apply(self, path, pieces, units=None):
+        """The pieces (of the file `path`) with their fields renamed, cast, and with
+        `to_ase_units`, converted from `units` (see `units`)."""
+        from segcli.io.units import to_ase
+
         for piece in pieces:
             self._seen.update(piece.atoms, piece.structures)
-        if not (self._rename or self._cast):
-            return pieces
-        return [self._renamed(path, p) for p in pieces]
+        if self._rename or self._cast:
+            pieces = [self._renamed(path, p) for p in pieces]
+        if self._to_ase and units:
+            pieces = [to_ase(path, p, units, self.left) for p in pieces]
+        return pieces
 
     def _renamed(self, path, piece):
         rename, out = self._rename, []
@@ -636,7 +680,8 @@ class FieldChoice:
         """DataError for the first name an option gives that no input has."""
         renamed = {self._rename.get(n, n) for n in self._seen}
         options = [("--fields", self._fields, self._seen), ("--drop", self._drop, self._seen),
-                   ("--rename", self._rename, self._seen), ("--cast", self._cast, renamed)]
+                   ("--rename", self._rename, self._seen), ("--cast", self._cast, renamed),
+                   ("--units", self._units, renamed)]
         for option, names, known in options:
             unknown = sorted(set(names or ()) - known - {"n_atoms"})
             if unknown:
@@ -646,8 +691,8 @@ class FieldChoice:
 
 
 def convert(inputs, output, *, compression=None, chunk_atoms=100_000, fill_missing=None,
-            fields=None, drop=None, rename=None, cast=None, force=False, progress=None,
-            input_format=None):
+            fields=None, drop=None, rename=None, cast=None, units=None, to_ase_units=False,
+            left=None, force=False, progress=None, input_format=None):
     """Write the structures of `inputs` (any files open_batch reads, in `input_format` if
     given), concatenated in order, to a new segcli HDF5 file `output`, streaming
     `chunk_atoms` atoms at a time.
@@ -656,7 +701,11 @@ def convert(inputs, output, *, compression=None, chunk_atoms=100_000, fill_missi
     booleans with 0, strings with ""; /present/<name> says which structures have them);
     without it they raise DataError. `fields` (names) keeps only those fields, `drop` (names)
     leaves those out; `rename` (old name -> new) renames fields, `cast` (name, as renamed ->
-    a NumPy dtype's name or "str") converts them; a name that no input has raises DataError.
+    a NumPy dtype's name or "str") converts them; `units` (name, as renamed -> unit) states
+    the units of inputs that state none, and `to_ase_units` converts the fields of known
+    units to ASE's, a gradient into forces, putting the others into `left` (see FieldChoice);
+    a name that no input has raises DataError. Units that inputs state differently raise
+    DataError (see units.join).
     Stored results (/results/NAME) are written as fields. `progress.update(n)` is called with
     the structures of each chunk written (see segcli.cli.common.progress), after
     `progress.reset(total)` where the inputs' sizes are known without reading them through.
@@ -666,7 +715,7 @@ def convert(inputs, output, *, compression=None, chunk_atoms=100_000, fill_missi
 
     from segcli.io import open_batch
 
-    choice = FieldChoice(fields, drop, rename, cast)
+    choice = FieldChoice(fields, drop, rename, cast, units, to_ase_units, left)
     output = os.fspath(output)
     refuse_overwrite(output, force)
     with ExitStack() as stack:
@@ -679,8 +728,11 @@ def convert(inputs, output, *, compression=None, chunk_atoms=100_000, fill_missi
             progress.reset(sum(counts))
         for batch in batches:
             results = choice.renamed(batch.streamed_results)
+            stated = choice.units(batch)
+            written = choice.written(stated)
             for pieces in batch.stream(chunk_atoms, choice.keep):
-                writer.append(batch.path, choice.apply(batch.path, pieces), results)
+                writer.append(batch.path, choice.apply(batch.path, pieces, stated), results,
+                              written)
                 if progress is not None:
                     progress.update(sum(len(p.n_atoms) for p in pieces))
         choice.check(inputs)
