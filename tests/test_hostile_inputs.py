@@ -297,7 +297,7 @@ def test_streams_are_read_through_a_temporary_that_is_removed(tmp_path):
     assert result.returncode == 1
     assert result.stderr.startswith(f"Error: {spool}/segcli-spool-")
     assert result.stderr.endswith("/proc/self/status: neither HDF5 nor a file format that ASE "
-                                  "can read\n")
+                                  "can read (`--format NAME` names its format)\n")
     assert os.listdir(spool) == [] and not (tmp_path / "new.h5").exists()
 
 

@@ -262,7 +262,7 @@ def test_a_killed_runs_temporary_is_removed_by_the_next(tmp_path, composition_fi
     signal_while_writing(tmp_path, process, signal.SIGKILL)
     process.wait()
     assert litter(tmp_path) and not out.exists()
-    code, _, err = finish(segcli("select", source, "--where", "energy > 0", "-o", out))
+    code, _, err = finish(segcli("select", source, "--where", "energy < 0", "-o", out))
     assert code == 0, err
     assert litter(tmp_path) == []
 
