@@ -30,6 +30,7 @@ from segcli.cli.common import (
     where_option,
     where_selection,
 )
+from segcli.errors import DataError
 
 STAT_COLUMNS = ("count", "mean", "std", "rms", "min", "max")
 
@@ -62,7 +63,7 @@ def _element(z):
 @click.command(short_help="Count, mean, std, rms, min, max of fields.")
 @click.argument("file")
 @input_format_option()
-@click.argument("fields", metavar="FIELD...", nargs=-1, required=True)
+@click.argument("fields", metavar="[FIELD]...", nargs=-1)
 @click.option("--per-element", is_flag=True,
               help="Per-atom fields by element (atomic number from `numbers`; structures "
                    "without numbers are left out).")
@@ -96,6 +97,10 @@ def stats(file, fields, per_element, per_atom, by, where, as_json, output, force
     be a stored result (`segcli reduce ... --in-place`). --where takes only the structures
     that `segcli select --where` would keep; --by FIELD gives each value of FIELD (at most
     256 distinct ones) its own statistics, as --per-element does each element.
+    FILE may also be statistics that `stats -o` wrote (several: a pattern, directory or
+    @LIST): they are merged exactly (Chan's formulas), every FIELD by default, as if
+    computed over all their data at once (up to rounding), whatever they were computed
+    over.
 
     \b
     Example:
@@ -105,14 +110,10 @@ def stats(file, fields, per_element, per_atom, by, where, as_json, output, force
       segcli stats data.h5 energy forces --by config_type --where 'energy < 0'
       segcli stats sample_data/metals.h5 forces --scheduler local:2
       segcli stats data.h5 forces --shard auto -o 'parts/stats-{shard}.h5'
+      segcli stats 'parts/stats-*.h5' forces
     """
-    import numpy as np
-
-    from segcli.cluster import leaf_stats_sharded
-    from segcli.io import open_inputs
-    from segcli.io.statsfile import write_stats
+    from segcli.io.statsfile import is_stats_file, write_stats
     from segcli.io.text import finite_json
-    from segcli.stats import group_values, merge_stats, refuse_overflow
 
     check_cluster_usage(shard, scheduler, False)
     if by is not None and per_element:
@@ -120,6 +121,73 @@ def stats(file, fields, per_element, per_atom, by, where, as_json, output, force
     output = shard_output(output, shard)
     paths = input_paths(file)
     refuse_output_among_inputs(output, paths, "stats writes a new file")
+    if all(map(is_stats_file, paths)):
+        given = [flag for flag, value in (("--per-element", per_element), ("--per-atom", per_atom),
+                                          ("--by", by), ("--where", where),
+                                          ("--structures", structures), ("--shard", shard),
+                                          ("--scheduler", scheduler)) if value]
+        if given:
+            raise click.UsageError(f"{file} holds statistics, computed already: {given[0]} "
+                                   "applies to data")
+        result, summary, attrs = _merged_stats(paths, file, fields)
+        parts = None
+    else:
+        if not fields:
+            raise click.UsageError("give the FIELDs of FILE to compute statistics of")
+        result, summary, parts, attrs = _field_stats(
+            paths, file, fields, per_element, per_atom, by, where, structures, shard, scheduler,
+            chunk_atoms, quiet)
+        attrs.update(source=os.path.abspath(file), per_element=per_element, per_atom=per_atom)
+        if where:
+            attrs["where"] = [condition.text for condition in where]
+    rows = [row for s in result.values() for row in s.rows()]
+    for row in rows:
+        if "element" in row:
+            row["symbol"] = _element(row["element"])
+    if output:
+        write_stats(output, result, attrs, force=force, leaves=parts if shard else None)
+        if not quiet:
+            counts = (f"{summary['files']} files" if "files" in summary else
+                      f"{summary['structures']} structures, {summary['atoms']} atoms")
+            note(f"{output}: statistics of {', '.join(result)} ({counts})")
+        return
+    if as_json:
+        click.echo(finite_json({**summary, **({"by": by} if by else {}), "stats": rows}))
+        return
+    group = by or ("element" if any("element" in row for row in rows) else None)
+    header = ("field", *((group,) if group else ()), "component", *STAT_COLUMNS)
+    lines = [header] + [
+        (row["field"], *((str(row.get("group", row.get("symbol", ""))),) if group else ()),
+         row["component"] or "-", str(row["count"]), *(_number(row[c]) for c in STAT_COLUMNS[1:]))
+        for row in rows]
+    click.echo("\n".join(table(lines)))
+
+
+def _merged_stats(paths, file, fields):
+    """(name -> FieldStats, summary, the output's attributes) of FIELDs (default: all) of the
+    statistics files `paths` (FILE `file`) merged (segcli.io.statsfile.merge_stats_files)."""
+    from segcli.io.statsfile import merge_stats_files
+
+    result, count = merge_stats_files(paths)
+    missing = [name for name in fields if name not in result]
+    if missing or not result:
+        raise DataError(f"{file}: no statistics of {', '.join(missing) or 'any field'} in "
+                        f"every file; they hold {', '.join(result) or 'none in common'}")
+    summary = {"path": file, "structures": count, "files": len(paths)}
+    attrs = {"merged_from": [os.path.abspath(p) for p in paths]}
+    return {name: result[name] for name in fields or result}, summary, attrs
+
+
+def _field_stats(paths, file, fields, per_element, per_atom, by, where, structures, shard,
+                 scheduler, chunk_atoms, quiet):
+    """(name -> FieldStats, summary, the leaves' statistics, the output's attributes) of the
+    FIELDs of the data files `paths` (FILE `file`), as `segcli stats` computes them."""
+    import numpy as np
+
+    from segcli.cluster import leaf_stats_sharded
+    from segcli.io import open_inputs
+    from segcli.stats import group_values, merge_stats, refuse_overflow
+
     options = {"per_element": per_element, "per_atom": per_atom, "chunk_atoms": chunk_atoms}
     with (open_inputs(paths, name=file, input_format=input_format()) as batch,
           np.errstate(over="ignore", invalid="ignore")):
@@ -140,29 +208,7 @@ def stats(file, fields, per_element, per_atom, by, where, as_json, output, force
                                        keep=keep, **options)
         result = merge_stats([parts])
         refuse_overflow(file, result)
-    rows = [row for s in result.values() for row in s.rows()]
-    for row in rows:
-        if "element" in row:
-            row["symbol"] = _element(row["element"])
-    if output:
-        attrs.update(source=os.path.abspath(file), per_element=per_element, per_atom=per_atom)
-        if where:
-            attrs["where"] = [condition.text for condition in where]
-        write_stats(output, result, attrs, force=force, leaves=parts if shard else None)
-        if not quiet:
-            note(f"{output}: statistics of {', '.join(result)} ({summary['structures']} "
-                 f"structures, {summary['atoms']} atoms)")
-        return
-    if as_json:
-        click.echo(finite_json({**summary, **({"by": by} if by else {}), "stats": rows}))
-        return
-    group = by or ("element" if any("element" in row for row in rows) else None)
-    header = ("field", *((group,) if group else ()), "component", *STAT_COLUMNS)
-    lines = [header] + [
-        (row["field"], *((str(row.get("group", row.get("symbol", ""))),) if group else ()),
-         row["component"] or "-", str(row["count"]), *(_number(row[c]) for c in STAT_COLUMNS[1:]))
-        for row in rows]
-    click.echo("\n".join(table(lines)))
+    return result, summary, parts, attrs
 
 
 def _check_grouping(batch, fields, per_element, per_atom):

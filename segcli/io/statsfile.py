@@ -32,6 +32,7 @@ def write_stats(path, stats, attrs, force=False, leaves=None):
     # 5000 component names), where the default ones stop at 64 KiB
     with new_output(path, force) as tmp, h5py.File(tmp, "w", libver=("v108", "latest")) as h5:
         h5.attrs.update({"format": STATS_FORMAT, "version": 1, **attrs})
+        h5.create_group("stats", track_order=True)  # read back in the order of the FIELDs
         for s in stats.values():
             group = h5.create_group(f"stats/{s.name}")
             group.attrs.update(per=s.per, components=s.components, by_element=s.by_element,
@@ -78,3 +79,106 @@ def read_leaves(path, h5):
                                bool(attrs["by_element"]), bool(attrs["per_atom"]), moments,
                                by, groups)
     return out
+
+
+def is_stats_file(path):
+    """Whether `path` is an HDF5 file whose root attribute `format` says statistics."""
+    import h5py
+
+    from segcli.io.hdf5 import HDF5_ERRORS
+    from segcli.io.heap import guarded
+
+    try:
+        if not h5py.is_hdf5(path):
+            return False
+        with guarded(path) as h5:
+            return plain(h5.attrs.get("format")) == STATS_FORMAT
+    except (*HDF5_ERRORS, UnicodeDecodeError, DataError):
+        return False  # not one: its reader says what is wrong
+
+
+def read_stats(path):
+    """(name -> FieldStats, its `structures` count or None) of the statistics file `path`
+    (`segcli stats -o`): each field's moments over all its groups (every element, or each
+    value of `groups`); DataError naming what is wrong."""
+    from segcli.io.hdf5 import HDF5_ERRORS, check_metadata, damaged
+    from segcli.io.heap import guarded
+    from segcli.stats import N_ELEMENTS, FieldStats, Moments
+
+    out = {}
+    with guarded(path) as h5:
+        try:
+            check_metadata(path, h5, h5, STATS_ATTRIBUTE_BYTES)
+            for name, group in h5.get("stats", {}).items():
+                attrs = {k: plain(group.attrs[k]) for k in ("per", "components", "by_element",
+                                                            "per_atom")}
+                by = plain(group.attrs["by"]) if "by" in group.attrs else None
+                groups = None if by is None else list(plain(group.attrs["groups"]))
+                stored = Moments(*(group[key][()] for key in LEAF_MOMENTS))
+                if attrs["by_element"]:
+                    rows = group["element"][()]
+                elif by is not None:
+                    rows = [groups.index(value) for value in plain(group["group"][()])]
+                else:
+                    rows = [0]
+                size = N_ELEMENTS if attrs["by_element"] else len(groups or [0])
+                moments = Moments.empty(size, len(attrs["components"]))
+                for key in LEAF_MOMENTS:
+                    getattr(moments, key)[rows] = getattr(stored, key)
+                out[name] = FieldStats(name, attrs["per"], list(attrs["components"]),
+                                       bool(attrs["by_element"]), bool(attrs["per_atom"]),
+                                       moments, by, groups)
+            span = plain(h5.attrs.get("structures"))
+        except (*HDF5_ERRORS, IndexError) as err:
+            raise damaged(path, err) from err
+    start, _, stop = str(span).partition(":")
+    return out, int(stop) - int(start) if start.isdigit() and stop.isdigit() else None
+
+
+def merge_stats_files(paths):
+    """(name -> FieldStats, structures or None) of the statistics files `paths` together: the
+    fields they all hold, grouped alike (groups of a field joined: the union of their values),
+    their moments merged in the order given (Chan's formulas); DataError when a field is
+    grouped, or its components are, differently in two files."""
+    merged, structures = {}, 0
+    for path in paths:
+        stats, count = read_stats(path)
+        structures = None if None in (structures, count) else structures + count
+        common = stats.keys() if not merged else merged.keys() & stats.keys()
+        merged = {name: _joined(path, merged.get(name), stats[name])
+                  for name in sorted(common, key=list(stats).index)}
+    return merged, structures
+
+
+def _joined(path, total, s):
+    """FieldStats `total` (None at first) and `s` (of `path`) merged."""
+    from dataclasses import replace
+
+    if total is None:
+        return s
+    how = ("per", "components", "by_element", "per_atom", "by")
+    if any(getattr(total, k) != getattr(s, k) for k in how):
+        raise DataError(f"{path}: /stats/{s.name} is {_described(s)}, but in the files before "
+                        f"it {_described(total)}: statistics merge only alike")
+    if total.by is None:
+        return replace(total, moments=total.moments.merge(s.moments))
+    groups = total.groups + [g for g in s.groups if g not in total.groups]
+    return replace(total, groups=groups,
+                   moments=_regrouped(total, groups).merge(_regrouped(s, groups)))
+
+
+def _regrouped(s, groups):
+    """The moments of `s` (grouped by a field) laid out over `groups`, a superset of its own."""
+    from segcli.stats import Moments
+
+    out = Moments.empty(len(groups), len(s.components))
+    rows = [groups.index(g) for g in s.groups]
+    for key in LEAF_MOMENTS:
+        getattr(out, key)[rows] = getattr(s.moments, key)
+    return out
+
+
+def _described(s):
+    grouping = ("by element" if s.by_element else f"by {s.by}" if s.by else "ungrouped")
+    return (f"per {s.per}{' per atom' if s.per_atom else ''}, {grouping}, components "
+            f"{', '.join(map(str, s.components))}")
