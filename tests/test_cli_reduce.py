@@ -358,7 +358,7 @@ def test_in_place_survives_sigkill_at_any_moment(tmp_path):
         return [name for name in os.listdir(tmp_path) if name.endswith(".tmp")]
 
     outcomes = []
-    for moment in (0.2, 0.5, 1.0, 2.0, "copy", "write"):
+    for moment in (0.5, 1.5, "copy", "write"):
         process = segcli_process(*command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         started, seen = time.monotonic(), len(temporary())
         if isinstance(moment, float):
