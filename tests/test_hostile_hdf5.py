@@ -311,3 +311,48 @@ def test_text_in_every_storage_is_read_back(tmp_path):
     with h5py.File(tmp_path / "out.h5") as out:
         for name in ("compact", "contiguous", "chunked", "lzf"):
             assert out[f"structures/{name}"].asstr()[:].tolist() == labels.tolist(), name
+
+
+def patch_first_string(path, name, field, value):
+    """Overwrites `field` ("length", "address" or "index") of the first heap ID of the
+    contiguous string dataset `name` (its stored bytes: length u32, address u64, index u32)."""
+    with h5py.File(path, "r") as f:
+        offset = f[name].id.get_offset()
+    at = {"length": 0, "address": 4, "index": 12}[field]
+    size = 8 if field == "address" else 4
+    data = bytearray(path.read_bytes())
+    data[offset + at:offset + at + size] = value.to_bytes(size, "little")
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("length", 0xFF000002, "holds a string of 4278190082 bytes whose object 3 in the global "
+                           "heap collection at byte"),
+    ("index", 999, "holds a string of 7 bytes whose object 999"),
+    ("address", 1 << 40, "holds a string in a global heap collection at byte 1099511627776, "
+                         "where the file holds none"),
+    ("address", (1 << 64) - 2, "holds a string in a global heap collection at byte "
+                               "18446744073709551614, where the file holds none"),
+])
+def test_a_string_that_claims_more_than_its_heap_object_is_refused_before_hdf5_allocates(
+        tmp_path, field, value, needle):
+    """A damaged heap ID of a string field: HDF5 would allocate the length it claims (up to
+    4 GiB per string) before finding that its object is smaller or missing."""
+    path = batch(tmp_path / "batch.h5")
+    with h5py.File(path, "a") as f:
+        f["structures/label"] = np.array(["label-0", "label-1", "label-2"],
+                                         dtype=h5py.string_dtype())
+    patch_first_string(path, "structures/label", field, value)
+    assert_refused(path, "damaged HDF5 file (/structures/label " + needle)
+
+
+def test_a_dataset_claiming_more_rows_than_memory_is_one_line(tmp_path):
+    """n_atoms of 2^44 rows, never written (HDF5 reads them as fill values)."""
+    path = tmp_path / "batch.h5"
+    with h5py.File(path, "w") as f:
+        f.attrs.update(format="segcli-batch", version=1)
+        f.create_dataset("structures/n_atoms", shape=(1 << 44,), maxshape=(None,),
+                         dtype=np.int64, chunks=(1 << 20,))
+        f.create_group("atoms")
+    assert_refused(path, "/structures/n_atoms rows 0:17592186044416 take more memory than "
+                         "this machine has")

@@ -155,6 +155,9 @@ def read_rows(path, ds, lo, hi, out=None):
         return out
     except (*HDF5_ERRORS, UnicodeDecodeError) as err:
         raise DataError(f"{path}: cannot read {ds.name} rows {lo}:{hi} ({err})") from err
+    except MemoryError:
+        raise DataError(f"{path}: {ds.name} rows {lo}:{hi} take more memory than this machine "
+                        "has (a damaged file can claim any number of rows)") from None
 
 
 def plain(value):

@@ -14,6 +14,7 @@ Once each is walked, the file reads safely through any handle.
 
 import contextlib
 import io
+import math
 import os
 import struct
 import zlib
@@ -47,28 +48,32 @@ class HeapGuard(io.FileIO):
 
 
 def check_collection(path, view, start, length_size=8):
-    """DataError unless the global heap collection read at byte `start` of `path` (`view`,
-    its bytes, or its first bytes when HDF5 reads it in two steps) can be walked object by
-    object to its end, each step forward and inside it."""
+    """The sizes of the objects (index -> bytes) of the global heap collection read at byte
+    `start` of `path` (`view`, its bytes, or its first bytes when HDF5 reads it in two steps:
+    then None); DataError unless it can be walked object by object to its end, each step
+    forward and inside it."""
     header = 8 + length_size
     if len(view) < header:
-        return
+        return None
     size = int.from_bytes(view[8:header], "little")
     if size > len(view):
-        return  # HDF5 reads it again, whole
+        return None  # HDF5 reads it again, whole
     if size < header:
         raise DataError(f"{path}: damaged HDF5 file (the global heap collection at byte "
                         f"{start} claims {size} bytes)")
     unpack = struct.Struct(f"<H6x{ {2: 'H', 4: 'I', 8: 'Q'}.get(length_size, 'Q') }").unpack_from
-    position = header
+    position, sizes = header, {}
     while position + header <= size:
         index, object_size = unpack(view, position)
+        if index:
+            sizes[index] = object_size
         step = header + (object_size + 7) // 8 * 8 if index else object_size
         if step <= 0 or position + step > size:
             raise DataError(f"{path}: damaged HDF5 file (in the global heap collection at byte "
                             f"{start}, object {index} at byte {start + position} claims "
                             f"{object_size} bytes of the {size - position} left)")
         position += step
+    return sizes
 
 
 @contextlib.contextmanager
@@ -107,7 +112,7 @@ class TextHeaps:
         self.heap_id = np.dtype([("length", "<u4"), ("address", f"<u{offset_size}"),
                                  ("index", "<u4")])
         self.undefined = (1 << 8 * offset_size) - 1
-        self.seen = set()
+        self.sizes = {}  # address -> {index: bytes} of each collection walked
         self._size = os.fstat(raw.fileno()).st_size
 
     def check(self, dsid):
@@ -121,35 +126,66 @@ class TextHeaps:
         filters = [plist.get_filter(i)[0] for i in range(plist.get_nfilters())]
         if layout == h5py.h5d.COMPACT:
             return False
+        item = self.heap_id.itemsize
         if layout == h5py.h5d.CONTIGUOUS:
             stored = [(dsid.get_offset(), dsid.get_storage_size(), 0)]
         else:
             stored = [(info.byte_offset, info.size, info.filter_mask)
                       for info in map(dsid.get_chunk_info, range(dsid.get_num_chunks()))]
-        item = self.heap_id.itemsize
+            whole = item * math.prod(plist.get_chunk())  # what a chunk inflates to, at most
         for offset, size, skipped in stored:
-            if offset is None or size == 0:
-                continue
+            if offset is None or size == 0 or offset + size > self._size:
+                continue  # HDF5 refuses to read it
             applied = [f for i, f in enumerate(filters) if not skipped >> i & 1]
             if set(applied) - {h5py.h5z.FILTER_DEFLATE}:
                 return False
             data = os.pread(self._raw.fileno(), size, offset)
-            for _ in applied:
-                data = zlib.decompress(data)
+            try:
+                for _ in applied:
+                    data = zlib.decompressobj().decompress(data, whole)
+            except zlib.error:
+                continue  # HDF5 cannot inflate it either
             ids = np.frombuffer(data[:len(data) // item * item], self.heap_id)
-            for address in np.unique(ids["address"][ids["length"] > 0]).tolist():
-                if address not in self.seen and 0 < address < self.undefined:
-                    self.seen.add(address)
-                    self._check_at(self.base + address)
+            self._check_lengths(dsid, ids[ids["length"] > 0])
         return True
 
+    def _check_lengths(self, dsid, ids):
+        """Walks the collections that the heap IDs `ids` (of strings of `dsid`) point to, and
+        DataError when a string claims more bytes than its object holds (HDF5 would allocate
+        what it claims, gigabytes, before it found out)."""
+        ids = ids[np.argsort(ids["address"], kind="stable")]
+        addresses, starts = np.unique(ids["address"], return_index=True)
+        for address, part in zip(addresses.tolist(), np.split(ids, starts[1:])):
+            if not 0 < address < self.undefined:
+                continue
+            if address not in self.sizes:
+                self.sizes[address] = self._check_at(self.base + address)
+            sizes = self.sizes[address]
+            name = h5py.h5i.get_name(dsid).decode(errors="replace")
+            if sizes is None:  # HDF5 would allocate what the string claims before refusing
+                raise DataError(f"{self.path}: damaged HDF5 file ({name} holds a string in a "
+                                f"global heap collection at byte {self.base + address}, where "
+                                "the file holds none)")
+            held = np.zeros(1 << 16, np.int64)
+            held[list(sizes)] = list(sizes.values())
+            short = np.flatnonzero(held[part["index"].clip(0, (1 << 16) - 1)] < part["length"])
+            if len(short):
+                bad = part[short[0]]
+                raise DataError(
+                    f"{self.path}: damaged HDF5 file ({name} holds a string of {bad['length']} "
+                    f"bytes whose object {bad['index']} in the global heap collection at byte "
+                    f"{self.base + address} holds {held[bad['index']]})")
+
     def _check_at(self, start):
-        """check_collection of the collection at byte `start`, unless its claimed size runs
-        past the end of the file (HDF5 then refuses it itself)."""
+        """check_collection of the collection at byte `start`; None when there is none (no
+        signature there, or it or its claimed size runs past the end of the file)."""
+        if start + 8 + self.length_size > self._size:
+            return None
         head = os.pread(self._raw.fileno(), 8 + self.length_size, start)
         if head[:4] != COLLECTION or len(head) < 8 + self.length_size:
-            return
+            return None
         size = int.from_bytes(head[8:], "little")
-        if start + size <= self._size:
-            check_collection(self.path, memoryview(os.pread(self._raw.fileno(), size, start)),
-                             start, self.length_size)
+        if start + size > self._size:
+            return None
+        return check_collection(self.path, memoryview(os.pread(self._raw.fileno(), size, start)),
+                                start, self.length_size)
