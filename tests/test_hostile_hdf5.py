@@ -347,12 +347,30 @@ def test_a_string_that_claims_more_than_its_heap_object_is_refused_before_hdf5_a
 
 
 def test_a_dataset_claiming_more_rows_than_memory_is_one_line(tmp_path):
-    """n_atoms of 2^44 rows, never written (HDF5 reads them as fill values)."""
+    """n_atoms of 2^44 rows, never written: refused before a row is read; and rows that
+    would take more memory than there is are a DataError, not a MemoryError."""
+    from segcli.errors import DataError
+    from segcli.io.hdf5 import read_rows
+
     path = tmp_path / "batch.h5"
     with h5py.File(path, "w") as f:
         f.attrs.update(format="segcli-batch", version=1)
         f.create_dataset("structures/n_atoms", shape=(1 << 44,), maxshape=(None,),
                          dtype=np.int64, chunks=(1 << 20,))
         f.create_group("atoms")
-    assert_refused(path, "/structures/n_atoms rows 0:17592186044416 take more memory than "
-                         "this machine has")
+    assert_refused(path, "/structures/n_atoms stores 0 of the 17592186044416 values")
+    with h5py.File(path) as f, pytest.raises(DataError, match="/structures/n_atoms rows "
+                                             "0:17592186044416 take more memory than this"):
+        read_rows(path, f["structures/n_atoms"], 0, 1 << 44)
+
+
+@pytest.mark.parametrize("cell", [[[1, 0, 0], [2, 0, 0], [0, 0, 1]],
+                                  [[1, 1, 0], [0, 1, 1], [1, 2, 1]]])
+def test_a_cell_that_cannot_be_inverted_is_named_by_scaled_positions(tmp_path, cell):
+    path = write_batch(tmp_path / "cells.h5", [1, 2], {"positions": np.ones((3, 3))},
+                       {"cell": np.array([np.eye(3), cell], float),
+                        "pbc": np.ones((2, 3), bool)})
+    result = run("reduce", path, "sum", "scaled_positions", "--device", "cpu")
+    assert result.exit_code == 1 and result.stdout == ""
+    assert result.stderr.startswith(f"Error: {path}: structures 0 to 1: a cell that cannot be "
+                                    "inverted (")

@@ -362,7 +362,7 @@ def needs(name, stored):
 
 def derive(path, name, chunk):
     """Compute a derived field of a chunk (of the file `path`) exactly as ASE's Atoms methods
-    do; DataError for an atomic number that has no mass."""
+    do; DataError for an atomic number that has no mass, or a cell that cannot be inverted."""
     atoms = chunk.atoms
     if name == "velocities":
         if "masses" in atoms:
@@ -376,7 +376,13 @@ def derive(path, name, chunk):
                                 f"number {numbers[bad[0]]} has no mass (velocities need one)")
             masses = atomic_masses[numbers]
         return atoms["momenta"] / masses[:, np.newaxis]
-    return scaled_positions(atoms["positions"], chunk.structures["cell"], chunk.n_atoms)
+    try:
+        return scaled_positions(atoms["positions"], chunk.structures["cell"], chunk.n_atoms)
+    except np.linalg.LinAlgError as err:
+        last = chunk.start + len(chunk.n_atoms) - 1
+        raise DataError(f"{path}: structures {chunk.start} to {last}: a cell that cannot be "
+                        f"inverted ({err}): scaled_positions need cells of finite, independent "
+                        "vectors") from None
 
 
 def scaled_positions(positions, cells, n_atoms):

@@ -280,11 +280,12 @@ class SegcliBatch(Batch):
 
     def _counts(self, ds):
         """The atom counts of /structures/n_atoms, `ds`, as int64; DataError for counts that are
-        not integers, negative, or whose sum int64 cannot hold (checked before anything is
-        allocated for them)."""
+        not integers, negative, never written, or whose sum int64 cannot hold (checked before
+        anything is allocated for them)."""
         if ds.ndim != 1 or ds.dtype.kind not in "iu":
             raise DataError(f"{self.path}: /structures/n_atoms must be a 1-D integer array, "
                             f"not {ds.dtype} of shape {ds.shape}")
+        self._check_written("/structures/n_atoms", ds, 0)
         counts = read_rows(self.path, ds, 0, len(ds))
         bad = np.flatnonzero((counts < 0) | (counts > np.iinfo(np.int64).max))
         if len(bad):

@@ -174,7 +174,7 @@ class TextHeaps:
                 raise DataError(
                     f"{self.path}: damaged HDF5 file ({name} holds a string of {bad['length']} "
                     f"bytes whose object {bad['index']} in the global heap collection at byte "
-                    f"{self.base + address} holds {held[bad['index']]})")
+                    f"{self.base + address} holds {sizes.get(int(bad['index']), 0)})")
 
     def _check_at(self, start):
         """check_collection of the collection at byte `start`; None when there is none (no
