@@ -120,8 +120,8 @@ class Job:
         kept = bool(self.fields) and self.fields[0] in self.integers
         dtype = {"float": dtype, "count": np.dtype(np.int64),
                  "input": np.dtype(np.int64) if kept else dtype}[spec.output_dtype]
-        if self.partial and dtype.kind != "f":
-            dtype = np.dtype(np.float64)
+        if self.partial:
+            dtype = nan_dtype(dtype)
         return {"": (spec.output_per, shape, dtype)}
 
     def program(self, read):
@@ -197,6 +197,12 @@ def plan(path, spec, names, fields, *, precision="float64", order=0, weights=Non
     if present is not None and any(present(name) is not None for name in job.read):
         job = dataclasses.replace(job, partial=True)
     return job
+
+
+def nan_dtype(dtype):
+    """`dtype`, or float64 where it is an integer or bool dtype: one whose rows can be NaN."""
+    dtype = np.dtype(dtype)
+    return np.dtype(np.float64) if dtype.kind in "biu" else dtype
 
 
 def job_present(have, job):
@@ -564,7 +570,7 @@ def _blank_absent(job, chunk, outputs):
     rows = {"structure": ~have, "atom": np.repeat(~have, chunk.n_atoms)}
     out = {}
     for label, array in outputs.items():
-        array = np.array(array, array.dtype if array.dtype.kind == "f" else np.float64)
+        array = np.array(array, nan_dtype(array.dtype))
         array[rows[job.outputs[label][0]]] = np.nan
         out[label] = array
     return out

@@ -520,8 +520,9 @@ def census(batch, chunk_atoms=1 << 21):
                 have = np.repeat(chunk.present["numbers"], chunk.n_atoms)
                 atoms, structure = atoms[have], structure[have]
             elements[0] += np.bincount(atoms, minlength=N_ELEMENTS)
-            pairs = np.unique(structure * N_ELEMENTS + atoms)
-            elements[1] += np.bincount(pairs % N_ELEMENTS, minlength=N_ELEMENTS)
+            holds = np.zeros((len(chunk.n_atoms), N_ELEMENTS), bool)
+            holds[structure, atoms] = True
+            elements[1] += holds.sum(axis=0)
     return elements, strings
 
 

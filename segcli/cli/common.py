@@ -171,8 +171,8 @@ def _remember_format(ctx, param, name):
 def input_format_option(*names):
     """The option (`--format`, or `names` where a command's --format says what it writes) that
     forces the format of every input file, whatever its content (see input_format)."""
-    return click.option(*(names or ("--format", "--input-format")), metavar="NAME", expose_value=False,
-                        callback=_remember_format,
+    return click.option(*(names or ("--format", "--input-format")), metavar="NAME",
+                        expose_value=False, callback=_remember_format,
                         help="Read every input as format NAME, whatever its content: segcli, "
                              "conformers, extxyz, db, json, aselmdb, or any format ASE reads "
                              "(vasp-out, lammps-data, ...).")

@@ -276,10 +276,9 @@ class _Hdf5Sink:
 def _selected_outputs(outputs):
     """`outputs` (dataset -> (per, shape, dtype)) as stored for a selection: integer results
     as float64, so that the rows of structures not selected can hold NaN."""
-    import numpy as np
+    from segcli.engine import nan_dtype
 
-    return {d: (per, shape, np.dtype(np.float64) if np.dtype(dtype).kind in "biu" else dtype)
-            for d, (per, shape, dtype) in outputs.items()}
+    return {d: (per, shape, nan_dtype(dtype)) for d, (per, shape, dtype) in outputs.items()}
 
 
 class _TextSink:
