@@ -7,7 +7,7 @@ Every op of segcli.registry.OPS on the inputs benchmarks/ops.py makes from its a
 ((N, 3) per-atom fields, per-structure ones of their own shape, labels), N atoms in structures
 of 1..63 atoms, sorted int32 ids; and the helpers `segment_ids` and `segments` on the
 structures' sizes. Prints a Markdown table: milliseconds per call, with block_until_ready
-after each.
+after each; the calls after the first are made in turns, one of each function per turn.
 """
 
 import argparse
@@ -57,14 +57,17 @@ def main():
           f"the first call, and the median of {args.calls} calls after it\n")
     print("| function | " + " | ".join(f"{d} first | {d} later" for d in dtypes) + " |")
     print("| --- |" + " --- | --- |" * len(dtypes))
-    rows = {}
+    cells = {}
     for thunks, _ in columns.values():
-        for name, thunk in thunks:
-            first = timed(thunk)
-            later = statistics.median(timed(thunk) for _ in range(args.calls))
-            rows.setdefault(name, []).append(f"{first * 1e3:.1f} | {later * 1e3:.3f}")
-    for name, cells in rows.items():
-        print(f"| {name} | " + " | ".join(cells) + " |")
+        firsts = [timed(thunk) for _, thunk in thunks]
+        # the later calls in turns, one of each function per turn: a busy spell of the machine
+        # slows them all alike
+        turns = [[timed(thunk) for _, thunk in thunks] for _ in range(args.calls)]
+        for (name, _), first, later in zip(thunks, firsts, zip(*turns)):
+            cells.setdefault(name, []).append(
+                f"{first * 1e3:.1f} | {statistics.median(later) * 1e3:.3f}")
+    for name, row in cells.items():
+        print(f"| {name} | " + " | ".join(row) + " |")
 
 
 if __name__ == "__main__":
