@@ -73,12 +73,14 @@ def _num_segments(num_segments):
 
 
 def _length(length):
+    """bincount's `length` as an int, checked."""
     if not isinstance(length, int | np.integer) or length < 0:
         raise ValueError(f"length must be a non-negative static int, got {length!r}")
     return int(length)
 
 
 def _array(a):
+    """`a` as a JAX array (arrays and tracers as they are: no dispatch)."""
     return a if isinstance(a, jax.Array) else jnp.asarray(a)
 
 
