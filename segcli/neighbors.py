@@ -40,16 +40,11 @@ OUTPUTS = {
 """Each result -> (per, dtype); n_pairs, mean_neighbors and n_neighbors are per cutoff."""
 
 
-def base_name(name):
-    """The statistic (a key of OUTPUTS) of result `name` (n_pairs_5 -> n_pairs)."""
-    return next(base for base in OUTPUTS if name == base or name.startswith(base + "_")
-                and base in ("n_pairs", "mean_neighbors", "n_neighbors"))
-
-
 def result_names(cutoffs, per_atom):
-    """The results of a run: name -> (per, dtype, the cutoff it is of, or None for the nearest
-    pair, which is over the largest cutoff). One cutoff: the names of OUTPUTS; several:
-    n_pairs_R, mean_neighbors_R (and n_neighbors_R) for each cutoff R."""
+    """The results of a run: name -> (statistic (a key of OUTPUTS), per, dtype, the index of
+    the cutoff it is of, or None for the nearest pair, taken over the largest cutoff). One
+    cutoff: the names of OUTPUTS; several: n_pairs_R, mean_neighbors_R (and n_neighbors_R)
+    for each cutoff R."""
     names = {}
     for base, (per, dtype) in OUTPUTS.items():
         if per == "atom" and not per_atom:
@@ -57,9 +52,9 @@ def result_names(cutoffs, per_atom):
         if base in ("n_pairs", "mean_neighbors", "n_neighbors"):
             for k, cutoff in enumerate(cutoffs):
                 name = base if len(cutoffs) == 1 else f"{base}_{cutoff:g}"
-                names[name] = (per, dtype, k)
+                names[name] = (base, per, dtype, k)
         else:
-            names[base] = (per, dtype, None)
+            names[base] = (base, per, dtype, None)
     return names
 
 
@@ -127,7 +122,7 @@ def cell_list(path, numbers, positions, n_atoms, cells, pbc, cutoff):
     atoms, with lattice vectors `cells` (S, 3, 3) (rows) periodic along `pbc` (S, 3) bool,
     binned for pairs closer than `cutoff`. DataError for a cell singular along its periodic
     axes, or far thinner than the cutoff (see MAX_IMAGES)."""
-    n_structures, n = len(n_atoms), len(positions)
+    n_structures = len(n_atoms)
     offsets = np.zeros(n_structures + 1, np.int64)
     np.cumsum(n_atoms, out=offsets[1:])
     structure = np.repeat(np.arange(n_structures, dtype=np.int32), n_atoms)
@@ -262,8 +257,8 @@ def prepare(path, chunk, cells, pbc, cutoff):
 
     n_atoms = chunk.n_atoms
     positions = np.asarray(chunk.atoms["positions"], np.float64)
-    c = cell_list(path, chunk.structure_numbers, positions, n_atoms, np.asarray(cells, np.float64), pbc,
-                  cutoff)
+    c = cell_list(path, chunk.structure_numbers, positions, n_atoms,
+                  np.asarray(cells, np.float64), pbc, cutoff)
     rows, segments = bucket(len(positions)), bucket(len(n_atoms))
     n_bins = bucket(len(c.bin_start) - 1)
     offsets = np.full(segments + 1, len(positions), np.int32)

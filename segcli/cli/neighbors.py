@@ -9,6 +9,7 @@ from segcli.cli import common
 from segcli.cli.common import note, progress, where_option, where_selection
 from segcli.cli.compute import (
     _compute_into,
+    _file_format,
     _output_options,
     _Results,
     _sink,
@@ -28,7 +29,7 @@ class _Statistic(NamedTuple):
 
 
 def _results(cutoffs, per_atom, table, partial):
-    """(_Results, name -> (statistic, cutoff index or None)): the per-structure statistics,
+    """(_Results, names (see neighbors.result_names)): the per-structure statistics,
     and with `per_atom` each atom's neighbours; only the latter on a table (stdout, csv, json,
     npy) with `per_atom`, whose rows are atoms. `partial`: some structures lack positions, so
     integer results are float64 (NaN there)."""
@@ -38,9 +39,9 @@ def _results(cutoffs, per_atom, table, partial):
 
     names = neighbors.result_names(cutoffs, per_atom)
     if per_atom and table:
-        names = {n: v for n, v in names.items() if v[0] == "atom"}
+        names = {n: v for n, v in names.items() if v[1] == "atom"}
     statistics = [_Statistic({"": (per, (), np.dtype(np.float64 if partial else dtype))})
-                  for per, dtype, _ in names.values()]
+                  for _, per, dtype, _ in names.values()]
     return _Results(statistics, list(names)), names
 
 
@@ -122,10 +123,8 @@ def _runner(cutoffs, names, summary, histogram_bins):
             summary.add(chunk, statistics)
             mean = neighbors.mean_neighbors(statistics["n_pairs"], chunk.n_atoms)
             columns = {**statistics, "mean_neighbors": mean}
-            yield chunk, tuple(
-                {"": columns[neighbors.base_name(name)][:, k] if k is not None
-                 else columns[name]}
-                for name, (_, _, k) in names.items())
+            yield chunk, tuple({"": columns[base] if k is None else columns[base][:, k]}
+                               for base, _, _, k in names.values())
 
     return run
 
@@ -178,8 +177,6 @@ def neighbors(file, cutoffs, per_atom, histogram_bins, output, in_place, fmt, fo
     paths = common.input_paths(file, in_place)
     common.refuse_output_among_inputs(output, paths, "use --in-place to add to it")
     common.check_output_place(output)
-    from segcli.cli.compute import _file_format
-
     table = not (output or in_place) or _file_format(output) is not None
     with common.read_inputs(paths, file, in_place) as batch:
         batch.check_fields(["positions"])
@@ -207,7 +204,9 @@ def neighbors(file, cutoffs, per_atom, histogram_bins, output, in_place, fmt, fo
     for line in summary.lines(file):
         note(line)
     if output or in_place:
-        note(f"{output or file}: " + ", ".join(f"/results/{n}" for n in results.datasets))
+        written = (results.columns.values() if _file_format(output)
+                   else (f"/results/{d}" for d in results.datasets))
+        note(f"{output or file}: {', '.join(written)}")
 
 
 COMMANDS = [neighbors]

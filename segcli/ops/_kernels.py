@@ -704,7 +704,7 @@ def _neighbors_kernel(
     cell = lattice[s]
     top = cutoffs[cutoffs.shape[0] - 1]
     best = wp.float64(wp.inf)
-    best_j = int(-1)
+    best_j = int(-1)  # noqa: UP018, RUF046  (a Warp variable, not a constant: it changes)
     for d0 in range(-r[0], r[0] + 1):
         w0, n0, ok0 = _image(b[0] + d0, n[0], wrap[0])
         if not ok0:
