@@ -58,25 +58,6 @@ def result_names(cutoffs, per_atom):
     return names
 
 
-class CellList(NamedTuple):
-    """A chunk's atoms binned (see cell_list): per atom in bin order, its wrapped position, its
-    row in the chunk, its structure (-1: padding) and its bin's coordinates; where each bin
-    starts; per structure, the lattice vectors of its periodic images (rows), its bins and the
-    reach (in bins) along each axis, which axes are periodic, its first bin and first row."""
-
-    positions: np.ndarray
-    row: np.ndarray
-    structure: np.ndarray
-    bin_xyz: np.ndarray
-    bin_start: np.ndarray
-    lattice: np.ndarray
-    bins: np.ndarray
-    reach: np.ndarray
-    periodic: np.ndarray
-    first_bin: np.ndarray
-    first_row: np.ndarray
-
-
 def _unit(v):
     return v / np.linalg.norm(v, axis=-1, keepdims=True)
 
@@ -88,139 +69,155 @@ def _basis(cells, periodic):
     basis = np.broadcast_to(np.eye(3), cells.shape).copy()
     for pattern in np.unique(periodic, axis=0):
         where = (periodic == pattern).all(axis=1)
-        if not where.any() or not pattern.any():
+        if not pattern.any():
             continue
         cell = cells[where]
         on = np.flatnonzero(pattern)
         out = basis[where]
         out[:, on] = cell[:, on]
         if len(on) == 2:
-            off = 3 - on.sum()
-            out[:, off] = _unit(np.cross(cell[:, on[0]], cell[:, on[1]]))
+            out[:, 3 - on.sum()] = _unit(np.cross(cell[:, on[0]], cell[:, on[1]]))
         elif len(on) == 1:
             a = cell[:, on[0]]
             helper = np.eye(3)[np.argmin(np.abs(_unit(a)), axis=1)]
             u = _unit(np.cross(a, helper))
-            v = _unit(np.cross(a, u))
-            out[:, [k for k in range(3) if k != on[0]]] = np.stack([u, v], axis=1)
+            out[:, [k for k in range(3) if k != on[0]]] = np.stack(
+                [u, _unit(np.cross(a, u))], axis=1)
         basis[where] = out
     return basis
 
 
-def _per_atom(matrices, structure, vectors):
-    """vectors[i] @ matrices[structure[i]] for every row i: (N, 3)."""
-    out = np.zeros_like(vectors)
-    for j in range(3):
-        for k in range(3):
-            out[:, k] += vectors[:, j] * matrices[structure, j, k]
-    return out
+class Geometry(NamedTuple):
+    """Per structure of a chunk: the basis its atoms are binned in (see _basis) and its
+    inverse, the spacing of its lattice planes along each axis, which axes are periodic."""
+
+    basis: np.ndarray
+    inverse: np.ndarray
+    spacing: np.ndarray
+    periodic: np.ndarray
 
 
-def cell_list(path, numbers, positions, n_atoms, cells, pbc, cutoff):
-    """The CellList of a chunk of structures (numbered `numbers` in the file `path`, as errors
-    name them): `positions` (N, 3) float64 of structures of `n_atoms`
-    atoms, with lattice vectors `cells` (S, 3, 3) (rows) periodic along `pbc` (S, 3) bool,
-    binned for pairs closer than `cutoff`. DataError for a cell singular along its periodic
-    axes, or far thinner than the cutoff (see MAX_IMAGES)."""
-    n_structures = len(n_atoms)
-    offsets = np.zeros(n_structures + 1, np.int64)
-    np.cumsum(n_atoms, out=offsets[1:])
-    structure = np.repeat(np.arange(n_structures, dtype=np.int32), n_atoms)
+def geometry(path, numbers, cells, pbc):
+    """The Geometry of structures numbered `numbers` in the file `path` (as errors name them)
+    with lattice vectors `cells` (S, 3, 3) (rows), periodic along `pbc` (S, 3) bool; DataError
+    for a cell singular along its periodic axes."""
     periodic = np.asarray(pbc, bool)
-    with np.errstate(invalid="ignore"):  # a zero periodic vector: refused below
-        basis = _basis(cells, periodic)
-        lengths = np.linalg.norm(basis, axis=2)
+    with np.errstate(invalid="ignore", divide="ignore"):  # a zero periodic vector: refused
+        basis = _basis(np.asarray(cells, np.float64), periodic)
         volume = np.abs(np.linalg.det(basis))
-    singular = ~(volume > 1e-9 * lengths.prod(axis=1))
+        singular = ~(volume > 1e-9 * np.linalg.norm(basis, axis=2).prod(axis=1))
     if singular.any():
         s = int(np.argmax(singular))
         raise DataError(f"{path}: structure {numbers[s]}: its cell is singular along its "
                         f"periodic axes (pbc {periodic[s].tolist()}, cell "
-                        f"{cells[s].tolist()})")
+                        f"{np.asarray(cells[s]).tolist()})")
     inverse = np.linalg.inv(basis)
-    spacing = 1 / np.linalg.norm(inverse, axis=1)  # between lattice planes, per axis
-    fractional = _per_atom(inverse, structure, positions)
-    image = np.where(periodic[structure], np.floor(fractional), 0)
-    fractional -= image
-    wrapped = positions - _per_atom(basis, structure, image)
+    return Geometry(basis, inverse, 1 / np.linalg.norm(inverse, axis=1), periodic)
 
-    filled = n_atoms > 0
-    low, high = np.zeros((n_structures, 3)), np.ones((n_structures, 3))
-    if filled.any():
-        starts = offsets[:-1][filled]
-        low[filled] = np.minimum.reduceat(fractional, starts)
-        high[filled] = np.maximum.reduceat(fractional, starts)
-    low[periodic], high[periodic] = 0, 1
-    extent = (high - low) * spacing
+
+class Grid(NamedTuple):
+    """Per structure: its bins along each axis, how many bins away a neighbour may be, its
+    first bin; and the bins of the chunk."""
+
+    bins: np.ndarray
+    reach: np.ndarray
+    first_bin: np.ndarray
+    n_bins: int
+
+
+def grid(path, numbers, geometry, low, high, n_atoms, cutoff):
+    """The Grid of structures (see `geometry`) whose atoms span fractional coordinates
+    [low, high] (S, 3) along their non-periodic axes, for pairs closer than `cutoff`: bins at
+    least the cutoff wide (at most one per atom, so that a cell of vacuum costs nothing);
+    DataError for a cell so much thinner than the cutoff that each atom would visit more than
+    MAX_IMAGES bins."""
+    periodic = geometry.periodic
+    span = np.where(periodic, 1.0, np.maximum(high - low, 0.0))
+    extent = span * geometry.spacing
     reach_of = cutoff * (1 + SLACK)
     bins = np.maximum(1, np.floor(extent / reach_of)).astype(np.int64)
-    most = np.maximum(1, n_atoms)  # a cell of vacuum gets no more bins than atoms
+    most = np.maximum(1, n_atoms)
     for _ in range(64):
         over = bins.prod(axis=1) > most
         if not over.any():
             break
         largest = np.argmax(bins, axis=1)
         bins[over, largest[over]] = np.maximum(1, bins[over, largest[over]] // 2)
-    width = extent / bins
     with np.errstate(divide="ignore", invalid="ignore"):
-        reach = np.where(periodic, np.ceil(reach_of / width), np.minimum(bins - 1, 1))
+        reach = np.where(periodic, np.ceil(reach_of * bins / extent), np.minimum(bins - 1, 1))
     images = np.prod(2 * reach + 1, axis=1)
     if (images > MAX_IMAGES).any():
         s = int(np.argmax(images))
         raise DataError(f"{path}: structure {numbers[s]}: its cell is {extent[s].min():.3g} Å "
                         f"thin, and a cutoff of {cutoff:g} Å would visit {int(images[s])} "
                         f"periodic images of its bins for each atom")
-    span = np.where(high > low, high - low, 1)
-    scaled = (fractional - low[structure]) / span[structure] * bins[structure]
-    bin_xyz = np.clip(np.floor(scaled), 0, bins[structure] - 1).astype(np.int64)
-    first_bin = np.zeros(n_structures + 1, np.int64)
+    first_bin = np.zeros(len(bins) + 1, np.int64)
     np.cumsum(bins.prod(axis=1), out=first_bin[1:])
     if first_bin[-1] >= 2**31 - 1:
         raise DataError(f"{path}: structures {numbers[0]}..{numbers[-1]} need "
                         f"{first_bin[-1]} bins; use a smaller --chunk-atoms")
-    key = first_bin[structure] + (bin_xyz[:, 0] * bins[structure, 1] + bin_xyz[:, 1]) \
-        * bins[structure, 2] + bin_xyz[:, 2]
-    order = np.argsort(key, kind="stable")
-    bin_start = np.zeros(first_bin[-1] + 1, np.int64)
-    np.cumsum(np.bincount(key, minlength=first_bin[-1]), out=bin_start[1:])
-    lattice = np.where(periodic[:, :, None], basis, 0)
-    return CellList(wrapped[order], order.astype(np.int32), structure[order],
-                    bin_xyz[order].astype(np.int32), bin_start.astype(np.int32), lattice,
-                    bins.astype(np.int32), reach.astype(np.int32), periodic.astype(np.int32),
-                    first_bin[:-1].astype(np.int32), offsets[:-1].astype(np.int32))
-
-
-def _padded(cell_list, rows, segments, n_bins):
-    """The CellList's arrays padded to `rows` atoms, `segments` structures and `n_bins` bins
-    (padding atoms belong to structure -1, padding bins are empty), as the kernel takes them."""
-    def pad(array, size, value=0):
-        out = np.full((size, *array.shape[1:]), value, array.dtype)
-        out[:len(array)] = array
-        return out
-
-    c = cell_list
-    bin_start = pad(c.bin_start, n_bins + 1, c.bin_start[-1])
-    return (pad(c.positions, rows), pad(c.row, rows), pad(c.structure, rows, -1),
-            pad(c.bin_xyz, rows), bin_start, pad(c.lattice, segments), pad(c.bins, segments, 1),
-            pad(c.reach, segments), pad(c.periodic, segments), pad(c.first_bin, segments),
-            pad(c.first_row, segments))
+    return Grid(bins.astype(np.int32), reach.astype(np.int32), first_bin[:-1].astype(np.int32),
+                int(first_bin[-1]))
 
 
 @functools.cache
-def _program(n_cutoffs, rows, segments, n_bins, histogram_bins):
-    """A jitted function of a padded chunk -> per structure: pairs per cutoff (S, K), the
-    nearest distance, the pair attaining it (the lowest i, then j); per atom: neighbours
-    per cutoff (N, K); the largest per-atom count per cutoff and the histogram of
-    distances."""
+def _fractional_program(rows, segments):
+    """A jitted function of a padded chunk (positions, offsets, basis, inverse, periodic) ->
+    (positions wrapped into the cell along periodic axes, their fractional coordinates in the
+    basis, each structure's smallest and largest fractional coordinates)."""
     import jax
     import jax.numpy as jnp
 
     from segcli import ops
+    from segcli.engine import _ids
+
+    def program(positions, offsets, basis, inverse, periodic):
+        ids = _ids(offsets, rows)
+        at = jnp.minimum(ids, segments - 1)
+        fractional = jnp.einsum("ni,nij->nj", positions, inverse[at])
+        image = jnp.where(periodic[at], jnp.floor(fractional), 0.0)
+        wrapped = positions - jnp.einsum("ni,nij->nj", image, basis[at])
+        fractional = fractional - image
+        idx = ops.Segments(ids, offsets)
+        return (wrapped, fractional,
+                ops.segmented_min(fractional, idx, segments, indices_are_sorted=True),
+                ops.segmented_max(fractional, idx, segments, indices_are_sorted=True))
+
+    return jax.jit(program)
+
+
+@functools.cache
+def _pairs_program(n_cutoffs, rows, segments, n_bins, histogram_bins):
+    """A jitted function of a chunk's wrapped positions, fractional coordinates and Grid ->
+    per structure: pairs per cutoff (S, K), the nearest distance, the pair attaining it (the
+    lowest i, then j); per atom: neighbours per cutoff (N, K); the largest per-atom count per
+    cutoff and the histogram of distances. The atoms are sorted by bin (a cell list) and the
+    Warp kernel `neighbors` visits each atom's bins."""
+    import jax
+    import jax.numpy as jnp
+
+    from segcli import ops
+    from segcli.engine import _ids
     from segcli.ops._kernels import launch
 
-    def program(arrays, offsets, ids, cutoffs, scale):
+    def program(wrapped, fractional, offsets, low, high, bins, reach, periodic, first_bin,
+                lattice, cutoffs, scale):
+        ids = _ids(offsets, rows)
+        real = ids < segments
+        at = jnp.minimum(ids, segments - 1)
+        span = jnp.where(high > low, high - low, 1.0)
+        scaled = (fractional - jnp.where(periodic, 0.0, low)[at]) / jnp.where(
+            periodic, 1.0, span)[at] * bins[at]
+        bin_xyz = jnp.clip(jnp.floor(scaled), 0, bins[at] - 1).astype(jnp.int32)
+        key = first_bin[at] + (bin_xyz[:, 0] * bins[at, 1] + bin_xyz[:, 1]) * bins[at, 2] \
+            + bin_xyz[:, 2]
+        key = jnp.where(real, key, n_bins)
+        order = jnp.argsort(key, stable=True).astype(jnp.int32)
+        bin_start = jnp.searchsorted(key[order], jnp.arange(n_bins + 1, dtype=key.dtype))
         counts, nearest, partner, histogram = launch(
-            "neighbors", *arrays, cutoffs, scale,
+            "neighbors", wrapped[order], order, jnp.where(real, ids, -1)[order],
+            bin_xyz[order], bin_start.astype(jnp.int32), lattice, bins, reach,
+            periodic.astype(jnp.int32), first_bin, offsets[:-1], cutoffs, scale,
             jnp.zeros((rows, n_cutoffs), jnp.int32), jnp.zeros(rows, jnp.float64),
             jnp.zeros(rows, jnp.int32), jnp.zeros(histogram_bins, jnp.int32),
             dims=rows, in_out=("counts", "nearest", "partner", "histogram"))
@@ -228,8 +225,8 @@ def _program(n_cutoffs, rows, segments, n_bins, histogram_bins):
         counts = counts.astype(jnp.int64)
         pairs = ops.segmented_sum(counts, idx, segments, indices_are_sorted=True)
         least = ops.segmented_min(nearest, idx, segments, indices_are_sorted=True)
-        atom = jnp.arange(rows) - offsets[jnp.minimum(ids, segments - 1)]
-        attains = (nearest == least[jnp.minimum(ids, segments - 1)]) & jnp.isfinite(nearest)
+        atom = jnp.arange(rows) - offsets[at]
+        attains = (nearest == least[at]) & jnp.isfinite(nearest)
         first_i = ops.segmented_min(jnp.where(attains, atom, rows), idx, segments,
                                     indices_are_sorted=True)
         found = first_i < rows
@@ -241,52 +238,76 @@ def _program(n_cutoffs, rows, segments, n_bins, histogram_bins):
 
 
 class Prepared(NamedTuple):
-    """A chunk's cell list padded for the kernel (see prepare)."""
+    """A chunk padded for the device (see prepare): positions (rows, 3), CSR offsets
+    (segments + 1,), its Geometry padded to `segments` structures, its structures' numbers
+    in the file `path` and atom counts."""
 
-    arrays: tuple
+    path: str
+    positions: np.ndarray
     offsets: np.ndarray
-    ids: np.ndarray
-    n_bins: int
+    geometry: Geometry
+    numbers: np.ndarray
+    n_atoms: np.ndarray
 
 
-def prepare(path, chunk, cells, pbc, cutoff):
+def _pad(array, size, value=0):
+    out = np.full((size, *array.shape[1:]), value, array.dtype)
+    out[:len(array)] = array
+    return out
+
+
+def prepare(path, chunk, cells, pbc):
     """The Prepared chunk (io.core.Chunk holding `positions` in Å) of structures whose lattice
-    vectors are `cells` (S, 3, 3) and periodic axes `pbc` (S, 3), binned for `cutoff`, padded
-    to power-of-two sizes (few compilations over a run)."""
+    vectors are `cells` (S, 3, 3) and periodic axes `pbc` (S, 3), padded to power-of-two
+    sizes (few compilations over a run)."""
     from segcli.engine import bucket
 
     n_atoms = chunk.n_atoms
     positions = np.asarray(chunk.atoms["positions"], np.float64)
-    c = cell_list(path, chunk.structure_numbers, positions, n_atoms,
-                  np.asarray(cells, np.float64), pbc, cutoff)
     rows, segments = bucket(len(positions)), bucket(len(n_atoms))
-    n_bins = bucket(len(c.bin_start) - 1)
     offsets = np.full(segments + 1, len(positions), np.int32)
     offsets[:len(n_atoms) + 1] = np.concatenate([[0], np.cumsum(n_atoms)])
-    ids = np.full(rows, segments, np.int32)
-    ids[:len(positions)] = np.repeat(np.arange(len(n_atoms), dtype=np.int32), n_atoms)
-    return Prepared(_padded(c, rows, segments, n_bins), offsets, ids, n_bins)
+    shape = geometry(path, chunk.structure_numbers, cells, pbc)
+    padded = Geometry(_pad(shape.basis, segments), _pad(shape.inverse, segments),
+                      _pad(shape.spacing, segments, 1.0), _pad(shape.periodic, segments))
+    return Prepared(path, _pad(positions, rows), offsets, padded, chunk.structure_numbers,
+                    n_atoms)
 
 
-def compute(prepared, n_structures, n_rows, cutoffs, device, histogram_bins=0):
-    """The neighbour statistics of a Prepared chunk of `n_structures` structures and `n_rows`
-    atoms, for the ascending `cutoffs`: per structure n_pairs (S, K), min_distance,
-    min_pair_i, min_pair_j (S,); per atom n_neighbors (N, K); for the chunk max_neighbors (K,)
-    and the histogram of pair distances below the largest cutoff (histogram_bins,)."""
+def compute(prepared, cutoffs, device, histogram_bins=0):
+    """The neighbour statistics of a Prepared chunk, for the ascending `cutoffs`: per
+    structure n_pairs (S, K), min_distance, min_pair_i, min_pair_j (S,); per atom n_neighbors
+    (N, K); for the chunk max_neighbors (K,) and the histogram of pair distances below the
+    largest cutoff (histogram_bins,)."""
     import jax
 
     from segcli._jax import enable_x64
+    from segcli.engine import bucket
 
+    p = prepared
+    s, n = len(p.n_atoms), int(p.n_atoms.sum())
+    rows, segments = len(p.positions), len(p.offsets) - 1
     cutoffs = np.asarray(cutoffs, np.float64)
     scale = np.array([histogram_bins / cutoffs[-1] if histogram_bins else 0.0])
-    program = _program(len(cutoffs), len(prepared.ids), len(prepared.offsets) - 1,
-                       prepared.n_bins, max(1, histogram_bins))
     with enable_x64(True):
-        args = jax.device_put((prepared.arrays, prepared.offsets, prepared.ids, cutoffs, scale),
-                              device)
-        out = [np.asarray(a) for a in program(*args)]
+        positions, offsets, basis, inverse, periodic = jax.device_put(
+            (p.positions, p.offsets, p.geometry.basis, p.geometry.inverse,
+             p.geometry.periodic), device)
+        wrapped, fractional, low, high = _fractional_program(rows, segments)(
+            positions, offsets, basis, inverse, periodic)
+        low, high = np.asarray(low)[:s], np.asarray(high)[:s]
+        cells = grid(p.path, p.numbers,
+                     Geometry(*(a[:s] for a in p.geometry)), low, high, p.n_atoms,
+                     float(cutoffs[-1]))
+        n_bins = bucket(cells.n_bins)
+        lattice = np.where(p.geometry.periodic[:, :, None], p.geometry.basis, 0.0)
+        program = _pairs_program(len(cutoffs), rows, segments, n_bins, max(1, histogram_bins))
+        out = program(wrapped, fractional, offsets, *jax.device_put(
+            (_pad(low, segments), _pad(high, segments, 1.0), _pad(cells.bins, segments, 1),
+             _pad(cells.reach, segments), periodic, _pad(cells.first_bin, segments),
+             lattice, cutoffs, scale), device))
+        out = [np.asarray(a) for a in out]
     pairs, least, first_i, first_j, counts, most, histogram = out
-    s, n = n_structures, n_rows
     return {"n_pairs": pairs[:s], "min_distance": least[:s], "min_pair_i": first_i[:s],
             "min_pair_j": first_j[:s], "n_neighbors": counts[:n], "max_neighbors": most,
             "histogram": histogram[:histogram_bins].astype(np.int64)}
@@ -336,13 +357,12 @@ def run(batch, cutoffs, device, *, chunk_atoms=1 << 21, structures=slice(None), 
                 positions[~np.repeat(have, chunk.n_atoms)] = 0
             cells, pbc = lattices(chunk, factor)
             located = chunk._replace(atoms={**chunk.atoms, "positions": positions})
-            yield chunk, prepare(batch.path, located, cells, pbc, float(cutoffs[-1]))
+            yield chunk, prepare(batch.path, located, cells, pbc)
 
     items = engine.prefetch(prepared())
     with contextlib.closing(items):
         for chunk, ready in items:
-            statistics = compute(ready, len(chunk.n_atoms), int(chunk.n_atoms.sum()), cutoffs,
-                                 device, histogram_bins)
+            statistics = compute(ready, cutoffs, device, histogram_bins)
             have = chunk.present.get("positions")
             yield chunk, statistics if have is None else _blanked(statistics, have,
                                                                   chunk.n_atoms)
