@@ -91,25 +91,25 @@ def _matscipy(atoms, cutoff):
 
 def nvalchemiops_pairs(positions, n_atoms, lattices, pbc, cutoff, device):
     """nvalchemiops' batched cell list on the GPU over structures of `n_atoms` atoms, its
-    counts per atom summed (None without it or a GPU)."""
+    counts per atom summed (None without it, torch or a GPU). Through its torch API: its JAX
+    API's cell list takes every argument for static under Warp 1.19 and fails."""
     try:
-        import jax
-        import jax.numpy as jnp
-        from nvalchemiops.jax.neighbors import batch_cell_list
+        import torch
+        from nvalchemiops.torch.neighbors import batch_cell_list
     except ImportError:
         return None
     if device.platform != "gpu":
         return None
-    with jax.default_device(device):
-        positions = jnp.asarray(positions)
-        lattices, pbc = jnp.asarray(lattices), jnp.asarray(pbc)
-        ptr = jnp.asarray(np.concatenate([[0], np.cumsum(n_atoms)]).astype(np.int32))
-        idx = jnp.asarray(np.repeat(np.arange(len(n_atoms)), n_atoms).astype(np.int32))
+    gpu = torch.device("cuda")
+    positions = torch.as_tensor(positions, device=gpu)
+    lattices = torch.as_tensor(lattices, device=gpu)
+    pbc = torch.as_tensor(pbc, device=gpu)
+    idx = torch.as_tensor(np.repeat(np.arange(len(n_atoms)), n_atoms).astype(np.int32),
+                          device=gpu)
 
     def run():
-        _, counts, _ = batch_cell_list(positions, cutoff, lattices, pbc, batch_idx=idx,
-                                       batch_ptr=ptr, max_neighbors=128)
-        return int(jnp.sum(counts))
+        _, counts, _ = batch_cell_list(positions, cutoff, lattices, pbc, idx, max_neighbors=128)
+        return int(counts.sum())
 
     return run
 
