@@ -25,9 +25,10 @@ SLACK = 1e-9
 """Bins are this much (relatively) wider than the cutoff, so that a position's rounding in the
 wrap cannot put a pair closer than the cutoff two bins apart."""
 
-BINS_PER_CUTOFF = 2
-"""Bins along an axis per cutoff's length: an atom visits the (2·2 + 1)³ bins of width R/2
-around its own, 2.7 times less volume than the 3³ bins of width R."""
+BINS_PER_CUTOFF = 1
+"""Bins along an axis per cutoff's length: an atom visits the 3³ bins of width R around its
+own. Two (5³ bins of width R/2, 2.7 times less volume) took as long on the CPU and 20 % longer
+on an H200 (benchmarks/RESULTS.md)."""
 
 MAX_IMAGES = 1_000_000
 """The most bins (bins × periodic images) one atom may have to visit: a cell far thinner than
@@ -257,34 +258,60 @@ class Prepared(NamedTuple):
 
 
 def _pad(array, size, value=0):
-    out = np.full((size, *array.shape[1:]), value, array.dtype)
+    """`array` padded with `value` to `size` rows."""
+    return np.pad(array, [(0, size - len(array))] + [(0, 0)] * (array.ndim - 1),
+                  constant_values=value)
+
+
+def _padded(buffers, slot, name, array, size, value=0):
+    """`array` in the buffer `name` of `buffers`' slot `slot` (see engine._BufferRing), padded
+    with `value` to `size` rows."""
+    out = buffers.take(slot, name, (size, *array.shape[1:]), array.dtype)
     out[:len(array)] = array
+    out[len(array):] = value
     return out
 
 
-def prepare(path, chunk, cells, pbc):
-    """The Prepared chunk (io.core.Chunk holding `positions` in Å) of structures whose lattice
-    vectors are `cells` (S, 3, 3) and periodic axes `pbc` (S, 3), padded to power-of-two
-    sizes (few compilations over a run)."""
-    from segcli.engine import bucket
+def prepare(path, chunk, cells, pbc, buffers=None, slot=0, least=(0, 0), scale=1.0):
+    """The Prepared chunk (io.core.Chunk holding `positions`) of structures whose lattice
+    vectors are `cells` (S, 3, 3) and periodic axes `pbc` (S, 3), in the host buffers of
+    `buffers`' slot `slot` (default: new ones; or where the positions were read in place,
+    see engine.lending),
+    padded to at least `least` (rows, structures) and to power-of-two sizes (one compilation
+    over a run); positions times `scale` (to Å), and 0 for structures that lack them (their
+    results are NaN, see run)."""
+    from segcli.engine import _BufferRing, bucket
 
+    buffers = buffers or _BufferRing()
     n_atoms = chunk.n_atoms
-    positions = np.asarray(chunk.atoms["positions"], np.float64)
-    rows, segments = bucket(len(positions)), bucket(len(n_atoms))
-    offsets = np.full(segments + 1, len(positions), np.int32)
-    offsets[:len(n_atoms) + 1] = np.concatenate([[0], np.cumsum(n_atoms)])
+    s, n = len(n_atoms), int(n_atoms.sum())
+    rows, segments = max(least[0], bucket(n)), max(least[1], bucket(s))
+    data = chunk.atoms["positions"]
+    positions = buffers.holding(data)
+    if positions is None or positions.shape != (rows, 3) or positions.dtype != np.float64:
+        positions = buffers.take(slot, "positions", (rows, 3), np.float64)
+        positions[:n] = data
+    positions[n:] = 0
+    if scale != 1.0:
+        positions[:n] *= scale
+    have = chunk.present.get("positions")
+    if have is not None:
+        positions[:n][~np.repeat(have, n_atoms)] = 0
+    offsets = buffers.take(slot, "offsets", (segments + 1,), np.int32)
+    offsets[0] = 0
+    np.cumsum(n_atoms, out=offsets[1:s + 1])
+    offsets[s + 1:] = n
     shape = geometry(path, chunk.structure_numbers, cells, pbc)
-    padded = Geometry(_pad(shape.basis, segments), _pad(shape.inverse, segments),
-                      _pad(shape.spacing, segments, 1.0), _pad(shape.periodic, segments))
-    return Prepared(path, _pad(positions, rows), offsets, padded, chunk.structure_numbers,
-                    n_atoms)
+    padded = Geometry(*(_padded(buffers, slot, name, array, segments, value) for name, array, value
+                        in zip(Geometry._fields, shape, (0.0, 0.0, 1.0, False))))
+    return Prepared(path, positions, offsets, padded, chunk.structure_numbers, n_atoms)
 
 
-def compute(prepared, cutoffs, device, histogram_bins=0):
+def compute(prepared, cutoffs, device, histogram_bins=0, per_atom=True):
     """The neighbour statistics of a Prepared chunk, for the ascending `cutoffs`: per
-    structure n_pairs (S, K), min_distance, min_pair_i, min_pair_j (S,); per atom n_neighbors
-    (N, K); for the chunk max_neighbors (K,) and the histogram of pair distances below the
-    largest cutoff (histogram_bins,)."""
+    structure n_pairs (S, K), min_distance, min_pair_i, min_pair_j (S,); with `per_atom`,
+    per atom n_neighbors (N, K); for the chunk max_neighbors (K,) and the histogram of pair
+    distances below the largest cutoff (histogram_bins,)."""
     import jax
 
     from segcli._jax import enable_x64
@@ -312,11 +339,16 @@ def compute(prepared, cutoffs, device, histogram_bins=0):
             (_pad(low, segments), _pad(high, segments, 1.0), _pad(cells.bins, segments, 1),
              _pad(cells.reach, segments), periodic, _pad(cells.first_bin, segments),
              lattice, cutoffs, scale), device))
-        out = [np.asarray(a) for a in out]
-    pairs, least, first_i, first_j, counts, most, histogram = out
-    return {"n_pairs": pairs[:s], "min_distance": least[:s], "min_pair_i": first_i[:s],
-            "min_pair_j": first_j[:s], "n_neighbors": counts[:n], "max_neighbors": most,
-            "histogram": histogram[:histogram_bins].astype(np.int64)}
+        pairs, least, first_i, first_j, counts, most, histogram = out
+        statistics = {"n_pairs": pairs, "min_distance": least, "min_pair_i": first_i,
+                      "min_pair_j": first_j, "max_neighbors": most, "histogram": histogram}
+        if per_atom:
+            statistics["n_neighbors"] = counts
+        statistics = {name: np.asarray(a) for name, a in statistics.items()}
+    rows_of = {"n_neighbors": n, "histogram": histogram_bins, "max_neighbors": len(cutoffs)}
+    statistics = {name: a[:rows_of.get(name, s)] for name, a in statistics.items()}
+    statistics["histogram"] = statistics["histogram"].astype(np.int64)
+    return statistics
 
 
 def lattices(chunk, length_factor=1.0):
@@ -338,11 +370,12 @@ def lattices(chunk, length_factor=1.0):
 
 
 def run(batch, cutoffs, device, *, chunk_atoms=1 << 21, structures=slice(None), keep=None,
-        histogram_bins=0):
+        histogram_bins=0, per_atom=True):
     """Yield (Chunk, statistics) for each chunk of whole structures of `batch` (those `keep`
-    marks, if given): see `compute`, for the ascending `cutoffs` in Å; the next chunk read and
-    binned in a background thread while this one is computed on `device`. Positions stated in
-    other units (bohr, nm) are converted; DataError for positions holding NaN."""
+    marks, if given): see `compute`, for the ascending `cutoffs` in Å; the next chunk read (in
+    place, into reused host buffers, pinned for a GPU) and prepared in a background thread
+    while this one is computed on `device`. Positions stated in other units (bohr, nm) are
+    converted; DataError for positions holding NaN."""
     from segcli import engine
     from segcli.io import units
 
@@ -352,26 +385,26 @@ def run(batch, cutoffs, device, *, chunk_atoms=1 << 21, structures=slice(None), 
     unit = batch.units.get("positions")
     factor = units.known()[unit][1] if unit in units.known() else 1.0
 
-    def prepared():
-        chunks = batch.iter_chunks(names, chunk_atoms=chunk_atoms, structures=structures,
-                                   keep=keep)
-        for chunk in engine.nan_checked(batch.path, chunks, ["positions", *names[1:2]],
-                                        where_present=True):
-            have = chunk.present.get("positions")
-            positions = chunk.atoms["positions"] * factor
-            if have is not None:  # structures without positions: no atoms, NaN results
-                positions[~np.repeat(have, chunk.n_atoms)] = 0
-            cells, pbc = lattices(chunk, factor)
-            located = chunk._replace(atoms={**chunk.atoms, "positions": positions})
-            yield chunk, prepare(batch.path, located, cells, pbc)
+    least = engine.padded_size(batch.n_atoms[structures], chunk_atoms)
 
-    items = engine.prefetch(prepared())
-    with contextlib.closing(items):
-        for chunk, ready in items:
-            statistics = compute(ready, cutoffs, device, histogram_bins)
-            have = chunk.present.get("positions")
-            yield chunk, statistics if have is None else _blanked(statistics, have,
-                                                                  chunk.n_atoms)
+    def prepared(buffers):
+        chunks = batch.iter_chunks(
+            names, chunk_atoms=chunk_atoms, structures=structures, keep=keep,
+            into=engine.lending(buffers, {"positions": np.dtype(np.float64)}, fields, least[0]))
+        checked = engine.nan_checked(batch.path, chunks, ["positions", *names[1:2]],
+                                     where_present=True)
+        for slot, chunk in enumerate(checked):
+            cells, pbc = lattices(chunk, factor)
+            yield chunk, prepare(batch.path, chunk, cells, pbc, buffers, slot, least, factor)
+
+    with engine.buffer_ring(device.platform != "cpu", "neighbors") as buffers:
+        items = engine.prefetch(prepared(buffers))
+        with contextlib.closing(items):
+            for chunk, ready in items:
+                statistics = compute(ready, cutoffs, device, histogram_bins, per_atom)
+                have = chunk.present.get("positions")
+                yield chunk, statistics if have is None else _blanked(statistics, have,
+                                                                      chunk.n_atoms)
 
 
 def _blanked(statistics, have, n_atoms):
@@ -380,12 +413,12 @@ def _blanked(statistics, have, n_atoms):
     not."""
     from segcli.engine import nan_dtype
 
-    rows = {len(have): ~have, int(n_atoms.sum()): np.repeat(~have, n_atoms)}
     out = dict(statistics)
-    for name in ("n_pairs", "min_distance", "min_pair_i", "min_pair_j", "n_neighbors"):
-        array = np.array(statistics[name], nan_dtype(statistics[name].dtype))
-        array[rows[len(array)]] = np.nan
-        out[name] = array
+    for name, per in OUTPUTS.items():
+        if name in statistics:
+            array = np.array(statistics[name], nan_dtype(statistics[name].dtype))
+            array[~have if per[0] == "structure" else np.repeat(~have, n_atoms)] = np.nan
+            out[name] = array
     return out
 
 

@@ -203,3 +203,26 @@ def test_usage_errors(tmp_path):
                ).exit_code == 2
     no_positions = write_batch(tmp_path / "x.h5", [2], {"x": np.zeros((2, 3))})
     assert_data_error(run("neighbors", no_positions, "--cutoff", 2), "no field 'positions'")
+
+
+def test_structures_without_positions_get_nan_rows(tmp_path):
+    """A structure that lacks positions (/present/positions) has NaN results and is left out
+    of the summary; the others are as ASE counts them, whatever the chunks."""
+    frames = [molecule("H2O"), ase.Atoms(), molecule("CH4"), bulk("Cu", "fcc", a=3.61)]
+    path = write_frames(tmp_path / "b.h5", frames)
+    have = np.array([True, True, False, True])
+    with h5py.File(path, "a") as f:
+        f["present/positions"] = have
+        f["atoms/positions"][3:8] = np.nan  # the methane's rows
+    out = tmp_path / "out.h5"
+    result = run("neighbors", path, "--cutoff", 3, "--per-atom", "--chunk-atoms", 4, "-o", out)
+    assert result.exit_code == 0, result.output
+    got = results(out)
+    for s, atoms in enumerate(frames):
+        if have[s]:
+            assert got["n_pairs"][s] == len(neighbor_list("i", atoms, 3.0))
+        else:
+            assert np.isnan(got["n_pairs"][s]) and np.isnan(got["min_distance"][s])
+    assert np.isnan(got["n_neighbors"][3:8]).all() and not np.isnan(got["n_neighbors"][:3]).any()
+    pairs = sum(len(neighbor_list("i", a, 3.0)) for a, h in zip(frames, have) if h)
+    assert f"{pairs} ordered pairs over 4 atoms" in result.stderr

@@ -117,9 +117,11 @@ def _runner(cutoffs, names, summary, histogram_bins):
     from segcli import neighbors
 
     def run(batch, jobs, device, *, structures, chunk_atoms, keep):
+        per_atom = any(per == "atom" for _, per, _, _ in names.values())
         for chunk, statistics in neighbors.run(batch, cutoffs, device, chunk_atoms=chunk_atoms,
                                                structures=structures, keep=keep,
-                                               histogram_bins=histogram_bins):
+                                               histogram_bins=histogram_bins,
+                                               per_atom=per_atom):
             summary.add(chunk, statistics)
             mean = neighbors.mean_neighbors(statistics["n_pairs"], chunk.n_atoms)
             columns = {**statistics, "mean_neighbors": mean}
