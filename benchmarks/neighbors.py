@@ -16,6 +16,7 @@ Each library's total pair count is printed beside its time: they must agree. Med
 
 import argparse
 import importlib.util
+import os
 import statistics
 import tempfile
 import time
@@ -211,10 +212,32 @@ def streamed(args, device):
               f"{rate / vesin_rate:.1f} |")
         print(f"| vesin, one core | {vesin_atoms} | {vesin_seconds:.3f} | "
               f"{vesin_rate / 1e6:.3f} | {vesin_pairs} | 1.0 |")
+        command_seconds, rss = whole_command(path, args.cutoff, device.platform)
+        rate = atoms / command_seconds
+        print(f"| `segcli neighbors FILE --cutoff {args.cutoff:g} -q` (a process; peak RSS "
+              f"{rss:.0f} MiB) | {atoms} | {command_seconds:.3f} | {rate / 1e6:.3f} |  | "
+              f"{rate / vesin_rate:.1f} |")
         for name, (other_seconds, other_pairs) in others.items():
             print(f"| {name} | {atoms} | {other_seconds:.3f} | "
                   f"{atoms / other_seconds / 1e6:.3f} | {other_pairs} | "
                   f"{atoms / other_seconds / vesin_rate:.1f} |")
+
+
+def whole_command(path, cutoff, platform):
+    """(wall seconds, peak RSS in MiB) of `segcli neighbors` on the file, as a process of its
+    own (its results to /dev/null)."""
+    import subprocess
+    import sys
+
+    start = time.perf_counter()
+    process = subprocess.Popen([sys.executable, "-m", "segcli", "neighbors", str(path),
+                                "--cutoff", str(cutoff), "-q", "--device", platform],
+                               stdout=subprocess.DEVNULL)
+    _, status, usage = os.wait4(process.pid, 0)
+    seconds = time.perf_counter() - start
+    if status:
+        raise SystemExit(f"segcli neighbors failed ({status})")
+    return seconds, usage.ru_maxrss / 1024
 
 
 def main():
