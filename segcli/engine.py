@@ -347,6 +347,23 @@ def padded_size(n_atoms, chunk_atoms):
     return bucket(int(atoms.max(initial=0))), bucket(int(np.diff(bounds).max(initial=0)))
 
 
+def lending(buffers, dtypes, fields, least_rows):
+    """An `into` for Batch.iter_chunks: a buffer of `buffers` (a _BufferRing), padded to at
+    least `least_rows` rows (a bucket), to read the next piece of per-atom field `name`
+    (fields[name] its FieldInfo) into as dtypes[name], in a slot of its own per piece (a
+    format may read one piece ahead of the chunk it yields); None for other fields."""
+    pieces = {}
+
+    def into(name, rows):
+        if name not in dtypes:
+            return None
+        pieces[name] = pieces.get(name, -1) + 1
+        shape = (max(least_rows, bucket(int(rows))), *fields[name].shape)
+        return buffers.lend(pieces[name], ("read", name), shape, dtypes[name], rows)
+
+    return into
+
+
 def _padded_chunks(batch, jobs, chunk_atoms, structures, buffers, on_device=False, keep=None):
     """(Chunk, _Padded) for each chunk (of the structures `keep` marks, see Batch.iter_chunks),
     holding every field the jobs read, in `buffers` (a _BufferRing); DataError if one holds
@@ -357,25 +374,15 @@ def _padded_chunks(batch, jobs, chunk_atoms, structures, buffers, on_device=Fals
 
     dtypes = field_dtypes(jobs)
     read = tuple(dtypes)
-    fields, pieces = batch.fields, {}
+    fields = batch.fields
     # per atom: its segment id and each per-atom field, read and padded (to up to twice the rows)
     row_bytes = 2 * (np.dtype(np.int32).itemsize + 2 * sum(
         dtype.itemsize * math.prod(fields[name].shape) for name, dtype in dtypes.items()
         if fields[name].per == "atom"))
     check_memory(jobs[0].path, batch.n_atoms[structures], structures.start or 0, row_bytes)
     least = padded_size(batch.n_atoms[structures], chunk_atoms)
-
-    def into(name, rows):
-        """A padded buffer to read the next piece of per-atom input `name` into, in a slot of
-        its own per piece (a format may read one piece ahead of the chunk it yields)."""
-        if name not in read:
-            return None
-        pieces[name] = pieces.get(name, -1) + 1
-        shape = (max(least[0], bucket(int(rows))), *fields[name].shape)  # as _pad pads it
-        return buffers.lend(pieces[name], ("read", name), shape, dtypes[name], rows)
-
     chunks = batch.iter_chunks(list(read), chunk_atoms=chunk_atoms, structures=structures,
-                               into=into, keep=keep)
+                               into=lending(buffers, dtypes, fields, least[0]), keep=keep)
     if not on_device:
         chunks = nan_checked(jobs[0].path, chunks, read, where_present=True)
     for slot, chunk in enumerate(chunks):
@@ -543,11 +550,9 @@ def run(batch, jobs, device, *, chunk_atoms=DEFAULT_CHUNK_ATOMS, structures=slic
     With `keep` ((S,) bool), only the structures it marks are read into chunks and computed."""
     jobs = tuple(jobs)
     on_device = device.platform != "cpu" if on_device is None else on_device
-    pinned = device.platform != "cpu"
-    buffers = _SPARE_RINGS.pop(pinned, None) or _BufferRing(pinned=pinned)
-    items = prefetch(_padded_chunks(batch, jobs, chunk_atoms, structures, buffers, on_device,
-                                    keep))
-    try:
+    with buffer_ring(device.platform != "cpu") as buffers:
+        items = prefetch(_padded_chunks(batch, jobs, chunk_atoms, structures, buffers, on_device,
+                                        keep))
         with contextlib.closing(items):
             for chunk, padded in items:
                 outputs, nan = compute(jobs, padded, device)
@@ -557,8 +562,6 @@ def run(batch, jobs, device, *, chunk_atoms=DEFAULT_CHUNK_ATOMS, structures=slic
                         pass
                 yield chunk, tuple(_blank_absent(job, chunk, out)
                                    for job, out in zip(jobs, outputs))
-    finally:
-        _SPARE_RINGS[pinned] = buffers
 
 
 def _blank_absent(job, chunk, outputs):
@@ -576,6 +579,17 @@ def _blank_absent(job, chunk, outputs):
     return out
 
 
+@contextlib.contextmanager
+def buffer_ring(pinned, user=None):
+    """A _BufferRing (pinned or not) for one run of `user` (None: engine.run), the one the last
+    such run left if any, and left in turn for the next: a worker running many shards
+    allocates, and pins, its buffers once."""
+    buffers = _SPARE_RINGS.pop((user, pinned), None) or _BufferRing(pinned=pinned)
+    try:
+        yield buffers
+    finally:
+        _SPARE_RINGS[(user, pinned)] = buffers
+
+
 _SPARE_RINGS = {}
-"""pinned -> the _BufferRing of the last run that ended, for the next (a worker running many
-shards allocates, and pins, its buffers once)."""
+"""(user, pinned) -> the _BufferRing the last run of `user` left (see buffer_ring)."""

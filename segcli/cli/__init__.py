@@ -117,8 +117,16 @@ def main(ctx, debug):
 
 
 # The command modules, whose commands are added here.
-from segcli.cli import check, compute, curate, data, merge, select  # noqa: E402  (they use main)
+from segcli.cli import (  # noqa: E402  (they use main)
+    check,
+    compute,
+    curate,
+    data,
+    merge,
+    neighbors,
+    select,
+)
 
-for _module in (data, compute, curate, select, merge, check):
+for _module in (data, compute, neighbors, curate, select, merge, check):
     for _command in _module.COMMANDS:
         main.add_command(_command)

@@ -89,41 +89,60 @@ def _op_list(ctx, param, words):
     return tuple(ops)
 
 
+def _output_options(*names):
+    """The options `names` (see _OUTPUT_OPTIONS) of the commands that compute per structure."""
+    def decorate(command):
+        for name in reversed(names):
+            command = _OUTPUT_OPTIONS[name](command)
+        return command
+
+    return decorate
+
+
+_OUTPUT_OPTIONS = {
+    "output": click.option(
+        "-o", "--output", type=click.Path(dir_okay=False), callback=common.output_name,
+        help="Write a new file instead of printing to stdout: segcli HDF5 (.h5, .hdf5) holding "
+             "/structures/n_atoms and /results/NAME, or the table stdout would get (.csv, "
+             ".json, .jsonl, .npy)."),
+    "in_place": click.option(
+        "--in-place", is_flag=True,
+        help="Add /results/NAME to FILE itself (a segcli HDF5 file); FILE is replaced only "
+             "once the result is complete."),
+    "fmt": click.option(
+        "--format", "fmt", type=click.Choice(["csv", "json", "npy"]),
+        help="Stdout format (default csv): csv with a header line, json (one object per line) "
+             "or npy (binary)."),
+    "name": click.option("--name", callback=common.result_name,
+                         help="Result name (default OP_FIELD[_FIELD2])."),
+    "force": click.option("--force", is_flag=True,
+                          help="Overwrite an existing output file or result."),
+    "structures": click.option(
+        "--structures", callback=structure_range, metavar="START:STOP",
+        help="Only these structures, a Python slice: START:STOP, -5: (the last five), :10 or "
+             "one index (default: all; not with --in-place)."),
+    "chunk_atoms": click.option(
+        "--chunk-atoms", type=common.CHUNK_ATOMS,
+        help="Atoms read and computed at a time (whole structures; default 2 Mi = 2097152): "
+             "bounds memory."),
+    "device": click.option(
+        "--device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto",
+        show_default=True, help="Where to compute (auto: a GPU when JAX sees one)."),
+    "precision": click.option(
+        "--precision", type=click.Choice(["float32", "float64"]), default="float64",
+        show_default=True, help="Floating-point type of the computation and the results."),
+    "quiet": click.option("-q", "--quiet", is_flag=True,
+                          help="Print nothing but errors and results."),
+    "strict": click.option(
+        "--strict", is_flag=True,
+        help="Refuse (exit 1) structures whose matrix is singular or zero, such as a "
+             "cell-less molecule's cell for matvec, rather than warn."),
+}
+
+
 def _shared_options(command):
     """The options reduce and grad share (SPEC §3)."""
-    options = [
-        click.option("-o", "--output", type=click.Path(dir_okay=False), callback=common.output_name,
-                     help="Write a new file instead of printing to stdout: segcli HDF5 "
-                          "(.h5, .hdf5) holding /structures/n_atoms and /results/NAME, or "
-                          "the table stdout would get (.csv, .json, .jsonl, .npy)."),
-        click.option("--in-place", is_flag=True,
-                     help="Add /results/NAME to FILE itself (a segcli HDF5 file); FILE is "
-                          "replaced only once the result is complete."),
-        click.option("--format", "fmt", type=click.Choice(["csv", "json", "npy"]),
-                     help="Stdout format (default csv): csv with a header line, json (one "
-                          "object per line) or npy (binary)."),
-        click.option("--name", callback=common.result_name,
-                     help="Result name (default OP_FIELD[_FIELD2])."),
-        click.option("--force", is_flag=True,
-                     help="Overwrite an existing output file or result."),
-        click.option("--structures", callback=structure_range, metavar="START:STOP",
-                     help="Only these structures, a Python slice: START:STOP, -5: (the last "
-                          "five), :10 or one index (default: all; not with --in-place)."),
-        click.option("--chunk-atoms", type=common.CHUNK_ATOMS,
-                     help="Atoms read and computed at a time (whole structures; default 2 Mi "
-                          "= 2097152): bounds memory."),
-        click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto",
-                     show_default=True, help="Where to compute (auto: a GPU when JAX sees one)."),
-        click.option("--precision", type=click.Choice(["float32", "float64"]),
-                     default="float64", show_default=True,
-                     help="Floating-point type of the computation and the results."),
-        click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors and results."),
-        click.option("--strict", is_flag=True,
-                     help="Refuse (exit 1) structures whose matrix is singular or zero, such "
-                          "as a cell-less molecule's cell for matvec, rather than warn."),
-    ]
-    for option in reversed(options):
-        command = option(command)
+    command = _output_options(*_OUTPUT_OPTIONS)(command)
     return where_option(cluster_options(command))
 
 
@@ -137,6 +156,11 @@ def _check_usage(ops, name, output, in_place, fmt, structures):
     if name and len(ops) > 1:
         raise click.UsageError("--name names one op's result; several ops are each named "
                                "OP_FIELD[_FIELD2]")
+    check_output_usage(output, in_place, fmt, structures)
+
+
+def check_output_usage(output, in_place, fmt, structures):
+    """UsageError (exit 2) for output options that cannot go together."""
     if output and in_place:
         raise click.UsageError("give -o/--output or --in-place, not both")
     if fmt and (output or in_place):
@@ -395,14 +419,15 @@ def _dataset(name, label):
 
 
 def _compute_into(batch, results, sink, device, lo, hi, chunk_atoms, progress=None, notes=(),
-                  keep=None):
+                  keep=None, run=None):
     """Compute the results' jobs over structures [lo, hi) of `batch` (those `keep` marks, if
-    given) on `device`, in one pass, into `sink`; the `notes` go to stderr once the first
-    chunk is computed."""
+    given) on `device`, in one pass, by `run` (default engine.run, whose signature it has),
+    into `sink`; the `notes` go to stderr once the first chunk is computed."""
     from segcli import engine
 
-    chunks = engine.run(batch, results.jobs, device, structures=slice(lo, hi),
-                        chunk_atoms=chunk_atoms or engine.DEFAULT_CHUNK_ATOMS, keep=keep)
+    chunks = (run or engine.run)(batch, results.jobs, device, structures=slice(lo, hi),
+                                 chunk_atoms=chunk_atoms or engine.DEFAULT_CHUNK_ATOMS,
+                                 keep=keep)
     with contextlib.closing(chunks):
         first = next(chunks, None)  # what fails at once fails before any output
         for message in notes:

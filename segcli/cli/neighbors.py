@@ -1,0 +1,214 @@
+"""Command: neighbors (per-structure neighbour statistics at cutoffs)."""
+
+import types
+from typing import NamedTuple
+
+import click
+
+from segcli.cli import common
+from segcli.cli.common import note, progress, where_option, where_selection
+from segcli.cli.compute import (
+    _compute_into,
+    _file_format,
+    _output_options,
+    _Results,
+    _sink,
+    check_output_usage,
+)
+
+_NEIGHBORS = types.SimpleNamespace(name="neighbors")
+
+
+class _Statistic(NamedTuple):
+    """One result of `neighbors`, as compute._Results takes a job: label -> (per, shape,
+    dtype), the op and the fields that made it."""
+
+    outputs: dict
+    spec: object = _NEIGHBORS
+    fields: tuple = ("positions",)
+
+
+def _results(cutoffs, per_atom, table, partial):
+    """(_Results, names (see neighbors.result_names)): the per-structure statistics,
+    and with `per_atom` each atom's neighbours; only the latter on a table (stdout, csv, json,
+    npy) with `per_atom`, whose rows are atoms. `partial`: some structures lack positions, so
+    integer results are float64 (NaN there)."""
+    import numpy as np
+
+    from segcli import neighbors
+
+    names = neighbors.result_names(cutoffs, per_atom)
+    if per_atom and table:
+        names = {n: v for n, v in names.items() if v[1] == "atom"}
+    statistics = [_Statistic({"": (per, (), np.dtype(np.float64 if partial else dtype))})
+                  for _, per, dtype, _ in names.values()]
+    return _Results(statistics, list(names)), names
+
+
+class _Summary:
+    """The dataset's neighbour statistics, added up chunk by chunk."""
+
+    def __init__(self, cutoffs, histogram_bins):
+        import numpy as np
+
+        self.cutoffs = cutoffs
+        self.atoms = 0
+        self.pairs = np.zeros(len(cutoffs), np.int64)
+        self.most = np.zeros(len(cutoffs), np.int64)
+        self.nearest = (np.inf, -1, -1, -1)  # distance, structure, i, j
+        self.histogram = np.zeros(histogram_bins, np.int64)
+
+    def add(self, chunk, statistics):
+        import numpy as np
+
+        distances = statistics["min_distance"]
+        have = ~np.isnan(distances)
+        self.atoms += int(chunk.n_atoms[have].sum())
+        self.pairs += np.nansum(statistics["n_pairs"], axis=0).astype(np.int64)
+        self.most = np.maximum(self.most, statistics["max_neighbors"])
+        self.histogram += statistics["histogram"]
+        if have.any() and np.nanmin(distances) < self.nearest[0]:
+            s = int(np.nanargmin(distances))
+            self.nearest = (float(distances[s]), int(chunk.structure_numbers[s]),
+                            int(statistics["min_pair_i"][s]), int(statistics["min_pair_j"][s]))
+
+    def as_dict(self):
+        """The summary as JSON's values."""
+        distance, structure, i, j = self.nearest
+        mean = (self.pairs / self.atoms).tolist() if self.atoms else [None] * len(self.cutoffs)
+        top = self.cutoffs[-1]
+        summary = {"cutoffs": list(self.cutoffs), "atoms": self.atoms,
+                   "pairs": self.pairs.tolist(), "mean_neighbors": mean,
+                   "max_neighbors": self.most.tolist(),
+                   "min_distance": distance if structure >= 0 else None,
+                   "min_pair": {"structure": structure, "i": i, "j": j} if structure >= 0
+                   else None}
+        if len(self.histogram):
+            edges = [top * k / len(self.histogram) for k in range(len(self.histogram) + 1)]
+            summary["histogram"] = {"edges": edges, "counts": self.histogram.tolist()}
+        return summary
+
+    def lines(self, file):
+        """The summary as lines of text."""
+        summary = self.as_dict()
+        lines = []
+        for cutoff, pairs, mean, most in zip(self.cutoffs, summary["pairs"],
+                                             summary["mean_neighbors"],
+                                             summary["max_neighbors"]):
+            per_atom = "no atoms" if mean is None else f"{mean:.6g} per atom on average"
+            lines.append(f"{file}: within {cutoff:g} Å, {pairs} ordered pairs over "
+                         f"{self.atoms} atoms: {per_atom}, at most {most}")
+        if summary["min_pair"] is None:
+            lines.append(f"{file}: no pair within {self.cutoffs[-1]:g} Å")
+        else:
+            pair = summary["min_pair"]
+            lines.append(f"{file}: nearest pair {summary['min_distance']:.6g} Å, atoms "
+                         f"{pair['i']} and {pair['j']} of structure {pair['structure']}")
+        if "histogram" in summary:
+            edges, counts = summary["histogram"]["edges"], summary["histogram"]["counts"]
+            lines.append("distance from (Å)  to (Å)  pairs")
+            lines += [f"{a:.6g}  {b:.6g}  {n}" for a, b, n in zip(edges, edges[1:], counts)]
+        return lines
+
+
+def _runner(cutoffs, names, summary, histogram_bins):
+    """A run for compute._compute_into: each chunk's results (one dict per result of `names`)
+    from segcli.neighbors.run, its statistics added to `summary`."""
+    from segcli import neighbors
+
+    def run(batch, jobs, device, *, structures, chunk_atoms, keep):
+        per_atom = any(per == "atom" for _, per, _, _ in names.values())
+        for chunk, statistics in neighbors.run(batch, cutoffs, device, chunk_atoms=chunk_atoms,
+                                               structures=structures, keep=keep,
+                                               histogram_bins=histogram_bins,
+                                               per_atom=per_atom):
+            summary.add(chunk, statistics)
+            mean = neighbors.mean_neighbors(statistics["n_pairs"], chunk.n_atoms)
+            columns = {**statistics, "mean_neighbors": mean}
+            yield chunk, tuple({"": columns[base] if k is None else columns[base][:, k]}
+                               for base, _, _, k in names.values())
+
+    return run
+
+
+@click.command(short_help="Neighbour statistics at cutoffs, per structure.")
+@click.argument("file")
+@common.input_format_option("--input-format")
+@click.option("--cutoff", "cutoffs", multiple=True, required=True, metavar="R",
+              type=click.FloatRange(min=0, min_open=True, max=1e6),
+              help="Distance in Å below which two atoms are neighbours; repeat it for several "
+                   "cutoffs (results then named NAME_R: n_pairs_5, mean_neighbors_4.5).")
+@click.option("--per-atom", is_flag=True,
+              help="Also each atom's number of neighbours (n_neighbors): alone on stdout, "
+                   "beside the per-structure results with -o OUT.h5 or --in-place.")
+@click.option("--histogram", "histogram_bins", type=click.IntRange(1, 1 << 20),
+              metavar="BINS", help="Count the pairs' distances in BINS equal bins from 0 to "
+                                   "the largest cutoff (in the summary).")
+@_output_options("output", "in_place", "fmt", "force", "structures", "chunk_atoms", "device",
+                 "quiet")
+@where_option
+def neighbors(file, cutoffs, per_atom, histogram_bins, output, in_place, fmt, force,
+              structures, chunk_atoms, device, quiet, where):
+    """Per structure of FILE, the ordered pairs of atoms closer than R (n_pairs), with periodic
+    images as ASE's neighbor_list counts them (an atom with its own image counts; images
+    beyond the nearest when the cell is thinner than R; pbc per axis; no images without a
+    cell), n_pairs per atom (mean_neighbors, NaN if empty), the smallest distance among them
+    (min_distance, inf if none) and its pair (min_pair_i, min_pair_j: atom indices in the
+    structure, the lowest i then j on a tie; -1 if none).
+
+    FILE and the output options are as for `segcli reduce`: csv (columns structure,
+    n_pairs, mean_neighbors, min_distance, min_pair_i, min_pair_j), json, npy, -o, or
+    --in-place, which stores the results as fields that `select --where`, `stats` and
+    `reduce` read. stderr gets the dataset's summary: pairs and mean and largest neighbours
+    per atom, the nearest pair, and with --histogram the distances' histogram (a JSON
+    object with --format json). Positions stated in bohr or nm are converted; memory is
+    bounded by --chunk-atoms: a cell list per chunk, no pair list.
+
+    \b
+    Example:
+      segcli neighbors sample_data/metals.h5 --cutoff 5
+      segcli neighbors data.h5 --cutoff 5 --cutoff 6 --histogram 50 -o neighbours.h5
+      segcli neighbors data.h5 --cutoff 3 --in-place
+      segcli select data.h5 --where 'min_distance < 0.5' -o suspicious.h5
+    """
+    import json
+
+    cutoffs = sorted(set(cutoffs))
+    histogram_bins = histogram_bins or 0
+    check_output_usage(output, in_place, fmt, structures)
+    paths = common.input_paths(file, in_place)
+    common.refuse_output_among_inputs(output, paths, "use --in-place to add to it")
+    common.check_output_place(output)
+    table = not (output or in_place) or _file_format(output) is not None
+    with common.read_inputs(paths, file, in_place) as batch:
+        batch.check_fields(["positions"])
+        results, names = _results(cutoffs, per_atom, table,
+                                  batch.present("positions") is not None)
+        selected = common.selection(batch, file, structures)
+        lo, hi = selected.start, selected.stop
+        keep = where_selection(batch, file, where, selected, quiet=quiet)
+        target = common.device(device)
+        attrs = {"cutoffs": cutoffs, "device": common.device_label(target)}
+        if where:
+            attrs["where"] = [condition.text for condition in where]
+        sink = _sink(results, batch, lo, hi, output=output, in_place=in_place, file=paths[0],
+                     fmt=fmt, force=force, attrs=attrs, keep=keep)
+        summary = _Summary(cutoffs, histogram_bins)
+        total = hi - lo if keep is None else int(keep[lo:hi].sum())
+        with progress(not quiet, f"neighbours of {file}", total) as bar:
+            _compute_into(batch, results, sink, target, lo, hi, chunk_atoms, bar, keep=keep,
+                          run=_runner(cutoffs, names, summary, histogram_bins))
+    if quiet:
+        return
+    if fmt == "json":
+        note(json.dumps(summary.as_dict()))
+        return
+    for line in summary.lines(file):
+        note(line)
+    if output or in_place:
+        written = (results.columns.values() if _file_format(output)
+                   else (f"/results/{d}" for d in results.datasets))
+        note(f"{output or file}: {', '.join(written)}")
+
+
+COMMANDS = [neighbors]

@@ -1,0 +1,429 @@
+"""Neighbour statistics at cutoffs, streamed over a batch: per structure, the ordered pairs of
+atoms (i, j, periodic image) closer than each cutoff, as `ase.neighborlist.neighbor_list`
+counts them (an atom with its own image counts, with itself in its own cell not), and the
+nearest pair; per atom, its neighbours.
+
+A chunk of structures becomes one cell list (`cell_list`, on the host, vectorised over the
+structures): each structure's atoms are wrapped into its cell along its periodic axes and
+binned on a grid of its own whose bins are at least the largest cutoff wide, in the basis of
+its lattice (mixed, non-orthogonal, partly periodic, or none: Cartesian). A Warp kernel
+then visits, for each atom, the bins within reach of its own in every periodic image that
+reaches it (several images of the cell when it is thinner than the cutoff), and segcli's
+segment ops reduce its per-atom counts and nearest distances per structure. Memory is
+bounded by the chunk: no pair list, no N² matrix.
+"""
+
+import contextlib
+import functools
+from typing import NamedTuple
+
+import numpy as np
+
+from segcli.errors import DataError
+
+SLACK = 1e-9
+"""Bins are this much (relatively) wider than the cutoff, so that a position's rounding in the
+wrap cannot put a pair closer than the cutoff two bins apart."""
+
+BINS_PER_CUTOFF = 1
+"""Bins along an axis per cutoff's length: an atom visits the 3³ bins of width R around its
+own. Two (5³ bins of width R/2, 2.7 times less volume) took as long on the CPU and 20 % longer
+on an H200 (benchmarks/RESULTS.md)."""
+
+MAX_IMAGES = 1_000_000
+"""The most bins (bins × periodic images) one atom may have to visit: a cell far thinner than
+the cutoff is refused rather than left to run for hours."""
+
+OUTPUTS = {
+    "n_pairs": ("structure", np.int64),
+    "mean_neighbors": ("structure", np.float64),
+    "min_distance": ("structure", np.float64),
+    "min_pair_i": ("structure", np.int64),
+    "min_pair_j": ("structure", np.int64),
+    "n_neighbors": ("atom", np.int64),
+}
+"""Each result -> (per, dtype); n_pairs, mean_neighbors and n_neighbors are per cutoff."""
+
+
+def result_names(cutoffs, per_atom):
+    """The results of a run: name -> (statistic (a key of OUTPUTS), per, dtype, the index of
+    the cutoff it is of, or None for the nearest pair, taken over the largest cutoff). One
+    cutoff: the names of OUTPUTS; several: n_pairs_R, mean_neighbors_R (and n_neighbors_R)
+    for each cutoff R."""
+    names = {}
+    for base, (per, dtype) in OUTPUTS.items():
+        if per == "atom" and not per_atom:
+            continue
+        if base in ("n_pairs", "mean_neighbors", "n_neighbors"):
+            for k, cutoff in enumerate(cutoffs):
+                name = base if len(cutoffs) == 1 else f"{base}_{cutoff:g}"
+                names[name] = (base, per, dtype, k)
+        else:
+            names[base] = (base, per, dtype, None)
+    return names
+
+
+def _unit(v):
+    return v / np.linalg.norm(v, axis=-1, keepdims=True)
+
+
+def _basis(cells, periodic):
+    """(S, 3, 3) rows: each structure's periodic lattice vectors, with unit vectors normal to
+    them (and to each other) along its other axes; the identity for a structure with no
+    periodic axis. Its fractional coordinates bin the atoms."""
+    basis = np.broadcast_to(np.eye(3), cells.shape).copy()
+    for pattern in np.unique(periodic, axis=0):
+        where = (periodic == pattern).all(axis=1)
+        if not pattern.any():
+            continue
+        cell = cells[where]
+        on = np.flatnonzero(pattern)
+        out = basis[where]
+        out[:, on] = cell[:, on]
+        if len(on) == 2:
+            out[:, 3 - on.sum()] = _unit(np.cross(cell[:, on[0]], cell[:, on[1]]))
+        elif len(on) == 1:
+            a = cell[:, on[0]]
+            helper = np.eye(3)[np.argmin(np.abs(_unit(a)), axis=1)]
+            u = _unit(np.cross(a, helper))
+            out[:, [k for k in range(3) if k != on[0]]] = np.stack(
+                [u, _unit(np.cross(a, u))], axis=1)
+        basis[where] = out
+    return basis
+
+
+class Geometry(NamedTuple):
+    """Per structure of a chunk: the basis its atoms are binned in (see _basis) and its
+    inverse, the spacing of its lattice planes along each axis, which axes are periodic."""
+
+    basis: np.ndarray
+    inverse: np.ndarray
+    spacing: np.ndarray
+    periodic: np.ndarray
+
+
+def geometry(path, numbers, cells, pbc):
+    """The Geometry of structures numbered `numbers` in the file `path` (as errors name them)
+    with lattice vectors `cells` (S, 3, 3) (rows), periodic along `pbc` (S, 3) bool; DataError
+    for a cell singular along its periodic axes."""
+    periodic = np.asarray(pbc, bool)
+    with np.errstate(invalid="ignore", divide="ignore"):  # a zero periodic vector: refused
+        basis = _basis(np.asarray(cells, np.float64), periodic)
+        volume = np.abs(np.linalg.det(basis))
+        singular = ~(volume > 1e-9 * np.linalg.norm(basis, axis=2).prod(axis=1))
+    if singular.any():
+        s = int(np.argmax(singular))
+        raise DataError(f"{path}: structure {numbers[s]}: its cell is singular along its "
+                        f"periodic axes (pbc {periodic[s].tolist()}, cell "
+                        f"{np.asarray(cells[s]).tolist()})")
+    inverse = np.linalg.inv(basis)
+    return Geometry(basis, inverse, 1 / np.linalg.norm(inverse, axis=1), periodic)
+
+
+class Grid(NamedTuple):
+    """Per structure: its bins along each axis, how many bins away a neighbour may be, its
+    first bin; and the bins of the chunk."""
+
+    bins: np.ndarray
+    reach: np.ndarray
+    first_bin: np.ndarray
+    n_bins: int
+
+
+def grid(path, numbers, geometry, low, high, n_atoms, cutoff):
+    """The Grid of structures (see `geometry`) whose atoms span fractional coordinates
+    [low, high] (S, 3) along their non-periodic axes, for pairs closer than `cutoff`: bins at
+    least a BINS_PER_CUTOFF-th of the cutoff wide (at most one per atom, so that a cell of
+    vacuum costs nothing);
+    DataError for a cell so much thinner than the cutoff that each atom would visit more than
+    MAX_IMAGES bins."""
+    periodic = geometry.periodic
+    span = np.where(periodic, 1.0, np.maximum(high - low, 0.0))
+    extent = span * geometry.spacing
+    reach_of = cutoff * (1 + SLACK)
+    bins = np.maximum(1, np.floor(extent * BINS_PER_CUTOFF / reach_of)).astype(np.int64)
+    most = np.maximum(1, n_atoms)
+    for _ in range(64):
+        over = bins.prod(axis=1) > most
+        if not over.any():
+            break
+        largest = np.argmax(bins, axis=1)
+        bins[over, largest[over]] = np.maximum(1, bins[over, largest[over]] // 2)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        reach = np.ceil(reach_of * bins / extent)
+    reach = np.where(periodic, reach, np.minimum(bins - 1, np.nan_to_num(reach)))
+    images = np.prod(2 * reach + 1, axis=1)
+    if (images > MAX_IMAGES).any():
+        s = int(np.argmax(images))
+        raise DataError(f"{path}: structure {numbers[s]}: its cell is {extent[s].min():.3g} Å "
+                        f"thin, and a cutoff of {cutoff:g} Å would visit {int(images[s])} "
+                        f"periodic images of its bins for each atom")
+    first_bin = np.zeros(len(bins) + 1, np.int64)
+    np.cumsum(bins.prod(axis=1), out=first_bin[1:])
+    if first_bin[-1] >= 2**31 - 1:
+        raise DataError(f"{path}: structures {numbers[0]}..{numbers[-1]} need "
+                        f"{first_bin[-1]} bins; use a smaller --chunk-atoms")
+    return Grid(bins.astype(np.int32), reach.astype(np.int32), first_bin[:-1].astype(np.int32),
+                int(first_bin[-1]))
+
+
+@functools.cache
+def _fractional_program(rows, segments):
+    """A jitted function of a padded chunk (positions, offsets, basis, inverse, periodic) ->
+    (positions wrapped into the cell along periodic axes, their fractional coordinates in the
+    basis, each structure's smallest and largest fractional coordinates)."""
+    import jax
+    import jax.numpy as jnp
+
+    from segcli import ops
+    from segcli.engine import _ids
+
+    def program(positions, offsets, basis, inverse, periodic):
+        ids = _ids(offsets, rows)
+        at = jnp.minimum(ids, segments - 1)
+        fractional = jnp.einsum("ni,nij->nj", positions, inverse[at])
+        image = jnp.where(periodic[at], jnp.floor(fractional), 0.0)
+        wrapped = positions - jnp.einsum("ni,nij->nj", image, basis[at])
+        fractional = fractional - image
+        idx = ops.Segments(ids, offsets)
+        return (wrapped, fractional,
+                ops.segmented_min(fractional, idx, segments, indices_are_sorted=True),
+                ops.segmented_max(fractional, idx, segments, indices_are_sorted=True))
+
+    return jax.jit(program)
+
+
+@functools.cache
+def _pairs_program(n_cutoffs, rows, segments, n_bins, histogram_bins):
+    """A jitted function of a chunk's wrapped positions, fractional coordinates and Grid ->
+    per structure: pairs per cutoff (S, K), the nearest distance, the pair attaining it (the
+    lowest i, then j); per atom: neighbours per cutoff (N, K); the largest per-atom count per
+    cutoff and the histogram of distances. The atoms are sorted by bin (a cell list) and the
+    Warp kernel `neighbors` visits each atom's bins."""
+    import jax
+    import jax.numpy as jnp
+
+    from segcli import ops
+    from segcli.engine import _ids
+    from segcli.ops._kernels import launch
+
+    def program(wrapped, fractional, offsets, low, high, bins, reach, periodic, first_bin,
+                lattice, cutoffs, scale):
+        ids = _ids(offsets, rows)
+        real = ids < segments
+        at = jnp.minimum(ids, segments - 1)
+        span = jnp.where(high > low, high - low, 1.0)
+        scaled = (fractional - jnp.where(periodic, 0.0, low)[at]) / jnp.where(
+            periodic, 1.0, span)[at] * bins[at]
+        bin_xyz = jnp.clip(jnp.floor(scaled), 0, bins[at] - 1).astype(jnp.int32)
+        key = first_bin[at] + (bin_xyz[:, 0] * bins[at, 1] + bin_xyz[:, 1]) * bins[at, 2] \
+            + bin_xyz[:, 2]
+        key = jnp.where(real, key, n_bins)
+        order = jnp.argsort(key, stable=True).astype(jnp.int32)
+        bin_start = jnp.searchsorted(key[order], jnp.arange(n_bins + 1, dtype=key.dtype))
+        counts, nearest, partner, histogram = launch(
+            "neighbors", wrapped[order], order, jnp.where(real, ids, -1)[order],
+            bin_xyz[order], bin_start.astype(jnp.int32), lattice, bins, reach,
+            periodic.astype(jnp.int32), first_bin, offsets[:-1], cutoffs, scale,
+            jnp.zeros((rows, n_cutoffs), jnp.int32), jnp.zeros(rows, jnp.float64),
+            jnp.zeros(rows, jnp.int32), jnp.zeros(histogram_bins, jnp.int32),
+            dims=rows, in_out=("counts", "nearest", "partner", "histogram"))
+        idx = ops.Segments(ids, offsets)
+        counts = counts.astype(jnp.int64)
+        pairs = ops.segmented_sum(counts, idx, segments, indices_are_sorted=True)
+        least = ops.segmented_min(nearest, idx, segments, indices_are_sorted=True)
+        atom = jnp.arange(rows) - offsets[at]
+        attains = (nearest == least[at]) & jnp.isfinite(nearest)
+        first_i = ops.segmented_min(jnp.where(attains, atom, rows), idx, segments,
+                                    indices_are_sorted=True)
+        found = first_i < rows
+        first_j = partner[jnp.minimum(offsets[:-1] + first_i, rows - 1)]
+        return (pairs, least, jnp.where(found, first_i, -1), jnp.where(found, first_j, -1),
+                counts, counts.max(axis=0, initial=0), histogram)
+
+    return jax.jit(program)
+
+
+class Prepared(NamedTuple):
+    """A chunk padded for the device (see prepare): positions (rows, 3), CSR offsets
+    (segments + 1,), its Geometry padded to `segments` structures, its structures' numbers
+    in the file `path` and atom counts."""
+
+    path: str
+    positions: np.ndarray
+    offsets: np.ndarray
+    geometry: Geometry
+    numbers: np.ndarray
+    n_atoms: np.ndarray
+
+
+def _pad(array, size, value=0):
+    """`array` padded with `value` to `size` rows."""
+    return np.pad(array, [(0, size - len(array))] + [(0, 0)] * (array.ndim - 1),
+                  constant_values=value)
+
+
+def _padded(buffers, slot, name, array, size, value=0):
+    """`array` in the buffer `name` of `buffers`' slot `slot` (see engine._BufferRing), padded
+    with `value` to `size` rows."""
+    out = buffers.take(slot, name, (size, *array.shape[1:]), array.dtype)
+    out[:len(array)] = array
+    out[len(array):] = value
+    return out
+
+
+def prepare(path, chunk, cells, pbc, buffers=None, slot=0, least=(0, 0), scale=1.0):
+    """The Prepared chunk (io.core.Chunk holding `positions`) of structures whose lattice
+    vectors are `cells` (S, 3, 3) and periodic axes `pbc` (S, 3), in the host buffers of
+    `buffers`' slot `slot` (default: new ones; or where the positions were read in place,
+    see engine.lending),
+    padded to at least `least` (rows, structures) and to power-of-two sizes (one compilation
+    over a run); positions times `scale` (to Å), and 0 for structures that lack them (their
+    results are NaN, see run)."""
+    from segcli.engine import _BufferRing, bucket
+
+    buffers = buffers or _BufferRing()
+    n_atoms = chunk.n_atoms
+    s, n = len(n_atoms), int(n_atoms.sum())
+    rows, segments = max(least[0], bucket(n)), max(least[1], bucket(s))
+    data = chunk.atoms["positions"]
+    positions = buffers.holding(data)
+    if positions is None or positions.shape != (rows, 3) or positions.dtype != np.float64:
+        positions = buffers.take(slot, "positions", (rows, 3), np.float64)
+        positions[:n] = data
+    positions[n:] = 0
+    if scale != 1.0:
+        positions[:n] *= scale
+    have = chunk.present.get("positions")
+    if have is not None:
+        positions[:n][~np.repeat(have, n_atoms)] = 0
+    offsets = buffers.take(slot, "offsets", (segments + 1,), np.int32)
+    offsets[0] = 0
+    np.cumsum(n_atoms, out=offsets[1:s + 1])
+    offsets[s + 1:] = n
+    shape = geometry(path, chunk.structure_numbers, cells, pbc)
+    padded = Geometry(*(_padded(buffers, slot, name, array, segments, value) for name, array, value
+                        in zip(Geometry._fields, shape, (0.0, 0.0, 1.0, False))))
+    return Prepared(path, positions, offsets, padded, chunk.structure_numbers, n_atoms)
+
+
+def compute(prepared, cutoffs, device, histogram_bins=0, per_atom=True):
+    """The neighbour statistics of a Prepared chunk, for the ascending `cutoffs`: per
+    structure n_pairs (S, K), min_distance, min_pair_i, min_pair_j (S,); with `per_atom`,
+    per atom n_neighbors (N, K); for the chunk max_neighbors (K,) and the histogram of pair
+    distances below the largest cutoff (histogram_bins,)."""
+    import jax
+
+    from segcli._jax import enable_x64
+    from segcli.engine import bucket
+
+    p = prepared
+    s, n = len(p.n_atoms), int(p.n_atoms.sum())
+    rows, segments = len(p.positions), len(p.offsets) - 1
+    cutoffs = np.asarray(cutoffs, np.float64)
+    scale = np.array([histogram_bins / cutoffs[-1] if histogram_bins else 0.0])
+    with enable_x64(True):
+        positions, offsets, basis, inverse, periodic = jax.device_put(
+            (p.positions, p.offsets, p.geometry.basis, p.geometry.inverse,
+             p.geometry.periodic), device)
+        wrapped, fractional, low, high = _fractional_program(rows, segments)(
+            positions, offsets, basis, inverse, periodic)
+        low, high = np.asarray(low)[:s], np.asarray(high)[:s]
+        cells = grid(p.path, p.numbers,
+                     Geometry(*(a[:s] for a in p.geometry)), low, high, p.n_atoms,
+                     float(cutoffs[-1]))
+        n_bins = bucket(cells.n_bins)
+        lattice = np.where(p.geometry.periodic[:, :, None], p.geometry.basis, 0.0)
+        program = _pairs_program(len(cutoffs), rows, segments, n_bins, max(1, histogram_bins))
+        out = program(wrapped, fractional, offsets, *jax.device_put(
+            (_pad(low, segments), _pad(high, segments, 1.0), _pad(cells.bins, segments, 1),
+             _pad(cells.reach, segments), periodic, _pad(cells.first_bin, segments),
+             lattice, cutoffs, scale), device))
+        pairs, least, first_i, first_j, counts, most, histogram = out
+        statistics = {"n_pairs": pairs, "min_distance": least, "min_pair_i": first_i,
+                      "min_pair_j": first_j, "max_neighbors": most, "histogram": histogram}
+        if per_atom:
+            statistics["n_neighbors"] = counts
+        statistics = {name: np.asarray(a) for name, a in statistics.items()}
+    rows_of = {"n_neighbors": n, "histogram": histogram_bins, "max_neighbors": len(cutoffs)}
+    statistics = {name: a[:rows_of.get(name, s)] for name, a in statistics.items()}
+    statistics["histogram"] = statistics["histogram"].astype(np.int64)
+    return statistics
+
+
+def lattices(chunk, length_factor=1.0):
+    """(cells (S, 3, 3), pbc (S, 3) bool) of a chunk's structures: no cell and no periodic axis
+    where it has no `cell` (or `pbc`) field or a structure lacks it (Chunk.present); lengths
+    times `length_factor`."""
+    s = len(chunk.n_atoms)
+    cells = np.zeros((s, 3, 3))
+    pbc = np.zeros((s, 3), bool)
+    if "cell" in chunk.structures:
+        cells[:] = chunk.structures["cell"]
+        cells *= length_factor
+        if "pbc" in chunk.structures:
+            pbc[:] = chunk.structures["pbc"]
+        for name, mask in chunk.present.items():
+            if name in ("cell", "pbc"):
+                pbc[~mask] = False
+    return cells, pbc
+
+
+def run(batch, cutoffs, device, *, chunk_atoms=1 << 21, structures=slice(None), keep=None,
+        histogram_bins=0, per_atom=True):
+    """Yield (Chunk, statistics) for each chunk of whole structures of `batch` (those `keep`
+    marks, if given): see `compute`, for the ascending `cutoffs` in Å; the next chunk read (in
+    place, into reused host buffers, pinned for a GPU) and prepared in a background thread
+    while this one is computed on `device`. Positions stated in other units (bohr, nm) are
+    converted; DataError for positions holding NaN."""
+    from segcli import engine
+    from segcli.io import units
+
+    cutoffs = np.asarray(cutoffs, np.float64)
+    fields = batch.fields
+    names = ["positions"] + [n for n in ("cell", "pbc") if n in fields]
+    unit = batch.units.get("positions")
+    factor = units.known()[unit][1] if unit in units.known() else 1.0
+
+    least = engine.padded_size(batch.n_atoms[structures], chunk_atoms)
+
+    def prepared(buffers):
+        chunks = batch.iter_chunks(
+            names, chunk_atoms=chunk_atoms, structures=structures, keep=keep,
+            into=engine.lending(buffers, {"positions": np.dtype(np.float64)}, fields, least[0]))
+        checked = engine.nan_checked(batch.path, chunks, ["positions", *names[1:2]],
+                                     where_present=True)
+        for slot, chunk in enumerate(checked):
+            cells, pbc = lattices(chunk, factor)
+            yield chunk, prepare(batch.path, chunk, cells, pbc, buffers, slot, least, factor)
+
+    with engine.buffer_ring(device.platform != "cpu", "neighbors") as buffers:
+        items = engine.prefetch(prepared(buffers))
+        with contextlib.closing(items):
+            for chunk, ready in items:
+                statistics = compute(ready, cutoffs, device, histogram_bins, per_atom)
+                have = chunk.present.get("positions")
+                yield chunk, statistics if have is None else _blanked(statistics, have,
+                                                                      chunk.n_atoms)
+
+
+def _blanked(statistics, have, n_atoms):
+    """The statistics of a chunk with NaN in the rows of the structures (and their atoms)
+    that lack positions (`have` False), their integers as float64; the summary counts them
+    not."""
+    from segcli.engine import nan_dtype
+
+    out = dict(statistics)
+    for name, per in OUTPUTS.items():
+        if name in statistics:
+            array = np.array(statistics[name], nan_dtype(statistics[name].dtype))
+            array[~have if per[0] == "structure" else np.repeat(~have, n_atoms)] = np.nan
+            out[name] = array
+    return out
+
+
+def mean_neighbors(n_pairs, n_atoms):
+    """Pairs per atom of each structure: NaN for a structure without atoms."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return n_pairs / np.asarray(n_atoms, np.float64)[:, None]
+
