@@ -1,9 +1,13 @@
 """Eager (not jitted) calls of every segcli.ops function: the first call of a shape, which
 compiles, and the median of the calls after it, which reuse the compiled program.
 
-    python benchmarks/eager.py [--atoms 1000] [--calls 50]
+    python benchmarks/eager.py [--atoms 1000] [--calls 50] [--dtype float64,float32]
 
-Prints a Markdown table: milliseconds per call, with block_until_ready after each.
+Every op of segcli.registry.OPS on the inputs benchmarks/ops.py makes from its argument data
+((N, 3) per-atom fields, per-structure ones of their own shape, labels), N atoms in structures
+of 1..63 atoms, sorted int32 ids; and the helpers `segment_ids` and `segments` on the
+structures' sizes. Prints a Markdown table: milliseconds per call, with block_until_ready
+after each; the calls after the first are made in turns, one of each function per turn.
 """
 
 import argparse
@@ -11,28 +15,26 @@ import statistics
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+from ops import arguments, inputs
+
+from segcli.registry import OPS
 
 
-def calls(n, m):
-    """(name, thunk) of one eager call of each function on fresh float64 inputs."""
+def calls(n, dtype):
+    """(name, thunk) of one eager call of each function, its inputs made once; and the number
+    of structures."""
     from segcli import ops
 
-    rng = np.random.default_rng(0)
-    idx = jnp.asarray(np.sort(rng.integers(0, m, n)).astype(np.int32))
-    x, y = jnp.asarray(rng.normal(size=(n, 3))), jnp.asarray(rng.normal(size=(n, 3)))
-    s, cell = jnp.asarray(rng.normal(size=m)), jnp.asarray(rng.normal(size=(m, 3, 3)))
-    return [
-        ("segmented_sum", lambda: ops.segmented_sum(x, idx, m)),
-        ("segmented_mean", lambda: ops.segmented_mean(x, idx, m)),
-        ("segmented_dot", lambda: ops.segmented_dot(x, y, idx, m)),
-        ("segmented_mul", lambda: ops.segmented_mul(x, s, idx, m)),
-        ("segmented_rms_norm", lambda: ops.segmented_rms_norm(x, idx, m)),
-        ("segmented_max_norm", lambda: ops.segmented_max_norm(x, idx, m)),
-        ("segmented_matvec", lambda: ops.segmented_matvec(x, cell, idx, m)),
-        ("segmented_count", lambda: ops.segmented_count(idx, m)),
-    ]
+    rng, idx, m, _ = inputs(n, dtype)
+    sizes = np.bincount(np.asarray(idx), minlength=m)
+    thunks = [("segment_ids", lambda: ops.segment_ids(sizes)),
+              ("segments", lambda: ops.segments(sizes))]
+    for op in OPS.values():
+        args = arguments(op, rng, n, m, dtype)
+        thunks.append((f"segmented_{op.name}",
+                       lambda op=op, args=args: op.function(*args, idx, m, **op.params)))
+    return thunks, m
 
 
 def timed(thunk):
@@ -45,16 +47,27 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--atoms", type=int, default=1000)
     parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--dtype", default="float64,float32", help="comma-separated")
     args = parser.parse_args()
     jax.config.update("jax_enable_x64", True)
-    print(f"{args.atoms} atoms, {args.atoms // 10} segments, float64 (N, 3), "
-          f"{jax.devices()[0].platform}, median of {args.calls} calls after the first\n")
-    print("| function | first call ms | later calls ms |")
-    print("| --- | --- | --- |")
-    for name, thunk in calls(args.atoms, args.atoms // 10):
-        first = timed(thunk)
-        later = statistics.median(timed(thunk) for _ in range(args.calls))
-        print(f"| {name} | {first * 1e3:.1f} | {later * 1e3:.3f} |")
+    dtypes = args.dtype.split(",")
+    columns = {dtype: calls(args.atoms, dtype) for dtype in dtypes}
+    m = next(iter(columns.values()))[1]
+    print(f"{args.atoms} atoms, {m} structures, {jax.devices()[0].platform}, milliseconds: "
+          f"the first call, and the median of {args.calls} calls after it\n")
+    print("| function | " + " | ".join(f"{d} first | {d} later" for d in dtypes) + " |")
+    print("| --- |" + " --- | --- |" * len(dtypes))
+    cells = {}
+    for thunks, _ in columns.values():
+        firsts = [timed(thunk) for _, thunk in thunks]
+        # the later calls in turns, one of each function per turn: a busy spell of the machine
+        # slows them all alike
+        turns = [[timed(thunk) for _, thunk in thunks] for _ in range(args.calls)]
+        for (name, _), first, later in zip(thunks, firsts, zip(*turns)):
+            cells.setdefault(name, []).append(
+                f"{first * 1e3:.1f} | {statistics.median(later) * 1e3:.3f}")
+    for name, row in cells.items():
+        print(f"| {name} | " + " | ".join(row) + " |")
 
 
 if __name__ == "__main__":

@@ -259,6 +259,26 @@ def test_int64_ids_equal_int32():
                           ops.segmented_dot(*args, idx.astype(jnp.int64), 6))
 
 
+@pytest.mark.parametrize("name", sampled([name for name, op in OPS.items() if op.inputs],
+                                         [()], 4))
+def test_numpy_int64_ids_with_x64_off_are_dropped_not_wrapped(name):
+    """Eager calls with x64 off take NumPy int64 ids past int32 as out of range (clipped on the
+    host), where narrowing them to int32 would wrap them onto segments 0 and 1."""
+    jax.config.update("jax_enable_x64", False)
+    _, theirs, op = functions(name)
+    rng = np.random.default_rng(5)
+    n, m = 30, 4
+    args = make_args(rng, op, n, m, dtype=np.float32)
+    idx = rng.integers(0, m, n)
+    idx[:3] = [2**32, 2**32 + 1, -(2**32)]
+    got = op.function(*args, idx, m, **op.params)
+    kept = [a[3:] if arg.per == "atom" else a for a, arg in zip(args, op.inputs)]
+    want = theirs(*kept, jnp.asarray(idx[3:], jnp.int32), m, **op.params)
+    if op.output_per == "atom":
+        want = jnp.concatenate([jnp.zeros((3, *want.shape[1:]), want.dtype), want])
+    assert_close(got, want, 1e-5)
+
+
 @pytest.mark.parametrize("name", [name for name, op in OPS.items() if op.inputs])
 def test_values_of_every_op(name):
     """Sorted and unsorted ids (one segment empty), against the reference, in the inputs'

@@ -4,7 +4,8 @@ Every function takes per-atom arrays with a leading axis of N rows, segment ids 
 shape (N,) (int32 or int64) or a `Segments` (sorted ids and their offsets, built once and
 reused: no op then looks for the offsets), and a static `num_segments` M, and works under `jax.jit`,
 `jax.vmap`, `jax.grad`, `jax.jvp`, `jax.jacfwd`, `jax.jacrev`, `jax.hessian` and `lax.scan`,
-to any order, on the CPU and on CUDA GPUs.
+to any order, on the CPU and on CUDA GPUs. Called eagerly, each is one dispatch of a jitted
+program, compiled on the first call of its shapes, dtypes and static arguments.
 
 Semantics shared by all functions:
 
@@ -24,6 +25,7 @@ Semantics shared by all functions:
 """
 
 import functools
+import inspect
 import math
 from typing import NamedTuple
 
@@ -70,12 +72,31 @@ def _num_segments(num_segments):
     return m
 
 
-def _ids(idx, n, m, name="idx"):
-    """Ids as int32, with every out-of-range id clipped to -1 or M (order is kept)."""
+def _length(length):
+    """bincount's `length` as an int, checked."""
+    if not isinstance(length, int | np.integer) or length < 0:
+        raise ValueError(f"length must be a non-negative static int, got {length!r}")
+    return int(length)
+
+
+def _array(a):
+    """`a` as a JAX array (arrays and tracers as they are: no dispatch)."""
+    return a if isinstance(a, jax.Array) else jnp.asarray(a)
+
+
+def _taken_ids(idx, m):
+    """`idx` (ids or a Segments) as arrays, NumPy ids of another integer dtype clipped to -1 or
+    M and made int32 on the host, before JAX could narrow them to int32 (x64 off) and wrap."""
+    if isinstance(idx, Segments):
+        return Segments(_taken_ids(idx.ids, m), _array(idx.offsets))
     if (isinstance(idx, np.ndarray) and np.issubdtype(idx.dtype, np.integer)
             and idx.dtype != np.int32):
         idx = np.clip(idx, -1, m).astype(np.int32)
-    idx = jnp.asarray(idx)
+    return _array(idx)
+
+
+def _ids(idx, n, m, name="idx"):
+    """Ids as int32, with every out-of-range id clipped to -1 or M (order is kept)."""
     if not jnp.issubdtype(idx.dtype, jnp.integer):
         raise TypeError(f"{name} must hold integers, got dtype {idx.dtype}")
     if idx.ndim != 1:
@@ -96,7 +117,6 @@ _WIDENED = {"int8": jnp.int32, "int16": jnp.int32, "uint8": jnp.int32, "uint16":
 def _floats(name, x, rows=None, integers=False):
     """x as an array computed in float32/float64 (or, with `integers`, int32/int64), and the
     dtype to return."""
-    x = jnp.asarray(x)
     if integers and jnp.issubdtype(x.dtype, jnp.integer) and x.dtype != jnp.uint64:
         if x.ndim == 0:
             raise ValueError(f"{name} must have a leading axis of rows, got a scalar")
@@ -145,21 +165,20 @@ def _segments(idx, n, m):
     them) or a Segments."""
     if not isinstance(idx, Segments):
         return _ids(idx, n, m), jnp.zeros((0,), jnp.int32)
-    offsets = jnp.asarray(idx.offsets)
+    offsets = idx.offsets
     if offsets.shape != (m + 1,) or not jnp.issubdtype(offsets.dtype, jnp.integer):
         raise ValueError(f"Segments.offsets must be (num_segments + 1,) = ({m + 1},) integers, "
                          f"got shape {offsets.shape} and dtype {offsets.dtype}")
     return _ids(idx.ids, n, m, "Segments.ids"), offsets.astype(jnp.int32)
 
 
-def _common(name, x, idx, num_segments, integers=False):
-    m = _num_segments(num_segments)
+def _common(name, x, idx, m, integers=False):
     x, dtype = _floats(name, x, integers=integers)
     return x, _segments(idx, x.shape[0], m), m, dtype
 
 
 def _params(m, indices_are_sorted):
-    return {"num_segments": m, "indices_are_sorted": bool(indices_are_sorted)}
+    return {"num_segments": m, "indices_are_sorted": indices_are_sorted}
 
 
 def _nonzero_counts(seg, params, dtype):
@@ -193,16 +212,41 @@ _SORTED_ARG = """\
         ids, promised or found, are reduced in a fixed order: bitwise repeatable."""
 
 
-def _documented(function):
-    """Fill a public op's docstring with the arguments every op shares."""
+_STATIC = {"num_segments": _num_segments, "indices_are_sorted": bool, "length": _length}
+"""The static parameters of the ops, each with its check and conversion on the host."""
+
+
+def _op(function):
+    """A public op: its docstring filled with the arguments every op shares, and each call one
+    dispatch of a `jax.jit` of it (compiled once per static parameters and argument shapes), its
+    static parameters checked and its arrays taken in on the host first."""
     shared = _SEGMENT_ARGS
     if "indices_are_sorted" in function.__code__.co_varnames:
         shared += "\n" + _SORTED_ARG
     function.__doc__ = function.__doc__.replace("      {segment args}\n", shared + "\n")
-    return function
+    signature = inspect.signature(function)
+    jitted = jax.jit(function, static_argnames=[n for n in signature.parameters if n in _STATIC])
+
+    @functools.wraps(function)
+    def op(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        m = _num_segments(bound.arguments["num_segments"])
+        return jitted(**{name: _taken(name, value, m) for name, value in bound.arguments.items()})
+
+    return op
 
 
-@_documented
+def _taken(name, value, m):
+    """An argument of an op as its jitted function takes it, given M = num_segments checked."""
+    if name == "num_segments":
+        return m
+    if name in _STATIC:
+        return _STATIC[name](value)
+    return _taken_ids(value, m) if name == "idx" else _array(value)
+
+
+@_op
 def segmented_sum(x, idx, num_segments, *, indices_are_sorted=False):
     """Sum of the rows of each segment.
 
@@ -223,7 +267,7 @@ def segmented_sum(x, idx, num_segments, *, indices_are_sorted=False):
     return out.reshape(m, *x.shape[1:]).astype(dtype)
 
 
-@_documented
+@_op
 def segmented_count(idx, num_segments, *, indices_are_sorted=False):
     """Rows per segment.
 
@@ -237,11 +281,10 @@ def segmented_count(idx, num_segments, *, indices_are_sorted=False):
 
         segmented_count(jnp.array([0, 0, 2, 5]), 3)  # [2, 0, 1] (5 is out of range)
     """
-    m = _num_segments(num_segments)
-    return P.count(*_segments(idx, None, m), m, bool(indices_are_sorted))
+    return P.count(*_segments(idx, None, num_segments), num_segments, indices_are_sorted)
 
 
-@_documented
+@_op
 def segmented_mean(x, idx, num_segments, *, indices_are_sorted=False):
     """Mean of the rows of each segment.
 
@@ -262,7 +305,7 @@ def segmented_mean(x, idx, num_segments, *, indices_are_sorted=False):
     return out.reshape(m, *x.shape[1:]).astype(dtype)
 
 
-@_documented
+@_op
 def segmented_dot(x, y, idx, num_segments, *, indices_are_sorted=False):
     """Sum over each segment of the rows' inner products, contracting all trailing axes.
 
@@ -287,7 +330,7 @@ def segmented_dot(x, y, idx, num_segments, *, indices_are_sorted=False):
     return out[:, 0].astype(dtype)
 
 
-@_documented
+@_op
 def segmented_mul(x, y, idx, num_segments):
     """Each row times its segment's scalar.
 
@@ -312,7 +355,7 @@ def segmented_mul(x, y, idx, num_segments):
     return out.reshape(x.shape).astype(dtype)
 
 
-@_documented
+@_op
 def segmented_rms_norm(x, idx, num_segments, *, indices_are_sorted=False):
     """Root mean square norm of each segment's rows.
 
@@ -379,7 +422,7 @@ def _extreme(kind, x, idx, num_segments, indices_are_sorted):
     return _at_first(rows, first, _lowest(dtype, kind)).reshape(m, *x.shape[1:]).astype(dtype)
 
 
-@_documented
+@_op
 def segmented_max(x, idx, num_segments, *, indices_are_sorted=False):
     """Componentwise max of each segment's rows.
 
@@ -400,7 +443,7 @@ def segmented_max(x, idx, num_segments, *, indices_are_sorted=False):
     return _extreme("max", x, idx, num_segments, indices_are_sorted)
 
 
-@_documented
+@_op
 def segmented_min(x, idx, num_segments, *, indices_are_sorted=False):
     """Componentwise min of each segment's rows.
 
@@ -420,7 +463,7 @@ def segmented_min(x, idx, num_segments, *, indices_are_sorted=False):
     return _extreme("min", x, idx, num_segments, indices_are_sorted)
 
 
-@_documented
+@_op
 def segmented_max_norm(x, idx, num_segments, *, indices_are_sorted=False):
     """Largest norm of each segment's rows.
 
@@ -474,7 +517,7 @@ def _variance(rows, seg, params):
     return P.sum_p.bind(deviations * deviations, *seg, **params) / counts
 
 
-@_documented
+@_op
 def segmented_var(x, idx, num_segments, *, indices_are_sorted=False):
     """Componentwise population variance of each segment's rows: the mean of squared
     deviations from the segment's mean (two passes, no cancellation).
@@ -495,7 +538,7 @@ def segmented_var(x, idx, num_segments, *, indices_are_sorted=False):
     return out.reshape(m, *x.shape[1:]).astype(dtype)
 
 
-@_documented
+@_op
 def segmented_std(x, idx, num_segments, *, indices_are_sorted=False):
     """Componentwise population standard deviation of each segment's rows, sqrt(var).
 
@@ -528,7 +571,7 @@ def _shifted_exps(rows, seg, m, params):
     return jnp.exp(shifted), shift, valid
 
 
-@_documented
+@_op
 def segmented_logsumexp(x, idx, num_segments, *, indices_are_sorted=False):
     """Componentwise log Σ exp x[i] over each segment, shifted by the segment's max: no
     overflow up to the float max.
@@ -554,7 +597,7 @@ def segmented_logsumexp(x, idx, num_segments, *, indices_are_sorted=False):
     return out.reshape(m, *x.shape[1:]).astype(dtype)
 
 
-@_documented
+@_op
 def segmented_softmax(x, idx, num_segments, *, indices_are_sorted=False):
     """Componentwise softmax within each segment, shifted by the segment's max (stable).
 
@@ -576,7 +619,7 @@ def segmented_softmax(x, idx, num_segments, *, indices_are_sorted=False):
     return (exps / jnp.where(valid, totals, 1)).reshape(x.shape).astype(dtype)
 
 
-@_documented
+@_op
 def segmented_bincount(labels, idx, num_segments, length, *, indices_are_sorted=False):
     """How many rows of each segment carry each label (e.g. atomic numbers → composition).
 
@@ -594,20 +637,17 @@ def segmented_bincount(labels, idx, num_segments, length, *, indices_are_sorted=
         segmented_bincount(numbers, jnp.array([0, 0, 0, 1]), 2, 119)[:, jnp.array([1, 6, 8])]
         # [[2, 0, 1], [0, 1, 0]]
     """
-    m = _num_segments(num_segments)
-    if not isinstance(length, int | np.integer) or length < 0:
-        raise ValueError(f"length must be a non-negative static int, got {length!r}")
-    labels = jnp.asarray(labels)
     if not jnp.issubdtype(labels.dtype, jnp.integer) or labels.ndim != 1:
         raise TypeError(f"labels must be a 1-D integer array, got shape {labels.shape} and dtype "
                         f"{labels.dtype}")
     if labels.dtype != jnp.int32:
         labels = jnp.clip(labels, -1, length).astype(jnp.int32)
-    seg = _segments(idx, labels.shape[0], m)
-    return P.bincount_p.bind(labels, *seg, **_params(m, indices_are_sorted), length=int(length))
+    seg = _segments(idx, labels.shape[0], num_segments)
+    return P.bincount_p.bind(labels, *seg, **_params(num_segments, indices_are_sorted),
+                             length=length)
 
 
-@_documented
+@_op
 def segmented_matvec(v, m, idx, num_segments):
     """Each row times its segment's matrix (e.g. scaled positions × cell = positions).
 

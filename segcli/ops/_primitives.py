@@ -41,9 +41,12 @@ from jax.interpreters import ad, batching, mlir
 from segcli.ops._kernels import launch, stride
 
 
+@functools.partial(jax.jit, static_argnames=("num_segments", "indices_are_sorted", "gpu"))
 def _layout(idx, offsets, num_segments, indices_are_sorted, gpu):
     """CSR offsets of the ids (`offsets` if given) and a one-element flag saying whether they
-    are non-decreasing."""
+    are non-decreasing. Jitted, so that it is traced once per shapes and parameters: the
+    primitives of one program over the same ids then hold the same kernel launch, which XLA
+    merges into one."""
     if offsets.shape[0]:
         return offsets, jnp.ones((1,), jnp.int32)
     kernel, threads = ("layout", num_segments + 1) if gpu else ("layout_serial", 1)
