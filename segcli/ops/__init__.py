@@ -155,9 +155,9 @@ class Segments(NamedTuple):
 
 def segments(n_atoms):
     """The Segments of consecutive segments of n_atoms[s] rows each (see `segment_ids`)."""
-    ids = segment_ids(n_atoms)
-    offsets = np.concatenate([[0], np.cumsum(np.asarray(n_atoms), dtype=np.int64)])
-    return Segments(ids, jnp.asarray(offsets.astype(np.int32)))
+    n_atoms = _counts(n_atoms)
+    offsets = np.concatenate([[0], np.cumsum(n_atoms, dtype=np.int64)]).astype(np.int32)
+    return Segments(*jax.device_put((_host_ids(n_atoms), offsets)))
 
 
 def _segments(idx, n, m):
@@ -678,15 +678,24 @@ def segmented_matvec(v, m, idx, num_segments):
 
 def segment_ids(n_atoms):
     """Sorted segment ids (N,) int32 for segments of n_atoms[s] rows each: 0,0,…,1,1,…"""
-    n_atoms = jnp.asarray(n_atoms)
-    if n_atoms.ndim != 1 or not jnp.issubdtype(n_atoms.dtype, jnp.integer):
+    return jnp.asarray(_host_ids(_counts(n_atoms)))
+
+
+def _counts(n_atoms):
+    """n_atoms as a NumPy array (read once from the device if it is there), checked: 1-D,
+    integer, non-negative."""
+    n_atoms = np.asarray(n_atoms)
+    if n_atoms.ndim != 1 or n_atoms.dtype.kind not in "iu":
         raise ValueError(f"n_atoms must be a 1-D integer array, got shape {n_atoms.shape} "
                          f"and dtype {n_atoms.dtype}")
-    n_atoms = np.asarray(n_atoms)
     if (n_atoms < 0).any():
         raise ValueError(f"n_atoms must be non-negative, got {int(n_atoms.min())} "
                          f"at position {int(np.argmin(n_atoms))}")
-    return jnp.asarray(np.repeat(np.arange(len(n_atoms), dtype=np.int32), n_atoms))
+    return n_atoms
+
+
+def _host_ids(n_atoms):
+    return np.repeat(np.arange(len(n_atoms), dtype=np.int32), n_atoms)
 
 
 def check_segments(idx, num_segments):
