@@ -101,6 +101,11 @@ def main():
     parser.add_argument("--compression", help="compress the forces (e.g. gzip)")
     parser.add_argument("--gpus", action="store_true",
                         help="K = the visible GPUs: clusters of one worker per GPU (local:gpus)")
+    parser.add_argument("--steady", action="store_true",
+                        help="also the first half of the file by the bare reads and the running "
+                             "cluster: their steady state, free of what a command pays once")
+    parser.add_argument("--running-only", action="store_true",
+                        help="only the bare reads and the running cluster")
     parser.add_argument("-v", "--verbose", action="store_true", help="each run's time on stderr")
     args = parser.parse_args()
     from distributed import Client, LocalCluster
@@ -131,6 +136,11 @@ def main():
         }
         step = 1 << 21
         cuts = [args.atoms * i // k for i in range(k + 1)]
+        import h5py
+
+        with h5py.File(path) as f:
+            half_atoms = int(f["structures/n_atoms"][:structures // 2].sum())
+        half_cuts = [half_atoms * i // k for i in range(k + 1)]
 
         def clear_parts():
             for name in glob.glob(os.path.join(parts, "*")):
@@ -149,7 +159,19 @@ def main():
                                 dashboard_address=":0"))
         client = Client(cluster)
         address = cluster.scheduler_address
+        if args.steady:
+            cases.append((f"h5py read, {k} processes, first half", "read",
+                          [[sys.executable, "-c", READ, path, str(a), str(b), str(step)]
+                           for a, b in itertools.pairwise(half_cuts)]))
         for job, (base, prefix) in jobs.items():
+            if args.running_only:
+                cases.append((f"{job}: --scheduler ADDRESS (running cluster)", job,
+                              [base + ["-o", out, "--scheduler", address]]))
+                if args.steady:
+                    cases.append((f"{job}: --scheduler ADDRESS (running cluster), first half",
+                                  job, [base + ["-o", out, "--scheduler", address,
+                                                "--structures", f":{structures // 2}"]]))
+                continue
             pattern = os.path.join(parts, f"{prefix}-{{shard}}.h5")
             cases += [
                 (f"{job}: 1 process", job, [base + ["-o", out]]),
@@ -170,6 +192,10 @@ def main():
                 (f"{job}: --scheduler ADDRESS (running cluster)", job,
                  [base + ["-o", out, "--scheduler", address]]),
             ]
+            if args.steady:
+                cases.append((f"{job}: --scheduler ADDRESS (running cluster), first half", job,
+                              [base + ["-o", out, "--scheduler", address,
+                                       "--structures", f":{structures // 2}"]]))
         # warm the running cluster's workers (imports, Warp kernels, compilation) and time it
         first = {}
         for job, (base, _) in jobs.items():
@@ -197,7 +223,7 @@ def main():
     print("| run | wall s | speed-up over 1 process | share of ideal K× | peak RSS MiB |")
     print("| --- | --- | --- | --- | --- |")
     base_of = {"read": median["h5py read of the forces, 1 process"],
-               "reduce": median["reduce: 1 process"], "stats": median["stats: 1 process"]}
+               "reduce": median.get("reduce: 1 process"), "stats": median.get("stats: 1 process")}
     for label, kind, commands in cases:
         wall = median[label]
         runs = results[label]
@@ -209,7 +235,7 @@ def main():
             rss = f"client {peaks[0]:.0f}, workers ≤ {child:.0f}"
         else:
             rss = ", ".join(f"{p:.0f}" for p in peaks)
-        if kind == "merge" or "1 process" in label:
+        if kind == "merge" or "1 process" in label or base_of[kind] is None:
             speed = share = ""
         else:
             shard_label = f"{label.split(':')[0]}: {k} shard processes"
@@ -231,6 +257,18 @@ def main():
         running = median[f"{job}: --scheduler ADDRESS (running cluster)"]
         print(f"\n{job} on the running cluster of {k} workers: {read_k / running:.0%} of the "
               f"throughput of the bare read by {k} processes")
+    if args.steady:
+        def steady(label, half_label):
+            return (args.atoms - half_atoms) / (median[label] - median[half_label])
+
+        read = steady(f"h5py read, {k} processes (1/{k} each)", f"h5py read, {k} processes, "
+                      "first half")
+        for job in jobs:
+            label = f"{job}: --scheduler ADDRESS (running cluster)"
+            rate = steady(label, label + ", first half")
+            print(f"\n{job} on the running cluster of {k} workers, steady state (the second "
+                  f"half of the file: whole file less first half): {rate / 1e6:.1f} M atoms/s "
+                  f"against the {k}-process read's {read / 1e6:.1f} M atoms/s: {rate / read:.0%}")
     for job, seconds in first.items():
         print(f"\n{job} --scheduler ADDRESS, first run on the fresh cluster (workers import JAX "
               f"and Warp, load kernels): {seconds:.2f} s")
