@@ -328,17 +328,18 @@ def compute(prepared, cutoffs, device, histogram_bins=0, per_atom=True):
              p.geometry.periodic), device)
         wrapped, fractional, low, high = _fractional_program(rows, segments)(
             positions, offsets, basis, inverse, periodic)
-        low, high = np.asarray(low)[:s], np.asarray(high)[:s]
-        cells = grid(p.path, p.numbers,
-                     Geometry(*(a[:s] for a in p.geometry)), low, high, p.n_atoms,
-                     float(cutoffs[-1]))
+        # the grid needs the atoms' span only along non-periodic axes: no round trip for
+        # chunks of periodic cells
+        spans = ((np.asarray(low)[:s], np.asarray(high)[:s]) if not p.geometry.periodic[:s].all()
+                 else (np.zeros((s, 3)), np.ones((s, 3))))
+        cells = grid(p.path, p.numbers, Geometry(*(a[:s] for a in p.geometry)), *spans,
+                     p.n_atoms, float(cutoffs[-1]))
         n_bins = bucket(cells.n_bins)
         lattice = np.where(p.geometry.periodic[:, :, None], p.geometry.basis, 0.0)
         program = _pairs_program(len(cutoffs), rows, segments, n_bins, max(1, histogram_bins))
-        out = program(wrapped, fractional, offsets, *jax.device_put(
-            (_pad(low, segments), _pad(high, segments, 1.0), _pad(cells.bins, segments, 1),
-             _pad(cells.reach, segments), periodic, _pad(cells.first_bin, segments),
-             lattice, cutoffs, scale), device))
+        out = program(wrapped, fractional, offsets, low, high, *jax.device_put(
+            (_pad(cells.bins, segments, 1), _pad(cells.reach, segments), periodic,
+             _pad(cells.first_bin, segments), lattice, cutoffs, scale), device))
         pairs, least, first_i, first_j, counts, most, histogram = out
         statistics = {"n_pairs": pairs, "min_distance": least, "min_pair_i": first_i,
                       "min_pair_j": first_j, "max_neighbors": most, "histogram": histogram}
