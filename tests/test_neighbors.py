@@ -164,6 +164,10 @@ def test_results_in_place_are_fields_for_select_and_stats(tmp_path):
     assert result.exit_code == 0, result.output
     want = [len(neighbor_list("i", a, 3.0)) for a in frames]
     assert json.loads(result.stdout)["stats"][0]["max"] == max(want)
+    result = run("neighbors", path, "--cutoff", 1, "--where", "min_distance < 0.5", "--format",
+                 "json", "-q")
+    assert result.exit_code == 0, result.output
+    assert [json.loads(line)["structure"] for line in result.stdout.splitlines()] == [2]
 
 
 def test_positions_in_bohr_are_converted(tmp_path):
