@@ -567,7 +567,9 @@ def _shifted_exps(rows, seg, m, params):
     shift = jnp.where(jnp.isfinite(top), top, 0)
     ids = seg[0]
     valid = ((ids >= 0) & (ids < m))[:, None]
-    shifted = jnp.where(valid, rows - P.gather_p.bind(shift, *seg, **params), -jnp.inf)
+    # the shift is a constant: an XLA gather, not a kernel launch
+    gathered = shift[jnp.clip(ids, 0, m - 1)] if m else jnp.zeros_like(rows)
+    shifted = jnp.where(valid, rows - gathered, -jnp.inf)
     return jnp.exp(shifted), shift, valid
 
 
