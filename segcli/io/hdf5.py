@@ -495,14 +495,17 @@ class Molecule:
         object or none)."""
         self.name = name
         key = next(k for k in NUMBER_NAMES if k in links)
-        numbers = self._read(path, h5, dataset(key), f"{name.rstrip('/')}/{key}")
+        where = f"{name.rstrip('/')}/{key}"
+        if dataset(key) is None:
+            raise DataError(f"{path}: {where} is not a dataset")
+        numbers = self._read(path, h5, dataset(key), where)
         if numbers.dtype.kind in "SUO":
             from ase.data import atomic_numbers
             try:
                 numbers = [atomic_numbers[s.decode() if isinstance(s, bytes) else s]
                            for s in numbers]
             except KeyError as err:
-                raise DataError(f"{path}: {name.rstrip('/')}/{key} holds {err}, not a chemical "
+                raise DataError(f"{path}: {dataset(key).name} holds {err}, not a chemical "
                                 "symbol") from err
         self.numbers = np.asarray(numbers, np.int64)
         n = len(self.numbers)
@@ -525,14 +528,12 @@ class Molecule:
                     and ds.shape[0] == self.n_conformers:
                 fields[key] = (key, ds)
         self.datasets = {field: (key, ds.shape[1:], ds.dtype, units_of(
-            path, h5[ds.name], convention(found[0], key)) if ds.attributes
+            path, h5[name][key], convention(found[0], key)) if ds.attributes
             else convention(found[0], key)) for field, (key, ds) in fields.items()}
 
     @staticmethod
     def _read(path, h5, node, where):
         """The atomic numbers (or symbols) of the dataset `node` at `where`, a 1-D array."""
-        if node is None:
-            raise DataError(f"{path}: {where} is not a dataset")
         if node.ndim != 1:
             raise DataError(f"{path}: {node.name} must be 1-D, not of shape {node.shape}")
         values = np.empty(node.shape, node.dtype)
