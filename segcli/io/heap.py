@@ -130,7 +130,7 @@ class TextHeaps:
         if layout == h5py.h5d.COMPACT:
             return False
         if layout == h5py.h5d.CONTIGUOUS:
-            return True  # stored outside this file (get_offset says so)
+            return True  # no storage in this file (external files, or none written)
         stored = [(info.byte_offset, info.size, info.filter_mask)
                   for info in map(dsid.get_chunk_info, range(dsid.get_num_chunks()))]
         whole = self.heap_id.itemsize * math.prod(plist.get_chunk())  # a chunk inflated, at most
