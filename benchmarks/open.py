@@ -9,9 +9,11 @@ and (with --before REV) the code at REV, on files where opening is most of the w
   atomic numbers, conformations, energies): an object-heavy file.
 
     python benchmarks/open.py [--runs 5] [--before REV] [--labels N] [--atoms N] [--groups N]
+                              [--only labels|atoms|conformers]
 
-Files are generated once under --dir; REV is checked out there (a git worktree). Prints a
-Markdown table of the median wall seconds of each, and their ratio.
+Files are generated once under --dir, named by their size (labels-N.h5, ...); REV is checked
+out there (a git worktree). Prints a Markdown table of the median wall seconds of each, and
+their ratio.
 """
 
 import argparse
@@ -28,12 +30,14 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def make_files(directory, labels, atoms, groups):
-    """The three files (see the module docstring), made if missing; their paths."""
+def make_files(directory, labels, atoms, groups, only=None):
+    """The three files (see the module docstring), or the one named `only`, made if missing;
+    their paths."""
     rng = np.random.default_rng(0)
-    paths = {name: os.path.join(directory, f"{name}.h5")
-             for name in ("labels", "atoms", "conformers")}
-    if not os.path.exists(paths["labels"]):
+    sizes = {"labels": labels, "atoms": atoms, "conformers": groups}
+    paths = {name: os.path.join(directory, f"{name}-{size}.h5") for name, size in sizes.items()
+             if only in (None, name)}
+    if "labels" in paths and not os.path.exists(paths["labels"]):
         with h5py.File(paths["labels"], "w") as f:
             f.attrs.update(format="segcli-batch", version=1)
             f["structures/n_atoms"] = np.ones(labels, np.int64)
@@ -41,13 +45,13 @@ def make_files(directory, labels, atoms, groups):
             f.create_dataset("structures/label", data=np.array(
                 [f"config-{i % 977}" for i in range(labels)], dtype=h5py.string_dtype()),
                 chunks=(1 << 16,), compression="gzip", maxshape=(None,))
-    if not os.path.exists(paths["atoms"]):
+    if "atoms" in paths and not os.path.exists(paths["atoms"]):
         with h5py.File(paths["atoms"], "w") as f:
             f.attrs.update(format="segcli-batch", version=1)
             f["structures/n_atoms"] = np.full(atoms // 16, 16, np.int64)
             f["atoms/numbers"] = rng.integers(1, 80, atoms // 16 * 16)
             f["atoms/forces"] = rng.normal(size=(atoms // 16 * 16, 3))
-    if not os.path.exists(paths["conformers"]):
+    if "conformers" in paths and not os.path.exists(paths["conformers"]):
         with h5py.File(paths["conformers"], "w") as f:
             for g in range(groups):
                 group = f.create_group(f"mol{g}")
@@ -86,11 +90,13 @@ def main():
     parser.add_argument("--labels", type=int, default=1_000_000)
     parser.add_argument("--atoms", type=int, default=10_000_000)
     parser.add_argument("--groups", type=int, default=2_000)
+    parser.add_argument("--only", choices=["labels", "atoms", "conformers"],
+                        help="time only this file")
     parser.add_argument("--dir", default=tempfile.gettempdir())
     args = parser.parse_args()
     directory = os.path.join(args.dir, "segcli-bench-open")
     os.makedirs(directory, exist_ok=True)
-    paths = make_files(directory, args.labels, args.atoms, args.groups)
+    paths = make_files(directory, args.labels, args.atoms, args.groups, args.only)
     codes = {"now": ROOT}
     if args.before:
         codes[args.before] = checkout(args.before, directory)
@@ -104,9 +110,9 @@ def main():
         header.append(f"now / {args.before}")
     print("| " + " | ".join(header) + " |")
     print("|" + " --- |" * len(header))
-    for name in paths:
+    for name, path in paths.items():
         medians = [statistics.median(times[name, code]) for code in codes]
-        cells = [name, *(f"{m:.2f}" for m in medians)]
+        cells = [os.path.basename(path), *(f"{m:.2f}" for m in medians)]
         if args.before:
             cells.append(f"{medians[0] / medians[1]:.2f}")
         print("| " + " | ".join(cells) + " |")

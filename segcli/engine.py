@@ -205,6 +205,28 @@ def nan_dtype(dtype):
     return np.dtype(np.float64) if dtype.kind in "biu" else dtype
 
 
+def singular(matrices):
+    """(S,) bool: whether each of `matrices` (S, 3, 3) is singular as
+    `np.linalg.matrix_rank(np.nan_to_num(matrices)) < 3` says. Divided by its largest entry
+    (to within float64's rounding, far below what follows), a matrix has rank 3 when
+    |det| > 1000 eps (float32's, the larger): its smallest singular value is at least
+    |det| / 9, over 30 eps times its largest (at most 3), so far above matrix_rank's
+    threshold of 3 eps times the largest. The others, zero matrices aside, are left to
+    matrix_rank."""
+    matrices = np.nan_to_num(matrices)
+    flat = matrices.reshape(len(matrices), 9).astype(np.float64)
+    largest = np.abs(flat).max(axis=1, initial=0)
+    zero = largest == 0
+    a = (flat / np.where(zero, 1, largest)[:, None]).reshape(-1, 3, 3)
+    det = (a[:, 0, 0] * (a[:, 1, 1] * a[:, 2, 2] - a[:, 1, 2] * a[:, 2, 1])
+           - a[:, 0, 1] * (a[:, 1, 0] * a[:, 2, 2] - a[:, 1, 2] * a[:, 2, 0])
+           + a[:, 0, 2] * (a[:, 1, 0] * a[:, 2, 1] - a[:, 1, 1] * a[:, 2, 0]))
+    out = zero.copy()
+    unsettled = np.flatnonzero(~zero & ~(np.abs(det) > 1000 * np.finfo(np.float32).eps))
+    out[unsettled] = np.linalg.matrix_rank(matrices[unsettled]) < 3
+    return out
+
+
 def job_present(have, job):
     """(S,) bool, True where a structure has every field `job` reads, given `have(name)`
     (Batch.present, or a Chunk's present.get); None where all do."""

@@ -296,3 +296,27 @@ def test_pinned_buffers_hold_their_memory_and_alignment():
     b[:] = 1.0
     assert a.ctypes.data % 64 == 0 and ring.take(0, "x", (1000, 3), np.float64) is a
     assert (a == 7.0).all() and a.flags.writeable
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_singular_says_what_matrix_rank_says(dtype):
+    """engine.singular against np.linalg.matrix_rank(np.nan_to_num(m)) < 3: random and
+    permuted cells, zero matrices and vectors, rank-2 and rank-1 cells, cells a step from
+    singular either side of matrix_rank's threshold, huge, tiny, NaN and infinite entries."""
+    rng = np.random.default_rng(7)
+    eps = np.finfo(dtype).eps
+    cells = [rng.normal(size=(3, 3)) * 10.0 ** rng.integers(-3, 4), np.zeros((3, 3)),
+             np.diag([5.0, 5.0, 0.0]), np.diag([4.0, 0.0, 0.0]), np.eye(3)[[2, 0, 1]] * 3,
+             np.array([[1.0, 2, 3], [4, 5, 6], [7, 8, 9]]),  # rank 2, exactly
+             np.array([[2.0, 0, 0], [0, 3, 0], [np.nan, np.nan, np.nan]]),
+             np.array([[np.inf, 0, 0], [0, 1, 0], [0, 0, 1]]), np.eye(3) * 1e-30,
+             np.eye(3) * 1e30]
+    for step in (0.5, 2, 10, 1e3, 1e6, 1e9):  # smallest singular value `step` eps of the largest
+        u, _ = np.linalg.qr(rng.normal(size=(3, 3)))
+        v, _ = np.linalg.qr(rng.normal(size=(3, 3)))
+        cells.append(u @ np.diag([7.0, 3.0, 7 * step * eps]) @ v)
+    cells = np.array(cells, dtype)
+    expected = np.linalg.matrix_rank(np.nan_to_num(cells)) < 3
+    assert expected[[1, 2, 3, 5, 6]].all() and not expected[[4, 8, 9]].any()
+    assert np.array_equal(engine.singular(cells), expected)
+    assert engine.singular(np.zeros((0, 3, 3), dtype)).shape == (0,)

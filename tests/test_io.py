@@ -290,6 +290,90 @@ def test_conformer_field_in_some_groups(tmp_path):
                                for c in chunks]).tolist() == batch.present("dipole").tolist()
 
 
+def test_conformer_groups_through_links(tmp_path):
+    """Groups are found through hard links only, a group under two names once per name (at
+    the root too); datasets of a group through soft and external links too, a dangling link
+    left out; units as attributes state them (in bytes or text), else by convention."""
+    rng = np.random.default_rng(3)
+    numbers, positions, energy = [1, 8], rng.normal(size=(3, 2, 3)), rng.normal(size=3)
+    with h5py.File(tmp_path / "other.h5", "w") as other:
+        other["dipole"] = rng.normal(size=(3, 3))
+    with h5py.File(tmp_path / "conf.h5", "w") as h5:
+        h5["numbers"] = np.array(numbers, np.int16)
+        for h5_or_group in (h5, h5.create_group("m")):
+            h5_or_group["atomic_numbers"] = h5py.SoftLink("/numbers")
+            h5_or_group["conformations"] = positions
+            h5_or_group["dft_total_energy"] = energy
+        h5["m/conformations"].attrs["units"] = np.bytes_(b"bohr")
+        h5["m/dft_total_energy"].attrs["units"] = "hartree"
+        h5["m/energy_again"] = h5py.SoftLink("/m/dft_total_energy")
+        h5["m/dipole"] = h5py.ExternalLink("other.h5", "/dipole")
+        h5["m/dangling"] = h5py.SoftLink("/nowhere")
+        h5["n"] = h5["m"]
+        h5["soft"] = h5py.SoftLink("/m")
+    with open_batch(tmp_path / "conf.h5") as batch:
+        fields = {n: (f.per, f.shape, f.units) for n, f in batch.fields.items()}
+        got = read_all(batch, ["numbers", "positions", "dft_total_energy", "energy_again"])
+        present = batch.present("dipole")
+    assert np.array_equal(batch.n_atoms, [2] * 9)
+    assert fields == {"numbers": ("atom", (), None), "positions": ("atom", (3,), "Bohr"),
+                      "dft_total_energy": ("structure", (), "Hartree"),
+                      "energy_again": ("structure", (), "Hartree"),
+                      "dipole": ("structure", (3,), None)}
+    assert np.array_equal(got["numbers"], numbers * 9)
+    assert np.array_equal(got["positions"], np.tile(positions.reshape(-1, 3), (3, 1)))
+    assert np.array_equal(got["dft_total_energy"], np.tile(energy, 3))
+    assert np.isnan(got["energy_again"][:3]).all()
+    assert np.array_equal(got["energy_again"][3:], np.tile(energy, 2))
+    assert present.tolist() == [False] * 3 + [True] * 6
+
+
+def replace(group, name, value):
+    """`group[name]` replaced by `value` (an array, or a dict: a group)."""
+    if name in group:
+        del group[name]
+    if isinstance(value, dict):
+        group.create_group(name)
+    else:
+        group[name] = value
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("coordinates", {}, "/a/coordinates is not a dataset"),
+    ("atomic_numbers", {}, "/a/atomic_numbers is not a dataset"),  # species do not stand in
+    ("atomic_numbers", [[1]], "/a/atomic_numbers must be 1-D, not of shape (1, 1)"),
+    ("atomic_numbers", 1, "/a/atomic_numbers must be 1-D, not of shape ()"),
+    ("atomic_numbers", np.array([b"H", b"Xx"]), "/a/atomic_numbers holds 'Xx', not a chemical "
+                                                "symbol"),
+    ("positions", np.zeros((2, 2, 3)), "group /a must hold exactly one of coordinates, "
+                                       "conformations, positions; it holds ['coordinates', "
+                                       "'positions']"),
+    ("coordinates", np.zeros((2, 3, 3)), "/a/coordinates has shape (2, 3, 3), not (conformers, "
+                                         "2, 3) for the 2 atomic numbers"),
+])
+def test_conformer_groups_that_are_refused(tmp_path, name, value, message):
+    with h5py.File(tmp_path / "conf.h5", "w") as h5:
+        group = h5.create_group("a")
+        group["atomic_numbers"] = np.array([1, 1], np.int16)
+        group["species"] = np.array([b"H", b"H"])
+        group["coordinates"] = np.zeros((2, 2, 3))
+        replace(group, name, value)
+    with pytest.raises(DataError) as err:
+        open_batch(tmp_path / "conf.h5").close()
+    assert str(err.value) == f"{tmp_path / 'conf.h5'}: {message}"
+
+
+def test_conformer_units_that_are_not_text_are_refused(tmp_path):
+    with h5py.File(tmp_path / "conf.h5", "w") as h5:
+        h5["a/species"] = np.array([b"H", b"H"])
+        h5["a/coordinates"] = np.zeros((2, 2, 3))
+        h5["a/energy"] = np.zeros(2)
+        h5["a/energy"].attrs["units"] = 5
+    with pytest.raises(DataError) as err:
+        open_batch(tmp_path / "conf.h5").close()
+    assert str(err.value) == f"{tmp_path / 'conf.h5'}: attribute units of /a/energy is 5, not text"
+
+
 def test_missing_field_lists_the_fields(tmp_path):
     write_conformers(tmp_path / "conf.h5")
     with open_batch(tmp_path / "conf.h5") as batch:

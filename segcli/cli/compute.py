@@ -474,13 +474,14 @@ def _singular_matrices(batch, file, ops, lo, hi, strict, quiet, keep=None):
     gives 0."""
     import numpy as np
 
+    from segcli import engine
+
     for spec, fields in ops:
         for arg, name in zip(spec.inputs, fields):
             if not arg.invertible:
                 continue
             singular = sum(int(np.count_nonzero(
-                (np.linalg.matrix_rank(np.nan_to_num(chunk.structures[name])) < 3)
-                & chunk.present.get(name, True)))
+                engine.singular(chunk.structures[name]) & chunk.present.get(name, True)))
                 for chunk in batch.iter_chunks([name], structures=slice(lo, hi), keep=keep))
             if not singular:
                 continue

@@ -2,9 +2,11 @@
 Transition1x, read in place."""
 
 import contextlib
+import functools
 import itertools
 import math
 import os
+from typing import NamedTuple
 
 import h5py
 import numpy as np
@@ -104,33 +106,92 @@ def _kind(dtype):
     return f"{'compound' if dtype.names else 'opaque'} values of dtype {dtype}"
 
 
+class Node(NamedTuple):
+    """An object of an HDF5 file as its header says: its path (the first that reaches it),
+    kind (h5o.TYPE_*), number of attributes and, for a dataset, its shape (None for an empty
+    dataspace) and HDF5 type (encoded: see `dtype`)."""
+
+    name: str
+    kind: int
+    attributes: int
+    shape: tuple | None = None
+    type: bytes | None = None
+
+    @property
+    def ndim(self):
+        return 0 if self.shape is None else len(self.shape)
+
+    @property
+    def dtype(self):
+        """The dataset's dtype, as h5py gives it."""
+        return _decoded(self.type)
+
+
+@functools.cache
+def _decoded(encoded):
+    """The dtype of an HDF5 type encoded by h5t (each distinct type decoded once)."""
+    return h5py.h5t.decode(encoded).dtype
+
+
+@functools.cache
+def _memory_type(encoded):
+    """The HDF5 type that h5py reads values of a dataset of the encoded type into."""
+    return h5py.h5t.py_create(_decoded(encoded))
+
+
+class Contents(NamedTuple):
+    """What check_metadata read of a file's object headers: `objects` (address -> Node, each
+    object that hard links reach, once) and `links` (address of a group -> {name: the
+    address of the object of a hard link, None for a soft or external link} of its links,
+    in name order)."""
+
+    objects: dict
+    links: dict
+    root: int
+
+
 def check_metadata(path, h5, text, limit=ATTRIBUTE_BYTES):
     """DataError naming the first link of the file `h5` (at `path`) whose name is not UTF-8,
     or the first object whose attributes segcli cannot read safely (see check_attributes).
     Objects are read no further than their headers, but attributes are read through `text`
     (the same file open with heap.guarded) and each global heap collection of text that
     datasets hold is walked (heap.check_strings), so that any read of the file after is
-    safe from HDF5's loop over a damaged one."""
-    names = []
-    h5.id.links.visit(names.append)
-    for raw in names:
+    safe from HDF5's loop over a damaged one. Returns the Contents it read."""
+    links = []  # (name, type, address of a hard link's object) of each link
+    h5.id.links.visit(lambda raw, info: links.append((raw, info.type, info.u)), info=True)
+    for raw, _, _ in links:
         _utf8(path, raw, "an object")
     check_attributes(path, text, "/", limit)
-    objects = []  # (name, kind, attributes) of each object once (h5py's visits lose errors)
-    h5py.h5o.visit(h5.id, lambda raw, info: objects.append((raw, info.type, info.num_attrs)),
-                   info=True)
+    objects = []  # (name, kind, attributes, address) of each object (h5py's visits lose errors)
+    h5py.h5o.visit(h5.id, lambda raw, info: objects.append(
+        (raw, info.type, info.num_attrs, info.addr)), info=True)
+    nodes, types = {}, {}
     with open(path, "rb") as file:
         heaps = TextHeaps(path, h5, file)
-        for raw, kind, attributes in objects:
+        for raw, kind, attributes, address in objects:
             name = f"/{raw.decode()}"
             if attributes:
                 check_attributes(path, text[name], name, limit)
-            if kind == h5py.h5o.TYPE_DATASET:
-                dsid = h5py.h5d.open(h5.id, raw)
-                stored = dsid.get_type()
-                if (isinstance(stored, h5py.h5t.TypeStringID) and stored.is_variable_str()
-                        and not heaps.check(dsid)):
-                    _read_strings(text[name])
+            if kind != h5py.h5o.TYPE_DATASET:
+                nodes[address] = Node(name, kind, attributes)
+                continue
+            dsid = h5py.h5d.open(h5.id, raw)
+            stored = dsid.get_type()
+            if (isinstance(stored, h5py.h5t.TypeStringID) and stored.is_variable_str()
+                    and not heaps.check(dsid)):
+                _read_strings(text[name])
+            encoded = stored.encode()
+            nodes[address] = Node(name, kind, attributes, dsid.shape,
+                                  types.setdefault(encoded, encoded))
+    root = h5py.h5o.get_info(h5.id).addr
+    hard, children = {b"": root}, {}
+    for raw, kind, address in links:
+        parent, _, key = raw.rpartition(b"/")
+        if kind == h5py.h5l.TYPE_HARD:
+            hard[raw] = address
+        children.setdefault(hard[parent], {})[key.decode()] = address if kind == \
+            h5py.h5l.TYPE_HARD else None
+    return Contents(nodes, children, root)
 
 
 def _read_strings(ds, rows=1 << 16):
@@ -192,8 +253,8 @@ def open_file(path, batch_class):
         raise DataError(f"{path}: truncated or corrupt HDF5 file ({err})") from err
     try:
         with guarded(path) as text:
-            check_metadata(path, h5, text)
-        return batch_class(path, h5)
+            contents = check_metadata(path, h5, text)
+        return batch_class(path, h5, contents)
     except BaseException as err:
         with contextlib.suppress(*HDF5_ERRORS):
             h5.close()
@@ -203,12 +264,13 @@ def open_file(path, batch_class):
 
 
 class SegcliBatch(Batch):
-    """A segcli-batch HDF5 file (SPEC §4)."""
+    """A segcli-batch HDF5 file (SPEC §4), open as `h5` (its layout names its datasets, so
+    the Contents that opening read are not needed)."""
 
     format = "segcli"
     _states_units = True
 
-    def __init__(self, path, h5):
+    def __init__(self, path, h5, contents=None):
         super().__init__(path)
         self._h5 = h5
         if plain(h5.attrs["format"]) != FORMAT:
@@ -427,55 +489,90 @@ class Molecule:
     each field to (its dataset's name, trailing shape, dtype, units), units as the dataset
     states them or else by its dataset's convention (see units.CONVENTIONS)."""
 
-    def __init__(self, path, group):
-        self.name = group.name
-        ds = next(group[k] for k in NUMBER_NAMES if k in group)
-        numbers = ds[()]
-        if numbers.ndim != 1:
-            raise DataError(f"{path}: {ds.name} must be 1-D, not of shape {numbers.shape}")
+    def __init__(self, path, h5, name, links, dataset):
+        """The group `name` of `h5` (at `path`), whose links are `links` (see Contents)
+        and `dataset(key)` the Node of the dataset its link `key` reaches (None for another
+        object or none)."""
+        self.name = name
+        key = next(k for k in NUMBER_NAMES if k in links)
+        where = f"{name.rstrip('/')}/{key}"
+        if dataset(key) is None:
+            raise DataError(f"{path}: {where} is not a dataset")
+        numbers = self._read(path, h5, dataset(key), where)
         if numbers.dtype.kind in "SUO":
             from ase.data import atomic_numbers
             try:
                 numbers = [atomic_numbers[s.decode() if isinstance(s, bytes) else s]
                            for s in numbers]
             except KeyError as err:
-                raise DataError(f"{path}: {ds.name} holds {err}, not a chemical symbol") from err
+                raise DataError(f"{path}: {dataset(key).name} holds {err}, not a chemical "
+                                "symbol") from err
         self.numbers = np.asarray(numbers, np.int64)
         n = len(self.numbers)
-        found = [k for k in POSITION_NAMES if k in group]
+        found = [k for k in POSITION_NAMES if k in links]
         if len(found) != 1:
-            raise DataError(f"{path}: group {group.name} must hold exactly one of "
+            raise DataError(f"{path}: group {name} must hold exactly one of "
                             f"{', '.join(POSITION_NAMES)}; it holds {found or 'none'}")
-        positions = group[found[0]]
+        positions = dataset(found[0])
+        if positions is None:
+            raise DataError(f"{path}: {name.rstrip('/')}/{found[0]} is not a dataset")
         if positions.ndim != 3 or positions.shape[1:] != (n, 3):
             raise DataError(f"{path}: {positions.name} has shape {positions.shape}, "
                             f"not (conformers, {n}, 3) for the {n} atomic numbers")
         self.n_conformers = positions.shape[0]
         self.n_atoms = n
         fields = {"positions": (found[0], positions)}
-        for key, ds in group.items():
-            if (key not in NUMBER_NAMES + POSITION_NAMES and isinstance(ds, h5py.Dataset)
-                    and ds.dtype.kind in NUMERIC_KINDS and ds.ndim
-                    and ds.shape[0] == self.n_conformers):
+        for key in links:
+            if key not in NUMBER_NAMES + POSITION_NAMES and (ds := dataset(key)) is not None \
+                    and ds.dtype.kind in NUMERIC_KINDS and ds.ndim \
+                    and ds.shape[0] == self.n_conformers:
                 fields[key] = (key, ds)
-        self.datasets = {name: (key, ds.shape[1:], ds.dtype,
-                                units_of(path, ds, convention(found[0], key)))
-                         for name, (key, ds) in fields.items()}
+        self.datasets = {field: (key, ds.shape[1:], ds.dtype, units_of(
+            path, h5[name][key], convention(found[0], key)) if ds.attributes
+            else convention(found[0], key)) for field, (key, ds) in fields.items()}
+
+    @staticmethod
+    def _read(path, h5, node, where):
+        """The atomic numbers (or symbols) of the dataset `node` at `where`, a 1-D array."""
+        if node.ndim != 1:
+            raise DataError(f"{path}: {node.name} must be 1-D, not of shape {node.shape}")
+        values = np.empty(node.shape, node.dtype)
+        h5py.h5d.open(h5.id, where.encode()).read(h5py.h5s.ALL, h5py.h5s.ALL, values,
+                                                  _memory_type(node.type))
+        return values
 
 
-def find_molecules(path, h5):
-    """Groups holding atomic numbers, at any depth, in file order (links not followed)."""
+def find_molecules(path, h5, contents):
+    """Groups holding atomic numbers, at any depth, in file order (links not followed into
+    groups), from the Contents of `h5` (at `path`) that opening read."""
     molecules = []
 
-    def walk(group):
-        if any(isinstance(group.get(k), h5py.Dataset) for k in NUMBER_NAMES):
-            molecules.append(Molecule(path, group))
-        for key in group:
-            if isinstance(group.get(key, getlink=True), h5py.HardLink) and isinstance(
-                    group[key], h5py.Group):
-                walk(group[key])
+    def walk(address, name):
+        links = contents.links.get(address, {})
+        resolved = {}
 
-    walk(h5)
+        def dataset(key):
+            """The Node of the dataset that link `key` reaches, following soft and external
+            links as h5py does; None for another object or none."""
+            if key not in resolved:
+                if links[key] is not None:
+                    node = contents.objects[links[key]]._replace(
+                        name=f"{name.rstrip('/')}/{key}")
+                else:
+                    obj = h5[name].get(key)
+                    node = None if not isinstance(obj, h5py.Dataset) else Node(
+                        obj.name, h5py.h5o.TYPE_DATASET, h5py.h5a.get_num_attrs(obj.id),
+                        obj.shape, obj.id.get_type().encode())
+                resolved[key] = node if node and node.kind == h5py.h5o.TYPE_DATASET else None
+            return resolved[key]
+
+        if any(k in links and dataset(k) is not None for k in NUMBER_NAMES):
+            molecules.append(Molecule(path, h5, name, links, dataset))
+        for key, target in links.items():
+            if target is not None and contents.objects[target].kind == h5py.h5o.TYPE_GROUP:
+                walk(target, f"{name.rstrip('/')}/{key}")
+
+    walk(contents.root, "/")
     return molecules
 
 
@@ -485,10 +582,10 @@ class ConformerBatch(Batch):
     format = "conformers"
     _states_units = True
 
-    def __init__(self, path, h5):
+    def __init__(self, path, h5, contents):
         super().__init__(path)
         self._h5 = h5
-        self._molecules = find_molecules(path, h5)
+        self._molecules = find_molecules(path, h5, contents)
         if not self._molecules:
             raise DataError(f"{path}: HDF5 file with neither the {FORMAT} layout (no format "
                             "attribute) nor conformer groups (no atomic_numbers or species)")
@@ -500,13 +597,16 @@ class ConformerBatch(Batch):
         for m in self._molecules:
             for name, (_, shape, _, _) in m.datasets.items():
                 per_atom[name] = per_atom.get(name, True) and shape[:1] == (m.n_atoms,)
-        schema = Schema()
+        schema, added = Schema(), set()  # adding a field as it was added before changes nothing
         for m, first in zip(self._molecules, self._first):
-            schema.add(path, FieldInfo("numbers", "atom", (), np.dtype(np.int64)), first)
+            infos = [FieldInfo("numbers", "atom", (), np.dtype(np.int64))]
             for name, (_, shape, dtype, units) in m.datasets.items():
-                info = (FieldInfo(name, "atom", shape[1:], dtype, units) if per_atom[name]
-                        else FieldInfo(name, "structure", shape, dtype, units))
-                schema.add(path, info, first)
+                infos.append(FieldInfo(name, "atom", shape[1:], dtype, units) if per_atom[name]
+                             else FieldInfo(name, "structure", shape, dtype, units))
+            for info in infos:
+                if info not in added:
+                    schema.add(path, info, first)
+                    added.add(info)
         self._stored = dict(schema)
 
     def close(self):
@@ -522,20 +622,21 @@ class ConformerBatch(Batch):
         m = int(np.searchsorted(self._first, start, side="right")) - 1
         while start < stop:
             mol, first = self._molecules[m], self._first[m]
-            group = self._h5[mol.name]
             step = max(1, chunk_atoms // max(mol.n_atoms, 1))
             end = min(stop, first + mol.n_conformers)
+            read = [(name, key) for name, (key, _, _, _) in mol.datasets.items()
+                    if names is None or name in names]
+            group = self._h5[mol.name] if read else None
             for a in range(start - first, end - first, step):
                 b = min(a + step, end - first)
                 data = {"atom": {}, "structure": {}}
                 if names is None or "numbers" in names:
                     data["atom"]["numbers"] = np.tile(mol.numbers, b - a)
-                for name, (key, _, _, _) in mol.datasets.items():
-                    if names is None or name in names:
-                        array = read_rows(self.path, group[key], a, b)
-                        per = self._stored[name].per
-                        data[per][name] = (array.reshape(-1, *array.shape[2:]) if per == "atom"
-                                           else array)
+                for name, key in read:
+                    array = read_rows(self.path, group[key], a, b)
+                    per = self._stored[name].per
+                    data[per][name] = (array.reshape(-1, *array.shape[2:]) if per == "atom"
+                                       else array)
                 yield Chunk(int(first + a), np.full(b - a, mol.n_atoms, np.int64),
                             data["atom"], data["structure"])
             start, m = end, m + 1

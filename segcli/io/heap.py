@@ -112,13 +112,16 @@ class TextHeaps:
         self.heap_id = np.dtype([("length", "<u4"), ("address", f"<u{offset_size}"),
                                  ("index", "<u4")])
         self.undefined = (1 << 8 * offset_size) - 1
-        self.sizes = {}  # address -> {index: bytes} of each collection walked
+        self.sizes = {}  # address -> bytes of each object by its index, of each collection walked
         self._size = os.fstat(raw.fileno()).st_size
 
     def check(self, dsid):
         """Walks the collections of the dataset `dsid` (low-level); False where its storage
         cannot be read so (compact, or a filter other than deflate: HDF5 skips shuffle for
         variable-length data), for the caller to read it through `guarded`."""
+        offset = dsid.get_offset()  # None but for contiguous storage in this file
+        if offset is not None:  # unfiltered: filters need chunks
+            return self._check_stored(dsid, [(offset, dsid.get_storage_size(), 0)], [], 0)
         plist = dsid.get_create_plist()
         layout = plist.get_layout()
         if layout == h5py.h5d.VIRTUAL:
@@ -126,13 +129,18 @@ class TextHeaps:
         filters = [plist.get_filter(i)[0] for i in range(plist.get_nfilters())]
         if layout == h5py.h5d.COMPACT:
             return False
-        item = self.heap_id.itemsize
         if layout == h5py.h5d.CONTIGUOUS:
-            stored = [(dsid.get_offset(), dsid.get_storage_size(), 0)]
-        else:
-            stored = [(info.byte_offset, info.size, info.filter_mask)
-                      for info in map(dsid.get_chunk_info, range(dsid.get_num_chunks()))]
-            whole = item * math.prod(plist.get_chunk())  # what a chunk inflates to, at most
+            return True  # no storage in this file (external files, or none written)
+        stored = [(info.byte_offset, info.size, info.filter_mask)
+                  for info in map(dsid.get_chunk_info, range(dsid.get_num_chunks()))]
+        whole = self.heap_id.itemsize * math.prod(plist.get_chunk())  # a chunk inflated, at most
+        return self._check_stored(dsid, stored, filters, whole)
+
+    def _check_stored(self, dsid, stored, filters, whole):
+        """check of the dataset `dsid` whose heap IDs are stored as `stored` ((offset, size,
+        mask of the `filters` skipped) of each block), each inflating to at most `whole`
+        bytes."""
+        item = self.heap_id.itemsize
         for offset, size, skipped in stored:
             if offset is None or size == 0 or offset + size > self._size:
                 continue  # HDF5 refuses to read it
@@ -153,32 +161,37 @@ class TextHeaps:
         """Walks the collections that the heap IDs `ids` (of strings of `dsid`) point to, and
         DataError when a string claims more bytes than its object holds (HDF5 would allocate
         what it claims, gigabytes, before it found out)."""
-        ids = ids[np.argsort(ids["address"], kind="stable")]
-        addresses, starts = np.unique(ids["address"], return_index=True)
-        for address, part in zip(addresses.tolist(), np.split(ids, starts[1:])):
+        if len(ids) and (ids["address"] == ids["address"][0]).all():
+            parts = [(ids["address"][0], ids)]
+        else:
+            ids = ids[np.argsort(ids["address"], kind="stable")]
+            addresses, starts = np.unique(ids["address"], return_index=True)
+            parts = zip(addresses, np.split(ids, starts[1:]))
+        for address, part in parts:
+            address = int(address)
             if not 0 < address < self.undefined:
                 continue
             if address not in self.sizes:
                 self.sizes[address] = self._check_at(self.base + address)
-            sizes = self.sizes[address]
-            name = h5py.h5i.get_name(dsid).decode(errors="replace")
-            if sizes is None:  # HDF5 would allocate what the string claims before refusing
-                raise DataError(f"{self.path}: damaged HDF5 file ({name} holds a string in a "
-                                f"global heap collection at byte {self.base + address}, where "
-                                "the file holds none)")
-            held = np.zeros(1 << 16, np.int64)
-            held[list(sizes)] = list(sizes.values())
-            short = np.flatnonzero(held[part["index"].clip(0, (1 << 16) - 1)] < part["length"])
+            held = self.sizes[address]
+            if held is None:  # HDF5 would allocate what the string claims before refusing
+                raise DataError(f"{self.path}: damaged HDF5 file ({_name(dsid)} holds a string "
+                                f"in a global heap collection at byte {self.base + address}, "
+                                "where the file holds none)")
+            index = part["index"]
+            stored = np.where(index < len(held), held[np.minimum(index, len(held) - 1)], 0)
+            short = np.flatnonzero(stored < part["length"])
             if len(short):
                 bad = part[short[0]]
                 raise DataError(
-                    f"{self.path}: damaged HDF5 file ({name} holds a string of {bad['length']} "
-                    f"bytes whose object {bad['index']} in the global heap collection at byte "
-                    f"{self.base + address} holds {sizes.get(int(bad['index']), 0)})")
+                    f"{self.path}: damaged HDF5 file ({_name(dsid)} holds a string of "
+                    f"{bad['length']} bytes whose object {bad['index']} in the global heap "
+                    f"collection at byte {self.base + address} holds {stored[short[0]]})")
 
     def _check_at(self, start):
-        """check_collection of the collection at byte `start`; None when there is none (no
-        signature there, or it or its claimed size runs past the end of the file)."""
+        """The bytes each object of the collection at byte `start` holds, by its index (see
+        check_collection); None when there is none (no signature there, or it or its claimed
+        size runs past the end of the file)."""
         if start + 8 + self.length_size > self._size:
             return None
         head = os.pread(self._raw.fileno(), 8 + self.length_size, start)
@@ -187,5 +200,13 @@ class TextHeaps:
         size = int.from_bytes(head[8:], "little")
         if start + size > self._size:
             return None
-        return check_collection(self.path, memoryview(os.pread(self._raw.fileno(), size, start)),
-                                start, self.length_size)
+        sizes = check_collection(self.path, memoryview(os.pread(self._raw.fileno(), size, start)),
+                                 start, self.length_size)
+        held = np.zeros(max(sizes, default=0) + 1, np.int64)
+        held[list(sizes)] = list(sizes.values())
+        return held
+
+
+def _name(dsid):
+    """The path of the dataset `dsid`, for messages."""
+    return h5py.h5i.get_name(dsid).decode(errors="replace")
