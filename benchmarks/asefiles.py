@@ -1,13 +1,16 @@
-"""Wall time and peak RSS of segcli on extended XYZ files read directly, against ASE's iread.
+"""Wall time and peak RSS of segcli on ASE files read directly (extended XYZ, or an ASE
+SQLite database), against ASE's own reading loop.
 
     python benchmarks/asefiles.py [--workdir /tmp/segcli-asefiles] [--atoms 500000 1500000]
-                                  [--runs 2] [--check]
+                                  [--runs 2] [--check] [--format extxyz|db]
 
 Writes extxyz files of --atoms atoms (structures of 1-63 atoms with forces and energy, in the
-layout ase.io.write uses; reused when present) and times, each in a process of its own:
+layout ase.io.write uses; reused when present), with --format db also an ASE database of the
+same structures (ase.db.connect(...).write), and times, each in a process of its own:
 `segcli reduce F max_norm forces` (default and --chunk-atoms 100000), `segcli stats F forces`,
-`segcli info F`, and `for atoms in ase.io.iread(F): atoms.get_forces()`. Prints a markdown
-table of the medians over --runs. Nothing is written to the repository.
+`segcli info F`, and ASE's loop over the file: `for atoms in ase.io.iread(F):
+atoms.get_forces()`, or for a database `for row in db.select(): row.toatoms().get_forces()`.
+Prints a markdown table of the medians over --runs. Nothing is written to the repository.
 """
 
 import argparse
@@ -24,6 +27,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYMBOLS = np.array(["H", "C", "N", "O", "Si", "Cu"])
 ROW = " {:>14.8f} {:>14.8f} {:>14.8f} {:>14.8f} {:>14.8f} {:>14.8f}\n"
 IREAD = "import ase.io, sys\nfor atoms in ase.io.iread(sys.argv[1]): atoms.get_forces()"
+SELECT = ("import ase.db, sys\nfor row in ase.db.connect(sys.argv[1]).select(): "
+          "row.toatoms().get_forces()")
 
 
 def write_extxyz(path, n_atoms, seed=0):
@@ -47,6 +52,17 @@ def write_extxyz(path, n_atoms, seed=0):
     return end
 
 
+def write_db(path, extxyz):
+    """An ASE SQLite database of the structures of the extxyz file, in one transaction."""
+    import ase.db
+    import ase.io
+
+    with ase.db.connect(path + ".tmp.db", append=False) as db:
+        for atoms in ase.io.iread(extxyz):
+            db.write(atoms)
+    os.replace(path + ".tmp.db", path)
+
+
 def measure(argv):
     """(seconds, peak RSS in MB) of a command in a fresh process (one started from a small
     process: Linux carries the parent's peak RSS over to a child's)."""
@@ -68,7 +84,8 @@ def cases(path, out):
             "reduce --chunk-atoms 100000": reduce + ["--chunk-atoms", "100000"],
             "stats forces": cli + ["stats", path, "forces"],
             "info": cli + ["info", path],
-            "ase.io.iread loop": [sys.executable, "-c", IREAD, path]}
+            "ase.io.iread loop" if not path.endswith(".db") else "ase.db select loop":
+                [sys.executable, "-c", IREAD if not path.endswith(".db") else SELECT, path]}
 
 
 def main():
@@ -77,10 +94,14 @@ def main():
     parser.add_argument("--atoms", type=int, nargs="+", default=[500_000, 1_500_000, 4_500_000])
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--check", action="store_true", help="check that ASE reads a small file")
+    parser.add_argument("--format", choices=["extxyz", "db"], default="extxyz")
     parser.add_argument("--write", nargs=2, metavar=("ATOMS", "PATH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.write:
-        return write_extxyz(args.write[1], int(args.write[0]))
+        extxyz = args.write[1].removesuffix(".db") + ".extxyz"
+        if not os.path.exists(extxyz):
+            write_extxyz(extxyz, int(args.write[0]))
+        return write_db(args.write[1], extxyz) if args.write[1].endswith(".db") else None
     os.makedirs(args.workdir, exist_ok=True)
     if args.check:
         import ase.io
@@ -94,7 +115,7 @@ def main():
           f"Python {platform.python_version()}\n")
     print("| case | atoms | MB | seconds | peak RSS MB |\n| --- | ---: | ---: | ---: | ---: |")
     for n in args.atoms:
-        path = os.path.join(args.workdir, f"f{n}.extxyz")
+        path = os.path.join(args.workdir, f"f{n}.{args.format}")
         if not os.path.exists(path):  # in a process of its own: children inherit peak RSS
             subprocess.run([sys.executable, __file__, "--write", str(n), path], check=True)
         out = os.path.join(args.workdir, "out.h5")

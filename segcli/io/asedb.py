@@ -58,8 +58,9 @@ def rows(path, kind, start, stop):
     """Rows `start` to `stop` (None: the end) of the database `path` of type `kind`, in id
     order, at most PAGE_ROWS in memory and no transaction or connection held between rows (the
     consumer may be another thread): an LMDB database's fetched one by one by id (it knows them
-    all), other databases' a page at a time, each page selected by id from where the last
-    one ended."""
+    all), other databases' a page at a time over one connection (ASE's SQLite backend
+    otherwise connects again for each row: 2.2 times slower), each page selected by id from
+    where the last one ended."""
     db = connect(path, kind)
     stop = db.count() if stop is None else min(stop, db.count())
     if kind == "aselmdb":
@@ -70,8 +71,9 @@ def rows(path, kind, start, stop):
         return
     selection, offset = None, start
     while start < stop:
-        page = list(db.select(selection, offset=offset, limit=min(PAGE_ROWS, stop - start),
-                              sort="id"))
+        with db:  # one connection for the page's queries, closed before its rows go on
+            page = list(db.select(selection, offset=offset, limit=min(PAGE_ROWS, stop - start),
+                                  sort="id"))
         if not page:
             return
         yield from page
