@@ -660,7 +660,9 @@ def _image(t: int, bins: int, periodic: int):
     # Bin t of an axis of `bins` bins, as (the bin it is, the periodic image it lies in, whether
     # it exists): periodic axes wrap, the others end.
     if periodic != 0:
-        image = t / bins  # floor division, whatever the sign convention of the integers'
+        # the floor of t / bins, dividing non-negative integers only (so whatever the sign
+        # convention of integer division)
+        image = t / bins
         if t < 0:
             image = -((-t - 1) / bins) - 1
         return t - image * bins, image, True
