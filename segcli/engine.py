@@ -592,12 +592,20 @@ def _blank_absent(job, chunk, outputs):
     have = job_present(chunk.present.get, job)
     if have is None:
         return outputs
-    rows = {"structure": ~have, "atom": np.repeat(~have, chunk.n_atoms)}
-    out = {}
+    return blanked(outputs, {label: o[0] for label, o in job.outputs.items()}, have,
+                   chunk.n_atoms)
+
+
+def blanked(outputs, per, have, n_atoms):
+    """`outputs` (label -> array of a chunk's rows, per structure or per atom as per[label]
+    says; labels not in `per` as they are) with NaN in the rows of the structures where
+    `have` is False (and of their atoms), an integer array as float64 (see nan_dtype)."""
+    rows = {"structure": ~have, "atom": np.repeat(~have, n_atoms)}
+    out = dict(outputs)
     for label, array in outputs.items():
-        array = np.array(array, nan_dtype(array.dtype))
-        array[rows[job.outputs[label][0]]] = np.nan
-        out[label] = array
+        if label in per:
+            out[label] = np.array(array, nan_dtype(array.dtype))
+            out[label][rows[per[label]]] = np.nan
     return out
 
 

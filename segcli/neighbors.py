@@ -3,14 +3,14 @@ atoms (i, j, periodic image) closer than each cutoff, as `ase.neighborlist.neigh
 counts them (an atom with its own image counts, with itself in its own cell not), and the
 nearest pair; per atom, its neighbours.
 
-A chunk of structures becomes one cell list (`cell_list`, on the host, vectorised over the
-structures): each structure's atoms are wrapped into its cell along its periodic axes and
-binned on a grid of its own whose bins are at least the largest cutoff wide, in the basis of
-its lattice (mixed, non-orthogonal, partly periodic, or none: Cartesian). A Warp kernel
-then visits, for each atom, the bins within reach of its own in every periodic image that
-reaches it (several images of the cell when it is thinner than the cutoff), and segcli's
-segment ops reduce its per-atom counts and nearest distances per structure. Memory is
-bounded by the chunk: no pair list, no N² matrix.
+A chunk of structures becomes one cell list: each structure gets, on the host (vectorised
+over the structures), a basis of its own (its periodic lattice vectors, normals along its
+other axes; Cartesian for a molecule) and a grid of bins at least the largest cutoff wide;
+on the device, its atoms are wrapped into its cell along its periodic axes, binned and
+sorted by bin. A Warp kernel then visits, for each atom, the bins within reach of its own in
+every periodic image that reaches it (several images of the cell when it is thinner than the
+cutoff), and segcli's segment ops reduce its per-atom counts and nearest distances per
+structure. Memory is bounded by the chunk: no pair list, no N² matrix.
 """
 
 import contextlib
@@ -34,15 +34,23 @@ MAX_IMAGES = 1_000_000
 """The most bins (bins × periodic images) one atom may have to visit: a cell far thinner than
 the cutoff is refused rather than left to run for hours."""
 
+class Output(NamedTuple):
+    """A statistic: per structure or per atom, its dtype, and whether it is one per cutoff."""
+
+    per: str
+    dtype: type
+    per_cutoff: bool
+
+
 OUTPUTS = {
-    "n_pairs": ("structure", np.int64),
-    "mean_neighbors": ("structure", np.float64),
-    "min_distance": ("structure", np.float64),
-    "min_pair_i": ("structure", np.int64),
-    "min_pair_j": ("structure", np.int64),
-    "n_neighbors": ("atom", np.int64),
+    "n_pairs": Output("structure", np.int64, True),
+    "mean_neighbors": Output("structure", np.float64, True),
+    "min_distance": Output("structure", np.float64, False),
+    "min_pair_i": Output("structure", np.int64, False),
+    "min_pair_j": Output("structure", np.int64, False),
+    "n_neighbors": Output("atom", np.int64, True),
 }
-"""Each result -> (per, dtype); n_pairs, mean_neighbors and n_neighbors are per cutoff."""
+"""Each statistic of a run (see compute); the nearest pair is over the largest cutoff."""
 
 
 def result_names(cutoffs, per_atom):
@@ -51,10 +59,10 @@ def result_names(cutoffs, per_atom):
     cutoff: the names of OUTPUTS; several: n_pairs_R, mean_neighbors_R (and n_neighbors_R)
     for each cutoff R."""
     names = {}
-    for base, (per, dtype) in OUTPUTS.items():
+    for base, (per, dtype, per_cutoff) in OUTPUTS.items():
         if per == "atom" and not per_atom:
             continue
-        if base in ("n_pairs", "mean_neighbors", "n_neighbors"):
+        if per_cutoff:
             for k, cutoff in enumerate(cutoffs):
                 name = base if len(cutoffs) == 1 else f"{base}_{cutoff:g}"
                 names[name] = (base, per, dtype, k)
@@ -207,11 +215,11 @@ def _pairs_program(n_cutoffs, rows, segments, n_bins, histogram_bins):
     from segcli.engine import _ids
     from segcli.ops._kernels import launch
 
-    def program(wrapped, fractional, offsets, low, high, bins, reach, periodic, first_bin,
-                lattice, cutoffs, scale):
+    def program(wrapped, fractional, offsets, present, low, high, bins, reach, periodic,
+                first_bin, lattice, cutoffs, scale):
         ids = _ids(offsets, rows)
-        real = ids < segments
         at = jnp.minimum(ids, segments - 1)
+        real = (ids < segments) & present[at]  # others in no bin, visited by no thread
         span = jnp.where(high > low, high - low, 1.0)
         scaled = (fractional - jnp.where(periodic, 0.0, low)[at]) / jnp.where(
             periodic, 1.0, span)[at] * bins[at]
@@ -246,12 +254,13 @@ def _pairs_program(n_cutoffs, rows, segments, n_bins, histogram_bins):
 
 class Prepared(NamedTuple):
     """A chunk padded for the device (see prepare): positions (rows, 3), CSR offsets
-    (segments + 1,), its Geometry padded to `segments` structures, its structures' numbers
-    in the file `path` and atom counts."""
+    (segments + 1,), which structures have positions (segments,), its Geometry padded to
+    `segments` structures, its structures' numbers in the file `path` and atom counts."""
 
     path: str
     positions: np.ndarray
     offsets: np.ndarray
+    present: np.ndarray
     geometry: Geometry
     numbers: np.ndarray
     n_atoms: np.ndarray
@@ -278,8 +287,8 @@ def prepare(path, chunk, cells, pbc, buffers=None, slot=0, least=(0, 0), scale=1
     `buffers`' slot `slot` (default: new ones; or where the positions were read in place,
     see engine.lending),
     padded to at least `least` (rows, structures) and to power-of-two sizes (one compilation
-    over a run); positions times `scale` (to Å), and 0 for structures that lack them (their
-    results are NaN, see run)."""
+    over a run); positions times `scale` (to Å), and 0 for structures that lack them (no
+    pair of theirs is counted, and their results are NaN, see run)."""
     from segcli.engine import _BufferRing, bucket
 
     buffers = buffers or _BufferRing()
@@ -294,9 +303,8 @@ def prepare(path, chunk, cells, pbc, buffers=None, slot=0, least=(0, 0), scale=1
     positions[n:] = 0
     if scale != 1.0:
         positions[:n] *= scale
-    have = chunk.present.get("positions")
-    if have is not None:
-        positions[:n][~np.repeat(have, n_atoms)] = 0
+    have = chunk.present.get("positions", np.ones(s, bool))
+    positions[:n][~np.repeat(have, n_atoms)] = 0
     offsets = buffers.take(slot, "offsets", (segments + 1,), np.int32)
     offsets[0] = 0
     np.cumsum(n_atoms, out=offsets[1:s + 1])
@@ -304,12 +312,14 @@ def prepare(path, chunk, cells, pbc, buffers=None, slot=0, least=(0, 0), scale=1
     shape = geometry(path, chunk.structure_numbers, cells, pbc)
     padded = Geometry(*(_padded(buffers, slot, name, array, segments, value) for name, array, value
                         in zip(Geometry._fields, shape, (0.0, 0.0, 1.0, False))))
-    return Prepared(path, positions, offsets, padded, chunk.structure_numbers, n_atoms)
+    return Prepared(path, positions, offsets, _padded(buffers, slot, "present", have, segments),
+                    padded, chunk.structure_numbers, n_atoms)
 
 
 def compute(prepared, cutoffs, device, histogram_bins=0, per_atom=True):
     """The neighbour statistics of a Prepared chunk, for the ascending `cutoffs`: per
-    structure n_pairs (S, K), min_distance, min_pair_i, min_pair_j (S,); with `per_atom`,
+    structure n_pairs and mean_neighbors (S, K), min_distance, min_pair_i, min_pair_j (S,);
+    with `per_atom`,
     per atom n_neighbors (N, K); for the chunk max_neighbors (K,) and the histogram of pair
     distances below the largest cutoff (histogram_bins,)."""
     import jax
@@ -337,9 +347,10 @@ def compute(prepared, cutoffs, device, histogram_bins=0, per_atom=True):
         n_bins = bucket(cells.n_bins)
         lattice = np.where(p.geometry.periodic[:, :, None], p.geometry.basis, 0.0)
         program = _pairs_program(len(cutoffs), rows, segments, n_bins, max(1, histogram_bins))
-        out = program(wrapped, fractional, offsets, low, high, *jax.device_put(
-            (_pad(cells.bins, segments, 1), _pad(cells.reach, segments), periodic,
-             _pad(cells.first_bin, segments), lattice, cutoffs, scale), device))
+        present, *grid_arrays = jax.device_put(
+            (p.present, _pad(cells.bins, segments, 1), _pad(cells.reach, segments), periodic,
+             _pad(cells.first_bin, segments), lattice, cutoffs, scale), device)
+        out = program(wrapped, fractional, offsets, present, low, high, *grid_arrays)
         pairs, least, first_i, first_j, counts, most, histogram = out
         statistics = {"n_pairs": pairs, "min_distance": least, "min_pair_i": first_i,
                       "min_pair_j": first_j, "max_neighbors": most, "histogram": histogram}
@@ -349,6 +360,8 @@ def compute(prepared, cutoffs, device, histogram_bins=0, per_atom=True):
     rows_of = {"n_neighbors": n, "histogram": histogram_bins, "max_neighbors": len(cutoffs)}
     statistics = {name: a[:rows_of.get(name, s)] for name, a in statistics.items()}
     statistics["histogram"] = statistics["histogram"].astype(np.int64)
+    with np.errstate(divide="ignore", invalid="ignore"):  # NaN for a structure without atoms
+        statistics["mean_neighbors"] = statistics["n_pairs"] / p.n_atoms[:, None].astype(float)
     return statistics
 
 
@@ -392,7 +405,7 @@ def run(batch, cutoffs, device, *, chunk_atoms=1 << 21, structures=slice(None), 
         chunks = batch.iter_chunks(
             names, chunk_atoms=chunk_atoms, structures=structures, keep=keep,
             into=engine.lending(buffers, {"positions": np.dtype(np.float64)}, fields, least[0]))
-        checked = engine.nan_checked(batch.path, chunks, ["positions", *names[1:2]],
+        checked = engine.nan_checked(batch.path, chunks, [n for n in names if n != "pbc"],
                                      where_present=True)
         for slot, chunk in enumerate(checked):
             cells, pbc = lattices(chunk, factor)
@@ -403,28 +416,52 @@ def run(batch, cutoffs, device, *, chunk_atoms=1 << 21, structures=slice(None), 
         with contextlib.closing(items):
             for chunk, ready in items:
                 statistics = compute(ready, cutoffs, device, histogram_bins, per_atom)
-                have = chunk.present.get("positions")
-                yield chunk, statistics if have is None else _blanked(statistics, have,
-                                                                      chunk.n_atoms)
+                have = chunk.present.get("positions")  # none: NaN rows, not in the Summary
+                yield chunk, statistics if have is None else engine.blanked(
+                    statistics, {name: o.per for name, o in OUTPUTS.items()}, have,
+                    chunk.n_atoms)
 
 
-def _blanked(statistics, have, n_atoms):
-    """The statistics of a chunk with NaN in the rows of the structures (and their atoms)
-    that lack positions (`have` False), their integers as float64; the summary counts them
-    not."""
-    from segcli.engine import nan_dtype
+class Summary:
+    """The dataset's neighbour statistics, added up chunk by chunk (see `add`)."""
 
-    out = dict(statistics)
-    for name, per in OUTPUTS.items():
-        if name in statistics:
-            array = np.array(statistics[name], nan_dtype(statistics[name].dtype))
-            array[~have if per[0] == "structure" else np.repeat(~have, n_atoms)] = np.nan
-            out[name] = array
-    return out
+    def __init__(self, cutoffs, histogram_bins=0):
+        self.cutoffs = list(cutoffs)
+        self.atoms = 0
+        self.pairs = np.zeros(len(cutoffs), np.int64)
+        self.most = np.zeros(len(cutoffs), np.int64)
+        self.nearest = (np.inf, -1, -1, -1)  # distance, structure, i, j
+        self.histogram = np.zeros(histogram_bins, np.int64)
 
+    def add(self, chunk, statistics):
+        """Add a chunk's statistics (see run); structures with NaN rows do not count."""
+        distances = statistics["min_distance"]
+        have = ~np.isnan(distances)
+        self.atoms += int(chunk.n_atoms[have].sum())
+        self.pairs += np.nansum(statistics["n_pairs"], axis=0).astype(np.int64)
+        self.most = np.maximum(self.most, statistics["max_neighbors"])
+        self.histogram += statistics["histogram"]
+        if have.any() and np.nanmin(distances) < self.nearest[0]:
+            s = int(np.nanargmin(distances))
+            self.nearest = (float(distances[s]), int(chunk.structure_numbers[s]),
+                            int(statistics["min_pair_i"][s]), int(statistics["min_pair_j"][s]))
 
-def mean_neighbors(n_pairs, n_atoms):
-    """Pairs per atom of each structure: NaN for a structure without atoms."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return n_pairs / np.asarray(n_atoms, np.float64)[:, None]
+    def as_dict(self):
+        """The summary as JSON's values: per cutoff the pairs and the mean and largest
+        neighbours per atom, the nearest pair (None if none) and the histogram's edges and
+        counts."""
+        distance, structure, i, j = self.nearest
+        found = structure >= 0
+        summary = {"cutoffs": self.cutoffs, "atoms": self.atoms, "pairs": self.pairs.tolist(),
+                   "mean_neighbors": (self.pairs / self.atoms).tolist() if self.atoms
+                   else [None] * len(self.cutoffs),
+                   "max_neighbors": self.most.tolist(),
+                   "min_distance": distance if found else None,
+                   "min_pair": {"structure": structure, "i": i, "j": j} if found else None}
+        if len(self.histogram):
+            bins = len(self.histogram)
+            summary["histogram"] = {
+                "edges": [self.cutoffs[-1] * k / bins for k in range(bins + 1)],
+                "counts": self.histogram.tolist()}
+        return summary
 

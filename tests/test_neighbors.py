@@ -219,7 +219,8 @@ def test_structures_without_positions_get_nan_rows(tmp_path):
         f["present/positions"] = have
         f["atoms/positions"][3:8] = np.nan  # the methane's rows
     out = tmp_path / "out.h5"
-    result = run("neighbors", path, "--cutoff", 3, "--per-atom", "--chunk-atoms", 4, "-o", out)
+    result = run("neighbors", path, "--cutoff", 3, "--per-atom", "--chunk-atoms", 4,
+                 "--histogram", 3, "-o", out)
     assert result.exit_code == 0, result.output
     got = results(out)
     for s, atoms in enumerate(frames):
@@ -230,3 +231,11 @@ def test_structures_without_positions_get_nan_rows(tmp_path):
     assert np.isnan(got["n_neighbors"][3:8]).all() and not np.isnan(got["n_neighbors"][:3]).any()
     pairs = sum(len(neighbor_list("i", a, 3.0)) for a, h in zip(frames, have) if h)
     assert f"{pairs} ordered pairs over 4 atoms" in result.stderr
+    most = max(np.bincount(neighbor_list("i", a, 3.0)).max() for a, h in zip(frames, have)
+               if h and len(a))
+    assert f"at most {most}\n" in result.stderr  # the zeroed methane counts nowhere
+    distances = np.concatenate([neighbor_list("d", a, 3.0) for a, h in zip(frames, have) if h])
+    lines = result.stderr.splitlines()
+    table = lines[lines.index("distance from (Å)  to (Å)  pairs") + 1:][:3]
+    np.testing.assert_array_equal([int(line.split()[2]) for line in table],
+                                  np.histogram(distances, bins=3, range=(0, 3))[0])

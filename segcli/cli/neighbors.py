@@ -36,79 +36,37 @@ def _results(cutoffs, per_atom, table, partial):
     import numpy as np
 
     from segcli import neighbors
+    from segcli.engine import nan_dtype
 
     names = neighbors.result_names(cutoffs, per_atom)
     if per_atom and table:
         names = {n: v for n, v in names.items() if v[1] == "atom"}
-    statistics = [_Statistic({"": (per, (), np.dtype(np.float64 if partial else dtype))})
+    statistics = [_Statistic({"": (per, (), nan_dtype(np.dtype(dtype)) if partial
+                                   else np.dtype(dtype))})
                   for _, per, dtype, _ in names.values()]
     return _Results(statistics, list(names)), names
 
 
-class _Summary:
-    """The dataset's neighbour statistics, added up chunk by chunk."""
-
-    def __init__(self, cutoffs, histogram_bins):
-        import numpy as np
-
-        self.cutoffs = cutoffs
-        self.atoms = 0
-        self.pairs = np.zeros(len(cutoffs), np.int64)
-        self.most = np.zeros(len(cutoffs), np.int64)
-        self.nearest = (np.inf, -1, -1, -1)  # distance, structure, i, j
-        self.histogram = np.zeros(histogram_bins, np.int64)
-
-    def add(self, chunk, statistics):
-        import numpy as np
-
-        distances = statistics["min_distance"]
-        have = ~np.isnan(distances)
-        self.atoms += int(chunk.n_atoms[have].sum())
-        self.pairs += np.nansum(statistics["n_pairs"], axis=0).astype(np.int64)
-        self.most = np.maximum(self.most, statistics["max_neighbors"])
-        self.histogram += statistics["histogram"]
-        if have.any() and np.nanmin(distances) < self.nearest[0]:
-            s = int(np.nanargmin(distances))
-            self.nearest = (float(distances[s]), int(chunk.structure_numbers[s]),
-                            int(statistics["min_pair_i"][s]), int(statistics["min_pair_j"][s]))
-
-    def as_dict(self):
-        """The summary as JSON's values."""
-        distance, structure, i, j = self.nearest
-        mean = (self.pairs / self.atoms).tolist() if self.atoms else [None] * len(self.cutoffs)
-        top = self.cutoffs[-1]
-        summary = {"cutoffs": list(self.cutoffs), "atoms": self.atoms,
-                   "pairs": self.pairs.tolist(), "mean_neighbors": mean,
-                   "max_neighbors": self.most.tolist(),
-                   "min_distance": distance if structure >= 0 else None,
-                   "min_pair": {"structure": structure, "i": i, "j": j} if structure >= 0
-                   else None}
-        if len(self.histogram):
-            edges = [top * k / len(self.histogram) for k in range(len(self.histogram) + 1)]
-            summary["histogram"] = {"edges": edges, "counts": self.histogram.tolist()}
-        return summary
-
-    def lines(self, file):
-        """The summary as lines of text."""
-        summary = self.as_dict()
-        lines = []
-        for cutoff, pairs, mean, most in zip(self.cutoffs, summary["pairs"],
-                                             summary["mean_neighbors"],
-                                             summary["max_neighbors"]):
-            per_atom = "no atoms" if mean is None else f"{mean:.6g} per atom on average"
-            lines.append(f"{file}: within {cutoff:g} Å, {pairs} ordered pairs over "
-                         f"{self.atoms} atoms: {per_atom}, at most {most}")
-        if summary["min_pair"] is None:
-            lines.append(f"{file}: no pair within {self.cutoffs[-1]:g} Å")
-        else:
-            pair = summary["min_pair"]
-            lines.append(f"{file}: nearest pair {summary['min_distance']:.6g} Å, atoms "
-                         f"{pair['i']} and {pair['j']} of structure {pair['structure']}")
-        if "histogram" in summary:
-            edges, counts = summary["histogram"]["edges"], summary["histogram"]["counts"]
-            lines.append("distance from (Å)  to (Å)  pairs")
-            lines += [f"{a:.6g}  {b:.6g}  {n}" for a, b, n in zip(edges, edges[1:], counts)]
-        return lines
+def _summary_lines(summary, file):
+    """A neighbors.Summary as lines of text."""
+    values = summary.as_dict()
+    lines = []
+    for cutoff, pairs, mean, most in zip(values["cutoffs"], values["pairs"],
+                                         values["mean_neighbors"], values["max_neighbors"]):
+        per_atom = "no atoms" if mean is None else f"{mean:.6g} per atom on average"
+        lines.append(f"{file}: within {cutoff:g} Å, {pairs} ordered pairs over "
+                     f"{values['atoms']} atoms: {per_atom}, at most {most}")
+    if values["min_pair"] is None:
+        lines.append(f"{file}: no pair within {values['cutoffs'][-1]:g} Å")
+    else:
+        pair = values["min_pair"]
+        lines.append(f"{file}: nearest pair {values['min_distance']:.6g} Å, atoms "
+                     f"{pair['i']} and {pair['j']} of structure {pair['structure']}")
+    if "histogram" in values:
+        edges, counts = values["histogram"]["edges"], values["histogram"]["counts"]
+        lines.append("distance from (Å)  to (Å)  pairs")
+        lines += [f"{a:.6g}  {b:.6g}  {n}" for a, b, n in zip(edges, edges[1:], counts)]
+    return lines
 
 
 def _runner(cutoffs, names, summary, histogram_bins):
@@ -123,9 +81,7 @@ def _runner(cutoffs, names, summary, histogram_bins):
                                                histogram_bins=histogram_bins,
                                                per_atom=per_atom):
             summary.add(chunk, statistics)
-            mean = neighbors.mean_neighbors(statistics["n_pairs"], chunk.n_atoms)
-            columns = {**statistics, "mean_neighbors": mean}
-            yield chunk, tuple({"": columns[base] if k is None else columns[base][:, k]}
+            yield chunk, tuple({"": statistics[base] if k is None else statistics[base][:, k]}
                                for base, _, _, k in names.values())
 
     return run
@@ -173,6 +129,8 @@ def neighbors(file, cutoffs, per_atom, histogram_bins, output, in_place, fmt, fo
     """
     import json
 
+    from segcli.neighbors import Summary
+
     cutoffs = sorted(set(cutoffs))
     histogram_bins = histogram_bins or 0
     check_output_usage(output, in_place, fmt, structures)
@@ -193,7 +151,7 @@ def neighbors(file, cutoffs, per_atom, histogram_bins, output, in_place, fmt, fo
             attrs["where"] = [condition.text for condition in where]
         sink = _sink(results, batch, lo, hi, output=output, in_place=in_place, file=paths[0],
                      fmt=fmt, force=force, attrs=attrs, keep=keep)
-        summary = _Summary(cutoffs, histogram_bins)
+        summary = Summary(cutoffs, histogram_bins)
         total = hi - lo if keep is None else int(keep[lo:hi].sum())
         with progress(not quiet, f"neighbours of {file}", total) as bar:
             _compute_into(batch, results, sink, target, lo, hi, chunk_atoms, bar, keep=keep,
@@ -203,7 +161,7 @@ def neighbors(file, cutoffs, per_atom, histogram_bins, output, in_place, fmt, fo
     if fmt == "json":
         note(json.dumps(summary.as_dict()))
         return
-    for line in summary.lines(file):
+    for line in _summary_lines(summary, file):
         note(line)
     if output or in_place:
         written = (results.columns.values() if _file_format(output)
