@@ -28,7 +28,8 @@ def segcli(*args, **env):
     return python("-m", "segcli", *args, **env)
 
 
-@pytest.mark.parametrize("command", [REDUCE, ["grad", METALS, "max_norm", "forces"]])
+@pytest.mark.parametrize("command", [REDUCE, pytest.param(["grad", METALS, "max_norm", "forces"],
+                                                       marks=pytest.mark.slow)])
 def test_a_second_run_takes_its_compiled_programs_from_the_cache(tmp_path, command):
     cache = tmp_path / "cache"
     env = {"SEGCLI_COMPILATION_CACHE": str(cache), "JAX_LOG_COMPILES": "1"}
