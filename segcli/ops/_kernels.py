@@ -64,6 +64,8 @@ import jax.numpy as jnp
 import numpy as np
 import warp as wp
 
+from segcli.ops import _native
+
 wp.config.log_level = wp.LOG_ERROR
 
 
@@ -816,8 +818,12 @@ def launch(name, *args, dims, in_out=(), out=None, dtype=None):
         floats = [a for a in args if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating)]
         dtype = (jnp.dtype(floats[0].dtype).name if floats
                  else next(iter(_DTYPES.get(name, _FLOATS))))
-    call = _ffi(name, jnp.dtype(dtype).name, tuple(in_out))
-    result = call(*args, launch_dims=dims, output_dims=None if out is None else {"out": out})
+    if _native.available():
+        result = _native.launch(_kernels(name)[jnp.dtype(dtype).name], args, dims, in_out, out,
+                                _BLOCK_DIM)
+    else:
+        call = _ffi(name, jnp.dtype(dtype).name, tuple(in_out))
+        result = call(*args, launch_dims=dims, output_dims=None if out is None else {"out": out})
     return result[0] if len(result) == 1 else result
 
 
