@@ -67,8 +67,9 @@ def _compiled(source):
                             "-lpthread"], check=True, capture_output=True, timeout=120)
             os.replace(built, path)  # whole, even with other processes building it too
     except subprocess.CalledProcessError as err:
-        raise _Unavailable(f"{shlex.join(err.cmd)} failed: "
-                           f"{err.stderr.decode(errors='replace').strip()}") from None
+        errors = [line for line in err.stderr.decode(errors="replace").splitlines()
+                  if "error" in line] or [f"exit status {err.returncode}"]
+        raise _Unavailable(f"{shlex.join(err.cmd)} failed: {errors[0].strip()}") from None
     except (OSError, subprocess.SubprocessError) as err:
         raise _Unavailable(f"cannot build {path}: {err}") from None
     return path
