@@ -121,7 +121,8 @@ class _Plan:
     the FFI call's result types and aliases (in-out arrays first, then the pure output)."""
 
     def __init__(self, kernel, operands, dims, in_out, out, block_dim):
-        self.kernel, self.dims, self.block_dim = kernel, tuple(dims), block_dim
+        self.dims = (dims,) if isinstance(dims, int) else tuple(dims)
+        self.kernel, self.block_dim = kernel, block_dim
         args = [FfiArg(a.label, a.type, a.label in in_out) for a in kernel.adj.args]
         pure = [arg for arg in args if arg.name == "out" and not arg.in_out]
         inputs = iter(operands)
