@@ -40,16 +40,25 @@ CALLS = {
 """The float ops under test, each on the arrays of `inputs` in one float dtype."""
 
 SCRIPT = """
-import json, sys
+import json, os, sys
 import jax
 jax.config.update("jax_enable_x64", True)
 import numpy as np
 from segcli.ops import _native
 from test_native import results
-np.savez(sys.argv[2], **results(dict(np.load(sys.argv[1]))))
-print(json.dumps({"available": _native.available(), "unavailable": _native.unavailable()}))
+reports = []
+for i, case in enumerate(json.loads(sys.argv[3])):
+    for key, value in case.items():
+        os.environ.pop(key, None) if value is None else os.environ.update({key: value})
+    _native._library.cache_clear()
+    jax.clear_caches()
+    np.savez(f"{sys.argv[2]}-{i}.npz", **results(dict(np.load(sys.argv[1]))))
+    reports.append({"available": _native.available(), "unavailable": _native.unavailable()})
+print(json.dumps(reports))
 """
-"""`results` of the arrays in argv[1] into argv[2], then whether the handler was used."""
+"""For each case of argv[3] (a JSON list of environment variables to set, or with null to
+unset), in turn: `results` of the arrays in argv[1] into argv[2]-i.npz, and whether the
+handler was used."""
 
 
 def inputs(seed, sorted_ids=False):
@@ -125,15 +134,16 @@ def assert_matches_reference(got, arrays):
             assert np.all(value[want[name] == 0] == 0), name
 
 
-def start(tmp_path, name, arrays, **env):
-    """A Python process computing `results` of `arrays` into tmp_path/name.npz, with `env` set
-    over this process's environment (less its CC, cache location and SEGCLI_NATIVE_LAUNCH);
-    Warp's kernels from this process's kernel cache."""
+def start(tmp_path, name, arrays, cases=({},), **env):
+    """A Python process computing `results` of `arrays` once per case of `cases` (SCRIPT),
+    with `env` set over this process's environment (less its CC, cache location and
+    SEGCLI_NATIVE_LAUNCH); Warp's kernels from this process's kernel cache."""
     np.savez(tmp_path / f"{name}-inputs.npz", **arrays)
     environ = {k: v for k, v in os.environ.items()
                if k not in ("CC", "XDG_CACHE_HOME", "SEGCLI_NATIVE_LAUNCH")}
     return subprocess.Popen(
-        [sys.executable, "-c", SCRIPT, tmp_path / f"{name}-inputs.npz", tmp_path / f"{name}.npz"],
+        [sys.executable, "-c", SCRIPT, tmp_path / f"{name}-inputs.npz", tmp_path / name,
+         json.dumps(list(cases))],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
              "JAX_PLATFORMS": "cpu",
@@ -141,10 +151,12 @@ def start(tmp_path, name, arrays, **env):
 
 
 def finish(process, tmp_path, name):
-    """(the JSON line, the results) of a process of `start`, once it has exited."""
+    """[(the report, the results)] of each case of a process of `start`, once it has
+    exited."""
     stdout, stderr = process.communicate(timeout=300)
     assert process.returncode == 0, stderr
-    return json.loads(stdout.splitlines()[-1]), dict(np.load(tmp_path / f"{name}.npz"))
+    return [(report, dict(np.load(tmp_path / f"{name}-{i}.npz")))
+            for i, report in enumerate(json.loads(stdout.splitlines()[-1]))]
 
 
 def test_ops_through_the_handler_match_numpy():
@@ -159,7 +171,7 @@ def test_the_handler_gives_the_bits_of_warps_jax_kernel(tmp_path):
     arrays = inputs(1, sorted_ids=True)
     fallback = start(tmp_path, "fallback", arrays, SEGCLI_NATIVE_LAUNCH="0")
     ours = results(arrays)
-    report, theirs = finish(fallback, tmp_path, "fallback")
+    [(report, theirs)] = finish(fallback, tmp_path, "fallback")
     assert report == {"available": False, "unavailable": "SEGCLI_NATIVE_LAUNCH=0"}
     assert sorted(theirs) == sorted(ours)
     for name, value in ours.items():
@@ -169,34 +181,33 @@ def test_the_handler_gives_the_bits_of_warps_jax_kernel(tmp_path):
 
 
 FAILURES = [
-    pytest.param({"CC": "segcli-no-such-cc"},
-                 r"cannot build \S+/cache/segcli/launch-\w+\.so: .*'segcli-no-such-cc'",
-                 id="no compiler"),
-    pytest.param({"CC": "false"},
-                 r"false -O2 -shared -fPIC \S+/_launch\.c .* failed: exit status 1",
-                 id="compiler fails"),
-    pytest.param({"XDG_CACHE_HOME": "file"},
-                 r"cannot build \S+/file/segcli/launch-\w+\.so: .*Not a directory.*",
-                 id="cache under a file"),
-    pytest.param({"CC": "gcc -include segcli-no-such-header.h"},
-                 r"gcc -include \S+ .* failed: .*segcli-no-such-header\.h.*", id="compile error"),
+    ({"CC": "segcli-no-such-cc"},
+     r"cannot build \S+/cache/segcli/launch-\w+\.so: .*'segcli-no-such-cc'"),
+    ({"CC": "false"}, r"false -O2 -shared -fPIC \S+/_launch\.c .* failed: exit status 1"),
+    ({"CC": None, "XDG_CACHE_HOME": "file"},
+     r"cannot build \S+/file/segcli/launch-\w+\.so: .*Not a directory.*"),
+    ({"CC": "gcc -include segcli-no-such-header.h"},
+     r"gcc -include \S+ .* failed: .*segcli-no-such-header\.h.*"),
 ]
-"""How the handler's build fails: the environment (XDG_CACHE_HOME relative to tmp_path,
-tmp_path/cache by default; tmp_path/file is a file), and what unavailable() says."""
+"""How the handler's build fails (no compiler, a compiler failing, a cache under a file, a
+compile error): the environment (XDG_CACHE_HOME relative to tmp_path, tmp_path/cache by
+default; tmp_path/file is a file), and what unavailable() says."""
 
 
-@pytest.mark.parametrize("env, reason", FAILURES)
-def test_without_the_handler_warps_jax_kernel_gives_the_values(tmp_path, env, reason):
-    """A fresh cache (nothing built before): unavailable() says why, on one line, and nothing
-    is left in the cache."""
+def test_without_the_handler_warps_jax_kernel_gives_the_values(tmp_path):
+    """A fresh cache (nothing built before), each way of FAILURES in turn in one process:
+    unavailable() says why, on one line, the values are right, and nothing is left in the
+    cache."""
     (tmp_path / "file").write_text("")
-    env = {**env, "XDG_CACHE_HOME": str(tmp_path / env.get("XDG_CACHE_HOME", "cache"))}
+    cases = [{**env, "XDG_CACHE_HOME": str(tmp_path / env.get("XDG_CACHE_HOME", "cache"))}
+             for env, _ in FAILURES]
     arrays = inputs(2)
-    report, got = finish(start(tmp_path, "out", arrays, **env), tmp_path, "out")
-    assert report["available"] is False
-    assert "\n" not in report["unavailable"] and re.fullmatch(reason, report["unavailable"]), \
-        report["unavailable"]
-    assert_matches_reference(got, arrays)
+    done = finish(start(tmp_path, "out", arrays, cases), tmp_path, "out")
+    for (report, got), (_, reason) in zip(done, FAILURES, strict=True):
+        assert report["available"] is False
+        assert "\n" not in report["unavailable"] and re.fullmatch(reason, report["unavailable"]), \
+            report["unavailable"]
+        assert_matches_reference(got, arrays)
     assert not (tmp_path / "cache" / "segcli").exists() or not any(
         (tmp_path / "cache" / "segcli").iterdir())
 
@@ -207,7 +218,7 @@ def test_concurrent_first_builds_leave_one_library(tmp_path):
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
     processes = [start(tmp_path, name, arrays, **env) for name in ("a", "b")]
     for process, name in zip(processes, ("a", "b")):
-        report, got = finish(process, tmp_path, name)
+        [(report, got)] = finish(process, tmp_path, name)
         assert report == {"available": True, "unavailable": None}
         assert_matches_reference(got, arrays)
     built = [p.name for p in (tmp_path / "cache" / "segcli").iterdir()]
