@@ -22,6 +22,8 @@ a large elementwise copy measured on the same device.
 import argparse
 import datetime
 import importlib
+import inspect
+import os
 import platform
 import statistics
 import time
@@ -59,18 +61,35 @@ def arguments(op, rng, n, m, dtype):
     return tuple(jnp.asarray(a) for a in args)
 
 
-def functions(module, op, m):
-    """Jitted fwd, grad and grad-of-grad of `op` (a registry.Op) from `module` (none where it
-    has no such function; fwd only for an op that is not differentiable).
+LAYOUTS = {
+    "ids": "sorted ids, not promised sorted (each implementation checks or copes)",
+    "sorted": "sorted ids promised sorted (indices_are_sorted=True where a function takes it)",
+    "segments": "segcli.ops given a Segments (ids and offsets, built once); the others as sorted",
+}
+"""How the segments are given (`--layout`)."""
 
-    Each takes (w, v, *args): the weights w of the loss Σ w·op(args), the direction v of the
-    second order, then the op's arguments. w and v are arguments, not constants, as they are
-    in a training step (XLA would otherwise embed them in the program)."""
+
+def functions(module, op, m, layout="ids"):
+    """Jitted fwd, grad and grad-of-grad of `op` (a registry.Op) from `module` (none where it
+    has no such function; fwd only for an op that is not differentiable), the segments given
+    as `layout` says (LAYOUTS).
+
+    Each takes (w, v, *args, idx, offsets): the weights w of the loss Σ w·op(args), the
+    direction v of the second order, the op's arguments, then the ids and their CSR offsets.
+    w and v are arguments, not constants, as they are in a training step (XLA would otherwise
+    embed them in the program)."""
     f = getattr(module, "segmented_" + op.name, None)
     if f is None:
         return {}
-    # ids are an argument too, so XLA cannot fold anything that depends on them
-    call = lambda *a: f(*a[:-1], a[-1], m, **op.params)  # noqa: E731
+    params = dict(op.params)
+    if layout != "ids" and "indices_are_sorted" in inspect.signature(f).parameters:
+        params["indices_are_sorted"] = True
+    if layout == "segments" and hasattr(module, "Segments"):
+        params.pop("indices_are_sorted", None)
+        # ids and offsets are arguments, so XLA cannot fold anything that depends on them
+        call = lambda *a: f(*a[:-2], module.Segments(a[-2], a[-1]), m, **params)  # noqa: E731
+    else:
+        call = lambda *a: f(*a[:-2], a[-2], m, **params)  # noqa: E731
     if not op.differentiable:
         return {"fwd": jax.jit(lambda w, v, *a: call(*a))}
     grad = jax.grad(lambda *a, w: jnp.sum(w * call(*a)))
@@ -125,10 +144,12 @@ def copy_rate(dtype, repeats):
     return 2 * a.nbytes / seconds
 
 
-def floor_bytes(fn, args, mode):
+def floor_bytes(fn, args, mode, layout):
     """Bytes a call must move: the arguments it reads (w for grad, w and v for grad2, then the
-    op's own) and its result."""
-    w, v, *rest = args
+    op's own, the ids, and the offsets if given) and its result."""
+    w, v, *rest, offsets = args
+    if layout == "segments":
+        rest.append(offsets)
     read = {"fwd": rest, "grad": [w, *rest], "grad2": [w, v, *rest]}[mode]
     out = jax.eval_shape(fn, *args)
     return (sum(a.nbytes for a in read)
@@ -145,21 +166,27 @@ def implementations():
     return impls
 
 
-def run(atoms, dtypes, repeats, ops):
+def offsets_of(idx, m):
+    """The CSR offsets (M+1,) int32 of sorted ids."""
+    return jnp.asarray(np.searchsorted(np.asarray(idx), np.arange(m + 1)).astype(np.int32))
+
+
+def run(atoms, dtypes, repeats, ops, layout="ids"):
     impls = implementations()
     rows = []
     for dtype in dtypes:
         rng, idx, m, v = inputs(atoms, dtype)
+        offsets = offsets_of(idx, m)
         rate = copy_rate(dtype, repeats)
         for name in ops:
             op = OPS[name]
             data = arguments(op, rng, atoms, m, dtype)
-            args = (loss_weights(op, data, idx, m, dtype), v, *data, idx)
-            per_impl = {impl: functions(module, op, m) for impl, module in impls.items()}
+            args = (loss_weights(op, data, idx, m, dtype), v, *data, idx, offsets)
+            per_impl = {impl: functions(module, op, m, layout) for impl, module in impls.items()}
             for mode in MODES:
                 fns = {impl: f[mode] for impl, f in per_impl.items() if mode in f}
                 if fns:
-                    floor = floor_bytes(fns["segcli"], args, mode) / rate
+                    floor = floor_bytes(fns["segcli"], args, mode, layout) / rate
                     rows.append((name, dtype, mode, floor, median_seconds(fns, args, repeats)))
     return rows, list(impls), m
 
@@ -189,20 +216,23 @@ def main():
     parser.add_argument("--dtype", default="float32,float64")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--ops", default=",".join(OPS), help="comma-separated op names")
+    parser.add_argument("--layout", choices=LAYOUTS, default="ids",
+                        help="; ".join(f"{k}: {v}" for k, v in LAYOUTS.items()))
     parser.add_argument("--out", help="also write the table (with its heading) to this file")
     args = parser.parse_args()
     dtypes = args.dtype.split(",")
     if "float64" in dtypes:
         jax.config.update("jax_enable_x64", True)
-    rows, impl_names, m = run(args.atoms, dtypes, args.repeats, args.ops.split(","))
+    rows, impl_names, m = run(args.atoms, dtypes, args.repeats, args.ops.split(","), args.layout)
     device = jax.devices()[0]
     heading = (
         f"### {datetime.date.today()} — {device.device_kind} ({device.platform}), "
         f"N = {args.atoms:,} atoms, M = {m:,} structures, jax {jax.__version__}, "
         f"{platform.python_version()}\n\n"
+        f"Segments: {LAYOUTS[args.layout]}. XLA_FLAGS: {os.environ.get('XLA_FLAGS') or 'none'}. "
         f"Each cell: latency / throughput time per call (bursts of {BURST}), medians of "
         f"{args.repeats}; ratios of throughput. Command: `python benchmarks/ops.py --atoms "
-        f"{args.atoms} --dtype {args.dtype} --repeats {args.repeats}`\n\n"
+        f"{args.atoms} --dtype {args.dtype} --repeats {args.repeats} --layout {args.layout}`\n\n"
     )
     text = heading + table(rows, impl_names) + "\n"
     print(text)

@@ -3,9 +3,10 @@
     python benchmarks/profile_ops.py --atoms 10000000 --dtype float32 --ops sum,mul \\
         --logdir /tmp/prof
 
-For each op, mode (fwd, grad) and implementation (segcli, jax) of `benchmarks/ops.py`: the
-median wall time of 10 calls, then the kernels that 3 profiled calls ran, with each kernel's
-median duration and how many times a call launched it.
+For each op, mode (fwd, grad) and implementation (segcli, jax) of `benchmarks/ops.py`, with
+the segments given as its `--layout` says: the median latency and throughput time per call as
+`benchmarks/ops.py` measures them, then the kernels that 3 profiled calls ran, with each
+kernel's median duration and how many times a call launched it.
 """
 
 import argparse
@@ -17,6 +18,8 @@ import statistics
 import jax
 import ops as bench
 from jax.profiler import ProfileData
+
+from segcli.registry import OPS
 
 
 def kernel_times(logdir):
@@ -36,29 +39,32 @@ def main():
     parser.add_argument("--atoms", type=int, default=10_000_000)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--ops", default="sum,mul")
+    parser.add_argument("--layout", choices=bench.LAYOUTS, default="ids")
     parser.add_argument("--logdir", required=True)
     args = parser.parse_args()
     impls = {k: v for k, v in bench.implementations().items() if k in ("segcli", "jax")}
     for dtype in args.dtype.split(","):
         if dtype == "float64":
             jax.config.update("jax_enable_x64", True)
-        data, idx, m = bench.inputs(args.atoms, dtype)
-        for op in args.ops.split(","):
-            w = bench.loss_weights(op, data, idx, m) if op != "count" else data["s"]
-            call_args = (w, data["y"], *(data[k] for k in bench.ARGS[op]), idx)
+        rng, idx, m, v = bench.inputs(args.atoms, dtype)
+        for op_name in args.ops.split(","):
+            op = OPS[op_name]
+            data = bench.arguments(op, rng, args.atoms, m, dtype)
+            call_args = (bench.loss_weights(op, data, idx, m, dtype), v, *data, idx,
+                         bench.offsets_of(idx, m))
             for name, module in impls.items():
-                for mode, fn in bench.functions(module, op, m).items():
+                for mode, fn in bench.functions(module, op, m, args.layout).items():
                     if mode == "grad2":
                         continue
-                    wall = bench.median_seconds({name: fn}, call_args, 10)[name]
-                    logdir = os.path.join(args.logdir, f"{dtype}-{op}-{mode}-{name}")
+                    latency, throughput = bench.median_seconds({name: fn}, call_args, 10)[name]
+                    logdir = os.path.join(args.logdir, f"{dtype}-{op_name}-{mode}-{name}")
                     with jax.profiler.trace(logdir):
                         for _ in range(3):
                             jax.block_until_ready(fn(*call_args))
                     kernels = kernel_times(logdir)
                     busy = sum(sum(t) for t in kernels.values()) / 3
-                    print(f"{dtype} {op} {mode} {name}: wall {wall * 1e6:.0f} µs, "
-                          f"kernels {busy:.0f} µs per call")
+                    print(f"{dtype} {op_name} {mode} {name}: latency {latency * 1e6:.0f} µs, "
+                          f"throughput {throughput * 1e6:.0f} µs, kernels {busy:.0f} µs per call")
                     for kernel, t in sorted(kernels.items(), key=lambda kv: -sum(kv[1])):
                         print(f"    {len(t) / 3:4.1f}× {statistics.median(t):7.1f} µs  "
                               f"{kernel[:100]}")

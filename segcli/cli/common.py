@@ -314,8 +314,8 @@ def device(choice):
 
     Called before JAX starts, it leaves GPU memory to Warp's own allocations (no
     preallocation) and lets XLA capture even a small program, such as one chunk's kernels,
-    into a CUDA graph, so that no kernel launch pays for a Python call; in the program (see
-    `as_program`), compiled programs are kept across runs and freed host blocks for reuse."""
+    into one CUDA graph; in the program (see `as_program`), compiled programs are kept across
+    runs and freed host blocks for reuse."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_gpu_graph_min_graph_size" not in flags:

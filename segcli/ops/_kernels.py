@@ -64,6 +64,8 @@ import jax.numpy as jnp
 import numpy as np
 import warp as wp
 
+from segcli.ops import _native
+
 wp.config.log_level = wp.LOG_ERROR
 
 
@@ -113,6 +115,10 @@ def cpu_available():
 # Threads per block on a GPU: 128 runs the gathers up to 16 % faster than 256 on an H200 and
 # the other kernels as fast (benchmarks/RESULTS.md).
 _BLOCK_DIM = 128
+
+# Rows whose loads an ordered reduction issues together, ahead of adding them in order (so
+# that a thread walking its segment keeps several rows in flight).
+_UNROLL = 4
 
 # Threads of the grid-stride loop of the unordered (atomic) fallback on a GPU.
 _GPU_STRIDE_THREADS = 1 << 17
@@ -196,8 +202,20 @@ def _segment_reduction(term):
             if t < m:
                 lo, hi = _segment_range(offsets, t, n)
                 acc = out.dtype(0)
-                for i in range(lo, hi):
+                i = int(lo)
+                while i + _UNROLL <= hi:  # the loads of 4 rows issued together (_UNROLL)
+                    t0 = term(a, b, out, i, t, p)
+                    t1 = term(a, b, out, i + 1, t, p)
+                    t2 = term(a, b, out, i + 2, t, p)
+                    t3 = term(a, b, out, i + 3, t, p)
+                    acc += t0
+                    acc += t1
+                    acc += t2
+                    acc += t3
+                    i += _UNROLL
+                while i < hi:
                     acc += term(a, b, out, i, t, p)
+                    i += 1
                 out[t, p] = acc
         elif t < stride:
             for i in range(t, n, stride):
@@ -305,8 +323,20 @@ def _segment_rms_norm(x: wp.array3d(dtype=Any), lo: int, hi: int, g: int):
     # sqrt(Σ |x[i, g]|² / n) over rows lo:hi (n > 0); where Σ |x|² overflows (or an entry is
     # infinite), again with the rows scaled by a power of two near the segment's largest entry
     total = x.dtype(0.0)
-    for i in range(lo, hi):
+    i = int(lo)
+    while i + _UNROLL <= hi:
+        s0 = _squared_norm(x, i, g)
+        s1 = _squared_norm(x, i + 1, g)
+        s2 = _squared_norm(x, i + 2, g)
+        s3 = _squared_norm(x, i + 3, g)
+        total += s0
+        total += s1
+        total += s2
+        total += s3
+        i += _UNROLL
+    while i < hi:
         total += _squared_norm(x, i, g)
+        i += 1
     count = x.dtype(hi - lo)
     if not wp.isinf(total):
         return wp.sqrt(total / count)
@@ -442,6 +472,13 @@ def _extreme(key, better, atomic_better):
     possible key), and then `first` the atomic min of the rows attaining it."""
 
     @wp.func
+    def beats(v: Any, i: int, winner: int, top: Any):
+        # (winner, top) after row i with key v, in order: a better key or the first NaN wins
+        if better(v, top) or (_is_nan(v) and not _is_nan(top)):
+            return i, v
+        return winner, top
+
+    @wp.func
     def atomic_key(x: wp.array3d(dtype=Any), i: int, g: int, nan_key: wp.array(dtype=Any)):
         # The key as the atomic path compares it: NaN enters as the best possible key.
         v = key(x, i, g)
@@ -460,12 +497,21 @@ def _extreme(key, better, atomic_better):
             lo, hi = _segment_range(offsets, s, x.shape[0])
             if lo < hi:
                 top = key(x, lo, g)
-                winner = lo
-                for i in range(lo + 1, hi):
-                    v = key(x, i, g)
-                    if better(v, top) or (_is_nan(v) and not _is_nan(top)):
-                        winner = i
-                        top = v
+                winner = int(lo)
+                i = int(lo + 1)
+                while i + _UNROLL <= hi:  # 4 keys computed together, then taken in order
+                    v0 = key(x, i, g)
+                    v1 = key(x, i + 1, g)
+                    v2 = key(x, i + 2, g)
+                    v3 = key(x, i + 3, g)
+                    winner, top = beats(v0, i, winner, top)
+                    winner, top = beats(v1, i + 1, winner, top)
+                    winner, top = beats(v2, i + 2, winner, top)
+                    winner, top = beats(v3, i + 3, winner, top)
+                    i += _UNROLL
+                while i < hi:
+                    winner, top = beats(key(x, i, g), i, winner, top)
+                    i += 1
                 first[s, g] = winner
 
     def best_kernel(
@@ -816,8 +862,12 @@ def launch(name, *args, dims, in_out=(), out=None, dtype=None):
         floats = [a for a in args if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating)]
         dtype = (jnp.dtype(floats[0].dtype).name if floats
                  else next(iter(_DTYPES.get(name, _FLOATS))))
-    call = _ffi(name, jnp.dtype(dtype).name, tuple(in_out))
-    result = call(*args, launch_dims=dims, output_dims=None if out is None else {"out": out})
+    if _native.available():
+        result = _native.launch(_kernels(name)[jnp.dtype(dtype).name], args, dims, in_out, out,
+                                _BLOCK_DIM)
+    else:
+        call = _ffi(name, jnp.dtype(dtype).name, tuple(in_out))
+        result = call(*args, launch_dims=dims, output_dims=None if out is None else {"out": out})
     return result[0] if len(result) == 1 else result
 
 
