@@ -47,18 +47,18 @@ import numpy as np
 from segcli.ops import _native
 from test_native import results
 reports = []
-for i, case in enumerate(json.loads(sys.argv[3])):
-    for key, value in case.items():
+for i, (env, names) in enumerate(json.loads(sys.argv[3])):
+    for key, value in env.items():
         os.environ.pop(key, None) if value is None else os.environ.update({key: value})
     _native._library.cache_clear()
     jax.clear_caches()
-    np.savez(f"{sys.argv[2]}-{i}.npz", **results(dict(np.load(sys.argv[1]))))
+    np.savez(f"{sys.argv[2]}-{i}.npz", **results(dict(np.load(sys.argv[1])), names))
     reports.append({"available": _native.available(), "unavailable": _native.unavailable()})
 print(json.dumps(reports))
 """
-"""For each case of argv[3] (a JSON list of environment variables to set, or with null to
-unset), in turn: `results` of the arrays in argv[1] into argv[2]-i.npz, and whether the
-handler was used."""
+"""For each case of argv[3] (a JSON list of [environment variables to set, or with null to
+unset; the names of CALLS]), in turn: `results` of the arrays in argv[1] into argv[2]-i.npz,
+and whether the handler was used."""
 
 
 def inputs(seed, sorted_ids=False):
@@ -74,15 +74,15 @@ def inputs(seed, sorted_ids=False):
             "idx": (np.sort(idx) if sorted_ids else idx).astype(np.int32)}
 
 
-def results(arrays):
-    """CALLS on `arrays` in float32 and in float64 (by "name dtype"), and bincount, in one
-    program: NumPy arrays."""
+def results(arrays, names=tuple(CALLS)):
+    """CALLS `names` on `arrays` in float32 and in float64 (by "name dtype"), and bincount, in
+    one program: NumPy arrays."""
 
     def every(a):
         out = {"bincount": ops.segmented_bincount(a["labels"], a["idx"], M, LENGTH)}
         for dtype in ("float32", "float64"):
             cast = {k: v.astype(dtype) if v.dtype.kind == "f" else v for k, v in a.items()}
-            out.update({f"{name} {dtype}": call(cast) for name, call in CALLS.items()})
+            out.update({f"{name} {dtype}": CALLS[name](cast) for name in names})
         return out
 
     return {k: np.asarray(v) for k, v in jax.jit(every)(arrays).items()}
@@ -120,21 +120,22 @@ def reference(a):
             "bincount": bincount}
 
 
-def assert_matches_reference(got, arrays):
-    """`results` of `arrays` against `reference`: within each dtype's rounding, and exactly 0
-    where the reference is (the empty segment, rows out of range)."""
+def assert_matches_reference(got, arrays, names=tuple(CALLS)):
+    """`results` of `arrays` (CALLS `names`) against `reference`: within each dtype's rounding,
+    and exactly 0 where the reference is (the empty segment, rows out of range)."""
     want = reference(arrays)
     np.testing.assert_array_equal(got["bincount"], want["bincount"])
     assert got["bincount"].dtype == np.int32
+    assert len(got) == 1 + 2 * len(names)
     for dtype, rtol in (("float32", 2e-6), ("float64", 1e-13)):
-        for name in CALLS:
+        for name in names:
             value = got[f"{name} {dtype}"]
             assert value.dtype == dtype, name
             assert_close(value, want[name], rtol)
             assert np.all(value[want[name] == 0] == 0), name
 
 
-def start(tmp_path, name, arrays, cases=({},), **env):
+def start(tmp_path, name, arrays, cases=(({}, tuple(CALLS)),), **env):
     """A Python process computing `results` of `arrays` once per case of `cases` (SCRIPT),
     with `env` set over this process's environment (less its CC, cache location and
     SEGCLI_NATIVE_LAUNCH); Warp's kernels from this process's kernel cache."""
@@ -199,15 +200,15 @@ def test_without_the_handler_warps_jax_kernel_gives_the_values(tmp_path):
     unavailable() says why, on one line, the values are right, and nothing is left in the
     cache."""
     (tmp_path / "file").write_text("")
-    cases = [{**env, "XDG_CACHE_HOME": str(tmp_path / env.get("XDG_CACHE_HOME", "cache"))}
-             for env, _ in FAILURES]
+    cases = [({**env, "XDG_CACHE_HOME": str(tmp_path / env.get("XDG_CACHE_HOME", "cache"))},
+              tuple(CALLS) if i == 0 else ("sum",)) for i, (env, _) in enumerate(FAILURES)]
     arrays = inputs(2)
     done = finish(start(tmp_path, "out", arrays, cases), tmp_path, "out")
-    for (report, got), (_, reason) in zip(done, FAILURES, strict=True):
+    for (report, got), (_, reason), (_, names) in zip(done, FAILURES, cases, strict=True):
         assert report["available"] is False
         assert "\n" not in report["unavailable"] and re.fullmatch(reason, report["unavailable"]), \
             report["unavailable"]
-        assert_matches_reference(got, arrays)
+        assert_matches_reference(got, arrays, names)
     assert not (tmp_path / "cache" / "segcli").exists() or not any(
         (tmp_path / "cache" / "segcli").iterdir())
 
@@ -216,11 +217,11 @@ def test_concurrent_first_builds_leave_one_library(tmp_path):
     """Two processes building into one fresh cache at once: both use the handler."""
     arrays = inputs(3)
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
-    processes = [start(tmp_path, name, arrays, **env) for name in ("a", "b")]
+    processes = [start(tmp_path, name, arrays, [({}, ("sum",))], **env) for name in ("a", "b")]
     for process, name in zip(processes, ("a", "b")):
         [(report, got)] = finish(process, tmp_path, name)
         assert report == {"available": True, "unavailable": None}
-        assert_matches_reference(got, arrays)
+        assert_matches_reference(got, arrays, ("sum",))
     built = [p.name for p in (tmp_path / "cache" / "segcli").iterdir()]
     assert len(built) == 1 and re.fullmatch(r"launch-[0-9a-f]{16}\.so", built[0]), built
 
