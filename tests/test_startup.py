@@ -46,7 +46,10 @@ def test_a_second_run_takes_its_compiled_programs_from_the_cache(tmp_path, comma
 
 @pytest.mark.parametrize("setting", [None, pytest.param("off", marks=pytest.mark.slow)])
 def test_the_cache_is_in_the_user_cache_directory_unless_off(tmp_path, setting):
-    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    # Warp's kernels from where they are already (not built again under tmp_path)
+    warp_cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "warp"
+    env = {"XDG_CACHE_HOME": str(tmp_path),
+           "WARP_CACHE_PATH": os.environ.get("WARP_CACHE_PATH", str(warp_cache))}
     if setting:
         env["SEGCLI_COMPILATION_CACHE"] = setting
     result = segcli(*REDUCE, **env)
