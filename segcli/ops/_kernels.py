@@ -116,8 +116,9 @@ def cpu_available():
 # the other kernels as fast (benchmarks/RESULTS.md).
 _BLOCK_DIM = 128
 
-# Rows whose loads an ordered reduction issues together, ahead of adding them in order (so
-# that a thread walking its segment keeps several rows in flight).
+# Rows whose keys the ordered search for an extreme computes together, ahead of comparing
+# them in order, so that a thread walking its segment keeps several rows in flight (max_norm's
+# search on an H200: 215 → 167 µs at N = 10⁷; the same for sum and rms_norm bought nothing).
 _UNROLL = 4
 
 # Threads of the grid-stride loop of the unordered (atomic) fallback on a GPU.
@@ -202,20 +203,8 @@ def _segment_reduction(term):
             if t < m:
                 lo, hi = _segment_range(offsets, t, n)
                 acc = out.dtype(0)
-                i = int(lo)
-                while i + _UNROLL <= hi:  # the loads of 4 rows issued together (_UNROLL)
-                    t0 = term(a, b, out, i, t, p)
-                    t1 = term(a, b, out, i + 1, t, p)
-                    t2 = term(a, b, out, i + 2, t, p)
-                    t3 = term(a, b, out, i + 3, t, p)
-                    acc += t0
-                    acc += t1
-                    acc += t2
-                    acc += t3
-                    i += _UNROLL
-                while i < hi:
+                for i in range(lo, hi):
                     acc += term(a, b, out, i, t, p)
-                    i += 1
                 out[t, p] = acc
         elif t < stride:
             for i in range(t, n, stride):
@@ -323,20 +312,8 @@ def _segment_rms_norm(x: wp.array3d(dtype=Any), lo: int, hi: int, g: int):
     # sqrt(Σ |x[i, g]|² / n) over rows lo:hi (n > 0); where Σ |x|² overflows (or an entry is
     # infinite), again with the rows scaled by a power of two near the segment's largest entry
     total = x.dtype(0.0)
-    i = int(lo)
-    while i + _UNROLL <= hi:
-        s0 = _squared_norm(x, i, g)
-        s1 = _squared_norm(x, i + 1, g)
-        s2 = _squared_norm(x, i + 2, g)
-        s3 = _squared_norm(x, i + 3, g)
-        total += s0
-        total += s1
-        total += s2
-        total += s3
-        i += _UNROLL
-    while i < hi:
+    for i in range(lo, hi):
         total += _squared_norm(x, i, g)
-        i += 1
     count = x.dtype(hi - lo)
     if not wp.isinf(total):
         return wp.sqrt(total / count)
