@@ -253,3 +253,21 @@ def test_an_unknown_plan_is_a_jax_error(plan):
     with pytest.raises(RuntimeError, match="segcli: unknown kernel launch plan"):
         unknown(jnp.zeros(4, jnp.float32)).block_until_ready()
     np.testing.assert_array_equal(ops.segmented_sum(2 * x, ids, 2), [[4, 4], [4, 4]])
+
+
+def test_a_device_without_preloaded_kernels_loads_them_at_the_first_launch():
+    """With no device of the default backend preloaded (as for a CPU program on a machine
+    whose default is a GPU), the handler asks Python for the kernel on its first launch."""
+    code = """
+import numpy as np
+from segcli import ops
+from segcli.ops import _native
+_native._default_devices = lambda: ()  # no entry point loaded as plans are made
+x = np.arange(12.0).reshape(6, 2)
+print(np.asarray(ops.segmented_sum(x, np.array([0, 0, 2, 2, 2, 1], np.int32), 3)).tolist())
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu",
+                                         "PYTHONPATH": str(ROOT)}, check=False)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == [[2.0, 4.0], [10.0, 11.0], [18.0, 21.0]]
