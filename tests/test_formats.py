@@ -37,6 +37,10 @@ def structures():
     salt = bulk("NaCl", "rocksalt", a=5.64)
     water, methane = molecule("H2O"), molecule("CH4")
     water.set_momenta(rng.normal(size=(3, 3)))
+    methane.set_tags([1, 0, 0, 2, 0])
+    methane.set_initial_magnetic_moments(rng.normal(size=5))
+    methane.set_initial_charges(rng.normal(size=5))
+    methane.set_masses(rng.uniform(1, 2, size=5))
     out = []
     for atoms in (copper, water, salt, methane):
         results = {"energy": rng.normal(), "forces": rng.normal(size=(len(atoms), 3))}
