@@ -8,6 +8,7 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,7 +22,7 @@ from ase.calculators.singlepoint import SinglePointCalculator
 from batch_reference import write_batch
 
 from segcli.errors import DataError
-from segcli.io.writers import atomic_output
+from segcli.io.writers import atomic_output, scratch_directory
 
 ELEMENTS = np.array([1, 6, 8])
 
@@ -434,3 +435,21 @@ def test_a_file_another_program_writes_is_busy_not_corrupt(tmp_path):
     assert result.exit_code == 1
     assert result.stderr == (f"Error: {path}: busy: another program has it open for writing "
                              "(HDF5's file lock); try again once it is done\n")
+
+
+def test_a_killed_cluster_runs_parts_are_removed_by_the_next(tmp_path):
+    """The parts directory of a --scheduler run is removed when it ends; one that a killed run
+    of this host left (its process gone) by the next run beside it, one of a live run kept."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname().replace(".", "-")
+    left = tmp_path / f".segcli-parts-{dead.pid}@{host}.abc"
+    live = tmp_path / f".segcli-parts-{os.getppid()}@{host}.def"
+    for directory in (left, live):
+        directory.mkdir()
+        (directory / "part-0.h5").write_bytes(b"part")
+    with scratch_directory(tmp_path) as parts:
+        assert os.path.isdir(parts) and not left.exists() and live.exists()
+        assert os.path.basename(parts).startswith(f".segcli-parts-{os.getpid()}@{host}.")
+        open(os.path.join(parts, "part-0.h5"), "wb").close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name]

@@ -580,18 +580,16 @@ def _on_cluster(scheduler, label, batch, results, lo, hi, call, attrs, into):
     then written out in order as one run writes them (`into`: the arguments of _sink); a
     progress bar `label`ed (None: none)."""
     import os
-    import shutil
-    import tempfile
 
     from segcli.cluster import map_shards, shard_count, shared
     from segcli.io.core import Chunk
     from segcli.io.merge import check_parts, part_rows
+    from segcli.io.writers import scratch_directory
     from segcli.shards import shard_bounds
 
     beside = into["output"] or (into["file"] if into["in_place"] else None)
-    parts_dir = tempfile.mkdtemp(prefix=".segcli-parts-", dir=os.path.dirname(
-        os.path.abspath(beside)) if beside else os.getcwd())
-    try:
+    with scratch_directory(os.path.dirname(os.path.abspath(beside)) if beside
+                           else os.getcwd()) as parts_dir:
         with on_cluster(scheduler) as client:
             n_atoms = batch.n_atoms[lo:hi]
             bounds = [lo + b for b in shard_bounds(n_atoms, shard_count(client, len(n_atoms)))]
@@ -612,8 +610,6 @@ def _on_cluster(scheduler, label, batch, results, lo, hi, call, attrs, into):
                     chunk, rows = _kept_rows(chunk, rows, results.outputs, into["keep"])
                 if len(chunk.n_atoms):
                     sink.write(chunk, rows)
-    finally:
-        shutil.rmtree(parts_dir, ignore_errors=True)
 
 
 def _kept_rows(chunk, rows, outputs, keep):

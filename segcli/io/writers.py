@@ -77,13 +77,13 @@ def _temporary_prefix(target):
     return f".{os.fsdecode(name)}."
 
 
-def _sweep(directory, prefix):
-    """Remove the temporaries `prefix`PID@HOST.*.tmp in `directory` that a run of this host
-    left when it was killed (its process is gone)."""
+def _sweep(directory, prefix, suffix=".tmp"):
+    """Remove the temporaries (files or directories) `prefix`PID@HOST.*`suffix` in `directory`
+    that a run of this host left when it was killed (its process is gone)."""
     host = _host()
     with suppress(OSError):
         for name in os.listdir(directory):
-            if not (name.startswith(prefix) and name.endswith(".tmp")):
+            if not (name.startswith(prefix) and name.endswith(suffix)):
                 continue
             pid, _, where = name[len(prefix):].partition(".")[0].partition("@")
             if where != host or not pid.isdigit():
@@ -91,10 +91,27 @@ def _sweep(directory, prefix):
             try:
                 os.kill(int(pid), 0)
             except ProcessLookupError:
+                path = os.path.join(directory, name)
                 with suppress(OSError):
-                    os.unlink(os.path.join(directory, name))
+                    shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
             except OSError:
                 pass
+
+
+_SCRATCH_PREFIX = ".segcli-parts-"
+
+
+@contextmanager
+def scratch_directory(directory):
+    """A new directory in `directory` (.segcli-parts-PID@HOST.*), removed with what it holds
+    when the block ends however it ends; the ones that killed runs of this host left there are
+    removed first."""
+    _sweep(directory, _SCRATCH_PREFIX, suffix="")
+    path = tempfile.mkdtemp(prefix=f"{_SCRATCH_PREFIX}{os.getpid()}@{_host()}.", dir=directory)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @contextmanager
