@@ -8,6 +8,8 @@ import sys
 
 import click
 
+from segcli import cache_directory
+
 
 def result_name(ctx, param, name):
     """Click callback: a result name, NAME or GROUP/NAME, none of its parts empty, `.`, `..`
@@ -295,8 +297,7 @@ def _use_compilation_cache(jax):
     $XDG_CACHE_HOME/segcli/jax, that is ~/.cache/segcli/jax; `off`: nowhere), so that a later
     run skips XLA's compilation; unless JAX was given a cache of its own
     (JAX_COMPILATION_CACHE_DIR), and silently not where the directory cannot be written."""
-    path = os.environ.get("SEGCLI_COMPILATION_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "segcli", "jax")
+    path = os.environ.get("SEGCLI_COMPILATION_CACHE") or os.path.join(cache_directory(), "jax")
     if path == "off" or jax.config.jax_compilation_cache_dir is not None:
         return
     try:

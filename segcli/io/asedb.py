@@ -1,6 +1,8 @@
 """ASE databases (SQLite `.db`, JSON, and LMDB `.aselmdb` as OMat24 and OMol25 ship them) read
 row by row, never all at once."""
 
+import numpy as np
+
 from segcli.errors import DataError
 from segcli.io.asefiles import StreamedBatch, structure_piece
 
@@ -40,7 +42,6 @@ def row_piece(path, index, row):
     arrays (per atom where their first axis has an entry per atom), and its `id`, `unique_id`
     and key-value pairs per structure; the arrays and results that `row.toatoms()` would give,
     taken from the row without building Atoms and a calculator (half the time of a read)."""
-    import numpy as np
     from ase.calculators.calculator import all_properties
 
     arrays = {}

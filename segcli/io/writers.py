@@ -93,7 +93,10 @@ def _sweep(directory, prefix, suffix=".tmp"):
             except ProcessLookupError:
                 path = os.path.join(directory, name)
                 with suppress(OSError):
-                    shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
+                    if os.path.isdir(path):
+                        shutil.rmtree(path)
+                    else:
+                        os.unlink(path)
             except OSError:
                 pass
 

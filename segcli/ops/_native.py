@@ -29,6 +29,8 @@ from warp._src.context import _build_kernel_launch_bounds
 from warp._src.jax.ffi import FfiArg, _get_ffi_block_dim, _load_ffi_module, get_jax_output_type
 from warp._src.types import array_t, strides_from_shape, type_to_warp
 
+from segcli import cache_directory
+
 _SOURCE = Path(__file__).with_name("_launch.c")
 _TARGET = "segcli_launch"
 _CPU_ORDINAL = -1
@@ -36,10 +38,6 @@ _CPU_ORDINAL = -1
 
 class _Unavailable(Exception):
     """Why the C handler cannot be had."""
-
-
-def _cache_directory():
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "segcli"
 
 
 def _compiler():
@@ -56,7 +54,7 @@ def _compiled(source):
     """The shared library built from `source`, cached by its text and the compiler."""
     compiler = _compiler()
     key = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join(compiler).encode()]))
-    path = _cache_directory() / f"launch-{key.hexdigest()[:16]}.so"
+    path = Path(cache_directory()) / f"launch-{key.hexdigest()[:16]}.so"
     if path.exists():
         return path
     try:
@@ -194,7 +192,9 @@ class _Registry:
                     plan.args_offset, holes.ctypes.data, len(holes) // 3, params.ctypes.data,
                     len(params))
                 if plan_id < 0:
-                    raise RuntimeError("too many distinct Warp kernel launches")
+                    raise RuntimeError(f"cannot plan a launch of {plan.kernel.key}: 2^20 plans "
+                                       f"made, or a parameter block of {len(plan.block)} bytes "
+                                       "(the handler holds 4096 bytes)")
                 self.ids[key], self.kernels[plan_id] = plan_id, (plan.kernel, plan.block_dim)
                 for device in _default_devices():
                     self._set_entry(plan_id, device)
