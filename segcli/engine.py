@@ -23,6 +23,7 @@ from typing import NamedTuple
 import numpy as np
 
 from segcli.errors import DataError
+from segcli.io.core import unknown_field
 from segcli.registry import Arg, Op
 
 PRECISIONS = ("float32", "float64")
@@ -45,8 +46,7 @@ def _field(path, name, wanted, fields, needs_float, role):
     """The FieldInfo of `name`, or DataError unless it exists and fits `wanted` (an Arg) as
     `role` ("rms_norm", "dot's second field", "--weights") needs."""
     if name not in fields:
-        raise DataError(f"{path}: no field '{name}'; its fields are: "
-                        f"{', '.join(sorted(fields)) or '(none)'}")
+        raise unknown_field(path, name, fields)
     info = fields[name]
     if info.per != wanted.per:
         raise DataError(f"{path}: field '{name}' is per {info.per} {_describe(info)}, but {role} "

@@ -101,6 +101,8 @@ def _check(path, condition, fields):
     """DataError unless `condition` can be evaluated on `fields` (name -> FieldInfo)."""
     info = fields.get(condition.name)
     where = f"{path}: --where '{condition.text}':"
+    if condition.name in getattr(fields, "conflicts", {}):
+        raise DataError(f"{where} {fields.conflicts[condition.name]}")
     if info is None:
         names = sorted(n for n, f in fields.items() if f.per == "structure" and not f.shape)
         raise DataError(f"{where} no field or result '{condition.name}'; the per-structure "

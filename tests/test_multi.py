@@ -4,6 +4,7 @@ NumPy concatenations of the files' own arrays (written with h5py and ase.io.writ
 import json
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -240,12 +241,46 @@ def test_mixed_formats_join_when_their_fields_agree(tmp_path, frames):
                                                                "18", "atoms"]
 
 
-def test_fields_that_disagree_are_refused_naming_the_file(tmp_path):
-    write_batch(tmp_path / "a.h5", [2], {"x": np.zeros((2, 3))})
-    write_batch(tmp_path / "b.h5", [1], {"x": np.zeros((1, 2))})
-    assert_one_line_error(run("info", tmp_path), 1, "b.h5: field 'x' is per atom with shape (2,)")
-    write_batch(tmp_path / "b.h5", [1], structures={"x": np.zeros(1)})
-    assert_one_line_error(run("stats", tmp_path, "x"), 1, "b.h5: field 'x' is per structure")
+def test_fields_that_disagree_are_no_fields_of_the_batch_and_the_others_work(tmp_path):
+    a, b = tmp_path / "a.h5", tmp_path / "b.h5"
+    write_batch(a, [2], {"x": np.zeros((2, 3)), "y": np.ones((2, 3))})
+    write_batch(b, [1, 1], {"x": np.zeros((2, 2)), "y": np.full((2, 3), 2.0)})
+    why = (f"field 'x' is per atom, shape (2,), float64 in {b} but per atom, shape (3,), float64 "
+           f"in {a}, so the batch has no such field (`segcli convert --rename x=NEW` renames it")
+    shown = run("info", tmp_path)
+    assert shown.exit_code == 0, shown.output
+    assert f"not fields (the files disagree):\n  {why}" in shown.stdout
+    summary = json.loads(run("info", tmp_path, "--json").stdout)
+    assert set(summary["fields"]) == {"y"} and summary["conflicts"]["x"].startswith(why)
+    reduced = run("reduce", tmp_path, "sum", "y", "--format", "json")
+    assert reduced.exit_code == 0, reduced.output
+    rows = [json.loads(line) for line in reduced.stdout.splitlines()]
+    assert [row["sum_y"] for row in rows] == [[2.0] * 3, [2.0] * 3, [2.0] * 3]
+    for args in (["reduce", tmp_path, "sum", "x"], ["stats", tmp_path, "x"],
+                 ["select", tmp_path, "--where", "x > 0", "-o", tmp_path / "out" / "s.h5"]):
+        assert_one_line_error(run(*args), 1, why)
+    assert not (tmp_path / "out").exists()
+    write_batch(b, [1], structures={"x": np.zeros(1)})
+    assert_one_line_error(run("stats", tmp_path, "x"), 1,
+                          f"field 'x' is per structure, shape (), float64 in {b} but per atom")
+
+
+def test_the_sample_files_read_as_one_batch():
+    """metals.h5 (per-atom energies) and conformers.h5 (per-structure ones): one batch whose
+    forces reduce as in each file alone, its bool field filled where a file lacks it."""
+    files = [str(ROOT / "sample_data" / name) for name in ("conformers.h5", "metals.h5")]
+    together = run("reduce", *files[:0], "@-", "rms_norm", "forces", "--format", "json",
+                   stdin="\n".join(files))
+    assert together.exit_code == 0, together.output
+    alone = [run("reduce", f, "rms_norm", "forces", "--format", "json") for f in files]
+    values = [[json.loads(line)["rms_norm_forces"] for line in r.stdout.splitlines()]
+              for r in (together, *alone)]
+    assert values[0] == values[1] + values[2]
+    shown = run("info", "@-", stdin="\n".join(files))
+    assert shown.exit_code == 0, shown.output
+    assert "field 'energies' is per atom" in shown.stdout
+    assert re.search(r"pbc +structure +\(3,\) +bool +present in 199 of 305, filled with false",
+                     shown.stdout), shown.stdout
 
 
 def test_a_field_some_files_lack_is_present_in_their_structures_only(tmp_path):

@@ -33,6 +33,7 @@ def describe(batch):
                "present": batch.n_structures if present is None else int(present.sum())}
         fill = batch.fill_value(f.name) if present is not None else None
         if fill is not None:
+            fill = fill.item() if hasattr(fill, "item") else fill  # a NumPy scalar as Python's
             out["fill_value"] = "nan" if isinstance(fill, float) and math.isnan(fill) else fill
         return out
 
@@ -46,6 +47,7 @@ def describe(batch):
         "sources": batch.sources,
         **({"members": batch.members} if batch.format == "multi" else {}),
         "fields": {f.name: field(f) for f in fields},
+        "conflicts": dict(batch.fields.conflicts),
         "results": batch.results,
         "elements": None if elements is None else _elements(elements),
         "values": {name: {"distinct": len(counts), "most_common": dict(
@@ -136,6 +138,10 @@ def info(file, as_json):
     click.echo("fields:" + ("" if len(rows) > 1 else " none"))
     for line in table(rows) if len(rows) > 1 else []:
         click.echo(f"  {line}")
+    if summary["conflicts"]:
+        click.echo("not fields (the files disagree):")
+        for why in summary["conflicts"].values():
+            click.echo(f"  {why}")
     click.echo("results:" + ("" if summary["results"] else " none"))
     for name, attrs in summary["results"].items():
         described = "  ".join(

@@ -403,6 +403,24 @@ def scaled_positions(positions, cells, n_atoms):
     return out
 
 
+class Fields(dict):
+    """name -> FieldInfo of a batch's fields, and `conflicts`: name -> why, for the names its
+    files hold in ways that do not merge (see segcli.io.multi), which are no field of it."""
+
+    def __init__(self, fields, conflicts=MappingProxyType({})):
+        super().__init__(fields)
+        self.conflicts = conflicts
+
+
+def unknown_field(path, name, fields):
+    """The DataError for `name`, which is not one of `fields` (a dict, or Fields saying why)."""
+    why = getattr(fields, "conflicts", {}).get(name)
+    if why is not None:
+        return DataError(f"{path}: {why}")
+    return DataError(f"{path}: no field '{name}'; its fields are: "
+                     f"{', '.join(sorted(fields)) or '(none)'}")
+
+
 class Batch:
     """The structures of one file, read as chunks of whole structures.
 
@@ -418,6 +436,7 @@ class Batch:
     format = ""
     input_format = None  # the format `--format` forced on the file (see segcli.io.open_batch)
     _result_fields = MappingProxyType({})
+    _conflicts = MappingProxyType({})  # see Fields
     _states_units = False
     """Whether the format's fields may state units (known once the file is open); ASE's
     formats state none, so `units` reads no file of theirs through."""
@@ -448,7 +467,8 @@ class Batch:
         """name -> FieldInfo: the stored fields, those derivable from them, and the stored
         results (/results/NAME) not named as one of these."""
         fields = {**self._stored, **derivable(self._stored)}
-        return {**fields, **{n: f for n, f in self._result_fields.items() if n not in fields}}
+        return Fields({**fields, **{n: f for n, f in self._result_fields.items()
+                                    if n not in fields}}, self._conflicts)
 
     @property
     def units(self):
@@ -510,8 +530,7 @@ class Batch:
         available = self.fields
         for name in names:
             if name not in available:
-                raise DataError(f"{self.path}: no field '{name}'; its fields are: "
-                                f"{', '.join(sorted(available)) or '(none)'}")
+                raise unknown_field(self.path, name, available)
 
     def iter_chunks(self, fields, *, chunk_atoms=1_000_000, structures=slice(None), into=None,
                     breaks=(), keep=None):

@@ -22,7 +22,8 @@ class Layout(NamedTuple):
     paths as given (`sources`, relative ones to `directory`), each member's format, n_atoms,
     field names (stored fields and results) and presence masks of the fields it has for some
     of its structures only; the merged stored fields and results (name -> FieldInfo) and the
-    attributes of the stored results; the format forced on them, if any."""
+    attributes of the stored results; the format forced on them, if any; and the names that
+    members hold in ways that do not merge, with why (`conflicts`, see Fields)."""
 
     name: str
     directory: str
@@ -35,6 +36,7 @@ class Layout(NamedTuple):
     result_fields: dict
     results: dict
     input_format: str = None  # the format forced on every member (see open_batch)
+    conflicts: tuple = ()  # ((name, why), ...)
 
     def path(self, member):
         """The path that opens member `member`, wherever the current directory is."""
@@ -53,20 +55,38 @@ def member_layout(batch, name=None):
 
 
 def _join(layouts, name):
-    """One Layout of the members of `layouts`, in order; DataError naming the first member whose
-    fields disagree with those before it (per, shape, strings or numbers)."""
-    stored, result_fields, results = Schema(), Schema(), {}
+    """One Layout of the members of `layouts`, in order. A name that members hold in ways that
+    do not merge (per, shape, strings or numbers, units) is no field of the batch: its
+    conflict names the first two such members, and the other fields stay usable."""
+    stored, result_fields, results, conflicts, first = Schema(), Schema(), {}, {}, {}
     for layout in layouts:
+        source = layout.sources[0]
         for info in layout.stored.values():
-            stored.add(layout.sources[0], info, 0)
+            if info.name in conflicts:
+                continue
+            try:
+                stored.add(source, info, 0)
+            except DataError:
+                known = stored.pop(info.name)
+                conflicts[info.name] = (
+                    f"field '{info.name}' is {_described(info)} in {source} but "
+                    f"{_described(known)} in {first[info.name]}, so the batch has no such "
+                    f"field (`segcli convert --rename {info.name}=NEW` renames it in one)")
+            first.setdefault(info.name, source)
     for layout in layouts:
         for info in layout.result_fields.values():
-            if info.name not in stored:
+            if info.name not in stored and info.name not in conflicts:
                 result_fields.add(layout.sources[0], info, 0, result=True)
         results = {**layout.results, **results}
     parts = zip(*(layout[2:7] for layout in layouts))
     return Layout(name, os.getcwd(), *(sum(part, ()) for part in parts), dict(stored),
-                  dict(result_fields), results)
+                  dict(result_fields), results, conflicts=tuple(conflicts.items()))
+
+
+def _described(info):
+    """A field's kind, as a conflict states it: per atom, shape (3,), float64, in eV."""
+    units = f", in {info.units}" if info.units else ""
+    return f"per {info.per}, shape {tuple(info.shape)}, {np.dtype(info.dtype)}{units}"
 
 
 def _listed(spec):
@@ -260,6 +280,7 @@ class MultiBatch(Batch):
         self.n_atoms = np.concatenate(layout.n_atoms)
         self._stored = layout.stored
         self._result_fields = layout.result_fields
+        self._conflicts = dict(layout.conflicts)
         self._open = []
 
     @classmethod
