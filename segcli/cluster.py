@@ -160,5 +160,7 @@ def leaf_stats_sharded(client, batch, names, leaves, progress=None, where=(), ke
     layout = shared(client, batch.layout)
     calls = [(layout, list(names), leaves[a:b + 1].tolist(), where, options)
              for a, b in itertools.pairwise(cuts)]
-    sizes = [leaves[b] - leaves[a] for a, b in itertools.pairwise(cuts)]
+    # progress counts the structures that the conditions keep, as it does without a cluster
+    sizes = [int(leaves[b] - leaves[a]) if keep is None else int(keep[leaves[a]:leaves[b]].sum())
+             for a, b in itertools.pairwise(cuts)]
     return join_leaves(map_shards(client, stats_part, calls, progress, sizes))

@@ -566,3 +566,17 @@ def test_a_field_of_5000_components_is_written(tmp_path):
     with h5py.File(tmp_path / "s.h5") as f:
         assert len(f["stats/w"].attrs["components"]) == 5001
         np.testing.assert_allclose(f["stats/w/mean"][0, :5000], wide.mean(axis=0), rtol=1e-12)
+
+
+def test_progress_on_a_cluster_counts_the_structures_where_keeps(tmp_path):
+    """stats --where --scheduler local:2 (two worker processes): the bar ends at the kept
+    structures, as without a cluster."""
+    from terminal import BAR, final_screen, on_terminal
+
+    path = write_batch(tmp_path / "f.h5", [2] * 30, {"forces": np.ones((60, 3))},
+                       {"e": np.arange(30.0)})
+    code, shown, _ = on_terminal("stats", path, "forces", "--where", "e < 10", "--scheduler",
+                                 "local:2", cwd=tmp_path)
+    assert code == 0, shown
+    bars = [m for m in map(BAR.fullmatch, final_screen(shown)) if m]
+    assert [(m["done"], m["total"]) for m in bars] == [("10", "10")], shown

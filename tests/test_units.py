@@ -83,6 +83,39 @@ def test_spice_to_ase_units(tmp_path):
                                expected["positions"][0], rtol=1e-12, atol=0)
 
 
+def test_select_to_ase_units(tmp_path):
+    """select --to-ase-units converts the chosen structures as convert does, into a segcli
+    file from a segcli file (otherwise copied dataset by dataset) and into an export."""
+    spice, stored = tmp_path / "spice.h5", tmp_path / "stored.h5"
+    values = write_spice(spice, dipole_units="furlong")
+    assert run("convert", spice, "-o", stored).exit_code == 0
+    keep = values["formation_energy"] < 0
+    rows = np.repeat(keep, [n for n in (5, 3) for _ in range(3)])
+    for source in (spice, stored):
+        subset, traj = tmp_path / f"{source.stem}-subset.h5", tmp_path / f"{source.stem}.traj"
+        refused = run("select", source, "--where", "formation_energy < 0", "-o", traj)
+        assert_data_error(refused, "not ASE's", "(--to-ase-units converts them)")
+        assert not traj.exists()
+        for out in (subset, traj):
+            result = run("select", source, "--where", "formation_energy < 0", "-o", out,
+                         "--to-ase-units")
+            assert result.exit_code == 0, result.output
+            assert result.stderr.count("'scf_dipole'") == 1 and "'furlong'" in result.stderr
+        with h5py.File(subset) as h5:
+            assert "dft_total_gradient" not in h5["atoms"]
+            np.testing.assert_allclose(h5["atoms/forces"][()], -values["dft_total_gradient"][rows]
+                                       * (Hartree / Bohr), rtol=1e-12, atol=0)
+            np.testing.assert_allclose(h5["structures/formation_energy"][()],
+                                       values["formation_energy"][keep] * Hartree, rtol=1e-12,
+                                       atol=0)
+            assert h5["atoms/forces"].attrs["units"] == "eV/Ang"
+            assert h5["atoms/positions"].attrs["units"] == "Ang"
+            assert h5["structures/scf_dipole"].attrs["units"] == "furlong"
+        images = ase.io.read(traj, ":")
+        np.testing.assert_allclose(np.concatenate([a.positions for a in images]),
+                                   values["conformations"][rows] * Bohr, rtol=1e-12, atol=0)
+
+
 def units_of(path):
     with h5py.File(path) as h5:
         return {name: h5[group][name].attrs.get("units") for group in ("atoms", "structures")

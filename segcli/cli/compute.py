@@ -89,7 +89,7 @@ def _op_list(ctx, param, words):
     return tuple(ops)
 
 
-def _output_options(*names):
+def output_options(*names):
     """The options `names` (see _OUTPUT_OPTIONS) of the commands that compute per structure."""
     def decorate(command):
         for name in reversed(names):
@@ -142,7 +142,7 @@ _OUTPUT_OPTIONS = {
 
 def _shared_options(command):
     """The options reduce and grad share (SPEC §3)."""
-    command = _output_options(*_OUTPUT_OPTIONS)(command)
+    command = output_options(*_OUTPUT_OPTIONS)(command)
     return where_option(cluster_options(command))
 
 
@@ -167,12 +167,12 @@ def check_output_usage(output, in_place, fmt, structures):
         raise click.UsageError("--format is for stdout; -o writes the format its name says "
                                "and --in-place HDF5")
     refuse_structures_in_place(in_place, structures)
-    _file_format(output)
+    file_format(output)
     if fmt == "npy" and sys.stdout.isatty():
         raise click.UsageError("--format npy writes binary data; redirect stdout to a file")
 
 
-class _Results:
+class Results:
     """What a command computes: its jobs (engine.Job, one per op) and their outputs, each named
     by its dataset under /results: NAME, or NAME/d_FIELD for derivatives."""
 
@@ -212,7 +212,7 @@ class _Results:
 _TEXT_SUFFIXES = {".csv": "csv", ".json": "json", ".jsonl": "json", ".npy": "npy"}
 
 
-def _file_format(output):
+def file_format(output):
     """The format of the file -o names: "csv", "json" or "npy" by its suffix, or None for
     HDF5 (.h5, .hdf5, no suffix); UsageError for another suffix."""
     if common.names_hdf5(output):
@@ -229,15 +229,15 @@ class _IntoFile:
     only when complete."""
 
     def __init__(self, sink, path, force):
-        self._sink, self._path, self._force = sink, path, force
+        self.sink, self._path, self._force = sink, path, force
 
     def __enter__(self):
         from segcli.io.writers import new_output
 
         with contextlib.ExitStack() as stack:
             tmp = stack.enter_context(new_output(self._path, self._force))
-            self._sink.out = stack.enter_context(open(tmp, "wb"))
-            stack.enter_context(self._sink)
+            self.sink.out = stack.enter_context(open(tmp, "wb"))
+            stack.enter_context(self.sink)
             self._stack = stack.pop_all()
         return self
 
@@ -246,7 +246,7 @@ class _IntoFile:
 
     def write(self, chunk, arrays):
         try:
-            self._sink.write(chunk, arrays)
+            self.sink.write(chunk, arrays)
         except OSError as err:
             raise DataError(f"{self._path}: {err.strerror}") from err
 
@@ -391,14 +391,14 @@ class _NpySink:
         self.out.write(out)
 
 
-def _sink(results, batch, lo, hi, *, output, in_place, file, fmt, force, attrs, keep=None):
-    """Where the results (a _Results) of structures [lo, hi) of `batch` go: a new file (-o),
+def open_sink(results, batch, lo, hi, *, output, in_place, file, fmt, force, attrs, keep=None):
+    """Where the results (a Results) of structures [lo, hi) of `batch` go: a new file (-o),
     FILE itself (--in-place) or stdout (fmt); `keep` ((S,) bool), if given, marks the
     structures computed (the others get NaN rows in HDF5, no rows elsewhere)."""
     from segcli.io import ResultWriter
 
     n_atoms = batch.n_atoms[lo:hi]
-    fmt = fmt or _file_format(output)
+    fmt = fmt or file_format(output)
     if (output and not fmt) or in_place:
         writer = (ResultWriter(output_path=output, force=force) if output
                   else ResultWriter(in_place_of=file, force=force, names=results.datasets))
@@ -418,7 +418,7 @@ def _dataset(name, label):
     return f"{name}/{label}" if label else name
 
 
-def _compute_into(batch, results, sink, device, lo, hi, chunk_atoms, progress=None, notes=(),
+def compute_into(batch, results, sink, device, lo, hi, chunk_atoms, progress=None, notes=(),
                   keep=None, run=None):
     """Compute the results' jobs over structures [lo, hi) of `batch` (those `keep` marks, if
     given) on `device`, in one pass, by `run` (default engine.run, whose signature it has),
@@ -440,10 +440,10 @@ def _compute_into(batch, results, sink, device, lo, hi, chunk_atoms, progress=No
 
 
 def _plan(batch, path, ops, names, plan):
-    """The _Results of `ops` ((registry.Op, fields), ...) named `names` over `batch`."""
+    """The Results of `ops` ((registry.Op, fields), ...) named `names` over `batch`."""
     from segcli import engine
 
-    return _Results([engine.plan(path, spec, fields, batch.fields, present=batch.present, **plan)
+    return Results([engine.plan(path, spec, fields, batch.fields, present=batch.present, **plan)
                      for spec, fields in ops], names)
 
 
@@ -460,10 +460,10 @@ def _part(layout, ops, names, plan, device, chunk_atoms, where, lo, hi, path, at
         results = _plan(batch, batch.path, [(OPS[op], fields) for op, fields in ops], names,
                         plan)
         keep = where_mask(batch, where, structures=slice(lo, hi)) if where else None
-        sink = _sink(results, batch, lo, hi, output=path, in_place=False, file=None, fmt=None,
+        sink = open_sink(results, batch, lo, hi, output=path, in_place=False, file=None, fmt=None,
                      force=True, attrs={**attrs, "structures": f"{lo}:{hi}",
                                         "device": common.device_label(target)}, keep=keep)
-        _compute_into(batch, results, sink, target, lo, hi, chunk_atoms, keep=keep)
+        compute_into(batch, results, sink, target, lo, hi, chunk_atoms, keep=keep)
     return path
 
 
@@ -535,7 +535,7 @@ def _execute(file, ops, *, output, in_place, fmt, name, force, structures, chunk
             "params": params}
     with common.read_inputs(paths, file, in_place) as batch:
         results = _plan(batch, file, ops, names, plan)
-        results.check_rows(output and not _file_format(output), in_place)
+        results.check_rows(output and not file_format(output), in_place)
         leaves, part = shard_selection(batch, file, structures, shard)
         lo, hi = int(leaves[0]), int(leaves[-1])
         keep = where_selection(batch, file, where, slice(lo, hi), quiet=quiet)
@@ -561,13 +561,13 @@ def _execute(file, ops, *, output, in_place, fmt, name, force, structures, chunk
                         (batch.layout, ops, names, plan, device, chunk_atoms, where), attrs,
                         into)
         else:
-            sink = _sink(results, batch, lo, hi,
+            sink = open_sink(results, batch, lo, hi,
                          attrs={**attrs, "device": common.device_label(target)}, **into)
             with progress(not quiet, f"{verb} {file}", len(n_atoms)) as bar:
-                _compute_into(batch, results, sink, target, lo, hi, chunk_atoms, bar, notes,
+                compute_into(batch, results, sink, target, lo, hi, chunk_atoms, bar, notes,
                               keep)
     if not quiet and (output or in_place):
-        written = (", ".join(results.columns.values()) if _file_format(output)
+        written = (", ".join(results.columns.values()) if file_format(output)
                    else ", ".join(f"/results/{d}" for d in results.datasets))
         chosen = "" if keep is None else f" selected of {hi - lo}"
         note(f"{output or file}: {written} ({len(n_atoms)} structures{chosen}, "
@@ -577,7 +577,7 @@ def _execute(file, ops, *, output, in_place, fmt, name, force, structures, chunk
 def _on_cluster(scheduler, label, batch, results, lo, hi, call, attrs, into):
     """The job over structures [lo, hi) as shards on the dask cluster at `scheduler`: each
     task writes its part into a temporary directory beside the output, and the parts are
-    then written out in order as one run writes them (`into`: the arguments of _sink); a
+    then written out in order as one run writes them (`into`: the arguments of sink); a
     progress bar `label`ed (None: none)."""
     import os
 
@@ -601,7 +601,7 @@ def _on_cluster(scheduler, label, batch, results, lo, hi, call, attrs, into):
                                                                itertools.pairwise(bounds)])
         parts = check_parts(paths)
         first = parts[0].datasets[next(iter(results.datasets))]
-        sink = _sink(results, batch, lo, hi, attrs={**attrs, "device": first["device"]},
+        sink = open_sink(results, batch, lo, hi, attrs={**attrs, "device": first["device"]},
                      **into)
         with sink:
             for start, counts, rows in part_rows(parts, list(results.datasets)):

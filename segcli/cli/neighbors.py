@@ -8,19 +8,19 @@ import click
 from segcli.cli import common
 from segcli.cli.common import note, progress, where_option, where_selection
 from segcli.cli.compute import (
-    _compute_into,
-    _file_format,
-    _output_options,
-    _Results,
-    _sink,
+    Results,
     check_output_usage,
+    compute_into,
+    file_format,
+    open_sink,
+    output_options,
 )
 
 _NEIGHBORS = types.SimpleNamespace(name="neighbors")
 
 
 class _Statistic(NamedTuple):
-    """One result of `neighbors`, as compute._Results takes a job: label -> (per, shape,
+    """One result of `neighbors`, as compute.Results takes a job: label -> (per, shape,
     dtype), the op and the fields that made it."""
 
     outputs: dict
@@ -29,7 +29,7 @@ class _Statistic(NamedTuple):
 
 
 def _results(cutoffs, per_atom, table, partial):
-    """(_Results, names (see neighbors.result_names)): the per-structure statistics,
+    """(Results, names (see neighbors.result_names)): the per-structure statistics,
     and with `per_atom` each atom's neighbours; only the latter on a table (stdout, csv, json,
     npy) with `per_atom`, whose rows are atoms. `partial`: some structures lack positions, so
     integer results are float64 (NaN there)."""
@@ -44,7 +44,7 @@ def _results(cutoffs, per_atom, table, partial):
     statistics = [_Statistic({"": (per, (), nan_dtype(np.dtype(dtype)) if partial
                                    else np.dtype(dtype))})
                   for _, per, dtype, _ in names.values()]
-    return _Results(statistics, list(names)), names
+    return Results(statistics, list(names)), names
 
 
 def _summary_lines(summary, file):
@@ -70,7 +70,7 @@ def _summary_lines(summary, file):
 
 
 def _runner(cutoffs, names, summary, histogram_bins):
-    """A run for compute._compute_into: each chunk's results (one dict per result of `names`)
+    """A run for compute.compute_into: each chunk's results (one dict per result of `names`)
     from segcli.neighbors.run, its statistics added to `summary`."""
     from segcli import neighbors
 
@@ -100,7 +100,7 @@ def _runner(cutoffs, names, summary, histogram_bins):
 @click.option("--histogram", "histogram_bins", type=click.IntRange(1, 1 << 20),
               metavar="BINS", help="Count the pairs' distances in BINS equal bins from 0 to "
                                    "the largest cutoff (in the summary).")
-@_output_options("output", "in_place", "fmt", "force", "structures", "chunk_atoms", "device",
+@output_options("output", "in_place", "fmt", "force", "structures", "chunk_atoms", "device",
                  "quiet")
 @where_option
 def neighbors(file, cutoffs, per_atom, histogram_bins, output, in_place, fmt, force,
@@ -137,7 +137,7 @@ def neighbors(file, cutoffs, per_atom, histogram_bins, output, in_place, fmt, fo
     paths = common.input_paths(file, in_place)
     common.refuse_output_among_inputs(output, paths, "use --in-place to add to it")
     common.check_output_place(output)
-    table = not (output or in_place) or _file_format(output) is not None
+    table = not (output or in_place) or file_format(output) is not None
     with common.read_inputs(paths, file, in_place) as batch:
         batch.check_fields(["positions"])
         results, names = _results(cutoffs, per_atom, table,
@@ -149,12 +149,12 @@ def neighbors(file, cutoffs, per_atom, histogram_bins, output, in_place, fmt, fo
         attrs = {"cutoffs": cutoffs, "device": common.device_label(target)}
         if where:
             attrs["where"] = [condition.text for condition in where]
-        sink = _sink(results, batch, lo, hi, output=output, in_place=in_place, file=paths[0],
+        sink = open_sink(results, batch, lo, hi, output=output, in_place=in_place, file=paths[0],
                      fmt=fmt, force=force, attrs=attrs, keep=keep)
         summary = Summary(cutoffs, histogram_bins)
         total = hi - lo if keep is None else int(keep[lo:hi].sum())
         with progress(not quiet, f"neighbours of {file}", total) as bar:
-            _compute_into(batch, results, sink, target, lo, hi, chunk_atoms, bar, keep=keep,
+            compute_into(batch, results, sink, target, lo, hi, chunk_atoms, bar, keep=keep,
                           run=_runner(cutoffs, names, summary, histogram_bins))
     if quiet:
         return
@@ -164,7 +164,7 @@ def neighbors(file, cutoffs, per_atom, histogram_bins, output, in_place, fmt, fo
     for line in _summary_lines(summary, file):
         note(line)
     if output or in_place:
-        written = (results.columns.values() if _file_format(output)
+        written = (results.columns.values() if file_format(output)
                    else (f"/results/{d}" for d in results.datasets))
         note(f"{output or file}: {', '.join(written)}")
 

@@ -42,11 +42,15 @@ def _listed(path, n_structures):
 @click.option("--structures-from", metavar="LIST|-", type=click.Path(dir_okay=False,
               allow_dash=True),
               help="Keep the structures numbered in LIST (- : stdin), one number per line.")
+@click.option("--to-ase-units", is_flag=True,
+              help="Convert every field of known units to ASE's (eV, Ang, eV/Ang, eV/Ang^3), and "
+                   "a gradient field (dft_total_gradient) into forces, its negative, as "
+                   "`segcli convert --to-ase-units` does.")
 @click.option("--allow-empty", is_flag=True,
               help="Write OUTPUT even when no structure is selected (an empty file).")
 @click.option("--force", is_flag=True, help="Overwrite OUTPUT if it exists.")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
-def select(file, output, conditions, structures_from, allow_empty, force, quiet):
+def select(file, output, conditions, structures_from, to_ase_units, allow_empty, force, quiet):
     """Copy chosen structures to a new segcli file (or export them).
 
     Writes to OUTPUT the structures of FILE that pass every --where condition and, with
@@ -69,6 +73,7 @@ def select(file, output, conditions, structures_from, allow_empty, force, quiet)
     Example:
       segcli select sample_data/metals.h5 --where 'energy < 1' -o low.h5
       segcli select sample_data/metals.h5 --where 'energy < 1' -o low.extxyz
+      segcli select spice.hdf5 --where 'formation_energy < 0' -o low.extxyz --to-ase-units
       segcli select batch.h5 --where 'config_type == bulk' --where 'max_norm_forces < 10' -o ok.h5
       segcli reduce batch.h5 max_norm forces | awk -F, 'NR>1 && $2 < 10 {print $1}' \\
         | segcli select batch.h5 --structures-from - -o clean.h5
@@ -80,7 +85,7 @@ def select(file, output, conditions, structures_from, allow_empty, force, quiet)
     from segcli.io.core import path_text
     from segcli.io.export import export, export_format
     from segcli.io.subset import write_subset
-    from segcli.io.writers import refuse_overwrite
+    from segcli.io.writers import FieldChoice, refuse_overwrite
     from segcli.select import where_mask
 
     if not conditions and structures_from is None:
@@ -99,14 +104,21 @@ def select(file, output, conditions, structures_from, allow_empty, force, quiet)
             note(f"{file}: no structure of {len(keep)} is selected; {output} is not written "
                  "(--allow-empty writes an empty file)")
             return
+        left = {}
         with progress(not quiet, f"writing {output}", len(keep)) as bar:
             if fmt is None:
+                choice = FieldChoice(to_ase_units=True, left=left) if to_ase_units else None
                 kept, atoms = write_subset(batch, keep, output,
-                                           {"selected_from": path_text(file)}, bar, force)
+                                           {"selected_from": path_text(file)}, bar, force,
+                                           choice)
             else:
                 kept, atoms = export(paths, output, fmt, keep=keep, force=force, progress=bar,
-                                     input_format=input_format())
+                                     input_format=input_format(), to_ase_units=to_ase_units,
+                                     left=left)
     if not quiet:
+        for name, unit in left.items():
+            note(f"{output}: --to-ase-units left field '{name}' as it is: its units, "
+                 f"{unit!r}, are not ones segcli knows")
         note(f"{output}: {kept} of {len(keep)} structures, {atoms} atoms")
 
 

@@ -8,7 +8,7 @@ from segcli.errors import DataError
 from segcli.io.core import path_text
 from segcli.io.formats import capable
 from segcli.io.hdf5 import plain, read_rows
-from segcli.io.writers import BatchWriter, ensure_room, new_output
+from segcli.io.writers import BatchWriter, FieldChoice, ensure_room, new_output
 
 BLOCK_BYTES = 8 << 20
 ROW_GROUPS = {"structures": "structure", "present": "structure", "atoms": "atom",
@@ -17,10 +17,11 @@ ROW_GROUPS = {"structures": "structure", "present": "structure", "atoms": "atom"
 STREAM_ATOMS = 100_000
 
 
-def write_subset(batch, keep, output, attrs=None, progress=None, force=False):
+def write_subset(batch, keep, output, attrs=None, progress=None, force=False, choice=None):
     """Write the structures of `batch` where `keep` ((S,) bool) is true, in their order, to a
     new segcli HDF5 file `output` (replacing one there only with `force`), with the root
-    attributes `attrs`.
+    attributes `attrs`; with `choice` (a FieldChoice), its fields converted as it says
+    (streamed, as other formats are).
 
     A segcli HDF5 file is copied dataset by dataset: /structures, /atoms, /present and /results
     (per its `per` attribute) sliced, anything else whole, each with its dtype (strings too),
@@ -35,11 +36,12 @@ def write_subset(batch, keep, output, attrs=None, progress=None, force=False):
 
     keep = np.asarray(keep, bool)
     output = os.fspath(output)
-    source = h5py.File(batch.path, "r") if capable(batch, "copies_datasets") else None
+    copies = choice is None and capable(batch, "copies_datasets")
+    source = h5py.File(batch.path, "r") if copies else None
     try:
         with new_output(output, force) as tmp, h5py.File(tmp, "w") as h5:
             if source is None:
-                _stream(batch, keep, h5, progress)
+                _stream(batch, keep, h5, progress, choice or FieldChoice())
                 if len(batch.sources) > 1:
                     h5.attrs["sources"] = np.array([path_text(p) for p in batch.sources],
                                                    dtype=h5py.string_dtype())
@@ -55,17 +57,20 @@ def write_subset(batch, keep, output, attrs=None, progress=None, force=False):
     return int(keep.sum()), int(batch.n_atoms[keep].sum())
 
 
-def _stream(batch, keep, h5, progress):
-    """Append the kept structures of each chunk of `batch.stream` to a BatchWriter, a field
-    that only some of them have filled as `convert --fill-missing nan` fills it."""
+def _stream(batch, keep, h5, progress, choice):
+    """Append the kept structures of each chunk of `batch.stream` to a BatchWriter, converted
+    as `choice` says, a field that only some of them have filled as `convert --fill-missing
+    nan` fills it."""
     writer = BatchWriter(h5, fill=np.nan)
+    stated = choice.units(batch)
     for pieces in batch.stream(STREAM_ATOMS):
         if len(batch.sources) > 1:
             pieces = [_with_sources(batch, p) for p in pieces]
         kept = [p.take(keep[p.start:p.start + len(p.n_atoms)]) for p in pieces]
         kept = [p for p in kept if len(p.n_atoms)]
         if kept:
-            writer.append(batch.path, kept, units=batch.units)
+            writer.append(batch.path, choice.apply(batch.path, kept, stated),
+                          units=choice.written(stated))
         if progress is not None:
             progress.update(sum(len(p.n_atoms) for p in pieces))
     writer.finish()

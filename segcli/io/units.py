@@ -139,4 +139,4 @@ def check_ase(path, units):
         if not is_ase(unit):
             raise DataError(f"{path}: field '{name}' is in {unit}, not ASE's "
                             f"{known()[unit][0]}; files ASE writes hold ASE's units "
-                            "(`segcli convert --to-ase-units` converts them)")
+                            "(--to-ase-units converts them)")
