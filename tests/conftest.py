@@ -1,6 +1,7 @@
 """Shared fixtures, and XLA's CPU backend without its slower LLVM passes: the tests compile
 many hundreds of small programs and check their values, not their speed (a caller's own
-XLA_FLAGS are kept)."""
+XLA_FLAGS are kept). The programs compiled in the test processes are kept in a compilation
+cache of this run's own (see `compilation_cache_of_this_run`)."""
 
 import os
 
@@ -9,6 +10,35 @@ import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 "
                                    "--xla_llvm_disable_expensive_passes=true")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compilation_cache_of_this_run(tmp_path_factory):
+    """JAX's persistent compilation cache in a directory that this run's test processes (the
+    xdist workers) share and no other run sees: a program compiled by one worker is loaded by
+    the other instead of compiled again, and every run starts empty, so its time does not
+    depend on an earlier run's. Programs run by `segcli` processes are not affected (their
+    cache is the program's own, set from their environment; tests/test_startup.py tests it);
+    a cache given by the caller (JAX_COMPILATION_CACHE_DIR) is kept."""
+    import jax
+
+    if jax.config.jax_compilation_cache_dir is not None:
+        yield
+        return
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker's basetemp is in the run's
+        root = root.parent
+    path = root / "jax-compilation-cache"
+    path.mkdir(exist_ok=True)
+    settings = {"jax_compilation_cache_dir": str(path),
+                "jax_persistent_cache_min_compile_time_secs": 0,
+                "jax_persistent_cache_min_entry_size_bytes": -1}
+    previous = {name: getattr(jax.config, name) for name in settings}
+    for name, value in settings.items():
+        jax.config.update(name, value)
+    yield
+    for name, value in previous.items():
+        jax.config.update(name, value)
 
 
 @pytest.fixture

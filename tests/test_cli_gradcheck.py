@@ -1,9 +1,6 @@
 """The gradcheck command: tables, JSON, exit codes, files and random data, wrong ops caught."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import h5py
@@ -11,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from terminal import BAR, final_screen, on_terminal
 
 from segcli import ops
 from segcli.cli import main
@@ -222,13 +220,17 @@ def test_a_warp_build_without_cpu_backend_refuses_the_cpu(monkeypatch):
     assert "Traceback" not in result.output
 
 
-def test_subprocess_entry_point():
-    result = subprocess.run([sys.executable, "-m", "segcli", "gradcheck", "--random", "32:4",
-                             "--op", "sum"],
-                            capture_output=True, text=True, cwd=ROOT, env={**os.environ},
-                            timeout=300)
-    assert result.returncode == 0, result.stderr
-    assert table_rows(result.stdout) == [("sum", 0, "pass"), ("sum", 1, "pass"), ("sum", 2, "pass")]
+def test_subprocess_entry_point_and_its_progress_bar():
+    """`python -m segcli gradcheck` as a program with its stderr on a terminal: the table on
+    stdout, and on the terminal one finished bar of done of total ops, its rate and ETA (the
+    gradcheck case of tests/test_progress.py, in the same process)."""
+    code, shown, stdout = on_terminal("gradcheck", "--random", "32:4", "--op", "sum", cwd=ROOT)
+    assert code == 0, shown
+    assert table_rows(stdout) == [("sum", 0, "pass"), ("sum", 1, "pass"), ("sum", 2, "pass")]
+    bars = [m for m in map(BAR.fullmatch, final_screen(shown)) if m]
+    assert len(bars) == 1, shown
+    assert (bars[0]["label"], int(bars[0]["done"]), int(bars[0]["total"]),
+            bars[0]["unit"] or bars[0]["per"]) == ("gradcheck", 1, 1, "op")
 
 
 def test_help_has_an_example():

@@ -374,8 +374,8 @@ def test_in_place_survives_sigkill_at_any_moment(tmp_path):
         assert {k: v for k, v in current.items() if not k.startswith("results/")} == digests, \
             outcomes
     assert any(code == -signal.SIGKILL and during for _, code, during, _ in outcomes), outcomes
-    process = segcli_process(*command, stderr=subprocess.PIPE)
-    assert process.wait() == 0, process.stderr.read()
+    result = run(*command)  # the later run: in this process
+    assert result.exit_code == 0, result.output
     with h5py.File(path, "r") as f:
         np.testing.assert_allclose(f["results/rms_norm_forces"][()],
                                    reduce_reference("rms_norm", n_atoms, f["atoms/forces"][()]),

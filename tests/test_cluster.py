@@ -177,7 +177,8 @@ def test_a_killed_worker_loses_no_reduce_shard(tmp_path):
     n_atoms = rng.integers(1, 40, 30_000)
     path = write_batch(tmp_path / "f.h5", n_atoms,
                        {"forces": rng.normal(size=(int(n_atoms.sum()), 3))})
-    assert segcli("reduce", path, "rms_norm", "forces", "-o", tmp_path / "local.h5").returncode == 0
+    local = run("reduce", path, "rms_norm", "forces", "-o", tmp_path / "local.h5")
+    assert local.exit_code == 0, local.output
     run_killing_a_worker("reduce", path, "rms_norm", "forces", "-o", tmp_path / "remote.h5",
                          "--chunk-atoms", "500")
     assert_identical(tmp_path / "remote.h5", tmp_path / "local.h5")

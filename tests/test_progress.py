@@ -25,7 +25,7 @@ METALS = SAMPLES / "metals.h5"
     (("fit-e0", METALS), f"fitting E0 of {METALS} (2 passes)", 398, "structure"),
     (("select", METALS, "--where", "energy < 1", "-o", "out.h5"), "writing out.h5", 199,
      "structure"),
-    (("gradcheck", "--random", "50:5", "--op", "sum"), "gradcheck", 1, "op"),
+    # gradcheck's bar (1 of 1 op): tests/test_cli_gradcheck.py, test_subprocess_entry_point_...
 ])
 def test_every_long_command_shows_done_of_total_rate_and_eta(tmp_path, command, label, total,
                                                              unit):

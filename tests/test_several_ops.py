@@ -81,43 +81,45 @@ def test_jobs_of_one_pass_share_one_precision(random_file):
             list(engine.run(batch, jobs, DEVICE))
 
 
-@pytest.mark.parametrize("fmt", ["csv", "json", "npy"])
-def test_reduce_several_ops_to_stdout(random_file, fmt):
+def test_reduce_several_ops_to_stdout(random_file):
+    """The same ops to stdout as CSV, JSON lines and NumPy: each format's values against the
+    reference (the three runs in one test compile the ops' programs once)."""
     path, n_atoms, data = random_file
-    result = run("reduce", path, *joined(STRUCTURE_OPS), "--format", fmt, "--chunk-atoms", 50)
-    assert result.exit_code == 0, result.output
     names = ["_".join([op, *fields]) for op, fields in STRUCTURE_OPS]
-    if fmt == "csv":
-        lines = result.stdout.splitlines()
-        header = lines[0].split(",")
-        rows = np.array([[float(v) for v in line.split(",")] for line in lines[1:]])
-        np.testing.assert_array_equal(rows[:, 0], np.arange(len(n_atoms)))
-        got, start = [], 1
-        for (op, fields), name in zip(STRUCTURE_OPS, names):
-            shape = reduce_reference(op, n_atoms, *(data[f] for f in fields)).shape
-            first = "_".join([name, *"0" * (len(shape) - 1)])
-            assert header[start] == first
-            got.append(rows[:, start:start + int(np.prod(shape[1:]))].reshape(shape))
-            start += int(np.prod(shape[1:]))
-        assert start == len(header)
-    elif fmt == "json":
-        import json
+    for fmt in ("csv", "json", "npy"):
+        result = run("reduce", path, *joined(STRUCTURE_OPS), "--format", fmt, "--chunk-atoms", 50)
+        assert result.exit_code == 0, (fmt, result.output)
+        if fmt == "csv":
+            lines = result.stdout.splitlines()
+            header = lines[0].split(",")
+            rows = np.array([[float(v) for v in line.split(",")] for line in lines[1:]])
+            np.testing.assert_array_equal(rows[:, 0], np.arange(len(n_atoms)))
+            got, start = [], 1
+            for (op, fields), name in zip(STRUCTURE_OPS, names):
+                shape = reduce_reference(op, n_atoms, *(data[f] for f in fields)).shape
+                first = "_".join([name, *"0" * (len(shape) - 1)])
+                assert header[start] == first
+                got.append(rows[:, start:start + int(np.prod(shape[1:]))].reshape(shape))
+                start += int(np.prod(shape[1:]))
+            assert start == len(header)
+        elif fmt == "json":
+            import json
 
-        objects = [json.loads(line) for line in result.stdout.splitlines()]
-        assert [o["structure"] for o in objects] == list(range(len(n_atoms)))
-        got = [np.array([o[name] for o in objects], float) for name in names]  # null: NaN
-        for k, (op, fields) in enumerate(STRUCTURE_OPS):
-            reference = reduce_reference(op, n_atoms, *(data[f] for f in fields))
-            assert np.array_equal(np.isnan(got[k]), ~np.isfinite(reference))  # -inf of empty max
-            got[k] = np.where(np.isfinite(reference), got[k], reference)
-    else:
-        import io
+            objects = [json.loads(line) for line in result.stdout.splitlines()]
+            assert [o["structure"] for o in objects] == list(range(len(n_atoms)))
+            got = [np.array([o[name] for o in objects], float) for name in names]  # null: NaN
+            for k, (op, fields) in enumerate(STRUCTURE_OPS):
+                reference = reduce_reference(op, n_atoms, *(data[f] for f in fields))
+                assert np.array_equal(np.isnan(got[k]), ~np.isfinite(reference))  # -inf: empty
+                got[k] = np.where(np.isfinite(reference), got[k], reference)
+        else:
+            import io
 
-        array = np.load(io.BytesIO(result.stdout_bytes))
-        assert array.dtype.names == tuple(names)
-        got = [array[name] for name in names]
-    for (op, fields), values in zip(STRUCTURE_OPS, got):
-        assert_reduced(values, op, n_atoms, [data[f] for f in fields], "float64")
+            array = np.load(io.BytesIO(result.stdout_bytes))
+            assert array.dtype.names == tuple(names)
+            got = [array[name] for name in names]
+        for (op, fields), values in zip(STRUCTURE_OPS, got):
+            assert_reduced(values, op, n_atoms, [data[f] for f in fields], "float64")
 
 
 def test_reduce_several_ops_per_atom_and_per_structure_to_a_file(tmp_path, random_file):
