@@ -229,15 +229,15 @@ class _IntoFile:
     only when complete."""
 
     def __init__(self, sink, path, force):
-        self.sink, self._path, self._force = sink, path, force
+        self._sink, self._path, self._force = sink, path, force
 
     def __enter__(self):
         from segcli.io.writers import new_output
 
         with contextlib.ExitStack() as stack:
             tmp = stack.enter_context(new_output(self._path, self._force))
-            self.sink.out = stack.enter_context(open(tmp, "wb"))
-            stack.enter_context(self.sink)
+            self._sink.out = stack.enter_context(open(tmp, "wb"))
+            stack.enter_context(self._sink)
             self._stack = stack.pop_all()
         return self
 
@@ -246,7 +246,7 @@ class _IntoFile:
 
     def write(self, chunk, arrays):
         try:
-            self.sink.write(chunk, arrays)
+            self._sink.write(chunk, arrays)
         except OSError as err:
             raise DataError(f"{self._path}: {err.strerror}") from err
 
@@ -419,7 +419,7 @@ def _dataset(name, label):
 
 
 def compute_into(batch, results, sink, device, lo, hi, chunk_atoms, progress=None, notes=(),
-                  keep=None, run=None):
+                 keep=None, run=None):
     """Compute the results' jobs over structures [lo, hi) of `batch` (those `keep` marks, if
     given) on `device`, in one pass, by `run` (default engine.run, whose signature it has),
     into `sink`; the `notes` go to stderr once the first chunk is computed."""
@@ -444,7 +444,7 @@ def _plan(batch, path, ops, names, plan):
     from segcli import engine
 
     return Results([engine.plan(path, spec, fields, batch.fields, present=batch.present, **plan)
-                     for spec, fields in ops], names)
+                    for spec, fields in ops], names)
 
 
 def _part(layout, ops, names, plan, device, chunk_atoms, where, lo, hi, path, attrs):
@@ -460,9 +460,9 @@ def _part(layout, ops, names, plan, device, chunk_atoms, where, lo, hi, path, at
         results = _plan(batch, batch.path, [(OPS[op], fields) for op, fields in ops], names,
                         plan)
         keep = where_mask(batch, where, structures=slice(lo, hi)) if where else None
-        sink = open_sink(results, batch, lo, hi, output=path, in_place=False, file=None, fmt=None,
-                     force=True, attrs={**attrs, "structures": f"{lo}:{hi}",
-                                        "device": common.device_label(target)}, keep=keep)
+        attrs = {**attrs, "structures": f"{lo}:{hi}", "device": common.device_label(target)}
+        sink = open_sink(results, batch, lo, hi, output=path, in_place=False, file=None,
+                         fmt=None, force=True, attrs=attrs, keep=keep)
         compute_into(batch, results, sink, target, lo, hi, chunk_atoms, keep=keep)
     return path
 
@@ -562,10 +562,10 @@ def _execute(file, ops, *, output, in_place, fmt, name, force, structures, chunk
                         into)
         else:
             sink = open_sink(results, batch, lo, hi,
-                         attrs={**attrs, "device": common.device_label(target)}, **into)
+                             attrs={**attrs, "device": common.device_label(target)}, **into)
             with progress(not quiet, f"{verb} {file}", len(n_atoms)) as bar:
                 compute_into(batch, results, sink, target, lo, hi, chunk_atoms, bar, notes,
-                              keep)
+                             keep)
     if not quiet and (output or in_place):
         written = (", ".join(results.columns.values()) if file_format(output)
                    else ", ".join(f"/results/{d}" for d in results.datasets))
@@ -577,7 +577,7 @@ def _execute(file, ops, *, output, in_place, fmt, name, force, structures, chunk
 def _on_cluster(scheduler, label, batch, results, lo, hi, call, attrs, into):
     """The job over structures [lo, hi) as shards on the dask cluster at `scheduler`: each
     task writes its part into a temporary directory beside the output, and the parts are
-    then written out in order as one run writes them (`into`: the arguments of sink); a
+    then written out in order as one run writes them (`into`: the arguments of open_sink); a
     progress bar `label`ed (None: none)."""
     import os
 
@@ -602,7 +602,7 @@ def _on_cluster(scheduler, label, batch, results, lo, hi, call, attrs, into):
         parts = check_parts(paths)
         first = parts[0].datasets[next(iter(results.datasets))]
         sink = open_sink(results, batch, lo, hi, attrs={**attrs, "device": first["device"]},
-                     **into)
+                         **into)
         with sink:
             for start, counts, rows in part_rows(parts, list(results.datasets)):
                 chunk = Chunk(start, counts, {}, {})

@@ -101,7 +101,7 @@ def _runner(cutoffs, names, summary, histogram_bins):
               metavar="BINS", help="Count the pairs' distances in BINS equal bins from 0 to "
                                    "the largest cutoff (in the summary).")
 @output_options("output", "in_place", "fmt", "force", "structures", "chunk_atoms", "device",
-                 "quiet")
+                "quiet")
 @where_option
 def neighbors(file, cutoffs, per_atom, histogram_bins, output, in_place, fmt, force,
               structures, chunk_atoms, device, quiet, where):
@@ -150,12 +150,12 @@ def neighbors(file, cutoffs, per_atom, histogram_bins, output, in_place, fmt, fo
         if where:
             attrs["where"] = [condition.text for condition in where]
         sink = open_sink(results, batch, lo, hi, output=output, in_place=in_place, file=paths[0],
-                     fmt=fmt, force=force, attrs=attrs, keep=keep)
+                         fmt=fmt, force=force, attrs=attrs, keep=keep)
         summary = Summary(cutoffs, histogram_bins)
         total = hi - lo if keep is None else int(keep[lo:hi].sum())
         with progress(not quiet, f"neighbours of {file}", total) as bar:
             compute_into(batch, results, sink, target, lo, hi, chunk_atoms, bar, keep=keep,
-                          run=_runner(cutoffs, names, summary, histogram_bins))
+                         run=_runner(cutoffs, names, summary, histogram_bins))
     if quiet:
         return
     if fmt == "json":
