@@ -61,7 +61,7 @@ def main():
             t0 = time.perf_counter()
             chunk = next(batch.iter_chunks(list(job.read), chunk_atoms=engine.DEFAULT_CHUNK_ATOMS))
             t1 = time.perf_counter()
-            padded = engine._pad(job.read, job.precision, chunk, least, ring, slot, not gpu)
+            padded = engine._pad(engine.field_dtypes([job]), chunk, least, ring, slot, not gpu)
             t2 = time.perf_counter()
             with enable_x64(True):
                 forces, offsets, ids = jax.block_until_ready(jax.device_put(
