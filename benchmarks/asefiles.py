@@ -98,7 +98,8 @@ def main():
     parser.add_argument("--write", nargs=2, metavar=("ATOMS", "PATH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.write:
-        extxyz = args.write[1].removesuffix(".db") + ".extxyz"
+        path = args.write[1]
+        extxyz = path.removesuffix(".db") + ".extxyz" if path.endswith(".db") else path
         if not os.path.exists(extxyz):
             write_extxyz(extxyz, int(args.write[0]))
         return write_db(args.write[1], extxyz) if args.write[1].endswith(".db") else None

@@ -95,7 +95,7 @@ class CopyingNpySink(_NpySink):
 
     def write(self, chunk, arrays):
         (array,), = [arrays.values()]
-        self._out.write(np.ascontiguousarray(array, self._dtype).tobytes())
+        self.out.write(np.ascontiguousarray(array, self._dtype).tobytes())
 
 
 def chunks(per, rows, width, rng):
