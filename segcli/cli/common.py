@@ -180,6 +180,20 @@ def input_format_option(*names):
                              "(vasp-out, lammps-data, ...).")
 
 
+to_ase_units_option = click.option(
+    "--to-ase-units", is_flag=True,
+    help="Convert every field of known units to ASE's (eV, Ang, eV/Ang, eV/Ang^3), and a "
+         "gradient field (dft_total_gradient) into forces, its negative.")
+"""The option of the commands that write fields (convert, select)."""
+
+
+def note_units_left(output, left):
+    """Name on stderr the fields (name -> units) that --to-ase-units left as they are."""
+    for name, unit in left.items():
+        note(f"{output}: --to-ase-units left field '{name}' as it is: its units, {unit!r}, are "
+             "not ones segcli knows")
+
+
 def input_format():
     """The input format the running command was given (see input_format_option), or None."""
     ctx = click.get_current_context(silent=True)

@@ -9,10 +9,12 @@ from segcli.cli.common import (
     input_format,
     input_format_option,
     note,
+    note_units_left,
     output_name,
     progress,
     refuse_output_among_inputs,
     table,
+    to_ase_units_option,
 )
 
 MOST_COMMON = 20
@@ -230,9 +232,7 @@ def _pairs(ctx, param, texts):
               help="Field NAME (as renamed) is in UNIT (eV, Hartree, Ang, Bohr, eV/Ang, "
                    "Hartree/Bohr, amu, e, ...) in the inputs that state no units for it. "
                    "Repeatable.")
-@click.option("--to-ase-units", is_flag=True,
-              help="Convert every field of known units to ASE's (eV, Ang, eV/Ang, eV/Ang^3), "
-                   "and a gradient field (dft_total_gradient) into forces, its negative.")
+@to_ase_units_option
 @click.option("--force", is_flag=True, help="Overwrite OUTPUT if it exists.")
 @input_format_option()
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
@@ -301,9 +301,7 @@ def convert(inputs, output, compression, chunk_atoms, fill_missing, fields, drop
                 fill_missing=np.nan if fill_missing else None, force=force, progress=bar,
                 input_format=input_format(), **choice)
     if not quiet:
-        for name, unit in left.items():
-            note(f"{output}: --to-ase-units left field '{name}' as it is: its units, "
-                 f"{unit!r}, are not ones segcli knows")
+        note_units_left(output, left)
         what = f", fields: {', '.join(written) or 'none'}" if written is not None else ""
         note(f"{output}: {structures} structures, {atoms} atoms{what}")
 

@@ -7,9 +7,11 @@ from segcli.cli.common import (
     input_format,
     input_format_option,
     note,
+    note_units_left,
     output_name,
     progress,
     refuse_output_among_inputs,
+    to_ase_units_option,
     where_conditions,
 )
 
@@ -42,10 +44,7 @@ def _listed(path, n_structures):
 @click.option("--structures-from", metavar="LIST|-", type=click.Path(dir_okay=False,
               allow_dash=True),
               help="Keep the structures numbered in LIST (- : stdin), one number per line.")
-@click.option("--to-ase-units", is_flag=True,
-              help="Convert every field of known units to ASE's (eV, Ang, eV/Ang, eV/Ang^3), and "
-                   "a gradient field (dft_total_gradient) into forces, its negative, as "
-                   "`segcli convert --to-ase-units` does.")
+@to_ase_units_option
 @click.option("--allow-empty", is_flag=True,
               help="Write OUTPUT even when no structure is selected (an empty file).")
 @click.option("--force", is_flag=True, help="Overwrite OUTPUT if it exists.")
@@ -116,9 +115,7 @@ def select(file, output, conditions, structures_from, to_ase_units, allow_empty,
                                      input_format=input_format(), to_ase_units=to_ase_units,
                                      left=left)
     if not quiet:
-        for name, unit in left.items():
-            note(f"{output}: --to-ase-units left field '{name}' as it is: its units, "
-                 f"{unit!r}, are not ones segcli knows")
+        note_units_left(output, left)
         note(f"{output}: {kept} of {len(keep)} structures, {atoms} atoms")
 
 
