@@ -33,12 +33,26 @@ _pool_lock = threading.Lock()
 
 
 def default_readers():
-    """The cores this process may use, at most MOST_READERS."""
+    """SEGCLI_READERS where it is a positive integer, else the cores this process may use, at
+    most MOST_READERS."""
+    given = os.environ.get("SEGCLI_READERS", "")
+    if given.isdigit() and int(given) > 0:
+        return int(given)
+    return min(MOST_READERS, cores())
+
+
+def cores():
+    """The cores this process may use."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(MOST_READERS, cores))
+        return os.cpu_count() or 1
+
+
+def share(processes):
+    """The readers each of `processes` processes on this machine takes (as SEGCLI_READERS
+    tells them): those set_readers gave, else the cores, split evenly (at least 1 each)."""
+    return max(1, min(MOST_READERS, (_readers or cores()) // processes))
 
 
 def readers():
