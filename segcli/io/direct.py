@@ -116,8 +116,12 @@ class _Storage:
             return
         self.chunk_rows = plist.get_chunk()[0]
         stored = []
-        dsid.chunk_iter(lambda info: stored.append(
-            (info.chunk_offset[0], info.byte_offset, info.size, info.filter_mask)))
+        if hasattr(dsid, "chunk_iter"):
+            dsid.chunk_iter(lambda info: stored.append(
+                (info.chunk_offset[0], info.byte_offset, info.size, info.filter_mask)))
+        else:  # an h5py or HDF5 that cannot list them in one call
+            stored = [(info.chunk_offset[0], info.byte_offset, info.size, info.filter_mask)
+                      for info in map(dsid.get_chunk_info, range(dsid.get_num_chunks()))]
         stored.sort()
         table = np.array(stored, np.int64).reshape(-1, 4)
         self.starts, self.offsets, self.sizes, self.masks = table.T
@@ -136,8 +140,6 @@ class _Storage:
             return None
         plist = dsid.get_create_plist()
         if {plist.get_filter(i)[0] for i in range(plist.get_nfilters())} - {_SHUFFLE, _DEFLATE}:
-            return None
-        if not hasattr(dsid, "chunk_iter"):  # an h5py or HDF5 too old to list chunks at once
             return None
         return cls(dsid, dtype)
 
