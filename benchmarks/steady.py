@@ -102,7 +102,8 @@ def main():
     parser.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
     parser.add_argument("--dir", default=tempfile.gettempdir())
     parser.add_argument("--out-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    parser.add_argument("--only", help="run only the cases whose command contains this text")
+    parser.add_argument("--only", help="run only the cases whose command contains one of "
+                                           "these comma-separated texts")
     parser.add_argument("--readers", type=int, help="--readers K for every command")
     parser.add_argument("--compression", help="compress the per-atom fields (e.g. gzip)")
     parser.add_argument("--processes", type=int, help="also a bare read by K processes")
@@ -127,7 +128,8 @@ def main():
         n_atoms = f["structures/n_atoms"][()]
     half = len(n_atoms) // 2
     atoms = {len(n_atoms): args.atoms, half: int(n_atoms[:half].sum())}
-    cases = [c for c in CASES if not args.only or args.only in " ".join(c)]
+    cases = [c for c in CASES
+             if not args.only or any(o in " ".join(c) for o in args.only.split(","))]
     work = {}
     for command, words in cases:
         reads = tuple(datasets_of(words))

@@ -460,10 +460,12 @@ def _scheduler_address(text):
 
 
 def _readers(ctx, param, value):
+    """--readers: set for the command, and unset when it ends."""
     if value is not None:
         from segcli.io import direct
 
         direct.set_readers(value)
+        ctx.call_on_close(lambda: direct.set_readers(None))
     return value
 
 

@@ -27,6 +27,7 @@ MIN_PART = 4 << 20
 """Bytes of a contiguous read below which a thread is not worth starting."""
 
 _SHUFFLE, _DEFLATE = h5py.h5z.FILTER_SHUFFLE, h5py.h5z.FILTER_DEFLATE
+_H5PY_ERRORS = (RuntimeError, KeyError, ValueError, TypeError, OSError)
 _readers = None
 _pool = None
 _pool_lock = threading.Lock()
@@ -126,6 +127,12 @@ class _Storage:
         table = np.array(stored, np.int64).reshape(-1, 4)
         self.starts, self.offsets, self.sizes, self.masks = table.T
 
+    def end(self):
+        """The byte after the last one the dataset's storage takes in its file."""
+        if self.offset is not None:
+            return self.offset + self.rows * self.row_bytes
+        return int((self.offsets + self.sizes).max(initial=0))
+
     @classmethod
     def of(cls, ds):
         """The storage of the dataset `ds`, or None where h5py should read it."""
@@ -167,15 +174,23 @@ class Reader:
         self._storage = {}
         try:
             self._fd = h5.id.get_vfd_handle()  # HDF5's own descriptor (sec2): pread moves nothing
-        except (ValueError, RuntimeError, TypeError, OSError):
+            self._size = os.fstat(self._fd).st_size
+        except _H5PY_ERRORS:
             self._fd = None
 
     def storage(self, ds):
-        """The _Storage of `ds` (None: h5py reads it), found once per dataset."""
+        """The _Storage of `ds` (None: h5py reads it, and reports what it finds damaged),
+        found once per dataset."""
         if self._fd is None:
             return None
         if ds.name not in self._storage:
-            self._storage[ds.name] = _Storage.of(ds)
+            try:
+                storage = _Storage.of(ds)
+            except _H5PY_ERRORS:
+                storage = None
+            if storage is not None and storage.end() > self._size:
+                storage = None  # stored past the end of the file: h5py names the damage
+            self._storage[ds.name] = storage
         return self._storage[ds.name]
 
     def read(self, ds, lo, hi, out=None):
