@@ -4,6 +4,7 @@ in-place reads); the prefetch thread's work per chunk as engine.run does it (rea
 NaN check, pad); and engine.run's time per chunk, reading and computing overlapped.
 
     python benchmarks/chunk_steps.py [--atoms 10000000] [--device auto|cpu|gpu] [--dir /tmp]
+                                     [--readers K]
 
 Uses the file `benchmarks/reduce.py` generates (made here if missing). Every number is taken
 after a first pass, so imports, compilation and buffer allocation are left out.
@@ -24,6 +25,8 @@ def main():
     parser.add_argument("--atoms", type=int, default=10_000_000)
     parser.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
     parser.add_argument("--dir", default=tempfile.gettempdir())
+    parser.add_argument("--readers", type=int, help="threads reading the file (default: the "
+                                                    "cores, at most 8)")
     args = parser.parse_args()
     path = os.path.join(args.dir, f"segcli-bench-{args.atoms}.h5")
     if not os.path.exists(path):
@@ -33,8 +36,10 @@ def main():
 
     from segcli import engine
     from segcli._jax import enable_x64
-    from segcli.io import open_batch
+    from segcli.io import direct, open_batch
     from segcli.registry import OPS
+
+    direct.set_readers(args.readers)
 
     device = jax.devices(args.device)[0] if args.device != "auto" else jax.devices()[0]
     gpu = device.platform != "cpu"  # pinned buffers, ids expanded on the device: as engine.run
@@ -47,10 +52,11 @@ def main():
                 chunks += 1
             runs.append((time.perf_counter() - start) / chunks)
         producer = []  # the prefetch thread's work per chunk: read, NaN check and pad
+        ring = engine._BufferRing(pinned=gpu)  # reused, as a run reuses its ring
         for _ in range(4):
             start, chunks = time.perf_counter(), 0
             for _ in engine._padded_chunks(batch, [job], engine.DEFAULT_CHUNK_ATOMS, slice(None),
-                                           engine._BufferRing(pinned=gpu), on_device=gpu):
+                                           ring, on_device=gpu):
                 chunks += 1
             producer.append((time.perf_counter() - start) / chunks)
         least = engine.padded_size(batch.n_atoms, engine.DEFAULT_CHUNK_ATOMS)
@@ -76,8 +82,8 @@ def main():
             if slot:  # the first fills the ring's buffers
                 for name, seconds in zip(steps, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
                     steps[name].append(seconds)
-    print(f"{device}, {args.atoms} atoms, chunks of {engine.DEFAULT_CHUNK_ATOMS} atoms, float64; "
-          "median ms per chunk")
+    print(f"{device}, {args.atoms} atoms, chunks of {engine.DEFAULT_CHUNK_ATOMS} atoms, float64, "
+          f"{direct.readers()} readers; median ms per chunk")
     print("| " + " | ".join(steps) + " | prefetch thread per chunk | engine.run per chunk |")
     print("|" + " --- |" * (len(steps) + 2))
     print("| " + " | ".join(f"{statistics.median(v) * 1e3:.1f}" for v in steps.values())

@@ -6,16 +6,22 @@ state is the throughput of the second half, (atoms - half's atoms) / (time - hal
 free of what a command pays once (opening, planning, creating and renaming its output).
 
     python benchmarks/steady.py [--atoms 10000000] [--rounds 5] [--device auto|cpu|gpu]
+                                [--readers K] [--compression gzip] [--processes K]
 
 Generates (once, under --dir) a segcli file of float64 forces and velocities (N, 3), energy
 (S,) and cell (S, 3, 3), 1 to 63 atoms per structure. Each command writes its results with
 `-o` (HDF5) into --out-dir (default /dev/shm, a memory file system like the warm page
 cache the read comes from, so that a disk's write-back does not time one case for
 another). Prints a Markdown table: median seconds per run, atoms per second, and the share
-of the bare read's throughput.
+of the bare read's throughput; with `--processes K`, also of a bare read by K processes at
+once (each its share of every chunk's rows). `--readers K` is passed to the commands;
+`--compression gzip` makes (and reads) a file whose per-atom fields are compressed in chunks
+of 64 Ki rows, shuffled.
 """
 
 import argparse
+import concurrent.futures
+import multiprocessing
 import os
 import statistics
 import tempfile
@@ -32,7 +38,7 @@ CASES = [("reduce", "sum forces"), ("reduce", "mean forces"), ("reduce", "rms_no
          ("grad", "dot forces velocities"), ("grad", "matvec forces cell")]
 
 
-def make_file(path, atoms, seed=0):
+def make_file(path, atoms, seed=0, compression=None):
     """The benchmark's file (see the module docstring)."""
     rng = np.random.default_rng(seed)
     n_atoms = rng.integers(1, 64, atoms // 16)
@@ -44,7 +50,9 @@ def make_file(path, atoms, seed=0):
         f["structures/energy"] = rng.normal(size=len(n_atoms))
         f["structures/cell"] = rng.normal(size=(len(n_atoms), 3, 3))
         for name in ("forces", "velocities"):
-            data = f.create_dataset(f"atoms/{name}", (atoms, 3), np.float64)
+            data = f.create_dataset(f"atoms/{name}", (atoms, 3), np.float64,
+                                    chunks=(min(atoms, 1 << 16), 3) if compression else None,
+                                    compression=compression, shuffle=bool(compression))
             for lo in range(0, atoms, 1 << 22):
                 data[lo:lo + (1 << 22)] = rng.normal(size=(min(1 << 22, atoms - lo), 3))
 
@@ -59,6 +67,23 @@ def bare_read(path, names, chunk_atoms, structures):
             stop = int(n_atoms.sum()) if name.startswith("atoms/") else len(n_atoms)
             for lo in range(0, stop, chunk_atoms):
                 data[lo:min(lo + chunk_atoms, stop)]
+
+
+def _read_share(path, names, chunk_atoms, structures, part, parts):
+    """bare_read's rows of part `part` of `parts` of every chunk."""
+    with h5py.File(path, "r", rdcc_nbytes=0) as f:
+        n_atoms = f["structures/n_atoms"][:structures]
+        for name in names:
+            data = f[name]
+            stop = int(n_atoms.sum()) if name.startswith("atoms/") else len(n_atoms)
+            share = -(-chunk_atoms // parts)
+            for lo in range(part * share, stop, chunk_atoms):
+                data[lo:min(lo + share, stop)]
+
+
+def bare_read_by(pool, parts, *args):
+    """bare_read by `parts` processes of `pool` at once."""
+    list(pool.map(_read_share, *zip(*[(*args, k, parts) for k in range(parts)])))
 
 
 def datasets_of(words):
@@ -77,12 +102,21 @@ def main():
     parser.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
     parser.add_argument("--dir", default=tempfile.gettempdir())
     parser.add_argument("--out-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    parser.add_argument("--only", help="run only the cases whose command contains this text")
+    parser.add_argument("--only", help="run only the cases whose command contains one of "
+                                           "these comma-separated texts")
+    parser.add_argument("--readers", type=int, help="--readers K for every command")
+    parser.add_argument("--compression", help="compress the per-atom fields (e.g. gzip)")
+    parser.add_argument("--processes", type=int, help="also a bare read by K processes")
     args = parser.parse_args()
-    path = os.path.join(args.dir, f"segcli-steady-{args.atoms}.h5")
+    path = os.path.join(args.dir, f"segcli-steady-{args.atoms}"
+                                  f"{'-' + args.compression if args.compression else ''}.h5")
     out = os.path.join(args.out_dir or args.dir, "segcli-steady-out.h5")
     if not os.path.exists(path):
-        make_file(path, args.atoms)
+        make_file(path, args.atoms, compression=args.compression)
+    pool = None
+    if args.processes:
+        pool = concurrent.futures.ProcessPoolExecutor(
+            args.processes, mp_context=multiprocessing.get_context("spawn"))
 
     from segcli.cli import main as cli
     from segcli.cli.common import as_program
@@ -94,17 +128,23 @@ def main():
         n_atoms = f["structures/n_atoms"][()]
     half = len(n_atoms) // 2
     atoms = {len(n_atoms): args.atoms, half: int(n_atoms[:half].sum())}
-    cases = [c for c in CASES if not args.only or args.only in " ".join(c)]
+    cases = [c for c in CASES
+             if not args.only or any(o in " ".join(c) for o in args.only.split(","))]
     work = {}
     for command, words in cases:
         reads = tuple(datasets_of(words))
         for stop in atoms:
             argv = [command, path, *words.split(), "-o", out, "--force", "-q", "--device",
-                    args.device, "--structures", f"0:{stop}"]
+                    args.device, "--structures", f"0:{stop}",
+                    *(["--readers", str(args.readers)] if args.readers else [])]
             work[(command, words, stop)] = (lambda argv=argv: cli.main(argv,
                                                                        standalone_mode=False))
             work.setdefault((reads, stop), lambda reads=reads, stop=stop: bare_read(
                 path, reads, DEFAULT_CHUNK_ATOMS, stop))
+            if pool:
+                work.setdefault(("processes", reads, stop), lambda reads=reads, stop=stop:
+                                bare_read_by(pool, args.processes, path, reads,
+                                             DEFAULT_CHUNK_ATOMS, stop))
     seconds = {name: [] for name in work}
     for round_ in range(args.rounds + 1):
         for name, run in work.items():
@@ -119,17 +159,24 @@ def main():
         whole, first = median[(*key, len(n_atoms))], median[(*key, half)]
         return (atoms[len(n_atoms)] - atoms[half]) / max(whole - first, 1e-9)
 
-    print(f"{args.atoms} atoms, float64, device {args.device}, median of {args.rounds} rounds "
-          f"in turns, each after a first run in this process, -o into {os.path.dirname(out)}\n")
+    k = args.processes
+    print(f"{args.atoms} atoms, float64{', ' + args.compression if args.compression else ''}, "
+          f"device {args.device}, readers {args.readers or 'default'}, median of {args.rounds} "
+          f"rounds in turns, each after a first run in this process, -o into "
+          f"{os.path.dirname(out)}\n")
     print("| command | read of | whole file, s | steady state, M atoms/s | bare read, M atoms/s "
-          "| share of the read |")
-    print("| --- | --- | --- | --- | --- | --- |")
+          "| share of the read |" + (f" bare read by {k} processes | share of it |" if k else ""))
+    print("| --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if k else ""))
     for command, words in cases:
         reads = tuple(datasets_of(words))
         rate, read = steady((command, words)), steady((reads,))
-        print(f"| `{command} {words}` | {', '.join(r.split('/')[1] for r in reads[1:]) or '-'} "
-              f"| {median[(command, words, len(n_atoms))]:.3f} | {rate / 1e6:.1f} "
-              f"| {read / 1e6:.1f} | {rate / read:.0%} |")
+        line = (f"| `{command} {words}` | {', '.join(r.split('/')[1] for r in reads[1:]) or '-'} "
+                f"| {median[(command, words, len(n_atoms))]:.3f} | {rate / 1e6:.1f} "
+                f"| {read / 1e6:.1f} | {rate / read:.0%} |")
+        if k:
+            many = steady(("processes", reads))
+            line += f" {many / 1e6:.1f} | {rate / many:.0%} |"
+        print(line)
 
 
 if __name__ == "__main__":

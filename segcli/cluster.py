@@ -45,21 +45,31 @@ def _local_cluster(address):
     count = address.split(":", 1)[1]
     if count != "gpus":
         return LocalCluster(n_workers=int(count), threads_per_worker=1, processes=True,
-                            dashboard_address=":0", silence_logs=logging.ERROR)
+                            dashboard_address=":0", silence_logs=logging.ERROR,
+                            env=_reading_share(int(count)))
     gpus = visible_gpus()
     if not gpus:
         raise DataError("--scheduler local:gpus: no GPU is visible (CUDA_VISIBLE_DEVICES or "
                         "nvidia-smi -L lists none)")
+    share = _reading_share(len(gpus))
     try:
         from dask_cuda import LocalCUDACluster
     except ImportError:
         workers = {f"gpu-{gpu}": {"cls": Nanny, "options": {
-            "nthreads": 1, "env": {"CUDA_VISIBLE_DEVICES": gpu}, "silence_logs": logging.ERROR}}
-            for gpu in gpus}
+            "nthreads": 1, "env": {"CUDA_VISIBLE_DEVICES": gpu, **share},
+            "silence_logs": logging.ERROR}} for gpu in gpus}
         scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0"}}
         return SpecCluster(workers, scheduler, silence_logs=logging.ERROR)
     return LocalCUDACluster(CUDA_VISIBLE_DEVICES=gpus, threads_per_worker=1,
-                            dashboard_address=":0", silence_logs=logging.ERROR)
+                            dashboard_address=":0", silence_logs=logging.ERROR, env=share)
+
+
+def _reading_share(workers):
+    """The environment that gives each of `workers` processes here its share of this
+    process's reading threads (see segcli.io.direct)."""
+    from segcli.io.direct import share
+
+    return {"SEGCLI_READERS": str(share(workers))}
 
 
 @contextlib.contextmanager

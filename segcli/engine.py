@@ -537,10 +537,10 @@ def _compiled(programs, on_device=False):
     return jax.jit(all_outputs, static_argnames=("rows", "num_segments"))
 
 
-def compute(jobs, padded, device):
-    """(Each job's outputs (label -> NumPy array, see Job.outputs) for one padded chunk,
-    whether an input holds NaN), computed on `device` (a jax.Device) by one program; the NaN
-    check runs there only for a chunk padded without ids (see _Padded), else it is False."""
+def launch(jobs, padded, device):
+    """Start computing the jobs' outputs for one padded chunk on `device` (a jax.Device), by
+    one program, and return at once; `finish` waits for them. The NaN check runs there only
+    for a chunk padded without ids (see _Padded)."""
     import jax
 
     from segcli._jax import enable_x64
@@ -551,9 +551,15 @@ def compute(jobs, padded, device):
         values, offsets, ids = jax.device_put(
             (tuple(padded.arrays[name] for name in read), padded.offsets, padded.ids), device,
             may_alias=True)
-        out, nan = function(values, offsets, ids, rows=padded.rows,
-                            num_segments=padded.segments)
-        out = [[np.asarray(o) for o in outputs] for outputs in out]
+        return jobs, padded, function(values, offsets, ids, rows=padded.rows,
+                                      num_segments=padded.segments)
+
+
+def finish(launched):
+    """(Each job's outputs (label -> NumPy array, see Job.outputs), whether an input holds
+    NaN) of a `launch`."""
+    jobs, padded, (out, nan) = launched
+    out = [[np.asarray(o) for o in outputs] for outputs in out]
     rows = {"atom": padded.n_rows, "structure": padded.n_structures}
     return tuple({label: array[:rows[per]].astype(dtype, copy=False)
                   for (label, (per, _, dtype)), array in zip(job.outputs.items(), arrays)}
@@ -563,27 +569,39 @@ def compute(jobs, padded, device):
 def run(batch, jobs, device, *, chunk_atoms=DEFAULT_CHUNK_ATOMS, structures=slice(None),
         on_device=None, keep=None):
     """Yield (Chunk, outputs) for each chunk of whole structures of `batch`, outputs holding
-    each of `jobs`' outputs (see compute): every field read once, the next chunk read and
-    padded in a background thread while this one is computed on `device`. Every chunk is
-    padded to the same power-of-two sizes (`padded_size`): one compilation. With `on_device`
-    (default: on GPUs, where it leaves the host thread little but the read), the device
-    expands the segment ids and checks for NaN itself; else the background thread does. On
-    GPUs the host buffers are pinned. A chunk's arrays are valid until the next is asked for.
-    With `keep` ((S,) bool), only the structures it marks are read into chunks and computed."""
+    each of `jobs`' outputs (see finish): every field read once, the next chunk read and
+    padded in a background thread, and launched, before this one's outputs are waited for.
+    Every chunk is padded to the same power-of-two sizes (`padded_size`): one compilation.
+    With `on_device` (default: on GPUs, where it leaves the host thread little but the read),
+    the device expands the segment ids and checks for NaN itself; else the background thread
+    does. On GPUs the host buffers are pinned. A chunk's arrays are valid until the next is
+    asked for. With `keep` ((S,) bool), only the structures it marks are read into chunks and
+    computed."""
     jobs = tuple(jobs)
     on_device = device.platform != "cpu" if on_device is None else on_device
     with buffer_ring(device.platform != "cpu") as buffers:
         items = prefetch(_padded_chunks(batch, jobs, chunk_atoms, structures, buffers, on_device,
                                         keep))
         with contextlib.closing(items):
-            for chunk, padded in items:
-                outputs, nan = compute(jobs, padded, device)
-                if nan:  # counted and named on the host, over this chunk and the rest
-                    rest = itertools.chain([chunk], (chunk for chunk, _ in items))
-                    for _ in nan_checked(jobs[0].path, rest, reads(jobs), where_present=True):
-                        pass
-                yield chunk, tuple(_blank_absent(job, chunk, out)
-                                   for job, out in zip(jobs, outputs))
+            # (chunk, launch) of the chunk in flight: the ring's slots outlast two chunks
+            flying = None
+            for chunk, padded in itertools.chain(items, [(None, None)]):
+                launched = (chunk, launch(jobs, padded, device)) if chunk is not None else None
+                if flying is not None:
+                    yield _finished(jobs, *flying, itertools.chain(
+                        [launched[0]] if launched else [], (c for c, _ in items)))
+                flying = launched
+
+
+def _finished(jobs, chunk, launched, rest):
+    """(chunk, outputs) of a launched chunk; DataError counting and naming NaN over it and the
+    chunks `rest` (those after it) where the device found one."""
+    outputs, nan = finish(launched)
+    if nan:  # counted and named on the host, over this chunk and the rest
+        for _ in nan_checked(jobs[0].path, itertools.chain([chunk], rest), reads(jobs),
+                             where_present=True):
+            pass
+    return chunk, tuple(_blank_absent(job, chunk, out) for job, out in zip(jobs, outputs))
 
 
 def _blank_absent(job, chunk, outputs):

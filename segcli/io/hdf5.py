@@ -24,6 +24,7 @@ from segcli.io.core import (
     check_memory,
     plan_chunks,
 )
+from segcli.io.direct import Reader
 from segcli.io.heap import TextHeaps, guarded
 from segcli.io.units import convention, stated
 
@@ -202,10 +203,14 @@ def _read_strings(ds, rows=1 << 16):
         ds[lo:lo + rows]
 
 
-def read_rows(path, ds, lo, hi, out=None):
+def read_rows(path, ds, lo, hi, out=None, reader=None):
     """Rows [lo, hi) of a dataset (of strings: an object array of str), read into `out` when it
-    is an array of their shape and dtype (else a new array); DataError if the file cannot give
-    them."""
+    is an array of their shape and dtype (else a new array), by `reader` (a direct.Reader of
+    the file) where it can; DataError if the file cannot give them."""
+    if reader is not None:
+        rows = reader.read(ds, lo, hi, out)
+        if rows is not None:
+            return rows
     try:
         if h5py.check_string_dtype(ds.dtype):
             return ds.asstr()[lo:hi]
@@ -273,6 +278,7 @@ class SegcliBatch(Batch):
     def __init__(self, path, h5, contents=None):
         super().__init__(path)
         self._h5 = h5
+        self._reader = Reader(path, h5)
         if plain(h5.attrs["format"]) != FORMAT:
             raise DataError(f"{path}: attribute format is {plain(h5.attrs['format'])!r}, "
                             f"not {FORMAT!r}")
@@ -476,9 +482,9 @@ class SegcliBatch(Batch):
                 ds = self._datasets[name]
                 if per[name].per == "atom":
                     out = into(name, hi - lo) if into else None
-                    data["atom"][name] = read_rows(self.path, ds, lo, hi, out)
+                    data["atom"][name] = read_rows(self.path, ds, lo, hi, out, self._reader)
                 else:
-                    data["structure"][name] = read_rows(self.path, ds, a, b)
+                    data["structure"][name] = read_rows(self.path, ds, a, b, reader=self._reader)
                 if name in self._masks:
                     present[name] = read_rows(self.path, self._masks[name], a, b)
             yield Chunk(int(a), self.n_atoms[a:b], data["atom"], data["structure"], present)
@@ -585,6 +591,7 @@ class ConformerBatch(Batch):
     def __init__(self, path, h5, contents):
         super().__init__(path)
         self._h5 = h5
+        self._reader = Reader(path, h5)
         self._molecules = find_molecules(path, h5, contents)
         if not self._molecules:
             raise DataError(f"{path}: HDF5 file with neither the {FORMAT} layout (no format "
@@ -633,7 +640,7 @@ class ConformerBatch(Batch):
                 if names is None or "numbers" in names:
                     data["atom"]["numbers"] = np.tile(mol.numbers, b - a)
                 for name, key in read:
-                    array = read_rows(self.path, group[key], a, b)
+                    array = read_rows(self.path, group[key], a, b, reader=self._reader)
                     per = self._stored[name].per
                     data[per][name] = (array.reshape(-1, *array.shape[2:]) if per == "atom"
                                        else array)

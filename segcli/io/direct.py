@@ -1,0 +1,286 @@
+"""Rows of HDF5 datasets read from the file's bytes by several threads at once.
+
+h5py runs one call at a time (its lock) and inflates a compressed chunk in the calling thread,
+so one process reads with one core. Where a dataset's storage is simple enough to read
+without HDF5 (contiguous; or chunked along its rows only, each chunk stored raw or through
+HDF5's shuffle and deflate filters), `Reader` reads a block of rows with `readers()` threads:
+`os.preadv` and zlib work without Python's lock. Anything else is left to h5py.
+
+    reader = Reader("data.h5", h5)
+    forces = reader.read(h5["atoms/forces"], 0, 1_000_000)
+"""
+
+import math
+import os
+import threading
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+
+import h5py
+import numpy as np
+
+from segcli.errors import DataError
+
+MOST_READERS = 8
+"""The default number of reading threads is the cores this process may use, at most this."""
+MIN_PART = 4 << 20
+"""Bytes of a contiguous read below which a thread is not worth starting."""
+
+_SHUFFLE, _DEFLATE = h5py.h5z.FILTER_SHUFFLE, h5py.h5z.FILTER_DEFLATE
+_H5PY_ERRORS = (RuntimeError, KeyError, ValueError, TypeError, OSError)
+_readers = None
+_pool = None
+_pool_lock = threading.Lock()
+
+
+def default_readers():
+    """SEGCLI_READERS where it is a positive integer, else the cores this process may use, at
+    most MOST_READERS."""
+    given = os.environ.get("SEGCLI_READERS", "")
+    if given.isdigit() and int(given) > 0:
+        return int(given)
+    return min(MOST_READERS, cores())
+
+
+def cores():
+    """The cores this process may use."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def share(processes):
+    """The readers each of `processes` processes on this machine takes (as SEGCLI_READERS
+    tells them): those set_readers gave, else the cores, split evenly (at least 1 each)."""
+    return max(1, min(MOST_READERS, (_readers or cores()) // processes))
+
+
+def readers():
+    """How many threads read a block of rows (see set_readers)."""
+    return _readers or default_readers()
+
+
+def set_readers(count):
+    """Read with `count` threads from now on (None: the default, see default_readers)."""
+    global _readers, _pool
+    if count is not None and count < 1:
+        raise ValueError(f"readers must be at least 1, got {count}")
+    with _pool_lock:
+        _readers = count
+        if _pool is not None:
+            _pool.shutdown(wait=False)
+            _pool = None
+
+
+def _run(tasks):
+    """Run the callables `tasks`, on the reading threads when there are several of both;
+    the first exception raised by one is raised here once all have ended."""
+    global _pool
+    if len(tasks) < 2 or readers() < 2:
+        for task in tasks:
+            task()
+        return
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(readers(), thread_name_prefix="segcli-read")
+        pool = _pool
+    for future in [pool.submit(task) for task in tasks]:
+        future.result()
+
+
+def _forget_pool():
+    """A child process does not inherit its parent's threads."""
+    global _pool
+    _pool = None
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+class _Storage:
+    """Where the rows of one dataset lie in its file: `offset` (contiguous), or the sorted
+    first rows `starts` of its chunks of `chunk_rows` rows with their byte offsets, sizes and
+    filter masks (chunked; a missing chunk reads as `fill`), `filters` the filter codes of its
+    pipeline in the order they were applied."""
+
+    def __init__(self, dsid, dtype):
+        self.dtype = dtype
+        self.row_bytes = dtype.itemsize * math.prod(dsid.shape[1:])
+        self.rows = dsid.shape[0]
+        self.offset = dsid.get_offset()
+        plist = dsid.get_create_plist()
+        self.fill = np.zeros((), dtype)
+        plist.get_fill_value(self.fill)
+        self.filters = tuple(plist.get_filter(i)[0] for i in range(plist.get_nfilters()))
+        if self.offset is not None:
+            return
+        self.chunk_rows = plist.get_chunk()[0]
+        stored = []
+        if hasattr(dsid, "chunk_iter"):
+            dsid.chunk_iter(lambda info: stored.append(
+                (info.chunk_offset[0], info.byte_offset, info.size, info.filter_mask)))
+        else:  # an h5py or HDF5 that cannot list them in one call
+            stored = [(info.chunk_offset[0], info.byte_offset, info.size, info.filter_mask)
+                      for info in map(dsid.get_chunk_info, range(dsid.get_num_chunks()))]
+        stored.sort()
+        table = np.array(stored, np.int64).reshape(-1, 4)
+        self.starts, self.offsets, self.sizes, self.masks = table.T
+
+    def end(self):
+        """The byte after the last one the dataset's storage takes in its file."""
+        if self.offset is not None:
+            return self.offset + self.rows * self.row_bytes
+        return int((self.offsets + self.sizes).max(initial=0))
+
+    @classmethod
+    def of(cls, ds):
+        """The storage of the dataset `ds`, or None where h5py should read it."""
+        dtype, dsid = ds.dtype, ds.id
+        if dtype.kind not in "iuf" or ds.ndim == 0 or ds.is_virtual or ds.external \
+                or dsid.get_type() != h5py.h5t.py_create(dtype):  # bytes as NumPy holds them
+            return None
+        layout = dsid.get_create_plist().get_layout()
+        if layout == h5py.h5d.CONTIGUOUS:
+            return cls(dsid, dtype) if dsid.get_offset() is not None else None
+        if layout != h5py.h5d.CHUNKED or tuple(ds.chunks[1:]) != tuple(ds.shape[1:]):
+            return None
+        plist = dsid.get_create_plist()
+        if {plist.get_filter(i)[0] for i in range(plist.get_nfilters())} - {_SHUFFLE, _DEFLATE}:
+            return None
+        return cls(dsid, dtype)
+
+
+def _read_exactly(path, name, fd, view, offset):
+    """Fill the bytes `view` from byte `offset` of the file; DataError where it ends first."""
+    done = 0
+    while done < len(view):
+        try:
+            got = os.preadv(fd, [view[done:]], offset + done)
+        except OSError as err:
+            raise DataError(f"{path}: cannot read {name} at byte {offset + done} ({err})") from err
+        if got == 0:
+            raise DataError(f"{path}: {name} reads past the end of the file (byte "
+                            f"{offset + done}); the file is truncated or damaged")
+        done += got
+
+
+class Reader:
+    """Reads blocks of rows of the datasets of one open HDF5 file (`h5`, at `path`) with the
+    reading threads where it can (see the module), else with h5py."""
+
+    def __init__(self, path, h5):
+        self.path = path
+        self._storage = {}
+        try:
+            self._fd = h5.id.get_vfd_handle()  # HDF5's own descriptor (sec2): pread moves nothing
+            self._size = os.fstat(self._fd).st_size
+        except _H5PY_ERRORS:
+            self._fd = None
+
+    def storage(self, ds):
+        """The _Storage of `ds` (None: h5py reads it, and reports what it finds damaged),
+        found once per dataset."""
+        if self._fd is None:
+            return None
+        if ds.name not in self._storage:
+            try:
+                storage = _Storage.of(ds)
+            except _H5PY_ERRORS:
+                storage = None
+            if storage is not None and storage.end() > self._size:
+                storage = None  # stored past the end of the file: h5py names the damage
+            self._storage[ds.name] = storage
+        return self._storage[ds.name]
+
+    def read(self, ds, lo, hi, out=None):
+        """Rows [lo, hi) of `ds`, into `out` where it has their shape and ds's dtype, else into
+        a new array; None where h5py must read them (see the module)."""
+        storage = self.storage(ds)
+        if storage is None or not 0 <= lo <= hi <= storage.rows:
+            return None
+        shape = (hi - lo, *ds.shape[1:])
+        if out is None or out.shape != shape or out.dtype != storage.dtype \
+                or not out.flags.c_contiguous:
+            out = np.empty(shape, storage.dtype)
+        if hi == lo:
+            return out
+        flat = out.reshape(hi - lo, -1).view(np.uint8).reshape(-1)
+        if storage.offset is not None:
+            tasks = self._contiguous(ds.name, storage, lo, hi, flat)
+        else:
+            tasks = self._chunked(ds.name, storage, lo, hi, flat)
+        _run(tasks)
+        return out
+
+    def _raw(self, name, runs, flat, row_bytes):
+        """Tasks reading the raw runs (file offset, a, b: the bytes flat[a:b]) into the bytes
+        `flat`: runs that follow one another in the file and in `flat` joined, then cut at
+        whole rows into up to readers() parts of at least MIN_PART bytes each."""
+        joined = []
+        for offset, a, b in runs:
+            if joined and joined[-1][0] + joined[-1][2] - joined[-1][1] == offset \
+                    and joined[-1][2] == a:
+                joined[-1][2] = b
+            else:
+                joined.append([offset, a, b])
+        total = sum(b - a for _, a, b in joined)
+        part = max(MIN_PART, -(-total // readers()) // row_bytes * row_bytes)
+        return [lambda at=offset + lo - a, lo=lo, hi=min(b, lo + part):
+                _read_exactly(self.path, name, self._fd, flat[lo:hi], at)
+                for offset, a, b in joined for lo in range(a, b, part)]
+
+    def _contiguous(self, name, storage, lo, hi, flat):
+        """Tasks reading rows [lo, hi) of contiguous storage into the bytes `flat`."""
+        return self._raw(name, [(storage.offset + lo * storage.row_bytes, 0, len(flat))], flat,
+                         storage.row_bytes)
+
+    def _chunked(self, name, storage, lo, hi, flat):
+        """Tasks reading rows [lo, hi) of chunked storage into the bytes `flat`: the raw chunks
+        as by _raw, one task for each filtered or missing one."""
+        size = storage.chunk_rows * storage.row_bytes
+        first, last = lo // storage.chunk_rows, (hi - 1) // storage.chunk_rows
+        found = np.searchsorted(storage.starts, np.arange(first, last + 1) * storage.chunk_rows)
+        runs, tasks = [], []
+        for number, index in zip(range(first, last + 1), found.tolist()):
+            start = number * storage.chunk_rows
+            a = (max(lo, start) - lo) * storage.row_bytes
+            b = (min(hi, start + storage.chunk_rows) - lo) * storage.row_bytes
+            skip = max(lo - start, 0) * storage.row_bytes
+            if index == len(storage.starts) or storage.starts[index] != start:
+                tasks.append(lambda into=flat[a:b]: into.view(storage.dtype).fill(storage.fill))
+                continue
+            offset, mask = int(storage.offsets[index]), int(storage.masks[index])
+            applied = [f for i, f in enumerate(storage.filters) if not mask >> i & 1]
+            if applied:
+                stored = int(storage.sizes[index])
+                tasks.append(lambda into=flat[a:b], at=offset, stored=stored, skip=skip,
+                             applied=applied:
+                             self._inflate(name, storage, into, at, stored, skip, size, applied))
+            else:
+                runs.append((offset + skip, a, b))
+        return self._raw(name, runs, flat, storage.row_bytes) + tasks
+
+    def _inflate(self, name, storage, into, offset, stored, skip, size, applied):
+        """Read the filtered chunk of `stored` bytes at `offset`, undo its `applied` filters
+        (last applied first) and copy its bytes from `skip` into `into`."""
+        raw = bytearray(stored)
+        _read_exactly(self.path, name, self._fd, memoryview(raw), offset)
+        data = np.frombuffer(raw, np.uint8)
+        if _DEFLATE in applied:
+            try:
+                data = np.frombuffer(zlib.decompress(data, bufsize=size), np.uint8)
+            except zlib.error as err:
+                raise DataError(f"{self.path}: {name} has a chunk at byte {offset} that does "
+                                f"not inflate ({err}); the file is damaged") from None
+        if len(data) != size:
+            raise DataError(f"{self.path}: {name} has a chunk at byte {offset} that holds "
+                            f"{len(data)} bytes, not {size}; the file is damaged")
+        if _SHUFFLE not in applied:
+            into[:] = data[skip:skip + len(into)]
+            return
+        # shuffled: the first byte of every element, then the second, ...
+        item = storage.dtype.itemsize
+        planes, elements = data.reshape(item, -1), into.reshape(-1, item)
+        for byte in range(item):
+            elements[:, byte] = planes[byte, skip // item:skip // item + len(elements)]
