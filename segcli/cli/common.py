@@ -474,9 +474,9 @@ def cluster_options(command):
     command = click.option(
         "--threads", type=click.IntRange(1), envvar="SEGCLI_THREADS", callback=_threads,
         expose_value=False, metavar="K",
-        help="Threads that read (and inflate) an HDF5 file's chunks, and reduce them for "
-             "stats, at once (default: the cores, at most 8; a local cluster's worker: its "
-             "share). Also SEGCLI_THREADS.")(command)
+        help="Threads that read (and inflate) an HDF5 file's chunks at once (default: the "
+             "cores, at most 8; a local cluster's worker: its share). Also SEGCLI_THREADS.")(
+        command)
     command = click.option(
         "--scheduler", envvar="DASK_SCHEDULER_ADDRESS", metavar="ADDRESS|local:K|local:gpus",
         callback=_scheduler,
