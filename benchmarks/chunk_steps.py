@@ -4,7 +4,7 @@ in-place reads); the prefetch thread's work per chunk as engine.run does it (rea
 NaN check, pad); and engine.run's time per chunk, reading and computing overlapped.
 
     python benchmarks/chunk_steps.py [--atoms 10000000] [--device auto|cpu|gpu] [--dir /tmp]
-                                     [--readers K]
+                                     [--threads K]
 
 Uses the file `benchmarks/reduce.py` generates (made here if missing). Every number is taken
 after a first pass, so imports, compilation and buffer allocation are left out.
@@ -25,7 +25,7 @@ def main():
     parser.add_argument("--atoms", type=int, default=10_000_000)
     parser.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
     parser.add_argument("--dir", default=tempfile.gettempdir())
-    parser.add_argument("--readers", type=int, help="threads reading the file (default: the "
+    parser.add_argument("--threads", type=int, help="threads reading the file (default: the "
                                                     "cores, at most 8)")
     args = parser.parse_args()
     path = os.path.join(args.dir, f"segcli-bench-{args.atoms}.h5")
@@ -36,10 +36,11 @@ def main():
 
     from segcli import engine
     from segcli._jax import enable_x64
-    from segcli.io import direct, open_batch
+    from segcli import threads
+    from segcli.io import open_batch
     from segcli.registry import OPS
 
-    direct.set_readers(args.readers)
+    threads.set_count(args.threads)
 
     device = jax.devices(args.device)[0] if args.device != "auto" else jax.devices()[0]
     gpu = device.platform != "cpu"  # pinned buffers, ids expanded on the device: as engine.run
@@ -83,7 +84,7 @@ def main():
                 for name, seconds in zip(steps, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
                     steps[name].append(seconds)
     print(f"{device}, {args.atoms} atoms, chunks of {engine.DEFAULT_CHUNK_ATOMS} atoms, float64, "
-          f"{direct.readers()} readers; median ms per chunk")
+          f"{threads.count()} threads; median ms per chunk")
     print("| " + " | ".join(steps) + " | prefetch thread per chunk | engine.run per chunk |")
     print("|" + " --- |" * (len(steps) + 2))
     print("| " + " | ".join(f"{statistics.median(v) * 1e3:.1f}" for v in steps.values())

@@ -6,7 +6,7 @@ state is the throughput of the second half, (atoms - half's atoms) / (time - hal
 free of what a command pays once (opening, planning, creating and renaming its output).
 
     python benchmarks/steady.py [--atoms 10000000] [--rounds 5] [--device auto|cpu|gpu]
-                                [--readers K] [--compression gzip] [--processes K]
+                                [--threads K] [--compression gzip] [--processes K]
 
 Generates (once, under --dir) a segcli file of float64 forces and velocities (N, 3), energy
 (S,) and cell (S, 3, 3), 1 to 63 atoms per structure. Each command writes its results with
@@ -14,7 +14,7 @@ Generates (once, under --dir) a segcli file of float64 forces and velocities (N,
 cache the read comes from, so that a disk's write-back does not time one case for
 another). Prints a Markdown table: median seconds per run, atoms per second, and the share
 of the bare read's throughput; with `--processes K`, also of a bare read by K processes at
-once (each its share of every chunk's rows). `--readers K` is passed to the commands;
+once (each its share of every chunk's rows). `--threads K` is passed to the commands;
 `--compression gzip` makes (and reads) a file whose per-atom fields are compressed in chunks
 of 64 Ki rows, shuffled.
 """
@@ -104,7 +104,7 @@ def main():
     parser.add_argument("--out-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
     parser.add_argument("--only", help="run only the cases whose command contains one of "
                                            "these comma-separated texts")
-    parser.add_argument("--readers", type=int, help="--readers K for every command")
+    parser.add_argument("--threads", type=int, help="--threads K for every command")
     parser.add_argument("--compression", help="compress the per-atom fields (e.g. gzip)")
     parser.add_argument("--processes", type=int, help="also a bare read by K processes")
     args = parser.parse_args()
@@ -136,7 +136,7 @@ def main():
         for stop in atoms:
             argv = [command, path, *words.split(), "-o", out, "--force", "-q", "--device",
                     args.device, "--structures", f"0:{stop}",
-                    *(["--readers", str(args.readers)] if args.readers else [])]
+                    *(["--threads", str(args.threads)] if args.threads else [])]
             work[(command, words, stop)] = (lambda argv=argv: cli.main(argv,
                                                                        standalone_mode=False))
             work.setdefault((reads, stop), lambda reads=reads, stop=stop: bare_read(
@@ -161,7 +161,7 @@ def main():
 
     k = args.processes
     print(f"{args.atoms} atoms, float64{', ' + args.compression if args.compression else ''}, "
-          f"device {args.device}, readers {args.readers or 'default'}, median of {args.rounds} "
+          f"device {args.device}, threads {args.threads or 'default'}, median of {args.rounds} "
           f"rounds in turns, each after a first run in this process, -o into "
           f"{os.path.dirname(out)}\n")
     print("| command | read of | whole file, s | steady state, M atoms/s | bare read, M atoms/s "

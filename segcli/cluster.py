@@ -46,12 +46,12 @@ def _local_cluster(address):
     if count != "gpus":
         return LocalCluster(n_workers=int(count), threads_per_worker=1, processes=True,
                             dashboard_address=":0", silence_logs=logging.ERROR,
-                            env=_reading_share(int(count)))
+                            env=_threads_share(int(count)))
     gpus = visible_gpus()
     if not gpus:
         raise DataError("--scheduler local:gpus: no GPU is visible (CUDA_VISIBLE_DEVICES or "
                         "nvidia-smi -L lists none)")
-    share = _reading_share(len(gpus))
+    share = _threads_share(len(gpus))
     try:
         from dask_cuda import LocalCUDACluster
     except ImportError:
@@ -64,12 +64,12 @@ def _local_cluster(address):
                             dashboard_address=":0", silence_logs=logging.ERROR, env=share)
 
 
-def _reading_share(workers):
+def _threads_share(workers):
     """The environment that gives each of `workers` processes here its share of this
-    process's reading threads (see segcli.io.direct)."""
-    from segcli.io.direct import share
+    process's threads (see segcli.threads)."""
+    from segcli import threads
 
-    return {"SEGCLI_READERS": str(share(workers))}
+    return {"SEGCLI_THREADS": str(threads.share(workers))}
 
 
 @contextlib.contextmanager

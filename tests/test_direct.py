@@ -1,9 +1,10 @@
 """Rows read from an HDF5 file's bytes by several threads (segcli.io.direct) against h5py's
 own read of the same rows, for every storage it reads itself; what it leaves to h5py; damaged
-chunks; and --readers."""
+chunks; --threads and segcli.threads."""
 
 import io
 import os
+import time
 import zlib
 
 import h5py
@@ -12,6 +13,7 @@ import pytest
 from batch_reference import write_batch
 from click.testing import CliRunner
 
+from segcli import threads
 from segcli.cli import main
 from segcli.io import direct
 
@@ -21,17 +23,17 @@ RANGES = [(0, 0), (0, ROWS), (0, 1), (ROWS - 1, ROWS), (999, 1001), (1000, 3000)
 
 
 @pytest.fixture(autouse=True)
-def default_readers():
+def default_threads():
     yield
-    direct.set_readers(None)
+    threads.set_count(None)
 
 
 @pytest.fixture(params=[1, 3])
-def readers(request, monkeypatch):
+def thread_count(request, monkeypatch):
     """Read with 1 and with 3 threads, in parts of a few rows (so that even small reads are
     cut into parts)."""
     monkeypatch.setattr(direct, "MIN_PART", 4096)
-    direct.set_readers(request.param)
+    threads.set_count(request.param)
     return request.param
 
 
@@ -56,7 +58,7 @@ def _layouts(rng):
     }
 
 
-def test_rows_match_h5py(tmp_path, readers):
+def test_rows_match_h5py(tmp_path, thread_count):
     rng = np.random.default_rng(0)
     path = tmp_path / "layouts.h5"
     layouts = _layouts(rng)
@@ -78,7 +80,7 @@ def test_rows_match_h5py(tmp_path, readers):
             assert reader.read(ds, 0, ROWS, np.zeros(data.shape, np.float16)).dtype == ds.dtype
 
 
-def test_missing_chunks_and_skipped_filters(tmp_path, readers):
+def test_missing_chunks_and_skipped_filters(tmp_path, thread_count):
     """Chunks never written read as the dataset's fill value; a chunk stored with its filters
     skipped (its filter mask) is read raw."""
     rng = np.random.default_rng(1)
@@ -156,9 +158,9 @@ def _deflated_file(path, damage):
 def test_damaged_chunk_is_one_line(tmp_path, damage, needle):
     path = tmp_path / "damaged.h5"
     _deflated_file(path, damage)
-    for readers in ("1", "2"):
-        result = CliRunner().invoke(main, ["reduce", str(path), "sum", "forces", "--readers",
-                                           readers])
+    for count in ("1", "2"):
+        result = CliRunner().invoke(main, ["reduce", str(path), "sum", "forces", "--threads",
+                                           count])
         assert result.exit_code == 1, result.output
         line, = result.stderr.strip().splitlines()
         assert line.startswith(f"Error: {path}: /atoms/forces has a chunk at byte ") \
@@ -166,9 +168,9 @@ def test_damaged_chunk_is_one_line(tmp_path, damage, needle):
         assert "Traceback" not in result.output
 
 
-def test_readers_give_the_same_results(tmp_path):
-    """reduce over a deflated file, as a converted file stores it, with 1 and 4 readers and
-    SEGCLI_READERS: the same bits, the right sums."""
+def test_threads_give_the_same_results(tmp_path):
+    """reduce over a deflated file, as a converted file stores it, with 1 and 4 threads and
+    SEGCLI_THREADS: the same bits, the right sums."""
     rng = np.random.default_rng(4)
     n_atoms = rng.integers(0, 40, 3000)
     forces = rng.normal(size=(int(n_atoms.sum()), 3))
@@ -177,8 +179,8 @@ def test_readers_give_the_same_results(tmp_path):
     assert CliRunner().invoke(main, ["convert", str(source), "-o", str(packed),
                                      "--compression", "gzip"]).exit_code == 0
     outputs = []
-    for args, env in ((["--readers", "1"], {}), (["--readers", "4"], {}),
-                      ([], {"SEGCLI_READERS": "3"})):
+    for args, env in ((["--threads", "1"], {}), (["--threads", "4"], {}),
+                      ([], {"SEGCLI_THREADS": "3"})):
         result = CliRunner(env=env).invoke(main, ["reduce", str(packed), "sum", "forces",
                                                   "--chunk-atoms", "5000", "--format", "npy",
                                                   *args])
@@ -189,22 +191,38 @@ def test_readers_give_the_same_results(tmp_path):
     expected[n_atoms == 0] = 0
     np.testing.assert_allclose(np.load(io.BytesIO(outputs[0])), expected, rtol=1e-12,
                                atol=1e-12)
-    assert direct._readers is None  # the command's --readers ends with it
+    assert threads._count is None  # the command's --threads ends with it
 
 
-def test_readers_option_and_shares(monkeypatch):
+def test_threads_option_and_shares(monkeypatch):
     result = CliRunner().invoke(main, ["reduce", "sample_data/metals.h5", "sum", "forces",
-                                       "--readers", "0"])
-    assert result.exit_code == 2 and "--readers" in result.output
-    monkeypatch.setenv("SEGCLI_READERS", "5")
-    assert direct.readers() == 5
-    monkeypatch.setenv("SEGCLI_READERS", "x")
-    assert direct.readers() == min(direct.MOST_READERS, direct.cores())
-    monkeypatch.setattr(direct, "cores", lambda: 16)
-    assert [direct.share(k) for k in (1, 2, 8, 32)] == [8, 8, 2, 1]
-    direct.set_readers(3)
-    assert direct.share(2) == 1 and direct.readers() == 3
-    direct.set_readers(None)
+                                       "--threads", "0"])
+    assert result.exit_code == 2 and "--threads" in result.output
+    monkeypatch.setenv("SEGCLI_THREADS", "5")
+    assert threads.count() == 5
+    monkeypatch.setenv("SEGCLI_THREADS", "x")
+    assert threads.count() == min(threads.MOST, threads.cores())
+    monkeypatch.setattr(threads, "cores", lambda: 16)
+    assert [threads.share(k) for k in (1, 2, 8, 32)] == [8, 8, 2, 1]
+    threads.set_count(3)
+    assert threads.share(2) == 1 and threads.count() == 3
+    threads.set_count(None)
     with pytest.raises(ValueError):
-        direct.set_readers(0)
-    assert os.environ["SEGCLI_READERS"] == "x"  # set_readers leaves the environment alone
+        threads.set_count(0)
+    assert os.environ["SEGCLI_THREADS"] == "x"  # set_count leaves the environment alone
+
+
+def test_run_waits_for_every_task_then_raises_the_first_error():
+    threads.set_count(3)
+    done = []
+
+    def fail(message, delay=0.0):
+        def task():
+            time.sleep(delay)
+            done.append(message)
+            raise ValueError(message)
+        return task
+
+    with pytest.raises(ValueError, match="first"):
+        threads.run([fail("first", 0.05), lambda: done.append("ok"), fail("second")])
+    assert sorted(done) == ["first", "ok", "second"]

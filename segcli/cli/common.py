@@ -459,23 +459,24 @@ def _scheduler_address(text):
         return False
 
 
-def _readers(ctx, param, value):
-    """--readers: set for the command, and unset when it ends."""
+def _threads(ctx, param, value):
+    """--threads: set for the command, and unset when it ends."""
     if value is not None:
-        from segcli.io import direct
+        from segcli import threads
 
-        direct.set_readers(value)
-        ctx.call_on_close(lambda: direct.set_readers(None))
+        threads.set_count(value)
+        ctx.call_on_close(lambda: threads.set_count(None))
     return value
 
 
 def cluster_options(command):
-    """--shard, --scheduler (SPEC §3b) and --readers, for reduce, grad and stats."""
+    """--shard, --scheduler (SPEC §3b) and --threads, for reduce, grad and stats."""
     command = click.option(
-        "--readers", type=click.IntRange(1), envvar="SEGCLI_READERS", callback=_readers,
+        "--threads", type=click.IntRange(1), envvar="SEGCLI_THREADS", callback=_threads,
         expose_value=False, metavar="K",
-        help="Threads that read an HDF5 file's chunks at once (default: the cores, at most 8; "
-             "a cluster's worker: its share of the cores). Also SEGCLI_READERS.")(command)
+        help="Threads that read (and inflate) an HDF5 file's chunks at once (default: the "
+             "cores, at most 8; a local cluster's worker: its share). Also SEGCLI_THREADS.")(
+        command)
     command = click.option(
         "--scheduler", envvar="DASK_SCHEDULER_ADDRESS", metavar="ADDRESS|local:K|local:gpus",
         callback=_scheduler,

@@ -3,7 +3,7 @@
 h5py runs one call at a time (its lock) and inflates a compressed chunk in the calling thread,
 so one process reads with one core. Where a dataset's storage is simple enough to read
 without HDF5 (contiguous; or chunked along its rows only, each chunk stored raw or through
-HDF5's shuffle and deflate filters), `Reader` reads a block of rows with `readers()` threads:
+HDF5's shuffle and deflate filters), `Reader` reads a block of rows with segcli.threads:
 `os.preadv` and zlib work without Python's lock. Anything else is left to h5py.
 
     reader = Reader("data.h5", h5)
@@ -12,90 +12,19 @@ HDF5's shuffle and deflate filters), `Reader` reads a block of rows with `reader
 
 import math
 import os
-import threading
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 
 import h5py
 import numpy as np
 
+from segcli import threads
 from segcli.errors import DataError
 
-MOST_READERS = 8
-"""The default number of reading threads is the cores this process may use, at most this."""
 MIN_PART = 4 << 20
 """Bytes of a contiguous read below which a thread is not worth starting."""
 
 _SHUFFLE, _DEFLATE = h5py.h5z.FILTER_SHUFFLE, h5py.h5z.FILTER_DEFLATE
 _H5PY_ERRORS = (RuntimeError, KeyError, ValueError, TypeError, OSError)
-_readers = None
-_pool = None
-_pool_lock = threading.Lock()
-
-
-def default_readers():
-    """SEGCLI_READERS where it is a positive integer, else the cores this process may use, at
-    most MOST_READERS."""
-    given = os.environ.get("SEGCLI_READERS", "")
-    if given.isdigit() and int(given) > 0:
-        return int(given)
-    return min(MOST_READERS, cores())
-
-
-def cores():
-    """The cores this process may use."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-def share(processes):
-    """The readers each of `processes` processes on this machine takes (as SEGCLI_READERS
-    tells them): those set_readers gave, else the cores, split evenly (at least 1 each)."""
-    return max(1, min(MOST_READERS, (_readers or cores()) // processes))
-
-
-def readers():
-    """How many threads read a block of rows (see set_readers)."""
-    return _readers or default_readers()
-
-
-def set_readers(count):
-    """Read with `count` threads from now on (None: the default, see default_readers)."""
-    global _readers, _pool
-    if count is not None and count < 1:
-        raise ValueError(f"readers must be at least 1, got {count}")
-    with _pool_lock:
-        _readers = count
-        if _pool is not None:
-            _pool.shutdown(wait=False)
-            _pool = None
-
-
-def _run(tasks):
-    """Run the callables `tasks`, on the reading threads when there are several of both;
-    the first exception raised by one is raised here once all have ended."""
-    global _pool
-    if len(tasks) < 2 or readers() < 2:
-        for task in tasks:
-            task()
-        return
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(readers(), thread_name_prefix="segcli-read")
-        pool = _pool
-    for future in [pool.submit(task) for task in tasks]:
-        future.result()
-
-
-def _forget_pool():
-    """A child process does not inherit its parent's threads."""
-    global _pool
-    _pool = None
-
-
-os.register_at_fork(after_in_child=_forget_pool)
 
 
 class _Storage:
@@ -166,8 +95,8 @@ def _read_exactly(path, name, fd, view, offset):
 
 
 class Reader:
-    """Reads blocks of rows of the datasets of one open HDF5 file (`h5`, at `path`) with the
-    reading threads where it can (see the module), else with h5py."""
+    """Reads blocks of rows of the datasets of one open HDF5 file (`h5`, at `path`) with
+    segcli.threads where it can (see the module), else with h5py."""
 
     def __init__(self, path, h5):
         self.path = path
@@ -210,13 +139,13 @@ class Reader:
             tasks = self._contiguous(ds.name, storage, lo, hi, flat)
         else:
             tasks = self._chunked(ds.name, storage, lo, hi, flat)
-        _run(tasks)
+        threads.run(tasks)
         return out
 
     def _raw(self, name, runs, flat, row_bytes):
         """Tasks reading the raw runs (file offset, a, b: the bytes flat[a:b]) into the bytes
         `flat`: runs that follow one another in the file and in `flat` joined, then cut at
-        whole rows into up to readers() parts of at least MIN_PART bytes each."""
+        whole rows into up to threads.count() parts of at least MIN_PART bytes each."""
         joined = []
         for offset, a, b in runs:
             if joined and joined[-1][0] + joined[-1][2] - joined[-1][1] == offset \
@@ -225,7 +154,7 @@ class Reader:
             else:
                 joined.append([offset, a, b])
         total = sum(b - a for _, a, b in joined)
-        part = max(MIN_PART, -(-total // readers()) // row_bytes * row_bytes)
+        part = max(MIN_PART, -(-total // threads.count()) // row_bytes * row_bytes)
         return [lambda at=offset + lo - a, lo=lo, hi=min(b, lo + part):
                 _read_exactly(self.path, name, self._fd, flat[lo:hi], at)
                 for offset, a, b in joined for lo in range(a, b, part)]
