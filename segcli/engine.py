@@ -456,6 +456,46 @@ def prefetch(iterable):
         worker.join()
 
 
+@contextlib.contextmanager
+def behind(consume):
+    """A function that hands its arguments to `consume`, which a background thread calls with
+    them, in order, while the caller goes on (one call waiting, no more). Leaving the block
+    waits for every call handed over; an exception of `consume` is raised in the caller, at
+    its next hand-over or on leaving, and stops the calls after it; an exception of the
+    caller's stops them after the one in progress."""
+    calls = queue.Queue(maxsize=1)
+    stop = threading.Event()
+    failed = []
+
+    def work():
+        while (args := calls.get()) is not None:
+            if stop.is_set():
+                continue
+            try:
+                consume(*args)
+            except BaseException as err:  # noqa: BLE001  (handed to the caller)
+                failed.append(err)
+                stop.set()
+
+    def hand_over(*args):
+        if failed:
+            raise failed[0]
+        calls.put(args)
+
+    worker = threading.Thread(target=work, name="segcli-behind", daemon=True)
+    worker.start()
+    try:
+        yield hand_over
+    except BaseException:
+        stop.set()
+        raise
+    finally:
+        calls.put(None)
+        worker.join()
+    if failed:
+        raise failed[0]
+
+
 def keep_freed_buffers():
     """Have glibc's malloc keep freed blocks of up to 256 MiB for reuse, rather than unmap
     them: XLA's CPU client allocates every output afresh, and on a VM the page faults of a

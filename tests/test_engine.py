@@ -161,6 +161,46 @@ def test_prefetch_raises_the_producers_error_and_stops_when_the_caller_does():
     assert len(produced) <= 2
 
 
+def test_behind_calls_in_order_while_the_caller_goes_on():
+    done, release = [], threading.Event()
+
+    def consume(k):
+        release.wait(10)
+        done.append((k, threading.current_thread().name))
+
+    with engine.behind(consume) as hand_over:
+        hand_over(0)  # taken by the thread at once
+        hand_over(1)  # waits in the queue: the caller goes on
+        assert done == []
+        release.set()
+        for k in range(2, 6):
+            hand_over(k)
+    assert done == [(k, "segcli-behind") for k in range(6)]
+    assert not any(t.name == "segcli-behind" for t in threading.enumerate())
+
+
+def test_behind_raises_the_consumers_error_and_stops_on_the_callers():
+    done = []
+
+    def consume(k):
+        if k == 1:
+            raise BrokenPipeError("closed")
+        done.append(k)
+
+    with pytest.raises(BrokenPipeError, match="closed"), engine.behind(consume) as hand_over:
+        for k in range(100):
+            hand_over(k)
+            time.sleep(0.001)
+    assert done == [0]  # nothing after the failed call
+    done.clear()
+    with pytest.raises(DataError, match="caller"), engine.behind(done.append) as hand_over:
+        hand_over(0)
+        time.sleep(0.05)
+        raise DataError("caller")
+    assert done == [0]
+    assert not any(t.name == "segcli-behind" for t in threading.enumerate())
+
+
 def test_nan_is_counted_over_every_chunk_and_the_first_structure_named(tmp_path):
     n_atoms = np.full(40, 5)
     x = np.ones((200, 3))

@@ -422,21 +422,25 @@ def compute_into(batch, results, sink, device, lo, hi, chunk_atoms, progress=Non
                  keep=None, run=None):
     """Compute the results' jobs over structures [lo, hi) of `batch` (those `keep` marks, if
     given) on `device`, in one pass, by `run` (default engine.run, whose signature it has),
-    into `sink`; the `notes` go to stderr once the first chunk is computed."""
+    into `sink`, each chunk's results written while the next computes; the `notes` go to
+    stderr once the first chunk is computed."""
     from segcli import engine
 
     chunks = (run or engine.run)(batch, results.jobs, device, structures=slice(lo, hi),
                                  chunk_atoms=chunk_atoms or engine.DEFAULT_CHUNK_ATOMS,
                                  keep=keep)
+    def write(chunk, outputs):
+        sink.write(chunk, outputs)
+        if progress is not None:
+            progress.update(len(chunk.n_atoms))
+
     with contextlib.closing(chunks):
         first = next(chunks, None)  # what fails at once fails before any output
         for message in notes:
             note(message)
-        with sink:
+        with sink, engine.behind(write) as write_behind:  # written while the next computes
             for chunk, outputs in itertools.chain([first] if first else [], chunks):
-                sink.write(chunk, results.of(outputs))
-                if progress is not None:
-                    progress.update(len(chunk.n_atoms))
+                write_behind(chunk, results.of(outputs))
 
 
 def _plan(batch, path, ops, names, plan):
