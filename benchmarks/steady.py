@@ -105,6 +105,8 @@ def main():
     parser.add_argument("--only", help="run only the cases whose command contains one of "
                                            "these comma-separated texts")
     parser.add_argument("--threads", type=int, help="--threads K for every command")
+    parser.add_argument("--chunk-atoms", type=int, help="--chunk-atoms for every command "
+                                                        "and the bare reads' step")
     parser.add_argument("--compression", help="compress the per-atom fields (e.g. gzip)")
     parser.add_argument("--processes", type=int, help="also a bare read by K processes")
     args = parser.parse_args()
@@ -124,6 +126,8 @@ def main():
     as_program()  # this process's settings are those of the segcli program
     from segcli.engine import DEFAULT_CHUNK_ATOMS
 
+    step = args.chunk_atoms or DEFAULT_CHUNK_ATOMS
+
     with h5py.File(path, "r") as f:
         n_atoms = f["structures/n_atoms"][()]
     half = len(n_atoms) // 2
@@ -136,15 +140,16 @@ def main():
         for stop in atoms:
             argv = [command, path, *words.split(), "-o", out, "--force", "-q", "--device",
                     args.device, "--structures", f"0:{stop}",
-                    *(["--threads", str(args.threads)] if args.threads else [])]
+                    *(["--threads", str(args.threads)] if args.threads else []),
+                    *(["--chunk-atoms", str(args.chunk_atoms)] if args.chunk_atoms else [])]
             work[(command, words, stop)] = (lambda argv=argv: cli.main(argv,
                                                                        standalone_mode=False))
             work.setdefault((reads, stop), lambda reads=reads, stop=stop: bare_read(
-                path, reads, DEFAULT_CHUNK_ATOMS, stop))
+                path, reads, step, stop))
             if pool:
                 work.setdefault(("processes", reads, stop), lambda reads=reads, stop=stop:
                                 bare_read_by(pool, args.processes, path, reads,
-                                             DEFAULT_CHUNK_ATOMS, stop))
+                                             step, stop))
     seconds = {name: [] for name in work}
     for round_ in range(args.rounds + 1):
         for name, run in work.items():
@@ -161,7 +166,8 @@ def main():
 
     k = args.processes
     print(f"{args.atoms} atoms, float64{', ' + args.compression if args.compression else ''}, "
-          f"device {args.device}, threads {args.threads or 'default'}, median of {args.rounds} "
+          f"device {args.device}, threads {args.threads or 'default'}, chunks of {step} atoms, "
+          f"median of {args.rounds} "
           f"rounds in turns, each after a first run in this process, -o into "
           f"{os.path.dirname(out)}\n")
     print("| command | read of | whole file, s | steady state, M atoms/s | bare read, M atoms/s "

@@ -312,3 +312,29 @@ def test_chunks_hold_whole_segments_and_copy_only_those_they_join(seed):
             assert np.shares_memory(chunk.atoms["x"], holder[0].atoms["x"])
 
 
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_rechunk_of_any_pieces_gives_the_runs_of_plan_chunks(seed):
+    """Pieces cut anywhere (empty ones, empty and oversized structures among them) are
+    grouped into the chunks plan_chunks gives, each holding its structures' rows in order."""
+    rng = np.random.default_rng(seed)
+    n_atoms = rng.integers(0, 9, int(rng.integers(0, 60)))
+    n_atoms[rng.random(len(n_atoms)) < 0.1] = 30  # bigger than a chunk
+    chunk_atoms = int(rng.integers(1, 25))
+    offsets = np.concatenate([[0], np.cumsum(n_atoms)])
+    x = np.arange(offsets[-1], dtype=np.float64)
+    cuts = np.unique(np.concatenate([[0, len(n_atoms)],
+                                     rng.integers(0, len(n_atoms) + 1, 6)]))
+    pieces = [Chunk(int(a), n_atoms[a:b], {"x": x[offsets[a]:offsets[b]]}, {})
+              for a, b in itertools.pairwise(cuts)]
+    pieces.insert(1, Chunk(int(cuts[1]) if len(cuts) > 1 else 0, n_atoms[:0], {"x": x[:0]}, {}))
+    schema = {"x": FieldInfo("x", "atom", (), x.dtype)}
+    chunks = [merge_pieces("f", group, schema) for group in rechunk(iter(pieces), chunk_atoms)]
+    from segcli.io.core import plan_chunks
+
+    bounds = plan_chunks(n_atoms, chunk_atoms)
+    assert [c.start for c in chunks] == bounds[:-1]
+    for chunk, (a, b) in zip(chunks, itertools.pairwise(bounds)):
+        assert np.array_equal(chunk.n_atoms, n_atoms[a:b])
+        assert np.array_equal(chunk.atoms["x"], x[offsets[a]:offsets[b]])

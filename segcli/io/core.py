@@ -185,22 +185,24 @@ def rechunk(pieces, chunk_atoms):
     group, room = [], chunk_atoms
     for piece in pieces:
         total = int(piece.n_atoms.sum())
-        if total <= room and len(piece.n_atoms):  # the common case: the whole piece fits
-            group.append(piece)
-            room -= total
-        else:
-            while len(piece.n_atoms):
-                k = int(np.searchsorted(np.cumsum(piece.n_atoms), room, side="right"))
-                if k == 0 and group:
-                    yield group
-                    group, room = [], chunk_atoms
-                    continue
-                head, piece = split_piece(piece, max(k, 1))
-                group.append(head)
-                room -= int(head.n_atoms.sum())
-                if k == 0 or len(piece.n_atoms):
-                    yield group
-                    group, room = [], chunk_atoms
+        while len(piece.n_atoms):
+            if total <= room:  # the common case: (what is left of) the piece fits whole
+                group.append(piece)
+                room -= total
+                break
+            k = 0 if piece.n_atoms[0] > room else int(
+                np.searchsorted(np.cumsum(piece.n_atoms), room, side="right"))
+            if k == 0 and group:
+                yield group
+                group, room = [], chunk_atoms
+                continue
+            head, piece = split_piece(piece, max(k, 1))
+            taken = int(head.n_atoms.sum())
+            group.append(head)
+            room, total = room - taken, total - taken
+            if k == 0 or len(piece.n_atoms):
+                yield group
+                group, room = [], chunk_atoms
     if group:
         yield group
 
