@@ -34,9 +34,8 @@ def main():
 
     import jax
 
-    from segcli import engine
+    from segcli import engine, threads
     from segcli._jax import enable_x64
-    from segcli import threads
     from segcli.io import open_batch
     from segcli.registry import OPS
 

@@ -623,14 +623,15 @@ def run(batch, jobs, device, *, chunk_atoms=DEFAULT_CHUNK_ATOMS, structures=slic
         items = prefetch(_padded_chunks(batch, jobs, chunk_atoms, structures, buffers, on_device,
                                         keep))
         with contextlib.closing(items):
-            # (chunk, launch) of the chunk in flight: the ring's slots outlast two chunks
-            flying = None
-            for chunk, padded in itertools.chain(items, [(None, None)]):
-                launched = (chunk, launch(jobs, padded, device)) if chunk is not None else None
+            flying = None  # (chunk, launch) in flight: the ring's slots outlast two chunks
+            for chunk, padded in items:
+                launched = chunk, launch(jobs, padded, device)
                 if flying is not None:
-                    yield _finished(jobs, *flying, itertools.chain(
-                        [launched[0]] if launched else [], (c for c, _ in items)))
+                    yield _finished(jobs, *flying, itertools.chain([chunk],
+                                                                   (c for c, _ in items)))
                 flying = launched
+            if flying is not None:
+                yield _finished(jobs, *flying, ())
 
 
 def _finished(jobs, chunk, launched, rest):

@@ -132,6 +132,16 @@ def test_what_is_left_to_h5py(tmp_path):
                                       x[5:50])
 
 
+def test_files_not_read_through_a_descriptor_are_left_to_h5py(tmp_path):
+    path = tmp_path / "x.h5"
+    with h5py.File(path, "w") as f:
+        f["x"] = np.arange(12.0).reshape(4, 3)
+    with open(path, "rb") as raw, h5py.File(raw, "r") as f:
+        assert direct.Reader(str(path), f).read(f["x"], 0, 4) is None
+    with h5py.File(path, "r", driver="core") as f:
+        assert direct.Reader(str(path), f).read(f["x"], 0, 4) is None
+
+
 def _deflated_file(path, damage):
     """A segcli file whose forces are deflated in chunks of 64 rows, its second chunk's bytes
     passed through `damage`."""
@@ -191,7 +201,7 @@ def test_threads_give_the_same_results(tmp_path):
     expected[n_atoms == 0] = 0
     np.testing.assert_allclose(np.load(io.BytesIO(outputs[0])), expected, rtol=1e-12,
                                atol=1e-12)
-    assert threads._count is None  # the command's --threads ends with it
+    assert threads._state.count is None  # the command's --threads ends with it
 
 
 def test_threads_option_and_shares(monkeypatch):

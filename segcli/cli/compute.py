@@ -429,6 +429,7 @@ def compute_into(batch, results, sink, device, lo, hi, chunk_atoms, progress=Non
     chunks = (run or engine.run)(batch, results.jobs, device, structures=slice(lo, hi),
                                  chunk_atoms=chunk_atoms or engine.DEFAULT_CHUNK_ATOMS,
                                  keep=keep)
+
     def write(chunk, outputs):
         sink.write(chunk, outputs)
         if progress is not None:

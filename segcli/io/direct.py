@@ -10,6 +10,7 @@ HDF5's shuffle and deflate filters), `Reader` reads a block of rows with segcli.
     forces = reader.read(h5["atoms/forces"], 0, 1_000_000)
 """
 
+import functools
 import math
 import os
 import zlib
@@ -101,8 +102,11 @@ class Reader:
     def __init__(self, path, h5):
         self.path = path
         self._storage = {}
+        self._fd = None
+        if h5.driver != "sec2":  # a file object or memory: not a descriptor's bytes
+            return
         try:
-            self._fd = h5.id.get_vfd_handle()  # HDF5's own descriptor (sec2): pread moves nothing
+            self._fd = h5.id.get_vfd_handle()  # HDF5's own descriptor: pread moves nothing
             self._size = os.fstat(self._fd).st_size
         except _H5PY_ERRORS:
             self._fd = None
@@ -155,8 +159,8 @@ class Reader:
                 joined.append([offset, a, b])
         total = sum(b - a for _, a, b in joined)
         part = max(MIN_PART, -(-total // threads.count()) // row_bytes * row_bytes)
-        return [lambda at=offset + lo - a, lo=lo, hi=min(b, lo + part):
-                _read_exactly(self.path, name, self._fd, flat[lo:hi], at)
+        return [functools.partial(_read_exactly, self.path, name, self._fd,
+                                  flat[lo:min(b, lo + part)], offset + lo - a)
                 for offset, a, b in joined for lo in range(a, b, part)]
 
     def _contiguous(self, name, storage, lo, hi, flat):
