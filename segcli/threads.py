@@ -29,7 +29,8 @@ class _State:
 
 
 _state = _State()
-os.register_at_fork(after_in_child=_state.forget_pool)
+if hasattr(os, "register_at_fork"):  # not on Windows, which does not fork
+    os.register_at_fork(after_in_child=_state.forget_pool)
 
 
 def cores():

@@ -103,7 +103,7 @@ class Reader:
         self.path = path
         self._storage = {}
         self._fd = None
-        if h5.driver != "sec2":  # a file object or memory: not a descriptor's bytes
+        if h5.driver != "sec2" or not hasattr(os, "preadv"):  # a file object or memory; Windows
             return
         try:
             self._fd = h5.id.get_vfd_handle()  # HDF5's own descriptor: pread moves nothing
