@@ -57,20 +57,10 @@ def make_file(path, atoms, seed=0, compression=None):
                 data[lo:lo + (1 << 22)] = rng.normal(size=(min(1 << 22, atoms - lo), 3))
 
 
-def bare_read(path, names, chunk_atoms, structures):
+def bare_read(path, names, chunk_atoms, structures, part=0, parts=1):
     """Read the rows of the first `structures` structures of the datasets `names` (atoms/ or
-    structures/) chunk by chunk, as a plain script would."""
-    with h5py.File(path, "r", rdcc_nbytes=0) as f:
-        n_atoms = f["structures/n_atoms"][:structures]
-        for name in names:
-            data = f[name]
-            stop = int(n_atoms.sum()) if name.startswith("atoms/") else len(n_atoms)
-            for lo in range(0, stop, chunk_atoms):
-                data[lo:min(lo + chunk_atoms, stop)]
-
-
-def _read_share(path, names, chunk_atoms, structures, part, parts):
-    """bare_read's rows of part `part` of `parts` of every chunk."""
+    structures/) chunk by chunk, as a plain script would; with `parts`, only part `part` of
+    every chunk (for one of `parts` processes reading it together)."""
     with h5py.File(path, "r", rdcc_nbytes=0) as f:
         n_atoms = f["structures/n_atoms"][:structures]
         for name in names:
@@ -83,7 +73,7 @@ def _read_share(path, names, chunk_atoms, structures, part, parts):
 
 def bare_read_by(pool, parts, *args):
     """bare_read by `parts` processes of `pool` at once."""
-    list(pool.map(_read_share, *zip(*[(*args, k, parts) for k in range(parts)])))
+    list(pool.map(bare_read, *zip(*[(*args, k, parts) for k in range(parts)])))
 
 
 def datasets_of(words):

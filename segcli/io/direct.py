@@ -34,15 +34,14 @@ class _Storage:
     filter masks (chunked; a missing chunk reads as `fill`), `filters` the filter codes of its
     pipeline in the order they were applied."""
 
-    def __init__(self, dsid, dtype):
+    def __init__(self, dsid, dtype, plist, filters):
         self.dtype = dtype
         self.row_bytes = dtype.itemsize * math.prod(dsid.shape[1:])
         self.rows = dsid.shape[0]
         self.offset = dsid.get_offset()
-        plist = dsid.get_create_plist()
         self.fill = np.zeros((), dtype)
         plist.get_fill_value(self.fill)
-        self.filters = tuple(plist.get_filter(i)[0] for i in range(plist.get_nfilters()))
+        self.filters = filters
         if self.offset is not None:
             return
         self.chunk_rows = plist.get_chunk()[0]
@@ -70,15 +69,15 @@ class _Storage:
         if dtype.kind not in "iuf" or ds.ndim == 0 or ds.is_virtual or ds.external \
                 or dsid.get_type() != h5py.h5t.py_create(dtype):  # bytes as NumPy holds them
             return None
-        layout = dsid.get_create_plist().get_layout()
-        if layout == h5py.h5d.CONTIGUOUS:
-            return cls(dsid, dtype) if dsid.get_offset() is not None else None
-        if layout != h5py.h5d.CHUNKED or tuple(ds.chunks[1:]) != tuple(ds.shape[1:]):
-            return None
         plist = dsid.get_create_plist()
-        if {plist.get_filter(i)[0] for i in range(plist.get_nfilters())} - {_SHUFFLE, _DEFLATE}:
+        layout = plist.get_layout()
+        filters = tuple(plist.get_filter(i)[0] for i in range(plist.get_nfilters()))
+        if layout == h5py.h5d.CONTIGUOUS:
+            return cls(dsid, dtype, plist, filters) if dsid.get_offset() is not None else None
+        if layout != h5py.h5d.CHUNKED or tuple(ds.chunks[1:]) != tuple(ds.shape[1:]) \
+                or set(filters) - {_SHUFFLE, _DEFLATE}:
             return None
-        return cls(dsid, dtype)
+        return cls(dsid, dtype, plist, filters)
 
 
 def _read_exactly(path, name, fd, view, offset):
