@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from segcli._jax import enable_x64
@@ -160,6 +161,7 @@ class _Problem:
         return ravel_pytree(self._f(*args))[0]
 
 
+@jax.jit
 def _scaled_direction(key, x):
     """A random direction whose entries are proportional to |x| (the rms of x where x is 0),
     so a step `eps` moves every entry by about `eps` relative to its own magnitude."""
@@ -217,7 +219,7 @@ def _derivative(problem, order, keys, forward=None):
 def _try(function, *args):
     """(result, None), or (None, note) when the mode is unavailable."""
     try:
-        return jax.block_until_ready(function(*args)), None
+        return _host(function(*args)), None
     except _UNAVAILABLE as error:
         return None, _first_line(error)
 
@@ -227,11 +229,17 @@ def _replace(xs, position, value):
 
 
 def _with_tangent(xs, position, tangent):
-    return tuple(tangent if i == position else jnp.zeros_like(x) for i, x in enumerate(xs))
+    return tuple(tangent if i == position else np.zeros(x.shape, x.dtype) for i, x in enumerate(xs))
 
 
 def _norm(values):
-    return float(jnp.max(jnp.abs(values))) if values.size else 0.0
+    return float(np.max(np.abs(values))) if values.size else 0.0
+
+
+def _host(values):
+    """A JAX result (array or tuple of them) as NumPy: the checks' arithmetic runs on the host,
+    where each eager jnp operation would compile a program of its own."""
+    return tuple(map(np.asarray, values)) if isinstance(values, tuple) else np.asarray(values)
 
 
 class _Sample(NamedTuple):
@@ -260,7 +268,7 @@ def _fd_sample(error, scale, truncation, roundoff, rtol, atol, note):
 
 def _nonfinite_note(*products):
     for name, values in products:
-        if not bool(jnp.all(jnp.isfinite(values))):
+        if not np.isfinite(values).all():
             return f"non-finite {name}"
     return ""
 
@@ -336,9 +344,10 @@ def check_gradients(f, args, *, order=2, eps=None, rtol=None, atol=None, seed=0,
 
 def _check_order(function, order, g, problem, key, eps, rtol, atol, chain_note):
     xs = problem.xs
-    value = jax.jit(g)
+    jitted = jax.jit(g)
+    value = lambda *xs: np.asarray(jitted(*xs))  # noqa: E731
     g0 = value(*xs)
-    machine = float(jnp.finfo(g0.dtype).eps)
+    machine = float(np.finfo(g0.dtype).eps)
     step = eps if eps is not None else machine ** (1 / 3)
     rtol = rtol if rtol is not None else math.sqrt(machine)
     atol = atol if atol is not None else 0.0
@@ -349,15 +358,16 @@ def _check_order(function, order, g, problem, key, eps, rtol, atol, chain_note):
                for mode in ("jvp vs fd", "vjp vs fd", "vjp vs jvp")}
     for direction_key in jax.random.split(key, DIRECTIONS):
         u_key, *v_keys = jax.random.split(direction_key, 1 + len(xs))
-        u = jax.random.normal(u_key, g0.shape, g0.dtype)
+        u = np.asarray(jax.random.normal(u_key, g0.shape, g0.dtype))
         pullback, reverse_note = _try(vjp, xs, u) if reverse_note is None else (None, reverse_note)
         for a, v_key in enumerate(v_keys):
-            v = _scaled_direction(v_key, xs[a])
-            points = [value(*_replace(xs, a, xs[a] + t * step * v)) for t in (1, -1, 2, -2)]
+            v = np.asarray(_scaled_direction(v_key, xs[a]))
+            x = np.asarray(xs[a])
+            points = [value(*_replace(xs, a, x + t * step * v)) for t in (1, -1, 2, -2)]
             fd = (points[0] - points[1]) / (2 * step)
             fd_2h = (points[2] - points[3]) / (4 * step)
-            truncation = jnp.abs(fd - fd_2h) / 3
-            roundoff = machine * jnp.max(jnp.abs(jnp.stack(points)), axis=0) / step
+            truncation = np.abs(fd - fd_2h) / 3
+            roundoff = machine * np.max(np.abs(np.stack(points)), axis=0) / step
             fd_note = _nonfinite_note(("finite difference", fd))
             tangent, forward_note = (
                 _try(jvp, xs, _with_tangent(xs, a, v)) if forward_note is None
@@ -368,17 +378,17 @@ def _check_order(function, order, g, problem, key, eps, rtol, atol, chain_note):
                     _norm(tangent - fd), _norm(fd), _norm(truncation), _norm(roundoff), rtol, atol,
                     fd_note or _nonfinite_note(("JVP", tangent))))
             if pullback is not None:
-                projected = float(jnp.vdot(pullback[a], v))
-                weights = jnp.abs(u)
+                projected = float(np.vdot(pullback[a], v))
+                weights = np.abs(u)
                 samples[a, "vjp vs fd"].append(_fd_sample(
-                    abs(projected - float(jnp.vdot(u, fd))), float(jnp.vdot(weights, jnp.abs(fd))),
-                    float(jnp.vdot(weights, truncation)), float(jnp.vdot(weights, roundoff)),
+                    abs(projected - float(np.vdot(u, fd))), float(np.vdot(weights, np.abs(fd))),
+                    float(np.vdot(weights, truncation)), float(np.vdot(weights, roundoff)),
                     rtol, atol,
                     fd_note or _nonfinite_note(("VJP", pullback[a]))))
             if tangent is not None and pullback is not None:
-                error = abs(projected - float(jnp.vdot(u, tangent)))
-                scale = max(float(jnp.vdot(jnp.abs(u), jnp.abs(tangent))),
-                            float(jnp.vdot(jnp.abs(pullback[a]), jnp.abs(v))))
+                error = abs(projected - float(np.vdot(u, tangent)))
+                scale = max(float(np.vdot(np.abs(u), np.abs(tangent))),
+                            float(np.vdot(np.abs(pullback[a]), np.abs(v))))
                 note = _nonfinite_note(("JVP", tangent), ("VJP", pullback[a]))
                 samples[a, "vjp vs jvp"].append(_Sample(error, scale, atol + rtol * scale, note))
     notes = [chain_note]
@@ -440,13 +450,13 @@ def _compared(function, order, argument, mode, actual, wanted, scale, rtol, atol
 
 def _compare_values(function, candidate, expected, key, rtol, atol):
     xs = candidate.xs
-    actual = candidate(*xs).astype(jnp.float64)
-    wanted = expected(*xs).astype(jnp.float64)
+    actual = np.asarray(jax.jit(candidate)(*xs), np.float64)
+    wanted = np.asarray(jax.jit(expected)(*xs), np.float64)
     scale = _norm(wanted)
     if xs:
         directions = tuple(_scaled_direction(k, x)
                            for k, x in zip(jax.random.split(key, len(xs)), xs))
-        response, _ = _try(lambda: jax.jvp(expected, xs, directions)[1])
+        response, _ = _try(jax.jit(lambda: jax.jvp(expected, xs, directions)[1]))
         if response is not None:
             scale = max(scale, _norm(response))
     return _compared(function, 0, "all", "value vs ref", actual, wanted, scale, rtol, atol)
@@ -457,18 +467,19 @@ def _compare_order(function, order, g, r, problem, key, rtol, atol):
     u_key, *v_keys = jax.random.split(key, 1 + len(xs))
     out = jax.eval_shape(g, *xs)
     u = jax.random.normal(u_key, out.shape, out.dtype)
-    pullback, reverse_note = _try(lambda: jax.vjp(g, *xs)[1](u))
-    expected_pullback = jax.vjp(r, *xs)[1](u) if pullback is not None else None
+    pullback, reverse_note = _try(jax.jit(lambda: jax.vjp(g, *xs)[1](u)))
+    expected_pullback = (_host(jax.jit(lambda: jax.vjp(r, *xs)[1](u))()) if pullback is not None
+                         else None)
     rows = []
     forward_note = None
     for a, v_key in enumerate(v_keys):
         name = problem.names[a]
         tangents = _with_tangent(xs, a, _scaled_direction(v_key, xs[a]))
         tangent, forward_note = (
-            _try(lambda: jax.jvp(g, xs, tangents)[1])  # noqa: B023  (_try calls it at once)
+            _try(jax.jit(lambda: jax.jvp(g, xs, tangents)[1]))  # noqa: B023  (called at once)
             if forward_note is None else (None, forward_note))
         if tangent is not None:
-            wanted = jax.jvp(r, xs, tangents)[1]
+            wanted = _host(jax.jit(lambda: jax.jvp(r, xs, tangents)[1])())  # noqa: B023
             rows.append(_compared(function, order, name, "jvp vs ref", tangent, wanted,
                                   _norm(wanted), rtol, atol))
         if pullback is not None:

@@ -210,3 +210,30 @@ def test_derivatives_stay_finite_and_exact_near_the_float_max(code_paths, dtype,
         want = (expected_hessian(name, moderate, ids, m) @ tangent.reshape(-1)).reshape(x.shape)
         np.testing.assert_allclose(ours[name][2], want.astype(dtype), rtol=tolerance,
                                    atol=float(np.abs(want).max()) * tolerance, err_msg=name)
+
+
+@pytest.mark.parametrize("dtype, ordering, code_paths", CASES, indirect=["code_paths"])
+def test_norms_are_exact_across_the_whole_range(code_paths, dtype, ordering):
+    """Rows of 3 (sorted) or 2 × 2 (unsorted) entries of magnitudes from near the smallest
+    normal number to near the float max, every binary exponent about as often, one row a
+    segment and then five: where |x|² is taken plainly and where it is scaled (beside a square
+    that overflows, or underflows into subnormal numbers), max_norm and rms_norm against long
+    double."""
+    rng = np.random.default_rng(9)
+    features = (3,) if ordering == "sorted" else (2, 2)
+    info = np.finfo(dtype)
+    exponents = np.arange(info.minexp + 4, info.maxexp - 4)
+    rows = np.ldexp(rng.uniform(0.5, 1, (len(exponents), *features)),
+                    exponents.reshape(-1, *(1,) * len(features)))
+    rows[1::3, 0] = 0  # some rows with one entry far smaller than the others
+    rows[2::3, ..., -1] *= 2.0 ** -(info.nmant + 2)
+    x = (rows * rng.choice([-1.0, 1.0], rows.shape)).astype(dtype)
+    for per_segment in (1, 5):
+        ids = (np.arange(len(x)) // per_segment).astype(np.int32)
+        order = rng.permutation(len(x)) if ordering == "unsorted" else np.arange(len(x))
+        m = int(ids[-1]) + 1
+        for name in ("max_norm", "rms_norm"):
+            got = OPS[name][0](x[order], jnp.asarray(ids[order]), m,
+                               indices_are_sorted=ordering == "sorted")
+            want, scale = expected(name, x, ids, m)
+            assert_matches(np.asarray(got), want, scale, RTOL[dtype], (name, per_segment))

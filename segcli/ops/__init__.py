@@ -365,8 +365,9 @@ def segmented_rms_norm(x, idx, num_segments, *, indices_are_sorted=False):
 
     Returns:
       (M,): sqrt(Σ_{idx[i]=s} |x[i]|² / count); 0 for an empty segment. Finite wherever the
-      norm is, up to the float max (a segment whose squares overflow is summed again, scaled
-      by a power of two), and so are its derivatives. Every derivative is 0 (never NaN) where
+      norm is, up to the float max, and exact down to the smallest numbers (a segment whose
+      squares overflow or underflow is summed again, scaled by a power of two), and so are its
+      derivatives. Every derivative is 0 (never NaN) where
       the norm is 0.
 
     Example::

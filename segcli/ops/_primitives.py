@@ -38,7 +38,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from segcli.ops._kernels import launch, stride
+from segcli.ops._kernels import PLAIN_SQUARES, launch, stride
 
 
 @functools.partial(jax.jit, static_argnames=("num_segments", "indices_are_sorted", "gpu"))
@@ -378,19 +378,20 @@ def _rms_norm(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
                           dims=(max(num_segments, threads), groups), in_out=("squares", "out"))
     if indices_are_sorted or given:
         return out
-    # Unordered ids: Σ|x|² came by atomics; the segments where it overflowed are summed again,
-    # scaled by a power of two near their largest entry, by kernels that return at once (their
-    # one-element flag 0) where none did.
+    # Unordered ids: Σ|x|² came by atomics; the segments of rows where it overflowed or
+    # underflowed are summed again, scaled by a power of two near their largest entry, by
+    # kernels that return at once (their one-element flag 0) where none did.
     ordered = layout[1][0] != 0
-    overflowed = (~ordered & jnp.any(jnp.isinf(squares))).astype(jnp.int32).reshape(1)
+    counts = _row_counts(idx, layout, False, gpu)[:, None]
+    plain = (squares >= PLAIN_SQUARES[jnp.dtype(x.dtype).name]) & ~jnp.isinf(squares)
+    overflowed = (~ordered & jnp.any(~plain & (counts > 0))).astype(jnp.int32).reshape(1)
     top = launch("rms_norm_top", x, idx, overflowed, threads, squares, squares, zeros,
                  dims=(threads, groups), in_out=("out",))
     scale, inverse = power_of_two(top)
     rescaled = launch("rms_norm_rescaled", x, idx, overflowed, threads, squares, inverse, zeros,
                       dims=(threads, groups), in_out=("out",))
-    counts = jnp.maximum(_row_counts(idx, layout, False, gpu), 1).astype(x.dtype)[:, None]
-    unordered = jnp.where(jnp.isinf(squares), scale * jnp.sqrt(rescaled / counts),
-                          jnp.sqrt(squares / counts))
+    counts = jnp.maximum(counts, 1).astype(x.dtype)
+    unordered = jnp.where(plain, jnp.sqrt(squares / counts), scale * jnp.sqrt(rescaled / counts))
     return jnp.where(ordered, out, unordered)
 
 
