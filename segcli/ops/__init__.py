@@ -367,8 +367,7 @@ def segmented_rms_norm(x, idx, num_segments, *, indices_are_sorted=False):
       (M,): sqrt(Σ_{idx[i]=s} |x[i]|² / count); 0 for an empty segment. Finite wherever the
       norm is, up to the float max, and exact down to the smallest numbers (a segment whose
       squares overflow or underflow is summed again, scaled by a power of two), and so are its
-      derivatives. Every derivative is 0 (never NaN) where
-      the norm is 0.
+      derivatives. Every derivative is 0 (never NaN) where the norm is 0.
 
     Example::
 
