@@ -615,9 +615,13 @@ def _extreme(key, better, atomic_better, screen=None):
 # max and min per entry (x as (N, entries, 1)), max_norm per group of features.
 for _name, _parts in (("max", (_value, _above, _atomic_above)),
                       ("min", (_value, _below, _atomic_below)),
-                      ("max_norm", (_norm, _above, _atomic_above, _squared_norm))):
+                      ("max_norm", (_norm, _above, _atomic_above))):
     for _step, _kernel in zip(("ordered", "best", "first"), _extreme(*_parts)):
         _deferred(_kernel, f"{_name}_{_step}")
+# On CPUs max_norm's ordered search screens the rows by their squared norms (faster); on
+# GPUs the screen's branches cost more than the norms they spare (benchmarks/RESULTS.md).
+_deferred(_extreme(_norm, _above, _atomic_above, screen=_squared_norm)[0],
+          "max_norm_screened_ordered")
 
 
 @_deferred
