@@ -492,14 +492,17 @@ _deferred(_overflow_rescue(_largest_entry_of, _atomic_above), "rms_norm_top")
 _deferred(_overflow_rescue(_scaled_squared_norm, _atomic_sum), "rms_norm_rescaled")
 
 
-def _extreme(key, better, atomic_better):
+def _extreme(key, better, atomic_better, screen=None):
     """The kernels finding, per segment s and group g, the first row i attaining the best
     key(x, i, g), `better` ordering keys and NaN beating any number (so a NaN row is chosen):
     `first` (M, G) int32, left as given (N) for an empty segment.
 
-    Ordered ids: one thread per (s, g) over the segment's rows. Otherwise `best` (filled with
-    the worst key) takes the atomic best of the keys, NaN entering as `nan_key[0]` (the best
-    possible key), and then `first` the atomic min of the rows attaining it."""
+    Ordered ids: one thread per (s, g) over the segment's rows. With `screen` (max_norm's
+    squared norm), a row whose screen(x, i, g) is no larger than a plain one (see
+    _plain_square) of a row already taken cannot be larger either, and its key is not
+    computed. Otherwise `best` (filled with the worst key) takes the atomic best of the keys,
+    NaN entering as `nan_key[0]` (the best possible key), and then `first` the atomic min of
+    the rows attaining it."""
 
     @wp.func
     def beats(v: Any, i: int, winner: int, top: Any):
@@ -507,6 +510,35 @@ def _extreme(key, better, atomic_better):
         if better(v, top) or (_is_nan(v) and not _is_nan(top)):
             return i, v
         return winner, top
+
+    if screen is None:
+        @wp.func
+        def prepare(x: wp.array3d(dtype=Any), i: int, g: int):
+            return key(x, i, g)
+
+        @wp.func
+        def take(x: wp.array3d(dtype=Any), i: int, g: int, prepared: Any, winner: int, top: Any,
+                 bound: Any):
+            # (winner, top, bound) after row i, whose key is `prepared`
+            winner, top = beats(prepared, i, winner, top)
+            return winner, top, bound
+    else:
+        @wp.func
+        def prepare(x: wp.array3d(dtype=Any), i: int, g: int):
+            return screen(x, i, g)
+
+        @wp.func
+        def take(x: wp.array3d(dtype=Any), i: int, g: int, prepared: Any, winner: int, top: Any,
+                 bound: Any):
+            # (winner, top, bound) after row i, whose screen is `prepared`; `bound` the largest
+            # plain screen of the rows taken so far (NaN and non-plain screens never compare
+            # as no larger)
+            if prepared <= bound:
+                return winner, top, bound
+            winner, top = beats(key(x, i, g), i, winner, top)
+            if _plain_square(prepared):
+                bound = wp.max(bound, prepared)
+            return winner, top, bound
 
     @wp.func
     def atomic_key(x: wp.array3d(dtype=Any), i: int, g: int, nan_key: wp.array(dtype=Any)):
@@ -528,19 +560,20 @@ def _extreme(key, better, atomic_better):
             if lo < hi:
                 top = key(x, lo, g)
                 winner = int(lo)
+                bound = x.dtype(-1)  # no plain screen yet: nothing is skipped
                 i = int(lo + 1)
-                while i + _UNROLL <= hi:  # 4 keys computed together, then taken in order
-                    v0 = key(x, i, g)
-                    v1 = key(x, i + 1, g)
-                    v2 = key(x, i + 2, g)
-                    v3 = key(x, i + 3, g)
-                    winner, top = beats(v0, i, winner, top)
-                    winner, top = beats(v1, i + 1, winner, top)
-                    winner, top = beats(v2, i + 2, winner, top)
-                    winner, top = beats(v3, i + 3, winner, top)
+                while i + _UNROLL <= hi:  # 4 rows prepared together, then taken in order
+                    p0 = prepare(x, i, g)
+                    p1 = prepare(x, i + 1, g)
+                    p2 = prepare(x, i + 2, g)
+                    p3 = prepare(x, i + 3, g)
+                    winner, top, bound = take(x, i, g, p0, winner, top, bound)
+                    winner, top, bound = take(x, i + 1, g, p1, winner, top, bound)
+                    winner, top, bound = take(x, i + 2, g, p2, winner, top, bound)
+                    winner, top, bound = take(x, i + 3, g, p3, winner, top, bound)
                     i += _UNROLL
                 while i < hi:
-                    winner, top = beats(key(x, i, g), i, winner, top)
+                    winner, top, bound = take(x, i, g, prepare(x, i, g), winner, top, bound)
                     i += 1
                 first[s, g] = winner
 
@@ -585,6 +618,10 @@ for _name, _parts in (("max", (_value, _above, _atomic_above)),
                       ("max_norm", (_norm, _above, _atomic_above))):
     for _step, _kernel in zip(("ordered", "best", "first"), _extreme(*_parts)):
         _deferred(_kernel, f"{_name}_{_step}")
+# On CPUs max_norm's ordered search screens the rows by their squared norms (faster); on
+# GPUs the screen's branches cost more than the norms they spare (benchmarks/RESULTS.md).
+_deferred(_extreme(_norm, _above, _atomic_above, screen=_squared_norm)[0],
+          "max_norm_screened_ordered")
 
 
 @_deferred

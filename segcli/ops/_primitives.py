@@ -425,7 +425,8 @@ def _extreme(x, idx, offsets, *, num_segments, indices_are_sorted, kind, gpu=Fal
     # Ordered ids: one pass per segment. Otherwise: the atomic best of the keys, then the atomic
     # min of the rows attaining it. Each kernel returns at once when the flag says the other
     # path applies; promised-sorted ids skip the other path.
-    first = launch(f"{kind}_ordered", x, offsets, ordered, first, dims=first.shape,
+    search = f"{kind}_screened_ordered" if kind == "max_norm" and not gpu else f"{kind}_ordered"
+    first = launch(search, x, offsets, ordered, first, dims=first.shape,
                    in_out=("first",), dtype=x.dtype)
     if indices_are_sorted or given:
         return first
