@@ -511,11 +511,9 @@ def _extreme(key, better, atomic_better, screen=None):
             return i, v
         return winner, top
 
-    if screen is None:
-        @wp.func
-        def prepare(x: wp.array3d(dtype=Any), i: int, g: int):
-            return key(x, i, g)
+    prepare = key if screen is None else screen  # what the search reads of a row first
 
+    if screen is None:
         @wp.func
         def take(x: wp.array3d(dtype=Any), i: int, g: int, prepared: Any, winner: int, top: Any,
                  bound: Any):
@@ -523,10 +521,6 @@ def _extreme(key, better, atomic_better, screen=None):
             winner, top = beats(prepared, i, winner, top)
             return winner, top, bound
     else:
-        @wp.func
-        def prepare(x: wp.array3d(dtype=Any), i: int, g: int):
-            return screen(x, i, g)
-
         @wp.func
         def take(x: wp.array3d(dtype=Any), i: int, g: int, prepared: Any, winner: int, top: Any,
                  bound: Any):
