@@ -2,12 +2,14 @@
 K shard processes started together (then `segcli merge`, copying and --virtual), `--scheduler
 local:K` (which starts its cluster), and `--scheduler ADDRESS` of a LocalCluster of K worker
 processes already running (its workers warmed by one run first: the steady state of a
-long-lived cluster); with a bare h5py read of the forces by 1 and by K processes as the bound.
+long-lived cluster; they preload segcli.cluster, as `dask worker --preload segcli.cluster`);
+with a bare h5py read of the forces by 1 and by K processes as the bound.
 Each a fresh process (or set of processes) on a generated file (float64 forces, 1 to 63 atoms
 per structure), page cache warm, run in turns.
 
     python benchmarks/cluster.py [--workers 2] [--atoms 10000000] [--runs 3] [--dir /tmp]
                                  [--device cpu|gpu] [--compression gzip] [--gpus]
+                                 [--jobs reduce,stats]
 
 Prints a Markdown table: median wall time, speed-up over one process and its share of the
 ideal K×, and the peak RSS of each process (the client, and each shard process or worker).
@@ -106,6 +108,8 @@ def main():
                              "cluster: their steady state, free of what a command pays once")
     parser.add_argument("--running-only", action="store_true",
                         help="only the bare reads and the running cluster")
+    parser.add_argument("--jobs", default="reduce,stats",
+                        help="the commands to run, of reduce and stats")
     parser.add_argument("-v", "--verbose", action="store_true", help="each run's time on stderr")
     args = parser.parse_args()
     from distributed import Client, LocalCluster
@@ -134,6 +138,7 @@ def main():
                                  "-q", "--force"], "r"),
             "stats": (segcli + ["stats", path, "forces", "-q", "--force"], "s"),
         }
+        jobs = {job: jobs[job] for job in args.jobs.split(",")}
         step = 1 << 21
         cuts = [args.atoms * i // k for i in range(k + 1)]
         import h5py
@@ -156,7 +161,7 @@ def main():
         ]
         cluster = (_local_cluster(local) if args.gpus else
                    LocalCluster(n_workers=k, threads_per_worker=1, processes=True,
-                                dashboard_address=":0"))
+                                dashboard_address=":0", preload=["segcli.cluster"]))
         client = Client(cluster)
         address = cluster.scheduler_address
         if args.steady:

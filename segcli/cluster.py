@@ -20,6 +20,10 @@ import numpy as np
 from segcli.errors import DataError
 
 SHARDS_PER_WORKER = 4
+WORKER_MODULES = ("segcli.engine", "segcli.io.direct", "segcli.io.hdf5", "segcli.select",
+                  "segcli.shards", "segcli.stats")
+"""What tasks import (with numpy and h5py): loaded once in the server that forks a local
+cluster's workers. Never JAX or Warp, whose threads a fork would not carry over."""
 
 
 def visible_gpus(environ=os.environ):
@@ -39,14 +43,14 @@ def visible_gpus(environ=os.environ):
 def _local_cluster(address):
     """A new cluster here: K single-threaded worker processes for "local:K"; for "local:gpus"
     one per visible GPU, each seeing only its own (dask-cuda's LocalCUDACluster when it is
-    installed)."""
+    installed). Its workers preload this module (see dask_setup)."""
     from dask.distributed import LocalCluster, Nanny, Scheduler, SpecCluster
 
     count = address.split(":", 1)[1]
+    quiet = {"dashboard_address": ":0", "silence_logs": logging.ERROR}
     if count != "gpus":
         return LocalCluster(n_workers=int(count), threads_per_worker=1, processes=True,
-                            dashboard_address=":0", silence_logs=logging.ERROR,
-                            env=_threads_share(int(count)))
+                            env=_threads_share(int(count)), preload=[__name__], **quiet)
     gpus = visible_gpus()
     if not gpus:
         raise DataError("--scheduler local:gpus: no GPU is visible (CUDA_VISIBLE_DEVICES or "
@@ -57,11 +61,53 @@ def _local_cluster(address):
     except ImportError:
         workers = {f"gpu-{gpu}": {"cls": Nanny, "options": {
             "nthreads": 1, "env": {"CUDA_VISIBLE_DEVICES": gpu, **share},
-            "silence_logs": logging.ERROR}} for gpu in gpus}
+            "preload": [__name__], "silence_logs": logging.ERROR}} for gpu in gpus}
         scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0"}}
         return SpecCluster(workers, scheduler, silence_logs=logging.ERROR)
-    return LocalCUDACluster(CUDA_VISIBLE_DEVICES=gpus, threads_per_worker=1,
-                            dashboard_address=":0", silence_logs=logging.ERROR, env=share)
+    return LocalCUDACluster(CUDA_VISIBLE_DEVICES=gpus, threads_per_worker=1, env=share,
+                            preload=[__name__], **quiet)
+
+
+def dask_setup(worker):
+    """Run as a worker that preloads this module starts (those of --scheduler local:..., or
+    `dask worker --preload segcli.cluster`): it keeps freed host blocks for reuse, as the
+    segcli program does (see segcli.engine.keep_freed_buffers). Without, a worker's tasks
+    fault in fresh pages for every chunk (benchmarks/RESULTS.md, Clusters)."""
+    from segcli.engine import keep_freed_buffers
+
+    keep_freed_buffers()
+
+
+def start_worker_server():
+    """Start the server that forks a local cluster's workers, in the background: it imports
+    dask.distributed and WORKER_MODULES while this process does its own work, and each worker
+    it forks then starts with them loaded. It has none of this process's threads or open
+    files, unlike a plain fork. False, and nothing started, where processes cannot be forked
+    or without Dask."""
+    import importlib.util
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    if ("forkserver" not in multiprocessing.get_all_start_methods()
+            or importlib.util.find_spec("distributed") is None):
+        return False
+    multiprocessing.get_context("forkserver").set_forkserver_preload(
+        ["distributed", __name__, *WORKER_MODULES])
+    forkserver.ensure_running()
+    return True
+
+
+@contextlib.contextmanager
+def _forked_workers():
+    """Worker processes started in the block are forked by start_worker_server's server,
+    where it runs (else spawned, Dask's default)."""
+    import dask
+
+    if not start_worker_server():
+        yield
+        return
+    with dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"}):
+        yield
 
 
 def _threads_share(workers):
@@ -79,7 +125,7 @@ def cluster_client(address):
     from dask.distributed import Client
 
     if address.startswith("local:"):
-        with _local_cluster(address) as cluster, Client(cluster) as client:
+        with _forked_workers(), _local_cluster(address) as cluster, Client(cluster) as client:
             yield client
     else:
         try:

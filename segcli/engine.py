@@ -500,8 +500,9 @@ def keep_freed_buffers():
     """Have glibc's malloc keep freed blocks of up to 256 MiB for reuse, rather than unmap
     them: XLA's CPU client allocates every output afresh, and on a VM the page faults of a
     fresh 48 MiB block cost about 35 ms a chunk, five times the kernel (benchmarks/RESULTS.md).
-    Process-wide, so for the segcli program only (see cli.common.as_program), not for
-    library users or a cluster's workers; nothing without glibc."""
+    Process-wide, so for the segcli program and its local clusters' workers only (see
+    cli.common.as_program and cluster.dask_setup), not for library users; nothing without
+    glibc."""
     import ctypes
 
     try:

@@ -184,6 +184,38 @@ def test_a_killed_worker_loses_no_reduce_shard(tmp_path):
     assert_identical(tmp_path / "remote.h5", tmp_path / "local.h5")
 
 
+def test_local_workers_start_loaded_and_keep_freed_blocks():
+    """The workers of local:K are forked with the tasks' modules loaded (never JAX or Warp),
+    and keep a freed block of 32 MiB for reuse where a spawned worker would have imported
+    them all and unmapped the block (glibc's mallinfo2: its free bytes)."""
+    from segcli.cluster import WORKER_MODULES, cluster_client
+
+    def state():
+        import ctypes
+        import sys
+
+        import numpy as np
+
+        loaded = {name: name in sys.modules for name in (*WORKER_MODULES, "jax", "warp")}
+
+        class Info(ctypes.Structure):
+            _fields_ = [(name, ctypes.c_size_t) for name in [
+                "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                "uordblks", "fordblks", "keepcost"]]
+
+        mallinfo2 = ctypes.CDLL(None).mallinfo2
+        mallinfo2.restype = Info
+        block = np.ones(1 << 22)
+        del block
+        return loaded, mallinfo2().fordblks
+
+    with cluster_client("local:2") as client:
+        states = list(client.run(state).values())
+    expected = {**dict.fromkeys(WORKER_MODULES, True), "jax": False, "warp": False}
+    assert len(states) == 2 and all(loaded == expected for loaded, _ in states)
+    assert all(free >= 32 << 20 for _, free in states)
+
+
 @pytest.mark.slow
 def test_local_gpus_starts_one_worker_per_visible_gpu(tmp_path, monkeypatch):
     """local:gpus gives each worker one device of CUDA_VISIBLE_DEVICES (the real GPUs where

@@ -433,7 +433,8 @@ def _shard(ctx, param, text):
 
 def _scheduler(ctx, param, text):
     """Click callback: ADDRESS ([SCHEME://]HOST:PORT), local:K (K from 1 to 4 per CPU core) or
-    local:gpus from --scheduler (or DASK_SCHEDULER_ADDRESS)."""
+    local:gpus from --scheduler (or DASK_SCHEDULER_ADDRESS). For local:..., the server that
+    forks the workers starts now (see segcli.cluster.start_worker_server)."""
     if not text:
         return text
     most = 4 * (os.cpu_count() or 1)
@@ -442,6 +443,9 @@ def _scheduler(ctx, param, text):
         if count != "gpus" and not (count.isdigit() and 1 <= int(count) <= most):
             raise click.BadParameter(f"expected ADDRESS, local:K (K workers, 1 <= K <= {most}) "
                                      f"or local:gpus, got {text!r}")
+        from segcli.cluster import start_worker_server
+
+        start_worker_server()
     elif not _scheduler_address(text):
         raise click.BadParameter(f"expected ADDRESS ([SCHEME://]HOST:PORT, e.g. "
                                  f"tcp://10.0.0.5:8786), local:K or local:gpus, got {text!r}")
