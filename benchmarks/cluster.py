@@ -5,7 +5,8 @@ processes already running (its workers warmed by one run first: the steady state
 long-lived cluster; they preload segcli.cluster, as `dask worker --preload segcli.cluster`);
 with a bare h5py read of the forces by 1 and by K processes as the bound.
 Each a fresh process (or set of processes) on a generated file (float64 forces, 1 to 63 atoms
-per structure), page cache warm, run in turns.
+per structure), page cache warm, run in turns; segcli's bytecode is written first, as an
+installation has it.
 
     python benchmarks/cluster.py [--workers 2] [--atoms 10000000] [--runs 3] [--dir /tmp]
                                  [--device cpu|gpu] [--compression gzip] [--gpus]
@@ -16,6 +17,7 @@ ideal K×, and the peak RSS of each process (the client, and each shard process 
 """
 
 import argparse
+import compileall
 import glob
 import itertools
 import os
@@ -114,7 +116,10 @@ def main():
     args = parser.parse_args()
     from distributed import Client, LocalCluster
 
+    import segcli
     from segcli.cluster import _local_cluster, visible_gpus
+
+    compileall.compile_dir(os.path.dirname(segcli.__file__), quiet=1)
 
     k = len(visible_gpus()) if args.gpus else args.workers
     local = "local:gpus" if args.gpus else f"local:{k}"
