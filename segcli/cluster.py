@@ -23,7 +23,8 @@ SHARDS_PER_WORKER = 4
 WORKER_MODULES = ("segcli.engine", "segcli.io.direct", "segcli.io.hdf5", "segcli.select",
                   "segcli.shards", "segcli.stats")
 """What tasks import (with numpy and h5py): loaded once in the server that forks a local
-cluster's workers. Never JAX or Warp, whose threads a fork would not carry over."""
+cluster's workers. Not segcli.ops, whose import starts threads that a fork would not carry
+over, nor JAX and Warp, which `stats` would wait for (each worker of `reduce` imports them)."""
 
 
 def visible_gpus(environ=os.environ):
