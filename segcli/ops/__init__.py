@@ -392,10 +392,9 @@ def _rms_norms_jvp(params, primals, tangents):
     norms = _rms_norms(g, seg, params)
     _, inverse = P.power_of_two(jax.lax.stop_gradient(norms))
     params = dict(params)
-    scaled = P.scale_p.bind(g, inverse, *seg, **params)
     zero = norms == 0
     divisor = _nonzero_counts(seg, params, g.dtype)[:, None] * jnp.where(zero, 1, norms * inverse)
-    tangent = P.dot_p.bind(scaled, tangents[0], *seg, **params) / divisor
+    tangent = P.scaled_dot_p.bind(g, tangents[0], inverse, *seg, **params) / divisor
     return norms, jnp.where(zero, 0, tangent)
 
 

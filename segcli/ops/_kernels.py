@@ -38,7 +38,9 @@ Shapes (rows first, then a group axis G that vmap folds into, then features):
     bincount    labels (N,)                  -> (M, L) int32    out[s,c] = #{i : idx[i]=s,
                                                                 labels[i]=c}
     gather      y (R, K), idx (L,)           -> (L, K)          out[i] = y[idx[i]]
-    scale       x (N, G, K), y (M, G)        -> (N, G, K)       out[i,g] = x[i,g] * y[idx[i],g]
+    scale       x (N, G, K), y, z (M, G)     -> (N, G, K)       out[i,g] = x[i,g] * y[idx[i],g]
+                                                                (then * z[idx[i],g] if z has
+                                                                rows)
     matvec      v (N, G, K), m (M, G, K, K)  -> (N, G, K)       out[i,g] = v[i,g] @ m[idx[i],g]
                                                                 (@ m[idx[i],g]ᵀ with `transpose`)
     gather3, scale3, matvec3                                    the same for G = 1, K = 3
@@ -663,18 +665,24 @@ def _gather_kernel(y: wp.array2d(dtype=Any), idx: wp.array(dtype=wp.int32),
 def _scale_kernel(
     x: wp.array3d(dtype=Any),
     y: wp.array2d(dtype=Any),
+    z: wp.array2d(dtype=Any),
     idx: wp.array(dtype=wp.int32),
     out: wp.array3d(dtype=Any),
 ):
+    # x times a factor, then by a second where z has rows: two factors of a segment whose
+    # product alone would underflow (a power of two near 1/|x| times a small cotangent)
     i = wp.tid()
     s = idx[i]
     valid = s >= 0 and s < y.shape[0]
     for g in range(x.shape[1]):
         factor = out.dtype(0.0)
+        second = out.dtype(1.0)
         if valid:
             factor = y[s, g]
+            if z.shape[0] > 0:
+                second = z[s, g]
         for k in range(x.shape[2]):
-            out[i, g, k] = x[i, g, k] * factor
+            out[i, g, k] = x[i, g, k] * factor * second
 
 
 @_deferred
@@ -729,15 +737,19 @@ def _gather3_kernel(y: wp.array(dtype=Any), idx: wp.array(dtype=wp.int32),
 def _scale3_kernel(
     x: wp.array(dtype=Any),
     y: wp.array(dtype=Any),
+    z: wp.array(dtype=Any),
     idx: wp.array(dtype=wp.int32),
     out: wp.array(dtype=Any),
 ):
     i = wp.tid()
     s = idx[i]
     factor = y.dtype(0.0)
+    second = y.dtype(1.0)
     if s >= 0 and s < y.shape[0]:
         factor = y[s]
-    out[i] = x[i] * factor
+        if z.shape[0] > 0:
+            second = z[s]
+    out[i] = x[i] * factor * second
 
 
 @_deferred

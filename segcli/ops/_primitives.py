@@ -303,19 +303,48 @@ dot_p = _multilinear(_Rule(
 
 
 def _scale(x, y, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
+    return _rescale(x, y, jnp.zeros((0, *y.shape[1:]), y.dtype), idx, offsets, gpu=gpu)
+
+
+def _rescale(x, y, z, idx, offsets, *, gpu=False, **_):
     if _empty(x.shape, x, y):
         return jnp.zeros(x.shape, x.dtype)
     if _is_float_vec3(x):
         rows = x.reshape(x.shape[0], 3)
-        return launch("scale3", rows, y[:, 0], idx, dims=(idx.shape[0],),
+        return launch("scale3", rows, y[:, 0], z[:, 0], idx, dims=(idx.shape[0],),
                       out=(idx.shape[0],)).reshape(x.shape)
-    return launch("scale", x, y, idx, dims=(idx.shape[0],), out=x.shape)
+    return launch("scale", x, y, z, idx, dims=(idx.shape[0],), out=x.shape)
 
 
 scale_p = _multilinear(_Rule(
     "scale", _scale, lambda x, y, idx, offsets, **_: x.shape, 2,
     transposes=(lambda ct, y, seg, p: scale_p.bind(ct, y, *seg, **p),
                 lambda ct, x, seg, p: dot_p.bind(ct, x, *seg, **p))))
+
+
+rescale_p = _multilinear(_Rule(
+    "rescale", _rescale, lambda x, y, z, idx, offsets, **_: x.shape, 3,
+    transposes=(lambda ct, y, z, seg, p: rescale_p.bind(ct, y, z, *seg, **p),
+                lambda ct, x, z, seg, p: scaled_dot_p.bind(x, ct, z, *seg, **p),
+                lambda ct, x, y, seg, p: scaled_dot_p.bind(x, ct, y, *seg, **p))))
+"""(x[i] · y[s]) · z[s] over the rows i of each segment s, by one kernel: x scaled by two
+factors of its segment, such as a power of two near 1/|x| and a cotangent, whose product
+alone could underflow where this does not."""
+
+
+def _scaled_dot(x, y, w, idx, offsets, **params):
+    return _dot(_scale(x, w, idx, offsets, **params), y, idx, offsets, **params)
+
+
+scaled_dot_p = _multilinear(_Rule(
+    "scaled_dot", _scaled_dot,
+    lambda x, y, w, idx, offsets, *, num_segments, **_: (num_segments, x.shape[1]), 3,
+    transposes=(lambda ct, y, w, seg, p: rescale_p.bind(y, w, ct, *seg, **p),
+                lambda ct, x, w, seg, p: rescale_p.bind(x, w, ct, *seg, **p),
+                lambda ct, x, y, seg, p: ct * dot_p.bind(x, y, *seg, **p))))
+"""Σ <x[i] · w[s], y[i]> over each segment s (x, y (N, G, K), w (M, G)): a dot of rows scaled
+per segment, such as by a power of two near 1/|x| so that nothing overflows. Its transpose for
+x or y is one rescale kernel, where that of a dot of scaled rows would scale them first."""
 
 
 def _matvec(v, m, idx, offsets, *, num_segments, indices_are_sorted, transpose, gpu=False):
