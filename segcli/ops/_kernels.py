@@ -421,13 +421,6 @@ def _rms_norm_kernel(
 
 
 @_deferred
-def _row_norm_kernel(x: wp.array3d(dtype=Any), out: wp.array2d(dtype=Any)):
-    # out[i, g] = |x[i, g]|, a thread per row and group (coalesced)
-    i, g = wp.tid()
-    out[i, g] = _norm(x, i, g)
-
-
-@_deferred
 def _rms_norm_of_squares_kernel(
     x: wp.array3d(dtype=Any),
     offsets: wp.array(dtype=wp.int32),

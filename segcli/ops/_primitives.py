@@ -15,7 +15,7 @@ with respect to each operand is another primitive of the set:
     outer(a, b)    a ↦ matvecᵀ(b, ct)    b ↦ matvec(a, ct)
 
 JAX derives every higher derivative, forward or reverse, from these rules. `rms_norm` (the
-RMS norm of each segment, in one kernel) has no rule: segcli.ops differentiates it through a
+RMS norm of each segment, in one pass over the rows) has no rule: segcli.ops differentiates it through a
 custom JVP built of the others. The other primitives give integers, so no derivative:
 `extreme` (the first row attaining each segment's max, min or max norm, through which the ops
 differentiate), `count` and `bincount`. Batching folds a vmapped axis into axis 1 of every
@@ -453,7 +453,8 @@ rms_norm_p = _register(_Rule(
     "rms_norm", _rms_norm,
     lambda x, idx, offsets, *, num_segments, **_: (num_segments, x.shape[1]), 1))
 """sqrt(Σ |x[i, g]|² / count) over each segment and group of x (N, G, K), 0 for an empty
-segment, by one kernel on the ordered path; finite wherever the true value is. No derivative
+segment, in one pass over the rows on the ordered path (one kernel on a CPU; on a GPU Σ x²
+per feature, then the norms); finite wherever the true value is. No derivative
 rule of its own (segcli.ops gives it one)."""
 
 
@@ -474,12 +475,6 @@ def _extreme(x, idx, offsets, *, num_segments, indices_are_sorted, kind, gpu=Fal
     first = jnp.full((num_segments, groups), n, jnp.int32)
     if _empty(first.shape, x):
         return first
-    if gpu and kind == "max_norm":
-        # The rows' norms by a thread each (coalesced reads), then the search for max over
-        # them: a thread per segment computing its rows' norms keeps too few rows in flight.
-        norms = launch("row_norm", x, dims=(n, groups), out=(n, groups))
-        return _extreme(norms[:, :, None], idx, offsets, num_segments=num_segments,
-                        indices_are_sorted=indices_are_sorted, kind="max", gpu=gpu)
     known_sorted = _known_sorted(offsets, indices_are_sorted)
     offsets, ordered = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
     # Ordered ids: one pass per segment. Otherwise: the atomic best of the keys, then the atomic
