@@ -250,6 +250,13 @@ def _outer_entry(a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any), out: wp.arr
 
 
 @wp.func
+def _squared_entry(a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any), out: wp.array2d(dtype=Any),
+                   i: int, s: int, p: int):
+    v = a[i, p]
+    return v * v
+
+
+@wp.func
 def _vector_dot(a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any), out: wp.array2d(dtype=Any),
                 i: int, s: int, p: int):
     return wp.dot(a[i, p], b[i, p])
@@ -259,7 +266,7 @@ def _vector_dot(a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any), out: wp.arra
 # faster.
 for _name, _term in (("count", _one), ("sum", _entry), ("sum3", _entry), ("outer", _outer_entry),
                      ("dot3", _vector_dot), ("mean", _weighted_entry),
-                     ("mean3", _weighted_entry)):
+                     ("mean3", _weighted_entry), ("sum_squares", _squared_entry)):
     _deferred(_segment_reduction(_term), _name)
 
 
@@ -361,13 +368,10 @@ def _norm(x: wp.array3d(dtype=Any), i: int, g: int):
 
 
 @wp.func
-def _segment_rms_norm(x: wp.array3d(dtype=Any), lo: int, hi: int, g: int):
-    # sqrt(Σ |x[i, g]|² / n) over rows lo:hi (n > 0); where Σ |x|² overflows or underflows
-    # (or an entry is infinite), again with the rows scaled by a power of two near the
-    # segment's largest entry
-    total = x.dtype(0.0)
-    for i in range(lo, hi):
-        total += _squared_norm(x, i, g)
+def _rms_of_squares(x: wp.array3d(dtype=Any), lo: int, hi: int, g: int, total: Any):
+    # sqrt(total / n) for total = Σ |x[i, g]|² over rows lo:hi (n > 0); where that sum
+    # overflowed or underflowed (or an entry is infinite), summed again with the rows scaled
+    # by a power of two near the segment's largest entry
     count = x.dtype(hi - lo)
     if _plain_square(total):
         return wp.sqrt(total / count)
@@ -375,10 +379,19 @@ def _segment_rms_norm(x: wp.array3d(dtype=Any), lo: int, hi: int, g: int):
     for i in range(lo, hi):
         top = wp.max(top, _largest_entry(x, i, g))
     scale, inverse = _power_of_two(top)
+    rescaled = x.dtype(0.0)
+    for i in range(lo, hi):
+        rescaled += _scaled_squared_norm(x, i, g, inverse)
+    return scale * wp.sqrt(rescaled / count)
+
+
+@wp.func
+def _segment_rms_norm(x: wp.array3d(dtype=Any), lo: int, hi: int, g: int):
+    # sqrt(Σ |x[i, g]|² / n) over rows lo:hi (n > 0)
     total = x.dtype(0.0)
     for i in range(lo, hi):
-        total += _scaled_squared_norm(x, i, g, inverse)
-    return scale * wp.sqrt(total / count)
+        total += _squared_norm(x, i, g)
+    return _rms_of_squares(x, lo, hi, g, total)
 
 
 @_deferred
@@ -405,6 +418,28 @@ def _rms_norm_kernel(
             s = idx[i]
             if s >= 0 and s < m:
                 wp.atomic_add(squares, s, g, _squared_norm(x, i, g))
+
+
+@_deferred
+def _rms_norm_of_squares_kernel(
+    x: wp.array3d(dtype=Any),
+    offsets: wp.array(dtype=wp.int32),
+    ordered: wp.array(dtype=wp.int32),
+    squares: wp.array2d(dtype=Any),
+    out: wp.array2d(dtype=Any),
+):
+    # Ordered ids: out[s, g], the segment's RMS norm (0 if empty) from squares[s, g·K + k], the
+    # sums of x[i, g, k]² over its rows (sum_squares); 0 otherwise.
+    s, g = wp.tid()
+    out[s, g] = x.dtype(0.0)
+    if ordered[0] != 0:
+        lo, hi = _segment_range(offsets, s, x.shape[0])
+        if lo < hi:
+            k = x.shape[2]
+            total = x.dtype(0.0)
+            for j in range(k):
+                total += squares[s, g * k + j]
+            out[s, g] = _rms_of_squares(x, lo, hi, g, total)
 
 
 @wp.func

@@ -15,7 +15,7 @@ with respect to each operand is another primitive of the set:
     outer(a, b)    a ↦ matvecᵀ(b, ct)    b ↦ matvec(a, ct)
 
 JAX derives every higher derivative, forward or reverse, from these rules. `rms_norm` (the
-RMS norm of each segment, in one kernel) has no rule: segcli.ops differentiates it through a
+RMS norm of each segment, in one pass over the rows) has no rule: segcli.ops differentiates it through a
 custom JVP built of the others. The other primitives give integers, so no derivative:
 `extreme` (the first row attaining each segment's max, min or max norm, through which the ops
 differentiate), `count` and `bincount`. Batching folds a vmapped axis into axis 1 of every
@@ -56,13 +56,24 @@ def _layout(idx, offsets, num_segments, indices_are_sorted, gpu):
     return offsets, jnp.all(idx[1:] >= idx[:-1]).astype(jnp.int32).reshape(1)
 
 
-def _reduce(name, a, b, idx, layout, zeros, gpu):
-    """Reduction kernel `name` of rows a (N, ·) and b into `zeros` (M, P), over max(M, stride)
-    × P threads: a segment per thread for ordered ids, else atomics; `layout` is `_layout`'s."""
+def _known_sorted(offsets, indices_are_sorted):
+    """Whether the ids are known, at trace time, to be in order: promised, or given offsets."""
+    return bool(indices_are_sorted) or offsets.shape[0] > 0
+
+
+def _reduce(name, a, b, idx, layout, shape, dtype, gpu, known_sorted, vector=()):
+    """Reduction kernel `name` of rows a (N, ·) and b into (M, P) = `shape` elements of `dtype`
+    (each of shape `vector` for the vec3 kernels), over max(M, stride) × P threads: a segment
+    per thread for ordered ids (each writing its own result, so the output is filled first
+    only where the order is found at run time), else atomics into zeros; `layout` is
+    `_layout`'s."""
     threads = stride(gpu, idx.shape[0])
-    dims = (max(zeros.shape[0], threads), zeros.shape[1])
-    return launch(name, a, b, idx, *layout, threads, zeros, dims=dims, in_out=("out",),
-                  dtype=a.dtype)
+    dims = (max(shape[0], threads), *shape[1:])
+    args = (name, a, b, idx, *layout, threads)
+    if known_sorted:
+        return launch(*args, dims=dims, out=shape, dtype=a.dtype)
+    zeros = jnp.zeros((*shape, *vector), dtype)
+    return launch(*args, zeros, dims=dims, in_out=("out",), dtype=a.dtype)
 
 
 def _row_counts(idx, layout, known_sorted, gpu):
@@ -71,8 +82,8 @@ def _row_counts(idx, layout, known_sorted, gpu):
     if known_sorted:
         return jnp.diff(layout[0])
     rows = idx.reshape(-1, 1)
-    zeros = jnp.zeros((layout[0].shape[0] - 1, 1), jnp.int32)
-    return _reduce("count", rows, rows, idx, layout, zeros, gpu)[:, 0]
+    shape = (layout[0].shape[0] - 1, 1)
+    return _reduce("count", rows, rows, idx, layout, shape, jnp.int32, gpu, False)[:, 0]
 
 
 def _is_float_vec3(x):
@@ -227,16 +238,18 @@ def _empty(shape, *operands):
 # transposes refer to primitives defined further down.
 
 
-def _reduce_rows(name, x, b, idx, layout, num_segments, gpu):
+def _reduce_rows(name, x, b, idx, layout, num_segments, gpu, known_sorted):
     """Reduction `name` of the rows x (N, K) with its second operand `b` (None: x itself), as
     its vec3 kernel (NAME3) where a CPU reduces rows of 3 floats faster."""
+    b = x if b is None else b
     if not gpu and _is_float_vec3(x):
         rows = x.reshape(x.shape[0], 1, 3)
-        zeros = jnp.zeros((num_segments, 1, 3), x.dtype)
-        out = _reduce(f"{name}3", rows, rows if b is None else b, idx, layout, zeros, gpu)
+        b = rows if b is x else b
+        out = _reduce(f"{name}3", rows, b, idx, layout, (num_segments, 1), x.dtype, gpu,
+                      known_sorted, vector=(3,))
         return out.reshape(num_segments, 3)
-    return _reduce(name, x, x if b is None else b, idx, layout,
-                   jnp.zeros((num_segments, x.shape[1]), x.dtype), gpu)
+    return _reduce(name, x, b, idx, layout, (num_segments, x.shape[1]), x.dtype, gpu,
+                   known_sorted)
 
 
 def _sum(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
@@ -244,7 +257,8 @@ def _sum(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     if _empty(shape, x):
         return jnp.zeros(shape, x.dtype)
     layout = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
-    return _reduce_rows("sum", x, None, idx, layout, num_segments, gpu)
+    return _reduce_rows("sum", x, None, idx, layout, num_segments, gpu,
+                        _known_sorted(offsets, indices_are_sorted))
 
 
 sum_p = _multilinear(_Rule(
@@ -266,9 +280,10 @@ def _mean(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     if _empty(shape, x):
         return jnp.zeros(shape, x.dtype)
     layout = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
-    counts = _row_counts(idx, layout, indices_are_sorted or offsets.shape[0] > 0, gpu)
+    known_sorted = _known_sorted(offsets, indices_are_sorted)
+    counts = _row_counts(idx, layout, known_sorted, gpu)
     weights = (1 / jnp.maximum(counts, 1).astype(x.dtype))[:, None]
-    return _reduce_rows("mean", x, weights, idx, layout, num_segments, gpu)
+    return _reduce_rows("mean", x, weights, idx, layout, num_segments, gpu, known_sorted)
 
 
 mean_p = _multilinear(_Rule(
@@ -289,11 +304,12 @@ def _dot(x, y, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     if _empty(shape, x, y):
         return jnp.zeros(shape, x.dtype)
     layout = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
+    known_sorted = _known_sorted(offsets, indices_are_sorted)
     if not gpu and _is_float_vec3(x):
         rows = [a.reshape(a.shape[0], 1, 3) for a in (x, y)]
-        return _reduce("dot3", *rows, idx, layout, jnp.zeros(shape, x.dtype), gpu)
+        return _reduce("dot3", *rows, idx, layout, shape, x.dtype, gpu, known_sorted)
     products = launch("row_dot", x, y, dims=(idx.shape[0],), out=x.shape[:2])  # rows coalesced
-    return _reduce("sum", products, products, idx, layout, jnp.zeros(shape, x.dtype), gpu)
+    return _reduce("sum", products, products, idx, layout, shape, x.dtype, gpu, known_sorted)
 
 
 dot_p = _multilinear(_Rule(
@@ -370,10 +386,10 @@ def _outer(a, b, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     shape = (num_segments, groups, k, l)
     if _empty(shape, a, b):
         return jnp.zeros(shape, a.dtype)
-    zeros = jnp.zeros((num_segments, groups * k * l), a.dtype)
     layout = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
-    out = _reduce("outer", a.reshape(n, groups * k), b.reshape(n, groups * l), idx, layout, zeros,
-                  gpu)
+    out = _reduce("outer", a.reshape(n, groups * k), b.reshape(n, groups * l), idx, layout,
+                  (num_segments, groups * k * l), a.dtype, gpu,
+                  _known_sorted(offsets, indices_are_sorted))
     return out.reshape(shape)
 
 
@@ -395,17 +411,26 @@ def power_of_two(top):
 
 
 def _rms_norm(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
-    n, groups = x.shape[:2]
+    n, groups, k = x.shape
     shape = (num_segments, groups)
     if _empty(shape, x):
         return jnp.zeros(shape, x.dtype)
-    given = offsets.shape[0] > 0
+    known_sorted = _known_sorted(offsets, indices_are_sorted)
     layout = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
     threads = stride(gpu, n)
     zeros = jnp.zeros(shape, x.dtype)
-    squares, out = launch("rms_norm", x, idx, *layout, threads, zeros, zeros,
-                          dims=(max(num_segments, threads), groups), in_out=("squares", "out"))
-    if indices_are_sorted or given:
+    if gpu:
+        # Σ x² per segment and feature by a thread each (K times the threads of a thread per
+        # segment and group, which keep too few rows in flight), then a thread per segment and
+        # group adds its K sums (and sums again, scaled, where that overflowed or underflowed).
+        features = _reduce("sum_squares", x.reshape(n, groups * k), x.reshape(n, groups * k),
+                           idx, layout, (num_segments, groups * k), x.dtype, gpu, known_sorted)
+        out = launch("rms_norm_of_squares", x, *layout, features, dims=shape, out=shape)
+        squares = features.reshape(num_segments, groups, k).sum(axis=2)
+    else:
+        squares, out = launch("rms_norm", x, idx, *layout, threads, zeros, zeros,
+                              dims=(max(num_segments, threads), groups), in_out=("squares", "out"))
+    if known_sorted:
         return out
     # Unordered ids: Σ|x|² came by atomics; the segments of rows where it overflowed or
     # underflowed are summed again, scaled by a power of two near their largest entry, by
@@ -428,7 +453,8 @@ rms_norm_p = _register(_Rule(
     "rms_norm", _rms_norm,
     lambda x, idx, offsets, *, num_segments, **_: (num_segments, x.shape[1]), 1))
 """sqrt(Σ |x[i, g]|² / count) over each segment and group of x (N, G, K), 0 for an empty
-segment, by one kernel on the ordered path; finite wherever the true value is. No derivative
+segment, in one pass over the rows on the ordered path (one kernel on a CPU; on a GPU Σ x²
+per feature, then the norms); finite wherever the true value is. No derivative
 rule of its own (segcli.ops gives it one)."""
 
 
@@ -449,7 +475,7 @@ def _extreme(x, idx, offsets, *, num_segments, indices_are_sorted, kind, gpu=Fal
     first = jnp.full((num_segments, groups), n, jnp.int32)
     if _empty(first.shape, x):
         return first
-    given = offsets.shape[0] > 0
+    known_sorted = _known_sorted(offsets, indices_are_sorted)
     offsets, ordered = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
     # Ordered ids: one pass per segment. Otherwise: the atomic best of the keys, then the atomic
     # min of the rows attaining it. Each kernel returns at once when the flag says the other
@@ -457,7 +483,7 @@ def _extreme(x, idx, offsets, *, num_segments, indices_are_sorted, kind, gpu=Fal
     search = f"{kind}_screened_ordered" if kind == "max_norm" and not gpu else f"{kind}_ordered"
     first = launch(search, x, offsets, ordered, first, dims=first.shape,
                    in_out=("first",), dtype=x.dtype)
-    if indices_are_sorted or given:
+    if known_sorted:
         return first
     worst, nan_key = (jnp.full(shape, key, x.dtype) for shape, key in
                       zip((first.shape, (1,)), _worst_and_nan_keys(kind, x.dtype)))
@@ -478,7 +504,7 @@ kind "max" or "min" the largest or smallest x[i, g, 0], with "max_norm" the larg
 def _count(idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     if idx.shape[0] == 0 or num_segments == 0:
         return jnp.zeros((num_segments,), jnp.int32)
-    known_sorted = indices_are_sorted or offsets.shape[0] > 0
+    known_sorted = _known_sorted(offsets, indices_are_sorted)
     layout = _layout(idx, offsets, num_segments, known_sorted, gpu)
     return _row_counts(idx, layout, known_sorted, gpu)
 
