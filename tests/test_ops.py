@@ -392,6 +392,31 @@ def test_max_norm_gradient_goes_to_first_attaining_row():
                                [[0.6, 0.8], [0, 1], [0, 0], [0, 0], [0, 0]])
 
 
+@pytest.mark.parametrize("gpu_paths", [False, True])
+def test_max_norm_ties_go_to_the_first_row_wherever_they_fall(gpu_paths):
+    """Segments of 1..12 rows drawn from vectors of norm 5 (ties) and 1: the gradient goes to
+    the first row of norm 5 wherever the ties fall in a segment."""
+    rng = np.random.default_rng(7)
+    vectors = np.array([[3.0, 4, 0], [0, 5, 0], [4, 0, -3], [0, 0, 5], [1, 0, 0], [0, -1, 0]])
+    counts = rng.integers(1, 13, 40)
+    ids = np.repeat(np.arange(40), counts).astype(np.int32)
+    x = vectors[rng.integers(0, 6, ids.size)]
+    expected = np.zeros_like(x)
+    for s in range(40):
+        rows = np.flatnonzero(ids == s)
+        norms = np.linalg.norm(x[rows], axis=1)
+        first = rows[np.argmax(norms)]  # argmax: the first of ties
+        expected[first] = x[first] / norms.max()
+    _primitives.lower_cpu_as_gpu(gpu_paths)
+    try:
+        for sorted_ in (False, True):
+            grad = jax.grad(lambda a, sorted_=sorted_: jnp.sum(ops.segmented_max_norm(
+                a, jnp.asarray(ids), 40, indices_are_sorted=sorted_)))(jnp.asarray(x))
+            np.testing.assert_allclose(np.asarray(grad), expected, rtol=1e-12, atol=0)
+    finally:
+        _primitives.lower_cpu_as_gpu(False)
+
+
 def test_sorted_results_are_bitwise_repeatable_and_flag_independent():
     """Every op's value, and every differentiable op's gradient, on sorted ids: the same bits
     on every call, and with the sorted promise."""

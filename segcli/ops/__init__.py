@@ -399,10 +399,13 @@ def _rms_norms_jvp(params, primals, tangents):
 
 
 def _at_first(rows, first, fill):
-    """rows[first[s, k], k] for rows (N, K) and first (M, K), `fill` where first is N: the
-    values of the rows an `extreme` search chose, differentiable through them."""
+    """rows[first[s, k], k] for rows (N, K) and first (M, K), or whole rows rows[first[s]] for
+    first (M,); `fill` where first is N: the values of the rows an `extreme` search chose,
+    differentiable through them."""
     if rows.shape[0] == 0:
-        return jnp.full(first.shape, fill, rows.dtype)
+        return jnp.full((first.shape[0], rows.shape[1]), fill, rows.dtype)
+    if first.ndim == 1:  # one index a row: no (M, K, 2) index array for XLA to build
+        return rows.at[first].get(mode="fill", fill_value=fill)
     return rows.at[first, jnp.arange(rows.shape[1])].get(mode="fill", fill_value=fill)
 
 
@@ -483,7 +486,7 @@ def segmented_max_norm(x, idx, num_segments, *, indices_are_sorted=False):
     x, seg, m, dtype = _common("x", x, idx, num_segments)
     first = P.extreme_p.bind(_grouped(x), *seg, kind="max_norm", **_params(m, indices_are_sorted))
     rows = _rows(x)
-    winners = _at_first(rows, jnp.broadcast_to(first, (m, rows.shape[1])), 0)
+    winners = _at_first(rows, first[:, 0], 0)
     return _norms(winners).astype(dtype)
 
 
