@@ -16,8 +16,8 @@ with respect to each operand is another primitive of the set:
 
 JAX derives every higher derivative, forward or reverse, from these rules. `rms_norm` (the
 RMS norm of each segment, in one pass over the rows) has no rule: segcli.ops differentiates
-it through a custom JVP built of the others. The other primitives give integers, so no derivative:
-`extreme` (the first row attaining each segment's max, min or max norm, through which the ops
+it through a custom JVP built of the others. The other primitives give integers, so no
+derivative: `extreme` (the first row attaining each segment's max, min or max norm, through which the ops
 differentiate), `count` and `bincount`. Batching folds a vmapped axis into axis 1 of every
 float operand (the feature or group axis), which keeps the segment ids and their order;
 vmapped ids fall back to a loop over the batch.
@@ -241,15 +241,13 @@ def _empty(shape, *operands):
 def _reduce_rows(name, x, b, idx, layout, num_segments, gpu, known_sorted):
     """Reduction `name` of the rows x (N, K) with its second operand `b` (None: x itself), as
     its vec3 kernel (NAME3) where a CPU reduces rows of 3 floats faster."""
-    b = x if b is None else b
     if not gpu and _is_float_vec3(x):
         rows = x.reshape(x.shape[0], 1, 3)
-        b = rows if b is x else b
-        out = _reduce(f"{name}3", rows, b, idx, layout, (num_segments, 1), x.dtype, gpu,
-                      known_sorted, vector=(3,))
+        out = _reduce(f"{name}3", rows, rows if b is None else b, idx, layout, (num_segments, 1),
+                      x.dtype, gpu, known_sorted, vector=(3,))
         return out.reshape(num_segments, 3)
-    return _reduce(name, x, b, idx, layout, (num_segments, x.shape[1]), x.dtype, gpu,
-                   known_sorted)
+    return _reduce(name, x, x if b is None else b, idx, layout, (num_segments, x.shape[1]),
+                   x.dtype, gpu, known_sorted)
 
 
 def _sum(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
