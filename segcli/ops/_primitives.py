@@ -17,10 +17,10 @@ with respect to each operand is another primitive of the set:
 JAX derives every higher derivative, forward or reverse, from these rules. `rms_norm` (the
 RMS norm of each segment, in one pass over the rows) has no rule: segcli.ops differentiates
 it through a custom JVP built of the others. The other primitives give integers, so no
-derivative: `extreme` (the first row attaining each segment's max, min or max norm, through which the ops
-differentiate), `count` and `bincount`. Batching folds a vmapped axis into axis 1 of every
-float operand (the feature or group axis), which keeps the segment ids and their order;
-vmapped ids fall back to a loop over the batch.
+derivative: `extreme` (the first row attaining each segment's max, min or max norm, through
+which the ops differentiate), `count` and `bincount`. Batching folds a vmapped axis into
+axis 1 of every float operand (the feature or group axis), which keeps the segment ids and
+their order; vmapped ids fall back to a loop over the batch.
 
 Operands are the data arrays followed by int32 ids and int32 offsets: the segments' CSR
 offsets (M+1,) when the caller has them (the ids then non-decreasing), else an empty array and
