@@ -417,9 +417,10 @@ def test_max_norm_ties_go_to_the_first_row_wherever_they_fall(gpu_paths):
         _primitives.lower_cpu_as_gpu(False)
 
 
-def test_sorted_results_are_bitwise_repeatable_and_flag_independent():
+@pytest.mark.parametrize("gpu_paths", [False, True])
+def test_sorted_results_are_bitwise_repeatable_and_flag_independent(gpu_paths):
     """Every op's value, and every differentiable op's gradient, on sorted ids: the same bits
-    on every call, and with the sorted promise."""
+    on every call, and with the sorted promise (on the CPU's code paths and the GPU's)."""
     rng = np.random.default_rng(2)
     n, m = 20_000, 600
     idx = jnp.asarray(np.sort(rng.integers(0, m, n)), jnp.int32)
@@ -439,13 +440,18 @@ def test_sorted_results_are_bitwise_repeatable_and_flag_independent():
             return out
         return jax.jit(run)
 
-    unpromised = f(False)
-    first = unpromised(args)
-    for _ in range(3):
-        again = unpromised(args)
-        assert all(np.array_equal(again[k], first[k], equal_nan=True) for k in first)
-    promised = f(True)(args)
-    assert all(np.array_equal(promised[k], first[k], equal_nan=True) for k in first)
+    _primitives.lower_cpu_as_gpu(gpu_paths)
+    try:
+        unpromised = f(False)
+        first = unpromised(args)
+        for _ in range(3):
+            again = unpromised(args)
+            assert all(np.array_equal(again[k], first[k], equal_nan=True) for k in first)
+        promised = f(True)(args)
+        assert [k for k in first if not np.array_equal(promised[k], first[k], equal_nan=True)] \
+            == []
+    finally:
+        _primitives.lower_cpu_as_gpu(False)
 
 
 @pytest.fixture
