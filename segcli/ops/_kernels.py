@@ -649,6 +649,26 @@ for _name, _parts in (("max", (_value, _above, _atomic_above)),
                       ("max_norm", (_norm, _above, _atomic_above))):
     for _step, _kernel in zip(("ordered", "best", "first"), _extreme(*_parts)):
         _deferred(_kernel, f"{_name}_{_step}")
+_LOW_WORD = wp.constant(wp.uint64(0xFFFFFFFF))
+
+
+@_deferred
+def _max_norm_packed_kernel(x: wp.array3d(dtype=wp.float32), idx: wp.array(dtype=wp.int32),
+                            keys: wp.array3d(dtype=wp.uint32)):
+    # A thread per row and group, in any order of the ids: keys (M, G, 2), zeros at first, is
+    # the (M, G) uint64 atomic max of |x[i, g]|'s bits (NaN above all) << 32 | (2³² - 1 - i),
+    # so the largest norm wins and, of equal ones, the first row; 0 is an empty segment.
+    i, g = wp.tid()
+    s = idx[i]
+    if s >= 0 and s < keys.shape[0]:
+        best = wp.array(ptr=keys.ptr, shape=(keys.shape[0], keys.shape[1]), dtype=wp.uint64)
+        norm = _norm(x, i, g)
+        bits = _LOW_WORD
+        if not _is_nan(norm):
+            bits = wp.uint64(wp.cast(norm, wp.uint32))
+        wp.atomic_max(best, s, g, (bits << wp.uint64(32)) | (_LOW_WORD - wp.uint64(i)))
+
+
 # On CPUs max_norm's ordered search screens the rows by their squared norms (faster); on
 # GPUs the screen's branches cost more than the norms they spare (benchmarks/RESULTS.md).
 _deferred(_extreme(_norm, _above, _atomic_above, screen=_squared_norm)[0],
@@ -911,6 +931,7 @@ _ELEMENTS = {
 _INTEGERS = {"int32": wp.int32, "int64": wp.int64}
 _DTYPES = {
     "count": {"int32": wp.int32},
+    "max_norm_packed": {"float32": wp.float32},
     "neighbors": {"float64": wp.float64},
     **{name: {**_FLOATS, **_INTEGERS} for name in ("sum", "max_ordered", "max_best", "max_first",
                                                    "min_ordered", "min_best", "min_first")},
