@@ -38,7 +38,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from segcli.ops._kernels import PLAIN_SQUARES, launch, stride
+from segcli.ops._kernels import PACKED_RUN, PLAIN_SQUARES, launch, stride
 
 
 @functools.partial(jax.jit, static_argnames=("num_segments", "indices_are_sorted", "gpu"))
@@ -499,7 +499,8 @@ def _first_of_packed_keys(x, idx, num_segments):
     layout), each taking the atomic max of its packed key (see the kernel); ties and NaN go
     to the first row as on the other paths, and integer atomics keep it deterministic."""
     keys = jnp.zeros((num_segments, x.shape[1], 2), jnp.uint32)
-    keys = launch("max_norm_packed", x, idx, keys, dims=x.shape[:2], in_out=("keys",))
+    runs = -(-x.shape[0] // PACKED_RUN)
+    keys = launch("max_norm_packed", x, idx, keys, dims=(runs, x.shape[1]), in_out=("keys",))
     low, high = keys[..., 0], keys[..., 1]
     return jnp.where((low | high) == 0, x.shape[0], (~low).astype(jnp.int32))
 
