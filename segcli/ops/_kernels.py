@@ -681,7 +681,7 @@ def _max_norm_packed_kernel(x: wp.array3d(dtype=wp.float32), idx: wp.array(dtype
     t, g = wp.tid()
     best = wp.array(ptr=keys.ptr, shape=(keys.shape[0], keys.shape[1]), dtype=wp.uint64)
     lo = t * _PACKED_RUN
-    current = int(-1)
+    current = wp.int32(-1)
     top = wp.uint64(0)
     for i in range(lo, wp.min(lo + _PACKED_RUN, x.shape[0])):
         s = idx[i]
