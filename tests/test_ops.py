@@ -392,6 +392,60 @@ def test_max_norm_gradient_goes_to_first_attaining_row():
                                [[0.6, 0.8], [0, 1], [0, 0], [0, 0], [0, 0]])
 
 
+def _max_norm_reference(x, ids, m):
+    """NumPy float64: each segment's largest norm (the first NaN if any, 0 if empty), and the
+    gradient of their finite nonzero sum: x / |x| at the first row attaining each."""
+    norms = np.linalg.norm(x.astype(np.float64), axis=1)
+    values, grad = np.zeros(m), np.zeros(x.shape)
+    for s in range(m):
+        rows = np.flatnonzero(ids == s)
+        if rows.size:
+            nan = rows[np.isnan(norms[rows])]
+            first = nan[0] if nan.size else rows[np.argmax(norms[rows])]  # the first of ties
+            values[s] = norms[first]
+            if np.isfinite(norms[first]) and norms[first] > 0:
+                grad[first] = x[first] / norms[first]
+    return values, grad
+
+
+@pytest.mark.parametrize("gpu_paths", [False, True])
+def test_max_norm_float32_picks_the_first_largest_row_in_any_id_order(gpu_paths):
+    """float32 (on GPUs a search by packed keys, in any order of the ids): the values and the
+    row that takes the gradient, against NumPy, with ties, NaN, inf, rows whose squares
+    overflow, zero rows, empty segments and dropped ids; sorted (as a Segments too) and not."""
+    rng = np.random.default_rng(11)
+    vectors = np.array([[3, 4, 0], [0, 5, 0], [0, 0, -5], [1, 0, 0], [5, 12, 0], [0, 0, 0],
+                        [1.5e38, 2e38, 0], [2e38, 1.5e38, 0]], np.float32)
+    m = 60
+    counts = rng.integers(0, 9, m)
+    counts[[3, 17]] = 0
+    ids = np.repeat(np.arange(m), counts).astype(np.int32)
+    x = vectors[rng.integers(0, len(vectors), ids.size)]
+    x[rng.integers(0, ids.size, 3)] = [np.nan, 1, 0]
+    x[rng.integers(0, ids.size, 2)] = [np.inf, 0, 0]
+    order = rng.permutation(ids.size)
+    shuffled = np.where(rng.random(ids.size) < 0.1, [-1, m + 3][rng.integers(0, 2)], ids)[order]
+    layouts = [(x, ids, ids, False), (x, ops.segments(counts), ids, False), (x, ids, ids, True),
+               (x[order], shuffled, shuffled, False)]
+    _primitives.lower_cpu_as_gpu(gpu_paths)
+    try:
+        for data, idx, plain, sorted_ in layouts:
+            values, grad = _max_norm_reference(data, plain, m)
+            def total(a, idx=idx, sorted_=sorted_):
+                out = ops.segmented_max_norm(a, idx, m, indices_are_sorted=sorted_)
+                return out, jnp.sum(jnp.where(jnp.isfinite(out), out, 0))
+            out = total(jnp.asarray(data))[0]
+            assert out.dtype == jnp.float32
+            np.testing.assert_allclose(np.asarray(out), values.astype(np.float32), rtol=1e-7)
+            got = jax.grad(lambda a, f=total: f(a)[1])(jnp.asarray(data))
+            # rows of segments whose norm is inf or NaN are left out (0 · NaN there)
+            segment = np.where((plain >= 0) & (plain < m), plain, m)
+            finite = np.isfinite(np.append(values, 0))[segment]
+            np.testing.assert_allclose(np.asarray(got)[finite], grad[finite], rtol=1e-6, atol=0)
+    finally:
+        _primitives.lower_cpu_as_gpu(False)
+
+
 @pytest.mark.parametrize("gpu_paths", [False, True])
 def test_max_norm_ties_go_to_the_first_row_wherever_they_fall(gpu_paths):
     """Segments of 1..12 rows drawn from vectors of norm 5 (ties) and 1: the gradient goes to

@@ -35,6 +35,10 @@ Shapes (rows first, then a group axis G that vmap folds into, then features):
                                                                 (max_norm, each norm scaled by a
                                                                 power of two: no overflow); N if
                                                                 none
+    max_norm_packed  x (N, G, K) float32     -> keys (M, G, 2)  the uint64 atomic max of (bits of
+                                                                |x[i,g]|) << 32 | (2³² - 1 - i),
+                                                                as uint32 pairs (GPUs, any order
+                                                                of the ids, no layout)
     bincount    labels (N,)                  -> (M, L) int32    out[s,c] = #{i : idx[i]=s,
                                                                 labels[i]=c}
     gather      y (R, K), idx (L,)           -> (L, K)          out[i] = y[idx[i]]
@@ -649,6 +653,51 @@ for _name, _parts in (("max", (_value, _above, _atomic_above)),
                       ("max_norm", (_norm, _above, _atomic_above))):
     for _step, _kernel in zip(("ordered", "best", "first"), _extreme(*_parts)):
         _deferred(_kernel, f"{_name}_{_step}")
+_LOW_WORD = wp.constant(wp.uint64(0xFFFFFFFF))
+# Rows per thread of max_norm's packed search: on an H200 (float32, N = 10⁷, Segments) the
+# kernel took 153 µs with 1 (an atomic per row), 58 with 3, 61 with 4 and 219 with 16
+# (benchmarks/RESULTS.md).
+PACKED_RUN = 3
+_PACKED_RUN = wp.constant(PACKED_RUN)
+
+
+@wp.func
+def _packed_norm_key(x: wp.array3d(dtype=wp.float32), i: int, g: int):
+    # (|x[i, g]|'s bits, NaN above all) << 32 | (2³² - 1 - i): the larger norm, then the first row
+    norm = _norm(x, i, g)
+    bits = _LOW_WORD
+    if not _is_nan(norm):
+        bits = wp.uint64(wp.cast(norm, wp.uint32))
+    return (bits << wp.uint64(32)) | (_LOW_WORD - wp.uint64(i))
+
+
+@_deferred
+def _max_norm_packed_kernel(x: wp.array3d(dtype=wp.float32), idx: wp.array(dtype=wp.int32),
+                            keys: wp.array3d(dtype=wp.uint32)):
+    # keys (M, G, 2), zeros at first, becomes the (M, G) uint64 atomic max of the rows' packed
+    # keys (0: an empty segment), in any order of the ids. A thread per run of _PACKED_RUN rows
+    # and group keeps the best key of each run of one id, so that a segment of consecutive
+    # rows takes few atomics.
+    t, g = wp.tid()
+    best = wp.array(ptr=keys.ptr, shape=(keys.shape[0], keys.shape[1]), dtype=wp.uint64)
+    lo = t * _PACKED_RUN
+    current = wp.int32(-1)
+    top = wp.uint64(0)
+    for i in range(lo, wp.min(lo + _PACKED_RUN, x.shape[0])):
+        s = idx[i]
+        if s != current:
+            if current >= 0:
+                wp.atomic_max(best, current, g, top)
+            current = -1
+            top = wp.uint64(0)
+            if s >= 0 and s < keys.shape[0]:
+                current = s
+        if current >= 0:
+            top = wp.max(top, _packed_norm_key(x, i, g))
+    if current >= 0:
+        wp.atomic_max(best, current, g, top)
+
+
 # On CPUs max_norm's ordered search screens the rows by their squared norms (faster); on
 # GPUs the screen's branches cost more than the norms they spare (benchmarks/RESULTS.md).
 _deferred(_extreme(_norm, _above, _atomic_above, screen=_squared_norm)[0],
@@ -911,6 +960,7 @@ _ELEMENTS = {
 _INTEGERS = {"int32": wp.int32, "int64": wp.int64}
 _DTYPES = {
     "count": {"int32": wp.int32},
+    "max_norm_packed": {"float32": wp.float32},
     "neighbors": {"float64": wp.float64},
     **{name: {**_FLOATS, **_INTEGERS} for name in ("sum", "max_ordered", "max_best", "max_first",
                                                    "min_ordered", "min_best", "min_first")},

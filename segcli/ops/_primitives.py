@@ -38,7 +38,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from segcli.ops._kernels import PLAIN_SQUARES, launch, stride
+from segcli.ops._kernels import PACKED_RUN, PLAIN_SQUARES, launch, stride
 
 
 @functools.partial(jax.jit, static_argnames=("num_segments", "indices_are_sorted", "gpu"))
@@ -473,6 +473,8 @@ def _extreme(x, idx, offsets, *, num_segments, indices_are_sorted, kind, gpu=Fal
     first = jnp.full((num_segments, groups), n, jnp.int32)
     if _empty(first.shape, x):
         return first
+    if kind == "max_norm" and gpu and x.dtype == jnp.float32:
+        return _first_of_packed_keys(x, idx, num_segments)
     known_sorted = _known_sorted(offsets, indices_are_sorted)
     offsets, ordered = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
     # Ordered ids: one pass per segment. Otherwise: the atomic best of the keys, then the atomic
@@ -490,6 +492,17 @@ def _extreme(x, idx, offsets, *, num_segments, indices_are_sorted, kind, gpu=Fal
                   in_out=("best",), dtype=x.dtype)
     return launch(f"{kind}_first", x, idx, ordered, threads, nan_key, best, first,
                   dims=(threads, groups), in_out=("first",), dtype=x.dtype)
+
+
+def _first_of_packed_keys(x, idx, num_segments):
+    """max_norm's `first` for float32 on GPUs: a thread per row, whatever the ids' order (no
+    layout), each taking the atomic max of its packed key (see the kernel); ties and NaN go
+    to the first row as on the other paths, and integer atomics keep it deterministic."""
+    keys = jnp.zeros((num_segments, x.shape[1], 2), jnp.uint32)
+    runs = -(-x.shape[0] // PACKED_RUN)
+    keys = launch("max_norm_packed", x, idx, keys, dims=(runs, x.shape[1]), in_out=("keys",))
+    low, high = keys[..., 0], keys[..., 1]
+    return jnp.where((low | high) == 0, x.shape[0], (~low).astype(jnp.int32))
 
 
 extreme_p = _integral(_Rule(
