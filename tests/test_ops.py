@@ -414,8 +414,9 @@ def test_max_norm_float32_picks_the_first_largest_row_in_any_id_order(gpu_paths)
     row that takes the gradient, against NumPy, with ties, NaN, inf, rows whose squares
     overflow, zero rows, empty segments and dropped ids; sorted (as a Segments too) and not."""
     rng = np.random.default_rng(11)
+    # ties exact in float32 however the squares are added (a GPU fuses them into FMAs)
     vectors = np.array([[3, 4, 0], [0, 5, 0], [0, 0, -5], [1, 0, 0], [5, 12, 0], [0, 0, 0],
-                        [1.5e38, 2e38, 0], [2e38, 1.5e38, 0]], np.float32)
+                        [1.5e38, 2e38, 0], [3e38, 0, 0], [0, -3e38, 0]], np.float32)
     m = 60
     counts = rng.integers(0, 9, m)
     counts[[3, 17]] = 0
