@@ -653,6 +653,8 @@ for _name, _parts in (("max", (_value, _above, _atomic_above)),
                       ("max_norm", (_norm, _above, _atomic_above))):
     for _step, _kernel in zip(("ordered", "best", "first"), _extreme(*_parts)):
         _deferred(_kernel, f"{_name}_{_step}")
+
+
 _LOW_WORD = wp.constant(wp.uint64(0xFFFFFFFF))
 # Rows per thread of max_norm's packed search: on an H200 (float32, N = 10⁷, Segments) the
 # kernel took 153 µs with 1 (an atomic per row), 58 with 3, 61 with 4 and 219 with 16

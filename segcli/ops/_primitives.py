@@ -495,9 +495,10 @@ def _extreme(x, idx, offsets, *, num_segments, indices_are_sorted, kind, gpu=Fal
 
 
 def _first_of_packed_keys(x, idx, num_segments):
-    """max_norm's `first` for float32 on GPUs: a thread per row, whatever the ids' order (no
-    layout), each taking the atomic max of its packed key (see the kernel); ties and NaN go
-    to the first row as on the other paths, and integer atomics keep it deterministic."""
+    """max_norm's `first` for float32 on GPUs, in any order of the ids (no layout): the
+    integer atomic max of each segment's packed keys (see the kernel), taken by a thread per
+    run of PACKED_RUN rows. Ties and NaN go to the first row as on the other paths, and
+    integer atomics give the same result in any order."""
     keys = jnp.zeros((num_segments, x.shape[1], 2), jnp.uint32)
     runs = -(-x.shape[0] // PACKED_RUN)
     keys = launch("max_norm_packed", x, idx, keys, dims=(runs, x.shape[1]), in_out=("keys",))
