@@ -448,6 +448,34 @@ def test_max_norm_float32_picks_the_first_largest_row_in_any_id_order(gpu_paths)
 
 
 @pytest.mark.parametrize("gpu_paths", [False, True])
+def test_max_norm_ties_of_norms_whose_squares_differ(gpu_paths):
+    """Rows (1, 0, 0) and (1, 2⁻²⁶, 0): squares 1 and 1 + 2⁻⁵², both norm 1.0 in float64. The
+    gradient goes to the first of them in either order, whatever comes before or after; a
+    row of norm 1 + 2⁻⁵¹ beats both."""
+    one, tied, above = [1.0, 0, 0], [1.0, 2.0 ** -26, 0], [1.0, 2.0 ** -25, 0]
+    assert np.sqrt(1 + 2.0 ** -52) == 1.0 and np.sqrt(1 + 2.0 ** -50) > 1.0
+    segments = [[one, tied], [tied, one], [[0.5, 0, 0], one, [0, 0.5, 0], tied, [0, 0, 0.1]],
+                [tied, [0.5, 0, 0], one], [one, tied, above], [above, one, tied]]
+    x = np.array([row for rows in segments for row in rows])
+    ids = np.repeat(np.arange(len(segments)), [len(rows) for rows in segments]).astype(np.int32)
+    norms = np.sqrt(np.sum(x * x, axis=1))
+    expected = np.zeros_like(x)
+    for s in range(len(segments)):
+        rows = np.flatnonzero(ids == s)
+        first = rows[np.argmax(norms[rows])]  # argmax: the first of ties
+        expected[first] = x[first] / norms[first]
+    _primitives.lower_cpu_as_gpu(gpu_paths)
+    try:
+        for sorted_ in (False, True):
+            grad = jax.grad(lambda a, sorted_=sorted_: jnp.sum(ops.segmented_max_norm(
+                a, jnp.asarray(ids), len(segments), indices_are_sorted=sorted_)))(jnp.asarray(x))
+            np.testing.assert_array_equal(np.flatnonzero(np.asarray(grad)[:, 0]),
+                                          np.flatnonzero(expected[:, 0]))
+    finally:
+        _primitives.lower_cpu_as_gpu(False)
+
+
+@pytest.mark.parametrize("gpu_paths", [False, True])
 def test_max_norm_ties_go_to_the_first_row_wherever_they_fall(gpu_paths):
     """Segments of 1..12 rows drawn from vectors of norm 5 (ties) and 1: the gradient goes to
     the first row of norm 5 wherever the ties fall in a segment."""

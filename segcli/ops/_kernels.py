@@ -533,7 +533,7 @@ _deferred(_overflow_rescue(_largest_entry_of, _atomic_above), "rms_norm_top")
 _deferred(_overflow_rescue(_scaled_squared_norm, _atomic_sum), "rms_norm_rescaled")
 
 
-def _extreme(key, better, atomic_better, screen=None):
+def _extreme(key, better, atomic_better, screen=None, shortcut=None):
     """The kernels finding, per segment s and group g, the first row i attaining the best
     key(x, i, g), `better` ordering keys and NaN beating any number (so a NaN row is chosen):
     `first` (M, G) int32, left as given (N) for an empty segment.
@@ -543,7 +543,8 @@ def _extreme(key, better, atomic_better, screen=None):
     _plain_square) of a row already taken cannot be larger either, and its key is not
     computed. Otherwise `best` (filled with the worst key) takes the atomic best of the keys,
     NaN entering as `nan_key[0]` (the best possible key), and then `first` the atomic min of
-    the rows attaining it."""
+    the rows attaining it. `shortcut`, if given, makes the ordered search from this one (see
+    _largest_square_first)."""
 
     @wp.func
     def beats(v: Any, i: int, winner: int, top: Any):
@@ -583,6 +584,31 @@ def _extreme(key, better, atomic_better, screen=None):
             v = nan_key[0]
         return v
 
+    @wp.func
+    def search(x: wp.array3d(dtype=Any), lo: int, hi: int, g: int):
+        # the first row of lo:hi (lo < hi) attaining the best key
+        top = key(x, lo, g)
+        winner = int(lo)
+        bound = x.dtype(-1)  # no plain screen yet: nothing is skipped
+        i = int(lo + 1)
+        while i + _UNROLL <= hi:  # 4 rows prepared together, then taken in order
+            p0 = prepare(x, i, g)
+            p1 = prepare(x, i + 1, g)
+            p2 = prepare(x, i + 2, g)
+            p3 = prepare(x, i + 3, g)
+            winner, top, bound = take(x, i, g, p0, winner, top, bound)
+            winner, top, bound = take(x, i + 1, g, p1, winner, top, bound)
+            winner, top, bound = take(x, i + 2, g, p2, winner, top, bound)
+            winner, top, bound = take(x, i + 3, g, p3, winner, top, bound)
+            i += _UNROLL
+        while i < hi:
+            winner, top, bound = take(x, i, g, prepare(x, i, g), winner, top, bound)
+            i += 1
+        return winner
+
+    if shortcut is not None:
+        search = shortcut(search)
+
     def ordered_kernel(
         x: wp.array3d(dtype=Any),
         offsets: wp.array(dtype=wp.int32),
@@ -593,24 +619,7 @@ def _extreme(key, better, atomic_better, screen=None):
         if ordered[0] != 0:
             lo, hi = _segment_range(offsets, s, x.shape[0])
             if lo < hi:
-                top = key(x, lo, g)
-                winner = int(lo)
-                bound = x.dtype(-1)  # no plain screen yet: nothing is skipped
-                i = int(lo + 1)
-                while i + _UNROLL <= hi:  # 4 rows prepared together, then taken in order
-                    p0 = prepare(x, i, g)
-                    p1 = prepare(x, i + 1, g)
-                    p2 = prepare(x, i + 2, g)
-                    p3 = prepare(x, i + 3, g)
-                    winner, top, bound = take(x, i, g, p0, winner, top, bound)
-                    winner, top, bound = take(x, i + 1, g, p1, winner, top, bound)
-                    winner, top, bound = take(x, i + 2, g, p2, winner, top, bound)
-                    winner, top, bound = take(x, i + 3, g, p3, winner, top, bound)
-                    i += _UNROLL
-                while i < hi:
-                    winner, top, bound = take(x, i, g, prepare(x, i, g), winner, top, bound)
-                    i += 1
-                first[s, g] = winner
+                first[s, g] = search(x, lo, hi, g)
 
     def best_kernel(
         x: wp.array3d(dtype=Any),
@@ -700,10 +709,59 @@ def _max_norm_packed_kernel(x: wp.array3d(dtype=wp.float32), idx: wp.array(dtype
         wp.atomic_max(best, current, g, top)
 
 
-# On CPUs max_norm's ordered search screens the rows by their squared norms (faster); on
-# GPUs the screen's branches cost more than the norms they spare (benchmarks/RESULTS.md).
-_deferred(_extreme(_norm, _above, _atomic_above, screen=_squared_norm)[0],
-          "max_norm_screened_ordered")
+_NEAR_FLOAT64 = 1.0 - 2.0 ** -50
+_NEAR_FLOAT32 = 1.0 - 2.0 ** -21
+
+
+@wp.func
+def _near_below(square: wp.float64):
+    # below any square whose root rounds to sqrt(square): 8 units in the last place below it
+    return square * wp.float64(_NEAR_FLOAT64)
+
+
+@wp.func
+def _near_below(square: wp.float32):  # an overload per dtype
+    return square * wp.float32(_NEAR_FLOAT32)
+
+
+def _largest_square_first(search):
+    """max_norm's ordered search on CPUs: one pass of plain comparisons finds the first row of
+    the largest squared norm. Where that square is plain (so its root is the row's norm, the
+    largest) and no row's is NaN, the answer is the first row whose norm equals it: that row,
+    unless a row before it has a square a few units in the last place below (then its norm
+    may round to the same). Otherwise `search` (the screened search) decides."""
+
+    @wp.func
+    def first_of_largest(x: wp.array3d(dtype=Any), lo: int, hi: int, g: int):
+        best = x.dtype(-1)
+        before = x.dtype(-1)  # the largest square of the rows before the winner
+        winner = int(lo)
+        nans = wp.int32(0)
+        for i in range(lo, hi):
+            square = _squared_norm(x, i, g)
+            if square > best:
+                before = best
+                best = square
+                winner = i
+            if square != square:  # NaN (a comparison: on CPUs half the cost of wp.isnan here)
+                nans += 1
+        if nans > 0 or not _plain_square(best):
+            return search(x, lo, hi, g)
+        near = _near_below(best)
+        if before >= near:  # a row before the winner may have the same norm: the first one
+            top = wp.sqrt(best)
+            for i in range(lo, winner):
+                if _squared_norm(x, i, g) >= near and _norm(x, i, g) == top:
+                    return i
+        return winner
+
+    return first_of_largest
+
+
+# On CPUs max_norm's ordered search compares squared norms (faster); on GPUs the branches
+# cost more than the norms they spare (benchmarks/RESULTS.md).
+_deferred(_extreme(_norm, _above, _atomic_above, screen=_squared_norm,
+                   shortcut=_largest_square_first)[0], "max_norm_screened_ordered")
 
 
 @_deferred
