@@ -543,8 +543,8 @@ def _extreme(key, better, atomic_better, screen=None, shortcut=None):
     _plain_square) of a row already taken cannot be larger either, and its key is not
     computed. Otherwise `best` (filled with the worst key) takes the atomic best of the keys,
     NaN entering as `nan_key[0]` (the best possible key), and then `first` the atomic min of
-    the rows attaining it. `shortcut`, if given, makes the ordered search from this one (see
-    _largest_square_first)."""
+    the rows attaining it. `shortcut`, if given, makes the ordered search from this one, the
+    key and `better` (see _largest_square_first, _first_by_plain_comparisons)."""
 
     @wp.func
     def beats(v: Any, i: int, winner: int, top: Any):
@@ -607,7 +607,7 @@ def _extreme(key, better, atomic_better, screen=None, shortcut=None):
         return winner
 
     if shortcut is not None:
-        search = shortcut(search)
+        search = shortcut(search, key, better)
 
     def ordered_kernel(
         x: wp.array3d(dtype=Any),
@@ -724,7 +724,7 @@ def _near_below(square: wp.float32):  # an overload per dtype
     return square * wp.float32(_NEAR_FLOAT32)
 
 
-def _largest_square_first(search):
+def _largest_square_first(search, key, better):
     """max_norm's ordered search on CPUs: one pass of plain comparisons finds the first row of
     the largest squared norm. Where that square is plain (so its root is the row's norm, the
     largest) and no row's is NaN, the answer is the first row whose norm equals it: that row,
@@ -758,10 +758,37 @@ def _largest_square_first(search):
     return first_of_largest
 
 
-# On CPUs max_norm's ordered search compares squared norms (faster); on GPUs the branches
-# cost more than the norms they spare (benchmarks/RESULTS.md).
+def _first_by_plain_comparisons(search, key, better):
+    """max's and min's ordered search on CPUs: one pass of plain comparisons, counting NaN
+    keys by a comparison too, finds the first row of the best key; where a key is NaN,
+    `search` (which lets the first NaN win) decides."""
+
+    @wp.func
+    def first_of_best(x: wp.array3d(dtype=Any), lo: int, hi: int, g: int):
+        top = key(x, lo, g)
+        winner = int(lo)
+        nans = wp.int32(0)
+        for i in range(lo, hi):
+            v = key(x, i, g)
+            if better(v, top):
+                top = v
+                winner = i
+            if v != v:  # NaN (integers never are)
+                nans += 1
+        if nans > 0:
+            return search(x, lo, hi, g)
+        return winner
+
+    return first_of_best
+
+
+# The ordered searches on CPUs: plain comparisons first (a few times faster there); on GPUs
+# their branches cost more than the work they spare (benchmarks/RESULTS.md).
 _deferred(_extreme(_norm, _above, _atomic_above, screen=_squared_norm,
-                   shortcut=_largest_square_first)[0], "max_norm_screened_ordered")
+                   shortcut=_largest_square_first)[0], "max_norm_cpu_ordered")
+for _name, _parts in (("max", (_value, _above, _atomic_above)),
+                      ("min", (_value, _below, _atomic_below))):
+    _deferred(_extreme(*_parts, shortcut=_first_by_plain_comparisons)[0], f"{_name}_cpu_ordered")
 
 
 @_deferred
@@ -1022,8 +1049,9 @@ _DTYPES = {
     "count": {"int32": wp.int32},
     "max_norm_packed": {"float32": wp.float32},
     "neighbors": {"float64": wp.float64},
-    **{name: {**_FLOATS, **_INTEGERS} for name in ("sum", "max_ordered", "max_best", "max_first",
-                                                   "min_ordered", "min_best", "min_first")},
+    **{name: {**_FLOATS, **_INTEGERS}
+       for name in ("sum", "max_ordered", "max_cpu_ordered", "max_best", "max_first",
+                    "min_ordered", "min_cpu_ordered", "min_best", "min_first")},
 }
 
 

@@ -480,7 +480,7 @@ def _extreme(x, idx, offsets, *, num_segments, indices_are_sorted, kind, gpu=Fal
     # Ordered ids: one pass per segment. Otherwise: the atomic best of the keys, then the atomic
     # min of the rows attaining it. Each kernel returns at once when the flag says the other
     # path applies; promised-sorted ids skip the other path.
-    search = f"{kind}_screened_ordered" if kind == "max_norm" and not gpu else f"{kind}_ordered"
+    search = f"{kind}_ordered" if gpu else f"{kind}_cpu_ordered"
     first = launch(search, x, offsets, ordered, first, dims=first.shape,
                    in_out=("first",), dtype=x.dtype)
     if known_sorted:
