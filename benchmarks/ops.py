@@ -157,14 +157,20 @@ def floor_bytes(fn, args, mode, layout):
             + sum(o.size * o.dtype.itemsize for o in jax.tree.leaves(out)))
 
 
-def implementations():
-    impls = {"segcli": importlib.import_module("segcli.ops"),
-             "jax": importlib.import_module("segcli.reference")}
-    try:  # noqa: SIM105 - the except clause says why
-        impls["nvalchemiops"] = importlib.import_module("nvalchemiops.jax.segment_ops")
-    except Exception:  # noqa: BLE001 - any import failure means nvalchemiops is not available here
-        pass
-    return impls
+def implementations(names=("segcli", "jax", "nvalchemiops")):
+    """The implementations of `names` that import here (segcli always)."""
+    modules = {"segcli": "segcli.ops", "jax": "segcli.reference",
+               "nvalchemiops": "nvalchemiops.jax.segment_ops"}
+    return {name: module for name in ("segcli", *names)
+            if (module := _imported(modules[name])) is not None}
+
+
+def _imported(module):
+    """The module, or None where it does not import here."""
+    try:
+        return importlib.import_module(module)
+    except Exception:  # noqa: BLE001 - any import failure means it is not available here
+        return None
 
 
 def offsets_of(idx, m):
@@ -172,8 +178,8 @@ def offsets_of(idx, m):
     return jnp.asarray(np.searchsorted(np.asarray(idx), np.arange(m + 1)).astype(np.int32))
 
 
-def run(atoms, dtypes, repeats, ops, layout="ids"):
-    impls = implementations()
+def run(atoms, dtypes, repeats, ops, layout="ids", modes=MODES, impl_names=None):
+    impls = implementations(*([impl_names] if impl_names else []))
     rows = []
     for dtype in dtypes:
         rng, idx, m, v = inputs(atoms, dtype)
@@ -184,7 +190,7 @@ def run(atoms, dtypes, repeats, ops, layout="ids"):
             data = arguments(op, rng, atoms, m, dtype)
             args = (loss_weights(op, data, idx, m, dtype), v, *data, idx, offsets)
             per_impl = {impl: functions(module, op, m, layout) for impl, module in impls.items()}
-            for mode in MODES:
+            for mode in modes:
                 fns = {impl: f[mode] for impl, f in per_impl.items() if mode in f}
                 if fns:
                     floor = floor_bytes(fns["segcli"], args, mode, layout) / rate
@@ -219,12 +225,16 @@ def main():
     parser.add_argument("--ops", default=",".join(OPS), help="comma-separated op names")
     parser.add_argument("--layout", choices=LAYOUTS, default="ids",
                         help="; ".join(f"{k}: {v}" for k, v in LAYOUTS.items()))
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated modes")
+    parser.add_argument("--impls", default="segcli,jax,nvalchemiops",
+                        help="comma-separated implementations beside segcli")
     parser.add_argument("--out", help="also write the table (with its heading) to this file")
     args = parser.parse_args()
     dtypes = args.dtype.split(",")
     if "float64" in dtypes:
         jax.config.update("jax_enable_x64", True)
-    rows, impl_names, m = run(args.atoms, dtypes, args.repeats, args.ops.split(","), args.layout)
+    rows, impl_names, m = run(args.atoms, dtypes, args.repeats, args.ops.split(","), args.layout,
+                              args.modes.split(","), args.impls.split(","))
     device = jax.devices()[0]
     heading = (
         f"### {datetime.date.today()} — {device.device_kind} ({device.platform}), "
@@ -233,7 +243,8 @@ def main():
         f"Segments: {LAYOUTS[args.layout]}. XLA_FLAGS: {os.environ.get('XLA_FLAGS') or 'none'}. "
         f"Each cell: latency / throughput time per call (bursts of {BURST}), medians of "
         f"{args.repeats}; ratios of throughput. Command: `python benchmarks/ops.py --atoms "
-        f"{args.atoms} --dtype {args.dtype} --repeats {args.repeats} --layout {args.layout}`\n\n"
+        f"{args.atoms} --dtype {args.dtype} --repeats {args.repeats} --layout {args.layout} "
+        f"--modes {args.modes} --impls {args.impls}`\n\n"
     )
     text = heading + table(rows, impl_names) + "\n"
     print(text)

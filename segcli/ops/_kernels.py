@@ -729,7 +729,8 @@ def _largest_square_first(search, key, better):
     the largest squared norm. Where that square is plain (so its root is the row's norm, the
     largest) and no row's is NaN, the answer is the first row whose norm equals it: that row,
     unless a row before it has a square a few units in the last place below (then its norm
-    may round to the same). Otherwise `search` (the screened search) decides."""
+    may round to the same). Otherwise `search` (the screened search) decides. `key` is the
+    norm, and `better` is implied by the squares' order."""
 
     @wp.func
     def first_of_largest(x: wp.array3d(dtype=Any), lo: int, hi: int, g: int):
@@ -751,7 +752,7 @@ def _largest_square_first(search, key, better):
         if before >= near:  # a row before the winner may have the same norm: the first one
             top = wp.sqrt(best)
             for i in range(lo, winner):
-                if _squared_norm(x, i, g) >= near and _norm(x, i, g) == top:
+                if _squared_norm(x, i, g) >= near and key(x, i, g) == top:
                     return i
         return winner
 
