@@ -21,7 +21,8 @@ Shapes (rows first, then a group axis G that vmap folds into, then features):
                                                                 segments that over- or
                                                                 underflowed)
     wide_squares  a (N, G·K) float32         -> (M, G·K, 2)     float64 Σ_{idx[i]=s} a[i,p]², as
-                                                                uint32 pairs (GPUs; then
+                                                                uint32 pairs (GPUs, ids not
+                                                                promised sorted; then
                                                                 rms_norm_of_wide_squares, the
                                                                 float32 RMS norms (M, G))
     outer       a (N, G·K), b (N, G·L)       -> (M, G·K·L)      out[s,g] = Σ_{idx[i]=s} a[i,g] ⊗
