@@ -100,9 +100,11 @@ def shuffled(rng, x, ids):
 
 
 CASES = [(np.float64, "sorted", "cpu_paths"), (np.float64, "unsorted", "gpu_paths"),
-         (np.float32, "unsorted", "cpu_paths"), (np.float32, "sorted", "gpu_paths")]
+         (np.float32, "unsorted", "cpu_paths"), (np.float32, "sorted", "gpu_paths"),
+         (np.float32, "unsorted", "gpu_paths")]
 """Each dtype with sorted and unsorted ids, each on both code paths: the ordered kernels
-(vec3 ones on the CPU), the CPU's one-thread atomics and the GPU's many-thread ones."""
+(vec3 ones on the CPU), the CPU's one-thread atomics and the GPU's many-thread ones (for
+float32 rms_norm, sums in float64)."""
 
 
 def case(dtype, ordering, specials=True):

@@ -20,6 +20,11 @@ Shapes (rows first, then a group axis G that vmap folds into, then features):
                                                                 and rms_norm_rescaled redo the
                                                                 segments that over- or
                                                                 underflowed)
+    wide_squares  a (N, G·K) float32         -> (M, G·K, 2)     float64 Σ_{idx[i]=s} a[i,p]², as
+                                                                uint32 pairs (GPUs, ids not
+                                                                promised sorted; then
+                                                                rms_norm_of_wide_squares, the
+                                                                float32 RMS norms (M, G))
     outer       a (N, G·K), b (N, G·L)       -> (M, G·K·L)      out[s,g] = Σ_{idx[i]=s} a[i,g] ⊗
                                                                 b[i,g]
     sum3, mean3, dot3  rows of vec3 (N, 1)   -> (M, 1)          sum, mean and dot for K = 3, on
@@ -444,6 +449,70 @@ def _rms_norm_of_squares_kernel(
             for j in range(k):
                 total += squares[s, g * k + j]
             out[s, g] = _rms_of_squares(x, lo, hi, g, total)
+
+
+@_deferred
+def _wide_squares_kernel(
+    a: wp.array2d(dtype=wp.float32),
+    idx: wp.array(dtype=wp.int32),
+    offsets: wp.array(dtype=wp.int32),
+    ordered: wp.array(dtype=wp.int32),
+    stride: int,
+    counts: wp.array(dtype=wp.int32),
+    out: wp.array3d(dtype=wp.uint32),
+):
+    # out (M, P, 2): the float64 Σ a[i, p]² of each segment (as uint32 pairs), where no
+    # float32 square or sum overflows or underflows. Ordered ids: thread (s, p) adds its
+    # segment's rows in order. Otherwise threads t < stride add atomically into zeros, and
+    # count each segment's rows into `counts` (zeros).
+    t, p = wp.tid()
+    sums = wp.array(ptr=out.ptr, shape=(out.shape[0], out.shape[1]), dtype=wp.float64)
+    n = a.shape[0]
+    m = out.shape[0]
+    if ordered[0] != 0:
+        if t < m:
+            lo, hi = _segment_range(offsets, t, n)
+            acc = wp.float64(0.0)
+            for i in range(lo, hi):
+                v = wp.float64(a[i, p])
+                acc += v * v
+            sums[t, p] = acc
+    elif t < stride:
+        for i in range(t, n, stride):
+            s = idx[i]
+            if s >= 0 and s < m:
+                v = wp.float64(a[i, p])
+                wp.atomic_add(sums, s, p, v * v)
+                if p == 0:
+                    wp.atomic_add(counts, s, 1)
+
+
+@_deferred
+def _rms_norm_of_wide_squares_kernel(
+    offsets: wp.array(dtype=wp.int32),
+    ordered: wp.array(dtype=wp.int32),
+    rows: int,
+    counts: wp.array(dtype=wp.int32),
+    squares: wp.array3d(dtype=wp.uint32),
+    out: wp.array2d(dtype=wp.float32),
+):
+    # out[s, g] = sqrt(Σ_k squares[s, g·K + k] / n) in float64 (wide_squares' sums, K =
+    # squares.shape[1] / G), n the segment's rows (from the offsets if ordered, else
+    # `counts`); 0 for an empty segment
+    s, g = wp.tid()
+    sums = wp.array(ptr=squares.ptr, shape=(squares.shape[0], squares.shape[1]),
+                    dtype=wp.float64)
+    k = squares.shape[1] // out.shape[1]
+    lo, hi = _segment_range(offsets, s, rows)
+    n = hi - lo
+    if ordered[0] == 0:
+        n = counts[s]
+    out[s, g] = wp.float32(0.0)
+    if n > 0:
+        total = wp.float64(0.0)
+        for j in range(g * k, (g + 1) * k):
+            total += sums[s, j]
+        out[s, g] = wp.float32(wp.sqrt(total / wp.float64(n)))
 
 
 @wp.func
@@ -1049,6 +1118,8 @@ _ELEMENTS = {
 _INTEGERS = {"int32": wp.int32, "int64": wp.int64}
 _DTYPES = {
     "count": {"int32": wp.int32},
+    "wide_squares": {"float32": wp.float32},
+    "rms_norm_of_wide_squares": {"float32": wp.float32},
     "max_norm_packed": {"float32": wp.float32},
     "neighbors": {"float64": wp.float64},
     **{name: {**_FLOATS, **_INTEGERS}

@@ -415,6 +415,8 @@ def _rms_norm(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
         return jnp.zeros(shape, x.dtype)
     known_sorted = _known_sorted(offsets, indices_are_sorted)
     layout = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
+    if gpu and x.dtype == jnp.float32 and not known_sorted:
+        return _wide_rms_norm(x, idx, layout, num_segments)
     threads = stride(gpu, n)
     zeros = jnp.zeros(shape, x.dtype)
     if gpu:
@@ -445,6 +447,24 @@ def _rms_norm(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     counts = jnp.maximum(counts, 1).astype(x.dtype)
     unordered = jnp.where(plain, jnp.sqrt(squares / counts), scale * jnp.sqrt(rescaled / counts))
     return jnp.where(ordered, out, unordered)
+
+
+def _wide_rms_norm(x, idx, layout, num_segments):
+    """rms_norm of float32 on GPUs with ids not promised sorted: Σ x² per segment and feature
+    in float64 (a thread each where the ids turn out ordered, else atomics, which count the
+    rows too), then a thread per segment and group adds its K sums and takes the root of
+    their mean. In float64 no float32 square or sum overflows or underflows, so nothing is
+    summed again: two launches after the layout, where the float32 sums need a rescue."""
+    n, groups, k = x.shape
+    threads = stride(True, n)
+    counts, squares = launch("wide_squares", x.reshape(n, groups * k), idx, *layout, threads,
+                             jnp.zeros((num_segments,), jnp.int32),
+                             jnp.zeros((num_segments, groups * k, 2), jnp.uint32),
+                             dims=(max(num_segments, threads), groups * k),
+                             in_out=("counts", "out"))
+    shape = (num_segments, groups)
+    return launch("rms_norm_of_wide_squares", *layout, n, counts, squares, dims=shape,
+                  out=shape, dtype=jnp.float32)
 
 
 rms_norm_p = _register(_Rule(
