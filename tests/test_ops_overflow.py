@@ -239,3 +239,25 @@ def test_norms_are_exact_across_the_whole_range(code_paths, dtype, ordering):
                                indices_are_sorted=ordering == "sorted")
             want, scale = expected(name, x, ids, m)
             assert_matches(np.asarray(got), want, scale, RTOL[dtype], (name, per_segment))
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
+def test_power_of_two_brackets_every_float(dtype):
+    """power_of_two(top) = (2^e, 2^-e), 2^e <= top < 2^(e+1), against NumPy's frexp: across
+    the whole range, subnormal tops (e clamped to the smallest normal power), tops near the
+    float max (clamped so that 2^-e is normal), 0, inf and NaN (e = -1)."""
+    info = np.finfo(dtype)
+    rng = np.random.default_rng(8)
+    exponents = rng.integers(info.minexp - info.nmant, info.maxexp, 2000)
+    top = np.concatenate([np.ldexp(rng.uniform(1, 2, 2000), exponents),
+                          [0, 1, 2, 0.5, info.max, info.tiny, info.smallest_subnormal, np.inf,
+                           np.nan]]).astype(dtype)
+    mantissa, e = np.frexp(top.astype(np.float64))
+    e = np.where((top == 0) | ~np.isfinite(top), -1, np.clip(e - 1, info.minexp, info.maxexp - 3))
+    scale, inverse = jax.jit(_primitives.power_of_two)(jnp.asarray(top))
+    assert scale.dtype == inverse.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(scale, np.float64), np.ldexp(1.0, e))
+    np.testing.assert_array_equal(np.asarray(inverse, np.float64), np.ldexp(1.0, -e))
+    inside = np.isfinite(top) & (top >= info.tiny) & (e < info.maxexp - 3)  # not clamped
+    assert np.all(np.ldexp(1.0, e[inside]) <= top[inside])
+    assert np.all(top[inside] < np.ldexp(1.0, e[inside] + 1))

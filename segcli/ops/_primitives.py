@@ -400,12 +400,24 @@ outer_p = _multilinear(_Rule(
 
 def power_of_two(top):
     """(2^e, 2^-e) with 2^e <= top < 2^(e+1) for top >= 0, e clamped so that both are normal
-    numbers (XLA and the kernels flush subnormal ones to 0): dividing by a power of two is
-    exact, so scaling by it keeps every digit."""
+    numbers (XLA and the kernels flush subnormal ones to 0), and e = -1 where top is 0, inf
+    or NaN: dividing by a power of two is exact, so scaling by it keeps every digit. Read
+    from and built as the floats' exponent bits (jnp.frexp and jnp.ldexp take float powers,
+    which cost more than the norms around them on CPUs)."""
     info = jnp.finfo(top.dtype)
-    e = jnp.clip(jnp.frexp(top)[1] - 1, info.minexp, info.maxexp - 3)
-    one = jnp.ones_like(top)
-    return jnp.ldexp(one, e), jnp.ldexp(one, -e)
+    bits = jnp.dtype(f"uint{info.bits}")
+    field = (1 << (info.bits - 1 - info.nmant)) - 1  # the exponent's bits, all set: inf, NaN
+    bias = info.maxexp - 1
+    raw = jax.lax.bitcast_convert_type(top, bits) & ((1 << (info.bits - 1)) - 1)  # no sign
+    stored = (raw >> info.nmant).astype(jnp.int32)
+    e = jnp.where((raw == 0) | (stored == field), -1,  # (== 0 would take subnormals for 0)
+                  jnp.clip(stored - bias, info.minexp, info.maxexp - 3))
+
+    def power(exponent):
+        return jax.lax.bitcast_convert_type((exponent + bias).astype(bits) << info.nmant,
+                                            top.dtype)
+
+    return power(e), power(-e)
 
 
 def _rms_norm(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
