@@ -16,6 +16,7 @@ import functools
 import itertools
 import math
 import queue
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -282,62 +283,77 @@ def nan_checked(path, chunks, names, where_present=False):
 
 
 class _BufferRing:
-    """Host buffers reused round-robin over `slots` chunks (the one computing, the one waiting,
-    the one being read, one spare), so that steady state allocates nothing: no page faults.
-    Aligned to 64 bytes, which lets XLA's CPU client take them without a staging copy; with
-    `pinned`, in page-locked memory, which a GPU copies from 8× faster than from pageable."""
+    """Host buffers reused from chunk to chunk, so that steady state allocates nothing: no page
+    faults. A buffer is handed out again only once nothing refers to it: not the chunk read
+    or padded into it, not a device array that aliases it (XLA's CPU client) or whose copy
+    from it may still run (a GPU's), not a result on its way to a file. Aligned to 64 bytes,
+    which lets XLA's CPU client take them without a staging copy; with `pinned`, in
+    page-locked memory, which a GPU copies from 8× faster than from pageable."""
 
-    def __init__(self, slots=4, pinned=False):
-        self._slots = [{} for _ in range(slots)]
+    def __init__(self, pinned=False):
+        self._buffers = {}  # (key, shape, dtype) -> [(buffer, owner, references when idle)]
         self._lent = {}  # buffer address -> rows lent to a reader
         self._pinned = pinned
 
-    def take(self, slot, key, shape, dtype):
-        """The buffer `key` (any hashable) of `shape` and `dtype` in slot `slot`."""
-        buffers = self._slots[slot % len(self._slots)]
+    def take(self, key, shape, dtype):
+        """A buffer `key` (any hashable) of `shape` and `dtype` that nothing else refers to:
+        a view, which holds it (as do the views made of it) for as long as it lives."""
         key = (key, tuple(shape), np.dtype(dtype))
-        if key not in buffers:
-            size = int(np.prod(shape)) * key[2].itemsize
-            if self._pinned:
-                from segcli.ops._kernels import pinned_bytes
+        entries = self._buffers.setdefault(key, [])
+        for buffer, owner, idle in entries:
+            if sys.getrefcount(owner) == idle:
+                return buffer.view()
+        buffer = _aligned(int(np.prod(shape)) * key[2].itemsize, self._pinned)
+        buffer = buffer.view(key[2]).reshape(shape)
+        owner = buffer[:0].base  # what every view of the buffer refers to
+        entries.append((buffer, owner, None))
+        idle = sys.getrefcount(owner)  # the references the loop above counts: none outside
+        entries[-1] = (buffer, owner, idle)
+        return buffer.view()
 
-                raw = pinned_bytes(size + 64)
-            else:
-                raw = np.empty(size + 64, np.uint8)
-            start = -raw.ctypes.data % 64
-            buffers[key] = raw[start:start + size].view(key[2]).reshape(shape)
-        return buffers[key]
-
-    def lend(self, slot, key, shape, dtype, rows):
-        """The first `rows` rows of buffer `key`, for a reader to fill (see `holding`)."""
-        buffer = self.take(slot, key, shape, dtype)
+    def lend(self, key, shape, dtype, rows):
+        """The first `rows` rows of a buffer `key`, for a reader to fill (see `holding`)."""
+        buffer = self.take(key, shape, dtype)
         self._lent[buffer.ctypes.data] = rows
         return buffer[:rows]
 
     def holding(self, array):
-        """The buffer whose lent rows `array` is, exactly (not a part of them), or None."""
-        for buffers in self._slots:
-            for buffer in buffers.values():
+        """A view of the whole buffer whose lent rows `array` is, exactly (not a part of
+        them), or None."""
+        for entries in self._buffers.values():
+            for buffer, _, _ in entries:
                 if (buffer.ctypes.data == array.ctypes.data and buffer.dtype == array.dtype
                         and buffer.shape[1:] == array.shape[1:]
                         and self._lent.get(buffer.ctypes.data) == len(array)):
-                    return buffer
+                    return buffer.view()
         return None
 
 
-def _pad(dtypes, chunk, least, buffers, slot, ids=True):
+def _aligned(size, pinned):
+    """`size` bytes (uint8) at an address that is a multiple of 64; page-locked if `pinned`."""
+    if pinned:
+        from segcli.ops._kernels import pinned_bytes
+
+        raw = pinned_bytes(size + 64)
+    else:
+        raw = np.empty(size + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    return raw[start:start + size]
+
+
+def _pad(dtypes, chunk, least, buffers, ids=True):
     """The chunk's fields (name -> dtype `dtypes`, see field_dtypes), cast and padded (see
-    _Padded, which has ids if `ids`) to at least `least` = (rows, structures), in `buffers`'
-    slot `slot`, or where the chunk was read in place (see _padded_chunks); the rows of
+    _Padded, which has ids if `ids`) to at least `least` = (rows, structures), in `buffers`,
+    or where the chunk was read in place (see _padded_chunks); the rows of
     structures that lack a field (Chunk.present) hold 0, not its fill."""
     n_structures, n_rows = len(chunk.n_atoms), int(chunk.n_atoms.sum())
     rows, segments = max(least[0], bucket(n_rows)), max(least[1], bucket(n_structures))
-    offsets = buffers.take(slot, "offsets", (segments + 1,), np.int32)
+    offsets = buffers.take("offsets", (segments + 1,), np.int32)
     offsets[0] = 0
     np.cumsum(chunk.n_atoms, out=offsets[1:n_structures + 1])
     offsets[n_structures + 1:] = n_rows
     if ids:
-        ids = buffers.take(slot, "ids", (rows,), np.int32)
+        ids = buffers.take("ids", (rows,), np.int32)
         ids[:n_rows] = np.repeat(np.arange(n_structures, dtype=np.int32), chunk.n_atoms)
         ids[n_rows:] = segments
     else:
@@ -349,7 +365,7 @@ def _pad(dtypes, chunk, least, buffers, slot, ids=True):
         shape = (rows if per_atom else segments, *data.shape[1:])
         out = buffers.holding(data) if per_atom else None
         if out is None or out.shape != shape or out.dtype != dtype:
-            out = buffers.take(slot, ("pad", name), shape, dtype)
+            out = buffers.take(("pad", name), shape, dtype)
             out[:len(data)] = data
         out[len(data):] = 0
         if name in chunk.present:
@@ -372,16 +388,13 @@ def padded_size(n_atoms, chunk_atoms):
 def lending(buffers, dtypes, fields, least_rows):
     """An `into` for Batch.iter_chunks: a buffer of `buffers` (a _BufferRing), padded to at
     least `least_rows` rows (a bucket), to read the next piece of per-atom field `name`
-    (fields[name] its FieldInfo) into as dtypes[name], in a slot of its own per piece (a
-    format may read one piece ahead of the chunk it yields); None for other fields."""
-    pieces = {}
+    (fields[name] its FieldInfo) into as dtypes[name]; None for other fields."""
 
     def into(name, rows):
         if name not in dtypes:
             return None
-        pieces[name] = pieces.get(name, -1) + 1
         shape = (max(least_rows, bucket(int(rows))), *fields[name].shape)
-        return buffers.lend(pieces[name], ("read", name), shape, dtypes[name], rows)
+        return buffers.lend(("read", name), shape, dtypes[name], rows)
 
     return into
 
@@ -407,8 +420,8 @@ def _padded_chunks(batch, jobs, chunk_atoms, structures, buffers, on_device=Fals
                                into=lending(buffers, dtypes, fields, least[0]), keep=keep)
     if not on_device:
         chunks = nan_checked(jobs[0].path, chunks, read, where_present=True)
-    for slot, chunk in enumerate(chunks):
-        yield chunk, _pad(dtypes, chunk, least, buffers, slot, ids=not on_device)
+    for chunk in chunks:
+        yield chunk, _pad(dtypes, chunk, least, buffers, ids=not on_device)
 
 
 def _precision(jobs):
@@ -624,7 +637,7 @@ def run(batch, jobs, device, *, chunk_atoms=DEFAULT_CHUNK_ATOMS, structures=slic
         items = prefetch(_padded_chunks(batch, jobs, chunk_atoms, structures, buffers, on_device,
                                         keep))
         with contextlib.closing(items):
-            flying = None  # (chunk, launch) in flight: the ring's slots outlast two chunks
+            flying = None  # (chunk, launch) in flight
             for chunk, padded in items:
                 launched = chunk, launch(jobs, padded, device)
                 if flying is not None:

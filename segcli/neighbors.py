@@ -272,21 +272,20 @@ def _pad(array, size, value=0):
                   constant_values=value)
 
 
-def _padded(buffers, slot, name, array, size, value=0):
-    """`array` in the buffer `name` of `buffers`' slot `slot` (see engine._BufferRing), padded
-    with `value` to `size` rows."""
-    out = buffers.take(slot, name, (size, *array.shape[1:]), array.dtype)
+def _padded(buffers, name, array, size, value=0):
+    """`array` in a buffer `name` of `buffers` (see engine._BufferRing), padded with `value`
+    to `size` rows."""
+    out = buffers.take(name, (size, *array.shape[1:]), array.dtype)
     out[:len(array)] = array
     out[len(array):] = value
     return out
 
 
-def prepare(path, chunk, cells, pbc, buffers=None, slot=0, least=(0, 0), scale=1.0):
+def prepare(path, chunk, cells, pbc, buffers=None, least=(0, 0), scale=1.0):
     """The Prepared chunk (io.core.Chunk holding `positions`) of structures whose lattice
-    vectors are `cells` (S, 3, 3) and periodic axes `pbc` (S, 3), in the host buffers of
-    `buffers`' slot `slot` (default: new ones; or where the positions were read in place,
-    see engine.lending),
-    padded to at least `least` (rows, structures) and to power-of-two sizes (one compilation
+    vectors are `cells` (S, 3, 3) and periodic axes `pbc` (S, 3), in host buffers of
+    `buffers` (default: new ones; or where the positions were read in place, see
+    engine.lending), padded to at least `least` (rows, structures) and to power-of-two sizes (one compilation
     over a run); positions times `scale` (to Å), and 0 for structures that lack them (no
     pair of theirs is counted, and their results are NaN, see run)."""
     from segcli.engine import _BufferRing, bucket
@@ -298,21 +297,21 @@ def prepare(path, chunk, cells, pbc, buffers=None, slot=0, least=(0, 0), scale=1
     data = chunk.atoms["positions"]
     positions = buffers.holding(data)
     if positions is None or positions.shape != (rows, 3) or positions.dtype != np.float64:
-        positions = buffers.take(slot, "positions", (rows, 3), np.float64)
+        positions = buffers.take("positions", (rows, 3), np.float64)
         positions[:n] = data
     positions[n:] = 0
     if scale != 1.0:
         positions[:n] *= scale
     have = chunk.present.get("positions", np.ones(s, bool))
     positions[:n][~np.repeat(have, n_atoms)] = 0
-    offsets = buffers.take(slot, "offsets", (segments + 1,), np.int32)
+    offsets = buffers.take("offsets", (segments + 1,), np.int32)
     offsets[0] = 0
     np.cumsum(n_atoms, out=offsets[1:s + 1])
     offsets[s + 1:] = n
     shape = geometry(path, chunk.structure_numbers, cells, pbc)
-    padded = Geometry(*(_padded(buffers, slot, name, array, segments, value) for name, array, value
+    padded = Geometry(*(_padded(buffers, name, array, segments, value) for name, array, value
                         in zip(Geometry._fields, shape, (0.0, 0.0, 1.0, False))))
-    return Prepared(path, positions, offsets, _padded(buffers, slot, "present", have, segments),
+    return Prepared(path, positions, offsets, _padded(buffers, "present", have, segments),
                     padded, chunk.structure_numbers, n_atoms)
 
 
@@ -407,9 +406,9 @@ def run(batch, cutoffs, device, *, chunk_atoms=1 << 21, structures=slice(None), 
             into=engine.lending(buffers, {"positions": np.dtype(np.float64)}, fields, least[0]))
         checked = engine.nan_checked(batch.path, chunks, [n for n in names if n != "pbc"],
                                      where_present=True)
-        for slot, chunk in enumerate(checked):
+        for chunk in checked:
             cells, pbc = lattices(chunk, factor)
-            yield chunk, prepare(batch.path, chunk, cells, pbc, buffers, slot, least, factor)
+            yield chunk, prepare(batch.path, chunk, cells, pbc, buffers, least, factor)
 
     with engine.buffer_ring(device.platform != "cpu", "neighbors") as buffers:
         items = engine.prefetch(prepared(buffers))

@@ -20,7 +20,7 @@ from batch_reference import (
 from segcli import engine
 from segcli._jax import enable_x64
 from segcli.errors import DataError
-from segcli.io import open_batch
+from segcli.io import open_batch, open_inputs
 from segcli.io.core import Chunk
 from segcli.registry import OPS
 
@@ -272,14 +272,14 @@ def test_outputs_of_each_op_and_order(batch_file):
 
 def test_pad_uses_a_read_buffer_only_for_exactly_the_rows_read_into_it():
     ring = engine._BufferRing()
-    piece = ring.lend(0, ("read", "x"), (8, 3), np.float64, 6)
+    piece = ring.lend(("read", "x"), (8, 3), np.float64, 6)
     piece[:] = np.arange(18.0).reshape(6, 3)
     assert ring.holding(piece) is not None
     # a chunk made of part of a piece (as when a piece is split) is copied, not padded in place
     head, tail = piece[:4], piece[4:]
     assert ring.holding(head) is None and ring.holding(tail) is None
     chunk = Chunk(0, np.array([4]), {"x": head}, {})
-    padded = engine._pad({"x": np.dtype(np.float64)}, chunk, (8, 1024), ring, 1)
+    padded = engine._pad({"x": np.dtype(np.float64)}, chunk, (8, 1024), ring)
     assert padded.arrays["x"].ctypes.data != piece.ctypes.data
     np.testing.assert_array_equal(piece[4:], np.arange(12.0, 18.0).reshape(2, 3))  # untouched
     np.testing.assert_array_equal(padded.arrays["x"][:4], np.arange(12.0).reshape(4, 3))
@@ -325,17 +325,61 @@ def test_nan_is_counted_over_every_chunk_and_named_either_way(tmp_path, on_devic
             list(engine.run(batch, [job], DEVICE, chunk_atoms=20, on_device=on_device))
 
 
-def test_pinned_buffers_hold_their_memory_and_alignment():
+@pytest.mark.parametrize("pinned", [False, True])
+def test_the_ring_reuses_a_buffer_only_once_nothing_refers_to_it(pinned):
+    """A buffer comes back only when no view of it lives (a chunk, a device array, a result
+    on its way to a file hold one); it keeps its memory, alignment and contents."""
     import gc
 
-    ring = engine._BufferRing(pinned=True)
-    a = ring.take(0, "x", (1000, 3), np.float64)
+    ring = engine._BufferRing(pinned=pinned)
+    a = ring.take("x", (1000, 3), np.float64)
     a[:] = 7.0
+    address = a.ctypes.data
+    b = ring.take("x", (1000, 3), np.float64)
+    assert b.ctypes.data != address  # a is still held
+    held = b[10:20]  # a view of b, as a chunk's field or a device array holds it
+    del b
     gc.collect()
-    b = ring.take(1, "x", (1000, 3), np.float64)
-    b[:] = 1.0
-    assert a.ctypes.data % 64 == 0 and ring.take(0, "x", (1000, 3), np.float64) is a
-    assert (a == 7.0).all() and a.flags.writeable
+    c = ring.take("x", (1000, 3), np.float64)
+    assert c.ctypes.data not in (address, held.base.ctypes.data)
+    del a
+    gc.collect()
+    again = ring.take("x", (1000, 3), np.float64)
+    assert again.ctypes.data == address and address % 64 == 0 and (again == 7.0).all()
+    lent = ring.lend(("read", "x"), (8, 3), np.float64, 5)
+    whole = ring.holding(lent)
+    del lent
+    assert ring.lend(("read", "x"), (8, 3), np.float64, 5).ctypes.data != whole.ctypes.data
+
+
+def test_results_are_right_however_late_the_device_reads_its_inputs(tmp_path, monkeypatch):
+    """Each chunk's program runs asynchronously, reading its host buffers whenever the device
+    gets to it. Run at the latest moment the engine allows (when its outputs are asked for),
+    over chunks of one file and chunks that join several files' pieces (which the readers
+    put into buffers of their own), every result is the one of a single large chunk."""
+    rng = np.random.default_rng(9)
+    for k in range(7):
+        n_atoms = rng.integers(1, 5, 3)
+        write_batch(tmp_path / f"{k}.h5", n_atoms, {"x": rng.normal(size=(n_atoms.sum(), 3))},
+                    {"s": rng.normal(size=3)})
+    jobs = lambda fields: [engine.plan(str(tmp_path), OPS[op], names, fields)  # noqa: E731
+                           for op, names in (("mul", ["x", "s"]), ("rms_norm", ["x"]))]
+
+    def results(chunk_atoms):
+        with open_inputs([str(tmp_path)]) as batch:
+            return [{label: a.copy() for out in outputs for label, a in out.items()}
+                    for _, outputs in engine.run(batch, jobs(batch.fields), DEVICE,
+                                                 chunk_atoms=chunk_atoms)]
+
+    want = results(10_000)[0]
+    launch, finish = engine.launch, engine.finish
+    monkeypatch.setattr(engine, "launch", lambda jobs, padded, device: (jobs, padded, device))
+    monkeypatch.setattr(engine, "finish", lambda late: finish(launch(*late)))
+    for chunk_atoms in (1, 4, 9):
+        got = results(chunk_atoms)
+        for label in want:
+            np.testing.assert_array_equal(np.concatenate([g[label] for g in got]), want[label],
+                                          err_msg=f"{label}, chunks of {chunk_atoms} atoms")
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])

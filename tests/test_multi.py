@@ -1,6 +1,7 @@
 """Many files as one batch (SPEC §3b): directories, glob patterns and @LISTs as FILE, against
 NumPy concatenations of the files' own arrays (written with h5py and ase.io.write)."""
 
+import io
 import json
 import os
 import pickle
@@ -143,6 +144,30 @@ def test_chunks_run_across_members(shards, chunk_atoms):
         assert got.dtype == expected.dtype and np.array_equal(got, expected)
     assert np.array_equal(np.concatenate([c.structures["s"] for c in chunks]), s)
     assert all(not c.present for c in chunks)
+
+
+@pytest.mark.parametrize("output", ["npy", "h5"])
+def test_a_chunk_of_many_members_holds_each_members_own_rows(tmp_path, output):
+    """Nine files of a few structures each make one chunk of nine pieces, each read into a
+    buffer of its own: the results are the files' own (a ring of four buffers once read
+    the fifth piece over the first)."""
+    rng = np.random.default_rng(12)
+    n_atoms = [rng.integers(1, 4, 2) for _ in range(9)]
+    xs = [rng.normal(size=(n.sum(), 3)) for n in n_atoms]
+    (tmp_path / "in").mkdir()
+    for k, (n, x) in enumerate(zip(n_atoms, xs)):
+        write_batch(tmp_path / "in" / f"{k}.h5", n, {"x": x})
+    want = np.concatenate([np.add.reduceat(x, np.cumsum(n) - n) for n, x in zip(n_atoms, xs)])
+    if output == "npy":
+        result = run("reduce", tmp_path / "in", "sum", "x", "--format", "npy")
+        assert result.exit_code == 0, result.output
+        got = np.load(io.BytesIO(result.stdout_bytes))
+    else:
+        result = run("reduce", tmp_path / "in", "sum", "x", "-o", tmp_path / "out.h5")
+        assert result.exit_code == 0, result.output
+        with h5py.File(tmp_path / "out.h5") as f:
+            got = f["results/sum_x"][()]
+    np.testing.assert_allclose(got, want, rtol=1e-14)
 
 
 def test_reduce_over_many_files_equals_reduce_over_their_conversion(shards, tmp_path):

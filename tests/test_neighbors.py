@@ -102,6 +102,19 @@ def test_counts_and_nearest_pairs_are_those_of_ase(tmp_path, seed):
     assert_matches(results(out), frames, 3.7)
 
 
+def test_a_chunk_of_many_files_holds_each_files_own_positions(tmp_path):
+    """One file per structure, all in one chunk: each file's positions are read into a buffer
+    of their own, and the counts are ASE's."""
+    frames = random_structures(3)
+    (tmp_path / "in").mkdir()
+    for k, atoms in enumerate(frames):
+        write_frames(tmp_path / "in" / f"{k:02d}.h5", [atoms])
+    out = tmp_path / "out.h5"
+    result = run("neighbors", tmp_path / "in", "--cutoff", 3.7, "--per-atom", "-o", out)
+    assert result.exit_code == 0, result.output
+    assert_matches(results(out), frames, 3.7)
+
+
 def test_several_cutoffs_small_chunks_and_the_histogram(tmp_path):
     frames = random_structures(2)
     path = write_frames(tmp_path / "cells.h5", frames)
