@@ -16,7 +16,10 @@ arguments; grad2 the gradient of <grad, v>. Each cell gives, for a jitted functi
 (the median over `--repeats` bursts of BURST calls back to back with one synchronisation, per
 call); the implementations of a cell are called in turns (see `median_seconds`). The floor is
 the bytes the call must move (its arguments read once, its result written once) at the rate of
-a large elementwise copy measured on the same device.
+a large elementwise copy measured on the same device. Each dtype's first row, "(a pass)", is
+no op: a jitted elementwise pass over one (N, 3) field (read once, written once), timed as the
+cells are and shown in the segcli column; its ratio to its floor is what any call that moves
+as many bytes pays beyond them (its launch, the gaps between the calls of a burst).
 """
 
 import argparse
@@ -185,6 +188,9 @@ def run(atoms, dtypes, repeats, ops, layout="ids", modes=MODES, impl_names=None)
         rng, idx, m, v = inputs(atoms, dtype)
         offsets = offsets_of(idx, m)
         rate = copy_rate(dtype, repeats)
+        field = jnp.asarray(rng.normal(size=(atoms, 3)), dtype)
+        rows.append(("(a pass)", dtype, "fwd", 2 * field.nbytes / rate,
+                     median_seconds({"segcli": jax.jit(lambda a: a * 1.5)}, (field,), repeats)))
         for name in ops:
             op = OPS[name]
             data = arguments(op, rng, atoms, m, dtype)

@@ -484,19 +484,32 @@ def segmented_max_norm(x, idx, num_segments, *, indices_are_sorted=False):
         segmented_max_norm(jnp.array([[3., 4.], [1., 0.]]), jnp.array([0, 0]), 1)  # [5.]
     """
     x, seg, m, dtype = _common("x", x, idx, num_segments)
-    first = P.extreme_p.bind(_grouped(x), *seg, kind="max_norm", **_params(m, indices_are_sorted))
-    rows = _rows(x)
-    winners = _at_first(rows, first[:, 0], 0)
-    return _norms(winners).astype(dtype)
+    params = _params(m, indices_are_sorted)
+    return _max_norms(_grouped(x), seg, tuple(params.items()))[:, 0].astype(dtype)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _max_norms(g, seg, params):
+    """max |g[i]| per segment of g (N, 1, K), by the kernels alone where nothing is
+    differentiated."""
+    return P.max_norm_p.bind(g, *seg, **dict(params))
+
+
+@_max_norms.defjvp
+def _max_norms_jvp(params, primals, tangents):
+    """The norms of the rows the search chose, and their derivative (see _norms)."""
+    (g, seg), (dg, _) = primals, tangents
+    first = P.extreme_p.bind(g, *seg, kind="max_norm", **dict(params))[:, 0]
+    norms, tangent = jax.jvp(_norms, (_at_first(g[:, 0], first, 0),),
+                             (_at_first(dg[:, 0], first, 0),))
+    return norms[:, None], tangent[:, None]
 
 
 @jax.custom_jvp
 def _norms(rows):
     """|rows[s]| of rows (M, K), each row scaled by a power of two near its largest entry
     (so no square overflows or underflows)."""
-    scale, inverse = P.power_of_two(jnp.max(jnp.abs(rows), axis=1, initial=0))
-    scaled = rows * inverse[:, None]
-    return scale * jnp.sqrt(jnp.sum(scaled * scaled, axis=1))
+    return P.scaled_norms(rows)
 
 
 @_norms.defjvp

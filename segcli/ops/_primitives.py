@@ -526,14 +526,20 @@ def _extreme(x, idx, offsets, *, num_segments, indices_are_sorted, kind, gpu=Fal
                   dims=(threads, groups), in_out=("first",), dtype=x.dtype)
 
 
-def _first_of_packed_keys(x, idx, num_segments):
-    """max_norm's `first` for float32 on GPUs, in any order of the ids (no layout): the
-    integer atomic max of each segment's packed keys (see the kernel), taken by a thread per
-    run of PACKED_RUN rows. Ties and NaN go to the first row as on the other paths, and
-    integer atomics give the same result in any order."""
+def _packed_keys(x, idx, num_segments):
+    """max_norm's keys (M, G, 2) uint32 for float32 on GPUs, in any order of the ids (no
+    layout): the integer atomic max of each segment's packed keys (the norm's bits, then the
+    row, see the kernel; 0 for an empty segment), taken by a thread per run of PACKED_RUN
+    rows. Ties and NaN go to the first row as on the other paths, and integer atomics give
+    the same result in any order."""
     keys = jnp.zeros((num_segments, x.shape[1], 2), jnp.uint32)
     runs = -(-x.shape[0] // PACKED_RUN)
-    keys = launch("max_norm_packed", x, idx, keys, dims=(runs, x.shape[1]), in_out=("keys",))
+    return launch("max_norm_packed", x, idx, keys, dims=(runs, x.shape[1]), in_out=("keys",))
+
+
+def _first_of_packed_keys(x, idx, num_segments):
+    """max_norm's `first` for float32 on GPUs: the row in each key's lower word."""
+    keys = _packed_keys(x, idx, num_segments)
     low, high = keys[..., 0], keys[..., 1]
     return jnp.where((low | high) == 0, x.shape[0], (~low).astype(jnp.int32))
 
@@ -543,6 +549,38 @@ extreme_p = _integral(_Rule(
     1, jnp.int32))
 """The first row attaining each segment's and group's extreme of x (N, G, K), or N: with
 kind "max" or "min" the largest or smallest x[i, g, 0], with "max_norm" the largest |x[i, g]|."""
+
+
+def scaled_norms(rows):
+    """|rows[s]| of rows (M, K), each row scaled by a power of two near its largest entry (so
+    no square overflows or underflows)."""
+    scale, inverse = power_of_two(jnp.max(jnp.abs(rows), axis=1, initial=0))
+    scaled = rows * inverse[:, None]
+    return scale * jnp.sqrt(jnp.sum(scaled * scaled, axis=1))
+
+
+def _max_norm(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
+    n, groups, k = x.shape
+    if _empty((num_segments, groups), x):
+        return jnp.zeros((num_segments, groups), x.dtype)
+    if gpu and x.dtype == jnp.float32:  # the norm is in each key's upper word
+        return jax.lax.bitcast_convert_type(_packed_keys(x, idx, num_segments)[..., 1],
+                                            jnp.float32)
+    first = _extreme(x, idx, offsets, num_segments=num_segments,
+                     indices_are_sorted=indices_are_sorted, kind="max_norm", gpu=gpu)
+    if groups == 1:  # whole rows: no (M, K, 2) index array for XLA to build
+        winners = x[:, 0].at[first[:, 0]].get(mode="fill", fill_value=0)
+    else:
+        winners = x.at[first, jnp.arange(groups)].get(mode="fill", fill_value=0)
+    return scaled_norms(winners.reshape(num_segments * groups, k)).reshape(num_segments, groups)
+
+
+max_norm_p = _register(_Rule(
+    "max_norm", _max_norm, lambda x, idx, offsets, *, num_segments, **_: (num_segments, x.shape[1]),
+    1))
+"""max_i |x[i, g]| over each segment and group of x (N, G, K), 0 for an empty segment: the
+norms of the rows `extreme` (kind "max_norm") chooses, or on GPUs in float32 the norms its
+packed search compared. No derivative rule of its own (segcli.ops gives it one)."""
 
 
 def _count(idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
