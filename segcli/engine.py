@@ -260,7 +260,9 @@ def nan_checked(path, chunks, names, where_present=False):
     for chunk in chunks:
         for name in names if bad is None else [bad[0]]:
             array = chunk.atoms.get(name, chunk.structures.get(name))
-            if array.dtype.kind != "f" or not np.isnan(array.sum()):
+            # the max is NaN where an entry is (never otherwise, where a sum of ±inf is), and
+            # takes half the time of a sum
+            if array.dtype.kind != "f" or not np.isnan(np.max(array, initial=-np.inf)):
                 continue
             rows = np.isnan(array.reshape(len(array), -1)).any(axis=1)
             have = chunk.present.get(name) if where_present else None
