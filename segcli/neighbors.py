@@ -285,9 +285,10 @@ def prepare(path, chunk, cells, pbc, buffers=None, least=(0, 0), scale=1.0):
     """The Prepared chunk (io.core.Chunk holding `positions`) of structures whose lattice
     vectors are `cells` (S, 3, 3) and periodic axes `pbc` (S, 3), in host buffers of
     `buffers` (default: new ones; or where the positions were read in place, see
-    engine.lending), padded to at least `least` (rows, structures) and to power-of-two sizes (one compilation
-    over a run); positions times `scale` (to Å), and 0 for structures that lack them (no
-    pair of theirs is counted, and their results are NaN, see run)."""
+    engine.lending), padded to at least `least` (rows, structures) and to power-of-two
+    sizes (one compilation over a run); positions times `scale` (to Å), and 0 for
+    structures that lack them (no pair of theirs is counted, and their results are NaN, see
+    run)."""
     from segcli.engine import _BufferRing, bucket
 
     buffers = buffers or _BufferRing()

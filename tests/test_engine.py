@@ -362,14 +362,12 @@ def test_results_are_right_however_late_the_device_reads_its_inputs(tmp_path, mo
         n_atoms = rng.integers(1, 5, 3)
         write_batch(tmp_path / f"{k}.h5", n_atoms, {"x": rng.normal(size=(n_atoms.sum(), 3))},
                     {"s": rng.normal(size=3)})
-    jobs = lambda fields: [engine.plan(str(tmp_path), OPS[op], names, fields)  # noqa: E731
-                           for op, names in (("mul", ["x", "s"]), ("rms_norm", ["x"]))]
-
     def results(chunk_atoms):
         with open_inputs([str(tmp_path)]) as batch:
+            jobs = [engine.plan(str(tmp_path), OPS[op], names, batch.fields)
+                    for op, names in (("mul", ["x", "s"]), ("rms_norm", ["x"]))]
             return [{label: a.copy() for out in outputs for label, a in out.items()}
-                    for _, outputs in engine.run(batch, jobs(batch.fields), DEVICE,
-                                                 chunk_atoms=chunk_atoms)]
+                    for _, outputs in engine.run(batch, jobs, DEVICE, chunk_atoms=chunk_atoms)]
 
     want = results(10_000)[0]
     launch, finish = engine.launch, engine.finish

@@ -252,7 +252,7 @@ def test_power_of_two_brackets_every_float(dtype):
     top = np.concatenate([np.ldexp(rng.uniform(1, 2, 2000), exponents),
                           [0, 1, 2, 0.5, info.max, info.tiny, info.smallest_subnormal, np.inf,
                            np.nan]]).astype(dtype)
-    mantissa, e = np.frexp(top.astype(np.float64))
+    _, e = np.frexp(top.astype(np.float64))
     e = np.where((top == 0) | ~np.isfinite(top), -1, np.clip(e - 1, info.minexp, info.maxexp - 3))
     scale, inverse = jax.jit(_primitives.power_of_two)(jnp.asarray(top))
     assert scale.dtype == inverse.dtype == dtype

@@ -560,7 +560,7 @@ def scaled_norms(rows):
 
 
 def _max_norm(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
-    n, groups, k = x.shape
+    _, groups, k = x.shape
     if _empty((num_segments, groups), x):
         return jnp.zeros((num_segments, groups), x.dtype)
     if gpu and x.dtype == jnp.float32:  # the norm is in each key's upper word
