@@ -192,13 +192,15 @@ def _layout_serial_kernel(idx: wp.array(dtype=wp.int32), out: wp.array(dtype=wp.
         s += 1
 
 
-def _segment_reduction(term):
+def _segment_reduction(term, pairs=False):
     """A kernel adding term(a, b, out, i, s, p) over the rows i of each segment s into
     out[s, p].
 
     Launched over (max(M, stride), P) threads: with ordered ids, thread (s, p) adds its
-    segment's rows in index order (bitwise repeatable); otherwise threads t < stride walk the
-    rows t, t + stride, ... and add atomically into a zero-initialised `out`."""
+    segment's rows in index order (bitwise repeatable; with `pairs`, the even and the odd rows
+    apart, then the two sums: two chains of additions, which a CPU runs at once); otherwise
+    threads t < stride walk the rows t, t + stride, ... and add atomically into a
+    zero-initialised `out`."""
 
     def kernel(
         a: wp.array2d(dtype=Any),
@@ -216,8 +218,19 @@ def _segment_reduction(term):
             if t < m:
                 lo, hi = _segment_range(offsets, t, n)
                 acc = out.dtype(0)
-                for i in range(lo, hi):
-                    acc += term(a, b, out, i, t, p)
+                if wp.static(pairs):
+                    other = out.dtype(0)
+                    i = lo
+                    while i + 1 < hi:
+                        acc += term(a, b, out, i, t, p)
+                        other += term(a, b, out, i + 1, t, p)
+                        i += 2
+                    if i < hi:
+                        acc += term(a, b, out, i, t, p)
+                    acc += other
+                else:
+                    for i in range(lo, hi):
+                        acc += term(a, b, out, i, t, p)
                 out[t, p] = acc
         elif t < stride:
             for i in range(t, n, stride):
@@ -271,12 +284,12 @@ def _vector_dot(a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any), out: wp.arra
     return wp.dot(a[i, p], b[i, p])
 
 
-# The reductions; sum3, mean3 and dot3 read rows of vec3 (one per thread), which CPUs run
-# faster.
+# The reductions; sum3, mean3 and dot3 (CPUs only) read rows of vec3 (one per thread), in
+# pairs, which CPUs run faster.
 for _name, _term in (("count", _one), ("sum", _entry), ("sum3", _entry), ("outer", _outer_entry),
                      ("dot3", _vector_dot), ("mean", _weighted_entry),
                      ("mean3", _weighted_entry), ("sum_squares", _squared_entry)):
-    _deferred(_segment_reduction(_term), _name)
+    _deferred(_segment_reduction(_term, pairs=_name.endswith("3")), _name)
 
 
 def _over_features(step):
@@ -396,11 +409,18 @@ def _rms_of_squares(x: wp.array3d(dtype=Any), lo: int, hi: int, g: int, total: A
 
 @wp.func
 def _segment_rms_norm(x: wp.array3d(dtype=Any), lo: int, hi: int, g: int):
-    # sqrt(Σ |x[i, g]|² / n) over rows lo:hi (n > 0)
+    # sqrt(Σ |x[i, g]|² / n) over rows lo:hi (n > 0); the even and the odd rows summed apart
+    # (two chains of additions, which a CPU runs at once), then together
     total = x.dtype(0.0)
-    for i in range(lo, hi):
+    other = x.dtype(0.0)
+    i = lo
+    while i + 1 < hi:
         total += _squared_norm(x, i, g)
-    return _rms_of_squares(x, lo, hi, g, total)
+        other += _squared_norm(x, i + 1, g)
+        i += 2
+    if i < hi:
+        total += _squared_norm(x, i, g)
+    return _rms_of_squares(x, lo, hi, g, total + other)
 
 
 @_deferred
