@@ -398,17 +398,6 @@ def _rms_norms_jvp(params, primals, tangents):
     return norms, jnp.where(zero, 0, tangent)
 
 
-def _at_first(rows, first, fill):
-    """rows[first[s, k], k] for rows (N, K) and first (M, K), or whole rows rows[first[s]] for
-    first (M,); `fill` where first is N: the values of the rows an `extreme` search chose,
-    differentiable through them."""
-    if rows.shape[0] == 0:
-        return jnp.full((first.shape[0], rows.shape[1]), fill, rows.dtype)
-    if first.ndim == 1:  # one index a row: no (M, K, 2) index array for XLA to build
-        return rows.at[first].get(mode="fill", fill_value=fill)
-    return rows.at[first, jnp.arange(rows.shape[1])].get(mode="fill", fill_value=fill)
-
-
 def _lowest(dtype, kind):
     """The value of an empty segment's max (kind "max") or min: ∓inf, or the integer bound."""
     if jnp.issubdtype(dtype, jnp.integer):
@@ -421,7 +410,7 @@ def _extreme(kind, x, idx, num_segments, indices_are_sorted):
     x, seg, m, dtype = _common("x", x, idx, num_segments, integers=True)
     rows = _rows(x)
     first = P.extreme_p.bind(rows[:, :, None], *seg, kind=kind, **_params(m, indices_are_sorted))
-    return _at_first(rows, first, _lowest(dtype, kind)).reshape(m, *x.shape[1:]).astype(dtype)
+    return P.at_first(rows, first, _lowest(dtype, kind)).reshape(m, *x.shape[1:]).astype(dtype)
 
 
 @_op
@@ -500,8 +489,8 @@ def _max_norms_jvp(params, primals, tangents):
     """The norms of the rows the search chose, and their derivative (see _norms)."""
     (g, seg), (dg, _) = primals, tangents
     first = P.extreme_p.bind(g, *seg, kind="max_norm", **dict(params))[:, 0]
-    norms, tangent = jax.jvp(_norms, (_at_first(g[:, 0], first, 0),),
-                             (_at_first(dg[:, 0], first, 0),))
+    norms, tangent = jax.jvp(_norms, (P.at_first(g[:, 0], first, 0),),
+                             (P.at_first(dg[:, 0], first, 0),))
     return norms[:, None], tangent[:, None]
 
 
@@ -578,7 +567,7 @@ def _shifted_exps(rows, seg, m, params):
     segment's max where finite (else 0, held constant): no overflow, and the segment's
     largest term is 1. Also the shift and which rows are in range."""
     first = P.extreme_p.bind(rows[:, :, None], *seg, kind="max", **params)
-    top = jax.lax.stop_gradient(_at_first(rows, first, -jnp.inf))
+    top = jax.lax.stop_gradient(P.at_first(rows, first, -jnp.inf))
     shift = jnp.where(jnp.isfinite(top), top, 0)
     ids = seg[0]
     valid = ((ids >= 0) & (ids < m))[:, None]
