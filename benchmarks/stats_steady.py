@@ -1,11 +1,13 @@
 """Steady-state throughput of `segcli stats FILE forces` (and `--per-element`) against a bare
 chunked h5py read of the same datasets, in one process: passes after a first one (imports,
-page cache and allocator warm), in turns, medians. With --before REV, also the statistics of
-`segcli/stats.py` as it was at git revision REV (loaded as a module of its own). On a shared
+page cache and allocator warm), in turns, medians; the moments in C (segcli/_moments.c) and,
+beside them, by NumPy's passes (SEGCLI_NATIVE_STATS=0, the path taken where no C compiler
+builds the kernel). With --before REV, also the statistics of `segcli/stats.py` as it was at
+git revision REV (loaded as a module of its own). On a shared
 machine, a pass during which other processes kept more than a tenth of a core busy (Linux
 /proc/stat) is left out and made again.
 
-    python benchmarks/stats_steady.py [--atoms 10000000] [--passes 7] [--before REV]
+    python benchmarks/stats_steady.py [--atoms 10000000] [--passes 7] [--before REV] [--dir DIR]
 
 Prints a Markdown table: atoms/s of each and its ratio to the read of the same datasets.
 """
@@ -56,6 +58,15 @@ def module_at(revision, directory):
     return module
 
 
+def with_native(value):
+    """SEGCLI_NATIVE_STATS set to `value` (unset for None) for segcli.stats from now on."""
+    if value is None:
+        os.environ.pop("SEGCLI_NATIVE_STATS", None)
+    else:
+        os.environ["SEGCLI_NATIVE_STATS"] = value
+    stats._native_moments.cache_clear()
+
+
 def cpu_seconds():
     """(CPU seconds of the whole machine, of this process), both busy time."""
     with open("/proc/stat") as f:
@@ -86,16 +97,19 @@ def main():
         path = os.path.join(directory, "steady.h5")
         make_file(path, args.atoms)
         add_fields(path)
-        versions = {"segcli stats": stats}
+        versions = {"segcli stats": (stats, "1"),
+                    "segcli stats, NumPy passes": (stats, "0")}
         if args.before:
-            versions[f"segcli stats at {args.before}"] = module_at(args.before, directory)
+            versions[f"segcli stats at {args.before}"] = (module_at(args.before, directory),
+                                                         None)
         work = {}
         for label, per_element, names in (("forces", False, ["atoms/forces"]),
                                           ("forces --per-element", True,
                                            ["atoms/forces", "atoms/numbers"])):
             work[label, "bare h5py read"] = lambda names=names: bare_read(path, names)
-            for version, module in versions.items():
-                def compute(module=module, per_element=per_element):
+            for version, (module, native) in versions.items():
+                def compute(module=module, native=native, per_element=per_element):
+                    with_native(native)
                     with open_batch(path) as batch:
                         module.field_stats(batch, ["forces"], per_element=per_element)
                 work[label, version] = compute

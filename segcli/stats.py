@@ -12,8 +12,12 @@ triangles) and solves as `numpy.linalg.lstsq` on the whole composition matrix wo
     rmse, mae = residual_errors(batch, "energy", {**e0, 1: -13.6})
 """
 
+import ctypes
+import functools
 import itertools
+import os
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import numpy as np
 
@@ -28,8 +32,11 @@ MAX_GROUPS = 256
 """The most distinct values a field that `--by` groups by may have (each group's moments are
 kept for every leaf)."""
 BLOCK_ROWS = 1 << 16
-"""Rows of a field reduced at a time (whole leaves, a bigger leaf alone), so that the passes
-over them stay in the cache."""
+"""Rows of a field reduced at a time by NumPy (whole leaves, a bigger leaf alone), so that the
+passes over them stay in the cache."""
+NATIVE_BLOCK_ROWS = 1 << 12
+"""Rows of a leaf reduced at a time in C (see _native_moments), merged in order: with the
+leaves, what fixes the bits."""
 
 
 MOMENT_NAMES = ("count", "mean", "m2", "min", "max")
@@ -413,9 +420,13 @@ def _chunk_moments(chunk, s, shape, labels, leaf, buffers):
         labels = labels[kept] if s.grouped else None
     values = as_rows(array)
     count = np.bincount(leaf, rows).astype(np.int64)  # rows in each leaf
-    offsets = np.concatenate([[0], np.cumsum(count)])
     n_groups, k = len(s.moments.count[0]), len(s.components)
     out = Moments.empty(n_groups, k, leaves=len(count))
+    native = _native_moments()
+    if native is not None:
+        native(values, bool(shape), count, labels if s.grouped else None, out, buffers)
+        return out
+    offsets = np.concatenate([[0], np.cumsum(count)])
     blocks = plan_chunks(count, BLOCK_ROWS)
     for a, b in itertools.pairwise(blocks):
         lo, hi = offsets[a], offsets[b]
@@ -431,6 +442,54 @@ def _chunk_moments(chunk, s, shape, labels, leaf, buffers):
                 value = value.reshape(n_groups, b - a, *tail).swapaxes(0, 1)
             getattr(out, key)[a:b] = value.reshape(b - a, n_groups, *tail)
     return out
+
+
+@functools.cache
+def _native_moments():
+    """The moments of a chunk's rows in C (`_moments.c`), several times faster than the NumPy
+    passes of Moments.of_runs: moments(rows (n, k), whether to add their norms, rows per leaf
+    (L,), uint8 groups (n,) or None, Moments (L, G, K) of no rows to fill, _Buffers). Each leaf
+    is reduced in blocks of NATIVE_BLOCK_ROWS rows from its first, each sum in two chains, the
+    blocks merged by Chan's formulas. None where it cannot be built (see segcli.native) or
+    with SEGCLI_NATIVE_STATS=0: the NumPy passes then, which differ in the last bits. Either
+    gives the same bits in any split into shards."""
+    from segcli.native import Unavailable, compiled
+
+    if os.environ.get("SEGCLI_NATIVE_STATS", "1") == "0":
+        return None
+    try:
+        lib = ctypes.CDLL(str(compiled(Path(__file__).with_name("_moments.c"),
+                                       MOMENTS_FLAGS, ["-lm"])))
+    except (Unavailable, OSError):
+        return None
+    lib.segcli_moments_scratch.restype = ctypes.c_int64
+    lib.segcli_moments_scratch.argtypes = [ctypes.c_int64] * 3
+    lib.segcli_moments.restype = None
+    lib.segcli_moments.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64,
+                                   ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64,
+                                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                   *[ctypes.c_void_p] * 6]
+
+    def moments(rows, with_norm, count, labels, out, buffers):
+        if rows.dtype not in (np.float32, np.float64):
+            rows = rows.astype(np.float64)
+        rows = np.ascontiguousarray(rows)
+        labels = None if labels is None else np.ascontiguousarray(labels, np.uint8)
+        n_groups, k = out.mean.shape[1:]
+        block = NATIVE_BLOCK_ROWS
+        scratch = buffers.get("scratch", (lib.segcli_moments_scratch(block, n_groups, k) // 8,))
+        lib.segcli_moments(rows.ctypes.data, int(rows.dtype == np.float32), rows.shape[1],
+                           int(with_norm), count.ctypes.data, len(count),
+                           None if labels is None else labels.ctypes.data, n_groups, block,
+                           *(getattr(out, key).ctypes.data for key in MOMENT_NAMES),
+                           scratch.ctypes.data)
+
+    return moments
+
+
+MOMENTS_FLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off"]
+"""How `_moments.c` is built: no operation fused (the same bits on every machine), `sqrt`
+inlined."""
 
 
 def _by_group(rows, labels, count, n_groups, buffers):

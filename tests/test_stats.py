@@ -74,6 +74,17 @@ def assert_rows_match(got, wanted):
                 assert g[key] == pytest.approx(w[key], rel=REL, abs=1e-300), (key, g, w)
 
 
+@pytest.fixture(params=["C", "NumPy"])
+def both_paths(request, monkeypatch):
+    """The moments in C (_moments.c) and, where the C source cannot be had, by NumPy's passes:
+    each case once each way."""
+    monkeypatch.setenv("SEGCLI_NATIVE_STATS", "1" if request.param == "C" else "0")
+    stats._native_moments.cache_clear()
+    assert (stats._native_moments() is not None) == (request.param == "C")
+    yield request.param
+    stats._native_moments.cache_clear()
+
+
 @pytest.fixture
 def random_file(tmp_path):
     return make_random_file(tmp_path)
@@ -97,7 +108,7 @@ def make_random_file(tmp_path):
 
 
 @pytest.mark.parametrize("chunk_atoms", [1, 13, 1 << 21])
-def test_stats_match_numpy_float64(random_file, chunk_atoms):
+def test_stats_match_numpy_float64(random_file, chunk_atoms, both_paths):
     path, _, data = random_file
     names = ["forces", "charges", "tags", "energy", "stress"]
     got = stats_json(path, *names, "--chunk-atoms", chunk_atoms)
@@ -250,10 +261,11 @@ def many_leaves(monkeypatch):
     blocks of many leaves."""
     monkeypatch.setattr(shards, "LEAVES", 6)
     monkeypatch.setattr(stats, "BLOCK_ROWS", 17)
+    monkeypatch.setattr(stats, "NATIVE_BLOCK_ROWS", 5)
 
 
 @pytest.mark.parametrize("chunk_atoms", [7, 60, 1 << 21])
-def test_leaves_of_many_structures_match_numpy(random_file, many_leaves, chunk_atoms):
+def test_leaves_of_many_structures_match_numpy(random_file, many_leaves, chunk_atoms, both_paths):
     path, n_atoms, data = random_file
     got = stats_rows(path, ["forces", "charges", "tags", "energy", "stress"], per_element=True,
                      per_atom=True, chunk_atoms=chunk_atoms)
@@ -273,7 +285,8 @@ def moments_of(result):
 @pytest.mark.parametrize("chunk_atoms", [40, 1 << 21])
 @pytest.mark.parametrize("per_element", [False, True])
 def test_leaves_give_the_same_bits_in_any_split_and_blocking(random_file, monkeypatch,
-                                                             per_element, chunk_atoms):
+                                                             per_element, chunk_atoms,
+                                                             both_paths):
     """The leaves' moments do not depend on which leaves share a chunk or a block, nor on
     where a run of leaves starts (only a leaf bigger than a chunk is cut, from its start):
     what shards and clusters rely on."""
@@ -281,6 +294,7 @@ def test_leaves_give_the_same_bits_in_any_split_and_blocking(random_file, monkey
     names = ["forces", "tags", "energy"]
     options = {"per_element": per_element, "per_atom": True, "chunk_atoms": chunk_atoms}
     monkeypatch.setattr(shards, "LEAVES", 9)
+    monkeypatch.setattr(stats, "NATIVE_BLOCK_ROWS", 3)  # leaves of several blocks
     leaves = shards.leaf_bounds(n_atoms)
     with open_batch(path) as batch:
         whole = moments_of(merge_stats([leaf_stats(batch, names, leaves, **options)]))
@@ -293,7 +307,7 @@ def test_leaves_give_the_same_bits_in_any_split_and_blocking(random_file, monkey
                 np.testing.assert_array_equal(split[key], value, err_msg=str(key))
 
 
-def test_a_leaf_bigger_than_a_chunk_matches_numpy(tmp_path, many_leaves):
+def test_a_leaf_bigger_than_a_chunk_matches_numpy(tmp_path, many_leaves, both_paths):
     rng = np.random.default_rng()
     n_atoms = np.array([3, 0, 250, 4, 1, 0, 2, 300, 5])
     n = int(n_atoms.sum())
@@ -306,7 +320,8 @@ def test_a_leaf_bigger_than_a_chunk_matches_numpy(tmp_path, many_leaves):
                           per_element_rows("forces", forces, numbers))
 
 
-def test_one_element_tensor_fields_and_fields_some_structures_lack(tmp_path, many_leaves):
+def test_one_element_tensor_fields_and_fields_some_structures_lack(tmp_path, many_leaves,
+                                                                   both_paths):
     """Per element with a single element, the norm of a per-atom tensor, and per-atom and
     per-structure fields that only some structures have (NaN where filled)."""
     rng = np.random.default_rng()
@@ -351,7 +366,8 @@ def test_nan_and_infinities_are_refused_where_present(tmp_path):
     assert not (tmp_path / "s.h5").exists()
 
 
-def test_an_ase_file_read_directly_gives_the_bits_of_its_conversion(tmp_path, many_leaves):
+def test_an_ase_file_read_directly_gives_the_bits_of_its_conversion(tmp_path, many_leaves,
+                                                                    both_paths):
     """Leaves of several structures read one structure at a time (an extxyz file), in chunks
     that cut through them, against the same file converted: the same moments, bit for bit."""
     import ase.io

@@ -5,20 +5,14 @@ on a 2-core VM), unless XLA captured the launch into a CUDA graph, which by defa
 only in programs of five kernels or more. Here each distinct launch becomes a plan,
 made once at trace time: the kernel's parameter block, complete but for its arrays' addresses
 (see `_launch.c`). The C handler is compiled on first use with the system's C compiler, into
-$XDG_CACHE_HOME/segcli (once per source); where that fails, `available()` is false,
+$XDG_CACHE_HOME/segcli (once per source, `segcli.native`); where that fails, `available()` is false,
 `unavailable()` says why, and the kernels go through Warp's `jax_kernel`, as they do with
 SEGCLI_NATIVE_LAUNCH=0.
 """
 
 import ctypes
 import functools
-import hashlib
 import os
-import shlex
-import shutil
-import subprocess
-import sysconfig
-import tempfile
 import threading
 from pathlib import Path
 
@@ -29,55 +23,18 @@ from warp._src.context import _build_kernel_launch_bounds
 from warp._src.jax.ffi import FfiArg, _get_ffi_block_dim, _load_ffi_module, get_jax_output_type
 from warp._src.types import array_t, strides_from_shape, type_to_warp
 
-from segcli import cache_directory
+from segcli.native import Unavailable, compiled
 
 _SOURCE = Path(__file__).with_name("_launch.c")
 _TARGET = "segcli_launch"
 _CPU_ORDINAL = -1
 
 
-class _Unavailable(Exception):
-    """Why the C handler cannot be had."""
-
-
-def _compiler():
-    """The C compiler: $CC, else the first of cc, gcc, clang and Python's own on the PATH."""
-    if os.environ.get("CC"):
-        return shlex.split(os.environ["CC"])
-    for name in ("cc", "gcc", "clang", *shlex.split(sysconfig.get_config_var("CC") or "")[:1]):
-        if shutil.which(name):
-            return [name]
-    raise _Unavailable("no C compiler (cc, gcc or clang) on the PATH")
-
-
-def _compiled(source):
-    """The shared library built from `source`, cached by its text and the compiler."""
-    compiler = _compiler()
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join(compiler).encode()]))
-    path = Path(cache_directory()) / f"launch-{key.hexdigest()[:16]}.so"
-    if path.exists():
-        return path
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
-            built = Path(scratch) / path.name
-            subprocess.run([*compiler, "-O2", "-shared", "-fPIC", str(source), "-o", str(built),
-                            "-lpthread"], check=True, capture_output=True, timeout=120)
-            os.replace(built, path)  # whole, even with other processes building it too
-    except subprocess.CalledProcessError as err:
-        errors = [line for line in err.stderr.decode(errors="replace").splitlines()
-                  if "error" in line] or [f"exit status {err.returncode}"]
-        raise _Unavailable(f"{shlex.join(err.cmd)} failed: {errors[0].strip()}") from None
-    except (OSError, subprocess.SubprocessError) as err:
-        raise _Unavailable(f"cannot build {path}: {err}") from None
-    return path
-
-
 def _load():
     """The handler library, loaded, with its FFI targets registered."""
     if os.environ.get("SEGCLI_NATIVE_LAUNCH", "1") == "0":
-        raise _Unavailable("SEGCLI_NATIVE_LAUNCH=0")
-    lib = ctypes.CDLL(str(_compiled(_SOURCE)))
+        raise Unavailable("SEGCLI_NATIVE_LAUNCH=0")
+    lib = ctypes.CDLL(str(compiled(_SOURCE, ["-O2"], ["-lpthread"])))
     lib.segcli_add_plan.restype = ctypes.c_int64
     lib.segcli_add_plan.argtypes = [ctypes.c_uint64, ctypes.c_int32, ctypes.c_char_p,
                                     ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p,
@@ -100,7 +57,7 @@ def _library():
     """(the handler library, None), or (None, why it cannot be had)."""
     try:
         return _load(), None
-    except _Unavailable as err:
+    except Unavailable as err:
         return None, str(err)
 
 
