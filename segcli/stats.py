@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from segcli import threads
 from segcli.errors import DataError
 from segcli.io.core import held, plan_chunks
 
@@ -477,14 +478,31 @@ def _native_moments():
         labels = None if labels is None else np.ascontiguousarray(labels, np.uint8)
         n_groups, k = out.mean.shape[1:]
         block = NATIVE_BLOCK_ROWS
-        scratch = buffers.get("scratch", (lib.segcli_moments_scratch(block, n_groups, k) // 8,))
-        lib.segcli_moments(rows.ctypes.data, int(rows.dtype == np.float32), rows.shape[1],
-                           int(with_norm), count.ctypes.data, len(count),
-                           None if labels is None else labels.ctypes.data, n_groups, block,
-                           *(getattr(out, key).ctypes.data for key in MOMENT_NAMES),
-                           scratch.ctypes.data)
+        size = lib.segcli_moments_scratch(block, n_groups, k) // 8
+        offsets = np.concatenate([[0], np.cumsum(count)])
+        helpers = max(1, threads.count() - 1)  # a core left to the reading thread
+        parts = plan_chunks(count, max(PART_ROWS, -(-int(offsets[-1]) // helpers)))
+
+        def part(i, a, b):
+            lo, hi = offsets[a], offsets[b]
+            scratch = buffers.get(f"scratch {i}", (size,))
+            lib.segcli_moments(rows[lo:hi].ctypes.data, int(rows.dtype == np.float32),
+                               rows.shape[1], int(with_norm), count[a:b].ctypes.data, b - a,
+                               None if labels is None else labels[lo:hi].ctypes.data,
+                               n_groups, block,
+                               *(getattr(out, key)[a:b].ctypes.data for key in MOMENT_NAMES),
+                               scratch.ctypes.data)
+
+        threads.run([functools.partial(part, i, a, b)
+                     for i, (a, b) in enumerate(itertools.pairwise(parts))])
 
     return moments
+
+
+PART_ROWS = 1 << 18
+"""The fewest rows that a thread takes of a chunk's moments (whole leaves): a chunk's leaves
+are shared by up to one thread fewer than `threads.count()`, the reading thread taking the
+last core."""
 
 
 MOMENTS_FLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off"]

@@ -182,3 +182,21 @@ def test_without_a_compiler_stats_take_the_numpy_path(tmp_path):
         for key, value in ours.items():
             assert theirs[key] == (pytest.approx(value, rel=1e-12, abs=1e-13)
                                    if isinstance(value, float) else value), key
+
+
+def test_threads_sharing_a_chunk_give_its_bits(monkeypatch):
+    """A chunk's leaves split among 3 threads (parts of whole leaves): the bits of one."""
+    from segcli import threads
+
+    rng = np.random.default_rng()
+    rows = rng.normal(0.5, 2.0, (sum(RUNS), 3))
+    labels = rng.integers(0, 5, len(rows)).astype(np.uint8)
+    alone = native_moments(rows, True, RUNS, labels, 5)
+    monkeypatch.setattr(stats, "PART_ROWS", 3)
+    threads.set_count(4)  # 3 parts, a core left to the reading thread
+    try:
+        shared = native_moments(rows, True, RUNS, labels, 5)
+    finally:
+        threads.set_count(None)
+    for key in MOMENT_NAMES:
+        np.testing.assert_array_equal(getattr(shared, key), getattr(alone, key), err_msg=key)
