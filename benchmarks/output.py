@@ -2,15 +2,18 @@
 (rerunnable).
 
     python benchmarks/output.py [--rows 2000000] [--atom-rows 10000000] [--runs 3]
+                                [--before per-row|numpy]
 
 The sinks of segcli.cli.compute (csv, json and npy on stdout, `-o OUT.h5`), in this process,
 are given the chunks that engine.run gives (2 Mi atoms, 32 atoms a structure, standard normal
 float64 values) of three outputs: a scalar and a 3-vector per structure (--rows structures) and
 a 3-vector per atom (--atom-rows atoms). stdout is a new file in --workdir, as is OUT.h5.
 Beside each, in the same run and alternating with it: before, the per-row text of the former
-_TextSink (copied below) and the former npy sink (which copied each chunk with tobytes); the
-floors of npy and HDF5, the same bytes (the values) copied into a new buffer and written to a
-new file a chunk at a time. Rows/s from the median of --runs runs.
+_TextSink (copied below) and the former npy sink (which copied each chunk with tobytes), or
+with `--before numpy` the text made by segcli.io.text's NumPy passes (SEGCLI_NATIVE_TEXT=0,
+what runs where no C compiler builds `_text.c`); the floors of npy and HDF5, the same bytes
+(the values) copied into a new buffer and written to a new file a chunk at a time. Rows/s
+from the median of --runs runs.
 """
 
 import argparse
@@ -27,7 +30,7 @@ import numpy as np
 import orjson
 
 from segcli.cli.compute import _Hdf5Sink, _NpySink, _TextSink
-from segcli.io import ResultWriter
+from segcli.io import ResultWriter, text
 from segcli.io.core import Chunk
 
 ATOMS = 32
@@ -112,13 +115,28 @@ def chunks(per, rows, width, rng):
     return out
 
 
-def candidates(outputs, n_atoms, h5):
+class NumpyTextSink(_TextSink):
+    """The text sink with segcli.io.text's NumPy passes in place of `_text.c`."""
+
+    def __enter__(self):
+        os.environ["SEGCLI_NATIVE_TEXT"] = "0"
+        text._native_text.cache_clear()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        del os.environ["SEGCLI_NATIVE_TEXT"]
+        text._native_text.cache_clear()
+        return super().__exit__(*exc)
+
+
+def candidates(outputs, n_atoms, h5, before="per-row"):
     """sink -> (before, after): functions giving each a new sink of `outputs`."""
     columns = {"value": "value"}
+    text_before = PerRowTextSink if before == "per-row" else NumpyTextSink
     return {
-        "csv": (lambda: PerRowTextSink("csv", outputs, columns),
+        "csv": (lambda: text_before("csv", outputs, columns),
                 lambda: _TextSink("csv", outputs, columns)),
-        "json": (lambda: PerRowTextSink("json", outputs, columns),
+        "json": (lambda: text_before("json", outputs, columns),
                  lambda: _TextSink("json", outputs, columns)),
         "npy": (lambda: CopyingNpySink(outputs, columns, n_atoms),
                 lambda: _NpySink(outputs, columns, n_atoms)),
@@ -172,6 +190,8 @@ def main():
     parser.add_argument("--rows", type=int, default=2_000_000)
     parser.add_argument("--atom-rows", type=int, default=10_000_000)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--before", choices=["per-row", "numpy"], default="per-row",
+                        help="the csv and json text to compare with")
     args = parser.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
     stdout, h5 = os.path.join(args.workdir, "stdout"), os.path.join(args.workdir, "out.h5")
@@ -190,7 +210,7 @@ def main():
         parts = chunks(per, rows, width, rng)
         n_atoms = np.full(rows // ATOMS if per == "atom" else rows, ATOMS)
         outputs = {"value": (per, (width,) if width > 1 else (), np.dtype(np.float64))}
-        sinks = candidates(outputs, n_atoms, h5)
+        sinks = candidates(outputs, n_atoms, h5, args.before)
         for name, (before, after) in sinks.items():
             times = {"before": [], "after": [], "copy": [], "file write": []}
             for _ in range(args.runs):

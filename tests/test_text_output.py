@@ -84,9 +84,20 @@ def small_blocks(monkeypatch):
     monkeypatch.setattr(text, "_BLOCK_CELLS", 64)
 
 
+@pytest.fixture(params=["C", "NumPy"])
+def both_paths(request, monkeypatch):
+    """The text made in C (_text.c) and, where it cannot be built, in NumPy passes."""
+    monkeypatch.setenv("SEGCLI_NATIVE_TEXT", "1" if request.param == "C" else "0")
+    text._native_text.cache_clear()
+    assert (text._native_text() is not None) == (request.param == "C")
+    yield request.param
+    text._native_text.cache_clear()
+
+
 @pytest.mark.parametrize("fmt", ["csv", "json"])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("rows", [0, 1, 7, 500])
+@pytest.mark.usefixtures("both_paths")
 def test_lines_are_pythons_text_and_read_back_exactly(fmt, dtype, rows):
     rng = np.random.default_rng(rows)
     structure = np.arange(rows) + 10 ** 9
@@ -110,6 +121,7 @@ def test_lines_are_pythons_text_and_read_back_exactly(fmt, dtype, rows):
                 same(np.asarray(got, np.float64).astype(np.float32), want), name
 
 
+@pytest.mark.usefixtures("both_paths")
 def test_every_float64_class_of_notation_matches_repr():
     """Bit patterns from all over float64 (subnormals, both notations, both exponent signs,
     one- to three-digit exponents), one block each."""
@@ -121,6 +133,7 @@ def test_every_float64_class_of_notation_matches_repr():
         assert b"".join(text.lines(fmt, columns)).decode() == per_row(fmt, columns)
 
 
+@pytest.mark.usefixtures("both_paths")
 def test_empty_and_zero_size_columns():
     assert list(text.lines("csv", {"structure": np.zeros(0, int), "v": np.zeros((0, 3))})) == []
     columns = {"structure": np.arange(2), "e": np.zeros((2, 0)), "v": np.ones((2, 2, 0))}
@@ -129,6 +142,7 @@ def test_empty_and_zero_size_columns():
         b"structure,v_0,v_1,m_0_0,m_0_1,m_1_0,m_1_1\n"
 
 
+@pytest.mark.usefixtures("both_paths")
 def test_names_are_json_strings():
     columns = {"structure": np.arange(3), 'a "b", c\n\x00\x7f\u00e9': np.ones(3)}
     assert b"".join(text.lines("json", columns)).decode() == per_row("json", columns)

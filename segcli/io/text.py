@@ -13,14 +13,20 @@ numbers None (see finite_json). How: orjson writes a block's numbers, one flat f
 differs from repr only in notation, fixed here: an integer's `12.0` loses `.0`; `null`, any
 non-finite value, becomes its spelling; a one-digit negative exponent gets its zero (`1e-7`,
 |x| in [1e-9, 1e-5), becomes `1e-07`) and |x| in [1e-5, 1e-4) goes from positional to
-scientific (`0.0000123` becomes `1.23e-05`). The commas after the numbers, found with NumPy,
-become the format's separators (see _Layout).
+scientific (`0.0000123` becomes `1.23e-05`). The commas after the numbers become the format's
+separators. Both in one pass in C (`_text.c`, built on first use by segcli.native), or, where no
+C compiler builds it (or with SEGCLI_NATIVE_TEXT=0), in NumPy passes (see _Layout): the same
+bytes.
 """
 
 import csv
+import ctypes
+import functools
 import io
 import json
 import math
+import os
+from pathlib import Path
 
 import numpy as np
 import orjson
@@ -63,7 +69,7 @@ def header(shapes):
 
 def lines(fmt, columns):
     """Yield the rows of `columns` (name -> integer or float array, rows first, at least one
-    number a row) as `fmt` ("csv" or "json") text, blocks of whole lines as bytes."""
+    number a row) as `fmt` ("csv" or "json") text, blocks of whole lines (bytes-like)."""
     arrays = [_exact(name, np.asarray(a)) for name, a in columns.items()]
     shapes = {name: a.shape[1:] for name, a in zip(columns, arrays)}
     literals = _csv_literals(shapes) if fmt == "csv" else _json_literals(shapes)
@@ -144,6 +150,10 @@ class _Layout:
         self._nonfinite = [self._fill(text, len(b"null"), markers) for text in spelling]
         self._exponent = self._fill(b"-0", 1, markers)  # "1e-7": "-" becomes "-0"
         self._start, self._cells = literals[0].encode(), len(is_int)
+        texts = [text.encode() for text in [*after, literals[0]]] + list(spelling)
+        self._literals = b"".join(texts)
+        self._offsets = np.cumsum([0, *map(len, texts)], dtype=np.int64)
+        self._is_int = np.asarray(is_int, np.uint8)
 
     def _fill(self, text, room, markers):
         """What `room` bytes take in place for `text` (with the next of `markers` if it is
@@ -156,8 +166,18 @@ class _Layout:
 
     def text(self, values):
         """The text of the rows `values` ((rows, numbers) float64)."""
-        buf = np.frombuffer(bytearray(orjson.dumps(values.ravel(),
-                                                   option=orjson.OPT_SERIALIZE_NUMPY)), np.uint8)
+        flat = np.ascontiguousarray(values.ravel())
+        raw = orjson.dumps(flat, option=orjson.OPT_SERIALIZE_NUMPY)
+        native = _native_text()
+        if native is not None:
+            room = len(raw) + len(flat) + len(values) * len(self._literals) + 8
+            out = bytearray(room)
+            size = native(raw, len(raw), flat.ctypes.data, len(flat), self._cells,
+                          self._is_int.ctypes.data, self._literals, self._offsets.ctypes.data,
+                          (ctypes.c_char * room).from_buffer(out), room)
+            assert size >= 0, "room for the text"
+            return memoryview(out)[:size]
+        buf = np.frombuffer(bytearray(raw), np.uint8)
         ends = np.append(np.flatnonzero(buf == ord(",")), len(buf) - 1)  # after each number
         table = ends.reshape(len(values), self._cells)
         replace = {}
@@ -194,6 +214,26 @@ class _Layout:
             _scientific(buf, start[positional] + (value[positional] < 0), end[positional],
                         self._delete[0])
             replace[self._delete] = b""
+
+
+@functools.cache
+def _native_text():
+    """segcli_text of `_text.c`, loaded; None where it cannot be built (see segcli.native) or
+    with SEGCLI_NATIVE_TEXT=0."""
+    from segcli.native import Unavailable, compiled
+
+    if os.environ.get("SEGCLI_NATIVE_TEXT", "1") == "0":
+        return None
+    try:
+        lib = ctypes.CDLL(str(compiled(Path(__file__).with_name("_text.c"), ["-O2"], ["-lm"])))
+    except (Unavailable, OSError):
+        return None
+    function = lib.segcli_text
+    function.restype = ctypes.c_int64
+    function.argtypes = [ctypes.c_char_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                         ctypes.c_int64, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p,
+                         ctypes.c_void_p, ctypes.c_int64]
+    return function
 
 
 def _put(buf, last, fill):
