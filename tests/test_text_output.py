@@ -109,6 +109,9 @@ def test_lines_are_pythons_text_and_read_back_exactly(fmt, dtype, rows):
          "d_x": numbers(rng, (rows, 3), dtype), "d_v": numbers(rng, (rows,), dtype)},
         {"structure": structure, "matvec": numbers(rng, (rows, 3, 3), dtype)},
         {"structure": structure, "count": rng.integers(-5, 2 ** 31, rows, dtype=np.int32)},
+        {"structure": structure.astype(np.uint32),  # integers of every length
+         "n": rng.choice([0, 1, -1, 9, 10, -10, 2 ** 53 - 1, 1 - 2 ** 53], (rows, 2)),
+         "v": numbers(rng, (rows,), dtype)},
     ]
     for columns in tables:
         body = b"".join(text.lines(fmt, columns)).decode()

@@ -1,12 +1,13 @@
-/* Rows of numbers as text, from orjson's text of them, for `segcli.io.text`.
+/* Rows of numbers as text, for `segcli.io.text`: integers written here, floats from orjson's
+   text of them.
 
    orjson writes a flat float64 array as `[t0,t1,...]`, each number in the shortest digits
-   that read back as it, in notation that differs from Python's repr in four ways, undone
-   here in one pass: an integer's `12.0` loses `.0`; `null` (any non-finite value) becomes
-   its spelling; a one-digit negative exponent gets its zero (`1.5e-7`, |x| in [1e-9, 1e-5),
-   becomes `1.5e-07`); and |x| in [1e-5, 1e-4) goes from positional to scientific
-   (`-0.0000123` becomes `-1.23e-05`). Number k of a row is followed by after[k] (the last,
-   the row's end and the next row's start); the text starts with the first row's start. */
+   that read back as it, in notation that differs from Python's repr in three ways, undone
+   here in one pass: `null` (any non-finite value) becomes its spelling; a one-digit negative
+   exponent gets its zero (`1.5e-7`, |x| in [1e-9, 1e-5), becomes `1.5e-07`); and |x| in
+   [1e-5, 1e-4) goes from positional to scientific (`-0.0000123` becomes `-1.23e-05`). Number
+   k of a row is followed by after[k] (the last, the row's end and the next row's start); the
+   text starts with the first row's start. */
 
 #include <math.h>
 #include <stdint.h>
@@ -41,13 +42,27 @@ static inline void copy_number(const char **p, char **o, const char *stop) {
     *o = to;
 }
 
-/* Bytes written into out (at most `room`, else -1) for the n = rows * cells numbers `values`
-   of orjson's text `in` (n_in bytes). literals[offsets[j]..offsets[j + 1]) is, for j < cells,
-   after[j]; for j = cells, the row's start; for j = cells + 1, + 2, + 3, the spelling of
-   NaN, inf and -inf. is_int[k] marks integer columns. The last row's trailing start is left
-   out. */
-int64_t segcli_text(const char *in, int64_t n_in, const double *values, int64_t n,
-                    int64_t cells, const uint8_t *is_int, const char *literals,
+/* The decimal digits of v (|v| < 2^63) at o; the end of them. */
+static inline char *put_integer(char *o, int64_t v) {
+    char digits[20];
+    int n = 0;
+    uint64_t u = v < 0 ? 0 - (uint64_t)v : (uint64_t)v;
+    if (v < 0) *o++ = '-';
+    do {
+        digits[n++] = (char)('0' + u % 10);
+        u /= 10;
+    } while (u);
+    while (n) *o++ = digits[--n];
+    return o;
+}
+
+/* Bytes written into out (at most `room`, else -1) for `rows` rows of `cells` numbers: cell
+   k an integer (the next of `ints`) where is_int[k], else a float, the next of `floats`,
+   whose text is the next number of orjson's `in` (n_in bytes). literals[offsets[j]..offsets[j
+   + 1]) is, for j < cells, after[j]; for j = cells, the row's start; for j = cells + 1, + 2,
+   + 3, the spelling of NaN, inf and -inf. The last row's trailing start is left out. */
+int64_t segcli_text(const char *in, int64_t n_in, const double *floats, const int64_t *ints,
+                    int64_t rows, int64_t cells, const uint8_t *is_int, const char *literals,
                     const int64_t *offsets, char *out, int64_t room) {
     const char *start = literals + offsets[cells];
     int64_t start_len = offsets[cells + 1] - offsets[cells];
@@ -55,41 +70,43 @@ int64_t segcli_text(const char *in, int64_t n_in, const double *values, int64_t 
     const char *p = in + 1, *stop = in + n_in - 1;  /* inside the brackets */
     if (start_len > room) return -1;
     for (int64_t j = 0; j < start_len; j++) *o++ = start[j];
-    for (int64_t i = 0, k = 0; i < n; i++) {
-        if (end - o < stop - p + 9) return -1;  /* the rest, one byte more, eight to spare */
-        char *first = o;
-        copy_number(&p, &o, stop);
-        p++;
-        double v = values[i], a = fabs(v);
-        if (!isfinite(v)) {  /* "null": its spelling */
-            int s = isnan(v) ? 0 : v > 0 ? 1 : 2;
-            int64_t from = offsets[cells + 1 + s], to = offsets[cells + 2 + s];
-            o = first;
-            if (end - o < to - from) return -1;
-            for (int64_t j = from; j < to; j++) *o++ = literals[j];
-        } else if (is_int[k]) {  /* "12.0": "12" */
-            o -= 2;
-        } else if (a < 1e-5 && a >= 1e-9) {  /* "1.5e-7": "1.5e-07" */
-            o[0] = o[-1];
-            o[-1] = '0';
-            o++;
-        } else if (a < 1e-4 && a >= 1e-5) {  /* "0.0000123": "1.23e-05" */
-            char *d = first + (*first == '-'), *digits = d + 6;  /* after "0.0000" */
-            int64_t more = o - digits - 1;  /* digits after the first */
-            *d++ = digits[0];
-            if (more > 0) {
-                *d++ = '.';
-                memmove(d, digits + 1, more);
-                d += more;
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t k = 0; k < cells; k++) {
+            if (end - o < (stop - p) + 9 + 20) return -1;  /* a number, eight bytes spare */
+            if (is_int[k]) {
+                o = put_integer(o, *ints++);
+            } else {
+                char *first = o;
+                double v = *floats++, a = fabs(v);
+                copy_number(&p, &o, stop);
+                p++;
+                if (!isfinite(v)) {  /* "null": its spelling */
+                    int s = isnan(v) ? 0 : v > 0 ? 1 : 2;
+                    int64_t from = offsets[cells + 1 + s], to = offsets[cells + 2 + s];
+                    o = first;
+                    for (int64_t j = from; j < to; j++) *o++ = literals[j];
+                } else if (a < 1e-5 && a >= 1e-9) {  /* "1.5e-7": "1.5e-07" */
+                    o[0] = o[-1];
+                    o[-1] = '0';
+                    o++;
+                } else if (a < 1e-4 && a >= 1e-5) {  /* "0.0000123": "1.23e-05" */
+                    char *d = first + (*first == '-'), *digits = d + 6;  /* after "0.0000" */
+                    int64_t more = o - digits - 1;  /* digits after the first */
+                    *d++ = digits[0];
+                    if (more > 0) {
+                        *d++ = '.';
+                        memmove(d, digits + 1, more);
+                        d += more;
+                    }
+                    memcpy(d, "e-05", 4);
+                    o = d + 4;
+                }
             }
-            memcpy(d, "e-05", 4);
-            o = d + 4;
+            int64_t after = offsets[k + 1] - offsets[k];
+            if (r == rows - 1 && k == cells - 1) after -= start_len;  /* no row after */
+            if (end - o < after) return -1;
+            for (int64_t j = 0; j < after; j++) *o++ = literals[offsets[k] + j];
         }
-        int64_t after = offsets[k + 1] - offsets[k];
-        if (i == n - 1) after -= start_len;  /* no row after the last */
-        if (end - o < after) return -1;
-        for (int64_t j = 0; j < after; j++) *o++ = literals[offsets[k] + j];
-        k = k + 1 == cells ? 0 : k + 1;
     }
     return o - out;
 }

@@ -77,10 +77,25 @@ def lines(fmt, columns):
     flat = [a.reshape(rows, int(np.prod(a.shape[1:]))) for a in arrays]
     is_int = np.concatenate([np.full(a.shape[1], a.dtype.kind in "iu") for a in flat])
     layout = _Layout(literals, is_int, _SPELLING[fmt])
-    flat = [_float64(a) for a in flat]
     step = max(1, _BLOCK_CELLS // len(is_int))
+    if _native_text() is not None:
+        ints = [a.astype(np.int64, copy=False) for a in flat if a.dtype.kind in "iu"]
+        floats = [_float64(a) for a in flat if a.dtype.kind == "f"]
+        for lo in range(0, rows, step):
+            hi = min(lo + step, rows)
+            yield layout.native_text(_block(ints, lo, hi, np.int64),
+                                     _block(floats, lo, hi, np.float64))
+        return
+    flat = [_float64(a) for a in flat]
     for lo in range(0, rows, step):
         yield layout.text(np.concatenate([a[lo:lo + step] for a in flat], axis=1))
+
+
+def _block(columns, lo, hi, dtype):
+    """Rows lo to hi of `columns` (each (rows, k) of `dtype`) side by side, contiguous."""
+    if not columns:
+        return np.zeros((hi - lo, 0), dtype)
+    return np.ascontiguousarray(np.concatenate([a[lo:hi] for a in columns], axis=1))
 
 
 def _exact(name, array):
@@ -164,19 +179,23 @@ class _Layout:
         marker = bytes([next(markers)])
         return np.frombuffer(text[:room - 1] + marker, np.uint8), {marker: text[room - 1:]}
 
+    def native_text(self, ints, floats):
+        """The text of the rows of `ints` ((rows, integers) int64) and `floats` ((rows,
+        floats) float64), the cells of each row in the order is_int gives, made in C."""
+        rows = len(ints)
+        raw = orjson.dumps(floats.ravel(), option=orjson.OPT_SERIALIZE_NUMPY)
+        room = len(raw) + floats.size + 20 * ints.size + rows * len(self._literals) + 40
+        out = bytearray(room)
+        size = _native_text()(raw, len(raw), floats.ctypes.data, ints.ctypes.data, rows,
+                              self._cells, self._is_int.ctypes.data, self._literals,
+                              self._offsets.ctypes.data,
+                              (ctypes.c_char * room).from_buffer(out), room)
+        assert size >= 0, "room for the text"
+        return memoryview(out)[:size]
+
     def text(self, values):
-        """The text of the rows `values` ((rows, numbers) float64)."""
-        flat = np.ascontiguousarray(values.ravel())
-        raw = orjson.dumps(flat, option=orjson.OPT_SERIALIZE_NUMPY)
-        native = _native_text()
-        if native is not None:
-            room = len(raw) + len(flat) + len(values) * len(self._literals) + 8
-            out = bytearray(room)
-            size = native(raw, len(raw), flat.ctypes.data, len(flat), self._cells,
-                          self._is_int.ctypes.data, self._literals, self._offsets.ctypes.data,
-                          (ctypes.c_char * room).from_buffer(out), room)
-            assert size >= 0, "room for the text"
-            return memoryview(out)[:size]
+        """The text of the rows `values` ((rows, numbers) float64), made by NumPy passes."""
+        raw = orjson.dumps(values.ravel(), option=orjson.OPT_SERIALIZE_NUMPY)
         buf = np.frombuffer(bytearray(raw), np.uint8)
         ends = np.append(np.flatnonzero(buf == ord(",")), len(buf) - 1)  # after each number
         table = ends.reshape(len(values), self._cells)
@@ -230,9 +249,9 @@ def _native_text():
         return None
     function = lib.segcli_text
     function.restype = ctypes.c_int64
-    function.argtypes = [ctypes.c_char_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                         ctypes.c_int64, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p,
-                         ctypes.c_void_p, ctypes.c_int64]
+    function.argtypes = [ctypes.c_char_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                         ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_char_p,
+                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     return function
 
 
