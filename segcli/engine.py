@@ -102,6 +102,13 @@ class Job:
         return tuple(dict.fromkeys((*self.fields, *filter(None, (self.weights, self.direction)))))
 
     @property
+    def shows_nan(self):
+        """Whether a NaN in a per-atom input makes its structure's value NaN: so for the
+        value (order 0) of every op with a result per structure (tests/test_engine.py checks
+        each), whose inputs the engine then looks into for NaN only where a value is NaN."""
+        return self.order == 0 and self.spec.output_per == "structure"
+
+    @property
     def integers(self):
         """The integer input fields the op reduces as integers (its `integers`, or labels),
         which are therefore read as int64 rather than cast to the precision."""
@@ -252,6 +259,21 @@ class _Padded(NamedTuple):
     arrays: dict
 
 
+def _nan_rows(chunk, name, where_present):
+    """The rows of field `name` of `chunk` that hold NaN (with `where_present`, only in
+    structures that have the field, see Chunk.present), or None where none does."""
+    array = chunk.atoms.get(name, chunk.structures.get(name))
+    # the max is NaN where an entry is (never otherwise, where a sum of ±inf is), and takes
+    # half the time of a sum
+    if array.dtype.kind != "f" or not np.isnan(np.max(array, initial=-np.inf)):
+        return None
+    rows = np.isnan(array.reshape(len(array), -1)).any(axis=1)
+    have = chunk.present.get(name) if where_present else None
+    if have is not None:
+        rows &= np.repeat(have, chunk.n_atoms) if name in chunk.atoms else have
+    return rows if rows.any() else None
+
+
 def nan_checked(path, chunks, names, where_present=False):
     """The chunks, each given once checked: DataError naming the first of the fields `names`
     that holds NaN (with `where_present`, only in structures that have the field, see
@@ -259,17 +281,10 @@ def nan_checked(path, chunks, names, where_present=False):
     bad = None  # [field, NaN count, first structure]
     for chunk in chunks:
         for name in names if bad is None else [bad[0]]:
+            rows = _nan_rows(chunk, name, where_present)
+            if rows is None:
+                continue
             array = chunk.atoms.get(name, chunk.structures.get(name))
-            # the max is NaN where an entry is (never otherwise, where a sum of ±inf is), and
-            # takes half the time of a sum
-            if array.dtype.kind != "f" or not np.isnan(np.max(array, initial=-np.inf)):
-                continue
-            rows = np.isnan(array.reshape(len(array), -1)).any(axis=1)
-            have = chunk.present.get(name) if where_present else None
-            if have is not None:
-                rows &= np.repeat(have, chunk.n_atoms) if name in chunk.atoms else have
-            if not rows.any():
-                continue
             if bad is None:
                 first = int(np.argmax(rows))
                 first = (chunk.structure_of(first) if name in chunk.atoms
@@ -421,9 +436,22 @@ def _padded_chunks(batch, jobs, chunk_atoms, structures, buffers, on_device=Fals
     chunks = batch.iter_chunks(list(read), chunk_atoms=chunk_atoms, structures=structures,
                                into=lending(buffers, dtypes, fields, least[0]), keep=keep)
     if not on_device:
-        chunks = nan_checked(jobs[0].path, chunks, read, where_present=True)
+        unseen = [name for name in read if name not in shown_nan(jobs, fields)]
+        chunks = nan_checked(jobs[0].path, chunks, unseen, where_present=True)
     for chunk in chunks:
         yield chunk, _pad(dtypes, chunk, least, buffers, ids=not on_device)
+
+
+def shown_nan(jobs, fields):
+    """The per-atom fields (fields: name -> FieldInfo) whose NaN the values of the jobs that
+    read them show (Job.shows_nan), every job that reads them: the host looks for NaN in them
+    only once a value is NaN (see _finished), not in every chunk as it reads it."""
+    readers = {}
+    for job in jobs:
+        for name in job.read:
+            readers.setdefault(name, []).append(job)
+    return {name for name, some in readers.items()
+            if fields[name].per == "atom" and all(job.shows_nan for job in some)}
 
 
 def _precision(jobs):
@@ -551,8 +579,8 @@ def _compiled(programs, on_device=False):
     gradient (order 1) or Hessian-vector product along values[direction] (order 2) of
     Σ_s w_s · op_s, w = values[weights] or 1, with respect to the values `wrt`, over the
     segments (ops.Segments) of `offsets` and `ids`. With `on_device` the ids (None) are
-    expanded from the offsets, and the values checked for NaN, there (else the NaN flag is
-    False)."""
+    expanded from the offsets, and the values checked for NaN, there; else the NaN flag says
+    whether a value of a program that shows its inputs' NaN (Job.shows_nan) is NaN."""
     import jax
     import jax.numpy as jnp
 
@@ -586,9 +614,14 @@ def _compiled(programs, on_device=False):
 
     def all_outputs(values, offsets, ids, rows, num_segments):
         idx = ops.Segments(_ids(offsets, rows) if on_device else ids, offsets)
-        nan = jnp.any(jnp.stack([jnp.isnan(v).any() for v in values])) if on_device and values \
+        out = tuple(outputs(p, values, idx, num_segments) for p in programs)
+        seen = values if on_device else [o for p, results in zip(programs, out)
+                                         if p.order == 0 and p.op.output_per == "structure"
+                                         for o in results if jnp.issubdtype(o.dtype,
+                                                                            jnp.floating)]
+        nan = jnp.any(jnp.stack([jnp.isnan(v).any() for v in seen])) if seen \
             else jnp.zeros((), bool)
-        return tuple(outputs(p, values, idx, num_segments) for p in programs), nan
+        return out, nan
 
     return jax.jit(all_outputs, static_argnames=("rows", "num_segments"))
 
@@ -652,11 +685,13 @@ def run(batch, jobs, device, *, chunk_atoms=DEFAULT_CHUNK_ATOMS, structures=slic
 
 def _finished(jobs, chunk, launched, rest):
     """(chunk, outputs) of a launched chunk; DataError counting and naming NaN over it and the
-    chunks `rest` (those after it) where the device found one."""
+    chunks `rest` (those after it) where the device found one, or a value is NaN that a NaN
+    input would make so and the chunk holds one (not where ±inf made it)."""
     outputs, nan = finish(launched)
-    if nan:  # counted and named on the host, over this chunk and the rest
-        for _ in nan_checked(jobs[0].path, itertools.chain([chunk], rest), reads(jobs),
-                             where_present=True):
+    read = reads(jobs)
+    if nan and any(_nan_rows(chunk, name, True) is not None for name in read):
+        for _ in nan_checked(jobs[0].path, itertools.chain([chunk], rest), read,
+                             where_present=True):  # counted and named, over the rest too
             pass
     return chunk, tuple(_blank_absent(job, chunk, out) for job, out in zip(jobs, outputs))
 

@@ -21,7 +21,7 @@ from segcli import engine
 from segcli._jax import enable_x64
 from segcli.errors import DataError
 from segcli.io import open_batch, open_inputs
-from segcli.io.core import Chunk
+from segcli.io.core import Chunk, FieldInfo
 from segcli.registry import OPS
 
 DEVICE = jax.devices()[0]  # the CPU in CI, a GPU where JAX has one
@@ -323,6 +323,66 @@ def test_nan_is_counted_over_every_chunk_and_named_either_way(tmp_path, on_devic
         with pytest.raises(DataError, match=r"field 'x' holds 4 NaN value\(s\), the first in "
                                             r"structure 7$"):
             list(engine.run(batch, [job], DEVICE, chunk_atoms=20, on_device=on_device))
+
+
+SHOWING = [(op, k) for op in OPS for k, arg in enumerate(OPS[op].inputs)
+           if OPS[op].output_per == "structure" and arg.per == "atom" and arg.kind == "float"]
+"""Each per-atom float input of each op with a result per structure: their values show a
+NaN of that input (Job.shows_nan), so the host looks for NaN in it only where one is NaN."""
+
+
+@pytest.mark.parametrize("op, k", SHOWING)
+@pytest.mark.parametrize("precision", ["float64", "float32"])
+def test_a_nan_in_any_input_of_a_value_per_structure_is_refused(tmp_path, op, k, precision):
+    """A NaN in one row (one entry of it) of input k, in the middle chunk of three: its
+    structure's value is NaN (not hidden by a max, a root or a tie), so the run is refused,
+    naming the field, the count over every chunk and the first structure."""
+    rng = np.random.default_rng(k)
+    n_atoms = rng.integers(1, 6, 30)
+    n_atoms[17] = 3
+    names = [f"a{j}" for j in range(len(OPS[op].inputs))]
+    arrays = {name: rng.normal(size=(int(n_atoms.sum()), 3)) for name in names}
+    row = int(n_atoms[:17].sum()) + 1
+    arrays[names[k]][row, 1] = np.nan
+    path = write_batch(tmp_path / "nan.h5", n_atoms, arrays)
+    with open_batch(path) as batch:
+        job = engine.plan(str(path), OPS[op], names, batch.fields, precision=precision)
+        assert job.shows_nan
+        assert engine.shown_nan([job], batch.fields) == set(names)
+        with pytest.raises(DataError, match=rf"field '{names[k]}' holds 1 NaN value\(s\), the "
+                                            r"first in structure 17$"):
+            list(engine.run(batch, [job], DEVICE, chunk_atoms=40, on_device=False))
+
+
+def test_a_nan_value_of_infinities_is_kept_and_every_chunk_given(tmp_path):
+    """sum of +inf and -inf is NaN with no NaN in the input: no error, and the chunks after it
+    are all computed (none taken by a search for the NaN)."""
+    n_atoms = np.full(12, 2)
+    x = np.ones((24, 3))
+    x[4, 0], x[5, 0] = np.inf, -np.inf  # structure 2
+    path = write_batch(tmp_path / "inf.h5", n_atoms, {"x": x})
+    with open_batch(path) as batch:
+        job = engine.plan(str(path), OPS["sum"], ["x"], batch.fields)
+        got = [out[""] for _, (out,) in engine.run(batch, [job], DEVICE, chunk_atoms=6,
+                                                   on_device=False)]
+    got = np.concatenate(got)
+    assert got.shape == (12, 3) and np.isnan(got[2, 0])
+    np.testing.assert_array_equal(np.delete(got, 2, axis=0), 2.0)
+
+
+def test_jobs_that_do_not_show_nan_keep_the_hosts_check():
+    """A gradient (of sum: 1 whatever the input) and a result per atom do not show a NaN of
+    their inputs: a field they read is checked as it is read, even beside a value that
+    shows it."""
+    path_fields = {"x": FieldInfo("x", "atom", (3,), np.dtype(np.float64)),
+                   "s": FieldInfo("s", "structure", (), np.dtype(np.float64))}
+    jobs = {name: engine.plan("f.h5", OPS[op], names, path_fields, order=order)
+            for name, (op, names, order) in {"sum": ("sum", ["x"], 0),
+                                             "grad": ("sum", ["x"], 1),
+                                             "mul": ("mul", ["x", "s"], 0)}.items()}
+    assert engine.shown_nan([jobs["sum"]], path_fields) == {"x"}
+    assert engine.shown_nan([jobs["sum"], jobs["grad"]], path_fields) == set()
+    assert engine.shown_nan([jobs["sum"], jobs["mul"]], path_fields) == set()
 
 
 @pytest.mark.parametrize("pinned", [False, True])
