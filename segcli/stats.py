@@ -118,15 +118,25 @@ class Moments:
 
     def tree_reduce(self):
         """The moments of all leaves (the leading axis) together, merged pairwise in a fixed
-        binary tree over the leaf numbers: the same bits however the leaves were computed."""
+        binary tree over the leaf numbers: the same bits however the leaves were computed.
+        Groups without values in any leaf are left as they are (no values), unmerged."""
+        if not len(self.count):
+            return None
+        some = np.flatnonzero(self.count.any(axis=0))
+        out = Moments.empty(*self.mean.shape[1:])
+        if len(some):
+            merged = Moments(*(getattr(self, k)[:, some] for k in MOMENT_NAMES))._tree()
+            for key in MOMENT_NAMES:
+                getattr(out, key)[some] = getattr(merged, key)
+        return out
+
+    def _tree(self):
         level = self
         while len(level.count) > 1:
             pairs = len(level.count) // 2
             merged = level[0:2 * pairs:2].merge(level[1:2 * pairs:2])
             level = merged if len(level.count) % 2 == 0 else Moments.stack(
                 [merged, level[len(level.count) - 1:]])
-        if not len(level.count):
-            return None
         return level[0]
 
     @property
@@ -226,10 +236,18 @@ def _numeric(path, name, info, role):
                         "real numbers")
 
 
+def _atomic_numbers(numbers):
+    """Whether every entry of `numbers` (a non-empty array) is 0 to N_ELEMENTS - 1: for
+    integers in one pass, the largest as unsigned (where a negative one is larger still)."""
+    if numbers.dtype.kind in "iu" and numbers.dtype.isnative:
+        return int(numbers.view(f"u{numbers.dtype.itemsize}").max()) < N_ELEMENTS
+    return bool(numbers.min() >= 0 and numbers.max() < N_ELEMENTS)  # False for NaN
+
+
 def _check_numbers(path, numbers, chunk):
     """DataError naming the first atom of `chunk`, in a structure that has numbers, whose
     number (of `numbers`) is not an atomic number."""
-    if len(numbers) and not (numbers.min() >= 0 and numbers.max() < N_ELEMENTS):  # or NaN
+    if len(numbers) and not _atomic_numbers(numbers):
         valid = (numbers >= 0) & (numbers < N_ELEMENTS)
         if "numbers" in chunk.present:
             valid |= ~np.repeat(chunk.present["numbers"], chunk.n_atoms)
