@@ -477,17 +477,10 @@ def _native_moments():
     if os.environ.get("SEGCLI_NATIVE_STATS", "1") == "0":
         return None
     try:
-        lib = ctypes.CDLL(str(compiled(Path(__file__).with_name("_moments.c"),
-                                       MOMENTS_FLAGS, ["-lm"])))
+        lib = moments_library(ctypes.CDLL(str(compiled(Path(__file__).with_name("_moments.c"),
+                                                       MOMENTS_FLAGS, ["-lm"]))))
     except (Unavailable, OSError):
         return None
-    lib.segcli_moments_scratch.restype = ctypes.c_int64
-    lib.segcli_moments_scratch.argtypes = [ctypes.c_int64] * 3
-    lib.segcli_moments.restype = None
-    lib.segcli_moments.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64,
-                                   ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64,
-                                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                   *[ctypes.c_void_p] * 6]
 
     def moments(rows, with_norm, count, labels, out, buffers):
         if rows.dtype not in (np.float32, np.float64):
@@ -521,6 +514,18 @@ PART_ROWS = 1 << 18
 """The fewest rows that a thread takes of a chunk's moments (whole leaves): a chunk's leaves
 are shared by up to one thread fewer than `threads.count()`, the reading thread taking the
 last core."""
+
+
+def moments_library(lib):
+    """`lib` (_moments.c built and loaded) with its functions' C types declared."""
+    lib.segcli_moments_scratch.restype = ctypes.c_int64
+    lib.segcli_moments_scratch.argtypes = [ctypes.c_int64] * 3
+    lib.segcli_moments.restype = None
+    lib.segcli_moments.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64,
+                                   ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64,
+                                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                   *[ctypes.c_void_p] * 6]
+    return lib
 
 
 MOMENTS_FLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off"]
