@@ -15,7 +15,6 @@ triangles) and solves as `numpy.linalg.lstsq` on the whole composition matrix wo
 import ctypes
 import functools
 import itertools
-import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -472,15 +471,13 @@ def _native_moments():
     blocks merged by Chan's formulas. None where it cannot be built (see segcli.native) or
     with SEGCLI_NATIVE_STATS=0: the NumPy passes then, which differ in the last bits. Either
     gives the same bits in any split into shards."""
-    from segcli.native import Unavailable, compiled
+    from segcli.native import library
 
-    if os.environ.get("SEGCLI_NATIVE_STATS", "1") == "0":
+    lib = library(Path(__file__).with_name("_moments.c"), MOMENTS_FLAGS, ["-lm"],
+                  "SEGCLI_NATIVE_STATS")
+    if lib is None:
         return None
-    try:
-        lib = moments_library(ctypes.CDLL(str(compiled(Path(__file__).with_name("_moments.c"),
-                                                       MOMENTS_FLAGS, ["-lm"]))))
-    except (Unavailable, OSError):
-        return None
+    moments_library(lib)
 
     def moments(rows, with_norm, count, labels, out, buffers):
         if rows.dtype not in (np.float32, np.float64):
