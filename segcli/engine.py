@@ -103,10 +103,9 @@ class Job:
 
     @property
     def shows_nan(self):
-        """Whether a NaN in a per-atom input makes its structure's value NaN: so for the
-        value (order 0) of every op with a result per structure (tests/test_engine.py checks
-        each), whose inputs the engine then looks into for NaN only where a value is NaN."""
-        return self.order == 0 and self.spec.output_per == "structure"
+        """Whether a NaN in a per-atom input makes its structure's value NaN (see
+        shows_nan)."""
+        return shows_nan(self.spec, self.order)
 
     @property
     def integers(self):
@@ -141,6 +140,13 @@ class Job:
                         tuple(n in self.integers for n in self.fields), self.precision,
                         self.order, tuple(where[n] for n in self.wrt), where.get(self.weights),
                         where.get(self.direction))
+
+
+def shows_nan(op, order):
+    """Whether a NaN in a per-atom input makes its structure's result NaN: so for the value
+    (order 0) of every op with a result per structure (tests/test_engine.py checks each), whose
+    inputs the engine then looks into for NaN only where a value is NaN (see shown_nan)."""
+    return order == 0 and op.output_per == "structure"
 
 
 class _Program(NamedTuple):
@@ -616,9 +622,8 @@ def _compiled(programs, on_device=False):
         idx = ops.Segments(_ids(offsets, rows) if on_device else ids, offsets)
         out = tuple(outputs(p, values, idx, num_segments) for p in programs)
         seen = values if on_device else [o for p, results in zip(programs, out)
-                                         if p.order == 0 and p.op.output_per == "structure"
-                                         for o in results if jnp.issubdtype(o.dtype,
-                                                                            jnp.floating)]
+                                         if shows_nan(p.op, p.order) for o in results
+                                         if jnp.issubdtype(o.dtype, jnp.floating)]
         nan = jnp.any(jnp.stack([jnp.isnan(v).any() for v in seen])) if seen \
             else jnp.zeros((), bool)
         return out, nan

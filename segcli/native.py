@@ -3,11 +3,12 @@
 A source is built once per text, compiler and flags into the cache directory
 ($XDG_CACHE_HOME/segcli), as `<name>-<hash>.so`, and loaded with ctypes (whose calls release
 the GIL). Where that fails, `Unavailable` says why in one line, and the caller takes its
-pure-Python route.
+NumPy route.
 
-    path = compiled(Path("segcli/_moments.c"), ["-O3"], ["-lm"])
+    lib = library(Path("segcli/_moments.c"), ["-O3"], ["-lm"], "SEGCLI_NATIVE_STATS")
 """
 
+import ctypes
 import hashlib
 import os
 import shlex
@@ -58,3 +59,14 @@ def compiled(source, flags, libraries=()):
     except (OSError, subprocess.SubprocessError) as err:
         raise Unavailable(f"cannot build {path}: {err}") from None
     return path
+
+
+def library(source, flags, libraries, switch):
+    """`source` built (see compiled) and loaded, or None where it cannot be, or where the
+    environment variable `switch` is 0."""
+    if os.environ.get(switch, "1") == "0":
+        return None
+    try:
+        return ctypes.CDLL(str(compiled(source, flags, libraries)))
+    except (Unavailable, OSError):
+        return None

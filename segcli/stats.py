@@ -15,7 +15,6 @@ triangles) and solves as `numpy.linalg.lstsq` on the whole composition matrix wo
 import ctypes
 import functools
 import itertools
-import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -472,22 +471,13 @@ def _native_moments():
     blocks merged by Chan's formulas. None where it cannot be built (see segcli.native) or
     with SEGCLI_NATIVE_STATS=0: the NumPy passes then, which differ in the last bits. Either
     gives the same bits in any split into shards."""
-    from segcli.native import Unavailable, compiled
+    from segcli.native import library
 
-    if os.environ.get("SEGCLI_NATIVE_STATS", "1") == "0":
+    lib = library(Path(__file__).with_name("_moments.c"), MOMENTS_FLAGS, ["-lm"],
+                  "SEGCLI_NATIVE_STATS")
+    if lib is None:
         return None
-    try:
-        lib = ctypes.CDLL(str(compiled(Path(__file__).with_name("_moments.c"),
-                                       MOMENTS_FLAGS, ["-lm"])))
-    except (Unavailable, OSError):
-        return None
-    lib.segcli_moments_scratch.restype = ctypes.c_int64
-    lib.segcli_moments_scratch.argtypes = [ctypes.c_int64] * 3
-    lib.segcli_moments.restype = None
-    lib.segcli_moments.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64,
-                                   ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64,
-                                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                   *[ctypes.c_void_p] * 6]
+    moments_library(lib)
 
     def moments(rows, with_norm, count, labels, out, buffers):
         if rows.dtype not in (np.float32, np.float64):
@@ -521,6 +511,18 @@ PART_ROWS = 1 << 18
 """The fewest rows that a thread takes of a chunk's moments (whole leaves): a chunk's leaves
 are shared by up to one thread fewer than `threads.count()`, the reading thread taking the
 last core."""
+
+
+def moments_library(lib):
+    """`lib` (_moments.c built and loaded) with its functions' C types declared."""
+    lib.segcli_moments_scratch.restype = ctypes.c_int64
+    lib.segcli_moments_scratch.argtypes = [ctypes.c_int64] * 3
+    lib.segcli_moments.restype = None
+    lib.segcli_moments.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64,
+                                   ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64,
+                                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                   *[ctypes.c_void_p] * 6]
+    return lib
 
 
 MOMENTS_FLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off"]

@@ -122,14 +122,7 @@ def build(tmp_path, *defines):
     path = tmp_path / f"moments{len(defines)}.so"
     subprocess.run([*native.compiler(), *stats.MOMENTS_FLAGS, *defines, "-shared", "-fPIC",
                     str(SOURCE), "-o", str(path), "-lm"], check=True)
-    lib = ctypes.CDLL(str(path))
-    lib.segcli_moments_scratch.restype = ctypes.c_int64
-    lib.segcli_moments_scratch.argtypes = [ctypes.c_int64] * 3
-    lib.segcli_moments.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64,
-                                   ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64,
-                                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                   *[ctypes.c_void_p] * 6]
-    return lib
+    return stats.moments_library(ctypes.CDLL(str(path)))
 
 
 def call(lib, rows, runs, labels, n_groups):

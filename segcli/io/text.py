@@ -14,9 +14,10 @@ differs from repr only in notation, fixed here: an integer's `12.0` loses `.0`; 
 non-finite value, becomes its spelling; a one-digit negative exponent gets its zero (`1e-7`,
 |x| in [1e-9, 1e-5), becomes `1e-07`) and |x| in [1e-5, 1e-4) goes from positional to
 scientific (`0.0000123` becomes `1.23e-05`). The commas after the numbers become the format's
-separators. Both in one pass in C (`_text.c`, built on first use by segcli.native), or, where no
-C compiler builds it (or with SEGCLI_NATIVE_TEXT=0), in NumPy passes (see _Layout): the same
-bytes.
+separators. In C (`_text.c`, built on first use by segcli.native) the integers are written
+there, only the floats going through orjson, and the fixes and separators are made in the same
+pass; where no C compiler builds it (or with SEGCLI_NATIVE_TEXT=0), by NumPy passes over
+orjson's text of every number (see _Layout): the same bytes.
 """
 
 import csv
@@ -25,7 +26,6 @@ import functools
 import io
 import json
 import math
-import os
 from pathlib import Path
 
 import numpy as np
@@ -190,7 +190,8 @@ class _Layout:
                               self._cells, self._is_int.ctypes.data, self._literals,
                               self._offsets.ctypes.data,
                               (ctypes.c_char * room).from_buffer(out), room)
-        assert size >= 0, "room for the text"
+        if size < 0:  # room is a bound: not reached
+            raise RuntimeError(f"segcli_text: {room} bytes are not room enough")
         return memoryview(out)[:size]
 
     def text(self, values):
@@ -239,13 +240,10 @@ class _Layout:
 def _native_text():
     """segcli_text of `_text.c`, loaded; None where it cannot be built (see segcli.native) or
     with SEGCLI_NATIVE_TEXT=0."""
-    from segcli.native import Unavailable, compiled
+    from segcli.native import library
 
-    if os.environ.get("SEGCLI_NATIVE_TEXT", "1") == "0":
-        return None
-    try:
-        lib = ctypes.CDLL(str(compiled(Path(__file__).with_name("_text.c"), ["-O2"], ["-lm"])))
-    except (Unavailable, OSError):
+    lib = library(Path(__file__).with_name("_text.c"), ["-O2"], ["-lm"], "SEGCLI_NATIVE_TEXT")
+    if lib is None:
         return None
     function = lib.segcli_text
     function.restype = ctypes.c_int64
