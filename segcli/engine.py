@@ -442,8 +442,9 @@ def _padded_chunks(batch, jobs, chunk_atoms, structures, buffers, on_device=Fals
     chunks = batch.iter_chunks(list(read), chunk_atoms=chunk_atoms, structures=structures,
                                into=lending(buffers, dtypes, fields, least[0]), keep=keep)
     if not on_device:
-        unseen = [name for name in read if name not in shown_nan(jobs, fields)]
-        chunks = nan_checked(jobs[0].path, chunks, unseen, where_present=True)
+        shown = shown_nan(jobs, fields)
+        chunks = nan_checked(jobs[0].path, chunks, [n for n in read if n not in shown],
+                             where_present=True)
     for chunk in chunks:
         yield chunk, _pad(dtypes, chunk, least, buffers, ids=not on_device)
 

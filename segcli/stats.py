@@ -118,9 +118,7 @@ class Moments:
     def tree_reduce(self):
         """The moments of all leaves (the leading axis) together, merged pairwise in a fixed
         binary tree over the leaf numbers: the same bits however the leaves were computed.
-        Groups without values in any leaf are left as they are (no values), unmerged."""
-        if not len(self.count):
-            return None
+        Groups without values in any leaf (or no leaves) are left with no values, unmerged."""
         some = np.flatnonzero(self.count.any(axis=0))
         out = Moments.empty(*self.mean.shape[1:])
         if len(some):
@@ -573,8 +571,7 @@ def merge_stats(parts):
     tree over the leaves (Moments.tree_reduce)."""
     out = {}
     for name, s in join_leaves(parts).items():
-        total = s.moments.tree_reduce() or Moments.empty(*s.moments.mean.shape[1:])
-        out[name] = replace(s, moments=total)
+        out[name] = replace(s, moments=s.moments.tree_reduce())
     return out
 
 
