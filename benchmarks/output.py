@@ -2,7 +2,7 @@
 (rerunnable).
 
     python benchmarks/output.py [--rows 2000000] [--atom-rows 10000000] [--runs 3]
-                                [--before per-row|numpy]
+                                [--before per-row|numpy] [--before-checkout DIR]
 
 The sinks of segcli.cli.compute (csv, json and npy on stdout, `-o OUT.h5`), in this process,
 are given the chunks that engine.run gives (2 Mi atoms, 32 atoms a structure, standard normal
@@ -11,17 +11,22 @@ a 3-vector per atom (--atom-rows atoms). stdout is a new file in --workdir, as i
 Beside each, in the same run and alternating with it: before, the per-row text of the former
 _TextSink (copied below) and the former npy sink (which copied each chunk with tobytes), or
 with `--before numpy` the text made by segcli.io.text's NumPy passes (SEGCLI_NATIVE_TEXT=0,
-what runs where no C compiler builds `_text.c`); the floors of npy and HDF5, the same bytes
-(the values) copied into a new buffer and written to a new file a chunk at a time. Rows/s
-from the median of --runs runs.
+what runs where no C compiler builds `_text.c`), or with `--before-checkout DIR` the text
+sink of the segcli checkout DIR (another commit, in a child process of its own); the floors of
+npy and HDF5, the same bytes (the values) copied into a new buffer and written to a new file a
+chunk at a time; beside csv and json, orjson alone over the float cells of each block of rows
+(the bound of a text made by orjson, which holds Python's lock). Rows/s from the median of
+--runs runs.
 """
 
 import argparse
+import functools
 import io
 import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 
@@ -30,6 +35,7 @@ import numpy as np
 import orjson
 
 from segcli.cli.compute import _Hdf5Sink, _NpySink, _TextSink
+from segcli.engine import keep_freed_buffers
 from segcli.io import ResultWriter, text
 from segcli.io.core import Chunk
 
@@ -184,18 +190,44 @@ def file_write(parts, path):
     return seconds
 
 
+def orjson_alone(parts, cells):
+    """Seconds orjson takes to format the floats of `parts`, in the blocks of rows of
+    segcli.io.text (rows of `cells` numbers, the integer indices among them)."""
+    step = max(1, text._BLOCK_CELLS // cells)
+    start = time.perf_counter()
+    for _, arrays in parts:
+        values = arrays["value"]
+        for lo in range(0, len(values), step):
+            orjson.dumps(np.ascontiguousarray(values[lo:lo + step]).ravel(),
+                         option=orjson.OPT_SERIALIZE_NUMPY)
+    return time.perf_counter() - start
+
+
+def time_checkout(args, case, sink):
+    """Seconds the sink `sink` of the checkout args.before_checkout takes over case `case`,
+    timed by this script in a child process that imports segcli from there."""
+    env = {**os.environ, "PYTHONPATH": os.path.abspath(args.before_checkout)}
+    command = [sys.executable, __file__, "--time-one", str(case), sink, "--workdir",
+               args.workdir, "--rows", str(args.rows), "--atom-rows", str(args.atom_rows)]
+    return float(subprocess.run(command, env=env, check=True, capture_output=True,
+                                text=True).stdout.split()[-1])
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workdir", default="/tmp/segcli-bench-output")
     parser.add_argument("--rows", type=int, default=2_000_000)
     parser.add_argument("--atom-rows", type=int, default=10_000_000)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--before-checkout", metavar="DIR",
+                        help="time the csv and json of the segcli checkout DIR as before")
+    parser.add_argument("--time-one", nargs=2, metavar=("CASE", "SINK"), help=argparse.SUPPRESS)
     parser.add_argument("--before", choices=["per-row", "numpy"], default="per-row",
                         help="the csv and json text to compare with")
     args = parser.parse_args()
+    keep_freed_buffers()  # as the segcli program does
     os.makedirs(args.workdir, exist_ok=True)
     stdout, h5 = os.path.join(args.workdir, "stdout"), os.path.join(args.workdir, "out.h5")
-    rng = np.random.default_rng(0)
     cases = [("scalar per structure", "structure", args.rows, 1),
              ("3-vector per structure", "structure", args.rows, 3),
              ("3-vector per atom", "atom", args.atom_rows, 3)]
@@ -204,17 +236,28 @@ def main():
           f"{orjson.__version__}, h5py {h5py.__version__}, load average "
           f"{os.getloadavg()[0]:.1f}; median of {args.runs} runs\n")
     print("| output | rows | sink | before, rows/s | after, rows/s | after / before "
-          "| memory copy, rows/s | file write, rows/s | after / file write |")
-    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for label, per, rows, width in cases:
-        parts = chunks(per, rows, width, rng)
+          "| memory copy, rows/s | file write, rows/s | orjson alone, rows/s | after / bound |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    if args.time_one:  # one sink of this checkout, timed for another one's run
+        label, per, rows, width = cases[int(args.time_one[0])]
+        outputs = {"value": (per, (width,) if width > 1 else (), np.dtype(np.float64))}
+        print(run_sink(candidates(outputs, None, h5)[args.time_one[1]][1],
+                       chunks(per, rows, width, np.random.default_rng(0)), stdout))
+        return
+    for case, (label, per, rows, width) in enumerate(cases):
+        parts = chunks(per, rows, width, np.random.default_rng(0))
         n_atoms = np.full(rows // ATOMS if per == "atom" else rows, ATOMS)
         outputs = {"value": (per, (width,) if width > 1 else (), np.dtype(np.float64))}
         sinks = candidates(outputs, n_atoms, h5, args.before)
+        if args.before_checkout:
+            sinks = {name: (functools.partial(time_checkout, args, case, name), after)
+                     for name, (_, after) in sinks.items() if name in ("csv", "json")}
         for name, (before, after) in sinks.items():
-            times = {"before": [], "after": [], "copy": [], "file write": []}
+            times = {"before": [], "after": [], "copy": [], "file write": [], "orjson": []}
             for _ in range(args.runs):
-                if before:
+                if before and args.before_checkout:
+                    times["before"].append(before())
+                elif before:
                     times["before"].append(run_sink(before, parts, stdout))
                 times["after"].append(run_sink(after, parts, stdout))
                 if name == "-o OUT.h5":
@@ -222,12 +265,14 @@ def main():
                 if name in ("npy", "-o OUT.h5"):
                     times["copy"].append(copy(parts))
                     times["file write"].append(file_write(parts, stdout))
+                else:
+                    times["orjson"].append(orjson_alone(parts, width + (per == "atom") + 1))
             rate = {k: rows / statistics.median(t) if t else None for k, t in times.items()}
             cells = [f"{rate[k] / 1e6:.2f} M" if rate[k] else "" for k in rate]
-            ratio = [f"{rate['after'] / rate[k]:.2f}" if rate[k] else ""
-                     for k in ("before", "file write")]
+            bound = rate["file write"] or rate["orjson"]
+            ratio = [f"{rate['after'] / r:.2f}" if r else "" for r in (rate["before"], bound)]
             print(f"| {label} | {rows:,} | {name} | {cells[0]} | {cells[1]} | {ratio[0]} | "
-                  f"{cells[2]} | {cells[3]} | {ratio[1]} |", flush=True)
+                  f"{cells[2]} | {cells[3]} | {cells[4]} | {ratio[1]} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
-"""The threads a segcli process reads with: a pool of `count()` threads, which the work given
-to `run` shares. Reading files (os.preadv) and inflating them (zlib) let go of Python's lock,
-so these threads use as many cores.
+"""The threads a segcli process reads and writes with: a pool of `count()` threads, which the
+work given to `run` and `ordered` shares. Reading files (os.preadv), inflating them (zlib) and
+the passes in C let go of Python's lock, so these threads use as many cores.
 
     threads.set_count(4)
     threads.run([lambda: os.preadv(fd, [a], 0), lambda: os.preadv(fd, [b], len(a))])
+    out.writelines(threads.ordered(functools.partial(text, block) for block in blocks))
 """
 
+import collections
 import concurrent.futures
 import os
 import threading
@@ -75,12 +77,38 @@ def run(tasks):
         for task in tasks:
             task()
         return
-    with _state.lock:
-        if _state.pool is None:
-            _state.pool = concurrent.futures.ThreadPoolExecutor(count(),
-                                                                thread_name_prefix="segcli")
-        pool = _state.pool
+    pool = _pool()
     futures = [pool.submit(task) for task in tasks]
     concurrent.futures.wait(futures)
     for future in futures:
         future.result()
+
+
+def ordered(tasks):
+    """Yield the results of the callables `tasks` (an iterable, taken as it goes), in order:
+    computed on the pool's threads, at most twice as many as there are threads ahead of the
+    one yielded; in the caller's thread where there is one. An exception of a task is raised
+    where its result would be yielded; closing the generator cancels those not begun."""
+    if count() < 2:
+        yield from (task() for task in tasks)
+        return
+    pool, ahead, futures = _pool(), 2 * count(), collections.deque()
+    try:
+        for task in tasks:
+            futures.append(pool.submit(task))
+            if len(futures) >= ahead:
+                yield futures.popleft().result()
+        while futures:
+            yield futures.popleft().result()
+    finally:
+        for future in futures:
+            future.cancel()
+
+
+def _pool():
+    """The pool of count() threads, made on first use."""
+    with _state.lock:
+        if _state.pool is None:
+            _state.pool = concurrent.futures.ThreadPoolExecutor(count(),
+                                                                thread_name_prefix="segcli")
+        return _state.pool

@@ -284,3 +284,31 @@ def test_an_empty_output_name_is_a_usage_error(tmp_path, command):
     path = write_batch(tmp_path / "f.h5", [1], {"x": np.ones((1, 3))}, {"e": [0.0]})
     result = invoke(*[part.format(f=path) for part in command], "-o", "")
     assert result.exit_code == 2 and "'' names no file" in result.output, result.output
+
+
+@pytest.mark.usefixtures("both_paths")
+def test_every_float32_class_of_notation_matches_pythons_text():
+    """float32 bit patterns from all over (subnormals, the powers of two, both notations):
+    the repr of the float64 that each one's shortest text reads back as."""
+    rng = np.random.default_rng(1)
+    bits = np.concatenate([rng.integers(0, 2 ** 32, 20_000, dtype=np.uint64).astype(np.uint32),
+                           np.arange(4096, dtype=np.uint32), (np.arange(255, dtype=np.uint32)
+                                                              << 23)])
+    x = bits.view(np.float32)
+    columns = {"structure": np.arange(len(x)), "v": x}
+    for fmt in ("csv", "json"):
+        assert b"".join(text.lines(fmt, columns)).decode() == per_row(fmt, columns)
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_text_made_by_threads_is_in_order(count):
+    """Many blocks, made by `count` threads: the rows in order, as one thread makes them."""
+    from segcli import threads
+
+    rng = np.random.default_rng(2)
+    columns = {"structure": np.arange(5000), "v": numbers(rng, (5000, 3), np.float64)}
+    threads.set_count(count)
+    try:
+        assert b"".join(text.lines("csv", columns)).decode() == per_row("csv", columns)
+    finally:
+        threads.set_count(None)

@@ -1,110 +1,228 @@
-/* Rows of numbers as text, for `segcli.io.text`: integers written here, floats from orjson's
-   text of them.
+/* Rows of numbers as text, for `segcli.io.text`: every number written as Python's repr writes
+   it, with no Python (the caller lets go of Python's lock, so that threads write blocks of
+   rows side by side).
 
-   orjson writes a flat float64 array as `[t0,t1,...]`, each number in the shortest digits
-   that read back as it, in notation that differs from Python's repr in three ways, undone
-   here in one pass: `null` (any non-finite value) becomes its spelling; a one-digit negative
-   exponent gets its zero (`1.5e-7`, |x| in [1e-9, 1e-5), becomes `1.5e-07`); and |x| in
-   [1e-5, 1e-4) goes from positional to scientific (`-0.0000123` becomes `-1.23e-05`). Number
-   k of a row is followed by after[k] (the last, the row's end and the next row's start); the
-   text starts with the first row's start. */
+   A float's digits are the shortest that read back as it, the closest to it of those, ties to
+   an even last digit (Python's repr; Giulietti's Schubfach algorithm finds them), of the
+   float64 or, for a float32 cell, of the float32 (what repr writes for the float64 that the
+   float32's shortest text reads back as). Then repr's notation: positional where the decimal
+   exponent x is in [-4, 16) (`0.0001`, `123.0`), else scientific with two exponent digits at
+   least (`1e-05`, `1.5e+16`); zero as `0.0` or `-0.0`. */
 
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-/* The number at *p (up to the next comma, or to `stop`) copied to *o, both moved past it:
-   eight bytes at a time where eight are there to read (a comma found among them as a zero
-   byte of their XOR with commas), out having eight bytes to spare. */
-static inline void copy_number(const char **p, char **o, const char *stop) {
-    const char *from = *p;
-    char *to = *o;
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-    const uint64_t commas = 0x2c2c2c2c2c2c2c2cull, ones = 0x0101010101010101ull;
-    while (stop - from >= 8) {
-        uint64_t word, x, zero;
-        memcpy(&word, from, 8);
-        memcpy(to, &word, 8);
-        x = word ^ commas;
-        zero = (x - ones) & ~x & (ones << 7);
-        if (zero) {
-            int at = __builtin_ctzll(zero) >> 3;
-            *p = from + at;
-            *o = to + at;
-            return;
-        }
-        from += 8;
-        to += 8;
+#define K_MIN (-324) /* the powers of ten table: 10^-k for k in [K_MIN, K_MAX] */
+#define MASK_63 0x7fffffffffffffffull
+
+/* floor(q log10 2), floor(q log10 (3/4 2)), floor(e log2 10), for the exponents of float64 */
+static inline int64_t flog10pow2(int64_t q) { return (q * 661971961083LL) >> 41; }
+static inline int64_t flog10threequarterspow2(int64_t q) {
+    return (q * 661971961083LL - 274743187321LL) >> 41;
+}
+static inline int64_t flog2pow10(int64_t e) { return (e * 1741647) >> 19; }
+
+/* floor(g cp / 2^127), its last bit set where the product has more bits: g = g1 2^63 + g0 */
+static inline uint64_t rop(uint64_t g1, uint64_t g0, uint64_t cp) {
+    unsigned __int128 x = (unsigned __int128)g0 * cp, y = (unsigned __int128)g1 * cp;
+    uint64_t z = ((uint64_t)y >> 1) + (uint64_t)(x >> 64);
+    return ((uint64_t)(y >> 64) + (z >> 63)) | (((z & MASK_63) + MASK_63) >> 63);
+}
+
+/* The shortest decimal *f 10^*e that rounds to c 2^q (c > 0, q >= q_min; the spacing below c
+   is half that above where c is c_min and q > q_min), the closest of them, ties even.
+   powers[2 (k - K_MIN)], [... + 1]: g1 and g0 of g = floor(10^-k 2^-r) + 1 in [2^125, 2^126). */
+static inline void to_decimal(int64_t q, uint64_t c, uint64_t c_min, int64_t q_min,
+                              const uint64_t *powers, uint64_t *f, int64_t *e) {
+    uint64_t out = c & 1, cb = c << 2, cbr = cb + 2, cbl;
+    int64_t k;
+    if (c != c_min || q == q_min) {
+        cbl = cb - 2;
+        k = flog10pow2(q);
+    } else {
+        cbl = cb - 1;
+        k = flog10threequarterspow2(q);
     }
-#endif
-    while (from < stop && *from != ',') *to++ = *from++;
-    *p = from;
-    *o = to;
+    int64_t h = q + flog2pow10(-k) + 2;
+    uint64_t g1 = powers[2 * (k - K_MIN)], g0 = powers[2 * (k - K_MIN) + 1];
+    uint64_t vb = rop(g1, g0, cb << h), vbl = rop(g1, g0, cbl << h), vbr = rop(g1, g0, cbr << h);
+    uint64_t s = vb >> 2;
+    uint64_t sp10 = s / 10 * 10, tp10 = sp10 + 10;  /* a digit fewer: the multiples of 10 */
+    int upin = vbl + out <= sp10 << 2, wpin = (tp10 << 2) + out <= vbr;
+    if (upin != wpin) {
+        *f = upin ? sp10 : tp10;
+        *e = k;
+        return;
+    }
+    uint64_t t = s + 1;
+    int uin = vbl + out <= s << 2, win = (t << 2) + out <= vbr;
+    if (uin != win) {
+        *f = uin ? s : t;
+    } else {
+        int64_t cmp = (int64_t)(vb - ((s + t) << 1));
+        *f = cmp < 0 || (cmp == 0 && (s & 1) == 0) ? s : t;
+    }
+    *e = k;
+}
+
+static const char PAIRS[] =
+    "00010203040506070809101112131415161718192021222324252627282930313233343536373839"
+    "40414243444546474849505152535455565758596061626364656667686970717273747576777879"
+    "8081828384858687888990919293949596979899";
+
+/* The 8 digits of v < 10^8 at o, leading zeros included. */
+static inline void put8(char *o, uint32_t v) {
+    uint32_t a = v / 10000, b = v % 10000;
+    memcpy(o, PAIRS + 2 * (a / 100), 2);
+    memcpy(o + 2, PAIRS + 2 * (a % 100), 2);
+    memcpy(o + 4, PAIRS + 2 * (b / 100), 2);
+    memcpy(o + 6, PAIRS + 2 * (b % 100), 2);
+}
+
+/* The digits of v < 2^32 at o, no leading zero; how many (copies of a fixed size, so that
+   they are inlined, write up to 10 bytes, some past them). */
+static inline int put32(char *o, uint32_t v) {
+    char d[20];
+    int n = 0;
+    while (v >= 100) {
+        n += 2;
+        memcpy(d + 10 - n, PAIRS + 2 * (v % 100), 2);
+        v /= 100;
+    }
+    if (v >= 10) {
+        n += 2;
+        memcpy(d + 10 - n, PAIRS + 2 * v, 2);
+    } else {
+        d[10 - ++n] = (char)('0' + v);
+    }
+    memcpy(o, d + 10 - n, 10);
+    return n;
+}
+
+/* The digits of f < 10^18 at o, no leading zero; how many. */
+static inline int put_digits(char *o, uint64_t f) {
+    if (f < 100000000) return put32(o, (uint32_t)f);
+    uint64_t hi = f / 100000000;
+    int n = hi < 100000000 ? put32(o, (uint32_t)hi)
+                           : put32(o, (uint32_t)(hi / 100000000)) + 8;
+    if (hi >= 100000000) put8(o + n - 8, (uint32_t)(hi % 100000000));
+    put8(o + n, (uint32_t)(f % 100000000));
+    return n + 8;
+}
+
+/* f 10^e (f > 0) in repr's notation at o; the end of it. Copies of fixed sizes (inlined)
+   write up to 40 bytes, some past the end. */
+static inline char *put_decimal(char *o, uint64_t f, int64_t e) {
+    while (f % 10 == 0) {
+        f /= 10;
+        e++;
+    }
+    char d[48];
+    int n = put_digits(d, f);
+    int64_t x = e + n - 1;
+    if (x >= 0 && x < 16) {
+        memcpy(o, d, 16);
+        if (n > x + 1) {  /* 12.5 */
+            o[x + 1] = '.';
+            memcpy(o + x + 2, d + x + 1, 16);
+            return o + n + 1;
+        }
+        memset(o + n, '0', 16);  /* 1200.0 */
+        memcpy(o + x + 1, ".0", 2);
+        return o + x + 3;
+    }
+    if (x < 0 && x >= -4) {  /* 0.00125 */
+        memcpy(o, "0.000", 5);
+        memcpy(o + 1 - x, d, 17);
+        return o + 1 - x + n;
+    }
+    o[0] = d[0];  /* 1.25e-07 */
+    o[1] = '.';
+    memcpy(o + 2, d + 1, 16);
+    o += n > 1 ? n + 1 : 1;
+    *o++ = 'e';
+    *o++ = x < 0 ? '-' : '+';
+    uint64_t a = (uint64_t)(x < 0 ? -x : x);
+    if (a >= 100) *o++ = (char)('0' + a / 100);
+    memcpy(o, PAIRS + 2 * (a % 100), 2);
+    return o + 2;
+}
+
+/* The finite float64 v as repr writes it, or (single) the float32 it holds. */
+static inline char *put_float(char *o, double v, int single, const uint64_t *powers) {
+    uint64_t f;
+    int64_t e;
+    if (signbit(v)) *o++ = '-';
+    if (v == 0) {
+        memcpy(o, "0.0", 3);
+        return o + 3;
+    }
+    if (single) {
+        float w = (float)v;
+        uint32_t bits;
+        memcpy(&bits, &w, 4);
+        uint64_t t = bits & 0x7fffff, bq = (bits >> 23) & 0xff;
+        if (bq) to_decimal((int64_t)bq - 150, t | (1u << 23), 1u << 23, -149, powers, &f, &e);
+        else to_decimal(-149, t, 1u << 23, -149, powers, &f, &e);
+    } else {
+        uint64_t bits;
+        memcpy(&bits, &v, 8);
+        uint64_t t = bits & ((1ull << 52) - 1), bq = (bits >> 52) & 0x7ff;
+        if (bq) to_decimal((int64_t)bq - 1075, t | (1ull << 52), 1ull << 52, -1074, powers, &f,
+                           &e);
+        else to_decimal(-1074, t, 1ull << 52, -1074, powers, &f, &e);
+    }
+    return put_decimal(o, f, e);
 }
 
 /* The decimal digits of v (|v| < 2^63) at o; the end of them. */
 static inline char *put_integer(char *o, int64_t v) {
-    char digits[20];
-    int n = 0;
     uint64_t u = v < 0 ? 0 - (uint64_t)v : (uint64_t)v;
     if (v < 0) *o++ = '-';
-    do {
-        digits[n++] = (char)('0' + u % 10);
-        u /= 10;
-    } while (u);
-    while (n) *o++ = digits[--n];
-    return o;
+    if (u >= 1000000000000000000ull) {  /* 19 digits: the first, then 18 */
+        *o++ = (char)('0' + u / 1000000000000000000ull);
+        u %= 1000000000000000000ull;
+        uint64_t hi = u / 100000000;
+        put8(o, (uint32_t)(hi / 100000000) * 0 + (uint32_t)0);
+    }
+    return o + put_digits(o, u);
 }
 
 /* Bytes written into out (at most `room`, else -1) for `rows` rows of `cells` numbers: cell
-   k an integer (the next of `ints`) where is_int[k], else a float, the next of `floats`,
-   whose text is the next number of orjson's `in` (n_in bytes). literals[offsets[j]..offsets[j
-   + 1]) is, for j < cells, after[j]; for j = cells, the row's start; for j = cells + 1, + 2,
-   + 3, the spelling of NaN, inf and -inf. The last row's trailing start is left out. */
-int64_t segcli_text(const char *in, int64_t n_in, const double *floats, const int64_t *ints,
-                    int64_t rows, int64_t cells, const uint8_t *is_int, const char *literals,
-                    const int64_t *offsets, char *out, int64_t room) {
+   k an integer (the next of `ints`) where kind[k] is 1, else a float, the next of `floats`,
+   of float64 (kind 0) or float32 (kind 2) values. literals[offsets[j]..offsets[j + 1]) is,
+   for j < cells, the text after cell j (the last: the row's end and the next row's start);
+   for j = cells, the row's start; for j = cells + 1, + 2, + 3, the spelling of NaN, inf and
+   -inf. The last row's trailing start is left out. `powers`: see to_decimal. */
+int64_t segcli_text(const double *floats, const int64_t *ints, int64_t rows, int64_t cells,
+                    const uint8_t *kind, const char *literals, const int64_t *offsets,
+                    const uint64_t *powers, char *out, int64_t room) {
     const char *start = literals + offsets[cells];
     int64_t start_len = offsets[cells + 1] - offsets[cells];
+    int64_t longest = offsets[cells + 4] - offsets[cells + 1] + 64;  /* a number, its spare */
     char *o = out, *end = out + room;
-    const char *p = in + 1, *stop = in + n_in - 1;  /* inside the brackets */
     if (start_len > room) return -1;
-    for (int64_t j = 0; j < start_len; j++) *o++ = start[j];
+    memcpy(o, start, start_len);
+    o += start_len;
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t k = 0; k < cells; k++) {
-            if (end - o < (stop - p) + 9 + 20) return -1;  /* a number, eight bytes spare */
-            if (is_int[k]) {
-                o = put_integer(o, *ints++);
-            } else {
-                char *first = o;
-                double v = *floats++, a = fabs(v);
-                copy_number(&p, &o, stop);
-                p++;
-                if (!isfinite(v)) {  /* "null": its spelling */
-                    int s = isnan(v) ? 0 : v > 0 ? 1 : 2;
-                    int64_t from = offsets[cells + 1 + s], to = offsets[cells + 2 + s];
-                    o = first;
-                    for (int64_t j = from; j < to; j++) *o++ = literals[j];
-                } else if (a < 1e-5 && a >= 1e-9) {  /* "1.5e-7": "1.5e-07" */
-                    o[0] = o[-1];
-                    o[-1] = '0';
-                    o++;
-                } else if (a < 1e-4 && a >= 1e-5) {  /* "0.0000123": "1.23e-05" */
-                    char *d = first + (*first == '-'), *digits = d + 6;  /* after "0.0000" */
-                    int64_t more = o - digits - 1;  /* digits after the first */
-                    *d++ = digits[0];
-                    if (more > 0) {
-                        *d++ = '.';
-                        memmove(d, digits + 1, more);
-                        d += more;
-                    }
-                    memcpy(d, "e-05", 4);
-                    o = d + 4;
-                }
-            }
             int64_t after = offsets[k + 1] - offsets[k];
             if (r == rows - 1 && k == cells - 1) after -= start_len;  /* no row after */
-            if (end - o < after) return -1;
+            if (end - o < longest + after) return -1;
+            if (kind[k] == 1) {
+                o = put_integer(o, *ints++);
+            } else {
+                double v = *floats++;
+                if (isfinite(v)) {
+                    o = put_float(o, v, kind[k] == 2, powers);
+                } else {
+                    int s = isnan(v) ? 0 : v > 0 ? 1 : 2;
+                    int64_t from = offsets[cells + 1 + s], to = offsets[cells + 2 + s];
+                    memcpy(o, literals + from, to - from);
+                    o += to - from;
+                }
+            }
             for (int64_t j = 0; j < after; j++) *o++ = literals[offsets[k] + j];
         }
     }

@@ -8,16 +8,16 @@ Every number is written as Python writes it, so it reads back exactly: a float64
 shortest text reads back as, an integer as an integer; in CSV NaN (no value: a structure that
 lacks a field) as an empty cell and ±inf as `inf`, `-inf`, in JSON all three as `null` (it has
 no such numbers): a JSON line is what json.dumps writes for the row's dict, its non-finite
-numbers None (see finite_json). How: orjson writes a block's numbers, one flat float64 array
-(integers among them are exact, below 2**53), with the shortest round-trip digits; its text
-differs from repr only in notation, fixed here: an integer's `12.0` loses `.0`; `null`, any
-non-finite value, becomes its spelling; a one-digit negative exponent gets its zero (`1e-7`,
-|x| in [1e-9, 1e-5), becomes `1e-07`) and |x| in [1e-5, 1e-4) goes from positional to
-scientific (`0.0000123` becomes `1.23e-05`). The commas after the numbers become the format's
-separators. In C (`_text.c`, built on first use by segcli.native) the integers are written
-there, only the floats going through orjson, and the fixes and separators are made in the same
-pass; where no C compiler builds it (or with SEGCLI_NATIVE_TEXT=0), by NumPy passes over
-orjson's text of every number (see _Layout): the same bytes.
+numbers None (see finite_json). How: in C (`_text.c`, built on first use by segcli.native),
+which finds each float's shortest round-trip digits itself and writes repr's notation, blocks
+of rows made by the threads of segcli.threads side by side (the C lets go of Python's lock).
+Where no C compiler builds it (or with SEGCLI_NATIVE_TEXT=0), the same bytes from orjson and
+NumPy passes: orjson writes a block's numbers, one flat float64 array (integers among them are
+exact, below 2**53), with the shortest round-trip digits; its text differs from repr only in
+notation, fixed here: an integer's `12.0` loses `.0`; `null`, any non-finite value, becomes its
+spelling; a one-digit negative exponent gets its zero (`1e-7`, |x| in [1e-9, 1e-5), becomes
+`1e-07`) and |x| in [1e-5, 1e-4) goes from positional to scientific (`0.0000123` becomes
+`1.23e-05`). The commas after the numbers become the format's separators (see _Layout).
 """
 
 import csv
@@ -31,8 +31,12 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-_BLOCK_CELLS = 1 << 17
-"""Numbers formatted at a time: the block's buffers stay in the CPU's caches."""
+from segcli import threads
+
+_BLOCK_CELLS = 1 << 15
+"""Numbers formatted at a time: the block's buffers stay in the CPU's caches, and a chunk's
+results make blocks enough for every thread."""
+_NATIVE_FLOATS = (np.dtype(np.float64), np.dtype(np.float32))
 _EXACT = 2 ** 53
 _SPELLING = {"csv": (b"", b"inf", b"-inf"), "json": (b"null", b"null", b"null")}
 _MARKERS = bytes(b for b in range(256) if not 0x20 <= b <= 0x7f and b != 0x0a)
@@ -78,13 +82,19 @@ def lines(fmt, columns):
     is_int = np.concatenate([np.full(a.shape[1], a.dtype.kind in "iu") for a in flat])
     layout = _Layout(literals, is_int, _SPELLING[fmt])
     step = max(1, _BLOCK_CELLS // len(is_int))
-    if _native_text() is not None:
+    if _native_text() is not None:  # blocks made by the threads, side by side
         ints = [a.astype(np.int64, copy=False) for a in flat if a.dtype.kind in "iu"]
-        floats = [_float64(a) for a in flat if a.dtype.kind == "f"]
-        for lo in range(0, rows, step):
-            hi = min(lo + step, rows)
-            yield layout.native_text(_block(ints, lo, hi, np.int64),
-                                     _block(floats, lo, hi, np.float64))
+        with np.errstate(invalid="ignore"):  # a signalling NaN stays a NaN
+            floats = [a.astype(np.float64, copy=False) if a.dtype in _NATIVE_FLOATS
+                      else _float64(a) for a in flat if a.dtype.kind == "f"]
+        kind = np.concatenate([np.full(a.shape[1], 1 if a.dtype.kind in "iu" else
+                                       2 if a.dtype == np.float32 else 0, np.uint8)
+                               for a in flat])
+        yield from threads.ordered(
+            functools.partial(layout.native_text, kind, _powers(),
+                              _block(ints, lo, min(lo + step, rows), np.int64),
+                              _block(floats, lo, min(lo + step, rows), np.float64))
+            for lo in range(0, rows, step))
         return
     flat = [_float64(a) for a in flat]
     for lo in range(0, rows, step):
@@ -95,6 +105,8 @@ def _block(columns, lo, hi, dtype):
     """Rows lo to hi of `columns` (each (rows, k) of `dtype`) side by side, contiguous."""
     if not columns:
         return np.zeros((hi - lo, 0), dtype)
+    if len(columns) == 1:
+        return np.ascontiguousarray(columns[0][lo:hi])
     return np.ascontiguousarray(np.concatenate([a[lo:hi] for a in columns], axis=1))
 
 
@@ -168,7 +180,6 @@ class _Layout:
         texts = [text.encode() for text in [*after, literals[0]]] + list(spelling)
         self._literals = b"".join(texts)
         self._offsets = np.cumsum([0, *map(len, texts)], dtype=np.int64)
-        self._is_int = np.asarray(is_int, np.uint8)
 
     def _fill(self, text, room, markers):
         """What `room` bytes take in place for `text` (with the next of `markers` if it is
@@ -179,17 +190,17 @@ class _Layout:
         marker = bytes([next(markers)])
         return np.frombuffer(text[:room - 1] + marker, np.uint8), {marker: text[room - 1:]}
 
-    def native_text(self, ints, floats):
+    def native_text(self, kind, powers, ints, floats):
         """The text of the rows of `ints` ((rows, integers) int64) and `floats` ((rows,
-        floats) float64), the cells of each row in the order is_int gives, made in C."""
+        floats) float64), the cells of each row in the order `kind` gives (1: an integer, 0:
+        a float64, 2: a float32 held in float64), made in C with the table _powers()."""
         rows = len(ints)
-        raw = orjson.dumps(floats.ravel(), option=orjson.OPT_SERIALIZE_NUMPY)
-        room = len(raw) + floats.size + 20 * ints.size + rows * len(self._literals) + 40
+        room = 30 * floats.size + 20 * ints.size + (rows + 1) * len(self._literals) + 96
         out = bytearray(room)
-        size = _native_text()(raw, len(raw), floats.ctypes.data, ints.ctypes.data, rows,
-                              self._cells, self._is_int.ctypes.data, self._literals,
-                              self._offsets.ctypes.data,
-                              (ctypes.c_char * room).from_buffer(out), room)
+        size = _native_text()(floats.ctypes.data, ints.ctypes.data, rows, self._cells,
+                              kind.ctypes.data, self._literals, self._offsets.ctypes.data,
+                              powers.ctypes.data, (ctypes.c_char * room).from_buffer(out),
+                              room)
         if size < 0:  # room is a bound: not reached
             raise RuntimeError(f"segcli_text: {room} bytes are not room enough")
         return memoryview(out)[:size]
@@ -247,10 +258,27 @@ def _native_text():
         return None
     function = lib.segcli_text
     function.restype = ctypes.c_int64
-    function.argtypes = [ctypes.c_char_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                         ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_char_p,
-                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                         ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p,
+                         ctypes.c_void_p, ctypes.c_int64]
     return function
+
+
+@functools.cache
+def _powers():
+    """The powers of ten of `_text.c`'s to_decimal, exact: for k from -324 to 292, g = floor(β)
+    + 1 where 10**-k = β 2**r and 2**125 <= β < 2**126, as (g >> 63, g mod 2**63)."""
+    table = np.empty((617, 2), np.uint64)
+    for i, k in enumerate(range(-324, 293)):
+        if k <= 0:
+            power = 10 ** -k
+            shift = power.bit_length() - 126
+            beta = power >> shift if shift >= 0 else power << -shift
+        else:  # 2**s / 10**k, 10**k no power of two: in (2**125, 2**126)
+            beta = (1 << (125 + (10 ** k).bit_length())) // 10 ** k
+        g = beta + 1
+        table[i] = g >> 63, g & (2 ** 63 - 1)
+    return table
 
 
 def _put(buf, last, fill):
