@@ -125,7 +125,8 @@ def _float64(array):
     as (what repr of them then writes)."""
     if array.dtype.kind != "f" or array.dtype.itemsize == 8:
         return array.astype(np.float64, copy=False)
-    out = array.astype(np.float64)
+    with np.errstate(invalid="ignore"):  # a signalling NaN stays a NaN
+        out = array.astype(np.float64)
     finite = np.isfinite(array)
     text = orjson.dumps(np.ascontiguousarray(array[finite]), option=orjson.OPT_SERIALIZE_NUMPY)
     out[finite] = orjson.loads(text)
