@@ -206,7 +206,8 @@ def orjson_alone(parts, cells):
 def time_checkout(args, case, sink):
     """Seconds the sink `sink` of the checkout args.before_checkout takes over case `case`,
     timed by this script in a child process that imports segcli from there."""
-    env = {**os.environ, "PYTHONPATH": os.path.abspath(args.before_checkout)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [os.path.abspath(args.before_checkout), *filter(None, [os.environ.get("PYTHONPATH")])])}
     command = [sys.executable, __file__, "--time-one", str(case), sink, "--workdir",
                args.workdir, "--rows", str(args.rows), "--atom-rows", str(args.atom_rows)]
     return float(subprocess.run(command, env=env, check=True, capture_output=True,
