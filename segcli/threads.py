@@ -87,7 +87,7 @@ def run(tasks):
 def ordered(tasks):
     """Yield the results of the callables `tasks` (an iterable, taken as it goes), in order:
     computed on the pool's threads, at most twice as many as there are threads ahead of the
-    one yielded; in the caller's thread where there is one. An exception of a task is raised
+    one yielded; in the caller's thread where count() is 1. An exception of a task is raised
     where its result would be yielded; closing the generator cancels those not begun."""
     if count() < 2:
         yield from (task() for task in tasks)

@@ -13,7 +13,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define K_MIN (-324) /* the powers of ten table: 10^-k for k in [K_MIN, K_MAX] */
+#define K_MIN (-324) /* the first k of the table of powers of ten 10^-k (to 292) */
 #define MASK_63 0x7fffffffffffffffull
 
 /* floor(q log10 2), floor(q log10 (3/4 2)), floor(e log2 10), for the exponents of float64 */
@@ -158,34 +158,29 @@ static inline char *put_float(char *o, double v, int single, const uint64_t *pow
         memcpy(o, "0.0", 3);
         return o + 3;
     }
+    uint64_t t, bq;  /* the trailing significand and the biased exponent */
+    int significand, bias;
     if (single) {
         float w = (float)v;
         uint32_t bits;
         memcpy(&bits, &w, 4);
-        uint64_t t = bits & 0x7fffff, bq = (bits >> 23) & 0xff;
-        if (bq) to_decimal((int64_t)bq - 150, t | (1u << 23), 1u << 23, -149, powers, &f, &e);
-        else to_decimal(-149, t, 1u << 23, -149, powers, &f, &e);
+        significand = 23, bias = 150, t = bits & 0x7fffff, bq = (bits >> 23) & 0xff;
     } else {
         uint64_t bits;
         memcpy(&bits, &v, 8);
-        uint64_t t = bits & ((1ull << 52) - 1), bq = (bits >> 52) & 0x7ff;
-        if (bq) to_decimal((int64_t)bq - 1075, t | (1ull << 52), 1ull << 52, -1074, powers, &f,
-                           &e);
-        else to_decimal(-1074, t, 1ull << 52, -1074, powers, &f, &e);
+        significand = 52, bias = 1075, t = bits & ((1ull << 52) - 1), bq = bits >> 52 & 0x7ff;
     }
+    uint64_t c_min = 1ull << significand;
+    int64_t q_min = 1 - bias;  /* a subnormal's exponent, and the smallest normal's */
+    to_decimal(bq ? (int64_t)bq - bias : q_min, bq ? t | c_min : t, c_min, q_min, powers, &f, &e);
     return put_decimal(o, f, e);
 }
 
-/* The decimal digits of v (|v| < 2^63) at o; the end of them. */
+/* The decimal digits of v (|v| < 10^18: segcli.io.text writes no integer of 2^53 or more) at
+   o; the end of them. */
 static inline char *put_integer(char *o, int64_t v) {
     uint64_t u = v < 0 ? 0 - (uint64_t)v : (uint64_t)v;
     if (v < 0) *o++ = '-';
-    if (u >= 1000000000000000000ull) {  /* 19 digits: the first, then 18 */
-        *o++ = (char)('0' + u / 1000000000000000000ull);
-        u %= 1000000000000000000ull;
-        uint64_t hi = u / 100000000;
-        put8(o, (uint32_t)(hi / 100000000) * 0 + (uint32_t)0);
-    }
     return o + put_digits(o, u);
 }
 

@@ -84,9 +84,8 @@ def lines(fmt, columns):
     step = max(1, _BLOCK_CELLS // len(is_int))
     if _native_text() is not None:  # blocks made by the threads, side by side
         ints = [a.astype(np.int64, copy=False) for a in flat if a.dtype.kind in "iu"]
-        with np.errstate(invalid="ignore"):  # a signalling NaN stays a NaN
-            floats = [a.astype(np.float64, copy=False) if a.dtype in _NATIVE_FLOATS
-                      else _float64(a) for a in flat if a.dtype.kind == "f"]
+        floats = [_widened(a) if a.dtype in _NATIVE_FLOATS else _float64(a)
+                  for a in flat if a.dtype.kind == "f"]
         kind = np.concatenate([np.full(a.shape[1], 1 if a.dtype.kind in "iu" else
                                        2 if a.dtype == np.float32 else 0, np.uint8)
                                for a in flat])
@@ -125,12 +124,17 @@ def _float64(array):
     as (what repr of them then writes)."""
     if array.dtype.kind != "f" or array.dtype.itemsize == 8:
         return array.astype(np.float64, copy=False)
-    with np.errstate(invalid="ignore"):  # a signalling NaN stays a NaN
-        out = array.astype(np.float64)
+    out = _widened(array)
     finite = np.isfinite(array)
     text = orjson.dumps(np.ascontiguousarray(array[finite]), option=orjson.OPT_SERIALIZE_NUMPY)
     out[finite] = orjson.loads(text)
     return out
+
+
+def _widened(array):
+    """The floats `array` as float64, exactly (a signalling NaN a NaN, with no warning)."""
+    with np.errstate(invalid="ignore"):
+        return array.astype(np.float64, copy=False)
 
 
 def _csv_literals(shapes):
