@@ -19,6 +19,7 @@ from click.testing import CliRunner
 from segcli.cli import main
 from segcli.errors import DataError
 from segcli.io import open_batch, reads
+from segcli.io.asedb import PAGE_ROWS, rows
 from segcli.io.formats import FORMATS
 
 DATABASES = ["aselmdb", "db", "json"]
@@ -266,3 +267,22 @@ def test_info_describes_every_format(tmp_path, extxyz, batch_h5, frames):
         result = run("info", files[fmt.name])
         assert result.exit_code == 0, (fmt.name, result.output)
         assert result.stdout.splitlines()[0] == f"{files[fmt.name]}: {fmt.description}"
+
+
+@pytest.mark.parametrize("kind", ["db", "json"])
+def test_rows_of_a_database_with_gaps_in_id_order(tmp_path, kind):
+    """Rows of every slice, in id order, where deleted rows left gaps of one id and of more
+    than a page of ids (SQLite's pages are ranges of ids)."""
+    path = tmp_path / f"gaps.{kind}"
+    with ase.db.connect(path, type=kind) as db:
+        for i in range(2 * PAGE_ROWS + 60):
+            db.write(Atoms("H" * (i % 4)), step=i)
+    gone = [*range(20, 40, 3), *range(50, 50 + PAGE_ROWS + 30), 2 * PAGE_ROWS + 59]
+    ase.db.connect(path, type=kind).delete([i + 1 for i in gone])
+    ids = sorted(row.id for row in ase.db.connect(path, type=kind).select())
+    assert len(ids) == 2 * PAGE_ROWS + 60 - len(gone)
+    for start, stop in [(0, None), (0, 5), (3, 40), (25, 26), (30, 31), (31, None),
+                        (len(ids) - 1, None), (len(ids), None), (10, 10 ** 6)]:
+        got = [row.id for row in rows(path, kind, start, stop)]
+        assert got == ids[start:stop], (start, stop)
+        assert [row.step for row in rows(path, kind, start, stop)] == [i - 1 for i in got]

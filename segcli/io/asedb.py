@@ -80,11 +80,13 @@ class DatabaseBatch(StreamedBatch):
 
 def rows(path, kind, start, stop):
     """Rows `start` to `stop` (None: the end) of the database `path` of type `kind`, in id
-    order, at most PAGE_ROWS in memory and no transaction or connection held between rows (the
-    consumer may be another thread): an LMDB database's fetched one by one by id (it knows them
-    all), other databases' a page at a time over one connection (ASE's SQLite backend
-    otherwise connects again for each row: 2.2 times slower), each page selected by id from
-    where the last one ended."""
+    order, no transaction or connection held between rows (the consumer may be another
+    thread). An LMDB database's are fetched one by one by id (it knows them all); a JSON
+    database's in the order of its ids (ascending as ASE writes them) from one select, as ASE
+    decodes the whole file for any select; an SQLite database's a page at a time over one
+    connection (ASE's SQLite backend otherwise connects again for each row: 2.2 times
+    slower), each page the rows among the next PAGE_ROWS ids, sorted here: for ASE's
+    sort="id", SQLite would sort all the rows left, for each page."""
     db = connect(path, kind)
     stop = db.count() if stop is None else min(stop, db.count())
     if kind == "aselmdb":
@@ -93,13 +95,27 @@ def rows(path, kind, start, stop):
         finally:
             db.close()
         return
-    selection, offset = None, start
+    if kind == "json":
+        yield from (row for _, row in zip(range(stop - start), db.select(offset=start)))
+        return
+    with db:
+        last = 0 if start == 0 else _nth_row(db, start - 1).id
     while start < stop:
         with db:  # one connection for the page's queries, closed before its rows go on
-            page = list(db.select(selection, offset=offset, limit=min(PAGE_ROWS, stop - start),
-                                  sort="id"))
-        if not page:
-            return
+            page = sorted(db.select(f"id>{last},id<={last + PAGE_ROWS}"), key=_row_id)
+            if not page:  # a gap of PAGE_ROWS ids or more: the next row
+                page = [_nth_row(db, 0, f"id>{last}")]
+        page = page[:stop - start]
         yield from page
         start += len(page)
-        selection, offset = f"id>{page[-1].id}", 0
+        last = page[-1].id
+
+
+def _row_id(row):
+    return row.id
+
+
+def _nth_row(db, n, selection=None):
+    """Row `n` in id order of those `selection` selects (ASE's sort="id" orders by `id IS
+    NULL` first, which makes SQLite sort every selected row: once a database, or a gap)."""
+    return next(iter(db.select(selection, offset=n, limit=1, sort="id")))
