@@ -10,9 +10,11 @@ installation has it.
 
     python benchmarks/cluster.py [--workers 2] [--atoms 10000000] [--runs 3] [--dir /tmp]
                                  [--device cpu|gpu] [--compression gzip] [--gpus]
-                                 [--jobs reduce,stats]
+                                 [--jobs reduce,stats] [--before-checkout DIR]
 
-Prints a Markdown table: median wall time, speed-up over one process and its share of the
+With --before-checkout, each job also runs in one process and on `--scheduler local:K` from
+the segcli of another checkout (DIR on PYTHONPATH), in the same turns. Prints a Markdown
+table: median wall time, speed-up over one process and its share of the
 ideal K×, and the peak RSS of each process (the client, and each shard process or worker).
 """
 
@@ -112,6 +114,8 @@ def main():
                         help="only the bare reads and the running cluster")
     parser.add_argument("--jobs", default="reduce,stats",
                         help="the commands to run, of reduce and stats")
+    parser.add_argument("--before-checkout", metavar="DIR",
+                        help="also run one process and local:K from this checkout's segcli")
     parser.add_argument("-v", "--verbose", action="store_true", help="each run's time on stderr")
     args = parser.parse_args()
     from distributed import Client, LocalCluster
@@ -206,6 +210,13 @@ def main():
                 cases.append((f"{job}: --scheduler ADDRESS (running cluster), first half", job,
                               [base + ["-o", out, "--scheduler", address,
                                        "--structures", f":{structures // 2}"]]))
+            if args.before_checkout:
+                before = ["env", "PYTHONPATH=" + os.pathsep.join(
+                    [os.path.abspath(args.before_checkout), os.environ.get("PYTHONPATH", "")])]
+                cases += [(f"{job}: 1 process, {args.before_checkout}", job,
+                           [before + base + ["-o", out]]),
+                          (f"{job}: --scheduler {local}, {args.before_checkout}", job,
+                           [before + base + ["-o", out, "--scheduler", local]])]
         # warm the running cluster's workers (imports, Warp kernels, compilation) and time it
         first = {}
         for job, (base, _) in jobs.items():

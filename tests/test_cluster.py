@@ -53,6 +53,17 @@ def test_stats_on_a_cluster_equal_one_pass_and_numpy(tmp_path, dask_cluster):
     assert_rows_match(local["stats"], reference_rows("forces", data["forces"][first:]))
 
 
+def test_an_unreachable_scheduler_is_one_line(tmp_path):
+    import dask
+
+    path = write_batch(tmp_path / "f.h5", [2] * 4, {"forces": np.ones((8, 3))})
+    with dask.config.set({"distributed.comm.timeouts.connect": "1s"}):
+        result = run("stats", path, "forces", "--scheduler", "tcp://127.0.0.1:9")
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.stderr.startswith("Error: the dask scheduler at tcp://127.0.0.1:9 cannot be "
+                                    "reached"), result.stderr
+
+
 def test_workers_read_the_format_forced_on_the_inputs(tmp_path, dask_cluster):
     """--format travels with the inputs' layout to each worker, which opens its files so."""
     _, frames = poscars(tmp_path)
