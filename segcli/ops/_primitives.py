@@ -63,12 +63,12 @@ def _known_sorted(offsets, indices_are_sorted):
 
 def _reduce(name, a, b, idx, layout, shape, dtype, gpu, known_sorted, vector=()):
     """Reduction kernel `name` of rows a (N, ·) and b into (M, P) = `shape` elements of `dtype`
-    (each of shape `vector` for the vec3 kernels), over max(M, stride) × P threads: a segment
-    per thread for ordered ids (each writing its own result, so the output is filled first
-    only where the order is found at run time), else atomics into zeros; `layout` is
-    `_layout`'s."""
+    (each of shape `vector` for the vec3 kernels), over M × P threads where the ids are known
+    sorted, else max(M, stride) × P: a segment per thread for ordered ids (each writing its
+    own result, so the output is filled first only where the order is found at run time),
+    else atomics into zeros; `layout` is `_layout`'s."""
     threads = stride(gpu, idx.shape[0])
-    dims = (max(shape[0], threads), *shape[1:])
+    dims = (shape[0] if known_sorted else max(shape[0], threads), *shape[1:])
     args = (name, a, b, idx, *layout, threads)
     if known_sorted:
         return launch(*args, dims=dims, out=shape, dtype=a.dtype)
@@ -617,10 +617,12 @@ def _bincount(labels, idx, offsets, *, num_segments, indices_are_sorted, length,
     shape = (num_segments, length)
     if _empty(shape, labels):
         return jnp.zeros(shape, jnp.int32)
+    known_sorted = _known_sorted(offsets, indices_are_sorted)
     offsets, ordered = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
     threads = stride(gpu, idx.shape[0])
     return launch("bincount", labels, idx, offsets, ordered, threads, jnp.zeros(shape, jnp.int32),
-                  dims=(max(num_segments, threads),), in_out=("out",))
+                  dims=(num_segments if known_sorted else max(num_segments, threads),),
+                  in_out=("out",))
 
 
 bincount_p = _integral(_Rule(
