@@ -19,7 +19,9 @@ the bytes the call must move (its arguments read once, its result written once) 
 a large elementwise copy measured on the same device. Each dtype's first row, "(a pass)", is
 no op: a jitted elementwise pass over one (N, 3) field (read once, written once), timed as the
 cells are and shown in the segcli column; its ratio to its floor is what any call that moves
-as many bytes pays beyond them (its launch, the gaps between the calls of a burst).
+as many bytes pays beyond them (its launch, the gaps between the calls of a burst). "= jax" in
+the last column marks a cell whose segcli function XLA compiles to the same program as the
+pure-JAX one (their times then differ by the measurement's noise alone).
 """
 
 import argparse
@@ -28,6 +30,7 @@ import importlib
 import inspect
 import os
 import platform
+import re
 import statistics
 import time
 
@@ -181,6 +184,20 @@ def offsets_of(idx, m):
     return jnp.asarray(np.searchsorted(np.asarray(idx), np.arange(m + 1)).astype(np.int32))
 
 
+def compiled_program(fn, args):
+    """The optimised program XLA compiles for fn(*args), without its source locations."""
+    text = fn.lower(*args).compile().as_text()
+    body = text[re.search(r"^(%|ENTRY)", text, re.MULTILINE).start():]
+    return re.sub(r", metadata=\{[^}]*\}", "", body)
+
+
+def same_program(fns, args):
+    """Whether segcli's function and the pure-JAX one compile to the same program (as the
+    second order of a linear op does: zeros), so that their times differ by noise alone."""
+    return "jax" in fns and compiled_program(fns["segcli"], args) == compiled_program(
+        fns["jax"], args)
+
+
 def run(atoms, dtypes, repeats, ops, layout="ids", modes=MODES, impl_names=None):
     impls = implementations(*([impl_names] if impl_names else []))
     rows = []
@@ -190,7 +207,8 @@ def run(atoms, dtypes, repeats, ops, layout="ids", modes=MODES, impl_names=None)
         rate = copy_rate(dtype, repeats)
         field = jnp.asarray(rng.normal(size=(atoms, 3)), dtype)
         rows.append(("(a pass)", dtype, "fwd", 2 * field.nbytes / rate,
-                     median_seconds({"segcli": jax.jit(lambda a: a * 1.5)}, (field,), repeats)))
+                     median_seconds({"segcli": jax.jit(lambda a: a * 1.5)}, (field,), repeats),
+                     False))
         for name in ops:
             op = OPS[name]
             data = arguments(op, rng, atoms, m, dtype)
@@ -200,7 +218,8 @@ def run(atoms, dtypes, repeats, ops, layout="ids", modes=MODES, impl_names=None)
                 fns = {impl: f[mode] for impl, f in per_impl.items() if mode in f}
                 if fns:
                     floor = floor_bytes(fns["segcli"], args, mode, layout) / rate
-                    rows.append((name, dtype, mode, floor, median_seconds(fns, args, repeats)))
+                    rows.append((name, dtype, mode, floor, median_seconds(fns, args, repeats),
+                                 same_program(fns, args)))
     return rows, list(impls), m
 
 
@@ -210,16 +229,16 @@ def fmt(t):
 
 def table(rows, impl_names):
     head = ("| op | dtype | mode | floor µs | " + " | ".join(f"{n} µs" for n in impl_names)
-            + " | jax / segcli | segcli / floor |")
-    lines = [head, "|" + " --- |" * (len(impl_names) + 6)]
-    for op, dtype, mode, floor, times in rows:
+            + " | jax / segcli | segcli / floor | program |")
+    lines = [head, "|" + " --- |" * (len(impl_names) + 7)]
+    for op, dtype, mode, floor, times, same in rows:
         cells = [fmt(times.get(n, "—")) for n in impl_names]
         ours, theirs = times["segcli"], times.get("jax")
         ratio = (f"{theirs[1] / ours[1]:.2f}"
                  if isinstance(theirs, tuple) and isinstance(ours, tuple) else "—")
         over = f"{ours[1] / floor:.1f}" if isinstance(ours, tuple) else "—"
         lines.append(f"| {op} | {dtype} | {mode} | {floor * 1e6:.0f} | " + " | ".join(cells)
-                     + f" | {ratio} | {over} |")
+                     + f" | {ratio} | {over} | {'= jax' if same else ''} |")
     return "\n".join(lines)
 
 
