@@ -9,7 +9,9 @@ Shapes (rows first, then a group axis G that vmap folds into, then features):
     sum         x (N, K)                     -> (M, K)          out[s] = Σ_{idx[i]=s} x[i]
     mean        x (N, K), w (M, 1)           -> (M, K)          out[s] = Σ_{idx[i]=s} x[i] w[s]
                                                                 (w = 1/count: no partial sum
-                                                                exceeds the largest |x|)
+                                                                exceeds the largest |x|; on the
+                                                                ordered path 1/count from the
+                                                                offsets, w not read)
     rms_norm    x (N, G, K)                  -> (M, G)          out[s,g] = sqrt(Σ_{idx[i]=s}
                                                                 |x[i,g]|² / count), a segment
                                                                 whose squares overflow or
@@ -192,15 +194,23 @@ def _layout_serial_kernel(idx: wp.array(dtype=wp.int32), out: wp.array(dtype=wp.
         s += 1
 
 
-def _segment_reduction(term, pairs=False):
+def _segment_reduction(term, pairs=False, mean=False):
     """A kernel adding term(a, b, out, i, s, p) over the rows i of each segment s into
-    out[s, p].
+    out[s, p]; with `mean`, each term times 1/count of its segment (b[s, 0] on the atomic
+    path, where b holds those weights; on the ordered path the same quotient, taken from
+    the segment's range, and b not read).
 
     Launched over (max(M, stride), P) threads: with ordered ids, thread (s, p) adds its
     segment's rows in index order (bitwise repeatable; with `pairs`, the even and the odd rows
     apart, then the two sums: two chains of additions, which a CPU runs at once); otherwise
     threads t < stride walk the rows t, t + stride, ... and add atomically into a
     zero-initialised `out`."""
+
+    @wp.func
+    def weighted(v: Any, w: Any):
+        if wp.static(mean):
+            return v * w
+        return v
 
     def kernel(
         a: wp.array2d(dtype=Any),
@@ -217,26 +227,32 @@ def _segment_reduction(term, pairs=False):
         if ordered[0] != 0:
             if t < m:
                 lo, hi = _segment_range(offsets, t, n)
+                w = b.dtype(1.0)
+                if wp.static(mean):
+                    w = b.dtype(1.0) / b.dtype(wp.max(hi - lo, 1))
                 acc = out.dtype(0)
                 if wp.static(pairs):
                     other = out.dtype(0)
                     i = lo
                     while i + 1 < hi:
-                        acc += term(a, b, out, i, t, p)
-                        other += term(a, b, out, i + 1, t, p)
+                        acc += weighted(term(a, b, out, i, t, p), w)
+                        other += weighted(term(a, b, out, i + 1, t, p), w)
                         i += 2
                     if i < hi:
-                        acc += term(a, b, out, i, t, p)
+                        acc += weighted(term(a, b, out, i, t, p), w)
                     acc += other
                 else:
                     for i in range(lo, hi):
-                        acc += term(a, b, out, i, t, p)
+                        acc += weighted(term(a, b, out, i, t, p), w)
                 out[t, p] = acc
         elif t < stride:
             for i in range(t, n, stride):
                 s = idx[i]
                 if s >= 0 and s < m:
-                    wp.atomic_add(out, s, p, term(a, b, out, i, s, p))
+                    term_i = term(a, b, out, i, s, p)
+                    if wp.static(mean):
+                        term_i = term_i * b[s, 0]
+                    wp.atomic_add(out, s, p, term_i)
 
     return kernel
 
@@ -251,14 +267,6 @@ def _one(a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any), out: wp.array2d(dty
 def _entry(a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any), out: wp.array2d(dtype=Any), i: int,
            s: int, p: int):
     return a[i, p]
-
-
-@wp.func
-def _weighted_entry(a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any),
-                    out: wp.array2d(dtype=Any), i: int, s: int, p: int):
-    # a[i, p] times its segment's weight b[s, 0] (mean: 1/count, so no partial sum exceeds
-    # the largest |a|)
-    return a[i, p] * b[s, 0]
 
 
 @wp.func
@@ -286,10 +294,12 @@ def _vector_dot(a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any), out: wp.arra
 
 # The reductions; sum3, mean3 and dot3 (CPUs only) read rows of vec3 (one per thread), in
 # pairs, which CPUs run faster.
+# mean: each entry times 1/count, so that no partial sum exceeds the largest |a|.
 for _name, _term in (("count", _one), ("sum", _entry), ("sum3", _entry), ("outer", _outer_entry),
-                     ("dot3", _vector_dot), ("mean", _weighted_entry),
-                     ("mean3", _weighted_entry), ("sum_squares", _squared_entry)):
-    _deferred(_segment_reduction(_term, pairs=_name.endswith("3")), _name)
+                     ("dot3", _vector_dot), ("mean", _entry), ("mean3", _entry),
+                     ("sum_squares", _squared_entry)):
+    _deferred(_segment_reduction(_term, pairs=_name.endswith("3"),
+                                 mean=_name.startswith("mean")), _name)
 
 
 def _over_features(step):

@@ -279,8 +279,10 @@ def _mean(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
         return jnp.zeros(shape, x.dtype)
     layout = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
     known_sorted = _known_sorted(offsets, indices_are_sorted)
-    counts = _row_counts(idx, layout, known_sorted, gpu)
-    weights = (1 / jnp.maximum(counts, 1).astype(x.dtype))[:, None]
+    # The kernel weighs each row by 1/count: taken from the offsets on the ordered path, from
+    # `weights` on the atomic one, which ids known sorted never take (x stands in, unread).
+    weights = x if known_sorted else (
+        1 / jnp.maximum(_row_counts(idx, layout, False, gpu), 1).astype(x.dtype))[:, None]
     return _reduce_rows("mean", x, weights, idx, layout, num_segments, gpu, known_sorted)
 
 
