@@ -97,7 +97,10 @@ class _Rule:
     output shape(*operand avals, num_segments, **params), its output dtype (None: the first
     operand's), its `arity` float operands that are differentiated and batched by folding, and
     if linear `transposes[j]`, mapping a cotangent, the other float operands, the ids and the
-    parameters to operand j's cotangent."""
+    parameters to operand j's cotangent. With `batch_first`, a batched output has its batch
+    axis first (else second, where folding leaves it): that of the JVP built of other
+    primitives that segcli.ops gives it, as JAX takes a custom JVP's primal batch axes for
+    its JVP's outputs under jit."""
 
     name: str
     impl: object
@@ -105,6 +108,7 @@ class _Rule:
     arity: int = 0
     dtype: object = None
     transposes: tuple = ()
+    batch_first: bool = False
 
 
 def _fold_batch(args, dims, arity):
@@ -168,7 +172,8 @@ def _register(rule):
         if any(d is not None for d in dims[rule.arity:]):
             return _loop_batch(prim, args, dims, params)
         folded, size = _fold_batch(args, dims, rule.arity)
-        return _unfold(prim.bind(*folded, *args[rule.arity:], **params), size), 1
+        out = _unfold(prim.bind(*folded, *args[rule.arity:], **params), size)
+        return (jnp.moveaxis(out, 1, 0), 0) if rule.batch_first else (out, 1)
 
     prim.def_abstract_eval(abstract)
     batching.primitive_batchers[prim] = batch
@@ -590,7 +595,7 @@ def _max_norm(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
 
 max_norm_p = _register(_Rule(
     "max_norm", _max_norm, lambda x, idx, offsets, *, num_segments, **_: (num_segments, x.shape[1]),
-    1))
+    1, batch_first=True))
 """max_i |x[i, g]| over each segment and group of x (N, G, K), 0 for an empty segment: the
 norms of the rows `extreme` (kind "max_norm") chooses, or on GPUs in float32 the norms its
 packed search compared. No derivative rule of its own (segcli.ops gives it one)."""
