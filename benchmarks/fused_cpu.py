@@ -47,46 +47,30 @@ def _mean3(x: wp.array3d(dtype=wp.float64), lo: int, hi: int, mean: wp.array2d(d
     mean[s, 2] = c
 
 
-@wp.kernel
-def rms_norm(x: wp.array3d(dtype=wp.float64), offsets: wp.array(dtype=wp.int32),
-             out: wp.array(dtype=wp.float64), first: wp.array(dtype=wp.int32),
-             mean: wp.array2d(dtype=wp.float64)):
-    s = wp.tid()
-    lo, hi = K._segment_range(offsets, s, x.shape[0])
-    if lo < hi:
-        out[s] = K._segment_rms_norm(x, lo, hi, 0)
+def segment_kernel(name, rms=False, search=False, average=False):
+    """A kernel over segments (a thread each) computing the parts named: rms_norm into out,
+    max_norm's search into first, mean into mean."""
+
+    def kernel(x: wp.array3d(dtype=wp.float64), offsets: wp.array(dtype=wp.int32),
+               out: wp.array(dtype=wp.float64), first: wp.array(dtype=wp.int32),
+               mean: wp.array2d(dtype=wp.float64)):
+        s = wp.tid()
+        lo, hi = K._segment_range(offsets, s, x.shape[0])
+        if lo < hi:
+            if wp.static(rms):
+                out[s] = K._segment_rms_norm(x, lo, hi, 0)
+            if wp.static(search):
+                first[s] = _first_of_largest(x, lo, hi, 0)
+            if wp.static(average):
+                _mean3(x, lo, hi, mean, s)
+
+    kernel.__name__ = kernel.__qualname__ = name
+    return wp.kernel(kernel)
 
 
-@wp.kernel
-def max_norm(x: wp.array3d(dtype=wp.float64), offsets: wp.array(dtype=wp.int32),
-             out: wp.array(dtype=wp.float64), first: wp.array(dtype=wp.int32),
-             mean: wp.array2d(dtype=wp.float64)):
-    s = wp.tid()
-    lo, hi = K._segment_range(offsets, s, x.shape[0])
-    if lo < hi:
-        first[s] = _first_of_largest(x, lo, hi, 0)
-
-
-@wp.kernel
-def mean(x: wp.array3d(dtype=wp.float64), offsets: wp.array(dtype=wp.int32),
-         out: wp.array(dtype=wp.float64), first: wp.array(dtype=wp.int32),
-         mean: wp.array2d(dtype=wp.float64)):
-    s = wp.tid()
-    lo, hi = K._segment_range(offsets, s, x.shape[0])
-    if lo < hi:
-        _mean3(x, lo, hi, mean, s)
-
-
-@wp.kernel
-def all_three(x: wp.array3d(dtype=wp.float64), offsets: wp.array(dtype=wp.int32),
-              out: wp.array(dtype=wp.float64), first: wp.array(dtype=wp.int32),
-              mean: wp.array2d(dtype=wp.float64)):
-    s = wp.tid()
-    lo, hi = K._segment_range(offsets, s, x.shape[0])
-    if lo < hi:
-        out[s] = K._segment_rms_norm(x, lo, hi, 0)
-        first[s] = _first_of_largest(x, lo, hi, 0)
-        _mean3(x, lo, hi, mean, s)
+KERNELS = [segment_kernel("rms_norm", rms=True), segment_kernel("max_norm", search=True),
+           segment_kernel("mean", average=True),
+           segment_kernel("all_three", rms=True, search=True, average=True)]
 
 
 def median_ms(call, repeats):
@@ -118,7 +102,7 @@ def main():
     flat = x.reshape(-1)
     print(f"{args.rows} rows of 3 float64 ({x.nbytes / 2**20:.0f} MiB), {m} segments; median "
           f"ms of {args.repeats}\n\n| kernel | ms |\n| --- | ---: |")
-    for kernel in (rms_norm, max_norm, mean, all_three):
+    for kernel in KERNELS:
         ms = median_ms(lambda k=kernel: wp.launch(k, dim=m, inputs=arrays, device="cpu"),
                        args.repeats)
         print(f"| {kernel.key} | {ms:.2f} |")
