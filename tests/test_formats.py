@@ -282,7 +282,8 @@ def test_rows_of_a_database_with_gaps_in_id_order(tmp_path, kind):
     ids = sorted(row.id for row in ase.db.connect(path, type=kind).select())
     assert len(ids) == 2 * PAGE_ROWS + 60 - len(gone)
     for start, stop in [(0, None), (0, 5), (3, 40), (25, 26), (30, 31), (31, None),
-                        (len(ids) - 1, None), (len(ids), None), (10, 10 ** 6)]:
+                        (len(ids) - 1, None), (len(ids), None), (len(ids) + 5, None),
+                        (10, 10 ** 6)]:
         got = [row.id for row in rows(path, kind, start, stop)]
         assert got == ids[start:stop], (start, stop)
         assert [row.step for row in rows(path, kind, start, stop)] == [i - 1 for i in got]

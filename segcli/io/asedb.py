@@ -98,6 +98,8 @@ def rows(path, kind, start, stop):
     if kind == "json":
         yield from (row for _, row in zip(range(stop - start), db.select(offset=start)))
         return
+    if start >= stop:
+        return
     with db:
         last = 0 if start == 0 else _nth_row(db, start - 1).id
     while start < stop:
