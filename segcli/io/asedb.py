@@ -1,6 +1,8 @@
 """ASE databases (SQLite `.db`, JSON, and LMDB `.aselmdb` as OMat24 and OMol25 ship them) read
 row by row, never all at once."""
 
+import operator
+
 import numpy as np
 
 from segcli.errors import DataError
@@ -89,6 +91,8 @@ def rows(path, kind, start, stop):
     sort="id", SQLite would sort all the rows left, for each page."""
     db = connect(path, kind)
     stop = db.count() if stop is None else min(stop, db.count())
+    if start >= stop:
+        return
     if kind == "aselmdb":
         try:
             yield from (db.get(i) for i in db.ids[start:stop])
@@ -96,25 +100,20 @@ def rows(path, kind, start, stop):
             db.close()
         return
     if kind == "json":
-        yield from (row for _, row in zip(range(stop - start), db.select(offset=start)))
-        return
-    if start >= stop:
+        yield from db.select(offset=start, limit=stop - start)
         return
     with db:
         last = 0 if start == 0 else _nth_row(db, start - 1).id
     while start < stop:
         with db:  # one connection for the page's queries, closed before its rows go on
-            page = sorted(db.select(f"id>{last},id<={last + PAGE_ROWS}"), key=_row_id)
+            page = sorted(db.select(f"id>{last},id<={last + PAGE_ROWS}"),
+                          key=operator.attrgetter("id"))
             if not page:  # a gap of PAGE_ROWS ids or more: the next row
                 page = [_nth_row(db, 0, f"id>{last}")]
         page = page[:stop - start]
         yield from page
         start += len(page)
         last = page[-1].id
-
-
-def _row_id(row):
-    return row.id
 
 
 def _nth_row(db, n, selection=None):

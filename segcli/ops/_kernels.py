@@ -249,10 +249,10 @@ def _segment_reduction(term, pairs=False, mean=False):
             for i in range(t, n, stride):
                 s = idx[i]
                 if s >= 0 and s < m:
-                    term_i = term(a, b, out, i, s, p)
+                    w = b.dtype(1.0)
                     if wp.static(mean):
-                        term_i = term_i * b[s, 0]
-                    wp.atomic_add(out, s, p, term_i)
+                        w = b[s, 0]
+                    wp.atomic_add(out, s, p, weighted(term(a, b, out, i, s, p), w))
 
     return kernel
 

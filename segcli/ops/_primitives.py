@@ -68,12 +68,18 @@ def _reduce(name, a, b, idx, layout, shape, dtype, gpu, known_sorted, vector=())
     own result, so the output is filled first only where the order is found at run time),
     else atomics into zeros; `layout` is `_layout`'s."""
     threads = stride(gpu, idx.shape[0])
-    dims = (shape[0] if known_sorted else max(shape[0], threads), *shape[1:])
+    dims = (_segment_threads(shape[0], threads, known_sorted), *shape[1:])
     args = (name, a, b, idx, *layout, threads)
     if known_sorted:
         return launch(*args, dims=dims, out=shape, dtype=a.dtype)
     zeros = jnp.zeros((*shape, *vector), dtype)
     return launch(*args, zeros, dims=dims, in_out=("out",), dtype=a.dtype)
+
+
+def _segment_threads(m, stride_threads, known_sorted):
+    """Threads of a reduction over m segments: one a segment where the ids are known sorted,
+    else also the fallback's `stride_threads` (see _kernels.stride) where they are more."""
+    return m if known_sorted else max(m, stride_threads)
 
 
 def _row_counts(idx, layout, known_sorted, gpu):
@@ -628,7 +634,7 @@ def _bincount(labels, idx, offsets, *, num_segments, indices_are_sorted, length,
     offsets, ordered = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
     threads = stride(gpu, idx.shape[0])
     return launch("bincount", labels, idx, offsets, ordered, threads, jnp.zeros(shape, jnp.int32),
-                  dims=(num_segments if known_sorted else max(num_segments, threads),),
+                  dims=(_segment_threads(num_segments, threads, known_sorted),),
                   in_out=("out",))
 
 
