@@ -690,3 +690,54 @@ def test_segments_built_from_counts_and_their_edge_cases():
         ops.segmented_sum(x, ops.Segments(ids, jnp.asarray([0, 3], jnp.int32)), 2)
     with pytest.raises(ValueError, match="Segments.ids has length 6 but x has 5 rows"):
         ops.segmented_sum(x[:5], seg, 2)
+
+
+@pytest.mark.parametrize("gpu_paths", [False, True])
+@pytest.mark.parametrize("features", [1, 3, 5, 33])
+def test_rms_norm_and_dot_over_any_features_and_layout(gpu_paths, features):
+    """rms_norm and dot, and their gradients (which take the scaled dot and the rescale), of
+    rows of 1, 3, 5 and 33 features, whatever lanes a GPU gives a segment (33, more than a
+    warp: a thread walks them all), against NumPy in float64 and finite differences: ids
+    promised sorted, given as a Segments, sorted but not promised, and unsorted; empty
+    segments, ids out of range, and a segment whose squares overflow."""
+    rng = np.random.default_rng(features)
+    n, m = 300, 40
+    ids = np.sort(rng.integers(-1, m + 2, n))
+    ids[ids == 3], ids[ids == 7] = 2, 8  # segments 3 and 7 empty, still sorted
+    x, y = rng.normal(size=(2, n, features))
+    huge = np.where(ids == 5, 1e200, 1.0)[:, None]  # its squares overflow: summed again, scaled
+    kept = (ids >= 0) & (ids < m)
+    want_dot = np.zeros(m)
+    np.add.at(want_dot, ids[kept], np.sum(x * y, axis=1)[kept])
+    want_rms = np.array([np.sqrt(np.mean(np.sum(x[ids == s] ** 2, axis=1))) if np.any(ids == s)
+                         else 0 for s in range(m)]) * np.where(np.arange(m) == 5, 1e200, 1)
+    # d Σ dot² / dx[i] = 2 dot[s] y[i]; d Σ rms / dx[i] = x[i] / (count · rms) of its segment
+    counts = np.bincount(ids[kept], minlength=m)
+    s_of = np.clip(ids, 0, m - 1)
+    want_dot_grad = np.where(kept[:, None], 2 * want_dot[s_of][:, None] * y, 0)
+    want_rms_grad = np.where(kept[:, None], x * huge / (counts[s_of] * want_rms[s_of])[:, None],
+                             0)
+    order = rng.permutation(n)
+    layouts = {"promised": (np.arange(n), ids, {"indices_are_sorted": True}),
+               "segments": (np.arange(n), segments_of(np.clip(ids, -1, m), m), {}),
+               "sorted": (np.arange(n), ids, {}), "unsorted": (order, ids[order], {})}
+    _primitives.lower_cpu_as_gpu(gpu_paths)
+    try:
+        for rows, idx, kw in layouts.values():
+            a, b = jnp.asarray(x[rows]), jnp.asarray(y[rows])
+            big = a * jnp.asarray(huge[rows])
+            assert_close(ops.segmented_rms_norm(big, idx, m, **kw), want_rms, 1e-13)
+            assert_close(ops.segmented_dot(a, b, idx, m, **kw), want_dot, 1e-13)
+            rms_grad = jax.grad(lambda a, idx=idx, kw=kw: jnp.sum(
+                ops.segmented_rms_norm(a, idx, m, **kw)))(big)
+            assert_close(rms_grad, want_rms_grad[rows], 1e-12)
+            dot_grad = jax.grad(lambda a, b=b, idx=idx, kw=kw: jnp.sum(
+                ops.segmented_dot(a, b, idx, m, **kw) ** 2))(a)
+            assert_close(dot_grad, want_dot_grad[rows], 1e-12)
+            loss = lambda a, idx=idx, kw=kw: jnp.sum(ops.segmented_rms_norm(a, idx, m, **kw))
+            direction = jnp.asarray(rng.normal(size=(n, features)))
+            numeric = (loss(a + 1e-6 * direction) - loss(a - 1e-6 * direction)) / 2e-6
+            np.testing.assert_allclose(jnp.vdot(jax.grad(loss)(a), direction), numeric,
+                                       rtol=1e-6)
+    finally:
+        _primitives.lower_cpu_as_gpu(False)

@@ -21,7 +21,9 @@ Shapes (rows first, then a group axis G that vmap folds into, then features):
                                                                 by atomics, and rms_norm_top
                                                                 and rms_norm_rescaled redo the
                                                                 segments that over- or
-                                                                underflowed)
+                                                                underflowed); on GPUs in
+                                                                float64 rms_norm_span, a group
+                                                                of LANES threads per segment
     wide_squares  a (N, G·K) float32         -> (M, G·K, 2)     float64 Σ_{idx[i]=s} a[i,p]², as
                                                                 uint32 pairs (GPUs, ids not
                                                                 promised sorted; then
@@ -35,7 +37,11 @@ Shapes (rows first, then a group axis G that vmap folds into, then features):
                                                                 feature, and reads rows
                                                                 coalesced)
     row_dot     x, y (N, G, K)               -> (N, G)          out[i,g] = <x[i,g], y[i,g]>
-                                                                (dot = sum of row_dot)
+                                                                (dot = sum of row_dot, on CPUs)
+    dot_span    x, y (N·G·K,), w (M, G)      -> (M, G)          out[s,g] = Σ_{idx[i]=s} <x[i,g]
+                                                                · w[s,g], y[i,g]> (GPUs: a group
+                                                                of LANES threads per segment,
+                                                                else atomics)
     max_*, min_*, max_norm_*  x (N, G, K)    -> first (M, G)    the first row i attaining the
                                                                 largest x[i,g,0] (max), smallest
                                                                 (min), largest |x[i,g]|
@@ -544,6 +550,203 @@ def _rms_norm_of_wide_squares_kernel(
             total += sums[s, j]
         out[s, g] = wp.float32(wp.sqrt(total / wp.float64(n)))
 
+
+
+# Segments reduced by a group of LANES consecutive threads on GPUs. The entries of segment s
+# and group g (its rows' features, in order) form a span; lane j of the group adds entries j,
+# j + LANES, ... of it in order, by a loop in C, which the compiler unrolls (4 loads in flight
+# per thread, where a loop in Warp's language keeps one), and a butterfly of shuffles then adds
+# the lanes' sums, the same bits in every lane. With one group (G = 1) the span is contiguous,
+# and a group's loads are of consecutive entries. On CPUs (which run threads one after
+# another) lane 0 does its group's work alone. H200, N = 10⁷, (N, 3), given a Segments
+# (benchmarks/RESULTS.md): dot in 86–89 µs against 119–120 for a product a row and then a
+# thread per segment, float32 (152 against 188, float64); rms_norm float64 in 93–95 against
+# 111–112 for a thread per segment and feature (float32 keeps that: 66 against 78). 4, 16 and
+# 32 lanes, and a loop in Warp's language, ran slower.
+LANES = 8
+
+_LANES_HERE = """
+#if defined(__CUDA_ARCH__)
+    return lanes;
+#else
+    return 1;
+#endif
+"""
+
+_LANE_XOR = """
+#if defined(__CUDA_ARCH__)
+    unsigned int base = (threadIdx.x & 31u) & ~(unsigned int)(lanes - 1);
+    unsigned int mask = lanes >= 32 ? 0xFFFFFFFFu : ((1u << lanes) - 1u) << base;
+    return __shfl_xor_sync(mask, v, offset, lanes);
+#else
+    return v;
+#endif
+"""
+
+# Σ x[e] · f · y[e] over the entries e = lane, lane + lanes, ... of segment rows lo:hi and
+# group g (of `groups`, `k` features each), in order ("float" stands for the dtype: Warp's
+# float() and double() are macros, so no cast is spelled with them)
+_SPAN_SUM = """
+    float acc = 0;
+    const float* p = (const float*)x.data;
+    const float* q = (const float*)y.data;
+    if (groups == 1) {  /* entries lo·k .. hi·k (< 2³¹: Warp's shapes are int) */
+        #pragma unroll 4
+        for (int e = lo * k + lane; e < hi * k; e += lanes) acc += p[e] * f * q[e];
+    } else {
+        for (int e = lane; e < (hi - lo) * k; e += lanes) {
+            const int i = lo + e / k;
+            const int at = (i * groups + g) * k + (e - (i - lo) * k);
+            acc += p[at] * f * q[at];
+        }
+    }
+    return acc;
+"""
+
+
+@wp.func_native(_LANES_HERE)
+def _lanes_here(lanes: int) -> int:
+    """The lanes of a group where the kernel runs: `lanes` on GPUs, 1 on CPUs."""
+    ...
+
+
+@wp.func_native(_LANE_XOR)
+def _lane_xor(v: wp.float32, offset: int, lanes: int) -> wp.float32:
+    """v of lane (this lane XOR offset) of the group (CPUs: one lane, v itself)."""
+    ...
+
+
+@wp.func_native(_LANE_XOR)
+def _lane_xor(v: wp.float64, offset: int, lanes: int) -> wp.float64:  # an overload per dtype
+    ...
+
+
+@wp.func_native(_SPAN_SUM)
+def _span_sum(x: wp.array(dtype=wp.float32), y: wp.array(dtype=wp.float32), lo: int, hi: int,
+              g: int, groups: int, k: int, lane: int, lanes: int, f: wp.float32) -> wp.float32:
+    ...
+
+
+@wp.func_native(_SPAN_SUM.replace("float", "double"))
+def _span_sum(x: wp.array(dtype=wp.float64), y: wp.array(dtype=wp.float64), lo: int, hi: int,
+              g: int, groups: int, k: int, lane: int, lanes: int, f: wp.float64) -> wp.float64:
+    ...
+
+
+@wp.func
+def _lanes_sum(v: Any, lanes: int):
+    # Σ v over the lanes of the group, the same bits in each
+    offset = lanes // 2
+    while offset > 0:
+        v = v + _lane_xor(v, offset, lanes)
+        offset = offset // 2
+    return v
+
+
+@_deferred
+def _rms_norm_span_kernel(
+    x: wp.array3d(dtype=Any),
+    entries: wp.array(dtype=Any),
+    offsets: wp.array(dtype=wp.int32),
+    ordered: wp.array(dtype=wp.int32),
+    lanes: int,
+    out: wp.array2d(dtype=Any),
+):
+    # GPUs, x (N, G, K) and `entries` the same flat, launched (M·G, lanes): group t of lanes
+    # writes out[s, g], the segment's RMS norm (0 if empty, see _rms_of_squares), where the
+    # ids are ordered, else 0 (rms_norm_squares' atomics then take over).
+    t, lane = wp.tid()
+    lanes = _lanes_here(lanes)
+    if lane >= lanes:
+        return
+    groups = out.shape[1]
+    s = t // groups
+    g = t - s * groups
+    norm = x.dtype(0.0)
+    if ordered[0] != 0:
+        lo, hi = _segment_range(offsets, s, x.shape[0])
+        total = _lanes_sum(_span_sum(entries, entries, lo, hi, g, groups, x.shape[2], lane,
+                                     lanes, x.dtype(1.0)), lanes)
+        if lo < hi and lane == 0:
+            norm = _rms_of_squares(x, lo, hi, g, total)
+    if lane == 0:
+        out[s, g] = norm
+
+
+@_deferred
+def _rms_norm_squares_kernel(
+    x: wp.array3d(dtype=Any),
+    idx: wp.array(dtype=wp.int32),
+    ordered: wp.array(dtype=wp.int32),
+    stride: int,
+    out: wp.array2d(dtype=Any),
+):
+    # Ids not ordered (else it returns at once): threads t < stride add each row's |x[i, g]|²
+    # atomically into `out` (zeros).
+    t, g = wp.tid()
+    if ordered[0] == 0:
+        for i in range(t, x.shape[0], stride):
+            s = idx[i]
+            if s >= 0 and s < out.shape[0]:
+                wp.atomic_add(out, s, g, _squared_norm(x, i, g))
+
+
+@_deferred
+def _dot_span_kernel(
+    x: wp.array(dtype=Any),
+    y: wp.array(dtype=Any),
+    w: wp.array2d(dtype=Any),
+    offsets: wp.array(dtype=wp.int32),
+    ordered: wp.array(dtype=wp.int32),
+    k: int,
+    lanes: int,
+    out: wp.array2d(dtype=Any),
+):
+    # GPUs, x and y (N, G, K) flat, launched (M·G, lanes): group t of lanes writes out[s, g] =
+    # Σ <x[i, g] · w[s, g], y[i, g]> over the segment's rows (w[s, g] = 1 where w has no rows;
+    # 0 if empty) where the ids are ordered, else 0 (dot_atomic then adds into it).
+    t, lane = wp.tid()
+    lanes = _lanes_here(lanes)
+    if lane >= lanes:
+        return
+    groups = out.shape[1]
+    s = t // groups
+    g = t - s * groups
+    total = x.dtype(0.0)
+    if ordered[0] != 0:
+        lo, hi = _segment_range(offsets, s, x.shape[0] // (groups * k))
+        factor = x.dtype(1.0)
+        if w.shape[0] > 0:
+            factor = w[s, g]
+        total = _lanes_sum(_span_sum(x, y, lo, hi, g, groups, k, lane, lanes, factor), lanes)
+    if lane == 0:
+        out[s, g] = total
+
+
+@_deferred
+def _dot_atomic_kernel(
+    x: wp.array3d(dtype=Any),
+    y: wp.array3d(dtype=Any),
+    w: wp.array2d(dtype=Any),
+    idx: wp.array(dtype=wp.int32),
+    ordered: wp.array(dtype=wp.int32),
+    stride: int,
+    out: wp.array2d(dtype=Any),
+):
+    # Ids not ordered (else it returns at once): threads t < stride add each row's dot (as
+    # dot_span's, scaled by w) atomically into `out` (zeros where dot_span found them so).
+    t, g = wp.tid()
+    if ordered[0] == 0:
+        for i in range(t, x.shape[0], stride):
+            s = idx[i]
+            if s >= 0 and s < out.shape[0]:
+                factor = x.dtype(1.0)
+                if w.shape[0] > 0:
+                    factor = w[s, g]
+                acc = x.dtype(0.0)
+                for k in range(x.shape[2]):
+                    acc += x[i, g, k] * factor * y[i, g, k]
+                wp.atomic_add(out, s, g, acc)
 
 @wp.func
 def _is_nan(v: wp.float32):

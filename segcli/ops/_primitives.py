@@ -38,7 +38,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from segcli.ops._kernels import PACKED_RUN, PLAIN_SQUARES, launch, stride
+from segcli.ops._kernels import LANES, PACKED_RUN, PLAIN_SQUARES, launch, stride
 
 
 @functools.partial(jax.jit, static_argnames=("num_segments", "indices_are_sorted", "gpu"))
@@ -310,16 +310,27 @@ gather_p = _multilinear(_Rule(
     transposes=(lambda ct, seg, p: sum_p.bind(ct, *seg, **p),)))
 
 
-def _dot(x, y, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
+def _dot(x, y, idx, offsets, *, num_segments, indices_are_sorted, gpu=False, w=None):
     shape = (num_segments, x.shape[1])
     if _empty(shape, x, y):
         return jnp.zeros(shape, x.dtype)
     layout = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
     known_sorted = _known_sorted(offsets, indices_are_sorted)
-    if not gpu and _is_float_vec3(x):
+    if gpu:  # the rows' products summed by lanes per segment (or by atomics)
+        factors = jnp.zeros((0, x.shape[1]), x.dtype) if w is None else w
+        out = launch("dot_span", x.reshape(-1), y.reshape(-1), factors, *layout, x.shape[2],
+                     LANES, dims=(shape[0] * shape[1], LANES), out=shape)
+        if known_sorted:
+            return out
+        return launch("dot_atomic", x, y, factors, idx, layout[1], stride(gpu, idx.shape[0]),
+                      out, dims=(stride(gpu, idx.shape[0]), shape[1]), in_out=("out",))
+    if w is not None:
+        x = _scale(x, w, idx, offsets, num_segments=num_segments,
+                   indices_are_sorted=indices_are_sorted)
+    if _is_float_vec3(x):
         rows = [a.reshape(a.shape[0], 1, 3) for a in (x, y)]
         return _reduce("dot3", *rows, idx, layout, shape, x.dtype, gpu, known_sorted)
-    products = launch("row_dot", x, y, dims=(idx.shape[0],), out=x.shape[:2])  # rows coalesced
+    products = launch("row_dot", x, y, dims=(idx.shape[0],), out=x.shape[:2])
     return _reduce("sum", products, products, idx, layout, shape, x.dtype, gpu, known_sorted)
 
 
@@ -360,7 +371,7 @@ alone could underflow where this does not."""
 
 
 def _scaled_dot(x, y, w, idx, offsets, **params):
-    return _dot(_scale(x, w, idx, offsets, **params), y, idx, offsets, **params)
+    return _dot(x, y, idx, offsets, w=w, **params)
 
 
 scaled_dot_p = _multilinear(_Rule(
@@ -440,18 +451,24 @@ def _rms_norm(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
         return jnp.zeros(shape, x.dtype)
     known_sorted = _known_sorted(offsets, indices_are_sorted)
     layout = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
-    if gpu and x.dtype == jnp.float32 and not known_sorted:
-        return _wide_rms_norm(x, idx, layout, num_segments)
+    if gpu and x.dtype == jnp.float32:
+        if not known_sorted:
+            return _wide_rms_norm(x, idx, layout, num_segments)
+        # Σ x² per segment and feature by a thread each, then a thread per segment and group
+        # adds its K sums (and sums again, scaled, where that overflowed or underflowed): 66 µs
+        # on an H200 at N = 10⁷, where rms_norm_span takes 78 (benchmarks/RESULTS.md)
+        features = _reduce("sum_squares", x.reshape(n, groups * k), x.reshape(n, groups * k),
+                           idx, layout, (num_segments, groups * k), x.dtype, gpu, True)
+        return launch("rms_norm_of_squares", x, *layout, features, dims=shape, out=shape)
     threads = stride(gpu, n)
     zeros = jnp.zeros(shape, x.dtype)
-    if gpu:
-        # Σ x² per segment and feature by a thread each (K times the threads of a thread per
-        # segment and group, which keep too few rows in flight), then a thread per segment and
-        # group adds its K sums (and sums again, scaled, where that overflowed or underflowed).
-        features = _reduce("sum_squares", x.reshape(n, groups * k), x.reshape(n, groups * k),
-                           idx, layout, (num_segments, groups * k), x.dtype, gpu, known_sorted)
-        out = launch("rms_norm_of_squares", x, *layout, features, dims=shape, out=shape)
-        squares = features.reshape(num_segments, groups, k).sum(axis=2)
+    if gpu:  # the norms by lanes per segment where the ids are ordered, else Σ|x|² by atomics
+        out = launch("rms_norm_span", x, x.reshape(-1), *layout, LANES,
+                     dims=(num_segments * groups, LANES), out=shape)
+        if known_sorted:
+            return out
+        squares = launch("rms_norm_squares", x, idx, layout[1], threads, zeros,
+                         dims=(threads, groups), in_out=("out",))
     else:
         squares, out = launch("rms_norm", x, idx, *layout, threads, zeros, zeros,
                               dims=(max(num_segments, threads), groups), in_out=("squares", "out"))
@@ -496,7 +513,7 @@ rms_norm_p = _register(_Rule(
     "rms_norm", _rms_norm,
     lambda x, idx, offsets, *, num_segments, **_: (num_segments, x.shape[1]), 1))
 """sqrt(Σ |x[i, g]|² / count) over each segment and group of x (N, G, K), 0 for an empty
-segment, in one pass over the rows on the ordered path (one kernel on a CPU; on a GPU Σ x²
+segment, in one pass over the rows on the ordered path (one kernel; on a GPU in float32 Σ x²
 per feature, then the norms); finite wherever the true value is. No derivative
 rule of its own (segcli.ops gives it one)."""
 
