@@ -24,6 +24,22 @@ from segcli.ops import _kernels as K
 
 
 @wp.func
+def _segment_rms_norm(x: wp.array3d(dtype=Any), lo: int, hi: int, g: int):
+    # sqrt(Σ |x[i, g]|² / n) over rows lo:hi (n > 0), the even and the odd rows summed apart
+    # (the CPU's rms_norm kernel before rms_norm_span)
+    total = x.dtype(0.0)
+    other = x.dtype(0.0)
+    i = lo
+    while i + 1 < hi:
+        total += K._squared_norm(x, i, g)
+        other += K._squared_norm(x, i + 1, g)
+        i += 2
+    if i < hi:
+        total += K._squared_norm(x, i, g)
+    return K._rms_of_squares(x, lo, hi, g, total + other)
+
+
+@wp.func
 def _no_fallback(x: wp.array3d(dtype=Any), lo: int, hi: int, g: int):
     return lo
 
@@ -58,7 +74,7 @@ def segment_kernel(name, rms=False, search=False, average=False):
         lo, hi = K._segment_range(offsets, s, x.shape[0])
         if lo < hi:
             if wp.static(rms):
-                out[s] = K._segment_rms_norm(x, lo, hi, 0)
+                out[s] = _segment_rms_norm(x, lo, hi, 0)
             if wp.static(search):
                 first[s] = _first_of_largest(x, lo, hi, 0)
             if wp.static(average):

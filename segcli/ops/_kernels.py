@@ -12,18 +12,21 @@ Shapes (rows first, then a group axis G that vmap folds into, then features):
                                                                 exceeds the largest |x|; on the
                                                                 ordered path 1/count from the
                                                                 offsets, w not read)
-    rms_norm    x (N, G, K)                  -> (M, G)          out[s,g] = sqrt(Σ_{idx[i]=s}
-                                                                |x[i,g]|² / count), a segment
+    rms_norm_span  x (N, G, K)               -> (M, G)          out[s,g] = sqrt(Σ_{idx[i]=s}
+                                                                |x[i,g]|² / count) for ordered
+                                                                ids (a group of LANES threads
+                                                                per segment on GPUs), a segment
                                                                 whose squares overflow or
                                                                 underflow summed again scaled
-                                                                by a power of two
-                                                                (ordered ids; otherwise Σ|x|²
-                                                                by atomics, and rms_norm_top
-                                                                and rms_norm_rescaled redo the
+                                                                by a power of two; otherwise
+                                                                rms_norm_squares (Σ|x|² by
+                                                                atomics), and rms_norm_top and
+                                                                rms_norm_rescaled redo the
                                                                 segments that over- or
-                                                                underflowed); on GPUs in
-                                                                float64 rms_norm_span, a group
-                                                                of LANES threads per segment
+                                                                underflowed
+    sum_squares, rms_norm_of_squares            -> (M, G)       the same for float32 on GPUs,
+                                                                ids known sorted: Σ x² per
+                                                                feature, then the norms
     wide_squares  a (N, G·K) float32         -> (M, G·K, 2)     float64 Σ_{idx[i]=s} a[i,p]², as
                                                                 uint32 pairs (GPUs, ids not
                                                                 promised sorted; then
@@ -31,17 +34,15 @@ Shapes (rows first, then a group axis G that vmap folds into, then features):
                                                                 float32 RMS norms (M, G))
     outer       a (N, G·K), b (N, G·L)       -> (M, G·K·L)      out[s,g] = Σ_{idx[i]=s} a[i,g] ⊗
                                                                 b[i,g]
-    sum3, mean3, dot3  rows of vec3 (N, 1)   -> (M, 1)          sum, mean and dot for K = 3, on
-                                                                CPUs (a GPU keeps more rows in
-                                                                flight with a thread per
-                                                                feature, and reads rows
-                                                                coalesced)
-    row_dot     x, y (N, G, K)               -> (N, G)          out[i,g] = <x[i,g], y[i,g]>
-                                                                (dot = sum of row_dot, on CPUs)
+    sum3, mean3  rows of vec3 (N, 1)         -> (M, 1)          sum and mean for K = 3, on CPUs
+                                                                (a GPU keeps more rows in flight
+                                                                with a thread per feature, and
+                                                                reads rows coalesced)
     dot_span    x, y (N·G·K,), w (M, G)      -> (M, G)          out[s,g] = Σ_{idx[i]=s} <x[i,g]
-                                                                · w[s,g], y[i,g]> (GPUs: a group
-                                                                of LANES threads per segment,
-                                                                else atomics)
+                                                                · w[s,g], y[i,g]> for ordered
+                                                                ids (a group of LANES threads
+                                                                per segment on GPUs); otherwise
+                                                                dot_atomic
     max_*, min_*, max_norm_*  x (N, G, K)    -> first (M, G)    the first row i attaining the
                                                                 largest x[i,g,0] (max), smallest
                                                                 (min), largest |x[i,g]|
@@ -62,7 +63,7 @@ Shapes (rows first, then a group axis G that vmap folds into, then features):
                                                                 (@ m[idx[i],g]ᵀ with `transpose`)
     gather3, scale3, matvec3                                    the same for G = 1, K = 3
 
-The reductions (count, sum, mean, outer, sum3, mean3, dot3) come from one factory
+The reductions (count, sum, mean, outer, sum3, mean3, sum_squares) come from one factory
 (`_segment_reduction`) over the term each adds, and the searches for extremes from another
 (`_extreme`) over the key they compare. sum, max and min are made for int32 and int64 as
 well as the float types.
@@ -200,11 +201,12 @@ def _layout_serial_kernel(idx: wp.array(dtype=wp.int32), out: wp.array(dtype=wp.
         s += 1
 
 
-def _segment_reduction(term, pairs=False, mean=False):
+def _segment_reduction(term, pairs=False, mean=False, ordered_path=True):
     """A kernel adding term(a, b, out, i, s, p) over the rows i of each segment s into
     out[s, p]; with `mean`, each term times 1/count of its segment (b[s, 0] on the atomic
     path, where b holds those weights; on the ordered path the same quotient, taken from
-    the segment's range, and b not read).
+    the segment's range, and b not read). Without `ordered_path`, the kernel returns at once
+    for ordered ids (another kernel reduces those).
 
     Launched over (max(M, stride), P) threads: with ordered ids, thread (s, p) adds its
     segment's rows in index order (bitwise repeatable; with `pairs`, the even and the odd rows
@@ -231,7 +233,7 @@ def _segment_reduction(term, pairs=False, mean=False):
         n = idx.shape[0]
         m = out.shape[0]
         if ordered[0] != 0:
-            if t < m:
+            if wp.static(ordered_path) and t < m:
                 lo, hi = _segment_range(offsets, t, n)
                 w = b.dtype(1.0)
                 if wp.static(mean):
@@ -292,20 +294,29 @@ def _squared_entry(a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any), out: wp.a
     return v * v
 
 
-@wp.func
-def _vector_dot(a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any), out: wp.array2d(dtype=Any),
-                i: int, s: int, p: int):
-    return wp.dot(a[i, p], b[i, p])
-
-
-# The reductions; sum3, mean3 and dot3 (CPUs only) read rows of vec3 (one per thread), in
+# The reductions; sum3 and mean3 (CPUs only) read rows of vec3 (one per thread), in
 # pairs, which CPUs run faster.
 # mean: each entry times 1/count, so that no partial sum exceeds the largest |a|.
 for _name, _term in (("count", _one), ("sum", _entry), ("sum3", _entry), ("outer", _outer_entry),
-                     ("dot3", _vector_dot), ("mean", _entry), ("mean3", _entry),
+                     ("mean", _entry), ("mean3", _entry),
                      ("sum_squares", _squared_entry)):
     _deferred(_segment_reduction(_term, pairs=_name.endswith("3"),
                                  mean=_name.startswith("mean")), _name)
+
+
+@wp.func
+def _group_square(a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any), out: wp.array2d(dtype=Any),
+                  i: int, s: int, p: int):
+    # |x[i, p]|² of a = x (N, G·K) flat over its groups, out (M, G)
+    k = a.shape[1] // out.shape[1]
+    acc = a.dtype(0.0)
+    for j in range(p * k, (p + 1) * k):
+        acc += a[i, j] * a[i, j]
+    return acc
+
+
+# rms_norm's Σ|x|² for ids not ordered (rms_norm_span takes the ordered ones)
+_deferred(_segment_reduction(_group_square, ordered_path=False), "rms_norm_squares")
 
 
 def _over_features(step):
@@ -423,48 +434,6 @@ def _rms_of_squares(x: wp.array3d(dtype=Any), lo: int, hi: int, g: int, total: A
     return scale * wp.sqrt(rescaled / count)
 
 
-@wp.func
-def _segment_rms_norm(x: wp.array3d(dtype=Any), lo: int, hi: int, g: int):
-    # sqrt(Σ |x[i, g]|² / n) over rows lo:hi (n > 0); the even and the odd rows summed apart
-    # (two chains of additions, which a CPU runs at once), then together
-    total = x.dtype(0.0)
-    other = x.dtype(0.0)
-    i = lo
-    while i + 1 < hi:
-        total += _squared_norm(x, i, g)
-        other += _squared_norm(x, i + 1, g)
-        i += 2
-    if i < hi:
-        total += _squared_norm(x, i, g)
-    return _rms_of_squares(x, lo, hi, g, total + other)
-
-
-@_deferred
-def _rms_norm_kernel(
-    x: wp.array3d(dtype=Any),
-    idx: wp.array(dtype=wp.int32),
-    offsets: wp.array(dtype=wp.int32),
-    ordered: wp.array(dtype=wp.int32),
-    stride: int,
-    squares: wp.array2d(dtype=Any),
-    out: wp.array2d(dtype=Any),
-):
-    # Ordered ids: thread (s, g) writes out[s, g], the segment's RMS norm (0 if empty).
-    # Otherwise threads t < stride add each row's |x[i, g]|² atomically into `squares`.
-    t, g = wp.tid()
-    m = out.shape[0]
-    if ordered[0] != 0:
-        if t < m:
-            lo, hi = _segment_range(offsets, t, x.shape[0])
-            if lo < hi:
-                out[t, g] = _segment_rms_norm(x, lo, hi, g)
-    elif t < stride:
-        for i in range(t, x.shape[0], stride):
-            s = idx[i]
-            if s >= 0 and s < m:
-                wp.atomic_add(squares, s, g, _squared_norm(x, i, g))
-
-
 @_deferred
 def _rms_norm_of_squares_kernel(
     x: wp.array3d(dtype=Any),
@@ -552,17 +521,19 @@ def _rms_norm_of_wide_squares_kernel(
 
 
 
-# Segments reduced by a group of LANES consecutive threads on GPUs. The entries of segment s
-# and group g (its rows' features, in order) form a span; lane j of the group adds entries j,
-# j + LANES, ... of it in order, by a loop in C, which the compiler unrolls (4 loads in flight
-# per thread, where a loop in Warp's language keeps one), and a butterfly of shuffles then adds
-# the lanes' sums, the same bits in every lane. With one group (G = 1) the span is contiguous,
-# and a group's loads are of consecutive entries. On CPUs (which run threads one after
-# another) lane 0 does its group's work alone. H200, N = 10⁷, (N, 3), given a Segments
-# (benchmarks/RESULTS.md): dot in 86–89 µs against 119–120 for a product a row and then a
-# thread per segment, float32 (152 against 188, float64); rms_norm float64 in 93–95 against
-# 111–112 for a thread per segment and feature (float32 keeps that: 66 against 78). 4, 16 and
-# 32 lanes, and a loop in Warp's language, ran slower.
+# Segments reduced by a group of LANES consecutive threads on GPUs (one thread on CPUs).
+# The entries of segment s and group g (its rows' features, in order) form a span; lane j
+# of the group adds entries j, j + LANES, ... of it in order, by a loop in C, which the
+# compiler unrolls (4 loads in flight per thread, where a loop in Warp's language keeps
+# one), and a butterfly of shuffles then adds the lanes' sums, the same bits in every lane.
+# With one group (G = 1) the span is contiguous, and a group's loads are of consecutive
+# entries. On CPUs (which run threads one after another) lane 0 does its group's work
+# alone, keeping the 8 lanes' sums side by side, which the compiler can put in vector
+# registers. H200, N = 10⁷, (N, 3), given a Segments (benchmarks/RESULTS.md): dot in 86–89
+# µs against 119–120 for a product a row and then a thread per segment, float32 (152
+# against 188, float64); rms_norm float64 in 93–95 against 111–112 for a thread per segment
+# and feature (float32 keeps that: 66 against 78). 4, 16 and 32 lanes, and a loop in Warp's
+# language, ran slower.
 LANES = 8
 
 _LANES_HERE = """
@@ -591,8 +562,20 @@ _SPAN_SUM = """
     const float* p = (const float*)x.data;
     const float* q = (const float*)y.data;
     if (groups == 1) {  /* entries lo·k .. hi·k (< 2³¹: Warp's shapes are int) */
+#if defined(__CUDA_ARCH__)
         #pragma unroll 4
         for (int e = lo * k + lane; e < hi * k; e += lanes) acc += p[e] * f * q[e];
+#else
+        /* one thread: the sums of LANES = 8 lanes side by side (a CPU's vector lanes),
+           added as the GPU's butterfly adds them */
+        float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        int e = lo * k;
+        for (; e + 8 <= hi * k; e += 8)
+            for (int j = 0; j < 8; j++) part[j] += p[e + j] * f * q[e + j];
+        for (int j = 0; e + j < hi * k; j++) part[j] += p[e + j] * f * q[e + j];
+        acc = ((part[0] + part[4]) + (part[2] + part[6])) +
+              ((part[1] + part[5]) + (part[3] + part[7]));
+#endif
     } else {
         for (int e = lane; e < (hi - lo) * k; e += lanes) {
             const int i = lo + e / k;
@@ -643,84 +626,60 @@ def _lanes_sum(v: Any, lanes: int):
     return v
 
 
-@_deferred
-def _rms_norm_span_kernel(
-    x: wp.array3d(dtype=Any),
-    entries: wp.array(dtype=Any),
-    offsets: wp.array(dtype=wp.int32),
-    ordered: wp.array(dtype=wp.int32),
-    lanes: int,
-    out: wp.array2d(dtype=Any),
-):
-    # GPUs, x (N, G, K) and `entries` the same flat, launched (M·G, lanes): group t of lanes
-    # writes out[s, g], the segment's RMS norm (0 if empty, see _rms_of_squares), where the
-    # ids are ordered, else 0 (rms_norm_squares' atomics then take over).
-    t, lane = wp.tid()
-    lanes = _lanes_here(lanes)
-    if lane >= lanes:
-        return
-    groups = out.shape[1]
-    s = t // groups
-    g = t - s * groups
-    norm = x.dtype(0.0)
-    if ordered[0] != 0:
-        lo, hi = _segment_range(offsets, s, x.shape[0])
-        total = _lanes_sum(_span_sum(entries, entries, lo, hi, g, groups, x.shape[2], lane,
-                                     lanes, x.dtype(1.0)), lanes)
-        if lo < hi and lane == 0:
-            norm = _rms_of_squares(x, lo, hi, g, total)
-    if lane == 0:
-        out[s, g] = norm
+def _span_reduction(finish):
+    """A kernel over x (N, G, K), a and b the same shape flat, w (M, G) or no rows, launched
+    (M·G, lanes): where the ids are ordered, group t of lanes writes out[s, g] =
+    finish(x, lo, hi, g, Σ <a[i, g] · w[s, g], b[i, g]>) over the segment's rows lo:hi (w[s, g]
+    = 1 where w has no rows); otherwise 0 (an atomic kernel then takes over)."""
+
+    def kernel(
+        x: wp.array3d(dtype=Any),
+        a: wp.array(dtype=Any),
+        b: wp.array(dtype=Any),
+        w: wp.array2d(dtype=Any),
+        offsets: wp.array(dtype=wp.int32),
+        ordered: wp.array(dtype=wp.int32),
+        lanes: int,
+        out: wp.array2d(dtype=Any),
+    ):
+        t, lane = wp.tid()
+        lanes = _lanes_here(lanes)
+        if lane >= lanes:
+            return
+        groups = out.shape[1]
+        s = t // groups
+        g = t - s * groups
+        value = x.dtype(0.0)
+        if ordered[0] != 0:
+            lo, hi = _segment_range(offsets, s, x.shape[0])
+            factor = x.dtype(1.0)
+            if w.shape[0] > 0:
+                factor = w[s, g]
+            total = _lanes_sum(_span_sum(a, b, lo, hi, g, groups, x.shape[2], lane, lanes,
+                                         factor), lanes)
+            if lane == 0:
+                value = finish(x, lo, hi, g, total)
+        if lane == 0:
+            out[s, g] = value
+
+    return kernel
 
 
-@_deferred
-def _rms_norm_squares_kernel(
-    x: wp.array3d(dtype=Any),
-    idx: wp.array(dtype=wp.int32),
-    ordered: wp.array(dtype=wp.int32),
-    stride: int,
-    out: wp.array2d(dtype=Any),
-):
-    # Ids not ordered (else it returns at once): threads t < stride add each row's |x[i, g]|²
-    # atomically into `out` (zeros).
-    t, g = wp.tid()
-    if ordered[0] == 0:
-        for i in range(t, x.shape[0], stride):
-            s = idx[i]
-            if s >= 0 and s < out.shape[0]:
-                wp.atomic_add(out, s, g, _squared_norm(x, i, g))
+@wp.func
+def _root_mean(x: wp.array3d(dtype=Any), lo: int, hi: int, g: int, total: Any):
+    # the RMS norm of rows lo:hi from their Σ|x|² (0 if none; see _rms_of_squares)
+    if lo < hi:
+        return _rms_of_squares(x, lo, hi, g, total)
+    return x.dtype(0.0)
 
 
-@_deferred
-def _dot_span_kernel(
-    x: wp.array(dtype=Any),
-    y: wp.array(dtype=Any),
-    w: wp.array2d(dtype=Any),
-    offsets: wp.array(dtype=wp.int32),
-    ordered: wp.array(dtype=wp.int32),
-    k: int,
-    lanes: int,
-    out: wp.array2d(dtype=Any),
-):
-    # GPUs, x and y (N, G, K) flat, launched (M·G, lanes): group t of lanes writes out[s, g] =
-    # Σ <x[i, g] · w[s, g], y[i, g]> over the segment's rows (w[s, g] = 1 where w has no rows;
-    # 0 if empty) where the ids are ordered, else 0 (dot_atomic then adds into it).
-    t, lane = wp.tid()
-    lanes = _lanes_here(lanes)
-    if lane >= lanes:
-        return
-    groups = out.shape[1]
-    s = t // groups
-    g = t - s * groups
-    total = x.dtype(0.0)
-    if ordered[0] != 0:
-        lo, hi = _segment_range(offsets, s, x.shape[0] // (groups * k))
-        factor = x.dtype(1.0)
-        if w.shape[0] > 0:
-            factor = w[s, g]
-        total = _lanes_sum(_span_sum(x, y, lo, hi, g, groups, k, lane, lanes, factor), lanes)
-    if lane == 0:
-        out[s, g] = total
+@wp.func
+def _total(x: wp.array3d(dtype=Any), lo: int, hi: int, g: int, total: Any):
+    return total
+
+
+_deferred(_span_reduction(_root_mean), "rms_norm_span")  # a = b = x
+_deferred(_span_reduction(_total), "dot_span")
 
 
 @_deferred
@@ -734,7 +693,7 @@ def _dot_atomic_kernel(
     out: wp.array2d(dtype=Any),
 ):
     # Ids not ordered (else it returns at once): threads t < stride add each row's dot (as
-    # dot_span's, scaled by w) atomically into `out` (zeros where dot_span found them so).
+    # dot_span's, scaled by w) atomically into `out` (dot_span's zeros).
     t, g = wp.tid()
     if ordered[0] == 0:
         for i in range(t, x.shape[0], stride):
@@ -1161,17 +1120,6 @@ def _scale_kernel(
 
 
 @_deferred
-def _row_dot_kernel(x: wp.array3d(dtype=Any), y: wp.array3d(dtype=Any), out: wp.array2d(dtype=Any)):
-    # Read row by row (coalesced on a GPU); `sum` then adds the rows of each segment.
-    i = wp.tid()
-    for g in range(x.shape[1]):
-        acc = out.dtype(0.0)
-        for k in range(x.shape[2]):
-            acc += x[i, g, k] * y[i, g, k]
-        out[i, g] = acc
-
-
-@_deferred
 def _matvec_kernel(
     v: wp.array3d(dtype=Any),
     m: wp.array4d(dtype=Any),
@@ -1343,7 +1291,6 @@ _ELEMENTS = {
     "count": {"a": "int32", "b": "int32", "out": "int32"},
     "sum3": {"a": "vec3", "b": "vec3", "out": "vec3"},
     "mean3": {"a": "vec3", "out": "vec3"},
-    "dot3": {"a": "vec3", "b": "vec3"},
     "gather3": {"y": "vec3", "out": "vec3"},
     "scale3": {"x": "vec3", "out": "vec3"},
     "matvec3": {"v": "vec3", "m": "mat33", "out": "vec3"},

@@ -316,22 +316,16 @@ def _dot(x, y, idx, offsets, *, num_segments, indices_are_sorted, gpu=False, w=N
         return jnp.zeros(shape, x.dtype)
     layout = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
     known_sorted = _known_sorted(offsets, indices_are_sorted)
-    if gpu:  # the rows' products summed by lanes per segment (or by atomics)
-        factors = jnp.zeros((0, x.shape[1]), x.dtype) if w is None else w
-        out = launch("dot_span", x.reshape(-1), y.reshape(-1), factors, *layout, x.shape[2],
-                     LANES, dims=(shape[0] * shape[1], LANES), out=shape)
-        if known_sorted:
-            return out
-        return launch("dot_atomic", x, y, factors, idx, layout[1], stride(gpu, idx.shape[0]),
-                      out, dims=(stride(gpu, idx.shape[0]), shape[1]), in_out=("out",))
-    if w is not None:
-        x = _scale(x, w, idx, offsets, num_segments=num_segments,
-                   indices_are_sorted=indices_are_sorted)
-    if _is_float_vec3(x):
-        rows = [a.reshape(a.shape[0], 1, 3) for a in (x, y)]
-        return _reduce("dot3", *rows, idx, layout, shape, x.dtype, gpu, known_sorted)
-    products = launch("row_dot", x, y, dims=(idx.shape[0],), out=x.shape[:2])
-    return _reduce("sum", products, products, idx, layout, shape, x.dtype, gpu, known_sorted)
+    # the rows' products summed by lanes per segment (ordered ids), else by atomics
+    factors = jnp.zeros((0, x.shape[1]), x.dtype) if w is None else w
+    lanes = LANES if gpu else 1
+    out = launch("dot_span", x, x.reshape(-1), y.reshape(-1), factors, *layout, lanes,
+                 dims=(shape[0] * shape[1], lanes), out=shape)
+    if known_sorted:
+        return out
+    threads = stride(gpu, idx.shape[0])
+    return launch("dot_atomic", x, y, factors, idx, layout[1], threads, out,
+                  dims=(threads, shape[1]), in_out=("out",))
 
 
 dot_p = _multilinear(_Rule(
@@ -460,20 +454,17 @@ def _rms_norm(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
         features = _reduce("sum_squares", x.reshape(n, groups * k), x.reshape(n, groups * k),
                            idx, layout, (num_segments, groups * k), x.dtype, gpu, True)
         return launch("rms_norm_of_squares", x, *layout, features, dims=shape, out=shape)
-    threads = stride(gpu, n)
-    zeros = jnp.zeros(shape, x.dtype)
-    if gpu:  # the norms by lanes per segment where the ids are ordered, else Σ|x|² by atomics
-        out = launch("rms_norm_span", x, x.reshape(-1), *layout, LANES,
-                     dims=(num_segments * groups, LANES), out=shape)
-        if known_sorted:
-            return out
-        squares = launch("rms_norm_squares", x, idx, layout[1], threads, zeros,
-                         dims=(threads, groups), in_out=("out",))
-    else:
-        squares, out = launch("rms_norm", x, idx, *layout, threads, zeros, zeros,
-                              dims=(max(num_segments, threads), groups), in_out=("squares", "out"))
+    # the norms by lanes per segment where the ids are ordered, else Σ|x|² by atomics
+    lanes = LANES if gpu else 1
+    entries = x.reshape(-1)
+    out = launch("rms_norm_span", x, entries, entries, jnp.zeros((0, groups), x.dtype), *layout,
+                 lanes, dims=(num_segments * groups, lanes), out=shape)
     if known_sorted:
         return out
+    threads = stride(gpu, n)
+    zeros = jnp.zeros(shape, x.dtype)
+    rows = x.reshape(n, groups * k)
+    squares = _reduce("rms_norm_squares", rows, rows, idx, layout, shape, x.dtype, gpu, False)
     # Unordered ids: Σ|x|² came by atomics; the segments of rows where it overflowed or
     # underflowed are summed again, scaled by a power of two near their largest entry, by
     # kernels that return at once (their one-element flag 0) where none did.
