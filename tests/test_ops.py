@@ -1,7 +1,11 @@
 """segcli.ops against their independent pure-JAX references (segcli.reference, in float64):
 values, every transform, edge cases; every op of the registry."""
 
+import os
+import subprocess
+import sys
 import zlib
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -422,22 +426,28 @@ def _max_norm_reference(x, ids, m):
     return values, grad
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("gpu_paths", [False, True])
-def test_max_norm_float32_picks_the_first_largest_row_in_any_id_order(gpu_paths):
-    """float32 (on GPUs a search by packed keys, in any order of the ids): the values and the
-    row that takes the gradient, against NumPy, with ties, NaN, inf, rows whose squares
-    overflow, zero rows, empty segments and dropped ids; sorted (as a Segments too) and not."""
+def test_max_norm_picks_the_first_largest_row_in_any_id_order(gpu_paths, dtype):
+    """float32 (on GPUs a search by packed keys) and float64, in any order of the ids (ordered:
+    on GPUs a group of lanes a segment, up to 44 rows, so that each lane takes several): the
+    values and the row that takes the gradient, against NumPy, with ties, NaN, inf, rows whose
+    squares overflow float32, zero rows, empty segments and dropped ids; sorted (as a Segments
+    too) and not."""
     rng = np.random.default_rng(11)
     # ties exact in float32 however the squares are added (a GPU fuses them into FMAs)
     vectors = np.array([[3, 4, 0], [0, 5, 0], [0, 0, -5], [1, 0, 0], [5, 12, 0], [0, 0, 0],
-                        [1.5e38, 2e38, 0], [3e38, 0, 0], [0, -3e38, 0]], np.float32)
+                        [1.5e38, 2e38, 0], [3e38, 0, 0], [0, -3e38, 0]], dtype)
     m = 60
-    counts = rng.integers(0, 9, m)
+    counts = rng.integers(0, 45, m)
     counts[[3, 17]] = 0
     ids = np.repeat(np.arange(m), counts).astype(np.int32)
     x = vectors[rng.integers(0, len(vectors), ids.size)]
     x[rng.integers(0, ids.size, 3)] = [np.nan, 1, 0]
     x[rng.integers(0, ids.size, 2)] = [np.inf, 0, 0]
+    long = np.flatnonzero(counts >= 12)[:2]  # two NaN rows of one segment, in other lanes
+    x[np.cumsum(counts)[long[0]] - counts[long[0]] + np.array([2, 9])] = [np.nan, 0, 0]
+    x[np.cumsum(counts)[long[1]] - counts[long[1]] + np.array([4, 11])] = [np.inf, 0, 0]
     order = rng.permutation(ids.size)
     shuffled = np.where(rng.random(ids.size) < 0.1, [-1, m + 3][rng.integers(0, 2)], ids)[order]
     layouts = [(x, ids, ids, False), (x, ops.segments(counts), ids, False), (x, ids, ids, True),
@@ -450,8 +460,8 @@ def test_max_norm_float32_picks_the_first_largest_row_in_any_id_order(gpu_paths)
                 out = ops.segmented_max_norm(a, idx, m, indices_are_sorted=sorted_)
                 return out, jnp.sum(jnp.where(jnp.isfinite(out), out, 0))
             out = total(jnp.asarray(data))[0]
-            assert out.dtype == jnp.float32
-            np.testing.assert_allclose(np.asarray(out), values.astype(np.float32), rtol=1e-7)
+            assert out.dtype == dtype
+            np.testing.assert_allclose(np.asarray(out), values.astype(dtype), rtol=1e-7)
             got = jax.grad(lambda a, f=total: f(a)[1])(jnp.asarray(data))
             # rows of segments whose norm is inf or NaN are left out (0 · NaN there)
             segment = np.where((plain >= 0) & (plain < m), plain, m)
@@ -692,25 +702,29 @@ def test_segments_built_from_counts_and_their_edge_cases():
         ops.segmented_sum(x[:5], seg, 2)
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("gpu_paths", [False, True])
 @pytest.mark.parametrize("features", [1, 3, 5, 33])
-def test_rms_norm_and_dot_over_any_features_and_layout(gpu_paths, features):
+def test_rms_norm_and_dot_over_any_features_and_layout(gpu_paths, features, dtype):
     """rms_norm and dot, and their gradients (which take the scaled dot and the rescale), of
     rows of 1, 3, 5 and 33 features, whatever lanes a GPU gives a segment (33, more than a
-    warp: a thread walks them all), against NumPy in float64 and finite differences: ids
-    promised sorted, given as a Segments, sorted but not promised, and unsorted; empty
-    segments, ids out of range, and a segment whose squares overflow."""
+    warp: a thread walks them all), in float64 and float32, against NumPy in float64 (and
+    finite differences in float64): ids promised sorted, given as a Segments, sorted but not
+    promised, and unsorted; empty segments, ids out of range, and a segment whose squares
+    overflow."""
     rng = np.random.default_rng(features)
     n, m = 300, 40
     ids = np.sort(rng.integers(-1, m + 2, n))
     ids[ids == 3], ids[ids == 7] = 2, 8  # segments 3 and 7 empty, still sorted
-    x, y = rng.normal(size=(2, n, features))
-    huge = np.where(ids == 5, 1e200, 1.0)[:, None]  # its squares overflow: summed again, scaled
+    x, y = rng.normal(size=(2, n, features)).astype(dtype).astype(np.float64)
+    # segment 5's squares overflow: summed again, scaled
+    huge = np.where(ids == 5, 1e200 if dtype == np.float64 else 1e30, 1.0)[:, None]
+    tolerance = 1e-12 if dtype == np.float64 else 2e-6
     kept = (ids >= 0) & (ids < m)
     want_dot = np.zeros(m)
     np.add.at(want_dot, ids[kept], np.sum(x * y, axis=1)[kept])
     want_rms = np.array([np.sqrt(np.mean(np.sum(x[ids == s] ** 2, axis=1))) if np.any(ids == s)
-                         else 0 for s in range(m)]) * np.where(np.arange(m) == 5, 1e200, 1)
+                         else 0 for s in range(m)]) * np.where(np.arange(m) == 5, huge.max(), 1)
     # d Σ dot² / dx[i] = 2 dot[s] y[i]; d Σ rms / dx[i] = x[i] / (count · rms) of its segment
     counts = np.bincount(ids[kept], minlength=m)
     s_of = np.clip(ids, 0, m - 1)
@@ -724,16 +738,20 @@ def test_rms_norm_and_dot_over_any_features_and_layout(gpu_paths, features):
     _primitives.lower_cpu_as_gpu(gpu_paths)
     try:
         for rows, idx, kw in layouts.values():
-            a, b = jnp.asarray(x[rows]), jnp.asarray(y[rows])
-            big = a * jnp.asarray(huge[rows])
-            assert_close(ops.segmented_rms_norm(big, idx, m, **kw), want_rms, 1e-13)
-            assert_close(ops.segmented_dot(a, b, idx, m, **kw), want_dot, 1e-13)
+            a, b = jnp.asarray(x[rows], dtype), jnp.asarray(y[rows], dtype)
+            big = jnp.asarray(x[rows] * huge[rows], dtype)
+            rms = ops.segmented_rms_norm(big, idx, m, **kw)
+            assert rms.dtype == dtype
+            assert_close(rms, want_rms, tolerance / 10)
+            assert_close(ops.segmented_dot(a, b, idx, m, **kw), want_dot, tolerance / 10)
             rms_grad = jax.grad(lambda a, idx=idx, kw=kw: jnp.sum(
                 ops.segmented_rms_norm(a, idx, m, **kw)))(big)
-            assert_close(rms_grad, want_rms_grad[rows], 1e-12)
+            assert_close(rms_grad, want_rms_grad[rows], tolerance)
             dot_grad = jax.grad(lambda a, b=b, idx=idx, kw=kw: jnp.sum(
                 ops.segmented_dot(a, b, idx, m, **kw) ** 2))(a)
-            assert_close(dot_grad, want_dot_grad[rows], 1e-12)
+            assert_close(dot_grad, want_dot_grad[rows], tolerance)
+            if dtype == np.float32:
+                continue
             loss = lambda a, idx=idx, kw=kw: jnp.sum(ops.segmented_rms_norm(a, idx, m, **kw))
             direction = jnp.asarray(rng.normal(size=(n, features)))
             numeric = (loss(a + 1e-6 * direction) - loss(a - 1e-6 * direction)) / 2e-6
@@ -741,3 +759,15 @@ def test_rms_norm_and_dot_over_any_features_and_layout(gpu_paths, features):
                                        rtol=1e-6)
     finally:
         _primitives.lower_cpu_as_gpu(False)
+
+
+@pytest.mark.parametrize("paths", ["gpu", pytest.param("cpu", marks=pytest.mark.slow)])
+def test_kernels_stay_in_bounds(paths, tmp_path):
+    """Every op and gradient on the GPU's (or the CPU's) code paths with Warp's bounds checks
+    on (tests/bounds_check.py, its kernels built in a cache of their own): no kernel reads or
+    writes outside an array, which a CPU survives silently and a GPU does not."""
+    result = subprocess.run([sys.executable, "bounds_check.py", paths], cwd=Path(__file__).parent,
+                            env={**os.environ, "WARP_CACHE_PATH": str(tmp_path)},
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and "in bounds" in result.stdout, (
+        result.stdout[-2000:] + result.stderr[-2000:])

@@ -409,8 +409,11 @@ def _lowest(dtype, kind):
 def _extreme(kind, x, idx, num_segments, indices_are_sorted):
     x, seg, m, dtype = _common("x", x, idx, num_segments, integers=True)
     rows = _rows(x)
-    first = P.extreme_p.bind(rows[:, :, None], *seg, kind=kind, **_params(m, indices_are_sorted))
-    return P.at_first(rows, first, _lowest(dtype, kind)).reshape(m, *x.shape[1:]).astype(dtype)
+    params = _params(m, indices_are_sorted)
+    first = P.extreme_p.bind(rows[:, :, None], *seg, kind=kind, **params)
+    taken = P.take_p.bind(rows[:, :, None], first, *seg, **params)[..., 0]
+    return jnp.where(first == x.shape[0], _lowest(dtype, kind), taken).reshape(
+        m, *x.shape[1:]).astype(dtype)
 
 
 @_op
@@ -488,9 +491,9 @@ def _max_norms(g, seg, params):
 def _max_norms_jvp(params, primals, tangents):
     """The norms of the rows the search chose, and their derivative (see _norms)."""
     (g, seg), (dg, _) = primals, tangents
-    first = P.extreme_p.bind(g, *seg, kind="max_norm", **dict(params))[:, 0]
-    norms, tangent = jax.jvp(_norms, (P.at_first(g[:, 0], first, 0),),
-                             (P.at_first(dg[:, 0], first, 0),))
+    first = P.extreme_p.bind(g, *seg, kind="max_norm", **dict(params))
+    norms, tangent = jax.jvp(_norms, (P.take_p.bind(g, first, *seg, **dict(params))[:, 0],),
+                             (P.take_p.bind(dg, first, *seg, **dict(params))[:, 0],))
     return norms[:, None], tangent[:, None]
 
 

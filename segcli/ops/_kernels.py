@@ -61,6 +61,8 @@ Shapes (rows first, then a group axis G that vmap folds into, then features):
                                                                 rows)
     matvec      v (N, G, K), m (M, G, K, K)  -> (N, G, K)       out[i,g] = v[i,g] @ m[idx[i],g]
                                                                 (@ m[idx[i],g]ᵀ with `transpose`)
+    put         ct (M, G, K), first (M, G)   -> (N, G, K)       out[i,g] = ct[idx[i],g] if
+                                                                first[idx[i],g] = i, else 0
     gather3, scale3, matvec3                                    the same for G = 1, K = 3
 
 The reductions (count, sum, mean, outer, sum3, mean3, sum_squares) come from one factory
@@ -1093,6 +1095,25 @@ def _gather_kernel(y: wp.array2d(dtype=Any), idx: wp.array(dtype=wp.int32),
             out[i, k] = y[s, k]
         else:
             out[i, k] = out.dtype(0.0)
+
+
+@_deferred
+def _put_kernel(ct: wp.array3d(dtype=Any), first: wp.array2d(dtype=wp.int32),
+                idx: wp.array(dtype=wp.int32), out: wp.array3d(dtype=Any)):
+    # out[i, g] = ct[s, g] where row i is the one first[s, g] chose (s = idx[i], the only
+    # segment that can have), else 0: each row written once
+    i = wp.tid()
+    s = idx[i]
+    valid = s >= 0 and s < ct.shape[0]
+    for g in range(out.shape[1]):
+        chosen = False
+        if valid:
+            chosen = first[s, g] == i
+        for k in range(out.shape[2]):
+            v = out.dtype(0.0)
+            if chosen:  # (ct read only then: s may be out of range)
+                v = ct[s, g, k]
+            out[i, g, k] = v
 
 
 @_deferred

@@ -572,6 +572,39 @@ extreme_p = _integral(_Rule(
 kind "max" or "min" the largest or smallest x[i, g, 0], with "max_norm" the largest |x[i, g]|."""
 
 
+def _take(rows, first, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
+    shape = (first.shape[0], *rows.shape[1:])
+    if _empty(shape, rows):
+        return jnp.zeros(shape, rows.dtype)
+    return rows.at[first, jnp.arange(rows.shape[1])].get(mode="fill", fill_value=0)
+
+
+take_p = _multilinear(_Rule(
+    "take", _take, lambda rows, first, idx, offsets, **_: (first.shape[0], *rows.shape[1:]), 2,
+    transposes=(lambda ct, first, seg, p: put_p.bind(ct, first, *seg, **p),)))
+"""rows[first[s, g], g] (K,) for rows (N, G, K) and first (M, G), the rows an `extreme` search
+chose; 0 where first is N (an empty segment). Linear in the rows; `first` (int32) is batched
+as they are and not differentiated."""
+
+
+def _put(ct, first, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
+    shape = (idx.shape[0], *ct.shape[1:])
+    if _empty(shape, ct):
+        return jnp.zeros(shape, ct.dtype)
+    if gpu and ct.dtype == jnp.float64:  # each row written once
+        return launch("put", ct, first, idx, dims=(idx.shape[0],), out=shape)
+    # zeros, then the M chosen rows
+    return jnp.zeros(shape, ct.dtype).at[first, jnp.arange(shape[1])].add(ct, mode="drop")
+
+
+put_p = _multilinear(_Rule(
+    "put", _put, lambda ct, first, idx, offsets, **_: (idx.shape[0], *ct.shape[1:]), 2,
+    transposes=(lambda ct, first, seg, p: take_p.bind(ct, first, *seg, **p),)))
+"""take's transpose: ct[s, g] at row first[s, g], 0 elsewhere, for ct (M, G, K): XLA's scatter
+into zeros, or for float64 on GPUs a kernel writing each row once, which there beats it
+(float32 and CPUs: not; benchmarks/RESULTS.md)."""
+
+
 def at_first(rows, first, fill):
     """rows[first[s, k], k] for rows (N, K) and first (M, K), or whole rows rows[first[s]] for
     first (M,); `fill` where first is N: the values of the rows an `extreme` search chose,

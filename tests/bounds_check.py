@@ -1,0 +1,41 @@
+"""Every op, and the gradient of every differentiable one, with Warp's bounds checks on (its
+debug mode) and the GPU's (or the CPU's) code paths lowered on this CPU: ids out of range,
+unsorted, sorted and promised sorted, and a Segments; float32 and float64. A kernel reading or
+writing outside an array aborts here, where on a GPU it is an illegal address. Run by
+tests/test_ops.py::test_kernels_stay_in_bounds."""
+
+import sys
+
+import warp as wp
+
+wp.config.mode = "debug"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from batch_reference import random_args  # noqa: E402
+
+from segcli import ops  # noqa: E402
+from segcli.ops import _primitives  # noqa: E402
+from segcli.registry import OPS  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)
+_primitives.lower_cpu_as_gpu(sys.argv[1] == "gpu")
+rng = np.random.default_rng(5)
+n, m = 300, 20
+ids = rng.integers(-2, m + 3, n).astype(np.int32)
+inside = np.sort(ids[(ids >= 0) & (ids < m)])
+layouts = [(ids, False), (np.sort(ids), False), (np.sort(ids), True),
+           (ops.segments(np.bincount(inside, minlength=m)), False)]
+for layout, promise in layouts:
+    rows = inside.size if isinstance(layout, ops.Segments) else n
+    for dtype in (np.float32, np.float64):
+        for op in OPS.values():
+            args = tuple(jnp.asarray(a) for a in random_args(rng, op, rows, m, (3,), dtype))
+            call = lambda *a, op=op, layout=layout, promise=promise: op.apply(
+                *a, idx=layout, num_segments=m, indices_are_sorted=promise, **op.params)
+            jax.block_until_ready(call(*args))
+            if op.differentiable:
+                jax.block_until_ready(jax.grad(lambda a, call=call, rest=args[1:]: jnp.sum(
+                    jnp.nan_to_num(call(a, *rest))))(args[0]))
+print("in bounds")
