@@ -406,14 +406,19 @@ def _lowest(dtype, kind):
     return -jnp.inf if kind == "max" else jnp.inf
 
 
-def _extreme(kind, x, idx, num_segments, indices_are_sorted):
-    x, seg, m, dtype = _common("x", x, idx, num_segments, integers=True)
-    rows = _rows(x)
-    params = _params(m, indices_are_sorted)
+def _extreme_values(kind, rows, seg, params, dtype):
+    """Each segment's max or min (`kind`) of each column of rows (N, K): the entries the
+    search chose, so that the derivative flows to them; for an empty segment _lowest of
+    `dtype` (the caller's, which rows may widen)."""
     first = P.extreme_p.bind(rows[:, :, None], *seg, kind=kind, **params)
     taken = P.take_p.bind(rows[:, :, None], first, *seg, **params)[..., 0]
-    return jnp.where(first == x.shape[0], _lowest(dtype, kind), taken).reshape(
-        m, *x.shape[1:]).astype(dtype)
+    return jnp.where(first == rows.shape[0], _lowest(dtype, kind), taken)
+
+
+def _extreme(kind, x, idx, num_segments, indices_are_sorted):
+    x, seg, m, dtype = _common("x", x, idx, num_segments, integers=True)
+    out = _extreme_values(kind, _rows(x), seg, _params(m, indices_are_sorted), dtype)
+    return out.reshape(m, *x.shape[1:]).astype(dtype)
 
 
 @_op
@@ -569,8 +574,7 @@ def _shifted_exps(rows, seg, m, params):
     """exp(x[i] - shift[idx[i]]) for rows (N, K) (0 for out-of-range ids), shift being each
     segment's max where finite (else 0, held constant): no overflow, and the segment's
     largest term is 1. Also the shift and which rows are in range."""
-    first = P.extreme_p.bind(rows[:, :, None], *seg, kind="max", **params)
-    top = jax.lax.stop_gradient(P.at_first(rows, first, -jnp.inf))
+    top = jax.lax.stop_gradient(_extreme_values("max", rows, seg, params, rows.dtype))
     shift = jnp.where(jnp.isfinite(top), top, 0)
     ids = seg[0]
     valid = ((ids >= 0) & (ids < m))[:, None]

@@ -605,17 +605,6 @@ into zeros, or for float64 on GPUs a kernel writing each row once, which there b
 (float32 and CPUs: not; benchmarks/RESULTS.md)."""
 
 
-def at_first(rows, first, fill):
-    """rows[first[s, k], k] for rows (N, K) and first (M, K), or whole rows rows[first[s]] for
-    first (M,); `fill` where first is N: the values of the rows an `extreme` search chose,
-    differentiable through them."""
-    if rows.shape[0] == 0:
-        return jnp.full((first.shape[0], rows.shape[1]), fill, rows.dtype)
-    if first.ndim == 1:  # one index a row: no (M, K, 2) index array for XLA to build
-        return rows.at[first].get(mode="fill", fill_value=fill)
-    return rows.at[first, jnp.arange(rows.shape[1])].get(mode="fill", fill_value=fill)
-
-
 def scaled_norms(rows):
     """|rows[s]| of rows (M, K), each row scaled by a power of two near its largest entry (so
     no square overflows or underflows)."""
@@ -633,8 +622,8 @@ def _max_norm(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
                                             jnp.float32)
     first = _extreme(x, idx, offsets, num_segments=num_segments,
                      indices_are_sorted=indices_are_sorted, kind="max_norm", gpu=gpu)
-    if groups == 1:
-        winners = at_first(x[:, 0], first[:, 0], 0)
+    if groups == 1:  # one index a row: no (M, K, 2) index array for XLA to build
+        winners = x[:, 0].at[first[:, 0]].get(mode="fill", fill_value=0)
     else:  # each group's chosen row
         winners = x.at[first, jnp.arange(groups)].get(mode="fill", fill_value=0)
     return scaled_norms(winners.reshape(num_segments * groups, k)).reshape(num_segments, groups)
