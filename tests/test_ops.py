@@ -705,13 +705,14 @@ def test_segments_built_from_counts_and_their_edge_cases():
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("gpu_paths", [False, True])
 @pytest.mark.parametrize("features", [1, 3, 5, 33])
-def test_rms_norm_and_dot_over_any_features_and_layout(gpu_paths, features, dtype):
+def test_rms_norm_and_dot_over_any_features_and_layout(gpu_paths, features, dtype, monkeypatch):
     """rms_norm and dot, and their gradients (which take the scaled dot and the rescale), of
     rows of 1, 3, 5 and 33 features, whatever lanes a GPU gives a segment (33, more than a
     warp: a thread walks them all), in float64 and float32, against NumPy in float64 (and
     finite differences in float64): ids promised sorted, given as a Segments, sorted but not
     promised, and unsorted; empty segments, ids out of range, and a segment whose squares
-    overflow."""
+    overflow. On the GPU's paths also with float32 norms of sorted ids by the two kernels that
+    long inputs take (SQUARES_ROWS)."""
     rng = np.random.default_rng(features)
     n, m = 300, 40
     ids = np.sort(rng.integers(-1, m + 2, n))
@@ -736,8 +737,13 @@ def test_rms_norm_and_dot_over_any_features_and_layout(gpu_paths, features, dtyp
                "segments": (np.arange(n), segments_of(np.clip(ids, -1, m), m), {}),
                "sorted": (np.arange(n), ids, {}), "unsorted": (order, ids[order], {})}
     _primitives.lower_cpu_as_gpu(gpu_paths)
+    runs = [(squares_rows, *layout) for squares_rows in
+            ((_primitives.SQUARES_ROWS, 0) if gpu_paths else (_primitives.SQUARES_ROWS,))
+            for layout in layouts.values()]
     try:
-        for rows, idx, kw in layouts.values():
+        for squares_rows, rows, idx, kw in runs:
+            monkeypatch.setattr(_primitives, "SQUARES_ROWS", squares_rows)
+            jax.clear_caches()
             a, b = jnp.asarray(x[rows], dtype), jnp.asarray(y[rows], dtype)
             big = jnp.asarray(x[rows] * huge[rows], dtype)
             rms = ops.segmented_rms_norm(big, idx, m, **kw)

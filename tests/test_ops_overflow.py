@@ -181,10 +181,11 @@ def expected_hessian(name, x, ids, m):
     (np.float64, "sorted", "cpu_paths"), (np.float32, "unsorted", "gpu_paths")],
     indirect=["code_paths"])
 def test_derivatives_stay_finite_and_exact_near_the_float_max(code_paths, dtype, ordering):
-    """The norms' grad and jvp near the float max, and a Hessian-vector product where squares
-    overflow but the Hessian's entries (about 1/norm) are still normal numbers; the
-    reference's grad in the CPU case (its tangents, scaled with the values, flush to 0 near
-    the float max). The mean is linear: its derivatives do not depend on x."""
+    """The norms' grad and jvp near the float max, and Hessian-vector products (forward and
+    reverse over reverse) where squares overflow but the Hessian's entries (about 1/norm) are
+    still normal numbers; the reference's grad in the CPU case (its tangents, scaled with the
+    values, flush to 0 near the float max). The mean is linear: its derivatives do not depend
+    on x."""
     x, ids, m, call = case(dtype, ordering, specials=False)
     moderate = (x / np.finfo(dtype).max ** 0.25).astype(dtype)
     tangent = np.random.default_rng(6).normal(size=x.shape).astype(dtype)
@@ -195,8 +196,12 @@ def test_derivatives_stay_finite_and_exact_near_the_float_max(code_paths, dtype,
         return lambda a: jnp.sum(weights * call(function, a))
 
     def derivatives(a, t, b):
+        def hessian_times(f, b, t):  # forward over reverse, and reverse over reverse
+            return (jax.jvp(jax.grad(f), (b,), (t,))[1],
+                    jax.grad(lambda b: jnp.vdot(jax.grad(f)(b), t))(b))
+
         ours = {name: (jax.grad(loss(OPS[name][0]))(a), jax.jvp(loss(OPS[name][0]), (a,), (t,))[1],
-                       jax.jvp(jax.grad(loss(OPS[name][0])), (b,), (t,))[1]) for name in names}
+                       *hessian_times(loss(OPS[name][0]), b, t)) for name in names}
         theirs = ({name: jax.grad(loss(OPS[name][1]))(a) for name in names}
                   if code_paths == "cpu_paths" else {})
         return ours, theirs
@@ -210,8 +215,9 @@ def test_derivatives_stay_finite_and_exact_near_the_float_max(code_paths, dtype,
         np.testing.assert_allclose(ours[name][1], np.sum(want * tangent), rtol=tolerance,
                                    err_msg=name)
         want = (expected_hessian(name, moderate, ids, m) @ tangent.reshape(-1)).reshape(x.shape)
-        np.testing.assert_allclose(ours[name][2], want.astype(dtype), rtol=tolerance,
-                                   atol=float(np.abs(want).max()) * tolerance, err_msg=name)
+        for product in ours[name][2:]:
+            np.testing.assert_allclose(product, want.astype(dtype), rtol=tolerance,
+                                       atol=float(np.abs(want).max()) * tolerance, err_msg=name)
 
 
 @pytest.mark.parametrize("dtype, ordering, code_paths", CASES, indirect=["code_paths"])

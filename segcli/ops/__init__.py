@@ -32,6 +32,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.interpreters import ad
 
 from segcli.ops import _primitives as P
 
@@ -386,16 +387,90 @@ def _rms_norms(g, seg, params):
 
 @_rms_norms.defjvp
 def _rms_norms_jvp(params, primals, tangents):
-    """d norm = Σ <g[i], dg[i]> / (count · norm), with g and the norm divided by a power of two
-    near the norm (held constant: every derivative stays exact) so that nothing overflows."""
     g, seg = primals
     norms = _rms_norms(g, seg, params)
+    return norms, _rms_norm_tangent_p.bind(g, tangents[0], norms, *seg, **dict(params))
+
+
+def _norm_terms(g, norms, idx, offsets, params):
+    """(ι, δ, zero) of rms_norm's derivatives, all (M, G): ι a power of two near 1/norm (held
+    constant: every derivative stays exact, and g·ι nothing overflows), δ = count · norm · ι,
+    and where the norm is 0 (where every derivative is 0)."""
     _, inverse = P.power_of_two(jax.lax.stop_gradient(norms))
-    params = dict(params)
     zero = norms == 0
-    divisor = _nonzero_counts(seg, params, g.dtype)[:, None] * jnp.where(zero, 1, norms * inverse)
-    tangent = P.scaled_dot_p.bind(g, tangents[0], inverse, *seg, **params) / divisor
-    return norms, jnp.where(zero, 0, tangent)
+    counts = _nonzero_counts((idx, offsets), params, g.dtype)[:, None]
+    return inverse, counts * jnp.where(zero, 1, norms * inverse), zero
+
+
+def _rms_norm_tangent(g, dg, norms, idx, offsets, **params):
+    """d norm = Σ <g[i], dg[i]> / (count · norm) = Σ <g[i] · ι, dg[i]> / δ."""
+    inverse, divisor, zero = _norm_terms(g, norms, idx, offsets, params)
+    dot = P.scaled_dot_p.bind(g, dg, inverse, idx, offsets, **params)
+    return jnp.where(zero, 0, dot / divisor)
+
+
+def _rms_norm_tangent_transpose(ct, g, dg, norms, idx, offsets, **params):
+    return [None, _rms_norm_cotangent(g, ct, norms, (idx, offsets), tuple(params.items())),
+            None, None, None]
+
+
+_rms_norm_tangent_p = P.custom_transposed("rms_norm_tangent", _rms_norm_tangent, linear=(1,),
+                                          like=2, transpose=_rms_norm_tangent_transpose)
+"""rms_norm's tangent map (linear in dg), transposed into _rms_norm_cotangent, whose
+derivative segcli gives in turn."""
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4,))
+def _rms_norm_cotangent(g, c, norms, seg, params):
+    """rms_norm's transposed tangent map: the cotangent g[i] · c[s] / (count · norm) of g for a
+    cotangent c (M, G) of the norms (= rms_norm(g), held constant: the JVP differentiates
+    through g)."""
+    inverse, divisor, zero = _norm_terms(g, norms, *seg, dict(params))
+    return P.rescale_p.bind(g, inverse, jnp.where(zero, 0, c / divisor), *seg, **dict(params))
+
+
+@_rms_norm_cotangent.defjvp
+def _rms_norm_cotangent_jvp(params, primals, tangents):
+    g, c, norms, seg = primals
+    out = _rms_norm_cotangent(g, c, norms, seg, params)
+    return out, _rms_norm_curvature_p.bind(g, tangents[0], tangents[1], norms, c, *seg,
+                                           **dict(params))
+
+
+def _rms_norm_curvature(g, dg, dc, norms, c, idx, offsets, **params):
+    """The JVP of _rms_norm_cotangent, linear in (dg, dc): dg[i] · c[s] / (count · norm) +
+    g[i] · (dc / δ - c · count · ι · S / δ³)[s] · ι, S = Σ <g[i] · ι, dg[i]>, in one kernel
+    after the dot."""
+    inverse, divisor, zero = _norm_terms(g, norms, idx, offsets, params)
+    dot = P.scaled_dot_p.bind(g, dg, inverse, idx, offsets, **params)
+    return _curvature_rows(g, dg, dc, dot, c, inverse, divisor, zero, idx, offsets, params)
+
+
+def _curvature_rows(g, rows, dc, dot, c, inverse, divisor, zero, idx, offsets, params):
+    """rows · ι · c / δ + g · ι · (dc - c · count · ι · dot / δ²) / δ, 0 where the norm is 0."""
+    counts = _nonzero_counts((idx, offsets), params, g.dtype)[:, None]
+    along = jnp.where(zero, 0, (dc - c * counts * inverse * dot / divisor ** 2) / divisor)
+    return P.rescale2_p.bind(rows, g, inverse, jnp.where(zero, 0, c / divisor), along, idx,
+                             offsets, **params)
+
+
+def _rms_norm_curvature_transpose(u, g, dg, dc, norms, c, idx, offsets, **params):
+    """The transpose of the curvature, a Hessian: for dg the map itself at (u, 0) (both its
+    terms by one kernel, where JAX would add two rescales), for dc R / δ, R = Σ <g · ι, u>."""
+    inverse, divisor, zero = _norm_terms(g, norms, idx, offsets, params)
+    dot = P.scaled_dot_p.bind(g, u, inverse, idx, offsets, **params)
+    ct_dg = ct_dc = None
+    if ad.is_undefined_primal(dg):
+        ct_dg = _curvature_rows(g, u, jnp.zeros_like(c), dot, c, inverse, divisor, zero, idx,
+                                offsets, params)
+    if ad.is_undefined_primal(dc):
+        ct_dc = jnp.where(zero, 0, dot / divisor)
+    return [None, ct_dg, ct_dc, None, None, None, None]
+
+
+_rms_norm_curvature_p = P.custom_transposed(
+    "rms_norm_curvature", _rms_norm_curvature, linear=(1, 2), like=0,
+    transpose=_rms_norm_curvature_transpose)
 
 
 def _lowest(dtype, kind):

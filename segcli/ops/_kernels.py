@@ -56,9 +56,10 @@ Shapes (rows first, then a group axis G that vmap folds into, then features):
     bincount    labels (N,)                  -> (M, L) int32    out[s,c] = #{i : idx[i]=s,
                                                                 labels[i]=c}
     gather      y (R, K), idx (L,)           -> (L, K)          out[i] = y[idx[i]]
-    scale       x (N, G, K), y, z (M, G)     -> (N, G, K)       out[i,g] = x[i,g] * y[idx[i],g]
+    scale       x, b (N, G, K), y, z, w (M, G) -> (N, G, K)     out[i,g] = x[i,g] * y[idx[i],g]
                                                                 (then * z[idx[i],g] if z has
-                                                                rows)
+                                                                rows), + b[i,g] * y[idx[i],g]
+                                                                * w[idx[i],g] if b has rows
     matvec      v (N, G, K), m (M, G, K, K)  -> (N, G, K)       out[i,g] = v[i,g] @ m[idx[i],g]
                                                                 (@ m[idx[i],g]ᵀ with `transpose`)
     put         ct (M, G, K), first (M, G)   -> (N, G, K)       out[i,g] = ct[idx[i],g] if
@@ -1186,23 +1187,32 @@ def _scale_kernel(
     x: wp.array3d(dtype=Any),
     y: wp.array2d(dtype=Any),
     z: wp.array2d(dtype=Any),
+    b: wp.array3d(dtype=Any),
+    w: wp.array2d(dtype=Any),
     idx: wp.array(dtype=wp.int32),
     out: wp.array3d(dtype=Any),
 ):
     # x times a factor, then by a second where z has rows: two factors of a segment whose
-    # product alone would underflow (a power of two near 1/|x| times a small cotangent)
+    # product alone would underflow (a power of two near 1/|x| times a small cotangent); plus
+    # b times the first factor and w where b has rows
     i = wp.tid()
     s = idx[i]
     valid = s >= 0 and s < y.shape[0]
     for g in range(x.shape[1]):
         factor = out.dtype(0.0)
         second = out.dtype(1.0)
+        third = out.dtype(0.0)
         if valid:
             factor = y[s, g]
             if z.shape[0] > 0:
                 second = z[s, g]
+            if b.shape[0] > 0:
+                third = w[s, g]
         for k in range(x.shape[2]):
-            out[i, g, k] = x[i, g, k] * factor * second
+            v = x[i, g, k] * factor * second
+            if b.shape[0] > 0:
+                v += b[i, g, k] * factor * third
+            out[i, g, k] = v
 
 
 @_deferred
@@ -1247,6 +1257,8 @@ def _scale3_kernel(
     x: wp.array(dtype=Any),
     y: wp.array(dtype=Any),
     z: wp.array(dtype=Any),
+    b: wp.array(dtype=Any),
+    w: wp.array(dtype=Any),
     idx: wp.array(dtype=wp.int32),
     out: wp.array(dtype=Any),
 ):
@@ -1254,11 +1266,17 @@ def _scale3_kernel(
     s = idx[i]
     factor = y.dtype(0.0)
     second = y.dtype(1.0)
+    third = y.dtype(0.0)
     if s >= 0 and s < y.shape[0]:
         factor = y[s]
         if z.shape[0] > 0:
             second = z[s]
-    out[i] = x[i] * factor * second
+        if b.shape[0] > 0:
+            third = w[s]
+    v = x[i] * factor * second
+    if b.shape[0] > 0:
+        v += b[i] * factor * third
+    out[i] = v
 
 
 @_deferred
@@ -1378,7 +1396,7 @@ _ELEMENTS = {
     "sum3": {"a": "vec3", "b": "vec3", "out": "vec3"},
     "mean3": {"a": "vec3", "out": "vec3"},
     "gather3": {"y": "vec3", "out": "vec3"},
-    "scale3": {"x": "vec3", "out": "vec3"},
+    "scale3": {"x": "vec3", "b": "vec3", "out": "vec3"},
     "matvec3": {"v": "vec3", "m": "mat33", "out": "vec3"},
 }
 _INTEGERS = {"int32": wp.int32, "int64": wp.int64}

@@ -13,14 +13,19 @@ with respect to each operand is another primitive of the set:
     matvec(v, m)   v ↦ matvecᵀ(ct, m)    m ↦ outer(v, ct)   (matvec: v @ m per row; matvecᵀ: v @ mᵀ)
     matvecᵀ(v, m)  v ↦ matvec(ct, m)     m ↦ outer(ct, v)
     outer(a, b)    a ↦ matvecᵀ(b, ct)    b ↦ matvec(a, ct)
+    rescale(x, y, z)     x ↦ rescale(ct, y, z)    y, z ↦ scaled_dot(x, ct, ·)   (x·y·z per row)
+    rescale2(x, b, y, z, w)   x·y·z + b·y·w per row in one kernel, each product as rescale's
 
 JAX derives every higher derivative, forward or reverse, from these rules. `rms_norm` (the
 RMS norm of each segment, in one pass over the rows) has no rule: segcli.ops differentiates
-it through a custom JVP built of the others. The other primitives give integers, so no
-derivative: `extreme` (the first row attaining each segment's max, min or max norm, through
-which the ops differentiate), `count` and `bincount`. Batching folds a vmapped axis into
-axis 1 of every float operand (the feature or group axis), which keeps the segment ids and
-their order; vmapped ids fall back to a loop over the batch.
+it through a custom JVP built of the others, whose tangent map and that map's derivative are
+`custom_transposed` primitives, composites of the others with a transpose of their own (so
+that a second derivative adds its two rescales of the rows in one rescale2 kernel).
+The other primitives give integers, so no derivative: `extreme` (the first row attaining
+each segment's max, min or max norm, through which the ops differentiate), `count` and
+`bincount`. Batching folds a vmapped axis into axis 1 of every float operand (the feature or
+group axis), which keeps the segment ids and their order; vmapped ids fall back to a loop over
+the batch.
 
 Operands are the data arrays followed by int32 ids and int32 offsets: the segments' CSR
 offsets (M+1,) when the caller has them (the ids then non-decreasing), else an empty array and
@@ -106,7 +111,9 @@ class _Rule:
     parameters to operand j's cotangent. With `batch_first`, a batched output has its batch
     axis first (else second, where folding leaves it): that of the JVP built of other
     primitives that segcli.ops gives it, as JAX takes a custom JVP's primal batch axes for
-    its JVP's outputs under jit."""
+    its JVP's outputs under jit. A multilinear primitive that is a sum of products gives its
+    `slots`: the groups of operands that each product holds one of (default: each operand a
+    group of its own, one product)."""
 
     name: str
     impl: object
@@ -115,6 +122,7 @@ class _Rule:
     dtype: object = None
     transposes: tuple = ()
     batch_first: bool = False
+    slots: tuple = ()
 
 
 def _fold_batch(args, dims, arity):
@@ -190,33 +198,46 @@ def _symbolic_zero(value):
     return ad.Zero(jax.typeof(value).to_tangent_aval())
 
 
+def _sum_terms(terms, like):
+    """The sum of `terms`, or a symbolic zero tangent of `like` if there are none."""
+    if not terms:
+        return _symbolic_zero(like)
+    total = terms[0]
+    for term in terms[1:]:
+        total = total + term
+    return total
+
+
 def _multilinear(rule):
-    """Register a primitive linear in each float operand, with its JVP and transposes."""
+    """Register a primitive linear in each float operand (in each slot, see _Rule), with its JVP
+    and transposes."""
     prim = _register(rule)
+    slots = rule.slots or tuple((j,) for j in range(rule.arity))
 
     def jvp(primals, tangents, **params):
         out = prim.bind(*primals, **params)
-        terms = [
-            prim.bind(*primals[:j], t, *primals[j + 1 :], **params)
-            for j, t in enumerate(tangents[: rule.arity])
-            if type(t) is not ad.Zero
-        ]
-        if not terms:
-            return out, _symbolic_zero(out)
-        total = terms[0]
-        for term in terms[1:]:
-            total = total + term
-        return out, total
+        terms = []
+        for slot in slots:
+            if all(type(tangents[j]) is ad.Zero for j in slot):
+                continue
+            operands = list(primals)
+            for j in slot:
+                operands[j] = ad.instantiate_zeros(tangents[j])
+            terms.append(prim.bind(*operands, **params))
+        return out, _sum_terms(terms, out)
 
     def transpose(ct, *operands, **params):
         *floats, idx, offsets = operands
-        j = next(k for k, f in enumerate(floats) if ad.is_undefined_primal(f))
-        if type(ct) is ad.Zero:
-            cotangent = ad.Zero(floats[j].aval)
-        else:
-            others = [f for k, f in enumerate(floats) if k != j]
-            cotangent = rule.transposes[j](ct, *others, (idx, offsets), params)
-        return [None] * j + [cotangent] + [None] * (len(operands) - j - 1)
+        cotangents = [None] * len(operands)
+        for j, f in enumerate(floats):  # (several only in different products of a sum)
+            if not ad.is_undefined_primal(f):
+                continue
+            if type(ct) is ad.Zero:
+                cotangents[j] = ad.Zero(f.aval)
+            else:
+                others = [g for k, g in enumerate(floats) if k != j]
+                cotangents[j] = rule.transposes[j](ct, *others, (idx, offsets), params)
+        return cotangents
 
     ad.primitive_jvps[prim] = jvp
     ad.primitive_transposes[prim] = transpose
@@ -232,6 +253,53 @@ def _integral(rule):
         return out, _symbolic_zero(out)
 
     ad.primitive_jvps[prim] = jvp
+    return prim
+
+
+def custom_transposed(name, function, linear, like, transpose):
+    """A primitive computing `function(*operands, **params)` from other primitives, linear in
+    the operands numbered in `linear`, whose transpose is `transpose(ct, *operands, **params)`
+    (a cotangent for each operand, None for the others; the linear ones to find are
+    ad.UndefinedPrimal) rather than that of the function's parts: one that shares their work,
+    or fuses the terms JAX would add. Its result has the aval of operand `like`. Its JVP keeps
+    the linear operands' tangents in the primitive (so that transposing it stays custom) and
+    differentiates `function` for the others; it is batched, and lowered, as `function`."""
+    prim = Primitive(f"segcli_{name}")
+    prim.def_impl(lambda *args, **params: _jitted_bind(prim, tuple(sorted(params.items())))(*args))
+    prim.def_abstract_eval(lambda *avals, **_: avals[like])
+    mlir.register_lowering(prim, mlir.lower_fun(function, multiple_results=False))
+
+    def jvp(primals, tangents, **params):
+        out = prim.bind(*primals, **params)
+        terms = []
+        if any(type(tangents[j]) is not ad.Zero for j in linear):
+            terms.append(prim.bind(*(ad.instantiate_zeros(t) if j in linear else p
+                                     for j, (p, t) in enumerate(zip(primals, tangents))),
+                                   **params))
+        moving = [j for j, t in enumerate(tangents) if j not in linear and type(t) is not ad.Zero
+                  and jnp.issubdtype(primals[j].dtype, jnp.inexact)]
+        if moving:
+            def along(*values):
+                operands = list(primals)
+                for j, value in zip(moving, values):
+                    operands[j] = value
+                return function(*operands, **params)
+
+            terms.append(jax.jvp(along, [primals[j] for j in moving],
+                                 [tangents[j] for j in moving])[1])
+        return out, _sum_terms(terms, out)
+
+    def transposed(ct, *operands, **params):
+        if type(ct) is ad.Zero:
+            return [ad.Zero(o.aval) if ad.is_undefined_primal(o) else None for o in operands]
+        return transpose(ct, *operands, **params)
+
+    def batch(args, dims, **params):
+        return jax.vmap(functools.partial(function, **params), in_axes=dims)(*args), 0
+
+    ad.primitive_jvps[prim] = jvp
+    ad.primitive_transposes[prim] = transposed
+    batching.primitive_batchers[prim] = batch
     return prim
 
 
@@ -339,13 +407,24 @@ def _scale(x, y, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
 
 
 def _rescale(x, y, z, idx, offsets, *, gpu=False, **_):
+    return _scaled_rows(x, y, z, x[:0], y[:0], idx)
+
+
+def _rescale2(x, b, y, z, w, idx, offsets, *, gpu=False, **_):
+    return _scaled_rows(x, y, z, b, w, idx)
+
+
+def _scaled_rows(x, y, z, b, w, idx):
+    """The scale kernel: x[i] · y[s] · z[s] (z empty: 1), + b[i] · y[s] · w[s] if b has rows."""
     if _empty(x.shape, x, y):
         return jnp.zeros(x.shape, x.dtype)
     if _is_float_vec3(x):
-        rows = x.reshape(x.shape[0], 3)
-        return launch("scale3", rows, y[:, 0], z[:, 0], idx, dims=(idx.shape[0],),
-                      out=(idx.shape[0],)).reshape(x.shape)
-    return launch("scale", x, y, z, idx, dims=(idx.shape[0],), out=x.shape)
+        def vec3(a):
+            return a.reshape(a.shape[0], 3)
+
+        return launch("scale3", vec3(x), y[:, 0], z[:, 0], vec3(b), w[:, 0], idx,
+                      dims=(idx.shape[0],), out=(idx.shape[0],)).reshape(x.shape)
+    return launch("scale", x, y, z, b, w, idx, dims=(idx.shape[0],), out=x.shape)
 
 
 scale_p = _multilinear(_Rule(
@@ -362,6 +441,19 @@ rescale_p = _multilinear(_Rule(
 """(x[i] · y[s]) · z[s] over the rows i of each segment s, by one kernel: x scaled by two
 factors of its segment, such as a power of two near 1/|x| and a cotangent, whose product
 alone could underflow where this does not."""
+
+
+rescale2_p = _multilinear(_Rule(
+    "rescale2", _rescale2, lambda x, b, y, z, w, idx, offsets, **_: x.shape, 5,
+    slots=((0, 1), (2,), (3, 4)),
+    transposes=(lambda ct, b, y, z, w, seg, p: rescale_p.bind(ct, y, z, *seg, **p),
+                lambda ct, x, y, z, w, seg, p: rescale_p.bind(ct, y, w, *seg, **p),
+                lambda ct, x, b, z, w, seg, p: (scaled_dot_p.bind(x, ct, z, *seg, **p)
+                                                + scaled_dot_p.bind(b, ct, w, *seg, **p)),
+                lambda ct, x, b, y, w, seg, p: scaled_dot_p.bind(x, ct, y, *seg, **p),
+                lambda ct, x, b, y, z, seg, p: scaled_dot_p.bind(b, ct, y, *seg, **p))))
+"""(x[i] · y[s]) · z[s] + (b[i] · y[s]) · w[s]: two rescales of a segment's rows that share a
+factor, added by the one kernel (a sum of two products: linear in (x, b), in y and in (z, w))."""
 
 
 def _scaled_dot(x, y, w, idx, offsets, **params):
@@ -438,6 +530,12 @@ def power_of_two(top):
     return power(e), power(-e)
 
 
+SQUARES_ROWS = 1 << 20
+"""Rows from which a GPU takes float32 norms over ids known sorted in two kernels (the sums of
+squares per feature, then the norms) rather than rms_norm_span's one, whose launch costs more
+than the pass it saves below."""
+
+
 def _rms_norm(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     n, groups, k = x.shape
     shape = (num_segments, groups)
@@ -445,9 +543,9 @@ def _rms_norm(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
         return jnp.zeros(shape, x.dtype)
     known_sorted = _known_sorted(offsets, indices_are_sorted)
     layout = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
-    if gpu and x.dtype == jnp.float32:
-        if not known_sorted:
-            return _wide_rms_norm(x, idx, layout, num_segments)
+    if gpu and x.dtype == jnp.float32 and not known_sorted:
+        return _wide_rms_norm(x, idx, layout, num_segments)
+    if gpu and x.dtype == jnp.float32 and n >= SQUARES_ROWS:
         # Σ x² per segment and feature by a thread each, then a thread per segment and group
         # adds its K sums (and sums again, scaled, where that overflowed or underflowed): 66 µs
         # on an H200 at N = 10⁷, where rms_norm_span takes 78 (benchmarks/RESULTS.md)
