@@ -56,15 +56,16 @@ Shapes (rows first, then a group axis G that vmap folds into, then features):
     bincount    labels (N,)                  -> (M, L) int32    out[s,c] = #{i : idx[i]=s,
                                                                 labels[i]=c}
     gather      y (R, K), idx (L,)           -> (L, K)          out[i] = y[idx[i]]
-    scale       x, b (N, G, K), y, z, w (M, G) -> (N, G, K)     out[i,g] = x[i,g] * y[idx[i],g]
+    scale       x (N, G, K), y, z (M, G)     -> (N, G, K)       out[i,g] = x[i,g] * y[idx[i],g]
                                                                 (then * z[idx[i],g] if z has
-                                                                rows), + b[i,g] * y[idx[i],g]
-                                                                * w[idx[i],g] if b has rows
+                                                                rows)
+    scale_pair  x, b (N, G, K), y, z, w      -> (N, G, K)       the same + b[i,g] * y[idx[i],g]
+                                                                * w[idx[i],g]
     matvec      v (N, G, K), m (M, G, K, K)  -> (N, G, K)       out[i,g] = v[i,g] @ m[idx[i],g]
                                                                 (@ m[idx[i],g]ᵀ with `transpose`)
     put         ct (M, G, K), first (M, G)   -> (N, G, K)       out[i,g] = ct[idx[i],g] if
                                                                 first[idx[i],g] = i, else 0
-    gather3, scale3, matvec3                                    the same for G = 1, K = 3
+    gather3, scale3, scale_pair3, matvec3                       the same for G = 1, K = 3
 
 The reductions (count, sum, mean, outer, sum3, mean3, sum_squares) come from one factory
 (`_segment_reduction`) over the term each adds, and the searches for extremes from another
@@ -1182,37 +1183,44 @@ def _put_kernel(ct: wp.array3d(dtype=Any), first: wp.array2d(dtype=wp.int32),
             out[i, g, k] = v
 
 
-@_deferred
-def _scale_kernel(
-    x: wp.array3d(dtype=Any),
-    y: wp.array2d(dtype=Any),
-    z: wp.array2d(dtype=Any),
-    b: wp.array3d(dtype=Any),
-    w: wp.array2d(dtype=Any),
-    idx: wp.array(dtype=wp.int32),
-    out: wp.array3d(dtype=Any),
-):
-    # x times a factor, then by a second where z has rows: two factors of a segment whose
-    # product alone would underflow (a power of two near 1/|x| times a small cotangent); plus
-    # b times the first factor and w where b has rows
-    i = wp.tid()
-    s = idx[i]
-    valid = s >= 0 and s < y.shape[0]
-    for g in range(x.shape[1]):
-        factor = out.dtype(0.0)
-        second = out.dtype(1.0)
-        third = out.dtype(0.0)
-        if valid:
-            factor = y[s, g]
-            if z.shape[0] > 0:
-                second = z[s, g]
-            if b.shape[0] > 0:
-                third = w[s, g]
-        for k in range(x.shape[2]):
-            v = x[i, g, k] * factor * second
-            if b.shape[0] > 0:
-                v += b[i, g, k] * factor * third
-            out[i, g, k] = v
+def _scaling(paired):
+    """The scale kernel: x times a factor of its segment, then by a second where z has rows
+    (two factors whose product alone would underflow: a power of two near 1/|x| times a small
+    cotangent); `paired`, plus b times the first factor and w (rescale2)."""
+
+    def kernel(
+        x: wp.array3d(dtype=Any),
+        y: wp.array2d(dtype=Any),
+        z: wp.array2d(dtype=Any),
+        b: wp.array3d(dtype=Any),
+        w: wp.array2d(dtype=Any),
+        idx: wp.array(dtype=wp.int32),
+        out: wp.array3d(dtype=Any),
+    ):
+        i = wp.tid()
+        s = idx[i]
+        valid = s >= 0 and s < y.shape[0]
+        for g in range(x.shape[1]):
+            factor = out.dtype(0.0)
+            second = out.dtype(1.0)
+            third = out.dtype(0.0)
+            if valid:
+                factor = y[s, g]
+                if z.shape[0] > 0:
+                    second = z[s, g]
+                if wp.static(paired):
+                    third = w[s, g]
+            for k in range(x.shape[2]):
+                v = x[i, g, k] * factor * second
+                if wp.static(paired):
+                    v += b[i, g, k] * factor * third
+                out[i, g, k] = v
+
+    return kernel
+
+
+_deferred(_scaling(False), "scale")
+_deferred(_scaling(True), "scale_pair")
 
 
 @_deferred
@@ -1252,31 +1260,39 @@ def _gather3_kernel(y: wp.array(dtype=Any), idx: wp.array(dtype=wp.int32),
         out[i] = type(out[i])()
 
 
-@_deferred
-def _scale3_kernel(
-    x: wp.array(dtype=Any),
-    y: wp.array(dtype=Any),
-    z: wp.array(dtype=Any),
-    b: wp.array(dtype=Any),
-    w: wp.array(dtype=Any),
-    idx: wp.array(dtype=wp.int32),
-    out: wp.array(dtype=Any),
-):
-    i = wp.tid()
-    s = idx[i]
-    factor = y.dtype(0.0)
-    second = y.dtype(1.0)
-    third = y.dtype(0.0)
-    if s >= 0 and s < y.shape[0]:
-        factor = y[s]
-        if z.shape[0] > 0:
-            second = z[s]
-        if b.shape[0] > 0:
-            third = w[s]
-    v = x[i] * factor * second
-    if b.shape[0] > 0:
-        v += b[i] * factor * third
-    out[i] = v
+def _scaling3(paired):
+    """_scaling for rows of one group of 3 features, whole vectors a thread."""
+
+    def kernel(
+        x: wp.array(dtype=Any),
+        y: wp.array(dtype=Any),
+        z: wp.array(dtype=Any),
+        b: wp.array(dtype=Any),
+        w: wp.array(dtype=Any),
+        idx: wp.array(dtype=wp.int32),
+        out: wp.array(dtype=Any),
+    ):
+        i = wp.tid()
+        s = idx[i]
+        factor = y.dtype(0.0)
+        second = y.dtype(1.0)
+        third = y.dtype(0.0)
+        if s >= 0 and s < y.shape[0]:
+            factor = y[s]
+            if z.shape[0] > 0:
+                second = z[s]
+            if wp.static(paired):
+                third = w[s]
+        v = x[i] * factor * second
+        if wp.static(paired):
+            v += b[i] * factor * third
+        out[i] = v
+
+    return kernel
+
+
+_deferred(_scaling3(False), "scale3")
+_deferred(_scaling3(True), "scale_pair3")
 
 
 @_deferred
@@ -1397,6 +1413,7 @@ _ELEMENTS = {
     "mean3": {"a": "vec3", "out": "vec3"},
     "gather3": {"y": "vec3", "out": "vec3"},
     "scale3": {"x": "vec3", "b": "vec3", "out": "vec3"},
+    "scale_pair3": {"x": "vec3", "b": "vec3", "out": "vec3"},
     "matvec3": {"v": "vec3", "m": "mat33", "out": "vec3"},
 }
 _INTEGERS = {"int32": wp.int32, "int64": wp.int64}

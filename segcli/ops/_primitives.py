@@ -407,24 +407,24 @@ def _scale(x, y, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
 
 
 def _rescale(x, y, z, idx, offsets, *, gpu=False, **_):
-    return _scaled_rows(x, y, z, x[:0], y[:0], idx)
+    return _scaled_rows("scale", x, y, z, x[:0], y[:0], idx)
 
 
 def _rescale2(x, b, y, z, w, idx, offsets, *, gpu=False, **_):
-    return _scaled_rows(x, y, z, b, w, idx)
+    return _scaled_rows("scale_pair", x, y, z, b, w, idx)
 
 
-def _scaled_rows(x, y, z, b, w, idx):
-    """The scale kernel: x[i] · y[s] · z[s] (z empty: 1), + b[i] · y[s] · w[s] if b has rows."""
+def _scaled_rows(kernel, x, y, z, b, w, idx):
+    """x[i] · y[s] · z[s] (z empty: 1), + b[i] · y[s] · w[s] by kernel "scale_pair"."""
     if _empty(x.shape, x, y):
         return jnp.zeros(x.shape, x.dtype)
     if _is_float_vec3(x):
         def vec3(a):
             return a.reshape(a.shape[0], 3)
 
-        return launch("scale3", vec3(x), y[:, 0], z[:, 0], vec3(b), w[:, 0], idx,
+        return launch(f"{kernel}3", vec3(x), y[:, 0], z[:, 0], vec3(b), w[:, 0], idx,
                       dims=(idx.shape[0],), out=(idx.shape[0],)).reshape(x.shape)
-    return launch("scale", x, y, z, b, w, idx, dims=(idx.shape[0],), out=x.shape)
+    return launch(kernel, x, y, z, b, w, idx, dims=(idx.shape[0],), out=x.shape)
 
 
 scale_p = _multilinear(_Rule(
