@@ -1017,36 +1017,90 @@ def _near_below(square: wp.float32):  # an overload per dtype
     return square * wp.float32(_NEAR_FLOAT32)
 
 
+# max_norm's pass of plain comparisons on CPUs: the first of rows lo:hi (lo < hi) of group g
+# with the largest squared norm, each square summed over the K features in order as
+# _squared_norm sums it (a product and a sum per statement, so that no multiply-add fuses
+# them and every bit is the same); that row if its square is plain and no row before it has a
+# square a few units in the last place below it, -(row + 2) where one does, -1 where a square
+# is NaN or the largest is not plain ("float" stands for the dtype; PLAIN, NEAR and MAX for
+# its PLAIN_SQUARES, _NEAR_FLOAT and largest value)
+_PLAIN_SQUARES_SEARCH = """
+    const float* p = (const float*)x.data;
+    const int k = x.shape[2];
+    float best = -1, before = -1;
+    int winner = lo, nans = 0;
+    for (int i = lo; i < hi; i++) {
+        const float* row = p + ((long long)i * x.shape[1] + g) * k;
+        float square = 0;
+        if (k == 3) {  // unrolled: the usual rows of 3
+            const float a = row[0] * row[0], b = row[1] * row[1], c = row[2] * row[2];
+            square = square + a;
+            square = square + b;
+            square = square + c;
+        } else {
+            for (int f = 0; f < k; f++) {
+                const float term = row[f] * row[f];
+                square = square + term;
+            }
+        }
+        const bool taken = square > best;
+        before = taken ? best : before;
+        best = taken ? square : best;
+        winner = taken ? i : winner;
+        nans += square != square;
+    }
+    if (nans || !(best >= PLAIN && best <= MAX)) return -1;
+    const float near = best * NEAR;
+    return before >= near ? -(winner + 2) : winner;
+"""
+
+
+def _squares_search_source(dtype):
+    """_PLAIN_SQUARES_SEARCH for `dtype` ("float32" or "float64"), its constants the kernels'
+    own as exact C literals."""
+    single = dtype == "float32"
+    suffix = "f" if single else ""
+    near = _NEAR_FLOAT32 if single else _NEAR_FLOAT64
+    constants = {"PLAIN": PLAIN_SQUARES[dtype], "NEAR": near, "MAX": float(np.finfo(dtype).max)}
+    source = _PLAIN_SQUARES_SEARCH if single else _PLAIN_SQUARES_SEARCH.replace("float", "double")
+    for name, value in constants.items():
+        source = source.replace(name, float(value).hex() + suffix)
+    return source
+
+
+@wp.func_native(_squares_search_source("float32"))
+def _plain_squares_search(x: wp.array3d(dtype=wp.float32), lo: int, hi: int, g: int) -> int:
+    ...
+
+
+@wp.func_native(_squares_search_source("float64"))
+def _plain_squares_search(x: wp.array3d(dtype=wp.float64), lo: int, hi: int, g: int) -> int:
+    ...
+
+
 def _largest_square_first(search, key, better):
-    """max_norm's ordered search on CPUs: one pass of plain comparisons finds the first row of
-    the largest squared norm. Where that square is plain (so its root is the row's norm, the
-    largest) and no row's is NaN, the answer is the first row whose norm equals it: that row,
-    unless a row before it has a square a few units in the last place below (then its norm
-    may round to the same). Otherwise `search` (the screened search) decides. `key` is the
-    norm, and `better` is implied by the squares' order."""
+    """max_norm's ordered search on CPUs: one pass of plain comparisons in C
+    (_plain_squares_search) finds the first row of the largest squared norm. Where that square
+    is plain (so its root is the row's norm, the largest) and no row's is NaN, the answer is
+    the first row whose norm equals it: that row, unless a row before it has a square a few
+    units in the last place below (then its norm may round to the same). Otherwise `search`
+    (the screened search) decides. `key` is the norm, and `better` is implied by the squares'
+    order."""
 
     @wp.func
     def first_of_largest(x: wp.array3d(dtype=Any), lo: int, hi: int, g: int):
-        best = x.dtype(-1)
-        before = x.dtype(-1)  # the largest square of the rows before the winner
-        winner = int(lo)
-        nans = wp.int32(0)
-        for i in range(lo, hi):
-            square = _squared_norm(x, i, g)
-            if square > best:
-                before = best
-                best = square
-                winner = i
-            if square != square:  # NaN (a comparison: on CPUs half the cost of wp.isnan here)
-                nans += 1
-        if nans > 0 or not _plain_square(best):
+        winner = _plain_squares_search(x, lo, hi, g)
+        if winner >= 0:
+            return winner
+        if winner == -1:
             return search(x, lo, hi, g)
+        winner = -winner - 2  # a row before it may have the same norm: the first one
+        best = _squared_norm(x, winner, g)
         near = _near_below(best)
-        if before >= near:  # a row before the winner may have the same norm: the first one
-            top = wp.sqrt(best)
-            for i in range(lo, winner):
-                if _squared_norm(x, i, g) >= near and key(x, i, g) == top:
-                    return i
+        top = wp.sqrt(best)
+        for i in range(lo, winner):
+            if _squared_norm(x, i, g) >= near and key(x, i, g) == top:
+                return i
         return winner
 
     return first_of_largest
