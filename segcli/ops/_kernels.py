@@ -1237,10 +1237,32 @@ def _put_kernel(ct: wp.array3d(dtype=Any), first: wp.array2d(dtype=wp.int32),
             out[i, g, k] = v
 
 
+def _segment_factors(paired):
+    """(y[s, g], z[s, g] or 1 where z has no rows, w[s, g] if `paired`): the factors of the
+    scale kernels for segment s, (0, 1, 0) where s is out of range."""
+
+    @wp.func
+    def factors(y: wp.array2d(dtype=Any), z: wp.array2d(dtype=Any), w: wp.array2d(dtype=Any),
+                s: int, g: int):
+        factor = y.dtype(0.0)
+        second = y.dtype(1.0)
+        third = y.dtype(0.0)
+        if s >= 0 and s < y.shape[0]:
+            factor = y[s, g]
+            if z.shape[0] > 0:
+                second = z[s, g]
+            if wp.static(paired):
+                third = w[s, g]
+        return factor, second, third
+
+    return factors
+
+
 def _scaling(paired):
     """The scale kernel: x times a factor of its segment, then by a second where z has rows
     (two factors whose product alone would underflow: a power of two near 1/|x| times a small
     cotangent); `paired`, plus b times the first factor and w (rescale2)."""
+    factors = _segment_factors(paired)
 
     def kernel(
         x: wp.array3d(dtype=Any),
@@ -1252,18 +1274,8 @@ def _scaling(paired):
         out: wp.array3d(dtype=Any),
     ):
         i = wp.tid()
-        s = idx[i]
-        valid = s >= 0 and s < y.shape[0]
         for g in range(x.shape[1]):
-            factor = out.dtype(0.0)
-            second = out.dtype(1.0)
-            third = out.dtype(0.0)
-            if valid:
-                factor = y[s, g]
-                if z.shape[0] > 0:
-                    second = z[s, g]
-                if wp.static(paired):
-                    third = w[s, g]
+            factor, second, third = factors(y, z, w, idx[i], g)
             for k in range(x.shape[2]):
                 v = x[i, g, k] * factor * second
                 if wp.static(paired):
@@ -1316,27 +1328,19 @@ def _gather3_kernel(y: wp.array(dtype=Any), idx: wp.array(dtype=wp.int32),
 
 def _scaling3(paired):
     """_scaling for rows of one group of 3 features, whole vectors a thread."""
+    factors = _segment_factors(paired)
 
     def kernel(
         x: wp.array(dtype=Any),
-        y: wp.array(dtype=Any),
-        z: wp.array(dtype=Any),
+        y: wp.array2d(dtype=Any),
+        z: wp.array2d(dtype=Any),
         b: wp.array(dtype=Any),
-        w: wp.array(dtype=Any),
+        w: wp.array2d(dtype=Any),
         idx: wp.array(dtype=wp.int32),
         out: wp.array(dtype=Any),
     ):
         i = wp.tid()
-        s = idx[i]
-        factor = y.dtype(0.0)
-        second = y.dtype(1.0)
-        third = y.dtype(0.0)
-        if s >= 0 and s < y.shape[0]:
-            factor = y[s]
-            if z.shape[0] > 0:
-                second = z[s]
-            if wp.static(paired):
-                third = w[s]
+        factor, second, third = factors(y, z, w, idx[i], 0)
         v = x[i] * factor * second
         if wp.static(paired):
             v += b[i] * factor * third

@@ -422,8 +422,8 @@ def _scaled_rows(kernel, x, y, z, b, w, idx):
         def vec3(a):
             return a.reshape(a.shape[0], 3)
 
-        return launch(f"{kernel}3", vec3(x), y[:, 0], z[:, 0], vec3(b), w[:, 0], idx,
-                      dims=(idx.shape[0],), out=(idx.shape[0],)).reshape(x.shape)
+        return launch(f"{kernel}3", vec3(x), y, z, vec3(b), w, idx, dims=(idx.shape[0],),
+                      out=(idx.shape[0],)).reshape(x.shape)
     return launch(kernel, x, y, z, b, w, idx, dims=(idx.shape[0],), out=x.shape)
 
 
