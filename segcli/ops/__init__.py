@@ -393,9 +393,9 @@ def _rms_norms_jvp(params, primals, tangents):
 
 
 def _norm_terms(g, norms, idx, offsets, params):
-    """(ι, δ, zero) of rms_norm's derivatives, all (M, G): ι a power of two near 1/norm (held
-    constant: every derivative stays exact, and g·ι nothing overflows), δ = count · norm · ι,
-    and where the norm is 0 (where every derivative is 0)."""
+    """(ι, δ, zero) of rms_norm's derivatives, all (M, G): ι a power of two near 1/norm, held
+    constant (every derivative stays exact, and no g · ι overflows), δ = count · norm · ι, and
+    where the norm is 0 (every derivative is 0 there)."""
     _, inverse = P.power_of_two(jax.lax.stop_gradient(norms))
     zero = norms == 0
     counts = _nonzero_counts((idx, offsets), params, g.dtype)[:, None]
@@ -416,8 +416,8 @@ def _rms_norm_tangent_transpose(ct, g, dg, norms, idx, offsets, **params):
 
 _rms_norm_tangent_p = P.custom_transposed("rms_norm_tangent", _rms_norm_tangent, linear=(1,),
                                           like=2, transpose=_rms_norm_tangent_transpose)
-"""rms_norm's tangent map (linear in dg), transposed into _rms_norm_cotangent, whose
-derivative segcli gives in turn."""
+"""rms_norm's tangent map (linear in dg), transposed into _rms_norm_cotangent, which has a
+JVP of its own in turn."""
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(4,))
