@@ -393,18 +393,18 @@ def _rms_norms_jvp(params, primals, tangents):
 
 
 def _norm_terms(g, norms, idx, offsets, params):
-    """(ι, δ, zero) of rms_norm's derivatives, all (M, G): ι a power of two near 1/norm, held
-    constant (every derivative stays exact, and no g · ι overflows), δ = count · norm · ι, and
-    where the norm is 0 (every derivative is 0 there)."""
+    """(ι, count, δ, zero) of rms_norm's derivatives: ι a power of two near 1/norm, held
+    constant (every derivative stays exact, and no g · ι overflows), the rows per segment
+    (M, 1), δ = count · norm · ι, and where the norm is 0 (every derivative is 0 there)."""
     _, inverse = P.power_of_two(jax.lax.stop_gradient(norms))
     zero = norms == 0
     counts = _nonzero_counts((idx, offsets), params, g.dtype)[:, None]
-    return inverse, counts * jnp.where(zero, 1, norms * inverse), zero
+    return inverse, counts, counts * jnp.where(zero, 1, norms * inverse), zero
 
 
 def _rms_norm_tangent(g, dg, norms, idx, offsets, **params):
     """d norm = Σ <g[i], dg[i]> / (count · norm) = Σ <g[i] · ι, dg[i]> / δ."""
-    inverse, divisor, zero = _norm_terms(g, norms, idx, offsets, params)
+    inverse, _, divisor, zero = _norm_terms(g, norms, idx, offsets, params)
     dot = P.scaled_dot_p.bind(g, dg, inverse, idx, offsets, **params)
     return jnp.where(zero, 0, dot / divisor)
 
@@ -425,7 +425,7 @@ def _rms_norm_cotangent(g, c, norms, seg, params):
     """rms_norm's transposed tangent map: the cotangent g[i] · c[s] / (count · norm) of g for a
     cotangent c (M, G) of the norms (= rms_norm(g), held constant: the JVP differentiates
     through g)."""
-    inverse, divisor, zero = _norm_terms(g, norms, *seg, dict(params))
+    inverse, _, divisor, zero = _norm_terms(g, norms, *seg, dict(params))
     return P.rescale_p.bind(g, inverse, jnp.where(zero, 0, c / divisor), *seg, **dict(params))
 
 
@@ -441,14 +441,15 @@ def _rms_norm_curvature(g, dg, dc, norms, c, idx, offsets, **params):
     """The JVP of _rms_norm_cotangent, linear in (dg, dc): dg[i] · c[s] / (count · norm) +
     g[i] · (dc / δ - c · count · ι · S / δ³)[s] · ι, S = Σ <g[i] · ι, dg[i]>, in one kernel
     after the dot."""
-    inverse, divisor, zero = _norm_terms(g, norms, idx, offsets, params)
-    dot = P.scaled_dot_p.bind(g, dg, inverse, idx, offsets, **params)
-    return _curvature_rows(g, dg, dc, dot, c, inverse, divisor, zero, idx, offsets, params)
+    terms = _norm_terms(g, norms, idx, offsets, params)
+    dot = P.scaled_dot_p.bind(g, dg, terms[0], idx, offsets, **params)
+    return _curvature_rows(g, dg, dc, dot, c, terms, idx, offsets, params)
 
 
-def _curvature_rows(g, rows, dc, dot, c, inverse, divisor, zero, idx, offsets, params):
-    """rows · ι · c / δ + g · ι · (dc - c · count · ι · dot / δ²) / δ, 0 where the norm is 0."""
-    counts = _nonzero_counts((idx, offsets), params, g.dtype)[:, None]
+def _curvature_rows(g, rows, dc, dot, c, terms, idx, offsets, params):
+    """rows · ι · c / δ + g · ι · (dc - c · count · ι · dot / δ²) / δ, 0 where the norm is 0
+    (`terms` from _norm_terms)."""
+    inverse, counts, divisor, zero = terms
     along = jnp.where(zero, 0, (dc - c * counts * inverse * dot / divisor ** 2) / divisor)
     return P.rescale2_p.bind(rows, g, inverse, jnp.where(zero, 0, c / divisor), along, idx,
                              offsets, **params)
@@ -457,12 +458,12 @@ def _curvature_rows(g, rows, dc, dot, c, inverse, divisor, zero, idx, offsets, p
 def _rms_norm_curvature_transpose(u, g, dg, dc, norms, c, idx, offsets, **params):
     """The transpose of the curvature, a Hessian: for dg the map itself at (u, 0) (both its
     terms by one kernel, where JAX would add two rescales), for dc R / δ, R = Σ <g · ι, u>."""
-    inverse, divisor, zero = _norm_terms(g, norms, idx, offsets, params)
-    dot = P.scaled_dot_p.bind(g, u, inverse, idx, offsets, **params)
+    terms = _norm_terms(g, norms, idx, offsets, params)
+    *_, divisor, zero = terms
+    dot = P.scaled_dot_p.bind(g, u, terms[0], idx, offsets, **params)
     ct_dg = ct_dc = None
     if ad.is_undefined_primal(dg):
-        ct_dg = _curvature_rows(g, u, jnp.zeros_like(c), dot, c, inverse, divisor, zero, idx,
-                                offsets, params)
+        ct_dg = _curvature_rows(g, u, jnp.zeros_like(c), dot, c, terms, idx, offsets, params)
     if ad.is_undefined_primal(dc):
         ct_dc = jnp.where(zero, 0, dot / divisor)
     return [None, ct_dg, ct_dc, None, None, None, None]

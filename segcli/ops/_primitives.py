@@ -415,7 +415,8 @@ def _rescale2(x, b, y, z, w, idx, offsets, *, gpu=False, **_):
 
 
 def _scaled_rows(kernel, x, y, z, b, w, idx):
-    """x[i] · y[s] · z[s] (z empty: 1), + b[i] · y[s] · w[s] by kernel "scale_pair"."""
+    """x[i] · y[s] · z[s] (z empty: 1) by kernel "scale", or that + b[i] · y[s] · w[s] by
+    "scale_pair" (each as its vec3 variant for rows of 3 floats)."""
     if _empty(x.shape, x, y):
         return jnp.zeros(x.shape, x.dtype)
     if _is_float_vec3(x):
@@ -532,8 +533,9 @@ def power_of_two(top):
 
 SQUARES_ROWS = 1 << 20
 """Rows from which a GPU takes float32 norms over ids known sorted in two kernels (the sums of
-squares per feature, then the norms) rather than rms_norm_span's one, whose launch costs more
-than the pass it saves below."""
+squares per feature, then the norms) rather than rms_norm_span's one: the pair is faster at
+N = 10⁷, and below this the launch it adds is taken to cost more than the pass it saves (an
+estimate; benchmarks/rms_norm_paths.py measures the crossover)."""
 
 
 def _rms_norm(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
