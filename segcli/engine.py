@@ -13,6 +13,7 @@ Several jobs given to `run` share one read of the file and one compiled program 
 import contextlib
 import dataclasses
 import functools
+import collections
 import itertools
 import math
 import queue
@@ -251,10 +252,11 @@ def job_present(have, job):
 
 class _Padded(NamedTuple):
     """A chunk's inputs on the host, cast and padded to bucket sizes: `segments` (S_b) rows per
-    structure and `rows` (N_b) per atom, padding atoms belonging to segment S_b (out of range,
-    so dropped by the ops). `offsets` (S_b + 1,) are the segments' CSR offsets, padding ones
-    empty; `ids` (N_b,) the atoms' segment ids, or None for a device that expands the offsets
-    into ids itself."""
+    structure and `rows` (N_b) per atom, the chunk's atoms at rows [skip, skip + n_rows) (skip:
+    the rows ahead of them in a window of the file's pages, see io.core.Window), the rows
+    around them in segment -1 ahead and S_b after (out of range, so dropped by the ops).
+    `offsets` (S_b + 1,) are the segments' CSR offsets, padding ones empty; `ids` (N_b,) the
+    atoms' segment ids, or None for a device that expands the offsets into ids itself."""
 
     n_structures: int
     n_rows: int
@@ -263,6 +265,7 @@ class _Padded(NamedTuple):
     ids: np.ndarray | None
     offsets: np.ndarray
     arrays: dict
+    skip: int = 0
 
 
 def _nan_rows(chunk, name, where_present):
@@ -316,7 +319,8 @@ class _BufferRing:
     def __init__(self, pinned=False):
         self._buffers = {}  # (key, shape, dtype) -> [(buffer, owner, references when idle)]
         self._lent = {}  # buffer address -> rows lent to a reader
-        self._pinned = pinned
+        self._windows = collections.deque(maxlen=8)  # the last io.core.Windows asked for
+        self.pinned = pinned
 
     def take(self, key, shape, dtype):
         """A buffer `key` (any hashable) of `shape` and `dtype` that nothing else refers to:
@@ -326,7 +330,7 @@ class _BufferRing:
         for buffer, owner, idle in entries:
             if sys.getrefcount(owner) == idle:
                 return buffer.view()
-        buffer = _aligned(int(np.prod(shape)) * key[2].itemsize, self._pinned)
+        buffer = _aligned(int(np.prod(shape)) * key[2].itemsize, self.pinned)
         buffer = buffer.view(key[2]).reshape(shape)
         owner = buffer[:0].base  # what every view of the buffer refers to
         entries.append((buffer, owner, None))
@@ -339,6 +343,19 @@ class _BufferRing:
         buffer = self.take(key, shape, dtype)
         self._lent[buffer.ctypes.data] = rows
         return buffer[:rows]
+
+    def window(self, key, shape, dtype, rows):
+        """An io.core.Window of `shape` for a reader to map, else to read `rows` rows into a
+        buffer `key` (see `lend`); found again by `windowed`."""
+        from segcli.io.core import Window
+
+        window = Window(shape[0], self.lend(key, shape, dtype, rows))
+        self._windows.append(window)
+        return window
+
+    def windowed(self, array):
+        """The io.core.Window whose rows for its chunk `array` is, or None."""
+        return next((w for w in self._windows if w.holds(array)), None)
 
     def holding(self, array):
         """A view of the whole buffer whose lent rows `array` is, exactly (not a part of
@@ -367,35 +384,48 @@ def _aligned(size, pinned):
 def _pad(dtypes, chunk, least, buffers, ids=True):
     """The chunk's fields (name -> dtype `dtypes`, see field_dtypes), cast and padded (see
     _Padded, which has ids if `ids`) to at least `least` = (rows, structures), in `buffers`,
-    or where the chunk was read in place (see _padded_chunks); the rows of
-    structures that lack a field (Chunk.present) hold 0, not its fill."""
+    or where the chunk was read in place or left in the file's pages (see _padded_chunks); the
+    rows of structures that lack a field (Chunk.present) hold 0, not its fill."""
     n_structures, n_rows = len(chunk.n_atoms), int(chunk.n_atoms.sum())
     rows, segments = max(least[0], bucket(n_rows)), max(least[1], bucket(n_structures))
+    windows = {name: buffers.windowed(data) for name, data in chunk.atoms.items()
+               if name in dtypes and name not in chunk.present}
+    windows = {name: w for name, w in windows.items() if w is not None
+               and w.array.shape[0] == rows and w.array.dtype == dtypes[name]}
+    skip = next((w.skip for w in windows.values()), 0)  # where the first window has the rows
     offsets = buffers.take("offsets", (segments + 1,), np.int32)
     offsets[0] = 0
     np.cumsum(chunk.n_atoms, out=offsets[1:n_structures + 1])
     offsets[n_structures + 1:] = n_rows
+    offsets += skip
     if ids:
         ids = buffers.take("ids", (rows,), np.int32)
-        ids[:n_rows] = np.repeat(np.arange(n_structures, dtype=np.int32), chunk.n_atoms)
-        ids[n_rows:] = segments
+        ids[:skip] = -1
+        ids[skip:skip + n_rows] = np.repeat(np.arange(n_structures, dtype=np.int32),
+                                            chunk.n_atoms)
+        ids[skip + n_rows:] = segments
     else:
         ids = None
     arrays = {}
     for name, dtype in dtypes.items():
         per_atom = name in chunk.atoms
         data = chunk.atoms[name] if per_atom else chunk.structures[name]
+        if name in windows and windows[name].skip == skip:
+            arrays[name] = windows[name].array  # read-only: its padding is the file's rows
+            continue
         shape = (rows if per_atom else segments, *data.shape[1:])
-        out = buffers.holding(data) if per_atom else None
+        out = buffers.holding(data) if per_atom and not skip else None
+        at = skip if per_atom else 0
         if out is None or out.shape != shape or out.dtype != dtype:
             out = buffers.take(("pad", name), shape, dtype)
-            out[:len(data)] = data
-        out[len(data):] = 0
+            out[at:at + len(data)] = data
+        out[:at] = 0
+        out[at + len(data):] = 0
         if name in chunk.present:
             have = chunk.present[name]
-            out[:len(data)][~np.repeat(have, chunk.n_atoms) if per_atom else ~have] = 0
+            out[at:at + len(data)][~np.repeat(have, chunk.n_atoms) if per_atom else ~have] = 0
         arrays[name] = out
-    return _Padded(n_structures, n_rows, segments, rows, ids, offsets, arrays)
+    return _Padded(n_structures, n_rows, segments, rows, ids, offsets, arrays, skip)
 
 
 def padded_size(n_atoms, chunk_atoms):
@@ -408,15 +438,19 @@ def padded_size(n_atoms, chunk_atoms):
     return bucket(int(atoms.max(initial=0))), bucket(int(np.diff(bounds).max(initial=0)))
 
 
-def lending(buffers, dtypes, fields, least_rows):
+def lending(buffers, dtypes, fields, least_rows, windows=False):
     """An `into` for Batch.iter_chunks: a buffer of `buffers` (a _BufferRing), padded to at
     least `least_rows` rows (a bucket), to read the next piece of per-atom field `name`
-    (fields[name] its FieldInfo) into as dtypes[name]; None for other fields."""
+    (fields[name] its FieldInfo) into as dtypes[name]; None for other fields. With `windows`,
+    a field stored as dtypes[name] is asked for as an io.core.Window of that many rows (left
+    in the file's pages where the reader can, else read into the buffer)."""
 
     def into(name, rows):
         if name not in dtypes:
             return None
         shape = (max(least_rows, bucket(int(rows))), *fields[name].shape)
+        if windows and fields[name].dtype == dtypes[name]:
+            return buffers.window(("read", name), shape, dtypes[name], rows)
         return buffers.lend(("read", name), shape, dtypes[name], rows)
 
     return into
@@ -439,8 +473,11 @@ def _padded_chunks(batch, jobs, chunk_atoms, structures, buffers, on_device=Fals
         if fields[name].per == "atom"))
     check_memory(jobs[0].path, batch.n_atoms[structures], structures.start or 0, row_bytes)
     least = padded_size(batch.n_atoms[structures], chunk_atoms)
+    # a CPU computes from the file's pages as they are, where they can be mapped: no copy
+    windows = not on_device and not buffers.pinned
     chunks = batch.iter_chunks(list(read), chunk_atoms=chunk_atoms, structures=structures,
-                               into=lending(buffers, dtypes, fields, least[0]), keep=keep)
+                               into=lending(buffers, dtypes, fields, least[0], windows),
+                               keep=keep)
     if not on_device:
         shown = shown_nan(jobs, fields)
         chunks = nan_checked(jobs[0].path, chunks, [n for n in read if n not in shown],
@@ -573,10 +610,11 @@ def runs_on(device):
 
 def _ids(offsets, rows):
     """Segment ids (rows,) of the rows of segments with CSR `offsets`, rows past them in
-    segment len(offsets) - 1: each row's id is the number of segments ending at or before it."""
+    segment len(offsets) - 1 and rows ahead of them in -1: each row's id is the number of
+    segments starting at or before it, less one."""
     import jax.numpy as jnp
 
-    return jnp.cumsum(jnp.zeros(rows, jnp.int32).at[offsets[1:]].add(1, mode="drop"))
+    return jnp.cumsum(jnp.zeros(rows, jnp.int32).at[offsets].add(1, mode="drop")) - 1
 
 
 @functools.cache
@@ -655,8 +693,9 @@ def finish(launched):
     NaN) of a `launch`."""
     jobs, padded, (out, nan) = launched
     out = [[np.asarray(o) for o in outputs] for outputs in out]
-    rows = {"atom": padded.n_rows, "structure": padded.n_structures}
-    return tuple({label: array[:rows[per]].astype(dtype, copy=False)
+    rows = {"atom": slice(padded.skip, padded.skip + padded.n_rows),
+            "structure": slice(padded.n_structures)}
+    return tuple({label: array[rows[per]].astype(dtype, copy=False)
                   for (label, (per, _, dtype)), array in zip(job.outputs.items(), arrays)}
                  for job, arrays in zip(jobs, out)), bool(nan)
 

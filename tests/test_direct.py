@@ -80,6 +80,51 @@ def test_rows_match_h5py(tmp_path, thread_count):
             assert reader.read(ds, 0, ROWS, np.zeros(data.shape, np.float16)).dtype == ds.dtype
 
 
+def test_rows_left_in_the_files_pages(tmp_path):
+    """A Window over contiguous rows: the file's rows, read-only, from `skip` rows ahead of the
+    first, at an address that is a multiple of 64 bytes; nothing for storage not contiguous as
+    NumPy holds it, or a window past the rows; read_rows reads into the fallback then."""
+    from segcli.io.core import Window
+    from segcli.io.hdf5 import read_rows
+
+    rng = np.random.default_rng(3)
+    layouts = {name: layout for name, layout in _layouts(rng).items()
+               if name in ("contiguous", "contiguous 1-D float32", "contiguous big-endian",
+                           "chunked")}
+    path = tmp_path / "windows.h5"
+    with h5py.File(path, "w") as f:
+        f.attrs["pad"] = np.zeros(5, np.uint8)  # moves the data off round offsets
+        for name, (data, options) in layouts.items():
+            f.create_dataset(name, data=data, **options)
+    with h5py.File(path, "r") as f:
+        reader = direct.Reader(str(path), f)
+        for name in ("contiguous", "contiguous 1-D float32"):
+            data = layouts[name][0]
+            skips = set()
+            for lo, hi in [(999, 1001), (1000, 3000), (123, 9876), (64, 65)]:
+                request = Window(hi - lo + 64)
+                rows = reader.window(f[name], lo, hi, request)
+                assert rows is not None, (name, lo)
+                assert not rows.flags.writeable and request.holds(rows)
+                assert request.array.ctypes.data % 64 == 0 and 0 <= request.skip <= min(lo, 64)
+                np.testing.assert_array_equal(rows, data[lo:hi])
+                np.testing.assert_array_equal(request.array, data[lo - request.skip:][:len(
+                    request.array)])
+                assert not request.holds(rows[1:]) and not request.holds(rows.copy())
+                skips.add(request.skip)
+            assert len(skips) > 1, name  # windows from other rows than the first
+            unaligned = f[name].id.get_offset() % 64  # then no window from row 0
+            assert (reader.window(f[name], 0, 5, Window(69)) is None) == bool(unaligned)
+            assert reader.window(f[name], ROWS - 10, ROWS, Window(64)) is None  # past the rows
+        for name in ("contiguous big-endian", "chunked"):
+            assert reader.window(f[name], 10, 20, Window(64)) is None, name
+        fallback = np.zeros((64, 3))
+        request = Window(64, fallback)
+        rows = read_rows(str(path), f["chunked"], 10, 74, request, reader)
+        assert rows is fallback and request.array is None
+        np.testing.assert_array_equal(rows, layouts["chunked"][0][10:74])
+
+
 def test_missing_chunks_and_skipped_filters(tmp_path, thread_count):
     """Chunks never written read as the dataset's fill value; a chunk stored with its filters
     skipped (its filter mask) is read raw."""

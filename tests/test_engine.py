@@ -5,6 +5,7 @@ import inspect
 import threading
 import time
 
+import h5py
 import jax
 import numpy as np
 import pytest
@@ -287,6 +288,53 @@ def test_pad_uses_a_read_buffer_only_for_exactly_the_rows_read_into_it():
     assert not padded.arrays["x"][4:].any()
 
 
+@pytest.fixture(scope="module")
+def long_file(tmp_path_factory):
+    """A file of about 7000 atoms, its fields contiguous (h5py's default): chunks of 500 atoms,
+    padded to 1024 rows, are mostly left in its pages (io.core.Window); the atoms of structure
+    700 are 1e100 (which would show in any other structure whose result took them in)."""
+    path = tmp_path_factory.mktemp("windows") / "long.h5"
+    n_atoms, data = random_batch(path, seed=5, n_structures=1500)
+    first = int(n_atoms[:700].sum())
+    for name in ("x", "y", "v"):
+        data[name][first:first + n_atoms[700]] = 1e100
+    with h5py.File(path, "r+") as f:
+        for name in ("x", "y", "v"):
+            f[f"atoms/{name}"][first:first + n_atoms[700]] = 1e100
+    return path, n_atoms, data
+
+
+def test_rows_left_in_the_files_pages_compute_as_rows_read(long_file):
+    """Every op, its gradient and Hessian-vector product, over chunks that a CPU computes from
+    the file's pages (their padding rows the file's next rows, their first row not the
+    window's) and over chunks read, give the reference's values, whatever rows lie around."""
+    path, n_atoms, data = long_file
+    mapped = []
+    with open_batch(path) as batch:
+        for op in OPS:
+            for order in (0, 1, 2) if OPS[op].differentiable else (0,):
+                job = engine.plan(str(path), OPS[op], FIELDS[op], batch.fields, order=order,
+                                  direction=FIELDS[op][0] if order == 2 else None)
+                runs = {}
+                for on_device in (False, True):  # (on the device: no windows)
+                    chunks = list(engine.run(batch, [job], DEVICE, chunk_atoms=500,
+                                             on_device=on_device))
+                    runs[on_device] = {label: np.concatenate([o[label] for _, (o,) in chunks])
+                                       for label in job.outputs}
+                    if not on_device and DEVICE.platform == "cpu":
+                        mapped += [c.atoms["x"] for c, _ in chunks if "x" in c.atoms
+                                   and not c.atoms["x"].flags.writeable]
+                for label, value in runs[True].items():
+                    np.testing.assert_allclose(runs[False][label], value, rtol=1e-12,
+                                               atol=1e-300, err_msg=f"{op} {order} {label}")
+                if order == 0:
+                    assert_reduced(runs[False][""], op, n_atoms, [data[f] for f in FIELDS[op]],
+                                   "float64")
+    if DEVICE.platform == "cpu":
+        assert len(mapped) > 100  # most chunks of x: of the 15 runs of 14 chunks reading x
+        assert any(rows.ctypes.data % 64 for rows in mapped)  # rows ahead in the window
+
+
 @pytest.mark.parametrize("order", [0, 1])
 def test_ids_expanded_and_nan_checked_on_the_device_give_the_same_bits(batch_file, order):
     path = batch_file[0]
@@ -308,6 +356,35 @@ def test_ids_of_offsets_put_padding_rows_out_of_range():
     with enable_x64(True):
         got = np.asarray(jax.jit(engine._ids, static_argnums=1)(offsets, 10))
     np.testing.assert_array_equal(got, [0, 0, 2, 2, 2, 3, 8, 8, 8, 8])
+    with enable_x64(True):  # rows ahead of the first segment (a window's skip) in -1
+        got = np.asarray(jax.jit(engine._ids, static_argnums=1)(offsets + 2, 10))
+    np.testing.assert_array_equal(got, [-1, -1, 0, 0, 2, 2, 2, 3, 8, 8])
+
+
+def test_pad_takes_a_window_whole_and_puts_every_field_where_its_rows_are():
+    """A field left in a window (see io.core.Window) is padded by the window's own rows; the
+    chunk's rows of the others are copied to the same rows, `skip` on; offsets and ids follow,
+    rows ahead in segment -1; a field the structures lack in part is copied."""
+    ring = engine._BufferRing()
+    n_atoms = np.array([2, 0, 3])
+    window = ring.window(("read", "x"), (1024, 3), np.float64, 5)  # the least bucket
+    window.array = np.arange(3072.0).reshape(1024, 3)
+    window.array.flags.writeable = False
+    window.skip, window.given = 2, 5
+    y = np.arange(5.0) + 100
+    chunk = Chunk(0, n_atoms, {"x": window.array[2:7], "y": y}, {"w": np.ones(3)})
+    dtypes = {name: np.dtype(np.float64) for name in ("x", "y", "w")}
+    padded = engine._pad(dtypes, chunk, (1024, 1024), ring)
+    assert padded.arrays["x"] is window.array and padded.skip == 2
+    np.testing.assert_array_equal(padded.arrays["y"], np.r_[0, 0, y, np.zeros(1017)])
+    np.testing.assert_array_equal(padded.arrays["w"], np.r_[1, 1, 1, np.zeros(1021)])
+    np.testing.assert_array_equal(padded.offsets, np.r_[2, 4, 4, np.full(1022, 7)])
+    np.testing.assert_array_equal(padded.ids, np.r_[-1, -1, 0, 0, 2, 2, 2, np.full(1017, 1024)])
+    partial = chunk._replace(present={"x": np.array([True, True, False])})
+    padded = engine._pad(dtypes, partial, (1024, 1024), ring)
+    assert padded.skip == 0 and padded.arrays["x"] is not window.array
+    np.testing.assert_array_equal(padded.arrays["x"][:5], np.r_[window.array[2:4],
+                                                                np.zeros((3, 3))])
 
 
 @pytest.mark.parametrize("on_device", [False, True])

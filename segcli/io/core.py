@@ -71,6 +71,27 @@ class FieldInfo(NamedTuple):
     units: str | None = None
 
 
+class Window:
+    """What an `into` of Batch.iter_chunks may return instead of an array: a request to leave a
+    chunk's rows of a per-atom field where the file stores them, in a read-only memory map of
+    its pages (populated at once), rather than copy them, where the format can. The window
+    holds `rows` rows, from one at most `align` rows ahead of the chunk's first (`skip` of
+    them) such that the window starts at an address that is a multiple of `align` bytes; the
+    reader sets `array` to the window, `skip` and `given` (the chunk's rows), and gives the
+    Chunk array[skip:skip + given]. Left unset where the rows cannot be mapped so: the reader
+    then reads them into `fallback` (an array, as `into` returns) or a new array."""
+
+    def __init__(self, rows, fallback=None, align=64):
+        self.rows, self.fallback, self.align = rows, fallback, align
+        self.array, self.skip, self.given = None, 0, 0
+
+    def holds(self, rows):
+        """Whether `rows` (a Chunk's field) are the rows the reader gave of this window."""
+        return (self.array is not None and len(rows) == self.given
+                and rows.ctypes.data == self.array[self.skip:].ctypes.data
+                and rows.shape[1:] == self.array.shape[1:] and rows.dtype == self.array.dtype)
+
+
 class Chunk(NamedTuple):
     """Consecutive whole structures from `start`: per-atom arrays (N_c, ...) and per-structure
     arrays (S_c, ...); `present` maps a field that only some of these structures have to an

@@ -4,7 +4,8 @@ h5py runs one call at a time (its lock) and inflates a compressed chunk in the c
 so one process reads with one core. Where a dataset's storage is simple enough to read
 without HDF5 (contiguous; or chunked along its rows only, each chunk stored raw or through
 HDF5's shuffle and deflate filters), `Reader` reads a block of rows with segcli.threads:
-`os.preadv` and zlib work without Python's lock. Anything else is left to h5py.
+`os.preadv` and zlib work without Python's lock. Anything else is left to h5py. Rows stored
+contiguously can also be left in the file's pages (`Reader.window`), mapped rather than copied.
 
     reader = Reader("data.h5", h5)
     forces = reader.read(h5["atoms/forces"], 0, 1_000_000)
@@ -12,6 +13,7 @@ HDF5's shuffle and deflate filters), `Reader` reads a block of rows with segcli.
 
 import functools
 import math
+import mmap
 import os
 import zlib
 
@@ -26,6 +28,7 @@ MIN_PART = 4 << 20
 
 _SHUFFLE, _DEFLATE = h5py.h5z.FILTER_SHUFFLE, h5py.h5z.FILTER_DEFLATE
 _H5PY_ERRORS = (RuntimeError, KeyError, ValueError, TypeError, OSError)
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: the pages mapped at once, not on first use
 
 
 class _Storage:
@@ -144,6 +147,35 @@ class Reader:
             tasks = self._chunked(ds.name, storage, lo, hi, flat)
         threads.run(tasks)
         return out
+
+    def window(self, ds, lo, hi, request):
+        """Rows [lo, hi) of `ds` left in the file's pages as `request` (a core.Window) asks: its
+        window set to a read-only map of them and the rows around them, and the rows returned
+        (a view of it); None where `ds` is not stored contiguously as NumPy holds it, or no
+        such window lies within its rows."""
+        storage = self.storage(ds)
+        if storage is None or storage.offset is None or not 0 <= lo < hi <= storage.rows:
+            return None
+        row_bytes = storage.row_bytes
+        skip = next((k for k in range(min(lo, request.align) + 1)
+                     if (storage.offset + (lo - k) * row_bytes) % request.align == 0), None)
+        if skip is None or skip + hi - lo > request.rows \
+                or lo - skip + request.rows > storage.rows:
+            return None
+        start = storage.offset + (lo - skip) * row_bytes
+        base = start - start % mmap.ALLOCATIONGRANULARITY
+        try:
+            if os.fstat(self._fd).st_size < start + request.rows * row_bytes:
+                return None  # cut short since it was opened: reading it says so
+            pages = mmap.mmap(self._fd, start - base + request.rows * row_bytes,
+                              flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ, offset=base)
+        except (OSError, ValueError):
+            return None
+        shape = (request.rows, *ds.shape[1:])
+        request.array = np.frombuffer(pages, storage.dtype, math.prod(shape),
+                                      start - base).reshape(shape)
+        request.skip, request.given = skip, hi - lo
+        return request.array[skip:skip + hi - lo]
 
     def _raw(self, name, runs, flat, row_bytes):
         """Tasks reading the raw runs (file offset, a, b: the bytes flat[a:b]) into the bytes

@@ -21,6 +21,7 @@ from segcli.io.core import (
     Chunk,
     FieldInfo,
     Schema,
+    Window,
     check_memory,
     plan_chunks,
 )
@@ -205,8 +206,15 @@ def _read_strings(ds, rows=1 << 16):
 
 def read_rows(path, ds, lo, hi, out=None, reader=None):
     """Rows [lo, hi) of a dataset (of strings: an object array of str), read into `out` when it
-    is an array of their shape and dtype (else a new array), by `reader` (a direct.Reader of
-    the file) where it can; DataError if the file cannot give them."""
+    is an array of their shape and dtype (else a new array), or left in the file's pages where
+    `out` is a core.Window that they can fill, by `reader` (a direct.Reader of the file) where
+    it can; DataError if the file cannot give them."""
+    if isinstance(out, Window):
+        rows = reader.window(ds, lo, hi, out) if reader is not None else None
+        if rows is not None:
+            out.fallback = None
+            return rows
+        out = out.fallback
     if reader is not None:
         rows = reader.read(ds, lo, hi, out)
         if rows is not None:
