@@ -10,10 +10,10 @@ imports jax or warp at module level, so the command line starts fast.
 Several jobs given to `run` share one read of the file and one compiled program per chunk.
 """
 
+import collections
 import contextlib
 import dataclasses
 import functools
-import collections
 import itertools
 import math
 import queue
