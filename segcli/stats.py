@@ -22,7 +22,7 @@ import numpy as np
 
 from segcli import threads
 from segcli.errors import DataError
-from segcli.io.core import held, plan_chunks
+from segcli.io.core import Window, held, plan_chunks
 
 N_ELEMENTS = 119
 """Atomic numbers 0 (ASE's placeholder X) to 118."""
@@ -390,7 +390,7 @@ def leaf_stats(batch, names, leaves, *, per_element=False, per_atom=False, by=No
     structures = slice(int(leaves[0]), int(leaves[-1]))
     buffers = _Buffers()
     chunks = prefetch(batch.iter_chunks(read, chunk_atoms=chunk_atoms, structures=structures,
-                                        breaks=leaves[1:-1], keep=keep))
+                                        breaks=leaves[1:-1], keep=keep, into=_in_place))
     for chunk in chunks:
         labels = {}  # per: the group of each row (uint8)
         if by_element:
@@ -412,6 +412,13 @@ def leaf_stats(batch, names, leaves, *, per_element=False, per_atom=False, by=No
         if progress is not None:
             progress.update(len(chunk.n_atoms))
     return out
+
+
+def _in_place(name, rows):
+    """The `into` of the chunks whose moments are taken: their per-atom rows left in the
+    file's pages where its format can (io.core.Window), not copied, as the moments read them
+    once and keep nothing."""
+    return Window(rows, align=1)
 
 
 def _chunk_moments(chunk, s, shape, labels, leaf, buffers):

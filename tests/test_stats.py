@@ -387,6 +387,29 @@ def test_an_ase_file_read_directly_gives_the_bits_of_its_conversion(tmp_path, ma
             np.testing.assert_array_equal(got[0][key], value, err_msg=str(key))
 
 
+def test_rows_left_in_the_files_pages_give_the_bits_of_rows_read(tmp_path, both_paths):
+    """A file's contiguous per-atom fields are left in its pages (io.core.Window, read-only),
+    and give the moments of the same rows read from a chunked copy, bit for bit."""
+    path, _, _ = make_random_file(tmp_path)
+    chunked = tmp_path / "chunked.h5"
+    with h5py.File(path, "r") as f, h5py.File(chunked, "w") as g:
+        f.copy("structures", g)
+        g.attrs.update(f.attrs)
+        for name, ds in f["atoms"].items():
+            g.create_dataset(f"atoms/{name}", data=ds[()], chunks=(7, *ds.shape[1:]))
+    names = ["forces", "charges", "tags", "energy"]
+    with open_batch(path) as batch:
+        chunks = list(batch.iter_chunks(names, chunk_atoms=50, into=stats._in_place))
+        assert not any(c.atoms[n].flags.writeable for c in chunks for n in c.atoms)
+    for options in ({}, {"per_element": True, "per_atom": True}):
+        got = []
+        for file in (path, chunked):
+            with open_batch(file) as batch:
+                got.append(moments_of(field_stats(batch, names, chunk_atoms=50, **options)))
+        for key, value in got[1].items():
+            np.testing.assert_array_equal(got[0][key], value, err_msg=str(key))
+
+
 def test_moments_of_runs_leave_empty_runs_empty():
     columns = np.array([[1.0, 2.0, 4.0, -1.0, 5.0], [0.0, 0.5, 0.5, 3.0, 3.0]])
     m = Moments.of_runs(columns, [0, 3, 0, 2, 0])
