@@ -485,6 +485,9 @@ def _native_moments():
     moments_library(lib)
 
     def moments(rows, with_norm, count, labels, out, buffers):
+        # rows left in the file's pages (read-only, io.core.Window) leave the reading thread
+        # little to do: every core takes a share; else one is left to it
+        helpers = threads.count() if not rows.flags.writeable else max(1, threads.count() - 1)
         if rows.dtype not in (np.float32, np.float64):
             rows = rows.astype(np.float64)
         rows = np.ascontiguousarray(rows)
@@ -493,7 +496,6 @@ def _native_moments():
         block = NATIVE_BLOCK_ROWS
         size = lib.segcli_moments_scratch(block, n_groups, k) // 8
         offsets = np.concatenate([[0], np.cumsum(count)])
-        helpers = max(1, threads.count() - 1)  # a core left to the reading thread
         parts = plan_chunks(count, max(PART_ROWS, -(-int(offsets[-1]) // helpers)))
 
         def part(i, a, b):
@@ -514,8 +516,8 @@ def _native_moments():
 
 PART_ROWS = 1 << 18
 """The fewest rows that a thread takes of a chunk's moments (whole leaves): a chunk's leaves
-are shared by up to one thread fewer than `threads.count()`, the reading thread taking the
-last core."""
+are shared by up to `threads.count()` threads, one fewer where the reading thread copies the
+rows (it then takes the last core)."""
 
 
 def moments_library(lib):
