@@ -1,7 +1,8 @@
 /* The moments of a chunk's rows, leaf by leaf and group by group, for `segcli.stats`.
 
    Rows (n, k) of float64 or float32 lie in consecutive leaves of `runs` rows each; row i is
-   in group labels[i] (all in group 0 without labels). Each leaf is reduced on its own, in
+   in group labels[i] (all in group 0 without labels; unsigned integers of 1, 2, 4 or 8
+   bytes, such as the atomic numbers as a file stores them, each checked to be a group). Each leaf is reduced on its own, in
    blocks of `block` rows from its first (fewer for a wide field; the last, the rest). A
    block's rows are put in group order (stably) as float64 columns, a vector field's norms
    (√Σ x², summed in the order of the components) last. Each group's run of each column gives
@@ -184,30 +185,68 @@ static int64_t column_stride(int64_t block, int64_t K) { return block_rows(block
    groups (at most 256). */
 int64_t segcli_moments_scratch(int64_t block, int64_t G, int64_t K) {
     return (int64_t)sizeof(double) * (2 * K + K * column_stride(block, K)) +
-           (int64_t)sizeof(int64_t) * 2 * G;
+           (int64_t)sizeof(int64_t) * 2 * G + (block + 7) / 8 * 8;
+}
+
+/* Labels [first, first + rows) of `bytes` bytes each (unsigned: a negative integer's bits
+   are a large one) as uint8 into `out`: -1, or the first row whose label is G or more. */
+#define PUT_LABELS(T)                                                                        \
+    INLINE int64_t put_labels_##T(const T *restrict labels, int64_t first, int64_t rows,      \
+                                  int64_t G, uint8_t *restrict out) {                        \
+        T worst = 0;                                                                         \
+        for (int64_t i = 0; i < rows; i++) {                                                 \
+            T label = labels[first + i];                                                     \
+            worst = label > worst ? label : worst;                                           \
+            out[i] = (uint8_t)label;                                                         \
+        }                                                                                    \
+        if ((uint64_t)worst < (uint64_t)G) return -1;                                        \
+        for (int64_t i = 0; i < rows; i++)                                                   \
+            if ((uint64_t)labels[first + i] >= (uint64_t)G) return first + i;                \
+        return -1;                                                                           \
+    }
+PUT_LABELS(uint8_t)
+PUT_LABELS(uint16_t)
+PUT_LABELS(uint32_t)
+PUT_LABELS(uint64_t)
+
+INLINE int64_t put_labels(const void *labels, int32_t bytes, int64_t first, int64_t rows,
+                          int64_t G, uint8_t *out) {
+    switch (bytes) {
+    case 1: return put_labels_uint8_t(labels, first, rows, G, out);
+    case 2: return put_labels_uint16_t(labels, first, rows, G, out);
+    case 4: return put_labels_uint32_t(labels, first, rows, G, out);
+    default: return put_labels_uint64_t(labels, first, rows, G, out);
+    }
 }
 
 /* The moments of rows x (n, k; float32 where `single`) in n_runs leaves of runs[] rows, in G
-   groups of labels (uint8, n; NULL: one group), with each row's norm as component k where
-   `with_norm`, in blocks of `block` rows, added to count (L, G) and mean, m2, lo, hi (L, G,
-   K), given as those of no rows (0, 0, +inf, -inf). */
+   groups of labels (n unsigned integers of `label_bytes` bytes; NULL: one group), with each
+   row's norm as component k where `with_norm`, in blocks of `block` rows, added to count
+   (L, G) and mean, m2, lo, hi (L, G, K), given as those of no rows (0, 0, +inf, -inf).
+   Returns -1, or the first row whose label is G or more (the moments then left part-way). */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(SEGCLI_NO_CLONES)
 #define CLONES __attribute__((target_clones("avx2", "default")))  /* the same operations */
 #else
 #define CLONES
 #endif
-CLONES void segcli_moments(const void *x, int32_t single, int64_t k, int32_t with_norm,
-                           const int64_t *runs, int64_t n_runs, const uint8_t *labels,
-                           int64_t G, int64_t block, int64_t *count, double *mean, double *m2,
-                           double *lo, double *hi, void *scratch) {
+CLONES int64_t segcli_moments(const void *x, int32_t single, int64_t k, int32_t with_norm,
+                              const int64_t *runs, int64_t n_runs, const void *labels,
+                              int32_t label_bytes, int64_t G, int64_t block, int64_t *count,
+                              double *mean, double *m2, double *lo, double *hi, void *scratch) {
     int64_t K = k + (with_norm != 0), B = block_rows(block, K), S = column_stride(block, K);
     int64_t row = 0;
     double *bmean = scratch, *bm2 = bmean + K, *columns = bm2 + K;
     int64_t *starts = (int64_t *)(columns + K * S), *filled = starts + G;
+    uint8_t *block_labels = (uint8_t *)(filled + G);
     for (int64_t leaf = 0; leaf < n_runs; leaf++) {
         for (int64_t start = 0; start < runs[leaf]; start += B) {
             int64_t rows = runs[leaf] - start < B ? runs[leaf] - start : B;
-            const uint8_t *label = labels ? labels + row : NULL;
+            const uint8_t *label = NULL;
+            if (labels) {
+                int64_t bad = put_labels(labels, label_bytes, row, rows, G, block_labels);
+                if (bad >= 0) return bad;
+                label = block_labels;
+            }
             memset(starts, 0, G * sizeof(int64_t));
             if (label) {
                 for (int64_t i = 0; i < rows; i++) starts[label[i]]++;
@@ -234,4 +273,5 @@ CLONES void segcli_moments(const void *x, int32_t single, int64_t k, int32_t wit
             row += rows;
         }
     }
+    return -1;
 }

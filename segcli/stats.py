@@ -391,12 +391,17 @@ def leaf_stats(batch, names, leaves, *, per_element=False, per_atom=False, by=No
     buffers = _Buffers()
     chunks = prefetch(batch.iter_chunks(read, chunk_atoms=chunk_atoms, structures=structures,
                                         breaks=leaves[1:-1], keep=keep, into=_in_place))
+    native = _native_moments() is not None
     for chunk in chunks:
-        labels = {}  # per: the group of each row (uint8)
+        labels = {}  # per: the group of each row (uint8, or integers the moments in C check)
         if by_element:
             numbers = chunk.atoms["numbers"]
-            _check_numbers(batch.path, numbers, chunk)
-            labels["atom"] = numbers.astype(np.uint8)
+            if native and not chunk.present and numbers.dtype.kind in "iu" \
+                    and numbers.dtype.isnative:
+                labels["atom"] = numbers  # checked by the moments in C, as they read them
+            else:
+                _check_numbers(batch.path, numbers, chunk)
+                labels["atom"] = numbers.astype(np.uint8)
         if by is not None:
             group = np.searchsorted(values, chunk.structures[by]).astype(np.uint8)
             labels = {"structure": group, "atom": np.repeat(group, chunk.n_atoms)}
@@ -405,6 +410,8 @@ def leaf_stats(batch, names, leaves, *, per_element=False, per_atom=False, by=No
         leaf -= first
         parts = [_chunk_moments(chunk, s, shapes[s.name], labels.get(s.per), leaf, buffers)
                  for s in out.values()]
+        if any(part is None for part in parts):  # a number that is no atomic number
+            _check_numbers(batch.path, chunk.atoms["numbers"], chunk)
         if not all(_finite(chunk, s, part) for s, part in zip(out.values(), parts)):
             _refuse_non_finite(batch.path, chunk, chunks, names, "stats needs finite values")
         for s, part in zip(out.values(), parts):
@@ -423,9 +430,9 @@ def _in_place(name, rows):
 
 def _chunk_moments(chunk, s, shape, labels, leaf, buffers):
     """The moments (L, G, K) of field `s` (FieldStats) in each of the L leaves of `chunk`,
-    whose structures are in leaves `leaf` (S_c,) from 0, its rows in groups `labels` (uint8;
-    for a field grouped by element or by `s.by`), reduced block by block in `buffers`
-    (_Buffers)."""
+    whose structures are in leaves `leaf` (S_c,) from 0, its rows in groups `labels` (uint8,
+    or integers the moments in C check; for a field grouped by element or by `s.by`), reduced
+    block by block in `buffers` (_Buffers); None where such a label is no group."""
     per_atom = s.per == "atom"
     array = (chunk.atoms if per_atom else chunk.structures)[s.name]
     keep = chunk.present.get(s.name)
@@ -447,8 +454,8 @@ def _chunk_moments(chunk, s, shape, labels, leaf, buffers):
     out = Moments.empty(n_groups, k, leaves=len(count))
     native = _native_moments()
     if native is not None:
-        native(values, bool(shape), count, labels if s.grouped else None, out, buffers)
-        return out
+        grouped = labels if s.grouped else None
+        return out if native(values, bool(shape), count, grouped, out, buffers) else None
     offsets = np.concatenate([[0], np.cumsum(count)])
     blocks = plan_chunks(count, BLOCK_ROWS)
     for a, b in itertools.pairwise(blocks):
@@ -471,7 +478,8 @@ def _chunk_moments(chunk, s, shape, labels, leaf, buffers):
 def _native_moments():
     """The moments of a chunk's rows in C (`_moments.c`), several times faster than the NumPy
     passes of Moments.of_runs: moments(rows (n, k), whether to add their norms, rows per leaf
-    (L,), uint8 groups (n,) or None, Moments (L, G, K) of no rows to fill, _Buffers). Each leaf
+    (L,), integer groups (n,) or None, Moments (L, G, K) of no rows to fill, _Buffers) ->
+    whether every group was one of the G (else the moments are left part-way). Each leaf
     is reduced in blocks of NATIVE_BLOCK_ROWS rows from its first, each sum in two chains, the
     blocks merged by Chan's formulas. None where it cannot be built (see segcli.native) or
     with SEGCLI_NATIVE_STATS=0: the NumPy passes then, which differ in the last bits. Either
@@ -491,25 +499,31 @@ def _native_moments():
         if rows.dtype not in (np.float32, np.float64):
             rows = rows.astype(np.float64)
         rows = np.ascontiguousarray(rows)
-        labels = None if labels is None else np.ascontiguousarray(labels, np.uint8)
+        if labels is not None and (labels.dtype.kind not in "iu" or not labels.dtype.isnative):
+            labels = labels.astype(np.uint8)
+        labels = None if labels is None else np.ascontiguousarray(labels)
         n_groups, k = out.mean.shape[1:]
         block = NATIVE_BLOCK_ROWS
         size = lib.segcli_moments_scratch(block, n_groups, k) // 8
         offsets = np.concatenate([[0], np.cumsum(count)])
         parts = plan_chunks(count, max(PART_ROWS, -(-int(offsets[-1]) // helpers)))
 
+        bad = []  # the parts that found a label that is no group
+
         def part(i, a, b):
             lo, hi = offsets[a], offsets[b]
             scratch = buffers.get(f"scratch {i}", (size,))
-            lib.segcli_moments(rows[lo:hi].ctypes.data, int(rows.dtype == np.float32),
-                               rows.shape[1], int(with_norm), count[a:b].ctypes.data, b - a,
-                               None if labels is None else labels[lo:hi].ctypes.data,
-                               n_groups, block,
-                               *(getattr(out, key)[a:b].ctypes.data for key in MOMENT_NAMES),
-                               scratch.ctypes.data)
+            if lib.segcli_moments(rows[lo:hi].ctypes.data, int(rows.dtype == np.float32),
+                                  rows.shape[1], int(with_norm), count[a:b].ctypes.data, b - a,
+                                  None if labels is None else labels[lo:hi].ctypes.data,
+                                  0 if labels is None else labels.itemsize, n_groups, block,
+                                  *(getattr(out, key)[a:b].ctypes.data for key in MOMENT_NAMES),
+                                  scratch.ctypes.data) >= 0:
+                bad.append(i)
 
         threads.run([functools.partial(part, i, a, b)
                      for i, (a, b) in enumerate(itertools.pairwise(parts))])
+        return not bad
 
     return moments
 
@@ -524,11 +538,11 @@ def moments_library(lib):
     """`lib` (_moments.c built and loaded) with its functions' C types declared."""
     lib.segcli_moments_scratch.restype = ctypes.c_int64
     lib.segcli_moments_scratch.argtypes = [ctypes.c_int64] * 3
-    lib.segcli_moments.restype = None
+    lib.segcli_moments.restype = ctypes.c_int64
     lib.segcli_moments.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64,
                                    ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64,
-                                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                   *[ctypes.c_void_p] * 6]
+                                   ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64,
+                                   ctypes.c_int64, *[ctypes.c_void_p] * 6]
     return lib
 
 

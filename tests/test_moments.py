@@ -97,6 +97,29 @@ def test_groups_in_any_order_and_groups_without_rows(n_groups):
         np.testing.assert_array_equal(value[got.count == 0], getattr(empty, key)[got.count == 0])
 
 
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.uint16, np.int32, np.uint32, np.int64])
+def test_labels_of_any_integer_width_and_labels_that_are_no_group(dtype):
+    """Labels as a file stores atomic numbers, of any integer width: the bits of uint8 labels;
+    one that is no group (G or more, or negative) makes the moments say so, wherever it is."""
+    rng = np.random.default_rng()
+    n, n_groups = sum(RUNS), 119
+    rows = rng.normal(-1.0, 3.0, (n, 3))
+    labels = rng.integers(0, n_groups, n).astype(np.uint8)
+    got = native_moments(rows, True, RUNS, labels.astype(dtype), n_groups)
+    wanted = native_moments(rows, True, RUNS, labels, n_groups)
+    for key in MOMENT_NAMES:
+        np.testing.assert_array_equal(getattr(got, key), getattr(wanted, key), err_msg=key)
+    assert_moments_close(got, reference(rows, True, RUNS, labels, n_groups), scale=10)
+    kernel = stats._native_moments()
+    for bad in [n_groups, np.iinfo(dtype).max] + ([-1] if np.iinfo(dtype).min < 0 else []):
+        for row in (0, n // 2, n - 1):
+            wrong = labels.astype(dtype)
+            wrong[row] = bad
+            out = Moments.empty(n_groups, 4, leaves=len(RUNS))
+            assert not kernel(stats.as_rows(rows), True, np.asarray(RUNS, np.int64), wrong, out,
+                              stats._Buffers()), (bad, row)
+
+
 def test_ties_zero_rows_and_a_constant_leaf():
     rows = np.zeros((5000, 3))
     rows[::2] = [1.5, -2.0, 0.0]  # two rows, each repeated: every component tied
@@ -129,7 +152,8 @@ def call(lib, rows, runs, labels, n_groups):
     out = Moments.empty(n_groups, rows.shape[1] + 1, leaves=len(runs))
     scratch = np.empty(lib.segcli_moments_scratch(4096, n_groups, rows.shape[1] + 1) // 8)
     lib.segcli_moments(rows.ctypes.data, 0, rows.shape[1], 1, runs.ctypes.data, len(runs),
-                       None if labels is None else labels.ctypes.data, n_groups, 4096,
+                       None if labels is None else labels.ctypes.data,
+                       0 if labels is None else labels.itemsize, n_groups, 4096,
                        *(getattr(out, key).ctypes.data for key in MOMENT_NAMES),
                        scratch.ctypes.data)
     return out

@@ -243,6 +243,25 @@ def test_stats_refuses_nan_bad_numbers_and_missing_numbers(tmp_path):
     assert_one_line_error(run("stats", bare, "forces", "--per-element"), 1, "no field 'numbers'")
 
 
+@pytest.mark.parametrize("dtype, bad", [(np.int64, -3), (np.int32, 119), (np.uint8, 255),
+                                        (np.int8, -1), (np.uint16, 1000)])
+def test_a_number_that_is_no_atomic_number_is_named_in_any_chunk(tmp_path, both_paths, dtype,
+                                                                 bad):
+    """Numbers as a file stores them, checked as the moments read them (in C) or before (the
+    NumPy passes): the first bad one is named, in the first chunk or a later one."""
+    rng = np.random.default_rng(8)
+    n_atoms = rng.integers(1, 9, 300)
+    numbers = rng.integers(1, 100, n_atoms.sum()).astype(dtype)
+    first = int(n_atoms[:250].sum()) + 1
+    numbers[first], numbers[-1] = bad, bad
+    path = write_batch(tmp_path / "numbers.h5", n_atoms,
+                       {"forces": rng.normal(size=(n_atoms.sum(), 3)), "numbers": numbers})
+    for chunk_atoms in (50, 1 << 21):
+        assert_one_line_error(run("stats", path, "forces", "--per-element", "--chunk-atoms",
+                                  chunk_atoms), 1, f"holds {bad} in structure 250",
+                              "not an atomic number")
+
+
 # --- leaves of many structures, chunks of many leaves, blocks of the cache -----------------
 
 def stats_rows(path, names, **options):
