@@ -705,27 +705,44 @@ def run(batch, jobs, device, *, chunk_atoms=DEFAULT_CHUNK_ATOMS, structures=slic
     """Yield (Chunk, outputs) for each chunk of whole structures of `batch`, outputs holding
     each of `jobs`' outputs (see finish): every field read once, the next chunk read and
     padded in a background thread, and launched, before this one's outputs are waited for.
-    Every chunk is padded to the same power-of-two sizes (`padded_size`): one compilation.
-    With `on_device` (default: on GPUs, where it leaves the host thread little but the read),
-    the device expands the segment ids and checks for NaN itself; else the background thread
-    does. On GPUs the host buffers are pinned. A chunk's arrays are valid until the next is
-    asked for. With `keep` ((S,) bool), only the structures it marks are read into chunks and
-    computed."""
+    Every chunk is padded to the same power-of-two sizes (`padded_size`): one compilation (per
+    device). With `on_device` (default: on GPUs, where it leaves the host thread little but
+    the read), the device expands the segment ids and checks for NaN itself; else the
+    background thread does. On GPUs the host buffers are pinned. On a CPU the chunks take
+    turns on every CPU device of the process (see `peers`), each computing while the others
+    do. A chunk's arrays are valid until the next is asked for. With `keep` ((S,) bool), only
+    the structures it marks are read into chunks and computed."""
     jobs = tuple(jobs)
     on_device = device.platform != "cpu" if on_device is None else on_device
+    devices = peers(device)
     with buffer_ring(device.platform != "cpu") as buffers:
         items = prefetch(_padded_chunks(batch, jobs, chunk_atoms, structures, buffers, on_device,
                                         keep))
         with contextlib.closing(items):
-            flying = None  # (chunk, launch) in flight
-            for chunk, padded in items:
-                launched = chunk, launch(jobs, padded, device)
-                if flying is not None:
-                    yield _finished(jobs, *flying, itertools.chain([chunk],
-                                                                   (c for c, _ in items)))
-                flying = launched
-            if flying is not None:
-                yield _finished(jobs, *flying, ())
+            flying = collections.deque()  # (chunk, launch) in flight, one more than devices
+            for number, (chunk, padded) in enumerate(items):
+                flying.append((chunk, launch(jobs, padded, devices[number % len(devices)])))
+                if len(flying) > len(devices):
+                    yield _finished(jobs, *flying.popleft(), itertools.chain(
+                        [c for c, _ in flying], (c for c, _ in items)))
+            while flying:
+                yield _finished(jobs, *flying.popleft(), [c for c, _ in flying])
+
+
+def peers(device):
+    """The devices that take turns at a run's chunks on `device`: every CPU device of the
+    process for a CPU (one, unless XLA was started with several: the segcli program starts
+    it with one a core, up to HOST_DEVICES, see cli.common.device), else `device` alone."""
+    import jax
+
+    if device.platform != "cpu":
+        return [device]
+    return jax.devices("cpu")
+
+
+HOST_DEVICES = 4
+"""The most CPU devices the segcli program starts XLA with: chunks in flight at once on a
+CPU, each holding its buffers and results."""
 
 
 def _finished(jobs, chunk, launched, rest):

@@ -146,6 +146,43 @@ def test_every_op_on_random_data_in_small_chunks_to_a_file(tmp_path, random_file
         assert_reduced(got, op, n_atoms, [data[f] for f in fields], precision)
 
 
+def test_the_program_takes_turns_at_the_chunks_on_every_cpu_device(tmp_path, random_file):
+    """The segcli program with XLA's CPU split into 3 devices, whose chunks take turns at them
+    (several in flight): the bits this process's one device gives, for every op in one pass
+    and for gradients; a NaN in a later chunk counted over all of them, as here."""
+    path, n_atoms, data = random_file
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=3"}
+    peers = subprocess.run([sys.executable, "-c", "import jax; from segcli import engine; "
+                            "print(len(engine.peers(jax.devices('cpu')[0])))"], env=env,
+                           capture_output=True, text=True)
+    assert peers.stdout.split()[-1] == "3", peers.stderr
+    nan = tmp_path / "nan.h5"
+    x = data["x"].copy()
+    x[[40, 41, len(x) - 1], 1] = np.nan
+    write_batch(nan, n_atoms, {"x": x})
+    passes = {"reduce": [w for op, fields in RANDOM_FIELDS.items() for w in ("+", op, *fields)],
+              "grad": ["+", "rms_norm", "x", "+", "dot", "x", "y", "+", "max_norm", "t"]}
+    for command, words in passes.items():
+        outputs = []
+        for where in ("here", "program"):
+            out = tmp_path / f"{command}-{where}.h5"
+            argv = [command, path, *words[1:], "-o", out, "--chunk-atoms", 30, "--quiet"]
+            if where == "here":
+                result = run(*argv)
+                assert result.exit_code == 0, result.output
+            else:
+                done = subprocess.run([sys.executable, "-m", "segcli", *map(str, argv)], env=env,
+                                      capture_output=True, text=True)
+                assert done.returncode == 0, done.stderr
+            outputs.append({name: d[:3] for name, d in dataset_digests(out).items()})  # bits
+        assert outputs[0] == outputs[1], command
+    errors = [run("reduce", nan, "sum", "x", "--chunk-atoms", 30).stderr,
+              subprocess.run([sys.executable, "-m", "segcli", "reduce", str(nan), "sum", "x",
+                              "--chunk-atoms", "30"], env=env, capture_output=True,
+                             text=True).stderr]
+    assert errors[0] == errors[1] and "holds 3 NaN value(s)" in errors[0], errors
+
+
 def test_selected_structures_name_json_and_npy(random_file):
     path, n_atoms, data = random_file
     first = n_atoms[:10].sum()
