@@ -732,7 +732,8 @@ def run(batch, jobs, device, *, chunk_atoms=DEFAULT_CHUNK_ATOMS, structures=slic
 def peers(device):
     """The devices that take turns at a run's chunks on `device`: every CPU device of the
     process for a CPU (one, unless XLA was started with several: the segcli program starts
-    it with one a core, up to HOST_DEVICES, see cli.common.device), else `device` alone."""
+    it with one a thread it uses, up to HOST_DEVICES, see cli.common.device), else `device`
+    alone."""
     import jax
 
     if device.platform != "cpu":

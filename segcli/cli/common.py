@@ -347,8 +347,9 @@ def device(choice):
     Called before JAX starts, it leaves GPU memory to Warp's own allocations (no
     preallocation) and lets XLA capture even a small program, such as one chunk's kernels,
     into one CUDA graph; in the program (see `as_program`), compiled programs are kept across
-    runs, freed host blocks for reuse, and XLA has a CPU device a core (up to
-    engine.HOST_DEVICES), which a run's chunks take turns at."""
+    runs, freed host blocks for reuse, and XLA has a CPU device for each thread segcli uses
+    (threads.count(): the cores, or SEGCLI_THREADS; up to engine.HOST_DEVICES), which a run's
+    chunks take turns at."""
     from segcli import threads
     from segcli.engine import HOST_DEVICES, keep_freed_buffers, runs_on
 
@@ -357,7 +358,7 @@ def device(choice):
     if "xla_gpu_graph_min_graph_size" not in flags:
         flags = f"{flags} --xla_gpu_graph_min_graph_size=1"
     if _program and "xla_force_host_platform_device_count" not in flags:
-        flags += f" --xla_force_host_platform_device_count={min(threads.cores(), HOST_DEVICES)}"
+        flags += f" --xla_force_host_platform_device_count={min(threads.count(), HOST_DEVICES)}"
     os.environ["XLA_FLAGS"] = flags.strip()
     with _loading():
         import jax
