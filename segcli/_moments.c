@@ -1,19 +1,19 @@
 /* The moments of a chunk's rows, leaf by leaf and group by group, for `segcli.stats`.
 
    Rows (n, k) of float64 or float32 lie in consecutive leaves of `runs` rows each; row i is
-   in group labels[i] (all in group 0 without labels; unsigned integers of 1, 2, 4 or 8
-   bytes, such as the atomic numbers as a file stores them, each checked to be a group). Each leaf is reduced on its own, in
-   blocks of `block` rows from its first (fewer for a wide field; the last, the rest). A
-   block's rows are put in group order (stably) as float64 columns, a vector field's norms
-   (√Σ x², summed in the order of the components) last. Each group's run of each column gives
-   a count, min and max, then a mean (its sum over its count) and an M2 (the sum of squared
-   deviations from that mean), each sum in LANES chains (row i of the run in chain
-   i % LANES: a vector's lanes) added in order at the end. The blocks are merged into the
-   leaf in order by Chan, Golub and LeVeque's pairwise formulas. The order of every
-   operation is fixed by the rows alone, so a leaf's moments do not depend on what else is
-   in the chunk, nor on the machine: built with -ffp-contract=off, no operation is fused,
-   and each one is IEEE 754's (the AVX2 clone of segcli_moments runs the same operations,
-   wider where they are independent). */
+   in group labels[i] (all in group 0 without labels; unsigned integers of 1, 2, 4 or 8 bytes,
+   such as the atomic numbers as a file stores them, each checked to be a group). Each leaf is
+   reduced on its own, in blocks of `block` rows from its first (fewer for a wide field; the
+   last, the rest). A block's rows are put in group order (stably) as float64 columns, a
+   vector field's norms (√Σ x², summed in the order of the components) last. Each group's run
+   of each column gives a count, min and max, then a mean (its sum over its count) and an M2
+   (the sum of squared deviations from that mean), each sum in LANES chains (row i of the run
+   in chain i % LANES: a vector's lanes) added in order at the end. The blocks are merged into
+   the leaf in order by Chan, Golub and LeVeque's pairwise formulas. The order of every
+   operation is fixed by the rows alone, so a leaf's moments do not depend on what else is in
+   the chunk, nor on the machine: built with -ffp-contract=off, no operation is fused, and
+   each one is IEEE 754's (the AVX2 clone of segcli_moments runs the same operations, wider
+   where they are independent). */
 
 #include <math.h>
 #include <stdint.h>

@@ -354,8 +354,12 @@ class _BufferRing:
         return window
 
     def windowed(self, array):
-        """The io.core.Window whose rows for its chunk `array` is, or None."""
-        return next((w for w in self._windows if w.holds(array)), None)
+        """The io.core.Window whose rows for its chunk `array` is (given once, then forgotten
+        here), or None."""
+        window = next((w for w in self._windows if w.holds(array)), None)
+        if window is not None:
+            self._windows.remove(window)
+        return window
 
     def holding(self, array):
         """A view of the whole buffer whose lent rows `array` is, exactly (not a part of
