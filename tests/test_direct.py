@@ -82,8 +82,9 @@ def test_rows_match_h5py(tmp_path, thread_count):
 
 def test_rows_left_in_the_files_pages(tmp_path):
     """A Window over contiguous rows: the file's rows, read-only, from `skip` rows ahead of the
-    first, at an address that is a multiple of 64 bytes; nothing for storage not contiguous as
-    NumPy holds it, or a window past the rows; read_rows reads into the fallback then."""
+    first, at an address that is a multiple of 64 bytes, past the dataset's end where the file
+    goes on; nothing for storage not contiguous as NumPy holds it, or a window past the file's
+    end; read_rows reads into the fallback then."""
     from segcli.io.core import Window
     from segcli.io.hdf5 import read_rows
 
@@ -115,7 +116,12 @@ def test_rows_left_in_the_files_pages(tmp_path):
             assert len(skips) > 1, name  # windows from other rows than the first
             unaligned = f[name].id.get_offset() % 64  # then no window from row 0
             assert (reader.window(f[name], 0, 5, Window(69)) is None) == bool(unaligned)
-            assert reader.window(f[name], ROWS - 10, ROWS, Window(64)) is None  # past the rows
+            past = Window(64)  # past the dataset's rows: the file's next bytes
+            np.testing.assert_array_equal(reader.window(f[name], ROWS - 10, ROWS, past),
+                                          data[ROWS - 10:])
+            assert past.array.shape[0] == 64 and not past.array.flags.writeable
+            end = os.path.getsize(path) // data[:1].nbytes  # rows of the file's size
+            assert reader.window(f[name], 10, 20, Window(end)) is None  # past the file's end
         for name in ("contiguous big-endian", "chunked"):
             assert reader.window(f[name], 10, 20, Window(64)) is None, name
         fallback = np.zeros((64, 3))

@@ -150,19 +150,20 @@ class Reader:
 
     def window(self, ds, lo, hi, request):
         """Rows [lo, hi) of `ds` left in the file's pages as `request` (a core.Window) asks: its
-        window set to a read-only map of them and the rows around them, and the rows returned
-        (a view of it); None where `ds` is not stored contiguously as NumPy holds it, or no
-        such window lies within its rows."""
+        window set to a read-only map of them and of the bytes around them (the dataset's
+        other rows, or past its end whatever the file holds there), and the rows returned (a
+        view of it); None where `ds` is not stored contiguously as NumPy holds it, or no such
+        window lies within the file."""
         storage = self.storage(ds)
         if storage is None or storage.offset is None or not 0 <= lo < hi <= storage.rows:
             return None
         row_bytes = storage.row_bytes
         skip = next((k for k in range(min(lo, request.align) + 1)
                      if (storage.offset + (lo - k) * row_bytes) % request.align == 0), None)
+        start = storage.offset + (lo - (skip or 0)) * row_bytes
         if skip is None or skip + hi - lo > request.rows \
-                or lo - skip + request.rows > storage.rows:
+                or start + request.rows * row_bytes > self._size:
             return None
-        start = storage.offset + (lo - skip) * row_bytes
         base = start - start % mmap.ALLOCATIONGRANULARITY
         try:
             if os.fstat(self._fd).st_size < start + request.rows * row_bytes:
