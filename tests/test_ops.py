@@ -682,6 +682,39 @@ def test_segments_give_the_values_of_their_ids(name, transform):
     assert_tree_close(with_segments, reference, rtol=1e-10)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_rows_scaled_a_segment_at_a_time_are_those_scaled_a_row_at_a_time(dtype):
+    """On CPUs, given a Segments, the scale kernels of mul, dot's derivatives and rms_norm's
+    first and second derivatives take a segment a thread: the bits of the same
+    ids given alone (a row a thread), rows ahead of the first segment and after the last 0,
+    as the reference says."""
+    rng = np.random.default_rng(12)
+    n, m = 40, 7
+    ids = np.sort(rng.choice([-1, 0, 2, 3, 5, 6, 7], size=n))  # -1 and m: outside them all
+    ids[[0, -1]] = -1, m
+    offsets = np.searchsorted(ids, np.arange(m + 1), side="left").astype(np.int32)
+    x, v = (jnp.asarray(rng.normal(size=(n, 3)).astype(dtype)) for _ in range(2))
+    y, w = (jnp.asarray(rng.normal(size=m).astype(dtype)) for _ in range(2))
+    calls = {
+        "mul": lambda idx: ops.segmented_mul(x, y, idx, m),
+        "grad dot": lambda idx: jax.grad(
+            lambda a: jnp.sum(w * ops.segmented_dot(a, v, idx, m)))(x),
+        "grad rms_norm": lambda idx: jax.grad(
+            lambda a: jnp.sum(w * ops.segmented_rms_norm(a, idx, m)))(x),
+        "hvp rms_norm": lambda idx: jax.jvp(jax.grad(
+            lambda a: jnp.sum(w * ops.segmented_rms_norm(a, idx, m))), (x,), (v,))[1],
+    }
+    references = {"mul": lambda: OPS["mul"].reference(x, y, jnp.asarray(ids), m)}
+    segments = ops.Segments(jnp.asarray(ids, jnp.int32), jnp.asarray(offsets))
+    for name, call in calls.items():
+        by_segment, by_row = call(segments), call(jnp.asarray(ids, jnp.int32))
+        np.testing.assert_array_equal(by_segment, by_row, err_msg=name)
+        outside = (ids < 0) | (ids >= m)
+        assert not np.asarray(by_segment)[outside].any(), name
+        if name in references:
+            np.testing.assert_allclose(by_segment, references[name](), rtol=1e-6, err_msg=name)
+
+
 def test_segments_built_from_counts_and_their_edge_cases():
     seg = ops.segments(np.array([2, 0, 3, 0]))
     assert seg.ids.tolist() == [0, 0, 2, 2, 2] and seg.offsets.tolist() == [0, 2, 2, 5, 5]

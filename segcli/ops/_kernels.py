@@ -1326,9 +1326,19 @@ def _gather3_kernel(y: wp.array(dtype=Any), idx: wp.array(dtype=wp.int32),
         out[i] = type(out[i])()
 
 
-def _scaling3(paired):
-    """_scaling for rows of one group of 3 features, whole vectors a thread."""
+def _scaling3(paired, ordered):
+    """_scaling for rows of one group of 3 features, whole vectors: a row a thread, or where
+    `ordered` (CPUs, the segments' offsets given) a segment a thread, its factors found once
+    for its rows, and the rows outside every segment (ahead of the first, after the last) 0."""
     factors = _segment_factors(paired)
+
+    @wp.func
+    def scaled(x: wp.array(dtype=Any), b: wp.array(dtype=Any), i: int, factor: Any,
+               second: Any, third: Any):
+        v = x[i] * factor * second
+        if wp.static(paired):
+            v += b[i] * factor * third
+        return v
 
     def kernel(
         x: wp.array(dtype=Any),
@@ -1337,20 +1347,32 @@ def _scaling3(paired):
         b: wp.array(dtype=Any),
         w: wp.array2d(dtype=Any),
         idx: wp.array(dtype=wp.int32),
+        offsets: wp.array(dtype=wp.int32),
         out: wp.array(dtype=Any),
     ):
-        i = wp.tid()
-        factor, second, third = factors(y, z, w, idx[i], 0)
-        v = x[i] * factor * second
-        if wp.static(paired):
-            v += b[i] * factor * third
-        out[i] = v
+        t = wp.tid()
+        if wp.static(ordered):
+            n = out.shape[0]
+            lo, hi = _segment_range(offsets, t, n)
+            if t == 0:
+                for i in range(0, lo):
+                    out[i] = type(out[i])()
+            if t == offsets.shape[0] - 2:
+                for i in range(hi, n):
+                    out[i] = type(out[i])()
+            factor, second, third = factors(y, z, w, t, 0)
+            for i in range(lo, hi):
+                out[i] = scaled(x, b, i, factor, second, third)
+        else:
+            factor, second, third = factors(y, z, w, idx[t], 0)
+            out[t] = scaled(x, b, t, factor, second, third)
 
     return kernel
 
 
-_deferred(_scaling3(False), "scale3")
-_deferred(_scaling3(True), "scale_pair3")
+for _ordered in (False, True):
+    _deferred(_scaling3(False, _ordered), "scale3" + "_ordered" * _ordered)
+    _deferred(_scaling3(True, _ordered), "scale_pair3" + "_ordered" * _ordered)
 
 
 @_deferred
@@ -1470,8 +1492,8 @@ _ELEMENTS = {
     "sum3": {"a": "vec3", "b": "vec3", "out": "vec3"},
     "mean3": {"a": "vec3", "out": "vec3"},
     "gather3": {"y": "vec3", "out": "vec3"},
-    "scale3": {"x": "vec3", "b": "vec3", "out": "vec3"},
-    "scale_pair3": {"x": "vec3", "b": "vec3", "out": "vec3"},
+    **{name: {"x": "vec3", "b": "vec3", "out": "vec3"}
+       for name in ("scale3", "scale_pair3", "scale3_ordered", "scale_pair3_ordered")},
     "matvec3": {"v": "vec3", "m": "mat33", "out": "vec3"},
 }
 _INTEGERS = {"int32": wp.int32, "int64": wp.int64}

@@ -407,23 +407,26 @@ def _scale(x, y, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
 
 
 def _rescale(x, y, z, idx, offsets, *, gpu=False, **_):
-    return _scaled_rows("scale", x, y, z, x[:0], y[:0], idx)
+    return _scaled_rows("scale", x, y, z, x[:0], y[:0], idx, offsets, gpu)
 
 
 def _rescale2(x, b, y, z, w, idx, offsets, *, gpu=False, **_):
-    return _scaled_rows("scale_pair", x, y, z, b, w, idx)
+    return _scaled_rows("scale_pair", x, y, z, b, w, idx, offsets, gpu)
 
 
-def _scaled_rows(kernel, x, y, z, b, w, idx):
+def _scaled_rows(kernel, x, y, z, b, w, idx, offsets, gpu):
     """x[i] · y[s] · z[s] (z empty: 1) by kernel "scale", or that + b[i] · y[s] · w[s] by
-    "scale_pair" (each as its vec3 variant for rows of 3 floats)."""
+    "scale_pair" (each as its vec3 variant for rows of 3 floats; on CPUs given the offsets,
+    a segment a thread: 2–3× faster there, benchmarks/RESULTS.md)."""
     if _empty(x.shape, x, y):
         return jnp.zeros(x.shape, x.dtype)
     if _is_float_vec3(x):
         def vec3(a):
             return a.reshape(a.shape[0], 3)
 
-        return launch(f"{kernel}3", vec3(x), y, z, vec3(b), w, idx, dims=(idx.shape[0],),
+        ordered = not gpu and offsets.shape[0] > 0
+        return launch(f"{kernel}3{'_ordered' * ordered}", vec3(x), y, z, vec3(b), w, idx,
+                      offsets, dims=(y.shape[0] if ordered else idx.shape[0],),
                       out=(idx.shape[0],)).reshape(x.shape)
     return launch(kernel, x, y, z, b, w, idx, dims=(idx.shape[0],), out=x.shape)
 
