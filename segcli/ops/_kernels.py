@@ -1326,6 +1326,46 @@ def _gather3_kernel(y: wp.array(dtype=Any), idx: wp.array(dtype=wp.int32),
         out[i] = type(out[i])()
 
 
+# The ordered scale kernels' rows lo:hi of a segment on CPUs: out[i] = x[i] · factor · second,
+# plus (b[i] · factor) · third where `paired`, over the 3 entries of each row, one operation a
+# statement as the row-a-thread kernels compute them (so that no multiply-add fuses two and
+# every bit is the same), in a loop the compiler vectorises ("float" stands for the dtype)
+_SCALE_ROWS = """
+    const float* xs = (const float*)x.data;
+    const float* bs = (const float*)b.data;
+    float* outs = (float*)out.data;
+    const long long first = 3LL * lo, last = 3LL * hi;
+    if (paired) {
+        for (long long i = first; i < last; i++) {
+            const float scaled = xs[i] * factor;
+            const float v = scaled * second;
+            const float scaled_b = bs[i] * factor;
+            const float u = scaled_b * third;
+            outs[i] = v + u;
+        }
+    } else {
+        for (long long i = first; i < last; i++) {
+            const float scaled = xs[i] * factor;
+            outs[i] = scaled * second;
+        }
+    }
+"""
+
+
+@wp.func_native(_SCALE_ROWS)
+def _scale_rows(x: wp.array(dtype=wp.vec3f), b: wp.array(dtype=wp.vec3f),
+                out: wp.array(dtype=wp.vec3f), lo: int, hi: int, factor: wp.float32,
+                second: wp.float32, third: wp.float32, paired: int):
+    ...
+
+
+@wp.func_native(_SCALE_ROWS.replace("float", "double"))
+def _scale_rows(x: wp.array(dtype=wp.vec3d), b: wp.array(dtype=wp.vec3d),
+                out: wp.array(dtype=wp.vec3d), lo: int, hi: int, factor: wp.float64,
+                second: wp.float64, third: wp.float64, paired: int):
+    ...
+
+
 def _scaling3(paired, ordered):
     """_scaling for rows of one group of 3 features, whole vectors: a row a thread, or where
     `ordered` (CPUs, the segments' offsets given) a segment a thread, its factors found once
@@ -1361,8 +1401,7 @@ def _scaling3(paired, ordered):
                 for i in range(hi, n):
                     out[i] = type(out[i])()
             factor, second, third = factors(y, z, w, t, 0)
-            for i in range(lo, hi):
-                out[i] = scaled(x, b, i, factor, second, third)
+            _scale_rows(x, b, out, lo, hi, factor, second, third, wp.static(int(paired)))
         else:
             factor, second, third = factors(y, z, w, idx[t], 0)
             out[t] = scaled(x, b, t, factor, second, third)
