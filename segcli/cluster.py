@@ -48,7 +48,9 @@ def _local_cluster(address):
     from dask.distributed import LocalCluster, Nanny, Scheduler, SpecCluster
 
     count = address.split(":", 1)[1]
-    quiet = {"dashboard_address": ":0", "silence_logs": logging.ERROR}
+    # workers' own logs say nothing the client does not report (a task's error), and a worker
+    # whose heartbeat meets a scheduler closing after such an error logs a traceback
+    quiet = {"dashboard_address": ":0", "silence_logs": logging.CRITICAL}
     if count != "gpus":
         return LocalCluster(n_workers=int(count), threads_per_worker=1, processes=True,
                             env=_threads_share(int(count)), preload=[__name__], **quiet)
@@ -62,9 +64,9 @@ def _local_cluster(address):
     except ImportError:
         workers = {f"gpu-{gpu}": {"cls": Nanny, "options": {
             "nthreads": 1, "env": {"CUDA_VISIBLE_DEVICES": gpu, **share},
-            "preload": [__name__], "silence_logs": logging.ERROR}} for gpu in gpus}
+            "preload": [__name__], "silence_logs": logging.CRITICAL}} for gpu in gpus}
         scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0"}}
-        return SpecCluster(workers, scheduler, silence_logs=logging.ERROR)
+        return SpecCluster(workers, scheduler, silence_logs=logging.CRITICAL)
     return LocalCUDACluster(CUDA_VISIBLE_DEVICES=gpus, threads_per_worker=1, env=share,
                             preload=[__name__], **quiet)
 

@@ -734,15 +734,17 @@ def run(batch, jobs, device, *, chunk_atoms=DEFAULT_CHUNK_ATOMS, structures=slic
 
 
 def peers(device):
-    """The devices that take turns at a run's chunks on `device`: every CPU device of the
-    process for a CPU (one, unless XLA was started with several: the segcli program starts
-    it with one a thread it uses, up to HOST_DEVICES, see cli.common.device), else `device`
-    alone."""
+    """The devices that take turns at a run's chunks on `device`: for a CPU, the CPU devices
+    of the process, as many as the threads it uses (threads.count(): a cluster worker its
+    share) — one, unless XLA was started with several (the segcli program starts it with one
+    a thread, up to HOST_DEVICES, see cli.common.device); else `device` alone."""
     import jax
+
+    from segcli import threads
 
     if device.platform != "cpu":
         return [device]
-    return jax.devices("cpu")
+    return jax.devices("cpu")[:threads.count()]
 
 
 HOST_DEVICES = 4

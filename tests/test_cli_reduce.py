@@ -147,15 +147,21 @@ def test_every_op_on_random_data_in_small_chunks_to_a_file(tmp_path, random_file
 
 
 def test_the_program_takes_turns_at_the_chunks_on_every_cpu_device(tmp_path, random_file):
-    """The segcli program with XLA's CPU split into 3 devices, whose chunks take turns at them
-    (several in flight): the bits this process's one device gives, for every op in one pass
-    and for gradients; a NaN in a later chunk counted over all of them, as here."""
+    """The segcli program with XLA's CPU split into 3 devices and 3 threads, whose chunks take
+    turns at them (several in flight): the bits this process's one device gives, for every op
+    in one pass and for gradients; a NaN in a later chunk counted over all of them, as here;
+    with 2 threads, 2 of the devices."""
     path, n_atoms, data = random_file
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=3"}
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=3",
+           "SEGCLI_THREADS": "3"}
     peers = subprocess.run([sys.executable, "-c", "import jax; from segcli import engine; "
                             "print(len(engine.peers(jax.devices('cpu')[0])))"], env=env,
                            capture_output=True, text=True)
     assert peers.stdout.split()[-1] == "3", peers.stderr
+    two = subprocess.run([sys.executable, "-c", "import jax; from segcli import engine; "
+                          "print(len(engine.peers(jax.devices('cpu')[0])))"],
+                         env={**env, "SEGCLI_THREADS": "2"}, capture_output=True, text=True)
+    assert two.stdout.split()[-1] == "2", two.stderr
     nan = tmp_path / "nan.h5"
     x = data["x"].copy()
     x[[40, 41, len(x) - 1], 1] = np.nan
