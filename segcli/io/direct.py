@@ -160,9 +160,10 @@ class Reader:
         row_bytes = storage.row_bytes
         skip = next((k for k in range(min(lo, request.align) + 1)
                      if (storage.offset + (lo - k) * row_bytes) % request.align == 0), None)
-        start = storage.offset + (lo - (skip or 0)) * row_bytes
-        if skip is None or skip + hi - lo > request.rows \
-                or start + request.rows * row_bytes > self._size:
+        if skip is None or skip + hi - lo > request.rows:
+            return None
+        start = storage.offset + (lo - skip) * row_bytes
+        if start + request.rows * row_bytes > self._size:
             return None
         base = start - start % mmap.ALLOCATIONGRANULARITY
         try:

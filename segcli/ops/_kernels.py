@@ -1372,14 +1372,6 @@ def _scaling3(paired, ordered):
     for its rows, and the rows outside every segment (ahead of the first, after the last) 0."""
     factors = _segment_factors(paired)
 
-    @wp.func
-    def scaled(x: wp.array(dtype=Any), b: wp.array(dtype=Any), i: int, factor: Any,
-               second: Any, third: Any):
-        v = x[i] * factor * second
-        if wp.static(paired):
-            v += b[i] * factor * third
-        return v
-
     def kernel(
         x: wp.array(dtype=Any),
         y: wp.array2d(dtype=Any),
@@ -1404,7 +1396,10 @@ def _scaling3(paired, ordered):
             _scale_rows(x, b, out, lo, hi, factor, second, third, wp.static(int(paired)))
         else:
             factor, second, third = factors(y, z, w, idx[t], 0)
-            out[t] = scaled(x, b, t, factor, second, third)
+            v = x[t] * factor * second
+            if wp.static(paired):
+                v += b[t] * factor * third
+            out[t] = v
 
     return kernel
 
