@@ -524,6 +524,53 @@ def test_max_norm_ties_go_to_the_first_row_wherever_they_fall(gpu_paths):
         _primitives.lower_cpu_as_gpu(False)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_max_norm_search_by_lanes_finds_the_first_of_ties_anywhere(dtype):
+    """The CPU's ordered search takes rows 8 at a time in vector lanes. Segments of 1..40 rows
+    drawn from rows of norm 1 whose squares differ by an ulp (`one`, `tied`: the same norm),
+    rows beating them by one (`above`), smaller and zero rows, so that ties fall in one lane
+    (8 rows apart) and across lanes, before and after the largest square; each next segment
+    holds a larger norm, and the last runs to the end of x (its lanes past the end neither
+    read nor counted). The gradient goes to the first row of the largest norm (NumPy float64
+    norms in the dtype), for rows of 3 features, of 2 and of (2, 3), and batched by vmap."""
+    unit = np.finfo(dtype).eps
+    one, tied, above = [1.0, 0, 0], [1.0, np.sqrt(0.75 * unit), 0], [1.0, np.sqrt(4 * unit), 0]
+    with np.errstate(over="ignore"):
+        norms = np.linalg.norm(np.array([one, tied, above], dtype), axis=1)
+    assert norms[0] == norms[1] < norms[2]
+    assert (np.array(tied, dtype) ** 2).sum() > 1
+    rng = np.random.default_rng(5)
+    pool = np.array([one, tied, above, [0.5, 0, 0], [0, 0, 0], [0, 0.25, 0.5]], dtype)
+    counts = rng.integers(1, 41, 150)
+    counts[-1] = 37  # x ends 5 rows into a block of 8
+    kinds = rng.choice(len(pool), counts.sum(), p=[0.2, 0.2, 0.02, 0.3, 0.08, 0.2])
+    kinds[np.cumsum(counts) - counts] = 3  # no segment of zero rows alone
+    x = pool[kinds] * np.repeat(2.0 ** (np.arange(counts.size) % 3), counts)[:, None].astype(dtype)
+    ids = np.repeat(np.arange(counts.size), counts).astype(np.int32)
+
+    def first_rows(x):
+        norms = np.linalg.norm(x.reshape(len(x), -1).astype(np.float64), axis=1).astype(dtype)
+        starts = np.cumsum(counts) - counts
+        return np.array([s + np.argmax(norms[s:s + c]) for s, c in zip(starts, counts)])
+
+    def chosen(x, idx):
+        grad = jax.grad(lambda a: jnp.sum(ops.segmented_max_norm(a, idx, counts.size)))(x)
+        return np.flatnonzero(np.any(np.asarray(grad).reshape(len(x), -1) != 0, axis=1))
+
+    for data in (x, x[:, :2], np.stack([x, x[:, ::-1]], axis=1)):
+        expected = first_rows(data)
+        for idx in (ops.segments(counts), jnp.asarray(ids)):
+            np.testing.assert_array_equal(chosen(jnp.asarray(data), idx), expected)
+    # vmap: the batch's two arrays as two groups of one kernel
+    batch = jnp.asarray(np.stack([x, x[::-1]]))
+    values = jax.vmap(lambda a: ops.segmented_max_norm(a, ops.segments(counts), counts.size))(
+        batch)
+    for b, data in enumerate((x, x[::-1])):
+        np.testing.assert_array_equal(
+            np.asarray(values[b]), np.asarray(ops.segmented_max_norm(
+                jnp.asarray(data), ops.segments(counts), counts.size)))
+
+
 @pytest.mark.parametrize("gpu_paths", [False, True])
 def test_sorted_results_are_bitwise_repeatable_and_flag_independent(gpu_paths):
     """Every op's value, and every differentiable op's gradient, on sorted ids: the same bits

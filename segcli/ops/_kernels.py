@@ -1017,41 +1017,77 @@ def _near_below(square: wp.float32):  # an overload per dtype
     return square * wp.float32(_NEAR_FLOAT32)
 
 
-# max_norm's pass of plain comparisons on CPUs: the first of rows lo:hi (lo < hi) of group g
-# with the largest squared norm, each square summed over the K features in order as
-# _squared_norm sums it (a product and a sum per statement, so that no multiply-add fuses
-# them and every bit is the same); that row if its square is plain and no row before it has a
-# square a few units in the last place below it, -(row + 2) where one does, -1 where a square
-# is NaN or the largest is not plain ("float" stands for the dtype; PLAIN, NEAR and MAX for
-# its PLAIN_SQUARES, _NEAR_FLOAT and largest value)
+# max_norm's plain search on CPUs: the first of rows lo:hi (lo < hi) of group g with the
+# largest squared norm (each square the sum of the K products in order); that row if its
+# square is plain and no row before it has a square a few units in the last place below it,
+# -(row + 2) where one may, -1 where a square is NaN or the largest is not plain ("float"
+# stands for the dtype; PLAIN, NEAR and MAX for its PLAIN_SQUARES, _NEAR_FLOAT and largest
+# value). Eight rows at a time in vector lanes: each lane keeps its largest square, the first
+# row of it, and the largest before that row, so that no comparison waits on the one before
+# and the segment is read once. Rows of 3 features (G = 1) are loaded as 24 entries and
+# sorted into the lanes by shuffles, every product before any sum (no multiply-add can fuse
+# them); a lane past hi holds 0.
 _PLAIN_SQUARES_SEARCH = """
-    const float* p = (const float*)x.data;
     const int k = x.shape[2];
-    float best = -1, before = -1;
-    int winner = lo, nans = 0;
-    for (int i = lo; i < hi; i++) {
-        const float* row = p + ((long long)i * x.shape[1] + g) * k;
-        float square = 0;
-        if (k == 3) {  // unrolled: the usual rows of 3
-            const float a = row[0] * row[0], b = row[1] * row[1], c = row[2] * row[2];
-            square = square + a;
-            square = square + b;
-            square = square + c;
-        } else {
+    const int n = x.shape[0];
+    const long long step = (long long)x.shape[1] * k;
+    const float* rows = (const float*)x.data + (long long)g * k;
+    typedef float lanes8 __attribute__((vector_size(8 * sizeof(float))));
+    typedef decltype(lanes8{} != lanes8{}) mask8;
+    const mask8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+    auto search = [&](auto squares) {
+        lanes8 top = {-1, -1, -1, -1, -1, -1, -1, -1}, before = top;
+        mask8 nan = {}, where = {};
+        for (int i = lo; i < hi; i += 8) {
+            const lanes8 square = squares(i);
+            const mask8 taken = square > top;
+            before = taken ? top : before;
+            top = taken ? square : top;
+            where = taken ? lane + i : where;
+            nan |= square != square;
+        }
+        const float best = __builtin_reduce_max(top);
+        if (__builtin_reduce_or(nan) || !(best >= PLAIN && best <= MAX)) return -1;
+        const int winner = __builtin_reduce_min(top == best ? where : hi);
+        const float near = best * NEAR;
+        const mask8 close = (before >= near) | ((top >= near) & (where < winner));
+        return __builtin_reduce_or(close) ? -(winner + 2) : winner;
+    };
+    if (k == 3 && step == 3)
+        return search([&](int i) {
+            const float* p = rows + 3LL * i;
+            float padded[24] = {};
+            if (i + 8 > n) {  /* the last rows of x: no load past its end */
+                __builtin_memcpy(padded, p, (n - i) * 3 * sizeof(float));
+                p = padded;
+            }
+            lanes8 a, b, c;
+            __builtin_memcpy(&a, p, sizeof a);
+            __builtin_memcpy(&b, p + 8, sizeof b);
+            __builtin_memcpy(&c, p + 16, sizeof c);
+            a = a * a;
+            b = b * b;
+            c = c * c;
+            const lanes8 ab0 = __builtin_shufflevector(a, b, 0, 3, 6, 9, 12, 15, 0, 0);
+            const lanes8 ab1 = __builtin_shufflevector(a, b, 1, 4, 7, 10, 13, 0, 0, 0);
+            const lanes8 ab2 = __builtin_shufflevector(a, b, 2, 5, 8, 11, 14, 0, 0, 0);
+            lanes8 square = {};
+            square = square + __builtin_shufflevector(ab0, c, 0, 1, 2, 3, 4, 5, 10, 13);
+            square = square + __builtin_shufflevector(ab1, c, 0, 1, 2, 3, 4, 8, 11, 14);
+            square = square + __builtin_shufflevector(ab2, c, 0, 1, 2, 3, 4, 9, 12, 15);
+            return lane < hi - i ? square : 0;
+        });
+    return search([&](int i) {
+        lanes8 square = {};
+        for (int j = 0; j < 8 && i + j < hi; j++) {
+            const float* row = rows + (i + j) * step;
             for (int f = 0; f < k; f++) {
                 const float term = row[f] * row[f];
-                square = square + term;
+                square[j] = square[j] + term;
             }
         }
-        const bool taken = square > best;
-        before = taken ? best : before;
-        best = taken ? square : best;
-        winner = taken ? i : winner;
-        nans += square != square;
-    }
-    if (nans || !(best >= PLAIN && best <= MAX)) return -1;
-    const float near = best * NEAR;
-    return before >= near ? -(winner + 2) : winner;
+        return square;
+    });
 """
 
 
@@ -1079,11 +1115,12 @@ def _plain_squares_search(x: wp.array3d(dtype=wp.float64), lo: int, hi: int, g: 
 
 
 def _largest_square_first(search, key, better):
-    """max_norm's ordered search on CPUs: one pass of plain comparisons in C
+    """max_norm's ordered search on CPUs: one pass in C by vector lanes
     (_plain_squares_search) finds the first row of the largest squared norm. Where that square
     is plain (so its root is the row's norm, the largest) and no row's is NaN, the answer is
-    the first row whose norm equals it: that row, unless a row before it has a square a few
-    units in the last place below (then its norm may round to the same). Otherwise `search`
+    the first row whose norm equals it: that row, unless a row before it may have a square a
+    few units in the last place below (then its norm may round to the same; rows are then
+    compared one by one). Otherwise `search`
     (the screened search) decides. `key` is the norm, and `better` is implied by the squares'
     order."""
 
