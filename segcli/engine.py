@@ -663,7 +663,9 @@ def _compiled(programs, on_device=False):
 
     def all_outputs(values, offsets, ids, rows, num_segments):
         idx = ops.Segments(_ids(offsets, rows) if on_device else ids, offsets)
-        out = tuple(outputs(p, values, idx, num_segments) for p in programs)
+        together = _reduced_together(programs, values, idx, num_segments)
+        out = tuple(together[i] if i in together else outputs(p, values, idx, num_segments)
+                    for i, p in enumerate(programs))
         seen = values if on_device else [o for p, results in zip(programs, out)
                                          if shows_nan(p.op, p.order) for o in results
                                          if jnp.issubdtype(o.dtype, jnp.floating)]
@@ -672,6 +674,27 @@ def _compiled(programs, on_device=False):
         return out, nan
 
     return jax.jit(all_outputs, static_argnames=("rows", "num_segments"))
+
+
+def _reduced_together(programs, values, idx, num_segments):
+    """{index: (value,)} of the programs (see _compiled) that are plain reductions among
+    ops.REDUCTIONS (order 0, no parameters) of a float field in a precision that two or more
+    of them reduce: each such group by one ops.segmented_reductions, which reads the rows once
+    for all of them on CPUs, with the bits each op gives alone."""
+    from segcli import ops
+
+    groups = {}
+    for i, (spec, params, inputs, integers, precision, order, *_) in enumerate(programs):
+        if order == 0 and not params and spec.name in ops.REDUCTIONS and not any(integers):
+            groups.setdefault((inputs[0], precision), []).append(i)
+    together = {}
+    for (name, precision), members in groups.items():
+        if len(members) > 1:
+            results = ops.segmented_reductions(
+                values[name].astype(precision), idx, num_segments,
+                tuple(programs[i][0].name for i in members), indices_are_sorted=True)
+            together.update({i: (result,) for i, result in zip(members, results)})
+    return together
 
 
 def launch(jobs, padded, device):

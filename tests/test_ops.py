@@ -524,6 +524,101 @@ def test_max_norm_ties_go_to_the_first_row_wherever_they_fall(gpu_paths):
         _primitives.lower_cpu_as_gpu(False)
 
 
+def special_rows(rng, counts, dtype):
+    """Rows of 3 for segments of `counts` rows: normal ones, and whole segments of rows whose
+    squares overflow, underflow or tie (the rescaled and the careful paths of rms_norm and
+    max_norm), of NaN and of inf."""
+    x = rng.normal(size=(counts.sum(), 3)).astype(dtype)
+    starts = np.cumsum(counts) - counts
+    big, tiny = np.finfo(dtype).max / 4, np.finfo(dtype).tiny * 4
+    for k, fill in enumerate(([big, -big, big], [tiny, 0, -tiny], [3, 4, 0], [np.nan, 0, 1],
+                              [np.inf, 0, 0])):
+        s = np.flatnonzero(counts >= 9)[k]
+        x[starts[s]:starts[s] + counts[s]] = fill
+        x[starts[s] + 5] = [0, 5, 0]  # a tie of norm 5
+    return x
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_reductions_together_are_each_op_alone_bit_for_bit(dtype):
+    """segmented_reductions against each op called alone: the same bits (the one-pass kernel
+    on CPUs for rows of 3 with ids known sorted, each op's own kernels otherwise), for any
+    set of the names in any order (repeats too), empty segments first, inside and last, a
+    segment running to the end of x; the same derivatives (each output's VJP and a JVP, and
+    finite differences), the same under vmap; float16 in and out; a bad name refused."""
+    rng = np.random.default_rng(3)
+    counts = rng.integers(0, 30, 90)
+    counts[[0, 40, -1]] = 0
+    counts[-2] = 29
+    m = counts.size
+    x = special_rows(rng, counts, dtype)
+    ids = np.repeat(np.arange(m), counts).astype(np.int32)
+    alone = {name: getattr(ops, f"segmented_{name}") for name in ops.REDUCTIONS}
+    sets = [ops.REDUCTIONS, ("max_norm", "mean"), ("rms_norm", "sum", "rms_norm"), ("mean",)]
+    for idx, sorted_ in ((ops.segments(counts), False), (jnp.asarray(ids), True),
+                         (jnp.asarray(ids), False)):
+        for data in (x, x[:, :2], x[:, 0]):
+            for names in sets:
+                got = ops.segmented_reductions(data, idx, m, names, indices_are_sorted=sorted_)
+                assert len(got) == len(names)
+                for name, value in zip(names, got):
+                    expected = alone[name](data, idx, m, indices_are_sorted=sorted_)
+                    assert value.dtype == expected.dtype == dtype
+                    np.testing.assert_array_equal(np.asarray(value), np.asarray(expected))
+    # derivatives, on finite rows
+    finite = jnp.asarray(rng.normal(size=x.shape).astype(dtype))
+    seg = ops.segments(counts)
+    weights = [jnp.asarray(rng.normal(size=(m, 3)[:1 + (n in ("sum", "mean"))]).astype(dtype))
+               for n in ops.REDUCTIONS]
+    for k, name in enumerate(ops.REDUCTIONS):
+        pick = lambda a, k=k: jnp.sum(ops.segmented_reductions(a, seg, m, ops.REDUCTIONS)[k]
+                                      * weights[k])
+        one = lambda a, k=k, name=name: jnp.sum(alone[name](a, seg, m) * weights[k])
+        np.testing.assert_array_equal(np.asarray(jax.grad(pick)(finite)),
+                                      np.asarray(jax.grad(one)(finite)))
+    direction = jnp.asarray(rng.normal(size=x.shape).astype(dtype))
+    tangents = jax.jvp(lambda a: ops.segmented_reductions(a, seg, m, ops.REDUCTIONS),
+                       (finite,), (direction,))[1]
+    for name, tangent in zip(ops.REDUCTIONS, tangents):
+        np.testing.assert_array_equal(np.asarray(tangent), np.asarray(
+            jax.jvp(lambda a, name=name: alone[name](a, seg, m), (finite,), (direction,))[1]))
+        if dtype == np.float64:  # float32 steps large enough to see cross max_norm's kinks
+            f = lambda a, name=name: np.asarray(ops.segmented_reductions(a, seg, m, (name,))[0])
+            numeric = (f(finite + 1e-6 * direction) - f(finite - 1e-6 * direction)) / 2e-6
+            np.testing.assert_allclose(np.asarray(tangent), numeric, rtol=1e-6, atol=1e-8)
+    batch = jnp.stack([finite, 2 * finite])
+    mapped = jax.vmap(lambda a: ops.segmented_reductions(a, seg, m, ops.REDUCTIONS))(batch)
+    for name, value in zip(ops.REDUCTIONS, mapped):
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(
+            jax.vmap(lambda a, name=name: alone[name](a, seg, m))(batch)))
+    half = finite.astype(jnp.float16)
+    for name, value in zip(ops.REDUCTIONS, ops.segmented_reductions(half, seg, m, ops.REDUCTIONS)):
+        assert value.dtype == jnp.float16
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(alone[name](half, seg, m)))
+    with pytest.raises(ValueError, match="reductions must name one or more of sum, mean"):
+        ops.segmented_reductions(finite, seg, m, ("sum", "dot"))
+
+
+def test_reductions_together_are_one_primitive_and_each_alone_on_gpu_paths():
+    """One segcli_reductions in the program; on the GPU's code paths (each op its own
+    kernels) the same values as each op alone there."""
+    rng = np.random.default_rng(4)
+    counts = rng.integers(0, 12, 40)
+    x = jnp.asarray(special_rows(rng, counts, np.float64))
+    seg = ops.segments(counts)
+    program = str(jax.make_jaxpr(lambda a: ops.segmented_reductions(
+        a, seg, 40, ops.REDUCTIONS))(x))
+    assert program.count("segcli_reductions") == 1
+    _primitives.lower_cpu_as_gpu(True)
+    try:
+        got = ops.segmented_reductions(x, seg, 40, ops.REDUCTIONS)
+        for name, value in zip(ops.REDUCTIONS, got):
+            np.testing.assert_array_equal(np.asarray(value), np.asarray(
+                getattr(ops, f"segmented_{name}")(x, seg, 40)))
+    finally:
+        _primitives.lower_cpu_as_gpu(False)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_max_norm_search_by_lanes_finds_the_first_of_ties_anywhere(dtype):
     """The CPU's ordered search takes rows 8 at a time in vector lanes. Segments of 1..40 rows

@@ -72,6 +72,40 @@ def test_one_pass_gives_each_jobs_bits_alone(random_file, order):
             assert_reduced(got[""], op, n_atoms, [data[f] for f in fields], "float64")
 
 
+@pytest.mark.parametrize("precision", ["float32", "float64"])
+def test_reductions_of_one_field_go_together_with_each_jobs_bits(random_file, precision):
+    """sum, mean, rms_norm and max_norm of x (and of x32, of t) in one pass: each field's
+    reductions one segcli_reductions in the chunk's program (the integers of z summed apart),
+    and the bits of each job run alone."""
+    import jax
+
+    from segcli._jax import enable_x64
+
+    path = random_file[0]
+    ops = [("rms_norm", ["x"]), ("sum", ["z"]), ("max_norm", ["x"]), ("mean", ["x"]),
+           ("sum", ["x"]), ("max_norm", ["x32"]), ("mean", ["x32"]), ("rms_norm", ["t"]),
+           ("max_norm", ["t"]), ("mean", ["v"])]
+    with open_batch(path) as batch:
+        jobs = [engine.plan(str(path), OPS[op], fields, batch.fields, precision=precision)
+                for op, fields in ops]
+        read = engine.reads(jobs)
+        function = engine._compiled(tuple(job.program(read) for job in jobs))
+        n = 16
+        values = tuple(np.zeros((n, *batch.fields[name].shape), batch.fields[name].dtype)
+                       for name in read)
+        with enable_x64(True):
+            program = jax.make_jaxpr(lambda v, o, i: function(v, o, i, rows=n, num_segments=2))(
+                values, np.array([0, 9, n], np.int32), np.zeros(n, np.int32))
+        assert str(program).count("segcli_reductions") == 3  # x, x32, t
+
+        def outputs(jobs):
+            parts = [out for _, out in engine.run(batch, jobs, DEVICE, chunk_atoms=37)]
+            return [np.concatenate([p[k][""] for p in parts]) for k in range(len(jobs))]
+
+        for job, got in zip(jobs, outputs(jobs)):
+            np.testing.assert_array_equal(got, outputs([job])[0])
+
+
 def test_jobs_of_one_pass_share_one_precision(random_file):
     path = random_file[0]
     with open_batch(path) as batch:

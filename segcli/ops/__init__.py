@@ -37,6 +37,7 @@ from jax.interpreters import ad
 from segcli.ops import _primitives as P
 
 __all__ = [
+    "REDUCTIONS",
     "Segments",
     "check_segments",
     "segment_ids",
@@ -50,6 +51,7 @@ __all__ = [
     "segmented_mean",
     "segmented_min",
     "segmented_mul",
+    "segmented_reductions",
     "segmented_rms_norm",
     "segmented_softmax",
     "segmented_std",
@@ -213,7 +215,22 @@ _SORTED_ARG = """\
         ids, promised or found, are reduced in a fixed order: bitwise repeatable."""
 
 
-_STATIC = {"num_segments": _num_segments, "indices_are_sorted": bool, "length": _length}
+REDUCTIONS = P.REDUCTIONS
+"""The reductions segmented_reductions computes together: sum, mean, rms_norm, max_norm."""
+
+
+def _reductions(reductions):
+    """segmented_reductions' names as a tuple, checked."""
+    names = (reductions,) if isinstance(reductions, str) else tuple(reductions)
+    unknown = [name for name in names if name not in REDUCTIONS]
+    if unknown or not names:
+        raise ValueError(f"reductions must name one or more of {', '.join(REDUCTIONS)}, "
+                         f"got {reductions!r}")
+    return names
+
+
+_STATIC = {"num_segments": _num_segments, "indices_are_sorted": bool, "length": _length,
+           "reductions": _reductions}
 """The static parameters of the ops, each with its check and conversion on the host."""
 
 
@@ -559,6 +576,52 @@ def segmented_max_norm(x, idx, num_segments, *, indices_are_sorted=False):
     x, seg, m, dtype = _common("x", x, idx, num_segments)
     params = _params(m, indices_are_sorted)
     return _max_norms(_grouped(x), seg, tuple(params.items()))[:, 0].astype(dtype)
+
+
+@_op
+def segmented_reductions(x, idx, num_segments, reductions, *, indices_are_sorted=False):
+    """Several reductions of the same rows at once.
+
+    Args:
+      x: (N, *F) floats.
+      {segment args}
+      reductions: names among "sum", "mean", "rms_norm" and "max_norm" (static).
+
+    Returns:
+      A tuple: for each name, what segmented_<name>(x, idx, num_segments) returns, bit for
+      bit, and with the same derivatives. On CPUs, for rows of 3 features and ids known
+      sorted (a Segments, or the promise), one kernel reads each segment's rows once for all
+      of them; elsewhere each is computed as its own function computes it.
+
+    Example::
+
+        x = jnp.array([[3., 4., 0.], [0., 0., 0.]])
+        segmented_reductions(x, jnp.array([0, 0]), 1, ("max_norm", "rms_norm"))  # [[5.], [3.5355]]
+    """
+    x, seg, m, dtype = _common("x", x, idx, num_segments)
+    params = tuple(_params(m, indices_are_sorted).items())
+    return tuple(out.reshape(m, *x.shape[1:]).astype(dtype) if name in ("sum", "mean")
+                 else out[:, 0].astype(dtype)
+                 for name, out in zip(reductions, _together(_grouped(x), seg, reductions, params)))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
+def _together(g, seg, names, params):
+    """[each named reduction of g (N, 1, K)]: sum and mean (M, K), rms_norm and max_norm (M, 1),
+    by one primitive (see P.reductions_p)."""
+    return P.reductions_p.bind(g, *seg, names=names, **dict(params))
+
+
+@_together.defjvp
+def _together_jvp(names, params, primals, tangents):
+    """Each reduction's value and tangent by its own primitive and rules."""
+    (g, seg), (dg, _) = primals, tangents
+    p = dict(params)
+    alone = {"sum": lambda g: P.sum_p.bind(g[:, 0], *seg, **p),
+             "mean": lambda g: P.mean_p.bind(g[:, 0], *seg, **p),
+             "rms_norm": lambda g: _rms_norms(g, seg, params),
+             "max_norm": lambda g: _max_norms(g, seg, params)}
+    return jax.jvp(lambda g: [alone[name](g) for name in names], (g,), (dg,))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))

@@ -826,18 +826,12 @@ _deferred(_overflow_rescue(_largest_entry_of, _atomic_above), "rms_norm_top")
 _deferred(_overflow_rescue(_scaled_squared_norm, _atomic_sum), "rms_norm_rescaled")
 
 
-def _extreme(key, better, atomic_better, screen=None, shortcut=None):
-    """The kernels finding, per segment s and group g, the first row i attaining the best
-    key(x, i, g), `better` ordering keys and NaN beating any number (so a NaN row is chosen):
-    `first` (M, G) int32, left as given (N) for an empty segment.
-
-    Ordered ids: one thread per (s, g) over the segment's rows. With `screen` (max_norm's
-    squared norm), a row whose screen(x, i, g) is no larger than a plain one (see
-    _plain_square) of a row already taken cannot be larger either, and its key is not
-    computed. Otherwise `best` (filled with the worst key) takes the atomic best of the keys,
-    NaN entering as `nan_key[0]` (the best possible key), and then `first` the atomic min of
-    the rows attaining it. `shortcut`, if given, makes the ordered search from this one, the
-    key and `better` (see _largest_square_first, _first_by_plain_comparisons)."""
+def _ordered_search(key, better, screen=None):
+    """The ordered search of _extreme: search(x, lo, hi, g), the first of rows lo:hi (lo < hi)
+    of group g attaining the best key(x, i, g), `better` ordering keys and NaN beating any
+    number. With `screen` (max_norm's squared norm), a row whose screen(x, i, g) is no larger
+    than a plain one (see _plain_square) of a row already taken cannot be larger either, and
+    its key is not computed."""
 
     @wp.func
     def beats(v: Any, i: int, winner: int, top: Any):
@@ -870,14 +864,6 @@ def _extreme(key, better, atomic_better, screen=None, shortcut=None):
             return winner, top, bound
 
     @wp.func
-    def atomic_key(x: wp.array3d(dtype=Any), i: int, g: int, nan_key: wp.array(dtype=Any)):
-        # The key as the atomic path compares it: NaN enters as the best possible key.
-        v = key(x, i, g)
-        if _is_nan(v):
-            v = nan_key[0]
-        return v
-
-    @wp.func
     def search(x: wp.array3d(dtype=Any), lo: int, hi: int, g: int):
         # the first row of lo:hi (lo < hi) attaining the best key
         top = key(x, lo, g)
@@ -899,8 +885,31 @@ def _extreme(key, better, atomic_better, screen=None, shortcut=None):
             i += 1
         return winner
 
+    return search
+
+
+def _extreme(key, better, atomic_better, screen=None, shortcut=None):
+    """The kernels finding, per segment s and group g, the first row i attaining the best
+    key(x, i, g), `better` ordering keys and NaN beating any number (so a NaN row is chosen):
+    `first` (M, G) int32, left as given (N) for an empty segment.
+
+    Ordered ids: one thread per (s, g) over the segment's rows (_ordered_search, `screen`
+    there). Otherwise `best` (filled with the worst key) takes the atomic best of the keys,
+    NaN entering as `nan_key[0]` (the best possible key), and then `first` the atomic min of
+    the rows attaining it. `shortcut`, if given, makes the ordered search from this one, the
+    key and `better` (see _largest_square_first, _first_by_plain_comparisons)."""
+
+    search = _ordered_search(key, better, screen)
     if shortcut is not None:
         search = shortcut(search, key, better)
+
+    @wp.func
+    def atomic_key(x: wp.array3d(dtype=Any), i: int, g: int, nan_key: wp.array(dtype=Any)):
+        # The key as the atomic path compares it: NaN enters as the best possible key.
+        v = key(x, i, g)
+        if _is_nan(v):
+            v = nan_key[0]
+        return v
 
     def ordered_kernel(
         x: wp.array3d(dtype=Any),
@@ -1017,17 +1026,17 @@ def _near_below(square: wp.float32):  # an overload per dtype
     return square * wp.float32(_NEAR_FLOAT32)
 
 
-# max_norm's plain search on CPUs: the first of rows lo:hi (lo < hi) of group g with the
-# largest squared norm (each square the sum of the K products in order); that row if its
-# square is plain and no row before it has a square a few units in the last place below it,
-# -(row + 2) where one may, -1 where a square is NaN or the largest is not plain ("float"
-# stands for the dtype; PLAIN, NEAR and MAX for its PLAIN_SQUARES, _NEAR_FLOAT and largest
-# value). Eight rows at a time in vector lanes: each lane keeps its largest square, the first
-# row of it, and the largest before that row, so that no comparison waits on the one before
-# and the segment is read once. Rows of 3 features (G = 1) are loaded as 24 entries and
-# sorted into the lanes by shuffles, every product before any sum (no multiply-add can fuse
-# them); a lane past hi holds 0.
-_PLAIN_SQUARES_SEARCH = """
+# max_norm's plain search on CPUs, in C ("float" stands for the dtype; PLAIN, NEAR and MAX for
+# its PLAIN_SQUARES, _NEAR_FLOAT and largest value): rows lo:hi (lo < hi) of group g, eight at
+# a time in vector lanes. Each lane keeps its largest square, the first row of it, and the
+# largest before that row (take), so that no comparison waits on the one before and the
+# segment is read once; `found` then gives the first row of the largest square if that
+# square is plain and no row before it has a square a few units in the last place below
+# it, -(row + 2) where one may, -1 where a square is NaN or the largest is not plain. Each
+# square is the sum of the K products in order; rows of 3 features (G = 1) are loaded as 24
+# entries (`rows8`, never past x's end) and sorted into the lanes by shuffles (`squares8`),
+# every product before any sum (no multiply-add can fuse them); a lane past hi holds 0.
+_SQUARES_LANES = """
     const int k = x.shape[2];
     const int n = x.shape[0];
     const long long step = (long long)x.shape[1] * k;
@@ -1035,17 +1044,16 @@ _PLAIN_SQUARES_SEARCH = """
     typedef float lanes8 __attribute__((vector_size(8 * sizeof(float))));
     typedef decltype(lanes8{} != lanes8{}) mask8;
     const mask8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
-    auto search = [&](auto squares) {
-        lanes8 top = {-1, -1, -1, -1, -1, -1, -1, -1}, before = top;
-        mask8 nan = {}, where = {};
-        for (int i = lo; i < hi; i += 8) {
-            const lanes8 square = squares(i);
-            const mask8 taken = square > top;
-            before = taken ? top : before;
-            top = taken ? square : top;
-            where = taken ? lane + i : where;
-            nan |= square != square;
-        }
+    lanes8 top = {-1, -1, -1, -1, -1, -1, -1, -1}, before = top;
+    mask8 nan = {}, where = {};
+    auto take = [&](int i, lanes8 square) {
+        const mask8 taken = square > top;
+        before = taken ? top : before;
+        top = taken ? square : top;
+        where = taken ? lane + i : where;
+        nan |= square != square;
+    };
+    auto found = [&]() {
         const float best = __builtin_reduce_max(top);
         if (__builtin_reduce_or(nan) || !(best >= PLAIN && best <= MAX)) return -1;
         const int winner = __builtin_reduce_min(top == best ? where : hi);
@@ -1053,31 +1061,42 @@ _PLAIN_SQUARES_SEARCH = """
         const mask8 close = (before >= near) | ((top >= near) & (where < winner));
         return __builtin_reduce_or(close) ? -(winner + 2) : winner;
     };
-    if (k == 3 && step == 3)
-        return search([&](int i) {
-            const float* p = rows + 3LL * i;
-            float padded[24] = {};
-            if (i + 8 > n) {  /* the last rows of x: no load past its end */
-                __builtin_memcpy(padded, p, (n - i) * 3 * sizeof(float));
-                p = padded;
-            }
+    auto rows8 = [&](int i, lanes8* a, lanes8* b, lanes8* c) {
+        const float* p = rows + 3LL * i;
+        float padded[24] = {};
+        if (i + 8 > n) {
+            __builtin_memcpy(padded, p, (n - i) * 3 * sizeof(float));
+            p = padded;
+        }
+        __builtin_memcpy(a, p, sizeof *a);
+        __builtin_memcpy(b, p + 8, sizeof *b);
+        __builtin_memcpy(c, p + 16, sizeof *c);
+    };
+    auto squares8 = [&](int i, lanes8 a, lanes8 b, lanes8 c) {
+        a = a * a;
+        b = b * b;
+        c = c * c;
+        const lanes8 ab0 = __builtin_shufflevector(a, b, 0, 3, 6, 9, 12, 15, 0, 0);
+        const lanes8 ab1 = __builtin_shufflevector(a, b, 1, 4, 7, 10, 13, 0, 0, 0);
+        const lanes8 ab2 = __builtin_shufflevector(a, b, 2, 5, 8, 11, 14, 0, 0, 0);
+        lanes8 square = {};
+        square = square + __builtin_shufflevector(ab0, c, 0, 1, 2, 3, 4, 5, 10, 13);
+        square = square + __builtin_shufflevector(ab1, c, 0, 1, 2, 3, 4, 8, 11, 14);
+        square = square + __builtin_shufflevector(ab2, c, 0, 1, 2, 3, 4, 9, 12, 15);
+        return lane < hi - i ? square : 0;
+    };
+"""
+
+_PLAIN_SQUARES_SEARCH = _SQUARES_LANES + """
+    if (k == 3 && step == 3) {
+        for (int i = lo; i < hi; i += 8) {
             lanes8 a, b, c;
-            __builtin_memcpy(&a, p, sizeof a);
-            __builtin_memcpy(&b, p + 8, sizeof b);
-            __builtin_memcpy(&c, p + 16, sizeof c);
-            a = a * a;
-            b = b * b;
-            c = c * c;
-            const lanes8 ab0 = __builtin_shufflevector(a, b, 0, 3, 6, 9, 12, 15, 0, 0);
-            const lanes8 ab1 = __builtin_shufflevector(a, b, 1, 4, 7, 10, 13, 0, 0, 0);
-            const lanes8 ab2 = __builtin_shufflevector(a, b, 2, 5, 8, 11, 14, 0, 0, 0);
-            lanes8 square = {};
-            square = square + __builtin_shufflevector(ab0, c, 0, 1, 2, 3, 4, 5, 10, 13);
-            square = square + __builtin_shufflevector(ab1, c, 0, 1, 2, 3, 4, 8, 11, 14);
-            square = square + __builtin_shufflevector(ab2, c, 0, 1, 2, 3, 4, 9, 12, 15);
-            return lane < hi - i ? square : 0;
-        });
-    return search([&](int i) {
+            rows8(i, &a, &b, &c);
+            take(i, squares8(i, a, b, c));
+        }
+        return found();
+    }
+    for (int i = lo; i < hi; i += 8) {
         lanes8 square = {};
         for (int j = 0; j < 8 && i + j < hi; j++) {
             const float* row = rows + (i + j) * step;
@@ -1086,19 +1105,20 @@ _PLAIN_SQUARES_SEARCH = """
                 square[j] = square[j] + term;
             }
         }
-        return square;
-    });
+        take(i, square);
+    }
+    return found();
 """
 
 
-def _squares_search_source(dtype):
-    """_PLAIN_SQUARES_SEARCH for `dtype` ("float32" or "float64"), its constants the kernels'
-    own as exact C literals."""
+def _squares_search_source(dtype, source=_PLAIN_SQUARES_SEARCH):
+    """`source` (_PLAIN_SQUARES_SEARCH) for `dtype` ("float32" or "float64"), its constants the
+    kernels' own as exact C literals."""
     single = dtype == "float32"
     suffix = "f" if single else ""
     near = _NEAR_FLOAT32 if single else _NEAR_FLOAT64
     constants = {"PLAIN": PLAIN_SQUARES[dtype], "NEAR": near, "MAX": float(np.finfo(dtype).max)}
-    source = _PLAIN_SQUARES_SEARCH if single else _PLAIN_SQUARES_SEARCH.replace("float", "double")
+    source = source if single else source.replace("float", "double")
     for name, value in constants.items():
         source = source.replace(name, float(value).hex() + suffix)
     return source
@@ -1116,22 +1136,33 @@ def _plain_squares_search(x: wp.array3d(dtype=wp.float64), lo: int, hi: int, g: 
 
 def _largest_square_first(search, key, better):
     """max_norm's ordered search on CPUs: one pass in C by vector lanes
-    (_plain_squares_search) finds the first row of the largest squared norm. Where that square
-    is plain (so its root is the row's norm, the largest) and no row's is NaN, the answer is
-    the first row whose norm equals it: that row, unless a row before it may have a square a
-    few units in the last place below (then its norm may round to the same; rows are then
-    compared one by one). Otherwise `search`
-    (the screened search) decides. `key` is the norm, and `better` is implied by the squares'
-    order."""
+    (_plain_squares_search) finds the first row of the largest squared norm, and
+    _squares_resolved(search, key) makes the answer of it. `better` is implied by the
+    squares' order."""
+    resolved = _squares_resolved(search, key)
 
     @wp.func
     def first_of_largest(x: wp.array3d(dtype=Any), lo: int, hi: int, g: int):
-        winner = _plain_squares_search(x, lo, hi, g)
-        if winner >= 0:
-            return winner
-        if winner == -1:
+        return resolved(x, lo, hi, g, _plain_squares_search(x, lo, hi, g))
+
+    return first_of_largest
+
+
+def _squares_resolved(search, key):
+    """resolved(x, lo, hi, g, found): the first of rows lo:hi (lo < hi) of group g of the
+    largest norm key(x, i, g), from `found`, _plain_squares_search's answer. Where the largest
+    square is plain (so its root is the row's norm, the largest) and no row's is NaN, that is
+    the first row whose norm equals it: the row found, unless a row before it may have a
+    square a few units in the last place below (then its norm may round to the same; rows
+    are then compared one by one). Otherwise `search` (the screened search) decides."""
+
+    @wp.func
+    def resolved(x: wp.array3d(dtype=Any), lo: int, hi: int, g: int, found: int):
+        if found >= 0:
+            return found
+        if found == -1:
             return search(x, lo, hi, g)
-        winner = -winner - 2  # a row before it may have the same norm: the first one
+        winner = -found - 2  # a row before it may have the same norm: the first one
         best = _squared_norm(x, winner, g)
         near = _near_below(best)
         top = wp.sqrt(best)
@@ -1140,7 +1171,7 @@ def _largest_square_first(search, key, better):
                 return i
         return winner
 
-    return first_of_largest
+    return resolved
 
 
 # The first of rows lo:hi (lo < hi) of entry g (of `groups`) attaining the largest value
@@ -1212,6 +1243,109 @@ for _name, _parts in (("max", (_value, _above, _atomic_above)),
                       ("min", (_value, _below, _atomic_below))):
     _deferred(_extreme(*_parts, shortcut=_first_by_plain_comparisons(int(_name == "max")))[0],
               f"{_name}_cpu_ordered")
+
+
+# Several reductions of the rows lo:hi of x (N, 1, 3) by one thread, each block of 8 rows
+# (24 entries) read once for all those `want` asks (the bits of REDUCE_BITS):
+# the sum and the mean into sums[s] and means[s] as _ROWS3_SUM adds them, Σ|x|² into rms[s]
+# as _SPAN_SUM adds it (one lane, factor 1), max_norm's search as _PLAIN_SQUARES_SEARCH (its
+# answer returned, else 0): every bit as those give it. CPUs only.
+_REDUCTIONS3 = _SQUARES_LANES + """
+    const float* p = rows;
+    const int end = hi * 3;
+    const float w = (float)1 / (float)(hi - lo > 1 ? hi - lo : 1), f = 1;
+    const bool sum = want & 1, mean = want & 2, rms = want & 4, largest = want & 8;
+    lanes8 sum8[3] = {}, mean8[3] = {}, squares = {};
+    int i = lo;
+    for (; i + 8 <= hi; i += 8) {
+        lanes8 a, b, c;
+        rows8(i, &a, &b, &c);
+        if (sum) {
+            sum8[0] += a * f;
+            sum8[1] += b * f;
+            sum8[2] += c * f;
+        }
+        if (mean) {
+            mean8[0] += a * w;
+            mean8[1] += b * w;
+            mean8[2] += c * w;
+        }
+        if (rms) {
+            squares += a * f * a;
+            squares += b * f * b;
+            squares += c * f * c;
+        }
+        if (largest) take(i, squares8(i, a, b, c));
+    }
+    auto finish3 = [&](const lanes8* vectors, float weight, void* into) {
+        float part[24];
+        __builtin_memcpy(part, vectors, sizeof part);
+        for (int j = 0; 3 * i + j < end; j++) part[j] += p[3 * i + j] * weight;
+        float* out = (float*)into + 3LL * s;
+        for (int d = 0; d < 3; d++)
+            out[d] = ((part[d] + part[d + 12]) + (part[d + 6] + part[d + 18])) +
+                     ((part[d + 3] + part[d + 15]) + (part[d + 9] + part[d + 21]));
+    };
+    if (sum) finish3(sum8, f, sums.data);
+    if (mean) finish3(mean8, w, means.data);
+    if (rms) {
+        float part[8];
+        __builtin_memcpy(part, &squares, sizeof part);
+        int e = 3 * i;
+        for (; e + 8 <= end; e += 8)
+            for (int j = 0; j < 8; j++) part[j] += p[e + j] * f * p[e + j];
+        for (int j = 0; e + j < end; j++) part[j] += p[e + j] * f * p[e + j];
+        ((float*)rms_out.data)[s] = ((part[0] + part[4]) + (part[2] + part[6])) +
+                                    ((part[1] + part[5]) + (part[3] + part[7]));
+    }
+    if (!largest || i >= hi) return largest ? found() : 0;
+    lanes8 a, b, c;
+    rows8(i, &a, &b, &c);
+    take(i, squares8(i, a, b, c));
+    return found();
+"""
+REDUCE_BITS = {"sum": 1, "mean": 2, "rms_norm": 4, "max_norm": 8}
+"""Each reduction's bit in reductions3's `want`."""
+_WANT_RMS = wp.constant(REDUCE_BITS["rms_norm"])
+_WANT_LARGEST = wp.constant(REDUCE_BITS["max_norm"])
+
+
+@wp.func_native(_squares_search_source("float32", _REDUCTIONS3))
+def _reductions3(x: wp.array3d(dtype=wp.float32), lo: int, hi: int, g: int, s: int, want: int,
+                 sums: wp.array2d(dtype=wp.vec3f), means: wp.array2d(dtype=wp.vec3f),
+                 rms_out: wp.array2d(dtype=wp.float32)) -> int:
+    ...
+
+
+@wp.func_native(_squares_search_source("float64", _REDUCTIONS3))
+def _reductions3(x: wp.array3d(dtype=wp.float64), lo: int, hi: int, g: int, s: int, want: int,
+                 sums: wp.array2d(dtype=wp.vec3d), means: wp.array2d(dtype=wp.vec3d),
+                 rms_out: wp.array2d(dtype=wp.float64)) -> int:
+    ...
+
+
+_first_of_largest_norm = _squares_resolved(_ordered_search(_norm, _above, _squared_norm), _norm)
+
+
+@_deferred
+def _reductions3_kernel(
+    x: wp.array3d(dtype=Any),
+    offsets: wp.array(dtype=wp.int32),
+    want: int,
+    sums: wp.array2d(dtype=Any),
+    means: wp.array2d(dtype=Any),
+    rms: wp.array2d(dtype=Any),
+    first: wp.array2d(dtype=wp.int32),
+):
+    # a thread per segment s: the reductions `want` asks of its rows (see _REDUCTIONS3), rms
+    # then the RMS norm of its Σ|x|² and first max_norm's row (left N where s is empty)
+    s = wp.tid()
+    lo, hi = _segment_range(offsets, s, x.shape[0])
+    found = _reductions3(x, lo, hi, 0, s, want, sums, means, rms)
+    if (want & _WANT_RMS) != 0:
+        rms[s, 0] = _root_mean(x, lo, hi, 0, rms[s, 0])
+    if (want & _WANT_LARGEST) != 0 and lo < hi:
+        first[s, 0] = _first_of_largest_norm(x, lo, hi, 0, found)
 
 
 @_deferred
@@ -1562,6 +1696,7 @@ _ELEMENTS = {
     "count": {"a": "int32", "b": "int32", "out": "int32"},
     "sum3": {"a": "vec3", "b": "vec3", "out": "vec3"},
     "mean3": {"a": "vec3", "out": "vec3"},
+    "reductions3": {"sums": "vec3", "means": "vec3"},
     "gather3": {"y": "vec3", "out": "vec3"},
     **{name: {"x": "vec3", "b": "vec3", "out": "vec3"}
        for name in ("scale3", "scale_pair3", "scale3_ordered", "scale_pair3_ordered")},

@@ -43,7 +43,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from segcli.ops._kernels import LANES, PACKED_RUN, PLAIN_SQUARES, launch, stride
+from segcli.ops._kernels import LANES, PACKED_RUN, PLAIN_SQUARES, REDUCE_BITS, launch, stride
 
 
 @functools.partial(jax.jit, static_argnames=("num_segments", "indices_are_sorted", "gpu"))
@@ -154,7 +154,8 @@ _IMPLS = {}  # primitive -> impl, for `lower_cpu_as_gpu`
 
 def _lower(prim, platform, gpu):
     impl = functools.partial(_IMPLS[prim], gpu=gpu)
-    mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=False), platform=platform)
+    mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=prim.multiple_results),
+                           platform=platform)
 
 
 def lower_cpu_as_gpu(enabled):
@@ -717,7 +718,7 @@ def scaled_norms(rows):
 
 
 def _max_norm(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
-    _, groups, k = x.shape
+    groups = x.shape[1]
     if _empty((num_segments, groups), x):
         return jnp.zeros((num_segments, groups), x.dtype)
     if gpu and x.dtype == jnp.float32:  # the norm is in each key's upper word
@@ -725,11 +726,18 @@ def _max_norm(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
                                             jnp.float32)
     first = _extreme(x, idx, offsets, num_segments=num_segments,
                      indices_are_sorted=indices_are_sorted, kind="max_norm", gpu=gpu)
+    return _norms_of(x, first)
+
+
+def _norms_of(x, first):
+    """|x[first[s, g], g]| (M, G) of x (N, G, K), 0 where first is N: the rows a max_norm search
+    chose."""
+    _, groups, k = x.shape
     if groups == 1:  # one index a row: no (M, K, 2) index array for XLA to build
         winners = x[:, 0].at[first[:, 0]].get(mode="fill", fill_value=0)
     else:  # each group's chosen row
         winners = x.at[first, jnp.arange(groups)].get(mode="fill", fill_value=0)
-    return scaled_norms(winners.reshape(num_segments * groups, k)).reshape(num_segments, groups)
+    return scaled_norms(winners.reshape(-1, k)).reshape(first.shape)
 
 
 max_norm_p = _register(_Rule(
@@ -776,3 +784,75 @@ bincount_p = _integral(_Rule(
     lambda labels, idx, offsets, *, num_segments, length, **_: (num_segments, length),
     dtype=jnp.int32))
 """Rows per segment with each label in [0, length) of int32 labels (N,): (M, length) int32."""
+
+
+# --- Several reductions of one array at once.
+
+_ALONE = {  # each reduction of x (N, G, K) on its own: (M, K) for G = 1, or (M, G)
+    "sum": lambda x, *seg, **p: _sum(x.reshape(x.shape[0], -1), *seg, **p),
+    "mean": lambda x, *seg, **p: _mean(x.reshape(x.shape[0], -1), *seg, **p),
+    "rms_norm": _rms_norm,
+    "max_norm": _max_norm,
+}
+REDUCTIONS = tuple(_ALONE)
+"""The reductions `reductions_p` computes together."""
+
+
+def _reductions(x, idx, offsets, *, num_segments, indices_are_sorted, names, gpu=False):
+    """[each reduction `names` holds, of x (N, 1, 3)], as the primitives of those names give
+    it: on CPUs, where the ids are known sorted, one kernel reading each segment's rows once
+    for all of them (reductions3); elsewhere each its own."""
+    params = {"num_segments": num_segments, "indices_are_sorted": indices_are_sorted}
+    together = (not gpu and _known_sorted(offsets, indices_are_sorted) and _is_float_vec3(x)
+                and not _empty((num_segments,), x))
+    if not together:
+        return [_ALONE[name](x, idx, offsets, **params, gpu=gpu) for name in names]
+    offsets, _ = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
+    rows = (num_segments, 1)
+    given = {"sums": jnp.zeros(rows + (3,), x.dtype), "means": jnp.zeros(rows + (3,), x.dtype),
+             "rms": jnp.zeros(rows, x.dtype), "first": jnp.full(rows, x.shape[0], jnp.int32)}
+    for name, label in zip(REDUCTIONS, given):
+        if name not in names:  # not written: no rows
+            given[label] = given[label][:0]
+    want = sum(REDUCE_BITS[name] for name in set(names))
+    sums, means, rms, first = launch("reductions3", x, offsets, want,
+                                     *given.values(), dims=(num_segments,),
+                                     in_out=tuple(given), dtype=x.dtype)
+    out = {"sum": lambda: sums.reshape(num_segments, 3),
+           "mean": lambda: means.reshape(num_segments, 3),
+           "rms_norm": lambda: rms, "max_norm": lambda: _norms_of(x, first)}
+    return [out[name]() for name in names]
+
+
+def _reduction_shape(name, x, num_segments):
+    return (num_segments, x.shape[1] * x.shape[2] if name in ("sum", "mean") else x.shape[1])
+
+
+reductions_p = Primitive("segcli_reductions")
+"""[sum, mean, rms_norm or max_norm of x (N, G, K), each named in `names`]: the primitives of
+those names, each of x's rows read once for all of them on CPUs (rows of 3 floats, ids known
+sorted). Not differentiated (segcli.ops gives the tangents of the primitives alone); batched
+as they are."""
+reductions_p.multiple_results = True
+reductions_p.def_impl(lambda *args, **params: _jitted_bind(
+    reductions_p, tuple(sorted(params.items())))(*args))
+reductions_p.def_abstract_eval(lambda x, idx, offsets, *, names, num_segments, **_: [
+    jax.core.ShapedArray(_reduction_shape(name, x, num_segments), x.dtype) for name in names])
+_IMPLS[reductions_p] = _reductions
+for _platform, _gpu in (("cpu", False), ("cuda", True)):
+    _lower(reductions_p, _platform, _gpu)
+
+
+def _reductions_batch(args, dims, *, names, **params):
+    x, idx, offsets = args
+    alone = {"sum": sum_p, "mean": mean_p, "rms_norm": rms_norm_p, "max_norm": max_norm_p}
+
+    def each(x, idx, offsets):
+        rows = x.reshape(x.shape[0], -1)
+        return [alone[name].bind(rows if name in ("sum", "mean") else x, idx, offsets,
+                                 **params) for name in names]
+
+    return jax.vmap(each, in_axes=dims)(x, idx, offsets), [0] * len(names)
+
+
+batching.primitive_batchers[reductions_p] = _reductions_batch
