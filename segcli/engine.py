@@ -486,8 +486,11 @@ def _padded_chunks(batch, jobs, chunk_atoms, structures, buffers, on_device=Fals
         shown = shown_nan(jobs, fields)
         chunks = nan_checked(jobs[0].path, chunks, [n for n in read if n not in shown],
                              where_present=True)
+    # ids on the host where a CPU's kernels read rows; with no per-atom field (count), the
+    # program's own expansion of the offsets, which XLA drops unused
+    host_ids = not on_device and any(fields[name].per == "atom" for name in dtypes)
     for chunk in chunks:
-        yield chunk, _pad(dtypes, chunk, least, buffers, ids=not on_device)
+        yield chunk, _pad(dtypes, chunk, least, buffers, ids=host_ids)
 
 
 def shown_nan(jobs, fields):
