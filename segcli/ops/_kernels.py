@@ -38,6 +38,11 @@ Shapes (rows first, then a group axis G that vmap folds into, then features):
                                                                 (a GPU keeps more rows in flight
                                                                 with a thread per feature, and
                                                                 reads rows coalesced)
+    reductions3  x (N, 1, 3)                 -> sums, means     sum3, mean3, rms_norm_span and
+                                                (M, 1) vec3,    max_norm's ordered search, those
+                                                rms, first      a `want` mask asks, each block of
+                                                (M, 1)          rows read once for all (CPUs,
+                                                                ordered ids)
     dot_span    x, y (N·G·K,), w (M, G)      -> (M, G)          out[s,g] = Σ_{idx[i]=s} <x[i,g]
                                                                 · w[s,g], y[i,g]> for ordered
                                                                 ids (a group of LANES threads

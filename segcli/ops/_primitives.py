@@ -21,6 +21,8 @@ RMS norm of each segment, in one pass over the rows) has no rule: segcli.ops dif
 it through a custom JVP built of the others, whose tangent map and that map's derivative are
 `custom_transposed` primitives, composites of the others with a transpose of their own (so
 that a second derivative adds its two rescales of the rows in one rescale2 kernel).
+`reductions` gives several of sum, mean, rms_norm and max_norm of one array (on CPUs by one
+kernel); segcli.ops differentiates each through its own primitive.
 The other primitives give integers, so no derivative: `extreme` (the first row attaining
 each segment's max, min or max norm, through which the ops differentiate), `count` and
 `bincount`. Batching folds a vmapped axis into axis 1 of every float operand (the feature or
@@ -788,25 +790,28 @@ bincount_p = _integral(_Rule(
 
 # --- Several reductions of one array at once.
 
-_ALONE = {  # each reduction of x (N, G, K) on its own: (M, K) for G = 1, or (M, G)
-    "sum": lambda x, *seg, **p: _sum(x.reshape(x.shape[0], -1), *seg, **p),
-    "mean": lambda x, *seg, **p: _mean(x.reshape(x.shape[0], -1), *seg, **p),
-    "rms_norm": _rms_norm,
-    "max_norm": _max_norm,
-}
-REDUCTIONS = tuple(_ALONE)
-"""The reductions `reductions_p` computes together."""
+REDUCTIONS = tuple(REDUCE_BITS)
+"""The reductions `reductions_p` computes together: sum, mean, rms_norm, max_norm."""
+
+
+def _alone(name, x, idx, offsets, params):
+    """Reduction `name` of x (N, G, K) by its own primitive: sum and mean (M, G·K), rms_norm and
+    max_norm (M, G)."""
+    if name in ("sum", "mean"):
+        return (sum_p if name == "sum" else mean_p).bind(x.reshape(x.shape[0], -1), idx, offsets,
+                                                         **params)
+    return (rms_norm_p if name == "rms_norm" else max_norm_p).bind(x, idx, offsets, **params)
 
 
 def _reductions(x, idx, offsets, *, num_segments, indices_are_sorted, names, gpu=False):
-    """[each reduction `names` holds, of x (N, 1, 3)], as the primitives of those names give
-    it: on CPUs, where the ids are known sorted, one kernel reading each segment's rows once
-    for all of them (reductions3); elsewhere each its own."""
+    """[each reduction `names` holds, of x (N, G, K)], as the primitives of those names give
+    it: on CPUs, for rows of 3 floats (G = 1) with ids known sorted, one kernel reading each
+    segment's rows once for all of them (reductions3); elsewhere each its own primitive."""
     params = {"num_segments": num_segments, "indices_are_sorted": indices_are_sorted}
     together = (not gpu and _known_sorted(offsets, indices_are_sorted) and _is_float_vec3(x)
                 and not _empty((num_segments,), x))
     if not together:
-        return [_ALONE[name](x, idx, offsets, **params, gpu=gpu) for name in names]
+        return [_alone(name, x, idx, offsets, params) for name in names]
     offsets, _ = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
     rows = (num_segments, 1)
     given = {"sums": jnp.zeros(rows + (3,), x.dtype), "means": jnp.zeros(rows + (3,), x.dtype),
@@ -844,15 +849,9 @@ for _platform, _gpu in (("cpu", False), ("cuda", True)):
 
 
 def _reductions_batch(args, dims, *, names, **params):
-    x, idx, offsets = args
-    alone = {"sum": sum_p, "mean": mean_p, "rms_norm": rms_norm_p, "max_norm": max_norm_p}
-
-    def each(x, idx, offsets):
-        rows = x.reshape(x.shape[0], -1)
-        return [alone[name].bind(rows if name in ("sum", "mean") else x, idx, offsets,
-                                 **params) for name in names]
-
-    return jax.vmap(each, in_axes=dims)(x, idx, offsets), [0] * len(names)
+    """Batched as each reduction's own primitive is."""
+    return (jax.vmap(lambda *a: [_alone(name, *a, params) for name in names], in_axes=dims)(*args),
+            [0] * len(names))
 
 
 batching.primitive_batchers[reductions_p] = _reductions_batch
