@@ -1,8 +1,8 @@
 """Every op, its gradient where it is differentiable and its second derivative where that
-launches a kernel of its own, with Warp's bounds checks on (its debug mode) and the GPU's (or
-the CPU's) code paths lowered on this CPU: ids out of range, unsorted, sorted and promised
-sorted, and a Segments; float32 and float64. A kernel reading or writing outside an array
-aborts here, where on a GPU it is an illegal address. Run by
+launches a kernel of its own, and segmented_reductions, with Warp's bounds checks on (its
+debug mode) and the GPU's (or the CPU's) code paths lowered on this CPU: ids out of range,
+unsorted, sorted and promised sorted, and a Segments; float32 and float64. A kernel reading or
+writing outside an array aborts here, where on a GPU it is an illegal address. Run by
 tests/test_ops.py::test_kernels_stay_in_bounds."""
 
 import sys
@@ -54,6 +54,10 @@ for layout, promise in layouts:
     for dtype in (np.float32, np.float64):
         for op in OPS.values():
             check(op, layout, promise, dtype)
+        rows = inside.size if isinstance(layout, ops.Segments) else n  # reductions together
+        x = jnp.asarray(rng.normal(size=(rows, 3)).astype(dtype))
+        jax.block_until_ready(ops.segmented_reductions(x, layout, m, ops.REDUCTIONS,
+                                                       indices_are_sorted=promise))
 if gpu:  # float32 norms over sorted ids by their two kernels, which long inputs take
     _primitives.SQUARES_ROWS = 0
     jax.clear_caches()
