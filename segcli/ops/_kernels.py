@@ -294,31 +294,55 @@ def _squared_entry(a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any), out: wp.a
     return v * v
 
 
-# Σ of rows lo:hi of 3 entries (each times 1/count with `mean`), by one thread (CPUs): 8
-# partial sums per feature side by side, entries e..e+23 added to three vectors of 8 (spelled
-# as vectors: left to itself the compiler vectorizes the sum of 24 scalars badly), added as a
-# butterfly adds 8 lanes ("float" stands for the dtype, as in _SPAN_SUM)
-_ROWS3_SUM = """
+# C for one CPU thread's vector lanes ("float" stands for the dtype): lanes8, the masks of
+# their comparisons (mask8), `lane` (0..7), sum8 (the 8 lanes added as a GPU's butterfly adds
+# them) and sum24 (the 24 lanes of three vectors added so, each feature's 8 apart);
+# the compiler, left to itself, vectorizes such sums badly.
+_LANES8 = """
     typedef float lanes8 __attribute__((vector_size(8 * sizeof(float))));
+    typedef decltype(lanes8{} != lanes8{}) mask8;
+    const mask8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+    auto sum8 = [](lanes8 v) {
+        return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
+    };
+    auto sum24 = [](const lanes8* v, int f) {
+        float part[24];
+        __builtin_memcpy(part, v, sizeof part);
+        return ((part[f] + part[f + 12]) + (part[f + 6] + part[f + 18])) +
+               ((part[f + 3] + part[f + 15]) + (part[f + 9] + part[f + 21]));
+    };
+"""
+
+# C: rows8(rows, n, i, &a, &b, &c) loads rows i..i+7 of 3 entries of `rows` (n rows) as 24
+# entries in three vectors, never reading past row n (those past it 0); with _LANES8.
+_ROWS8 = """
+    auto rows8 = [](const float* rows, int n, int i, lanes8* a, lanes8* b, lanes8* c) {
+        const float* p = rows + 3LL * i;
+        float padded[24] = {};
+        if (i + 8 > n) {
+            __builtin_memcpy(padded, p, (n - i) * 3 * sizeof(float));
+            p = padded;
+        }
+        __builtin_memcpy(a, p, sizeof *a);
+        __builtin_memcpy(b, p + 8, sizeof *b);
+        __builtin_memcpy(c, p + 16, sizeof *c);
+    };
+"""
+
+# Σ of rows lo:hi of 3 entries (each times 1/count with `mean`), by one thread (CPUs): 8
+# rows (24 entries) at a time into three vectors of partial sums, the entries past hi
+# masked (no scalar tail, no branch on the segment's length), added by sum24
+_ROWS3_SUM = _LANES8 + _ROWS8 + """
     const float* p = (const float*)a.data;
     const float w = mean ? (float)1 / (float)(hi - lo > 1 ? hi - lo : 1) : (float)1;
     lanes8 sums[3] = {};
-    int e = lo * 3;
-    const int end = hi * 3;
-    for (; e + 24 <= end; e += 24)
-        for (int v = 0; v < 3; v++) {
-            lanes8 entries;
-            __builtin_memcpy(&entries, p + e + 8 * v, sizeof entries);
-            sums[v] += entries * w;
-        }
-    float part[24];
-    __builtin_memcpy(part, sums, sizeof part);
-    for (int j = 0; e + j < end; j++) part[j] += p[e + j] * w;
-    float total[3];
-    for (int f = 0; f < 3; f++)
-        total[f] = ((part[f] + part[f + 12]) + (part[f + 6] + part[f + 18])) +
-                   ((part[f + 3] + part[f + 15]) + (part[f + 9] + part[f + 21]));
-    return wp::vec_t<3, float>(total[0], total[1], total[2]);
+    for (int i = lo; i < hi; i += 8) {
+        lanes8 v[3];
+        rows8(p, a.shape[0], i, &v[0], &v[1], &v[2]);
+        for (int k = 0; k < 3; k++)
+            sums[k] = lane + 8 * k < 3 * (hi - i) ? sums[k] + v[k] * w : sums[k];
+    }
+    return wp::vec_t<3, float>(sum24(sums, 0), sum24(sums, 1), sum24(sums, 2));
 """
 
 
@@ -603,15 +627,23 @@ _SPAN_SUM = """
         #pragma unroll 4
         for (int e = lo * k + lane; e < hi * k; e += lanes) acc += p[e] * f * q[e];
 #else
-        /* one thread: the sums of LANES = 8 lanes side by side (a CPU's vector lanes),
-           added as the GPU's butterfly adds them */
-        float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        int e = lo * k;
-        for (; e + 8 <= hi * k; e += 8)
-            for (int j = 0; j < 8; j++) part[j] += p[e + j] * f * q[e + j];
-        for (int j = 0; e + j < hi * k; j++) part[j] += p[e + j] * f * q[e + j];
-        acc = ((part[0] + part[4]) + (part[2] + part[6])) +
-              ((part[1] + part[5]) + (part[3] + part[7]));
+        /* one thread: the sums of LANES = 8 lanes side by side (a CPU's vector lanes), the
+           entries past hi masked, added as the GPU's butterfly adds them */
+        LANES8
+        auto load8 = [&](const float* data, int e) {  /* none past x's end */
+            lanes8 v = {};
+            if (e + 8 <= x.shape[0])
+                __builtin_memcpy(&v, data + e, sizeof v);
+            else
+                __builtin_memcpy(&v, data + e, (x.shape[0] - e) * sizeof(float));
+            return v;
+        };
+        lanes8 part = {};
+        for (int e = lo * k; e < hi * k; e += 8) {
+            const lanes8 u = load8(p, e), v = load8(q, e);
+            part = lane < hi * k - e ? part + u * f * v : part;
+        }
+        acc = sum8(part);
 #endif
     } else {
         for (int e = lane; e < (hi - lo) * k; e += lanes) {
@@ -639,6 +671,9 @@ def _lane_xor(v: wp.float32, offset: int, lanes: int) -> wp.float32:
 @wp.func_native(_LANE_XOR)
 def _lane_xor(v: wp.float64, offset: int, lanes: int) -> wp.float64:  # an overload per dtype
     ...
+
+
+_SPAN_SUM = _SPAN_SUM.replace("LANES8", _LANES8)
 
 
 @wp.func_native(_SPAN_SUM)
@@ -1041,14 +1076,11 @@ def _near_below(square: wp.float32):  # an overload per dtype
 # square is the sum of the K products in order; rows of 3 features (G = 1) are loaded as 24
 # entries (`rows8`, never past x's end) and sorted into the lanes by shuffles (`squares8`),
 # every product before any sum (no multiply-add can fuse them); a lane past hi holds 0.
-_SQUARES_LANES = """
+_SQUARES_LANES = _LANES8 + _ROWS8 + """
     const int k = x.shape[2];
     const int n = x.shape[0];
     const long long step = (long long)x.shape[1] * k;
     const float* rows = (const float*)x.data + (long long)g * k;
-    typedef float lanes8 __attribute__((vector_size(8 * sizeof(float))));
-    typedef decltype(lanes8{} != lanes8{}) mask8;
-    const mask8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
     lanes8 top = {-1, -1, -1, -1, -1, -1, -1, -1}, before = top;
     mask8 nan = {}, where = {};
     auto take = [&](int i, lanes8 square) {
@@ -1065,17 +1097,6 @@ _SQUARES_LANES = """
         const float near = best * NEAR;
         const mask8 close = (before >= near) | ((top >= near) & (where < winner));
         return __builtin_reduce_or(close) ? -(winner + 2) : winner;
-    };
-    auto rows8 = [&](int i, lanes8* a, lanes8* b, lanes8* c) {
-        const float* p = rows + 3LL * i;
-        float padded[24] = {};
-        if (i + 8 > n) {
-            __builtin_memcpy(padded, p, (n - i) * 3 * sizeof(float));
-            p = padded;
-        }
-        __builtin_memcpy(a, p, sizeof *a);
-        __builtin_memcpy(b, p + 8, sizeof *b);
-        __builtin_memcpy(c, p + 16, sizeof *c);
     };
     auto squares8 = [&](int i, lanes8 a, lanes8 b, lanes8 c) {
         a = a * a;
@@ -1096,7 +1117,7 @@ _PLAIN_SQUARES_SEARCH = _SQUARES_LANES + """
     if (k == 3 && step == 3) {
         for (int i = lo; i < hi; i += 8) {
             lanes8 a, b, c;
-            rows8(i, &a, &b, &c);
+            rows8(rows, n, i, &a, &b, &c);
             take(i, squares8(i, a, b, c));
         }
         return found();
@@ -1256,58 +1277,25 @@ for _name, _parts in (("max", (_value, _above, _atomic_above)),
 # as _SPAN_SUM adds it (one lane, factor 1), max_norm's search as _PLAIN_SQUARES_SEARCH (its
 # answer returned, else 0): every bit as those give it. CPUs only.
 _REDUCTIONS3 = _SQUARES_LANES + """
-    const float* p = rows;
-    const int end = hi * 3;
     const float w = (float)1 / (float)(hi - lo > 1 ? hi - lo : 1), f = 1;
     const bool sum = want & 1, mean = want & 2, rms = want & 4, largest = want & 8;
-    lanes8 sum8[3] = {}, mean8[3] = {}, squares = {};
-    int i = lo;
-    for (; i + 8 <= hi; i += 8) {
-        lanes8 a, b, c;
-        rows8(i, &a, &b, &c);
-        if (sum) {
-            sum8[0] += a * f;
-            sum8[1] += b * f;
-            sum8[2] += c * f;
+    lanes8 sum3[3] = {}, mean3[3] = {}, squares = {};
+    for (int i = lo; i < hi; i += 8) {
+        lanes8 v[3];
+        rows8(rows, n, i, &v[0], &v[1], &v[2]);
+        const int left = 3 * (hi - i);
+        for (int k = 0; k < 3; k++) {
+            const mask8 inside = lane + 8 * k < left;
+            if (sum) sum3[k] = inside ? sum3[k] + v[k] * f : sum3[k];
+            if (mean) mean3[k] = inside ? mean3[k] + v[k] * w : mean3[k];
+            if (rms) squares = inside ? squares + v[k] * f * v[k] : squares;
         }
-        if (mean) {
-            mean8[0] += a * w;
-            mean8[1] += b * w;
-            mean8[2] += c * w;
-        }
-        if (rms) {
-            squares += a * f * a;
-            squares += b * f * b;
-            squares += c * f * c;
-        }
-        if (largest) take(i, squares8(i, a, b, c));
+        if (largest) take(i, squares8(i, v[0], v[1], v[2]));
     }
-    auto finish3 = [&](const lanes8* vectors, float weight, void* into) {
-        float part[24];
-        __builtin_memcpy(part, vectors, sizeof part);
-        for (int j = 0; 3 * i + j < end; j++) part[j] += p[3 * i + j] * weight;
-        float* out = (float*)into + 3LL * s;
-        for (int d = 0; d < 3; d++)
-            out[d] = ((part[d] + part[d + 12]) + (part[d + 6] + part[d + 18])) +
-                     ((part[d + 3] + part[d + 15]) + (part[d + 9] + part[d + 21]));
-    };
-    if (sum) finish3(sum8, f, sums.data);
-    if (mean) finish3(mean8, w, means.data);
-    if (rms) {
-        float part[8];
-        __builtin_memcpy(part, &squares, sizeof part);
-        int e = 3 * i;
-        for (; e + 8 <= end; e += 8)
-            for (int j = 0; j < 8; j++) part[j] += p[e + j] * f * p[e + j];
-        for (int j = 0; e + j < end; j++) part[j] += p[e + j] * f * p[e + j];
-        ((float*)rms_out.data)[s] = ((part[0] + part[4]) + (part[2] + part[6])) +
-                                    ((part[1] + part[5]) + (part[3] + part[7]));
-    }
-    if (!largest || i >= hi) return largest ? found() : 0;
-    lanes8 a, b, c;
-    rows8(i, &a, &b, &c);
-    take(i, squares8(i, a, b, c));
-    return found();
+    for (int d = 0; d < 3 && sum; d++) ((float*)sums.data)[3LL * s + d] = sum24(sum3, d);
+    for (int d = 0; d < 3 && mean; d++) ((float*)means.data)[3LL * s + d] = sum24(mean3, d);
+    if (rms) ((float*)rms_out.data)[s] = sum8(squares);
+    return largest ? found() : 0;
 """
 REDUCE_BITS = {"sum": 1, "mean": 2, "rms_norm": 4, "max_norm": 8}
 """Each reduction's bit in reductions3's `want`."""
