@@ -597,6 +597,13 @@ def test_reductions_together_are_each_op_alone_bit_for_bit(dtype):
         np.testing.assert_array_equal(np.asarray(value), np.asarray(alone[name](half, seg, m)))
     with pytest.raises(ValueError, match="reductions must name one or more of sum, mean"):
         ops.segmented_reductions(finite, seg, m, ("sum", "dot"))
+    for counts in ([], [0, 0]):  # no rows, no segments
+        seg = ops.segments(np.array(counts, int))
+        empty = jnp.zeros((0, 3), dtype)
+        for name, value in zip(ops.REDUCTIONS, ops.segmented_reductions(
+                empty, seg, len(counts), ops.REDUCTIONS)):
+            np.testing.assert_array_equal(np.asarray(value),
+                                          np.asarray(alone[name](empty, seg, len(counts))))
 
 
 def test_reductions_together_are_one_primitive_and_each_alone_on_gpu_paths():

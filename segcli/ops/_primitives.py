@@ -798,8 +798,8 @@ def _alone(name, x, idx, offsets, params):
     """Reduction `name` of x (N, G, K) by its own primitive: sum and mean (M, G·K), rms_norm and
     max_norm (M, G)."""
     if name in ("sum", "mean"):
-        return (sum_p if name == "sum" else mean_p).bind(x.reshape(x.shape[0], -1), idx, offsets,
-                                                         **params)
+        rows = x.reshape(x.shape[0], x.shape[1] * x.shape[2])
+        return (sum_p if name == "sum" else mean_p).bind(rows, idx, offsets, **params)
     return (rms_norm_p if name == "rms_norm" else max_norm_p).bind(x, idx, offsets, **params)
 
 
