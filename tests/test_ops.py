@@ -606,6 +606,52 @@ def test_reductions_together_are_each_op_alone_bit_for_bit(dtype):
                                           np.asarray(alone[name](empty, seg, len(counts))))
 
 
+def rows_before_a_guard_page(rows):
+    """A float64 (rows, 3) NumPy array whose last byte ends a page that a page no process may
+    read follows: a kernel reading past its end is killed (SIGSEGV)."""
+    import ctypes
+    import mmap
+
+    page = mmap.PAGESIZE
+    size = rows * 3 * 8
+    data_pages = -(-size // page)
+    block = mmap.mmap(-1, (data_pages + 1) * page)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(block))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    assert libc.mprotect(base + data_pages * page, page, 0) == 0, ctypes.get_errno()
+    return np.frombuffer(block, np.float64, rows * 3, data_pages * page - size).reshape(rows, 3)
+
+
+def test_cpu_kernels_read_no_row_past_the_end_of_x():
+    """sum, mean, rms_norm, max_norm, dot and the reductions together, on rows of 3 that end
+    where a guarded page begins (given to XLA without a copy, as the engine's mapped rows
+    are), in segments whose last blocks of 8 rows run past x's end: the kernels stop at its
+    last row. In a subprocess, which a read past the end kills."""
+    code = """if True:
+        import jax, numpy as np
+        jax.config.update("jax_enable_x64", True)
+        from segcli import ops
+        from test_ops import rows_before_a_guard_page
+        counts = np.array([3, 5, 0, 13, 1, 10])  # 32 rows (64-byte aligned): the 8-row
+        # block from row 30 runs past the end, and the 8-entry block from entry 90
+        x = rows_before_a_guard_page(int(counts.sum()))
+        x[:] = np.random.default_rng(0).normal(size=x.shape)
+        on_device = jax.device_put(x, may_alias=True)
+        assert on_device.unsafe_buffer_pointer() == x.ctypes.data  # no copy
+        seg, m = ops.segments(counts), len(counts)
+        for name in ops.REDUCTIONS:
+            got = np.asarray(getattr(ops, f"segmented_{name}")(on_device, seg, m))
+            assert np.isfinite(got).all(), name
+        ops.segmented_dot(on_device, on_device, seg, m).block_until_ready()
+        ops.segmented_reductions(on_device, seg, m, ops.REDUCTIONS)[0].block_until_ready()
+        print("read no row past x")
+    """
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "read no row past x" in done.stdout, done.stderr[-2000:]
+
+
 def test_reductions_together_are_one_primitive_and_each_alone_on_gpu_paths():
     """One segcli_reductions in the program; on the GPU's code paths (each op its own
     kernels) the same values as each op alone there."""
