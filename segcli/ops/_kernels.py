@@ -653,7 +653,7 @@ _SPAN_SUM = """
         }
     }
     return acc;
-"""
+""".replace("LANES8", _LANES8)  # its `lane` the vector's, where the thread's is 0
 
 
 @wp.func_native(_LANES_HERE)
@@ -672,8 +672,6 @@ def _lane_xor(v: wp.float32, offset: int, lanes: int) -> wp.float32:
 def _lane_xor(v: wp.float64, offset: int, lanes: int) -> wp.float64:  # an overload per dtype
     ...
 
-
-_SPAN_SUM = _SPAN_SUM.replace("LANES8", _LANES8)
 
 
 @wp.func_native(_SPAN_SUM)
