@@ -1269,14 +1269,21 @@ for _name, _parts in (("max", (_value, _above, _atomic_above)),
               f"{_name}_cpu_ordered")
 
 
+REDUCE_BITS = {"sum": 1, "mean": 2, "rms_norm": 4, "max_norm": 8}
+"""Each reduction's bit in reductions3's `want`."""
+_WANT_RMS = wp.constant(REDUCE_BITS["rms_norm"])
+_WANT_LARGEST = wp.constant(REDUCE_BITS["max_norm"])
+
 # Several reductions of the rows lo:hi of x (N, 1, 3) by one thread, each block of 8 rows
 # (24 entries) read once for all those `want` asks (the bits of REDUCE_BITS):
 # the sum and the mean into sums[s] and means[s] as _ROWS3_SUM adds them, Σ|x|² into rms[s]
 # as _SPAN_SUM adds it (one lane, factor 1), max_norm's search as _PLAIN_SQUARES_SEARCH (its
 # answer returned, else 0): every bit as those give it. CPUs only.
 _REDUCTIONS3 = _SQUARES_LANES + """
+    const bool sum = want & {sum}, mean = want & {mean}, rms = want & {rms_norm};
+    const bool largest = want & {max_norm};
+""".format(**REDUCE_BITS) + """
     const float w = (float)1 / (float)(hi - lo > 1 ? hi - lo : 1), f = 1;
-    const bool sum = want & 1, mean = want & 2, rms = want & 4, largest = want & 8;
     lanes8 sum3[3] = {}, mean3[3] = {}, squares = {};
     for (int i = lo; i < hi; i += 8) {
         lanes8 v[3];
@@ -1295,10 +1302,6 @@ _REDUCTIONS3 = _SQUARES_LANES + """
     if (rms) ((float*)rms_out.data)[s] = sum8(squares);
     return largest ? found() : 0;
 """
-REDUCE_BITS = {"sum": 1, "mean": 2, "rms_norm": 4, "max_norm": 8}
-"""Each reduction's bit in reductions3's `want`."""
-_WANT_RMS = wp.constant(REDUCE_BITS["rms_norm"])
-_WANT_LARGEST = wp.constant(REDUCE_BITS["max_norm"])
 
 
 @wp.func_native(_squares_search_source("float32", _REDUCTIONS3))
