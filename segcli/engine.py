@@ -687,15 +687,16 @@ def _reduced_together(programs, values, idx, num_segments):
     from segcli import ops
 
     groups = {}
-    for i, (spec, params, inputs, integers, precision, order, *_) in enumerate(programs):
-        if order == 0 and not params and spec.name in ops.REDUCTIONS and not any(integers):
-            groups.setdefault((inputs[0], precision), []).append(i)
+    for i, p in enumerate(programs):
+        if (p.order == 0 and not p.params and p.op.name in ops.REDUCTIONS
+                and not any(p.integers)):
+            groups.setdefault((p.inputs[0], p.precision), []).append(i)
     together = {}
     for (name, precision), members in groups.items():
         if len(members) > 1:
             results = ops.segmented_reductions(
                 values[name].astype(precision), idx, num_segments,
-                tuple(programs[i][0].name for i in members), indices_are_sorted=True)
+                tuple(programs[i].op.name for i in members), indices_are_sorted=True)
             together.update({i: (result,) for i, result in zip(members, results)})
     return together
 
