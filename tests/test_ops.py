@@ -648,7 +648,8 @@ def test_cpu_kernels_read_no_row_past_the_end_of_x():
         print("read no row past x")
     """
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})  # the CPU's kernels
     assert done.returncode == 0 and "read no row past x" in done.stdout, done.stderr[-2000:]
 
 
@@ -933,14 +934,13 @@ def test_segments_built_from_counts_and_their_edge_cases():
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("gpu_paths", [False, True])
 @pytest.mark.parametrize("features", [1, 3, 5, 33])
-def test_rms_norm_and_dot_over_any_features_and_layout(gpu_paths, features, dtype, monkeypatch):
+def test_rms_norm_and_dot_over_any_features_and_layout(gpu_paths, features, dtype):
     """rms_norm and dot, and their gradients (which take the scaled dot and the rescale), of
     rows of 1, 3, 5 and 33 features, whatever lanes a GPU gives a segment (33, more than a
     warp: a thread walks them all), in float64 and float32, against NumPy in float64 (and
     finite differences in float64): ids promised sorted, given as a Segments, sorted but not
     promised, and unsorted; empty segments, ids out of range, and a segment whose squares
-    overflow. On the GPU's paths also with float32 norms of sorted ids by the two kernels that
-    long inputs take (SQUARES_ROWS)."""
+    overflow."""
     rng = np.random.default_rng(features)
     n, m = 300, 40
     ids = np.sort(rng.integers(-1, m + 2, n))
@@ -965,13 +965,8 @@ def test_rms_norm_and_dot_over_any_features_and_layout(gpu_paths, features, dtyp
                "segments": (np.arange(n), segments_of(np.clip(ids, -1, m), m), {}),
                "sorted": (np.arange(n), ids, {}), "unsorted": (order, ids[order], {})}
     _primitives.lower_cpu_as_gpu(gpu_paths)
-    runs = [(squares_rows, *layout) for squares_rows in
-            ((_primitives.SQUARES_ROWS, 0) if gpu_paths else (_primitives.SQUARES_ROWS,))
-            for layout in layouts.values()]
     try:
-        for squares_rows, rows, idx, kw in runs:
-            monkeypatch.setattr(_primitives, "SQUARES_ROWS", squares_rows)
-            jax.clear_caches()
+        for rows, idx, kw in layouts.values():
             a, b = jnp.asarray(x[rows], dtype), jnp.asarray(y[rows], dtype)
             big = jnp.asarray(x[rows] * huge[rows], dtype)
             rms = ops.segmented_rms_norm(big, idx, m, **kw)
@@ -993,6 +988,30 @@ def test_rms_norm_and_dot_over_any_features_and_layout(gpu_paths, features, dtyp
                                        rtol=1e-6)
     finally:
         _primitives.lower_cpu_as_gpu(False)
+
+
+CPU_KERNELS = {"layout_serial", "sum3", "mean3", "reductions3", "max_cpu_ordered",
+               "min_cpu_ordered", "max_norm_cpu_ordered"}
+"""The kernels only CPUs launch (their C has no CUDA branch)."""
+
+
+def test_gpu_kernels_compile_for_cuda(tmp_path):
+    """Every other kernel, and each of its dtypes, compiles for sm_90 (H100, H200) by Warp's
+    NVRTC, which needs no GPU: the C that only GPUs run (under `__CUDA_ARCH__`) is compiled
+    wherever the tests run, not first on a GPU."""
+    import warp as wp
+
+    from segcli.ops import _kernels
+
+    assert CPU_KERNELS <= set(_kernels._SOURCES)
+    failed = {}
+    for name in sorted(set(_kernels._SOURCES) - CPU_KERNELS):
+        module = next(iter(_kernels._kernels(name).values())).module
+        try:
+            wp.compile_aot_module(module, arch=90, module_dir=tmp_path, use_ptx=True)
+        except Exception as err:  # noqa: BLE001, PERF203 - name every kernel that fails
+            failed[name] = str(err)
+    assert failed == {}
 
 
 @pytest.mark.parametrize("paths", ["gpu", pytest.param("cpu", marks=pytest.mark.slow)])
