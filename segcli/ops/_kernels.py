@@ -36,9 +36,10 @@ Shapes (rows first, then a group axis G that vmap folds into, then features):
     outer       a (N, G·K), b (N, G·L)       -> (M, G·K·L)      out[s,g] = Σ_{idx[i]=s} a[i,g] ⊗
                                                                 b[i,g]
     sum3, mean3  rows of vec3 (N, 1)         -> (M, 1)          sum and mean for K = 3, on CPUs
-                                                                (a GPU keeps more rows in flight
-                                                                with a thread per feature, and
-                                                                reads rows coalesced)
+    sum_span3, mean_span3  x (N·3,)          -> (M, 3)          sum and mean for K = 3 on GPUs,
+                                                                ids known sorted: a group of
+                                                                LANES threads per segment
+                                                                loading 16-byte blocks
     reductions3  x (N, 1, 3)                 -> sums, means     sum3, mean3, rms_norm_span and
                                                 (M, 1) vec3,    max_norm's ordered search, those
                                                 rms, first      a `want` mask asks, each block of
@@ -348,86 +349,6 @@ def _rows3_sum(a: wp.array2d(dtype=wp.vec3f), lo: int, hi: int, mean: int) -> wp
 @wp.func_native(_ROWS3_SUM.replace("float", "double"))
 def _rows3_sum(a: wp.array2d(dtype=wp.vec3d), lo: int, hi: int, mean: int) -> wp.vec3d:
     ...
-
-
-# Σ of rows lo:hi of 3 entries, each times w, by a group of `lanes` lanes on GPUs: lane j
-# adds the aligned blocks of 16 bytes j, j + lanes, ... from the block of entry 3·lo, each
-# block's entries in order into the sums of their features (those outside 3·lo:3·hi masked),
-# so that a group of 8 lanes loads 128 bytes at once; where the entries are not 16-byte
-# aligned, and on CPUs (tests of the GPU's paths), lane j adds rows j, j + lanes, ....
-_SPAN3_SUM = """
-    const float* p = (const float*)a.data;
-    float s0 = 0, s1 = 0, s2 = 0;
-#if defined(__CUDA_ARCH__)
-    if ((((unsigned long long)p) & 15) == 0) {
-        const int W = 16 / sizeof(float), first = 3 * lo, last = 3 * hi, n = a.shape[0];
-        #pragma unroll 2
-        for (int b = first / W + lane; b * W < last; b += lanes) {
-            const int e0 = b * W;
-            union { uint4 block; float at[W]; } u;
-            if (e0 + W <= n)
-                u.block = __ldg((const uint4*)(p + e0));
-            else  /* the array's last block, cut short */
-                for (int j = 0; j < W; j++) u.at[j] = e0 + j < n ? p[e0 + j] : 0;
-            for (int j = 0; j < W; j++) {
-                const int e = e0 + j, f = e % 3;
-                const float t = e >= first && e < last ? u.at[j] * w : 0;
-                s0 += f == 0 ? t : 0;
-                s1 += f == 1 ? t : 0;
-                s2 += f == 2 ? t : 0;
-            }
-        }
-        return wp::vec_t<3, float>(s0, s1, s2);
-    }
-#endif
-    for (int i = lo + lane; i < hi; i += lanes) {
-        s0 += p[3 * i] * w;
-        s1 += p[3 * i + 1] * w;
-        s2 += p[3 * i + 2] * w;
-    }
-    return wp::vec_t<3, float>(s0, s1, s2);
-"""
-
-
-@wp.func_native(_SPAN3_SUM)
-def _span3_sum(a: wp.array(dtype=wp.float32), lo: int, hi: int, lane: int, lanes: int,
-               w: wp.float32) -> wp.vec3f:
-    ...
-
-
-@wp.func_native(_SPAN3_SUM.replace("float", "double"))
-def _span3_sum(a: wp.array(dtype=wp.float64), lo: int, hi: int, lane: int, lanes: int,
-               w: wp.float64) -> wp.vec3d:
-    ...
-
-
-def _span3_reduction(mean):
-    """A kernel over the entries a (N·3,) of rows of 3 with ids known ordered (GPUs), launched
-    (M, lanes): group s of lanes writes out[s] (3,), the sum of its segment's rows (each times
-    1/count with `mean`, so that no partial sum exceeds the largest |a|)."""
-
-    def kernel(a: wp.array(dtype=Any), offsets: wp.array(dtype=wp.int32), lanes: int,
-               out: wp.array2d(dtype=Any)):
-        s, lane = wp.tid()
-        lanes = _lanes_here(lanes)
-        if lane >= lanes:
-            return
-        lo, hi = _segment_range(offsets, s, a.shape[0] // 3)
-        w = a.dtype(1.0)
-        if wp.static(mean):
-            w = a.dtype(1.0) / a.dtype(wp.max(hi - lo, 1))
-        v = _span3_sum(a, lo, hi, lane, lanes, w)
-        sums = wp.vector(_lanes_sum(v[0], lanes), _lanes_sum(v[1], lanes),
-                         _lanes_sum(v[2], lanes))
-        if lane == 0:
-            for k in range(3):
-                out[s, k] = sums[k]
-
-    return kernel
-
-
-_deferred(_span3_reduction(False), "sum_span3")
-_deferred(_span3_reduction(True), "mean_span3")
 
 
 # The reductions; sum3 and mean3 (CPUs only) sum rows of vec3 by _rows3_sum.
@@ -830,6 +751,86 @@ def _total(x: wp.array3d(dtype=Any), lo: int, hi: int, g: int, total: Any):
 _deferred(_span_reduction(_root_mean), "rms_norm_span")  # a = b = x
 _deferred(_span_reduction(_wide_root_mean, _wide_span_sum), "rms_norm_wide_span")  # float32
 _deferred(_span_reduction(_total), "dot_span")
+
+
+# Σ of rows lo:hi of 3 entries, each times w, by a group of `lanes` lanes on GPUs: lane j
+# adds the aligned blocks of 16 bytes j, j + lanes, ... from the block of entry 3·lo, each
+# block's entries in order into the sums of their features (those outside 3·lo:3·hi masked),
+# so that a group of 8 lanes loads 128 bytes at once; where the entries are not 16-byte
+# aligned, and on CPUs (tests of the GPU's paths), lane j adds rows j, j + lanes, ....
+_SPAN3_SUM = """
+    const float* p = (const float*)a.data;
+    float s0 = 0, s1 = 0, s2 = 0;
+#if defined(__CUDA_ARCH__)
+    if ((((unsigned long long)p) & 15) == 0) {
+        const int W = 16 / sizeof(float), first = 3 * lo, last = 3 * hi, n = a.shape[0];
+        #pragma unroll 2
+        for (int b = first / W + lane; b * W < last; b += lanes) {
+            const int e0 = b * W;
+            union { uint4 block; float at[W]; } u;
+            if (e0 + W <= n)
+                u.block = __ldg((const uint4*)(p + e0));
+            else  /* the array's last block, cut short */
+                for (int j = 0; j < W; j++) u.at[j] = e0 + j < n ? p[e0 + j] : 0;
+            for (int j = 0; j < W; j++) {
+                const int e = e0 + j, f = e % 3;
+                const float t = e >= first && e < last ? u.at[j] * w : 0;
+                s0 += f == 0 ? t : 0;
+                s1 += f == 1 ? t : 0;
+                s2 += f == 2 ? t : 0;
+            }
+        }
+        return wp::vec_t<3, float>(s0, s1, s2);
+    }
+#endif
+    for (int i = lo + lane; i < hi; i += lanes) {
+        s0 += p[3 * i] * w;
+        s1 += p[3 * i + 1] * w;
+        s2 += p[3 * i + 2] * w;
+    }
+    return wp::vec_t<3, float>(s0, s1, s2);
+"""
+
+
+@wp.func_native(_SPAN3_SUM)
+def _span3_sum(a: wp.array(dtype=wp.float32), lo: int, hi: int, lane: int, lanes: int,
+               w: wp.float32) -> wp.vec3f:
+    ...
+
+
+@wp.func_native(_SPAN3_SUM.replace("float", "double"))
+def _span3_sum(a: wp.array(dtype=wp.float64), lo: int, hi: int, lane: int, lanes: int,
+               w: wp.float64) -> wp.vec3d:
+    ...
+
+
+def _span3_reduction(mean):
+    """A kernel over the entries a (N·3,) of rows of 3 with ids known ordered (GPUs), launched
+    (M, lanes): group s of lanes writes out[s] (3,), the sum of its segment's rows (each times
+    1/count with `mean`, so that no partial sum exceeds the largest |a|)."""
+
+    def kernel(a: wp.array(dtype=Any), offsets: wp.array(dtype=wp.int32), lanes: int,
+               out: wp.array2d(dtype=Any)):
+        s, lane = wp.tid()
+        lanes = _lanes_here(lanes)
+        if lane >= lanes:
+            return
+        lo, hi = _segment_range(offsets, s, a.shape[0] // 3)
+        w = a.dtype(1.0)
+        if wp.static(mean):
+            w = a.dtype(1.0) / a.dtype(wp.max(hi - lo, 1))
+        v = _span3_sum(a, lo, hi, lane, lanes, w)
+        sums = wp.vector(_lanes_sum(v[0], lanes), _lanes_sum(v[1], lanes),
+                         _lanes_sum(v[2], lanes))
+        if lane == 0:
+            for k in range(3):
+                out[s, k] = sums[k]
+
+    return kernel
+
+
+_deferred(_span3_reduction(False), "sum_span3")
+_deferred(_span3_reduction(True), "mean_span3")
 
 
 @_deferred
