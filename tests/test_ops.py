@@ -1024,3 +1024,42 @@ def test_kernels_stay_in_bounds(paths, tmp_path):
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and "in bounds" in result.stdout, (
         result.stdout[-2000:] + result.stderr[-2000:])
+
+
+@pytest.mark.parametrize("gpu_paths", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_span_kernels_read_each_segment_to_its_last_entry(dtype, gpu_paths):
+    """sum, mean, rms_norm and dot over a Segments (on GPUs, lanes loading 16-byte blocks whose
+    entries outside the segment are masked, the array's last block cut short) for every
+    number of rows from 1 to 9, so that the entries end at every place in a block of 4 (2 in
+    float64), the last segment at the array's end, empty segments first and inside: against
+    NumPy in float64."""
+    rng = np.random.default_rng(21)
+    tolerance = 1e-13 if dtype == np.float64 else 1e-6
+    _primitives.lower_cpu_as_gpu(gpu_paths)
+    try:
+        check_spans_to_the_last_entry(rng, dtype, tolerance)
+    finally:
+        _primitives.lower_cpu_as_gpu(False)
+
+
+def check_spans_to_the_last_entry(rng, dtype, tolerance):
+    for n in range(1, 10):
+        counts = np.array([0, *rng.multinomial(n - 1, [0.5, 0.5]), 0, 1])  # last row alone
+        ids = np.repeat(np.arange(len(counts)), counts)
+        m = len(counts)
+        x, y = rng.normal(size=(2, n, 3)).astype(dtype)
+        sums = np.zeros((m, 3))
+        np.add.at(sums, ids, x.astype(np.float64))
+        dots = np.zeros(m)
+        np.add.at(dots, ids, np.sum(x.astype(np.float64) * y, axis=1))
+        squares = np.zeros(m)
+        np.add.at(squares, ids, np.sum(x.astype(np.float64) ** 2, axis=1))
+        seg = ops.segments(counts)
+        a, b = jnp.asarray(x), jnp.asarray(y)
+        assert_close(ops.segmented_sum(a, seg, m), sums, tolerance)
+        assert_close(ops.segmented_mean(a, seg, m), sums / np.maximum(counts, 1)[:, None],
+                     tolerance)
+        assert_close(ops.segmented_rms_norm(a, seg, m),
+                     np.sqrt(squares / np.maximum(counts, 1)), tolerance)
+        assert_close(ops.segmented_dot(a, b, seg, m), dots, tolerance)
