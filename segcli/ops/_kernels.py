@@ -194,6 +194,51 @@ def _layout_kernel(idx: wp.array(dtype=wp.int32), out: wp.array(dtype=wp.int32))
     out[s] = lo
 
 
+# The offsets at the boundaries of a run of 4 ids: thread t takes ids 4t..4t+3 (one 16-byte
+# load on GPUs where aligned) and, for each i of them, writes out[s] = i for the s in
+# (c(idx[i - 1]), c(idx[i])], c clamping to [-1, M] (c(idx[-1]) = -1); the thread holding the
+# last id writes N from there to M. Meaningful for clamped ids non-decreasing, the only case
+# that uses the offsets.
+_LAYOUT_RUN = """
+    const int* p = (const int*)idx.data;
+    int* o = (int*)out.data;
+    const int n = idx.shape[0], m = out.shape[0] - 1, i0 = 4 * t;
+    if (i0 >= n) {  /* no ids: every offset 0 */
+        for (int s = 0; t == 0 && s <= m; s++) o[s] = 0;
+        return 0;
+    }
+    int v[4];
+#if defined(__CUDA_ARCH__)
+    if (i0 + 4 <= n && (((unsigned long long)p) & 15) == 0) {
+        const int4 block = __ldg((const int4*)(p + i0));
+        v[0] = block.x, v[1] = block.y, v[2] = block.z, v[3] = block.w;
+    } else
+#endif
+        for (int j = 0; j < 4; j++) v[j] = i0 + j < n ? p[i0 + j] : m;
+    auto clamped = [m](int id) { return id < -1 ? -1 : id > m ? m : id; };
+    int before = i0 == 0 ? -1 : clamped(p[i0 - 1]);
+    for (int j = 0; j < 4 && i0 + j < n; j++) {
+        const int c = clamped(v[j]);
+        for (int s = before + 1; s <= c; s++) o[s] = i0 + j;
+        before = c > before ? c : before;
+    }
+    if (i0 + 4 >= n)
+        for (int s = before + 1; s <= m; s++) o[s] = n;
+    return 0;
+"""
+
+
+@wp.func_native(_LAYOUT_RUN)
+def _layout_run(idx: wp.array(dtype=wp.int32), out: wp.array(dtype=wp.int32), t: int) -> int:
+    ...
+
+
+@_deferred
+def _layout_runs_kernel(idx: wp.array(dtype=wp.int32), out: wp.array(dtype=wp.int32)):
+    # a thread per run of 4 ids (see _LAYOUT_RUN), launched (max(1, ceil(N / 4)),)
+    _layout_run(idx, out, wp.tid())
+
+
 @_deferred
 def _layout_serial_kernel(idx: wp.array(dtype=wp.int32), out: wp.array(dtype=wp.int32)):
     # One thread walking the ids in order, for CPUs (which run a kernel on one thread anyway):
