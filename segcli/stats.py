@@ -12,6 +12,7 @@ triangles) and solves as `numpy.linalg.lstsq` on the whole composition matrix wo
     rmse, mae = residual_errors(batch, "energy", {**e0, 1: -13.6})
 """
 
+import contextlib
 import ctypes
 import functools
 import itertools
@@ -280,10 +281,11 @@ def _finite_chunks(batch, energy, chunk_atoms, structures, keep):
 
     chunks = batch.iter_chunks([energy, "numbers"], chunk_atoms=chunk_atoms,
                                structures=structures, keep=keep)
-    chunks = prefetch(chunks)
-    for chunk in chunks:
-        _refuse_non_finite(batch.path, chunk, chunks, [energy], "fit-e0 needs finite energies")
-        yield chunk
+    with contextlib.closing(prefetch(chunks)) as chunks:  # its reader stopped, however left
+        for chunk in chunks:
+            _refuse_non_finite(batch.path, chunk, chunks, [energy],
+                               "fit-e0 needs finite energies")
+            yield chunk
 
 
 def _refuse_non_finite(path, chunk, rest, names, need):
@@ -391,33 +393,34 @@ def leaf_stats(batch, names, leaves, *, per_element=False, per_atom=False, by=No
     buffers = _Buffers()
     chunks = prefetch(batch.iter_chunks(read, chunk_atoms=chunk_atoms, structures=structures,
                                         breaks=leaves[1:-1], keep=keep, into=_in_place))
-    native = _native_moments() is not None
-    for chunk in chunks:
-        labels = {}  # per: the group of each row (uint8, or integers the moments in C check)
-        if by_element:
-            numbers = chunk.atoms["numbers"]
-            if native and not chunk.present and numbers.dtype.kind in "iu" \
-                    and numbers.dtype.isnative:
-                labels["atom"] = numbers  # checked by the moments in C, as they read them
-            else:
-                _check_numbers(batch.path, numbers, chunk)
-                labels["atom"] = numbers.astype(np.uint8)
-        if by is not None:
-            group = np.searchsorted(values, chunk.structures[by]).astype(np.uint8)
-            labels = {"structure": group, "atom": np.repeat(group, chunk.n_atoms)}
-        leaf = np.searchsorted(leaves, chunk.structure_numbers, side="right") - 1
-        first = int(leaf[0])
-        leaf -= first
-        parts = [_chunk_moments(chunk, s, shapes[s.name], labels.get(s.per), leaf, buffers)
-                 for s in out.values()]
-        if any(part is None for part in parts):  # a number that is no atomic number
-            _check_numbers(batch.path, chunk.atoms["numbers"], chunk)
-        if not all(_finite(chunk, s, part) for s, part in zip(out.values(), parts)):
-            _refuse_non_finite(batch.path, chunk, chunks, names, "stats needs finite values")
-        for s, part in zip(out.values(), parts):
-            _add_leaves(s.moments, first, part)
-        if progress is not None:
-            progress.update(len(chunk.n_atoms))
+    with contextlib.closing(chunks):  # its reader stopped however the loop is left
+        native = _native_moments() is not None
+        for chunk in chunks:
+            labels = {}  # per: the group of each row (uint8, or integers the moments in C check)
+            if by_element:
+                numbers = chunk.atoms["numbers"]
+                if native and not chunk.present and numbers.dtype.kind in "iu" \
+                        and numbers.dtype.isnative:
+                    labels["atom"] = numbers  # checked by the moments in C, as they read them
+                else:
+                    _check_numbers(batch.path, numbers, chunk)
+                    labels["atom"] = numbers.astype(np.uint8)
+            if by is not None:
+                group = np.searchsorted(values, chunk.structures[by]).astype(np.uint8)
+                labels = {"structure": group, "atom": np.repeat(group, chunk.n_atoms)}
+            leaf = np.searchsorted(leaves, chunk.structure_numbers, side="right") - 1
+            first = int(leaf[0])
+            leaf -= first
+            parts = [_chunk_moments(chunk, s, shapes[s.name], labels.get(s.per), leaf, buffers)
+                     for s in out.values()]
+            if any(part is None for part in parts):  # a number that is no atomic number
+                _check_numbers(batch.path, chunk.atoms["numbers"], chunk)
+            if not all(_finite(chunk, s, part) for s, part in zip(out.values(), parts)):
+                _refuse_non_finite(batch.path, chunk, chunks, names, "stats needs finite values")
+            for s, part in zip(out.values(), parts):
+                _add_leaves(s.moments, first, part)
+            if progress is not None:
+                progress.update(len(chunk.n_atoms))
     return out
 
 
@@ -710,17 +713,20 @@ def _energy_chunks(batch, energy, chunk_atoms, structures, keep, progress):
                         f"{infos[0].shape}, but the energy must be one number per structure")
     if infos[1].per != "atom" or infos[1].shape != () or infos[1].dtype.kind not in "iu":
         raise DataError(f"{batch.path}: field 'numbers' must hold one integer per atom")
-    for chunk in _finite_chunks(batch, energy, chunk_atoms, structures, keep):
-        numbers = chunk.atoms["numbers"]
-        _check_numbers(batch.path, numbers, chunk)
-        have = np.ones(len(chunk.n_atoms), bool)
-        for name in (energy, "numbers"):
-            have &= chunk.present.get(name, True)
-        if "numbers" in chunk.present:
-            numbers = np.where(np.repeat(chunk.present["numbers"], chunk.n_atoms), numbers, 0)
-        yield chunk, numbers, have
-        if progress is not None:
-            progress.update(len(chunk.n_atoms))
+    with contextlib.closing(_finite_chunks(batch, energy, chunk_atoms, structures,
+                                           keep)) as chunks:
+        for chunk in chunks:
+            numbers = chunk.atoms["numbers"]
+            _check_numbers(batch.path, numbers, chunk)
+            have = np.ones(len(chunk.n_atoms), bool)
+            for name in (energy, "numbers"):
+                have &= chunk.present.get(name, True)
+            if "numbers" in chunk.present:
+                numbers = np.where(np.repeat(chunk.present["numbers"], chunk.n_atoms),
+                                   numbers, 0)
+            yield chunk, numbers, have
+            if progress is not None:
+                progress.update(len(chunk.n_atoms))
 
 
 def solve_e0(batch, energy="energy", *, fixed=None, chunk_atoms=1 << 21,
@@ -732,15 +738,16 @@ def solve_e0(batch, energy="energy", *, fixed=None, chunk_atoms=1 << 21,
     not returned). `progress.update(n)` is called as n more
     structures are read."""
     fit = ReferenceFit(dict(fixed or {}))
-    for chunk, numbers, have in _energy_chunks(batch, energy, chunk_atoms, structures, keep,
-                                               progress):
-        energies = chunk.structures[energy]
-        bounds = np.concatenate([[0], np.cumsum(chunk.n_atoms)])
-        for lo in range(0, len(chunk.n_atoms), BLOCK_STRUCTURES):
-            hi = min(lo + BLOCK_STRUCTURES, len(chunk.n_atoms))
-            use = have[lo:hi]
-            counts = composition(numbers[bounds[lo]:bounds[hi]], chunk.n_atoms[lo:hi])
-            fit.add(counts[use], np.asarray(energies[lo:hi], float)[use])
+    with contextlib.closing(_energy_chunks(batch, energy, chunk_atoms, structures, keep,
+                                           progress)) as chunks:
+        for chunk, numbers, have in chunks:
+            energies = chunk.structures[energy]
+            bounds = np.concatenate([[0], np.cumsum(chunk.n_atoms)])
+            for lo in range(0, len(chunk.n_atoms), BLOCK_STRUCTURES):
+                hi = min(lo + BLOCK_STRUCTURES, len(chunk.n_atoms))
+                use = have[lo:hi]
+                counts = composition(numbers[bounds[lo]:bounds[hi]], chunk.n_atoms[lo:hi])
+                fit.add(counts[use], np.asarray(energies[lo:hi], float)[use])
     e0 = fit.solve(batch.path)
     if not np.isfinite(list(e0.values())).all():
         raise _overflow(batch.path, energy, "a fit")
@@ -758,17 +765,18 @@ def residual_errors(batch, energy, e0, *, chunk_atoms=1 << 21, structures=slice(
     by_number = np.zeros(N_ELEMENTS)
     by_number[list(e0)] = list(e0.values())
     errors = Moments.empty(1, 2)
-    for chunk, numbers, have in _energy_chunks(batch, energy, chunk_atoms, structures, keep,
-                                               progress):
-        structure = np.repeat(np.arange(len(chunk.n_atoms)), chunk.n_atoms)
-        reference = np.bincount(structure, weights=by_number[numbers],
-                                minlength=len(chunk.n_atoms))
-        values = np.where(have, chunk.structures[energy] - reference, np.nan)
-        if on_chunk:
-            on_chunk(chunk, values)
-        use = have & (chunk.n_atoms > 0)
-        per_atom = values[use] / chunk.n_atoms[use]
-        errors = errors.merge(Moments.of(np.column_stack([per_atom, np.abs(per_atom)])))
+    with contextlib.closing(_energy_chunks(batch, energy, chunk_atoms, structures, keep,
+                                           progress)) as chunks:
+        for chunk, numbers, have in chunks:
+            structure = np.repeat(np.arange(len(chunk.n_atoms)), chunk.n_atoms)
+            reference = np.bincount(structure, weights=by_number[numbers],
+                                    minlength=len(chunk.n_atoms))
+            values = np.where(have, chunk.structures[energy] - reference, np.nan)
+            if on_chunk:
+                on_chunk(chunk, values)
+            use = have & (chunk.n_atoms > 0)
+            per_atom = values[use] / chunk.n_atoms[use]
+            errors = errors.merge(Moments.of(np.column_stack([per_atom, np.abs(per_atom)])))
     if not errors.count[0]:
         return float("nan"), float("nan")
     rmse, mae = float(errors.rms[0, 0]), float(errors.mean[0, 1])

@@ -262,6 +262,39 @@ def test_a_number_that_is_no_atomic_number_is_named_in_any_chunk(tmp_path, both_
                               "not an atomic number")
 
 
+def test_a_refused_run_leaves_no_reading_thread_behind(tmp_path):
+    """stats and fit-e0 refusing a later chunk (a bad atomic number, a NaN energy) stop and
+    join the thread that reads ahead before the error leaves them, even while the error (and
+    its traceback, holding their frames) is kept: none is left for the garbage collector to
+    join later, wherever it runs (a collection inside an h5py call, joining a reader that
+    waits for h5py's lock, hung a process)."""
+    import threading
+
+    from segcli.errors import DataError
+
+    rng = np.random.default_rng(9)
+    n_atoms = rng.integers(1, 9, 300)
+    numbers = rng.integers(1, 100, n_atoms.sum())
+    energy = rng.normal(size=300)
+    energy[250] = np.nan
+    bad_numbers = numbers.copy()
+    bad_numbers[int(n_atoms[:250].sum())] = 119
+    path = write_batch(tmp_path / "bad.h5", n_atoms, {
+        "forces": rng.normal(size=(n_atoms.sum(), 3)), "numbers": bad_numbers})
+    nan_energy = write_batch(tmp_path / "energy.h5", n_atoms, {"numbers": numbers},
+                             {"energy": energy})
+    kept = []
+    for file, run_it in (
+            (path, lambda b: field_stats(b, ["forces"], per_element=True, chunk_atoms=50)),
+            (nan_energy, lambda b: stats.solve_e0(b, chunk_atoms=50))):
+        with open_batch(file) as batch:
+            with pytest.raises(DataError) as refused:
+                run_it(batch)
+            kept.append(refused.value)
+            assert "segcli-prefetch" not in [t.name for t in threading.enumerate()]
+    assert "not an atomic number" in str(kept[0]) and "NaN" in str(kept[1])
+
+
 # --- leaves of many structures, chunks of many leaves, blocks of the cache -----------------
 
 def stats_rows(path, names, **options):
