@@ -1,6 +1,6 @@
 """The two ways to compute a segment layout (CSR offsets of sorted ids), timed in turns in one
-process: a binary search per segment and a thread per 4 ids writing the offsets at their
-boundaries (GPU kernels), and one pass over the ids (the CPU kernel).
+process: a binary search per segment (the GPU kernel) and a thread per 4 ids writing the
+offsets at their boundaries (the CPU kernel).
 
     python benchmarks/layout.py [--atoms 2097152]
 """
@@ -29,8 +29,7 @@ def main():
     ways = {"binary search per segment":
                 jax.jit(lambda i: launch("layout", i, dims=(m + 1,), out=(m + 1,))),
             "a thread per 4 ids": jax.jit(lambda i: launch(
-                "layout_runs", i, dims=(-(-i.shape[0] // 4),), out=(m + 1,))),
-            "one pass": jax.jit(lambda i: launch("layout_serial", i, dims=(1,), out=(m + 1,)))}
+                "layout_runs", i, dims=(-(-i.shape[0] // 4),), out=(m + 1,)))}
     results = [np.asarray(f(idx)) for f in ways.values()]
     assert all((r == results[0]).all() for r in results)
     times = {name: [] for name in ways}

@@ -990,7 +990,7 @@ def test_rms_norm_and_dot_over_any_features_and_layout(gpu_paths, features, dtyp
         _primitives.lower_cpu_as_gpu(False)
 
 
-CPU_KERNELS = {"layout_serial", "sum3", "mean3", "reductions3", "max_cpu_ordered",
+CPU_KERNELS = {"layout_runs", "sum3", "mean3", "reductions3", "max_cpu_ordered",
                "min_cpu_ordered", "max_norm_cpu_ordered"}
 """The kernels only CPUs launch (their C has no CUDA branch)."""
 

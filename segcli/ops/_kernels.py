@@ -4,7 +4,8 @@ Shapes (rows first, then a group axis G that vmap folds into, then features):
 
     layout      idx (N,)                     -> offsets (M+1,)  offsets[s] = first i with
                                                                 idx[i] >= s (a binary search per
-                                                                segment on GPUs, one pass on CPUs)
+                                                                segment on GPUs; layout_runs, a
+                                                                thread per 4 ids, on CPUs)
     count       idx as a (N, 1)              -> (M, 1)          out[s] = #{i : idx[i]=s}
     sum         x (N, K)                     -> (M, K)          out[s] = Σ_{idx[i]=s} x[i]
     mean        x (N, K), w (M, 1)           -> (M, K)          out[s] = Σ_{idx[i]=s} x[i] w[s]
@@ -194,11 +195,12 @@ def _layout_kernel(idx: wp.array(dtype=wp.int32), out: wp.array(dtype=wp.int32))
     out[s] = lo
 
 
-# The offsets at the boundaries of a run of 4 ids: thread t takes ids 4t..4t+3 (one 16-byte
-# load on GPUs where aligned) and, for each i of them, writes out[s] = i for the s in
-# (c(idx[i - 1]), c(idx[i])], c clamping to [-1, M] (c(idx[-1]) = -1); the thread holding the
-# last id writes N from there to M. Meaningful for clamped ids non-decreasing, the only case
-# that uses the offsets.
+# CPUs: the offsets at the boundaries of a run of 4 ids. Thread t takes ids 4t..4t+3 and,
+# for each i of them, writes out[s] = i for the s in (c(idx[i - 1]), c(idx[i])], c clamping to
+# [-1, M] (c(idx[-1]) = -1); the thread holding the last id writes N from there to M.
+# Meaningful for clamped ids non-decreasing, the only case that uses the offsets. (2 Mi ids
+# on a 2-core VM: 2.9-3.0 ms, where one thread walking them took 4.5-4.6 and a binary search
+# per segment 4.6-4.7; benchmarks/layout.py.)
 _LAYOUT_RUN = """
     const int* p = (const int*)idx.data;
     int* o = (int*)out.data;
@@ -207,19 +209,11 @@ _LAYOUT_RUN = """
         for (int s = 0; t == 0 && s <= m; s++) o[s] = 0;
         return 0;
     }
-    int v[4];
-#if defined(__CUDA_ARCH__)
-    if (i0 + 4 <= n && (((unsigned long long)p) & 15) == 0) {
-        const int4 block = __ldg((const int4*)(p + i0));
-        v[0] = block.x, v[1] = block.y, v[2] = block.z, v[3] = block.w;
-    } else
-#endif
-        for (int j = 0; j < 4; j++) v[j] = i0 + j < n ? p[i0 + j] : m;
     auto clamped = [m](int id) { return id < -1 ? -1 : id > m ? m : id; };
     int before = i0 == 0 ? -1 : clamped(p[i0 - 1]);
-    for (int j = 0; j < 4 && i0 + j < n; j++) {
-        const int c = clamped(v[j]);
-        for (int s = before + 1; s <= c; s++) o[s] = i0 + j;
+    for (int i = i0; i < i0 + 4 && i < n; i++) {
+        const int c = clamped(p[i]);
+        for (int s = before + 1; s <= c; s++) o[s] = i;
         before = c > before ? c : before;
     }
     if (i0 + 4 >= n)
@@ -237,24 +231,6 @@ def _layout_run(idx: wp.array(dtype=wp.int32), out: wp.array(dtype=wp.int32), t:
 def _layout_runs_kernel(idx: wp.array(dtype=wp.int32), out: wp.array(dtype=wp.int32)):
     # a thread per run of 4 ids (see _LAYOUT_RUN), launched (max(1, ceil(N / 4)),)
     _layout_run(idx, out, wp.tid())
-
-
-@_deferred
-def _layout_serial_kernel(idx: wp.array(dtype=wp.int32), out: wp.array(dtype=wp.int32)):
-    # One thread walking the ids in order, for CPUs (which run a kernel on one thread anyway):
-    # a stream over the ids instead of M searches that each miss the cache (2 Mi ids: 3.3 ms
-    # against 4.8). Meaningful for ids non-decreasing once clamped to [-1, M], the only case
-    # that uses the offsets.
-    m = out.shape[0] - 1
-    s = int(0)  # noqa: UP018, RUF046  (a Warp variable, not a constant: it changes)
-    for i in range(idx.shape[0]):
-        top = wp.clamp(idx[i], -1, m)
-        while s <= top:
-            out[s] = i
-            s += 1
-    while s <= m:
-        out[s] = idx.shape[0]
-        s += 1
 
 
 def _segment_reduction(term, rows=None, mean=False, ordered_path=True):

@@ -56,8 +56,9 @@ def _layout(idx, offsets, num_segments, indices_are_sorted, gpu):
     merges into one."""
     if offsets.shape[0]:
         return offsets, jnp.ones((1,), jnp.int32)
-    offsets = launch("layout_runs", idx, dims=(max(1, -(-idx.shape[0] // 4)),),
-                     out=(num_segments + 1,))
+    kernel, threads = (("layout", num_segments + 1) if gpu else
+                       ("layout_runs", max(1, -(-idx.shape[0] // 4))))
+    offsets = launch(kernel, idx, dims=(threads,), out=(num_segments + 1,))
     if indices_are_sorted or idx.shape[0] < 2:
         return offsets, jnp.ones((1,), jnp.int32)
     return offsets, jnp.all(idx[1:] >= idx[:-1]).astype(jnp.int32).reshape(1)
