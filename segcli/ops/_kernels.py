@@ -557,17 +557,17 @@ def _rms_norm_of_wide_squares_kernel(
 
 # Segments reduced by a group of LANES consecutive threads on GPUs (one thread on CPUs).
 # The entries of segment s and group g (its rows' features, in order) form a span; lane j
-# of the group adds entries j, j + LANES, ... of it in order, by a loop in C, which the
-# compiler unrolls (4 loads in flight per thread, where a loop in Warp's language keeps
-# one), and a butterfly of shuffles then adds the lanes' sums, the same bits in every lane.
-# With one group (G = 1) the span is contiguous, and a group's loads are of consecutive
-# entries. On CPUs (which run threads one after another) lane 0 does its group's work
-# alone, keeping the 8 lanes' sums side by side, which the compiler can put in vector
-# registers. H200, N = 10⁷, (N, 3), given a Segments (benchmarks/RESULTS.md): dot in 86–89
+# of the group adds its part of it in order, by a loop in C, which the compiler unrolls
+# (several loads in flight per thread, where a loop in Warp's language keeps one), and a
+# butterfly of shuffles then adds the lanes' sums, the same bits in every lane. With one
+# group (G = 1) the span is contiguous and lane j takes its aligned 16-byte blocks j, j + 8,
+# ... (a group loads 128 bytes at once; see _SPAN_SUM), else its entries j, j + 8, .... On
+# CPUs (which run threads one after another) lane 0 does its group's work alone, keeping 8
+# lanes' sums side by side, which the compiler can put in vector registers. H200, N = 10⁷,
+# (N, 3), given a Segments (benchmarks/RESULTS.md), with entries j, j + 8, ...: dot in 86–89
 # µs against 119–120 for a product a row and then a thread per segment, float32 (152
 # against 188, float64); rms_norm float64 in 93–95 against 111–112 for a thread per segment
-# and feature (float32 keeps that: 66 against 78). 4, 16 and 32 lanes, and a loop in Warp's
-# language, ran slower.
+# and feature. 4, 16 and 32 lanes, and a loop in Warp's language, ran slower.
 LANES = 8
 
 _LANES_HERE = """
