@@ -588,6 +588,22 @@ _LANE_XOR = """
 #endif
 """
 
+# C for GPUs ("float" stands for the dtype): W entries make 16 bytes, and load16(data, n, e0)
+# gives entries e0 .. e0 + W - 1 of `data` (n entries, e0 a multiple of W, data 16-byte
+# aligned) by one 16-byte load, those past n 0 (the array's last block, cut short).
+_LOAD16 = """
+    constexpr int W = 16 / sizeof(float);
+    union block16 { uint4 raw; float at[W]; };
+    auto load16 = [](const float* data, int n, int e0) {
+        block16 b;
+        if (e0 + W <= n)
+            b.raw = __ldg((const uint4*)(data + e0));
+        else
+            for (int j = 0; j < W; j++) b.at[j] = e0 + j < n ? data[e0 + j] : 0;
+        return b;
+    };
+"""
+
 # Σ x[e] · f · y[e] over the entries e of segment rows lo:hi and group g (of `groups`, `k`
 # features each) in `ACC` ("float" stands for the dtype, ACC for the sums' type: Warp's float()
 # and double() are macros, so no cast is spelled with them). On GPUs with one group (the span
@@ -603,20 +619,11 @@ _SPAN_SUM = """
 #if defined(__CUDA_ARCH__)
         const int first = lo * k, last = hi * k, n = x.shape[0];
         if ((((unsigned long long)p | (unsigned long long)q) & 15) == 0) {
-            const int W = 16 / sizeof(float);
+            LOAD16
             #pragma unroll 2
             for (int b = first / W + lane; b * W < last; b += lanes) {
                 const int e0 = b * W;
-                union { uint4 block; float at[W]; } u, v;
-                if (e0 + W <= n) {
-                    u.block = __ldg((const uint4*)(p + e0));
-                    v.block = __ldg((const uint4*)(q + e0));
-                } else {  /* the array's last block, cut short */
-                    for (int j = 0; j < W; j++) {
-                        u.at[j] = e0 + j < n ? p[e0 + j] : 0;
-                        v.at[j] = e0 + j < n ? q[e0 + j] : 0;
-                    }
-                }
+                const block16 u = load16(p, n, e0), v = load16(q, n, e0);
                 for (int j = 0; j < W; j++)
                     if (e0 + j >= first && e0 + j < last)
                         acc += (ACC)u.at[j] * f * (ACC)v.at[j];
@@ -656,7 +663,7 @@ _SPAN_SUM = """
         }
     }
     return acc;
-""".replace("LANES8", _LANES8)  # its `lane` the vector's, where the thread's is 0
+""".replace("LANES8", _LANES8).replace("LOAD16", _LOAD16)  # LANES8's `lane` the vector's
 
 
 @wp.func_native(_LANES_HERE)
@@ -784,15 +791,12 @@ _SPAN3_SUM = """
     float s0 = 0, s1 = 0, s2 = 0;
 #if defined(__CUDA_ARCH__)
     if ((((unsigned long long)p) & 15) == 0) {
-        const int W = 16 / sizeof(float), first = 3 * lo, last = 3 * hi, n = a.shape[0];
+        LOAD16
+        const int first = 3 * lo, last = 3 * hi, n = a.shape[0];
         #pragma unroll 2
         for (int b = first / W + lane; b * W < last; b += lanes) {
             const int e0 = b * W;
-            union { uint4 block; float at[W]; } u;
-            if (e0 + W <= n)
-                u.block = __ldg((const uint4*)(p + e0));
-            else  /* the array's last block, cut short */
-                for (int j = 0; j < W; j++) u.at[j] = e0 + j < n ? p[e0 + j] : 0;
+            const block16 u = load16(p, n, e0);
             for (int j = 0; j < W; j++) {
                 const int e = e0 + j, f = e % 3;
                 const float t = e >= first && e < last ? u.at[j] * w : 0;
@@ -810,7 +814,7 @@ _SPAN3_SUM = """
         s2 += p[3 * i + 2] * w;
     }
     return wp::vec_t<3, float>(s0, s1, s2);
-"""
+""".replace("LOAD16", _LOAD16)
 
 
 @wp.func_native(_SPAN3_SUM)
