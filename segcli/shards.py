@@ -113,7 +113,7 @@ def fingerprint(paths, n_atoms):
     every structure (what parts of one input must share)."""
     files = [(os.path.realpath(p), os.path.getsize(p)) for p in paths]
     digest = hashlib.sha256(json.dumps(files).encode())
-    digest.update(np.ascontiguousarray(n_atoms, np.int64).tobytes())
+    digest.update(np.ascontiguousarray(n_atoms, np.int64))  # its buffer, not a copy
     return digest.hexdigest()[:32]
 
 

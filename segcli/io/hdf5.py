@@ -298,8 +298,8 @@ class SegcliBatch(Batch):
         counts = groups["structures"].get("n_atoms")
         if not isinstance(counts, h5py.Dataset):
             raise DataError(f"{path}: /structures/n_atoms is missing")
-        self.n_atoms = self._counts(counts)
-        self._offsets = np.concatenate([[0], np.cumsum(self.n_atoms)])
+        self.n_atoms, running = self._counts(counts)
+        self._offsets = np.concatenate([[0], running])
         rows = {"atom": self._offsets[-1], "structure": len(self.n_atoms)}
         self._stored, self._datasets = {}, {}
         for per, group in (("atom", "atoms"), ("structure", "structures")):
@@ -355,9 +355,9 @@ class SegcliBatch(Batch):
         return {} if group is None else group
 
     def _counts(self, ds):
-        """The atom counts of /structures/n_atoms, `ds`, as int64; DataError for counts that are
-        not integers, negative, never written, or whose sum int64 cannot hold (checked before
-        anything is allocated for them)."""
+        """The atom counts of /structures/n_atoms, `ds`, as int64, and their running sums;
+        DataError for counts that are not integers, negative, never written, or whose sum int64
+        cannot hold (checked before anything is allocated for them)."""
         if ds.ndim != 1 or ds.dtype.kind not in "iu":
             raise DataError(f"{self.path}: /structures/n_atoms must be a 1-D integer array, "
                             f"not {ds.dtype} of shape {ds.shape}")
@@ -376,7 +376,7 @@ class SegcliBatch(Batch):
             raise DataError(f"{self.path}: /structures/n_atoms sums to more than "
                             f"{np.iinfo(np.int64).max} atoms (from structure "
                             f"{np.argmax(running < 0)})")
-        return counts
+        return counts, running
 
     def _absent_rows(self, mask, per):
         """How many rows (per `per`) belong to structures that /present/NAME, `mask`, says lack
