@@ -393,8 +393,8 @@ def leaf_stats(batch, names, leaves, *, per_element=False, per_atom=False, by=No
     buffers = _Buffers()
     chunks = prefetch(batch.iter_chunks(read, chunk_atoms=chunk_atoms, structures=structures,
                                         breaks=leaves[1:-1], keep=keep, into=_in_place))
+    native = _native_moments() is not None
     with contextlib.closing(chunks):  # its reader stopped however the loop is left
-        native = _native_moments() is not None
         for chunk in chunks:
             labels = {}  # per: the group of each row (uint8, or integers the moments in C check)
             if by_element:

@@ -558,8 +558,9 @@ def _rms_norm(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
                  dims=(num_segments * groups, lanes), out=shape)
     if known_sorted:
         return out
+    ordered = layout[1][0] != 0
     if wide:
-        return jnp.where(layout[1][0] != 0, out, _wide_rms_norm(x, idx, layout[1], num_segments))
+        return jnp.where(ordered, out, _wide_rms_norm(x, idx, layout[1], num_segments))
     threads = stride(gpu, n)
     zeros = jnp.zeros(shape, x.dtype)
     rows = x.reshape(n, groups * k)
@@ -567,7 +568,6 @@ def _rms_norm(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     # Unordered ids: Σ|x|² came by atomics; the segments of rows where it overflowed or
     # underflowed are summed again, scaled by a power of two near their largest entry, by
     # kernels that return at once (their one-element flag 0) where none did.
-    ordered = layout[1][0] != 0
     counts = _row_counts(idx, layout, False, gpu)[:, None]
     plain = (squares >= PLAIN_SQUARES[jnp.dtype(x.dtype).name]) & ~jnp.isinf(squares)
     overflowed = (~ordered & jnp.any(~plain & (counts > 0))).astype(jnp.int32).reshape(1)
