@@ -42,9 +42,10 @@ Shapes (rows first, then a group axis G that vmap folds into, then features):
                                                                 LANES threads per segment
                                                                 loading 16-byte blocks
     reductions3  x (N, 1, 3)                 -> sums, means     sum3, mean3, rms_norm_span and
-                                                (M, 1) vec3,    max_norm's ordered search, those
-                                                rms, first      a `want` mask asks, each block of
-                                                (M, 1)          rows read once for all (CPUs,
+                                                (M, 1) vec3,    max_norm (its ordered search and
+                                                rms, largest    the norm of the row found), those
+                                                (M, 1)          a `want` mask asks, each block of
+                                                                rows read once for all (CPUs,
                                                                 ordered ids)
     dot_span    x, y (N·G·K,), w (M, G)      -> (M, G)          out[s,g] = Σ_{idx[i]=s} <x[i,g]
                                                                 · w[s,g], y[i,g]> for ordered
@@ -1435,17 +1436,18 @@ def _reductions3_kernel(
     sums: wp.array2d(dtype=Any),
     means: wp.array2d(dtype=Any),
     rms: wp.array2d(dtype=Any),
-    first: wp.array2d(dtype=wp.int32),
+    largest: wp.array2d(dtype=Any),
 ):
     # a thread per segment s: the reductions `want` asks of its rows (see _REDUCTIONS3), rms
-    # then the RMS norm of its Σ|x|² and first max_norm's row (left N where s is empty)
+    # then the RMS norm of its Σ|x|², and largest the norm of max_norm's row (left 0 where s
+    # is empty), as _norm gives it
     s = wp.tid()
     lo, hi = _segment_range(offsets, s, x.shape[0])
     found = _reductions3(x, lo, hi, 0, s, want, sums, means, rms)
     if (want & _WANT_RMS) != 0:
         rms[s, 0] = _root_mean(x, lo, hi, 0, rms[s, 0])
     if (want & _WANT_LARGEST) != 0 and lo < hi:
-        first[s, 0] = _first_of_largest_norm(x, lo, hi, 0, found)
+        largest[s, 0] = _norm(x, _first_of_largest_norm(x, lo, hi, 0, found), 0)
 
 
 @_deferred

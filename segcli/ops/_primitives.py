@@ -717,6 +717,9 @@ def _max_norm(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     if gpu and x.dtype == jnp.float32:  # the norm is in each key's upper word
         return jax.lax.bitcast_convert_type(_packed_keys(x, idx, num_segments)[..., 1],
                                             jnp.float32)
+    if not gpu and _known_sorted(offsets, indices_are_sorted) and _is_float_vec3(x):
+        return _reductions(x, idx, offsets, num_segments=num_segments,  # search and norm in one
+                           indices_are_sorted=indices_are_sorted, names=("max_norm",))[0]
     first = _extreme(x, idx, offsets, num_segments=num_segments,
                      indices_are_sorted=indices_are_sorted, kind="max_norm", gpu=gpu)
     return _norms_of(x, first)
@@ -737,8 +740,9 @@ max_norm_p = _register(_Rule(
     "max_norm", _max_norm, lambda x, idx, offsets, *, num_segments, **_: (num_segments, x.shape[1]),
     1, batch_first=True))
 """max_i |x[i, g]| over each segment and group of x (N, G, K), 0 for an empty segment: the
-norms of the rows `extreme` (kind "max_norm") chooses, or on GPUs in float32 the norms its
-packed search compared. No derivative rule of its own (segcli.ops gives it one)."""
+norms of the rows `extreme` (kind "max_norm") chooses, on CPUs for rows of 3 with ids known
+sorted the search and the norm in one kernel (reductions3), or on GPUs in float32 the norms
+its packed search compared. No derivative rule of its own (segcli.ops gives it one)."""
 
 
 def _count(idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
@@ -806,17 +810,17 @@ def _reductions(x, idx, offsets, *, num_segments, indices_are_sorted, names, gpu
     offsets, _ = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
     rows = (num_segments, 1)
     given = {"sums": jnp.zeros(rows + (3,), x.dtype), "means": jnp.zeros(rows + (3,), x.dtype),
-             "rms": jnp.zeros(rows, x.dtype), "first": jnp.full(rows, x.shape[0], jnp.int32)}
+             "rms": jnp.zeros(rows, x.dtype), "largest": jnp.zeros(rows, x.dtype)}
     for name, label in zip(REDUCTIONS, given):
         if name not in names:  # not written: no rows
             given[label] = given[label][:0]
     want = sum(REDUCE_BITS[name] for name in set(names))
-    sums, means, rms, first = launch("reductions3", x, offsets, want,
-                                     *given.values(), dims=(num_segments,),
-                                     in_out=tuple(given), dtype=x.dtype)
+    sums, means, rms, largest = launch("reductions3", x, offsets, want,
+                                       *given.values(), dims=(num_segments,),
+                                       in_out=tuple(given), dtype=x.dtype)
     out = {"sum": lambda: sums.reshape(num_segments, 3),
            "mean": lambda: means.reshape(num_segments, 3),
-           "rms_norm": lambda: rms, "max_norm": lambda: _norms_of(x, first)}
+           "rms_norm": lambda: rms, "max_norm": lambda: largest}
     return [out[name]() for name in names]
 
 
