@@ -1,9 +1,9 @@
 """Reductions of one chunk on a CPU, as `segcli reduce` computes them: jitted ops over 2 Mi rows
-of (N, 3) float64 in segments of 1-63 rows, given a Segments; each op alone, rms_norm +
-max_norm + mean as three ops in one program, and the same (and all four) by
-segmented_reductions, beside NumPy's sum over the same bytes (what one core takes to read
-them). Cases run in turns, each round once; the median of the rounds. Freed blocks are kept
-for reuse, as in the segcli program.
+of (N, 3) float64 in segments of 1-63 rows, given a Segments; each op alone, the gradients of
+sum and mean (`segcli grad`), rms_norm + max_norm + mean as three ops in one program, and the
+same (and all four) by segmented_reductions, beside NumPy's sum over the same bytes (what one
+core takes to read them). Cases run in turns, each round once; the median of the rounds.
+Freed blocks are kept for reuse, as in the segcli program.
 
     taskset -c 0 python benchmarks/reductions_cpu.py [--rows 2097152] [--rounds 21]
 
@@ -15,6 +15,7 @@ import statistics
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 jax.config.update("jax_enable_x64", True)
@@ -28,6 +29,10 @@ def cases(seg, m):
     alone = {name: getattr(ops, f"segmented_{name}") for name in ("sum", "mean", "rms_norm",
                                                                     "max_norm")}
     found = {name: lambda x, f=f: f(x, seg, m) for name, f in alone.items()}
+    weights = jax.random.normal(jax.random.key(0), (m, 3), jnp.float64)
+    for name in ("sum", "mean"):  # their derivatives: each segment's weights to its rows
+        found[f"grad {name}"] = lambda x, f=alone[name]: jax.grad(
+            lambda a: jnp.sum(weights * f(a, seg, m)))(x)
     found["three, one op each"] = lambda x: tuple(alone[n](x, seg, m) for n in THREE)
     if hasattr(ops, "segmented_reductions"):
         found["three together"] = lambda x: ops.segmented_reductions(x, seg, m, THREE)

@@ -879,11 +879,11 @@ def test_segments_give_the_values_of_their_ids(name, transform):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_rows_scaled_a_segment_at_a_time_are_those_scaled_a_row_at_a_time(dtype):
+def test_rows_written_a_segment_at_a_time_are_those_written_a_row_at_a_time(dtype):
     """On CPUs, given a Segments, the scale kernels of mul, dot's derivatives and rms_norm's
-    first and second derivatives take a segment a thread: the bits of the same
-    ids given alone (a row a thread), rows ahead of the first segment and after the last 0,
-    as the reference says."""
+    first and second derivatives, and the gather of sum's and mean's derivatives, take a
+    segment a thread: the bits of the same ids given alone (a row a thread), rows ahead of
+    the first segment and after the last 0, as the reference says."""
     rng = np.random.default_rng(12)
     n, m = 40, 7
     ids = np.sort(rng.choice([-1, 0, 2, 3, 5, 6, 7], size=n))  # -1 and m: outside them all
@@ -891,7 +891,12 @@ def test_rows_scaled_a_segment_at_a_time_are_those_scaled_a_row_at_a_time(dtype)
     offsets = np.searchsorted(ids, np.arange(m + 1), side="left").astype(np.int32)
     x, v = (jnp.asarray(rng.normal(size=(n, 3)).astype(dtype)) for _ in range(2))
     y, w = (jnp.asarray(rng.normal(size=m).astype(dtype)) for _ in range(2))
+    w3 = rng.normal(size=(m, 3)).astype(dtype)
     calls = {
+        "grad sum": lambda idx: jax.grad(
+            lambda a: jnp.sum(w3 * ops.segmented_sum(a, idx, m)))(x),
+        "grad mean": lambda idx: jax.grad(
+            lambda a: jnp.sum(w3 * ops.segmented_mean(a, idx, m)))(x),
         "mul": lambda idx: ops.segmented_mul(x, y, idx, m),
         "grad dot": lambda idx: jax.grad(
             lambda a: jnp.sum(w * ops.segmented_dot(a, v, idx, m)))(x),
@@ -900,7 +905,13 @@ def test_rows_scaled_a_segment_at_a_time_are_those_scaled_a_row_at_a_time(dtype)
         "hvp rms_norm": lambda idx: jax.jvp(jax.grad(
             lambda a: jnp.sum(w * ops.segmented_rms_norm(a, idx, m))), (x,), (v,))[1],
     }
-    references = {"mul": lambda: OPS["mul"].reference(x, y, jnp.asarray(ids), m)}
+    inside = (ids >= 0) & (ids < m)
+    counts = np.bincount(ids[inside], minlength=m).astype(np.float64)
+    per_row = np.where(inside[:, None], np.pad(w3.astype(np.float64), ((0, 1), (0, 0)))[ids], 0)
+    references = {"mul": lambda: OPS["mul"].reference(x, y, jnp.asarray(ids), m),
+                  "grad sum": lambda: per_row,
+                  "grad mean": lambda: per_row / np.maximum(counts, 1)[np.where(inside, ids, 0),
+                                                                       None]}
     segments = ops.Segments(jnp.asarray(ids, jnp.int32), jnp.asarray(offsets))
     for name, call in calls.items():
         by_segment, by_row = call(segments), call(jnp.asarray(ids, jnp.int32))

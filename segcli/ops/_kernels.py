@@ -75,6 +75,9 @@ Shapes (rows first, then a group axis G that vmap folds into, then features):
     put         ct (M, G, K), first (M, G)   -> (N, G, K)       out[i,g] = ct[idx[i],g] if
                                                                 first[idx[i],g] = i, else 0
     gather3, scale3, scale_pair3, matvec3                       the same for G = 1, K = 3
+    gather3_ordered, scale3_ordered,                            the same, a segment a thread
+      scale_pair3_ordered                                       over its CSR range (CPUs, the
+                                                                offsets given)
 
 The reductions (count, sum, mean, outer, sum3, mean3) come from one factory
 (`_segment_reduction`) over the term each adds, and the searches for extremes from another
@@ -1588,16 +1591,6 @@ def _matvec_kernel(
 # The common case of one group of 3 features, with whole vectors and matrices per thread.
 
 
-@_deferred
-def _gather3_kernel(y: wp.array(dtype=Any), idx: wp.array(dtype=wp.int32),
-                    out: wp.array(dtype=Any)):
-    i = wp.tid()
-    s = idx[i]
-    if s >= 0 and s < y.shape[0]:
-        out[i] = y[s]
-    else:
-        out[i] = type(out[i])()
-
 
 # The ordered scale kernels' rows lo:hi of a segment on CPUs: out[i] = x[i] · factor · second,
 # plus (b[i] · factor) · third where `paired`, over the 3 entries of each row, one operation a
@@ -1639,6 +1632,70 @@ def _scale_rows(x: wp.array(dtype=wp.vec3d), b: wp.array(dtype=wp.vec3d),
     ...
 
 
+# The rows lo:hi of out, a (N,) vec3 array as 3N entries, set to (a, b, c) on CPUs: in a loop
+# the compiler vectorises ("float" stands for the dtype)
+_FILL_ROWS = """
+    float* outs = (float*)out.data;
+    for (long long i = 3LL * lo; i < 3LL * hi; i += 3) {
+        outs[i] = a;
+        outs[i + 1] = b;
+        outs[i + 2] = c;
+    }
+"""
+
+
+@wp.func_native(_FILL_ROWS)
+def _fill_rows(out: wp.array(dtype=wp.vec3f), lo: int, hi: int, a: wp.float32, b: wp.float32,
+               c: wp.float32):
+    ...
+
+
+@wp.func_native(_FILL_ROWS.replace("float", "double"))
+def _fill_rows(out: wp.array(dtype=wp.vec3d), lo: int, hi: int, a: wp.float64, b: wp.float64,
+               c: wp.float64):
+    ...
+
+
+@wp.func
+def _ordered_rows(offsets: wp.array(dtype=wp.int32), t: int, out: wp.array(dtype=Any)):
+    # rows lo:hi of segment t of out (N,), after zeroing the rows outside every segment
+    # (ahead of the first, after the last) where t is the first or the last segment
+    n = out.shape[0]
+    lo, hi = _segment_range(offsets, t, n)
+    if t == 0:
+        for i in range(0, lo):
+            out[i] = type(out[i])()
+    if t == offsets.shape[0] - 2:
+        for i in range(hi, n):
+            out[i] = type(out[i])()
+    return lo, hi
+
+
+def _gathering3(ordered):
+    """out[i] = y[idx[i]] (0 where the id is out of range) for rows of 3: a row a thread, or
+    where `ordered` (CPUs, the segments' offsets given) a segment a thread filling its rows."""
+
+    def kernel(y: wp.array(dtype=Any), idx: wp.array(dtype=wp.int32),
+               offsets: wp.array(dtype=wp.int32), out: wp.array(dtype=Any)):
+        t = wp.tid()
+        if wp.static(ordered):
+            lo, hi = _ordered_rows(offsets, t, out)
+            v = y[t]
+            _fill_rows(out, lo, hi, v[0], v[1], v[2])
+        else:
+            s = idx[t]
+            if s >= 0 and s < y.shape[0]:
+                out[t] = y[s]
+            else:
+                out[t] = type(out[t])()
+
+    return kernel
+
+
+for _ordered in (False, True):
+    _deferred(_gathering3(_ordered), "gather3" + "_ordered" * _ordered)
+
+
 def _scaling3(paired, ordered):
     """_scaling for rows of one group of 3 features, whole vectors: a row a thread, or where
     `ordered` (CPUs, the segments' offsets given) a segment a thread, its factors found once
@@ -1657,14 +1714,7 @@ def _scaling3(paired, ordered):
     ):
         t = wp.tid()
         if wp.static(ordered):
-            n = out.shape[0]
-            lo, hi = _segment_range(offsets, t, n)
-            if t == 0:
-                for i in range(0, lo):
-                    out[i] = type(out[i])()
-            if t == offsets.shape[0] - 2:
-                for i in range(hi, n):
-                    out[i] = type(out[i])()
+            lo, hi = _ordered_rows(offsets, t, out)
             factor, second, third = factors(y, z, w, t, 0)
             _scale_rows(x, b, out, lo, hi, factor, second, third, wp.static(int(paired)))
         else:
@@ -1799,7 +1849,7 @@ _ELEMENTS = {
     "sum3": {"a": "vec3", "b": "vec3", "out": "vec3"},
     "mean3": {"a": "vec3", "out": "vec3"},
     "reductions3": {"sums": "vec3", "means": "vec3"},
-    "gather3": {"y": "vec3", "out": "vec3"},
+    **{name: {"y": "vec3", "out": "vec3"} for name in ("gather3", "gather3_ordered")},
     **{name: {"x": "vec3", "b": "vec3", "out": "vec3"}
        for name in ("scale3", "scale_pair3", "scale3_ordered", "scale_pair3_ordered")},
     "matvec3": {"v": "vec3", "m": "mat33", "out": "vec3"},

@@ -355,8 +355,11 @@ def _gather(y, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     shape = (idx.shape[0], y.shape[1])
     if _empty(shape, y):
         return jnp.zeros(shape, y.dtype)
-    if _is_float_vec3(y):
-        return launch("gather3", y, idx, dims=(idx.shape[0],), out=(idx.shape[0],)).reshape(shape)
+    if _is_float_vec3(y):  # on CPUs given the offsets, a segment a thread
+        ordered = not gpu and offsets.shape[0] > 0
+        return launch(f"gather3{'_ordered' * ordered}", y, idx, offsets,
+                      dims=(y.shape[0] if ordered else idx.shape[0],),
+                      out=(idx.shape[0],)).reshape(shape)
     return launch("gather", y, idx, dims=(idx.shape[0],), out=shape)
 
 
