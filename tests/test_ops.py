@@ -881,9 +881,10 @@ def test_segments_give_the_values_of_their_ids(name, transform):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_rows_written_a_segment_at_a_time_are_those_written_a_row_at_a_time(dtype):
     """On CPUs, given a Segments, the scale kernels of mul, dot's derivatives and rms_norm's
-    first and second derivatives, and the gather of sum's and mean's derivatives, take a
-    segment a thread: the bits of the same ids given alone (a row a thread), rows ahead of
-    the first segment and after the last 0, as the reference says."""
+    first and second derivatives, the gather of sum's and mean's derivatives, and matvec
+    (and its transpose, in its derivative) take a segment a thread: the bits of the same ids
+    given alone (a row a thread), rows ahead of the first segment and after the last 0, as
+    the reference says."""
     rng = np.random.default_rng(12)
     n, m = 40, 7
     ids = np.sort(rng.choice([-1, 0, 2, 3, 5, 6, 7], size=n))  # -1 and m: outside them all
@@ -892,7 +893,11 @@ def test_rows_written_a_segment_at_a_time_are_those_written_a_row_at_a_time(dtyp
     x, v = (jnp.asarray(rng.normal(size=(n, 3)).astype(dtype)) for _ in range(2))
     y, w = (jnp.asarray(rng.normal(size=m).astype(dtype)) for _ in range(2))
     w3 = rng.normal(size=(m, 3)).astype(dtype)
+    cells = jnp.asarray(rng.normal(size=(m, 3, 3)).astype(dtype))
     calls = {
+        "matvec": lambda idx: ops.segmented_matvec(x, cells, idx, m),
+        "grad matvec": lambda idx: jax.grad(
+            lambda a: jnp.sum(v * ops.segmented_matvec(a, cells, idx, m)))(x),
         "grad sum": lambda idx: jax.grad(
             lambda a: jnp.sum(w3 * ops.segmented_sum(a, idx, m)))(x),
         "grad mean": lambda idx: jax.grad(
@@ -909,6 +914,7 @@ def test_rows_written_a_segment_at_a_time_are_those_written_a_row_at_a_time(dtyp
     counts = np.bincount(ids[inside], minlength=m).astype(np.float64)
     per_row = np.where(inside[:, None], np.pad(w3.astype(np.float64), ((0, 1), (0, 0)))[ids], 0)
     references = {"mul": lambda: OPS["mul"].reference(x, y, jnp.asarray(ids), m),
+                  "matvec": lambda: OPS["matvec"].reference(x, cells, jnp.asarray(ids), m),
                   "grad sum": lambda: per_row,
                   "grad mean": lambda: per_row / np.maximum(counts, 1)[np.where(inside, ids, 0),
                                                                        None]}

@@ -76,7 +76,7 @@ Shapes (rows first, then a group axis G that vmap folds into, then features):
                                                                 first[idx[i],g] = i, else 0
     gather3, scale3, scale_pair3, matvec3                       the same for G = 1, K = 3
     gather3_ordered, scale3_ordered,                            the same, a segment a thread
-      scale_pair3_ordered                                       over its CSR range (CPUs, the
+      scale_pair3_ordered, matvec3_ordered                      over its CSR range (CPUs, the
                                                                 offsets given)
 
 The reductions (count, sum, mean, outer, sum3, mean3) come from one factory
@@ -1732,23 +1732,41 @@ for _ordered in (False, True):
     _deferred(_scaling3(True, _ordered), "scale_pair3" + "_ordered" * _ordered)
 
 
-@_deferred
-def _matvec3_kernel(
-    v: wp.array(dtype=Any),
-    m: wp.array(dtype=Any),
-    idx: wp.array(dtype=wp.int32),
-    transpose: int,
-    out: wp.array(dtype=Any),
-):
-    i = wp.tid()
-    s = idx[i]
-    if s >= 0 and s < m.shape[0]:
-        if transpose != 0:
-            out[i] = m[s] @ v[i]
+def _matvec3(ordered):
+    """matvec for rows of 3: a row a thread, or where `ordered` (CPUs, the segments' offsets
+    given) a segment a thread, its matrix read once for its rows."""
+
+    def kernel(
+        v: wp.array(dtype=Any),
+        m: wp.array(dtype=Any),
+        idx: wp.array(dtype=wp.int32),
+        offsets: wp.array(dtype=wp.int32),
+        transpose: int,
+        out: wp.array(dtype=Any),
+    ):
+        t = wp.tid()
+        if wp.static(ordered):
+            lo, hi = _ordered_rows(offsets, t, out)
+            a = m[t]
+            if transpose == 0:
+                a = wp.transpose(a)
+            for i in range(lo, hi):
+                out[i] = a @ v[i]
         else:
-            out[i] = wp.transpose(m[s]) @ v[i]
-    else:
-        out[i] = type(out[i])()
+            s = idx[t]
+            if s >= 0 and s < m.shape[0]:
+                if transpose != 0:
+                    out[t] = m[s] @ v[t]
+                else:
+                    out[t] = wp.transpose(m[s]) @ v[t]
+            else:
+                out[t] = type(out[t])()
+
+    return kernel
+
+
+for _ordered in (False, True):
+    _deferred(_matvec3(_ordered), "matvec3" + "_ordered" * _ordered)
 
 
 # Neighbour pairs in periodic cells, from a cell list (segcli.neighbors builds the bins).
@@ -1852,7 +1870,7 @@ _ELEMENTS = {
     **{name: {"y": "vec3", "out": "vec3"} for name in ("gather3", "gather3_ordered")},
     **{name: {"x": "vec3", "b": "vec3", "out": "vec3"}
        for name in ("scale3", "scale_pair3", "scale3_ordered", "scale_pair3_ordered")},
-    "matvec3": {"v": "vec3", "m": "mat33", "out": "vec3"},
+    **{name: {"v": "vec3", "m": "mat33", "out": "vec3"} for name in ("matvec3", "matvec3_ordered")},
 }
 _INTEGERS = {"int32": wp.int32, "int64": wp.int64}
 _DTYPES = {

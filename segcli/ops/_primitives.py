@@ -489,9 +489,11 @@ x or y is one rescale kernel, where that of a dot of scaled rows would scale the
 def _matvec(v, m, idx, offsets, *, num_segments, indices_are_sorted, transpose, gpu=False):
     if _empty(v.shape, v, m):
         return jnp.zeros(v.shape, v.dtype)
-    if _is_float_vec3(v) and m.shape[1:] == (1, 3, 3):
-        out = launch("matvec3", v.reshape(-1, 3), m.reshape(-1, 3, 3), idx, int(transpose),
-                     dims=(idx.shape[0],), out=(idx.shape[0],))
+    if _is_float_vec3(v) and m.shape[1:] == (1, 3, 3):  # on CPUs given offsets, by segments
+        ordered = not gpu and offsets.shape[0] > 0
+        out = launch(f"matvec3{'_ordered' * ordered}", v.reshape(-1, 3), m.reshape(-1, 3, 3),
+                     idx, offsets, int(transpose),
+                     dims=(m.shape[0] if ordered else idx.shape[0],), out=(idx.shape[0],))
         return out.reshape(v.shape)
     return launch("matvec", v, m, idx, int(transpose), dims=(idx.shape[0],), out=v.shape)
 
