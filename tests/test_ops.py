@@ -648,8 +648,7 @@ def test_cpu_kernels_read_no_row_past_the_end_of_x():
         print("read no row past x")
     """
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent,
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu"})  # the CPU's kernels
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "read no row past x" in done.stdout, done.stderr[-2000:]
 
 
@@ -951,13 +950,14 @@ def test_segments_built_from_counts_and_their_edge_cases():
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("gpu_paths", [False, True])
 @pytest.mark.parametrize("features", [1, 3, 5, 33])
-def test_rms_norm_and_dot_over_any_features_and_layout(gpu_paths, features, dtype):
+def test_rms_norm_and_dot_over_any_features_and_layout(gpu_paths, features, dtype, monkeypatch):
     """rms_norm and dot, and their gradients (which take the scaled dot and the rescale), of
     rows of 1, 3, 5 and 33 features, whatever lanes a GPU gives a segment (33, more than a
     warp: a thread walks them all), in float64 and float32, against NumPy in float64 (and
     finite differences in float64): ids promised sorted, given as a Segments, sorted but not
     promised, and unsorted; empty segments, ids out of range, and a segment whose squares
-    overflow."""
+    overflow. On the GPU's paths also with float32 norms of sorted ids by the two kernels that
+    long inputs take (SQUARES_ROWS)."""
     rng = np.random.default_rng(features)
     n, m = 300, 40
     ids = np.sort(rng.integers(-1, m + 2, n))
@@ -982,8 +982,13 @@ def test_rms_norm_and_dot_over_any_features_and_layout(gpu_paths, features, dtyp
                "segments": (np.arange(n), segments_of(np.clip(ids, -1, m), m), {}),
                "sorted": (np.arange(n), ids, {}), "unsorted": (order, ids[order], {})}
     _primitives.lower_cpu_as_gpu(gpu_paths)
+    runs = [(squares_rows, *layout) for squares_rows in
+            ((_primitives.SQUARES_ROWS, 0) if gpu_paths else (_primitives.SQUARES_ROWS,))
+            for layout in layouts.values()]
     try:
-        for rows, idx, kw in layouts.values():
+        for squares_rows, rows, idx, kw in runs:
+            monkeypatch.setattr(_primitives, "SQUARES_ROWS", squares_rows)
+            jax.clear_caches()
             a, b = jnp.asarray(x[rows], dtype), jnp.asarray(y[rows], dtype)
             big = jnp.asarray(x[rows] * huge[rows], dtype)
             rms = ops.segmented_rms_norm(big, idx, m, **kw)
@@ -1020,13 +1025,13 @@ def test_gpu_kernels_compile_for_cuda(tmp_path):
 
     from segcli.ops import _kernels
 
-    assert set(_kernels._SOURCES) >= CPU_KERNELS
+    assert CPU_KERNELS <= set(_kernels._SOURCES)
     failed = {}
     for name in sorted(set(_kernels._SOURCES) - CPU_KERNELS):
         module = next(iter(_kernels._kernels(name).values())).module
         try:
             wp.compile_aot_module(module, arch=90, module_dir=tmp_path, use_ptx=True)
-        except Exception as err:  # noqa: BLE001 - name every kernel that fails
+        except Exception as err:  # noqa: BLE001, PERF203 - name every kernel that fails
             failed[name] = str(err)
     assert failed == {}
 
@@ -1046,11 +1051,10 @@ def test_kernels_stay_in_bounds(paths, tmp_path):
 @pytest.mark.parametrize("gpu_paths", [False, True])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_span_kernels_read_each_segment_to_its_last_entry(dtype, gpu_paths):
-    """sum, mean, rms_norm and dot over a Segments (on GPUs, lanes loading 16-byte blocks whose
-    entries outside the segment are masked, the array's last block cut short) for every
-    number of rows from 1 to 9, so that the entries end at every place in a block of 4 (2 in
-    float64), the last segment at the array's end, empty segments first and inside: against
-    NumPy in float64."""
+    """sum, mean, rms_norm and dot over a Segments (on GPUs, lanes over each segment's
+    entries) for every number of rows from 1 to 9, so that the entries end at every place in
+    a block of 4 (2 in float64), the last segment at the array's end, empty segments first and
+    inside: against NumPy in float64."""
     rng = np.random.default_rng(21)
     tolerance = 1e-13 if dtype == np.float64 else 1e-6
     _primitives.lower_cpu_as_gpu(gpu_paths)

@@ -25,22 +25,20 @@ Shapes (rows first, then a group axis G that vmap folds into, then features):
                                                                 rms_norm_rescaled redo the
                                                                 segments that over- or
                                                                 underflowed
-    rms_norm_wide_span  x (N, G, K) float32  -> (M, G)          the same for float32 on GPUs,
-                                                                ids ordered: Σ|x|² in float64
-                                                                (no square or sum overflows or
-                                                                underflows), then the root
+    sum_squares, rms_norm_of_squares            -> (M, G)       the same for float32 on GPUs,
+                                                                ids known sorted: Σ x² per
+                                                                feature, then the norms
     wide_squares  a (N, G·K) float32         -> (M, G·K, 2)     float64 Σ_{idx[i]=s} a[i,p]², as
-                                                                uint32 pairs, by atomics (GPUs,
-                                                                ids not ordered; then
+                                                                uint32 pairs (GPUs, ids not
+                                                                promised sorted; then
                                                                 rms_norm_of_wide_squares, the
                                                                 float32 RMS norms (M, G))
     outer       a (N, G·K), b (N, G·L)       -> (M, G·K·L)      out[s,g] = Σ_{idx[i]=s} a[i,g] ⊗
                                                                 b[i,g]
     sum3, mean3  rows of vec3 (N, 1)         -> (M, 1)          sum and mean for K = 3, on CPUs
-    sum_span3, mean_span3  x (N·3,)          -> (M, 3)          sum and mean for K = 3 on GPUs,
-                                                                ids known sorted: a group of
-                                                                LANES threads per segment
-                                                                loading 16-byte blocks
+                                                                (a GPU keeps more rows in flight
+                                                                with a thread per feature, and
+                                                                reads rows coalesced)
     reductions3  x (N, 1, 3)                 -> sums, means     sum3, mean3, rms_norm_span and
                                                 (M, 1) vec3,    max_norm (its ordered search and
                                                 rms, largest    the norm of the row found), those
@@ -79,7 +77,7 @@ Shapes (rows first, then a group axis G that vmap folds into, then features):
       scale_pair3_ordered, matvec3_ordered                      over its CSR range (CPUs, the
                                                                 offsets given)
 
-The reductions (count, sum, mean, outer, sum3, mean3) come from one factory
+The reductions (count, sum, mean, outer, sum3, mean3, sum_squares) come from one factory
 (`_segment_reduction`) over the term each adds, and the searches for extremes from another
 (`_extreme`) over the key they compare. sum, max and min are made for int32 and int64 as
 well as the float types.
@@ -314,6 +312,13 @@ def _outer_entry(a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any), out: wp.arr
     return a[i, g * k_count + (p // l_count) % k_count] * b[i, g * l_count + p % l_count]
 
 
+@wp.func
+def _squared_entry(a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any), out: wp.array2d(dtype=Any),
+                   i: int, s: int, p: int):
+    v = a[i, p]
+    return v * v
+
+
 # C for one CPU thread's vector lanes ("float" stands for the dtype): lanes8, the masks of
 # their comparisons (mask8), `lane` (0..7), sum8 (the 8 lanes added as a GPU's butterfly adds
 # them) and sum24 (the 24 lanes of three vectors added so, each feature's 8 apart);
@@ -379,7 +384,8 @@ def _rows3_sum(a: wp.array2d(dtype=wp.vec3d), lo: int, hi: int, mean: int) -> wp
 # The reductions; sum3 and mean3 (CPUs only) sum rows of vec3 by _rows3_sum.
 # mean: each entry times 1/count, so that no partial sum exceeds the largest |a|.
 for _name, _term in (("count", _one), ("sum", _entry), ("sum3", _entry), ("outer", _outer_entry),
-                     ("mean", _entry), ("mean3", _entry)):
+                     ("mean", _entry), ("mean3", _entry),
+                     ("sum_squares", _squared_entry)):
     _deferred(_segment_reduction(_term, rows=_rows3_sum if _name.endswith("3") else None,
                                  mean=_name.startswith("mean")), _name)
 
@@ -515,24 +521,57 @@ def _rms_of_squares(x: wp.array3d(dtype=Any), lo: int, hi: int, g: int, total: A
 
 
 @_deferred
+def _rms_norm_of_squares_kernel(
+    x: wp.array3d(dtype=Any),
+    offsets: wp.array(dtype=wp.int32),
+    ordered: wp.array(dtype=wp.int32),
+    squares: wp.array2d(dtype=Any),
+    out: wp.array2d(dtype=Any),
+):
+    # Ordered ids: out[s, g], the segment's RMS norm (0 if empty) from squares[s, g·K + k], the
+    # sums of x[i, g, k]² over its rows (sum_squares); 0 otherwise.
+    s, g = wp.tid()
+    out[s, g] = x.dtype(0.0)
+    if ordered[0] != 0:
+        lo, hi = _segment_range(offsets, s, x.shape[0])
+        if lo < hi:
+            k = x.shape[2]
+            total = x.dtype(0.0)
+            for j in range(k):
+                total += squares[s, g * k + j]
+            out[s, g] = _rms_of_squares(x, lo, hi, g, total)
+
+
+@_deferred
 def _wide_squares_kernel(
     a: wp.array2d(dtype=wp.float32),
     idx: wp.array(dtype=wp.int32),
+    offsets: wp.array(dtype=wp.int32),
     ordered: wp.array(dtype=wp.int32),
     stride: int,
     counts: wp.array(dtype=wp.int32),
     out: wp.array3d(dtype=wp.uint32),
 ):
-    # Ids not ordered (else it returns at once): out (M, P, 2), zeros at first, becomes the
-    # float64 Σ a[i, p]² of each segment (as uint32 pairs), where no float32 square or sum
-    # overflows or underflows, by threads t < stride adding atomically; `counts` (zeros)
-    # becomes each segment's rows.
+    # out (M, P, 2): the float64 Σ a[i, p]² of each segment (as uint32 pairs), where no
+    # float32 square or sum overflows or underflows. Ordered ids: thread (s, p) adds its
+    # segment's rows in order. Otherwise threads t < stride add atomically into zeros, and
+    # count each segment's rows into `counts` (zeros).
     t, p = wp.tid()
     sums = wp.array(ptr=out.ptr, shape=(out.shape[0], out.shape[1]), dtype=wp.float64)
-    if ordered[0] == 0:
-        for i in range(t, a.shape[0], stride):
+    n = a.shape[0]
+    m = out.shape[0]
+    if ordered[0] != 0:
+        if t < m:
+            lo, hi = _segment_range(offsets, t, n)
+            acc = wp.float64(0.0)
+            for i in range(lo, hi):
+                v = wp.float64(a[i, p])
+                acc += v * v
+            sums[t, p] = acc
+    elif t < stride:
+        for i in range(t, n, stride):
             s = idx[i]
-            if s >= 0 and s < out.shape[0]:
+            if s >= 0 and s < m:
                 v = wp.float64(a[i, p])
                 wp.atomic_add(sums, s, p, v * v)
                 if p == 0:
@@ -541,37 +580,46 @@ def _wide_squares_kernel(
 
 @_deferred
 def _rms_norm_of_wide_squares_kernel(
+    offsets: wp.array(dtype=wp.int32),
+    ordered: wp.array(dtype=wp.int32),
+    rows: int,
     counts: wp.array(dtype=wp.int32),
     squares: wp.array3d(dtype=wp.uint32),
     out: wp.array2d(dtype=wp.float32),
 ):
-    # out[s, g] = sqrt(Σ_k squares[s, g·K + k] / counts[s]) in float64 (wide_squares' sums, K =
-    # squares.shape[1] / G); 0 for an empty segment
+    # out[s, g] = sqrt(Σ_k squares[s, g·K + k] / n) in float64 (wide_squares' sums, K =
+    # squares.shape[1] / G), n the segment's rows (from the offsets if ordered, else
+    # `counts`); 0 for an empty segment
     s, g = wp.tid()
     sums = wp.array(ptr=squares.ptr, shape=(squares.shape[0], squares.shape[1]),
                     dtype=wp.float64)
     k = squares.shape[1] // out.shape[1]
+    lo, hi = _segment_range(offsets, s, rows)
+    n = hi - lo
+    if ordered[0] == 0:
+        n = counts[s]
     out[s, g] = wp.float32(0.0)
-    if counts[s] > 0:
+    if n > 0:
         total = wp.float64(0.0)
         for j in range(g * k, (g + 1) * k):
             total += sums[s, j]
-        out[s, g] = wp.float32(wp.sqrt(total / wp.float64(counts[s])))
+        out[s, g] = wp.float32(wp.sqrt(total / wp.float64(n)))
+
 
 
 # Segments reduced by a group of LANES consecutive threads on GPUs (one thread on CPUs).
 # The entries of segment s and group g (its rows' features, in order) form a span; lane j
-# of the group adds its part of it in order, by a loop in C, which the compiler unrolls
-# (several loads in flight per thread, where a loop in Warp's language keeps one), and a
-# butterfly of shuffles then adds the lanes' sums, the same bits in every lane. With one
-# group (G = 1) the span is contiguous and lane j takes its aligned 16-byte blocks j, j + 8,
-# ... (a group loads 128 bytes at once; see _SPAN_SUM), else its entries j, j + 8, .... On
-# CPUs (which run threads one after another) lane 0 does its group's work alone, keeping 8
-# lanes' sums side by side, which the compiler can put in vector registers. H200, N = 10⁷,
-# (N, 3), given a Segments (benchmarks/RESULTS.md), with entries j, j + 8, ...: dot in 86–89
+# of the group adds entries j, j + LANES, ... of it in order, by a loop in C, which the
+# compiler unrolls (4 loads in flight per thread, where a loop in Warp's language keeps
+# one), and a butterfly of shuffles then adds the lanes' sums, the same bits in every lane.
+# With one group (G = 1) the span is contiguous, and a group's loads are of consecutive
+# entries. On CPUs (which run threads one after another) lane 0 does its group's work
+# alone, keeping the 8 lanes' sums side by side, which the compiler can put in vector
+# registers. H200, N = 10⁷, (N, 3), given a Segments (benchmarks/RESULTS.md): dot in 86–89
 # µs against 119–120 for a product a row and then a thread per segment, float32 (152
 # against 188, float64); rms_norm float64 in 93–95 against 111–112 for a thread per segment
-# and feature. 4, 16 and 32 lanes, and a loop in Warp's language, ran slower.
+# and feature (float32 keeps that: 66 against 78). 4, 16 and 32 lanes, and a loop in Warp's
+# language, ran slower.
 LANES = 8
 
 _LANES_HERE = """
@@ -592,57 +640,20 @@ _LANE_XOR = """
 #endif
 """
 
-# C for GPUs ("float" stands for the dtype): W entries make 16 bytes, and load16(data, n, e0)
-# gives entries e0 .. e0 + W - 1 of `data` (n entries, e0 a multiple of W, data 16-byte
-# aligned) by one 16-byte load, those past n 0 (the array's last block, cut short).
-_LOAD16 = """
-    constexpr int W = 16 / sizeof(float);
-    union block16 { uint4 raw; float at[W]; };
-    auto load16 = [](const float* data, int n, int e0) {
-        block16 b;
-        if (e0 + W <= n)
-            b.raw = __ldg((const uint4*)(data + e0));
-        else
-            for (int j = 0; j < W; j++) b.at[j] = e0 + j < n ? data[e0 + j] : 0;
-        return b;
-    };
-"""
-
-# Σ x[e] · f · y[e] over the entries e of segment rows lo:hi and group g (of `groups`, `k`
-# features each) in `ACC` ("float" stands for the dtype, ACC for the sums' type: Warp's float()
-# and double() are macros, so no cast is spelled with them). On GPUs with one group (the span
-# contiguous), lane j adds the aligned blocks of 16 bytes j, j + lanes, ... from the block of
-# entry lo·k, each block's entries in order and those outside the span masked: a group of 8
-# lanes loads 128 bytes at once; where x or y is not 16-byte aligned (XLA's buffers are),
-# and with several groups, lane j adds entries j, j + lanes, ... of the span in order.
+# Σ x[e] · f · y[e] over the entries e = lane, lane + lanes, ... of segment rows lo:hi and
+# group g (of `groups`, `k` features each), in order ("float" stands for the dtype: Warp's
+# float() and double() are macros, so no cast is spelled with them)
 _SPAN_SUM = """
-    ACC acc = 0;
+    float acc = 0;
     const float* p = (const float*)x.data;
     const float* q = (const float*)y.data;
     if (groups == 1) {  /* entries lo·k .. hi·k (< 2³¹: Warp's shapes are int) */
 #if defined(__CUDA_ARCH__)
-        const int first = lo * k, last = hi * k, n = x.shape[0];
-        if ((((unsigned long long)p | (unsigned long long)q) & 15) == 0) {
-            LOAD16
-            #pragma unroll 2
-            for (int b = first / W + lane; b * W < last; b += lanes) {
-                const int e0 = b * W;
-                const block16 u = load16(p, n, e0), v = load16(q, n, e0);
-                for (int j = 0; j < W; j++)
-                    if (e0 + j >= first && e0 + j < last)
-                        acc += (ACC)u.at[j] * f * (ACC)v.at[j];
-            }
-        } else {
-            #pragma unroll 4
-            for (int e = first + lane; e < last; e += lanes) acc += (ACC)p[e] * f * (ACC)q[e];
-        }
+        #pragma unroll 4
+        for (int e = lo * k + lane; e < hi * k; e += lanes) acc += p[e] * f * q[e];
 #else
-        if (sizeof(ACC) > sizeof(float)) {  /* wider sums than entries: one by one */
-            for (int e = lo * k; e < hi * k; e++) acc += (ACC)p[e] * f * (ACC)q[e];
-            return acc;
-        }
         /* one thread: the sums of LANES = 8 lanes side by side (a CPU's vector lanes), the
-           entries past hi masked, added as a butterfly of 8 GPU lanes adds them */
+           entries past hi masked, added as the GPU's butterfly adds them */
         LANES8
         auto load8 = [&](const float* data, int e) {  /* none past x's end */
             lanes8 v = {};
@@ -663,11 +674,11 @@ _SPAN_SUM = """
         for (int e = lane; e < (hi - lo) * k; e += lanes) {
             const int i = lo + e / k;
             const int at = (i * groups + g) * k + (e - (i - lo) * k);
-            acc += (ACC)p[at] * f * (ACC)q[at];
+            acc += p[at] * f * q[at];
         }
     }
     return acc;
-""".replace("LANES8", _LANES8).replace("LOAD16", _LOAD16)  # LANES8's `lane` the vector's
+""".replace("LANES8", _LANES8)  # its `lane` the vector's, where the thread's is 0
 
 
 @wp.func_native(_LANES_HERE)
@@ -688,23 +699,15 @@ def _lane_xor(v: wp.float64, offset: int, lanes: int) -> wp.float64:  # an overl
 
 
 
-@wp.func_native(_SPAN_SUM.replace("ACC", "float"))
+@wp.func_native(_SPAN_SUM)
 def _span_sum(x: wp.array(dtype=wp.float32), y: wp.array(dtype=wp.float32), lo: int, hi: int,
               g: int, groups: int, k: int, lane: int, lanes: int, f: wp.float32) -> wp.float32:
     ...
 
 
-@wp.func_native(_SPAN_SUM.replace("float", "double").replace("ACC", "double"))
+@wp.func_native(_SPAN_SUM.replace("float", "double"))
 def _span_sum(x: wp.array(dtype=wp.float64), y: wp.array(dtype=wp.float64), lo: int, hi: int,
               g: int, groups: int, k: int, lane: int, lanes: int, f: wp.float64) -> wp.float64:
-    ...
-
-
-@wp.func_native(_SPAN_SUM.replace("ACC", "double"))
-def _wide_span_sum(x: wp.array(dtype=wp.float32), y: wp.array(dtype=wp.float32), lo: int,
-                   hi: int, g: int, groups: int, k: int, lane: int, lanes: int,
-                   f: wp.float32) -> wp.float64:
-    """_span_sum of float32 entries in float64 (no product or sum overflows or underflows)."""
     ...
 
 
@@ -718,12 +721,11 @@ def _lanes_sum(v: Any, lanes: int):
     return v
 
 
-def _span_reduction(finish, span=_span_sum):
+def _span_reduction(finish):
     """A kernel over x (N, G, K), a and b the same shape flat, w (M, G) or no rows, launched
     (M·G, lanes): where the ids are ordered, group t of lanes writes out[s, g] =
     finish(x, lo, hi, g, Σ <a[i, g] · w[s, g], b[i, g]>) over the segment's rows lo:hi (w[s, g]
-    = 1 where w has no rows), the sum taken by `span`; otherwise 0 (an atomic kernel then
-    takes over)."""
+    = 1 where w has no rows); otherwise 0 (an atomic kernel then takes over)."""
 
     def kernel(
         x: wp.array3d(dtype=Any),
@@ -748,8 +750,8 @@ def _span_reduction(finish, span=_span_sum):
             factor = x.dtype(1.0)
             if w.shape[0] > 0:
                 factor = w[s, g]
-            total = _lanes_sum(span(a, b, lo, hi, g, groups, x.shape[2], lane, lanes, factor),
-                               lanes)
+            total = _lanes_sum(_span_sum(a, b, lo, hi, g, groups, x.shape[2], lane, lanes,
+                                         factor), lanes)
             if lane == 0:
                 value = finish(x, lo, hi, g, total)
         if lane == 0:
@@ -767,99 +769,12 @@ def _root_mean(x: wp.array3d(dtype=Any), lo: int, hi: int, g: int, total: Any):
 
 
 @wp.func
-def _wide_root_mean(x: wp.array3d(dtype=wp.float32), lo: int, hi: int, g: int,
-                    total: wp.float64):
-    # the float32 RMS norm of rows lo:hi from their float64 Σ|x|² (0 if none)
-    if lo < hi:
-        return wp.float32(wp.sqrt(total / wp.float64(hi - lo)))
-    return wp.float32(0.0)
-
-
-@wp.func
 def _total(x: wp.array3d(dtype=Any), lo: int, hi: int, g: int, total: Any):
     return total
 
 
 _deferred(_span_reduction(_root_mean), "rms_norm_span")  # a = b = x
-_deferred(_span_reduction(_wide_root_mean, _wide_span_sum), "rms_norm_wide_span")  # float32
 _deferred(_span_reduction(_total), "dot_span")
-
-
-# Σ of rows lo:hi of 3 entries, each times w, by a group of `lanes` lanes on GPUs: lane j
-# adds the aligned blocks of 16 bytes j, j + lanes, ... from the block of entry 3·lo, each
-# block's entries in order into the sums of their features (those outside 3·lo:3·hi masked),
-# so that a group of 8 lanes loads 128 bytes at once; where the entries are not 16-byte
-# aligned, and on CPUs (tests of the GPU's paths), lane j adds rows j, j + lanes, ....
-_SPAN3_SUM = """
-    const float* p = (const float*)a.data;
-    float s0 = 0, s1 = 0, s2 = 0;
-#if defined(__CUDA_ARCH__)
-    if ((((unsigned long long)p) & 15) == 0) {
-        LOAD16
-        const int first = 3 * lo, last = 3 * hi, n = a.shape[0];
-        #pragma unroll 2
-        for (int b = first / W + lane; b * W < last; b += lanes) {
-            const int e0 = b * W;
-            const block16 u = load16(p, n, e0);
-            for (int j = 0; j < W; j++) {
-                const int e = e0 + j, f = e % 3;
-                const float t = e >= first && e < last ? u.at[j] * w : 0;
-                s0 += f == 0 ? t : 0;
-                s1 += f == 1 ? t : 0;
-                s2 += f == 2 ? t : 0;
-            }
-        }
-        return wp::vec_t<3, float>(s0, s1, s2);
-    }
-#endif
-    for (int i = lo + lane; i < hi; i += lanes) {
-        s0 += p[3 * i] * w;
-        s1 += p[3 * i + 1] * w;
-        s2 += p[3 * i + 2] * w;
-    }
-    return wp::vec_t<3, float>(s0, s1, s2);
-""".replace("LOAD16", _LOAD16)
-
-
-@wp.func_native(_SPAN3_SUM)
-def _span3_sum(a: wp.array(dtype=wp.float32), lo: int, hi: int, lane: int, lanes: int,
-               w: wp.float32) -> wp.vec3f:
-    ...
-
-
-@wp.func_native(_SPAN3_SUM.replace("float", "double"))
-def _span3_sum(a: wp.array(dtype=wp.float64), lo: int, hi: int, lane: int, lanes: int,
-               w: wp.float64) -> wp.vec3d:
-    ...
-
-
-def _span3_reduction(mean):
-    """A kernel over the entries a (N·3,) of rows of 3 with ids known ordered (GPUs), launched
-    (M, lanes): group s of lanes writes out[s] (3,), the sum of its segment's rows (each times
-    1/count with `mean`, so that no partial sum exceeds the largest |a|)."""
-
-    def kernel(a: wp.array(dtype=Any), offsets: wp.array(dtype=wp.int32), lanes: int,
-               out: wp.array2d(dtype=Any)):
-        s, lane = wp.tid()
-        lanes = _lanes_here(lanes)
-        if lane >= lanes:
-            return
-        lo, hi = _segment_range(offsets, s, a.shape[0] // 3)
-        w = a.dtype(1.0)
-        if wp.static(mean):
-            w = a.dtype(1.0) / a.dtype(wp.max(hi - lo, 1))
-        v = _span3_sum(a, lo, hi, lane, lanes, w)
-        sums = wp.vector(_lanes_sum(v[0], lanes), _lanes_sum(v[1], lanes),
-                         _lanes_sum(v[2], lanes))
-        if lane == 0:
-            for k in range(3):
-                out[s, k] = sums[k]
-
-    return kernel
-
-
-_deferred(_span3_reduction(False), "sum_span3")
-_deferred(_span3_reduction(True), "mean_span3")
 
 
 @_deferred
@@ -1877,7 +1792,6 @@ _DTYPES = {
     "count": {"int32": wp.int32},
     "wide_squares": {"float32": wp.float32},
     "rms_norm_of_wide_squares": {"float32": wp.float32},
-    "rms_norm_wide_span": {"float32": wp.float32},
     "max_norm_packed": {"float32": wp.float32},
     "neighbors": {"float64": wp.float64},
     **{name: {**_FLOATS, **_INTEGERS}

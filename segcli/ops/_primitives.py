@@ -323,11 +323,7 @@ def _empty(shape, *operands):
 
 def _reduce_rows(name, x, b, idx, layout, num_segments, gpu, known_sorted):
     """Reduction `name` of the rows x (N, K) with its second operand `b` (None: x itself), as
-    its vec3 kernel (NAME3) where a CPU reduces rows of 3 floats faster, and on GPUs by lanes
-    per segment (NAME_span3) where the ids are known sorted."""
-    if gpu and known_sorted and _is_float_vec3(x):
-        return launch(f"{name}_span3", x.reshape(-1), layout[0], LANES,
-                      dims=(num_segments, LANES), out=(num_segments, 3))
+    its vec3 kernel (NAME3) where a CPU reduces rows of 3 floats faster."""
     if not gpu and _is_float_vec3(x):
         rows = x.reshape(x.shape[0], 1, 3)
         out = _reduce(f"{name}3", rows, rows if b is None else b, idx, layout, (num_segments, 1),
@@ -547,6 +543,13 @@ def power_of_two(top):
     return power(e), power(-e)
 
 
+SQUARES_ROWS = 1 << 20
+"""Rows from which a GPU takes float32 norms over ids known sorted in two kernels (the sums of
+squares per feature, then the norms) rather than rms_norm_span's one: the pair is faster at
+N = 10⁷, and below this the launch it adds is taken to cost more than the pass it saves (an
+estimate; benchmarks/rms_norm_paths.py measures the crossover)."""
+
+
 def _rms_norm(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     n, groups, k = x.shape
     shape = (num_segments, groups)
@@ -554,18 +557,22 @@ def _rms_norm(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
         return jnp.zeros(shape, x.dtype)
     known_sorted = _known_sorted(offsets, indices_are_sorted)
     layout = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
-    wide = gpu and x.dtype == jnp.float32
+    if gpu and x.dtype == jnp.float32 and not known_sorted:
+        return _wide_rms_norm(x, idx, layout, num_segments)
+    if gpu and x.dtype == jnp.float32 and n >= SQUARES_ROWS:
+        # Σ x² per segment and feature by a thread each, then a thread per segment and group
+        # adds its K sums (and sums again, scaled, where that overflowed or underflowed): 66 µs
+        # on an H200 at N = 10⁷, where rms_norm_span takes 78 (benchmarks/RESULTS.md)
+        features = _reduce("sum_squares", x.reshape(n, groups * k), x.reshape(n, groups * k),
+                           idx, layout, (num_segments, groups * k), x.dtype, gpu, True)
+        return launch("rms_norm_of_squares", x, *layout, features, dims=shape, out=shape)
     # the norms by lanes per segment where the ids are ordered, else Σ|x|² by atomics
     lanes = LANES if gpu else 1
     entries = x.reshape(-1)
-    out = launch("rms_norm_wide_span" if wide else "rms_norm_span", x, entries, entries,
-                 jnp.zeros((0, groups), x.dtype), *layout, lanes,
-                 dims=(num_segments * groups, lanes), out=shape)
+    out = launch("rms_norm_span", x, entries, entries, jnp.zeros((0, groups), x.dtype), *layout,
+                 lanes, dims=(num_segments * groups, lanes), out=shape)
     if known_sorted:
         return out
-    ordered = layout[1][0] != 0
-    if wide:
-        return jnp.where(ordered, out, _wide_rms_norm(x, idx, layout[1], num_segments))
     threads = stride(gpu, n)
     zeros = jnp.zeros(shape, x.dtype)
     rows = x.reshape(n, groups * k)
@@ -573,6 +580,7 @@ def _rms_norm(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     # Unordered ids: Σ|x|² came by atomics; the segments of rows where it overflowed or
     # underflowed are summed again, scaled by a power of two near their largest entry, by
     # kernels that return at once (their one-element flag 0) where none did.
+    ordered = layout[1][0] != 0
     counts = _row_counts(idx, layout, False, gpu)[:, None]
     plain = (squares >= PLAIN_SQUARES[jnp.dtype(x.dtype).name]) & ~jnp.isinf(squares)
     overflowed = (~ordered & jnp.any(~plain & (counts > 0))).astype(jnp.int32).reshape(1)
@@ -586,28 +594,30 @@ def _rms_norm(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     return jnp.where(ordered, out, unordered)
 
 
-def _wide_rms_norm(x, idx, ordered, num_segments):
-    """rms_norm of float32 on GPUs for ids not ordered (else each kernel returns at once): Σ x²
-    per segment and feature in float64 by atomics, which count the rows too, then a thread per
-    segment and group adds its K sums and takes the root of their mean. In float64 no float32
-    square or sum overflows or underflows, so nothing is summed again."""
+def _wide_rms_norm(x, idx, layout, num_segments):
+    """rms_norm of float32 on GPUs with ids not promised sorted: Σ x² per segment and feature
+    in float64 (a thread each where the ids turn out ordered, else atomics, which count the
+    rows too), then a thread per segment and group adds its K sums and takes the root of
+    their mean. In float64 no float32 square or sum overflows or underflows, so nothing is
+    summed again: two launches after the layout, where the float32 sums need a rescue."""
     n, groups, k = x.shape
     threads = stride(True, n)
-    counts, squares = launch("wide_squares", x.reshape(n, groups * k), idx, ordered, threads,
+    counts, squares = launch("wide_squares", x.reshape(n, groups * k), idx, *layout, threads,
                              jnp.zeros((num_segments,), jnp.int32),
                              jnp.zeros((num_segments, groups * k, 2), jnp.uint32),
-                             dims=(threads, groups * k), in_out=("counts", "out"))
+                             dims=(max(num_segments, threads), groups * k),
+                             in_out=("counts", "out"))
     shape = (num_segments, groups)
-    return launch("rms_norm_of_wide_squares", counts, squares, dims=shape, out=shape,
-                  dtype=jnp.float32)
+    return launch("rms_norm_of_wide_squares", *layout, n, counts, squares, dims=shape,
+                  out=shape, dtype=jnp.float32)
 
 
 rms_norm_p = _register(_Rule(
     "rms_norm", _rms_norm,
     lambda x, idx, offsets, *, num_segments, **_: (num_segments, x.shape[1]), 1))
 """sqrt(Σ |x[i, g]|² / count) over each segment and group of x (N, G, K), 0 for an empty
-segment, in one pass over the rows on the ordered path (one kernel; on a GPU in float32 the
-squares summed in float64); finite wherever the true value is. No derivative
+segment, in one pass over the rows on the ordered path (one kernel; on a GPU in float32 Σ x²
+per feature, then the norms); finite wherever the true value is. No derivative
 rule of its own (segcli.ops gives it one)."""
 
 
