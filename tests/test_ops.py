@@ -1025,13 +1025,13 @@ def test_gpu_kernels_compile_for_cuda(tmp_path):
 
     from segcli.ops import _kernels
 
-    assert CPU_KERNELS <= set(_kernels._SOURCES)
+    assert set(_kernels._SOURCES) >= CPU_KERNELS
     failed = {}
     for name in sorted(set(_kernels._SOURCES) - CPU_KERNELS):
         module = next(iter(_kernels._kernels(name).values())).module
         try:
             wp.compile_aot_module(module, arch=90, module_dir=tmp_path, use_ptx=True)
-        except Exception as err:  # noqa: BLE001, PERF203 - name every kernel that fails
+        except Exception as err:  # noqa: BLE001 - name every kernel that fails
             failed[name] = str(err)
     assert failed == {}
 
