@@ -884,6 +884,11 @@ def test_rows_written_a_segment_at_a_time_are_those_written_a_row_at_a_time(dtyp
     (and its transpose, in its derivative) take a segment a thread: the bits of the same ids
     given alone (a row a thread), rows ahead of the first segment and after the last 0, as
     the reference says."""
+    with jax.default_device(jax.devices("cpu")[0]):  # the CPU's kernels on any machine
+        check_rows_written_a_segment_at_a_time(dtype)
+
+
+def check_rows_written_a_segment_at_a_time(dtype):
     rng = np.random.default_rng(12)
     n, m = 40, 7
     ids = np.sort(rng.choice([-1, 0, 2, 3, 5, 6, 7], size=n))  # -1 and m: outside them all
