@@ -1,8 +1,9 @@
 """Reductions of one chunk on a CPU, as `segcli reduce` computes them: jitted ops over 2 Mi rows
 of (N, 3) float64 in segments of 1-63 rows, given a Segments; each op alone, the gradients of
-sum and mean (`segcli grad`), rms_norm + max_norm + mean as three ops in one program, and the
-same (and all four) by segmented_reductions, beside NumPy's sum over the same bytes (what one
-core takes to read them). Cases run in turns, each round once; the median of the rounds.
+sum and mean (`segcli grad`), matvec and its gradient (beside XLA's `x * 2` over the same
+rows), rms_norm + max_norm + mean as three ops in one program, and the same (and all four)
+by segmented_reductions, beside NumPy's sum over the same bytes (what one core takes to read
+them). Cases run in turns, each round once; the median of the rounds.
 Freed blocks are kept for reuse, as in the segcli program.
 
     taskset -c 0 python benchmarks/reductions_cpu.py [--rows 2097152] [--rounds 21]
@@ -33,6 +34,10 @@ def cases(seg, m):
     for name in ("sum", "mean"):  # their derivatives: each segment's weights to its rows
         found[f"grad {name}"] = lambda x, f=alone[name]: jax.grad(
             lambda a: jnp.sum(weights * f(a, seg, m)))(x)
+    cells = jax.random.normal(jax.random.key(1), (m, 3, 3), jnp.float64)
+    found["matvec"] = lambda x: ops.segmented_matvec(x, cells, seg, m)
+    found["grad matvec"] = jax.grad(lambda a: jnp.sum(ops.segmented_matvec(a, cells, seg, m)))
+    found["XLA's x * 2"] = lambda x: x * 2
     found["three, one op each"] = lambda x: tuple(alone[n](x, seg, m) for n in THREE)
     if hasattr(ops, "segmented_reductions"):
         found["three together"] = lambda x: ops.segmented_reductions(x, seg, m, THREE)
