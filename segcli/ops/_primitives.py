@@ -105,6 +105,15 @@ def _is_float_vec3(x):
     return x.shape[1:] in ((3,), (1, 3)) and jnp.issubdtype(x.dtype, jnp.floating)
 
 
+def _rows3(name, *args, rows, segments, offsets, gpu):
+    """Kernel `name`'s (N,) vec3 output over `rows` = N rows of 3: a row a thread, or on CPUs
+    given the offsets its NAME_ordered variant, a segment (of `segments`) a thread, which
+    reads each segment's factors once (faster there: benchmarks/RESULTS.md)."""
+    by_segment = not gpu and offsets.shape[0] > 0
+    return launch(name + "_ordered" * by_segment, *args,
+                  dims=(segments if by_segment else rows,), out=(rows,))
+
+
 @dataclass(frozen=True)
 class _Rule:
     """A primitive: its impl(*operands, num_segments, indices_are_sorted, gpu, **params), its
@@ -351,11 +360,9 @@ def _gather(y, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     shape = (idx.shape[0], y.shape[1])
     if _empty(shape, y):
         return jnp.zeros(shape, y.dtype)
-    if _is_float_vec3(y):  # on CPUs given the offsets, a segment a thread
-        ordered = not gpu and offsets.shape[0] > 0
-        return launch(f"gather3{'_ordered' * ordered}", y, idx, offsets,
-                      dims=(y.shape[0] if ordered else idx.shape[0],),
-                      out=(idx.shape[0],)).reshape(shape)
+    if _is_float_vec3(y):
+        return _rows3("gather3", y, idx, offsets, rows=idx.shape[0], segments=y.shape[0],
+                      offsets=offsets, gpu=gpu).reshape(shape)
     return launch("gather", y, idx, dims=(idx.shape[0],), out=shape)
 
 
@@ -423,18 +430,15 @@ def _rescale2(x, b, y, z, w, idx, offsets, *, gpu=False, **_):
 
 def _scaled_rows(kernel, x, y, z, b, w, idx, offsets, gpu):
     """x[i] · y[s] · z[s] (z empty: 1) by kernel "scale", or that + b[i] · y[s] · w[s] by
-    "scale_pair" (each as its vec3 variant for rows of 3 floats; on CPUs given the offsets,
-    a segment a thread: 2–3× faster there, benchmarks/RESULTS.md)."""
+    "scale_pair" (each as its vec3 variant for rows of 3 floats, see _rows3)."""
     if _empty(x.shape, x, y):
         return jnp.zeros(x.shape, x.dtype)
     if _is_float_vec3(x):
         def vec3(a):
             return a.reshape(a.shape[0], 3)
 
-        ordered = not gpu and offsets.shape[0] > 0
-        return launch(f"{kernel}3{'_ordered' * ordered}", vec3(x), y, z, vec3(b), w, idx,
-                      offsets, dims=(y.shape[0] if ordered else idx.shape[0],),
-                      out=(idx.shape[0],)).reshape(x.shape)
+        return _rows3(f"{kernel}3", vec3(x), y, z, vec3(b), w, idx, offsets, rows=idx.shape[0],
+                      segments=y.shape[0], offsets=offsets, gpu=gpu).reshape(x.shape)
     return launch(kernel, x, y, z, b, w, idx, dims=(idx.shape[0],), out=x.shape)
 
 
@@ -485,12 +489,10 @@ x or y is one rescale kernel, where that of a dot of scaled rows would scale the
 def _matvec(v, m, idx, offsets, *, num_segments, indices_are_sorted, transpose, gpu=False):
     if _empty(v.shape, v, m):
         return jnp.zeros(v.shape, v.dtype)
-    if _is_float_vec3(v) and m.shape[1:] == (1, 3, 3):  # on CPUs given offsets, by segments
-        ordered = not gpu and offsets.shape[0] > 0
-        out = launch(f"matvec3{'_ordered' * ordered}", v.reshape(-1, 3), m.reshape(-1, 3, 3),
-                     idx, offsets, int(transpose),
-                     dims=(m.shape[0] if ordered else idx.shape[0],), out=(idx.shape[0],))
-        return out.reshape(v.shape)
+    if _is_float_vec3(v) and m.shape[1:] == (1, 3, 3):
+        return _rows3("matvec3", v.reshape(-1, 3), m.reshape(-1, 3, 3), idx, offsets,
+                      int(transpose), rows=idx.shape[0], segments=m.shape[0], offsets=offsets,
+                      gpu=gpu).reshape(v.shape)
     return launch("matvec", v, m, idx, int(transpose), dims=(idx.shape[0],), out=v.shape)
 
 
@@ -732,8 +734,8 @@ def _max_norm(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     if gpu and x.dtype == jnp.float32:  # the norm is in each key's upper word
         return jax.lax.bitcast_convert_type(_packed_keys(x, idx, num_segments)[..., 1],
                                             jnp.float32)
-    if not gpu and _known_sorted(offsets, indices_are_sorted) and _is_float_vec3(x):
-        return _reductions(x, idx, offsets, num_segments=num_segments,  # search and norm in one
+    if _in_one_pass(x, offsets, num_segments, indices_are_sorted, gpu):  # search and norm
+        return _reductions(x, idx, offsets, num_segments=num_segments,
                            indices_are_sorted=indices_are_sorted, names=("max_norm",))[0]
     first = _extreme(x, idx, offsets, num_segments=num_segments,
                      indices_are_sorted=indices_are_sorted, kind="max_norm", gpu=gpu)
@@ -813,14 +815,19 @@ def _alone(name, x, idx, offsets, params):
     return (rms_norm_p if name == "rms_norm" else max_norm_p).bind(x, idx, offsets, **params)
 
 
+def _in_one_pass(x, offsets, num_segments, indices_are_sorted, gpu):
+    """Whether reductions3 reduces x (N, G, K): on CPUs, rows of 3 floats, ids known sorted,
+    rows and segments to reduce."""
+    return (not gpu and _known_sorted(offsets, indices_are_sorted) and _is_float_vec3(x)
+            and not _empty((num_segments,), x))
+
+
 def _reductions(x, idx, offsets, *, num_segments, indices_are_sorted, names, gpu=False):
     """[each reduction `names` holds, of x (N, G, K)], as the primitives of those names give
     it: on CPUs, for rows of 3 floats (G = 1) with ids known sorted, one kernel reading each
     segment's rows once for all of them (reductions3); elsewhere each its own primitive."""
     params = {"num_segments": num_segments, "indices_are_sorted": indices_are_sorted}
-    together = (not gpu and _known_sorted(offsets, indices_are_sorted) and _is_float_vec3(x)
-                and not _empty((num_segments,), x))
-    if not together:
+    if not _in_one_pass(x, offsets, num_segments, indices_are_sorted, gpu):
         return [_alone(name, x, idx, offsets, params) for name in names]
     offsets, _ = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
     rows = (num_segments, 1)
