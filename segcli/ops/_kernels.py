@@ -55,7 +55,9 @@ Shapes (rows first, then a group axis G that vmap folds into, then features):
                                                                 (min), largest |x[i,g]|
                                                                 (max_norm, each norm scaled by a
                                                                 power of two: no overflow); N if
-                                                                none
+                                                                none (max_norm_lanes: its ordered
+                                                                search on GPUs, a group of LANES
+                                                                threads per segment)
     max_norm_packed  x (N, G, K) float32     -> keys (M, G, 2)  the uint64 atomic max of (bits of
                                                                 |x[i,g]|) << 32 | (2³² - 1 - i),
                                                                 as uint32 pairs (GPUs, any order
@@ -649,8 +651,17 @@ _SPAN_SUM = """
     const float* q = (const float*)y.data;
     if (groups == 1) {  /* entries lo·k .. hi·k (< 2³¹: Warp's shapes are int) */
 #if defined(__CUDA_ARCH__)
-        #pragma unroll 4
-        for (int e = lo * k + lane; e < hi * k; e += lanes) acc += p[e] * f * q[e];
+        if (p == q && f == 1) {  /* Σ x²: each entry loaded once, the product by 1 left out
+                                    (the same bits) */
+            #pragma unroll 4
+            for (int e = lo * k + lane; e < hi * k; e += lanes) {
+                const float v = p[e];
+                acc += v * v;
+            }
+        } else {
+            #pragma unroll 4
+            for (int e = lo * k + lane; e < hi * k; e += lanes) acc += p[e] * f * q[e];
+        }
 #else
         /* one thread: the sums of LANES = 8 lanes side by side (a CPU's vector lanes), the
            entries past hi masked, added as the GPU's butterfly adds them */
@@ -1021,12 +1032,14 @@ def _extreme(key, better, atomic_better, screen=None, shortcut=None):
     return ordered_kernel, best_kernel, first_kernel
 
 
-# max and min per entry (x as (N, entries, 1)), max_norm per group of features.
+# max and min per entry (x as (N, entries, 1)), max_norm per group of features (whose ordered
+# search on GPUs is max_norm_lanes, below).
 for _name, _parts in (("max", (_value, _above, _atomic_above)),
                       ("min", (_value, _below, _atomic_below)),
                       ("max_norm", (_norm, _above, _atomic_above))):
     for _step, _kernel in zip(("ordered", "best", "first"), _extreme(*_parts)):
-        _deferred(_kernel, f"{_name}_{_step}")
+        if (_name, _step) != ("max_norm", "ordered"):
+            _deferred(_kernel, f"{_name}_{_step}")
 
 
 _LOW_WORD = wp.constant(wp.uint64(0xFFFFFFFF))
@@ -1292,6 +1305,120 @@ for _name, _parts in (("max", (_value, _above, _atomic_above)),
                       ("min", (_value, _below, _atomic_below))):
     _deferred(_extreme(*_parts, shortcut=_first_by_plain_comparisons(int(_name == "max")))[0],
               f"{_name}_cpu_ordered")
+
+
+# max_norm's ordered search on GPUs by a group of `lanes` threads a segment ("float" stands for
+# the dtype; PLAIN, NEAR and MAX its constants): lane j takes rows lo + j, lo + j + lanes, ...
+# of group g, keeping its largest squared norm (`top`, at row `where`) and the largest of its
+# other rows (`runner`); the lanes then join by butterflies. The answer is the first row of
+# the largest square where that square is plain (PLAIN·4 to MAX/4) and no square is NaN or
+# within NEAR of it on another row (there norms may tie or, the squares summed by multiply-adds
+# unlike the key's, change order); otherwise -1, for the one-thread search to decide.
+_LANES_SQUARES_SEARCH = """
+    const int k = x.shape[2];
+    const long long step = (long long)x.shape[1] * k;
+    const float* rows = (const float*)x.data + (long long)g * k;
+    float top = -1, runner = -1;
+    int where = hi, nan = 0;
+    for (int i = lo + lane; i < hi; i += lanes) {
+        const float* row = rows + i * step;
+        float square = 0;
+        for (int f = 0; f < k; f++) {
+#if defined(__CUDA_ARCH__)
+            square = fma(row[f], row[f], square);
+#else
+            square = square + row[f] * row[f];
+#endif
+        }
+        nan |= square != square;
+        if (square > top) {
+            runner = top;
+            top = square;
+            where = i;
+        } else if (square > runner) {
+            runner = square;
+        }
+    }
+    float best = top;
+#if defined(__CUDA_ARCH__)
+    const unsigned int base = (threadIdx.x & 31u) & ~(unsigned int)(lanes - 1);
+    const unsigned int mask = lanes >= 32 ? 0xFFFFFFFFu : ((1u << lanes) - 1u) << base;
+    for (int o = lanes / 2; o > 0; o /= 2) {
+        const float other = __shfl_xor_sync(mask, best, o, lanes);
+        best = other > best ? other : best;
+        nan |= __shfl_xor_sync(mask, nan, o, lanes);
+    }
+#endif
+    int winner = top == best ? where : hi;
+#if defined(__CUDA_ARCH__)
+    for (int o = lanes / 2; o > 0; o /= 2) {
+        const int other = __shfl_xor_sync(mask, winner, o, lanes);
+        winner = other < winner ? other : winner;
+    }
+#endif
+    const float near = best * NEAR;
+    int close = runner >= near || (top >= near && where != winner);
+#if defined(__CUDA_ARCH__)
+    for (int o = lanes / 2; o > 0; o /= 2) close |= __shfl_xor_sync(mask, close, o, lanes);
+#endif
+    const bool plain = best >= PLAIN * 4 && best <= MAX / 4;
+    return nan || close || !plain ? -1 : winner;
+"""
+
+
+def _lanes_squares_source(dtype):
+    single = dtype == "float32"
+    suffix = "f" if single else ""
+    constants = {"PLAIN": PLAIN_SQUARES[dtype], "NEAR": 1.0 - 2.0 ** (-17 if single else -44),
+                 "MAX": float(np.finfo(dtype).max)}
+    source = _LANES_SQUARES_SEARCH if single else _LANES_SQUARES_SEARCH.replace("float", "double")
+    for name, value in constants.items():
+        source = source.replace(name, float(value).hex() + suffix)
+    return source
+
+
+@wp.func_native(_lanes_squares_source("float32"))
+def _lanes_squares_search(x: wp.array3d(dtype=wp.float32), lo: int, hi: int, g: int, lane: int,
+                          lanes: int) -> int:
+    """The first row of lo:hi (lo < hi) of the largest |x[i, g]|, where plain squares decide it
+    beyond doubt; else -1 (the same in every lane of the group)."""
+    ...
+
+
+@wp.func_native(_lanes_squares_source("float64"))
+def _lanes_squares_search(x: wp.array3d(dtype=wp.float64), lo: int, hi: int, g: int, lane: int,
+                          lanes: int) -> int:
+    ...
+
+
+_max_norm_search = _ordered_search(_norm, _above)
+
+
+@_deferred
+def _max_norm_lanes_kernel(
+    x: wp.array3d(dtype=Any),
+    offsets: wp.array(dtype=wp.int32),
+    ordered: wp.array(dtype=wp.int32),
+    lanes: int,
+    first: wp.array2d(dtype=wp.int32),
+):
+    # max_norm's ordered search on GPUs, a group of lanes a segment and group, launched (M·G,
+    # lanes): where the ids are ordered, first[s, g] becomes the first row of the largest norm of a non-empty
+    # segment (_lanes_squares_search, else the one-thread search); left as given otherwise.
+    t, lane = wp.tid()
+    lanes = _lanes_here(lanes)
+    if lane >= lanes or ordered[0] == 0:
+        return
+    groups = first.shape[1]
+    s = t // groups
+    g = t - s * groups
+    lo, hi = _segment_range(offsets, s, x.shape[0])
+    if lo < hi:
+        found = _lanes_squares_search(x, lo, hi, g, lane, lanes)
+        if lane == 0:
+            if found < 0:
+                found = _max_norm_search(x, lo, hi, g)
+            first[s, g] = found
 
 
 REDUCE_BITS = {"sum": 1, "mean": 2, "rms_norm": 4, "max_norm": 8}
