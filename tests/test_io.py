@@ -419,6 +419,35 @@ def test_result_writer_new_file(batch_h5, tmp_path):
     assert open_batch(out).n_structures == 2
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32", "int64"])
+def test_result_writer_writes_blocks_of_rows_in_any_order(tmp_path, dtype):
+    """Blocks of rows (scalars, 3-vectors) written in shuffled order, some empty, into datasets
+    of float64 left NaN where no block goes: the rows read back are the values, converted as
+    NumPy converts them; a block of the wrong row shape is refused whole."""
+    rng = np.random.default_rng(1)
+    n = 1000
+    values = {"scalar": (rng.normal(size=n) * 100).astype(dtype),
+              "vector": (rng.normal(size=(n, 3)) * 100).astype(dtype)}
+    cuts = np.unique(np.r_[0, rng.integers(0, n, 12), 500, 700, n])
+    blocks = [(lo, hi) for lo, hi in zip(cuts[:-1], cuts[1:]) if hi != 700] + [(3, 3)]
+    rng.shuffle(blocks)
+    with ResultWriter(output_path=tmp_path / "out.h5") as w:
+        w.set_n_atoms(np.ones(n, np.int64))
+        for name, array in values.items():
+            w.create(name, array.shape, "float64", {}, np.nan)
+            for lo, hi in blocks:
+                w.write(name, int(lo), array[lo:hi])
+        with pytest.raises(ValueError, match=r"rows of shape \(2,\) for /results/vector"):
+            w.write("vector", 0, values["vector"][:4, :2])
+    with h5py.File(tmp_path / "out.h5") as h5:
+        for name, array in values.items():
+            expected = array.astype(np.float64)
+            missing = [lo for lo, hi in zip(cuts[:-1], cuts[1:]) if hi == 700]
+            for lo in missing:
+                expected[lo:700] = np.nan
+            assert np.array_equal(h5[f"results/{name}"][()], expected, equal_nan=True), name
+
+
 def test_result_writer_leaves_nothing_on_failure(batch_h5, tmp_path):
     out = tmp_path / "results.h5"
     with pytest.raises(RuntimeError):

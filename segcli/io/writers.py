@@ -325,6 +325,7 @@ class ResultWriter:
         self.force = force
         self.names = tuple(names)
         self._n_atoms = None
+        self._results = {}  # name -> its dataset, as created
 
     def _refuse(self, key):
         if not self.force:
@@ -402,10 +403,25 @@ class ResultWriter:
         _set_attrs(ds, {"segcli_version": __version__,
                         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                         **attrs})
+        self._results[name] = ds
 
     def write(self, name, start_row, array):
-        """Write rows [start_row, start_row + len(array)) of /results/<name>."""
-        self._h5[f"results/{name}"][start_row:start_row + len(array)] = array
+        """Write rows [start_row, start_row + len(array)) of /results/<name>, created by
+        `create`: by HDF5's own write of that block of rows, which h5py's slicing and the
+        lookup by name cost about as much again as a block of 64 Ki float64 rows
+        (benchmarks/RESULTS.md)."""
+        from h5py import h5s
+
+        ds = self._results[name]
+        array = np.ascontiguousarray(array)
+        if array.shape[1:] != ds.shape[1:]:
+            raise ValueError(f"rows of shape {array.shape[1:]} for /results/{name}, whose rows "
+                             f"are {ds.shape[1:]}")
+        if not len(array):
+            return
+        rows = ds.id.get_space()
+        rows.select_hyperslab((start_row,) + (0,) * (array.ndim - 1), array.shape)
+        ds.id.write(h5s.create_simple(array.shape), rows, array)
 
 
 JOIN_HINT = ("; `--to-ase-units` converts each input to ASE's units, `--units NAME=UNIT` "
