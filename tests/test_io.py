@@ -1,5 +1,6 @@
 """segcli.io against ase.io.read, h5py and NumPy, on files written fresh to tmp_path."""
 
+import itertools
 import os
 import shutil
 import signal
@@ -429,7 +430,7 @@ def test_result_writer_writes_blocks_of_rows_in_any_order(tmp_path, dtype):
     values = {"scalar": (rng.normal(size=n) * 100).astype(dtype),
               "vector": (rng.normal(size=(n, 3)) * 100).astype(dtype)}
     cuts = np.unique(np.r_[0, rng.integers(0, n, 12), 500, 700, n])
-    blocks = [(lo, hi) for lo, hi in zip(cuts[:-1], cuts[1:]) if hi != 700] + [(3, 3)]
+    blocks = [(lo, hi) for lo, hi in itertools.pairwise(cuts) if hi != 700] + [(3, 3)]
     rng.shuffle(blocks)
     with ResultWriter(output_path=tmp_path / "out.h5") as w:
         w.set_n_atoms(np.ones(n, np.int64))
@@ -442,7 +443,7 @@ def test_result_writer_writes_blocks_of_rows_in_any_order(tmp_path, dtype):
     with h5py.File(tmp_path / "out.h5") as h5:
         for name, array in values.items():
             expected = array.astype(np.float64)
-            missing = [lo for lo, hi in zip(cuts[:-1], cuts[1:]) if hi == 700]
+            missing = [lo for lo, hi in itertools.pairwise(cuts) if hi == 700]
             for lo in missing:
                 expected[lo:700] = np.nan
             assert np.array_equal(h5[f"results/{name}"][()], expected, equal_nan=True), name

@@ -1409,8 +1409,9 @@ def _max_norm_lanes_kernel(
     first: wp.array2d(dtype=wp.int32),
 ):
     # max_norm's ordered search on GPUs, a group of lanes a segment and group, launched (M·G,
-    # lanes): where the ids are ordered, first[s, g] becomes the first row of the largest norm of a non-empty
-    # segment (_lanes_squares_search, else the one-thread search); left as given otherwise.
+    # lanes): where the ids are ordered, first[s, g] becomes the first row of the largest norm
+    # of a non-empty segment (_lanes_squares_search, else the one-thread search); left as
+    # given otherwise.
     t, lane = wp.tid()
     lanes = _lanes_here(lanes)
     if lane >= lanes or ordered[0] == 0:
