@@ -1175,12 +1175,13 @@ _PLAIN_SQUARES_SEARCH = _SQUARES_LANES + """
 """
 
 
-def _squares_search_source(dtype, source=_PLAIN_SQUARES_SEARCH):
+def _squares_search_source(dtype, source=_PLAIN_SQUARES_SEARCH, near=None):
     """`source` (_PLAIN_SQUARES_SEARCH) for `dtype` ("float32" or "float64"), its constants the
-    kernels' own as exact C literals."""
+    kernels' own as exact C literals (NEAR `near`, by default _NEAR_FLOAT of the dtype)."""
     single = dtype == "float32"
     suffix = "f" if single else ""
-    near = _NEAR_FLOAT32 if single else _NEAR_FLOAT64
+    if near is None:
+        near = _NEAR_FLOAT32 if single else _NEAR_FLOAT64
     constants = {"PLAIN": PLAIN_SQUARES[dtype], "NEAR": near, "MAX": float(np.finfo(dtype).max)}
     source = source if single else source.replace("float", "double")
     for name, value in constants.items():
@@ -1369,14 +1370,9 @@ _LANES_SQUARES_SEARCH = """
 
 
 def _lanes_squares_source(dtype):
-    single = dtype == "float32"
-    suffix = "f" if single else ""
-    constants = {"PLAIN": PLAIN_SQUARES[dtype], "NEAR": 1.0 - 2.0 ** (-17 if single else -44),
-                 "MAX": float(np.finfo(dtype).max)}
-    source = _LANES_SQUARES_SEARCH if single else _LANES_SQUARES_SEARCH.replace("float", "double")
-    for name, value in constants.items():
-        source = source.replace(name, float(value).hex() + suffix)
-    return source
+    """_LANES_SQUARES_SEARCH for `dtype`: its window 2⁻¹⁷ (float32) or 2⁻⁴⁴ (float64) wide."""
+    near = 1.0 - 2.0 ** (-17 if dtype == "float32" else -44)
+    return _squares_search_source(dtype, _LANES_SQUARES_SEARCH, near)
 
 
 @wp.func_native(_lanes_squares_source("float32"))
