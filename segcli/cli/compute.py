@@ -265,9 +265,9 @@ class _Hdf5Sink:
         self._outputs = _selected_outputs(outputs) if selected else outputs
         self._fill = np.nan if selected else None
         self._n_atoms, self._sources = n_atoms, sources
-        offsets = {"structure": lambda: np.arange(len(n_atoms) + 1),
-                   "atom": lambda: np.concatenate([[0], np.cumsum(n_atoms)])}
-        self._offsets = {per: offsets[per]() for per, _, _ in self._outputs.values()}
+        kinds = {per for per, _, _ in self._outputs.values()}  # only those the outputs have
+        self._offsets = {per: np.arange(len(n_atoms) + 1) if per == "structure" else
+                         np.concatenate([[0], np.cumsum(n_atoms)]) for per in kinds}
 
     def __enter__(self):
         self._writer.__enter__()

@@ -156,7 +156,8 @@ _BLOCK_DIM = 128
 
 # Rows whose keys the ordered search for an extreme computes together, ahead of comparing
 # them in order, so that a thread walking its segment keeps several rows in flight (max_norm's
-# search on an H200: 215 → 167 µs at N = 10⁷; the same for sum and rms_norm bought nothing).
+# one-thread search on an H200, before max_norm_lanes: 215 → 167 µs at N = 10⁷; the same for
+# sum and rms_norm bought nothing).
 _UNROLL = 4
 
 # Threads of the grid-stride loop of the unordered (atomic) fallback on a GPU.
@@ -1300,8 +1301,8 @@ def _first_by_plain_comparisons(largest):
 
 
 # The ordered searches on CPUs: plain comparisons first (1.5–2× faster there). GPUs keep the
-# searches above: there the screen's branches cost more than the norms they spare, and the
-# shortcuts are not measured (benchmarks/RESULTS.md).
+# searches above for max and min (the shortcuts not measured there) and take max_norm's by
+# lanes (max_norm_lanes, below; benchmarks/RESULTS.md).
 _deferred(_extreme(_norm, _above, _atomic_above, screen=_squared_norm,
                    shortcut=_largest_square_first)[0], "max_norm_cpu_ordered")
 for _name, _parts in (("max", (_value, _above, _atomic_above)),
