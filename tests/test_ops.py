@@ -932,6 +932,51 @@ def check_rows_written_a_segment_at_a_time(dtype):
             np.testing.assert_allclose(by_segment, references[name](), rtol=1e-6, err_msg=name)
 
 
+@pytest.mark.parametrize("gpu_paths", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_rms_norm_gradient_over_known_sorted_ids_is_one_kernel(gpu_paths, dtype):
+    """Given a Segments (or ids promised sorted), rms_norm's gradient sums the norms in the
+    kernel that writes the rows: the program launches that kernel alone (the forward's is
+    dropped), and batched by vmap (the batch as groups of the kernel, whose sums run in
+    another order) each example's gradient to an ulp or two, and 0 in rows of no segment;
+    against NumPy in float64."""
+    rng = np.random.default_rng(31)
+    n, m, batch = 50, 9, 3
+    ids = np.sort(rng.choice([-1, 0, 1, 3, 4, 6, 8, 9], size=n))  # 2, 5, 7 empty; -1, 9 outside
+    offsets = np.searchsorted(ids, np.arange(m + 1), side="left").astype(np.int32)
+    segments = ops.Segments(jnp.asarray(ids, jnp.int32), jnp.asarray(offsets))
+    x = rng.normal(size=(batch, n, 3))
+    x[:, ids == 4] = 0  # a segment whose norm is 0: gradient 0
+    w = rng.normal(size=(batch, m))
+
+    def grad(a, weights):
+        return jax.grad(lambda a: jnp.sum(weights * ops.segmented_rms_norm(a, segments, m)))(a)
+
+    _primitives.lower_cpu_as_gpu(gpu_paths)
+    try:
+        a, weights = jnp.asarray(x, dtype), jnp.asarray(w, dtype)
+        compiled = jax.jit(grad).lower(a[0], weights[0]).compile().as_text()
+        assert compiled[compiled.index("ENTRY"):].count(" custom-call(") == 1
+        batched = jax.jit(jax.vmap(grad))(a, weights)
+        for k in range(batch):
+            one = jax.jit(grad)(a[k], weights[k])
+            np.testing.assert_array_max_ulp(batched[k], one, maxulp=4)
+            inside = (ids >= 0) & (ids < m)
+            s = np.clip(ids, 0, m - 1)
+            xk = np.asarray(a[k], np.float64)
+            squares = np.bincount(ids[inside], np.sum(xk[inside] ** 2, axis=1), minlength=m)
+            counts = np.bincount(ids[inside], minlength=m)
+            norms = np.sqrt(squares / np.maximum(counts, 1))
+            want = np.where((inside & (norms[s] > 0))[:, None],
+                            xk * (w[k, s] / (np.maximum(counts[s], 1) * np.where(
+                                norms[s] > 0, norms[s], 1)))[:, None], 0)
+            np.testing.assert_allclose(one, want, rtol=2e-5 if dtype == np.float32 else 1e-12,
+                                       atol=1e-30)
+            assert not np.asarray(one)[~inside].any()
+    finally:
+        _primitives.lower_cpu_as_gpu(False)
+
+
 def test_segments_built_from_counts_and_their_edge_cases():
     seg = ops.segments(np.array([2, 0, 3, 0]))
     assert seg.ids.tolist() == [0, 0, 2, 2, 2] and seg.offsets.tolist() == [0, 2, 2, 5, 5]

@@ -442,6 +442,8 @@ def _rms_norm_cotangent(g, c, norms, seg, params):
     """rms_norm's transposed tangent map: the cotangent g[i] · c[s] / (count · norm) of g for a
     cotangent c (M, G) of the norms (= rms_norm(g), held constant: the JVP differentiates
     through g)."""
+    if P.ids_known_sorted(seg[1], dict(params)["indices_are_sorted"]):  # the norms summed in it
+        return P.rms_norm_cotangent_p.bind(g, c, *seg, **dict(params))
     inverse, _, divisor, zero = _norm_terms(g, norms, *seg, dict(params))
     return P.rescale_p.bind(g, inverse, jnp.where(zero, 0, c / divisor), *seg, **dict(params))
 

@@ -28,6 +28,12 @@ Shapes (rows first, then a group axis G that vmap folds into, then features):
     sum_squares, rms_norm_of_squares            -> (M, G)       the same for float32 on GPUs,
                                                                 ids known sorted: Σ x² per
                                                                 feature, then the norms
+    rms_norm_cotangent_span  x (N, G, K),    -> (N, G, K)       out[i,g] = x[i,g] · c[s,g] / (count
+                  c (M, G)                                      · norm[s,g]) for ids known sorted:
+                                                                rms_norm's gradient, its norms
+                                                                summed as rms_norm_span sums them
+                                                                (a group of LANES threads per
+                                                                segment on GPUs)
     wide_squares  a (N, G·K) float32         -> (M, G·K, 2)     float64 Σ_{idx[i]=s} a[i,p]², as
                                                                 uint32 pairs (GPUs, ids not
                                                                 promised sorted; then
@@ -787,6 +793,87 @@ def _total(x: wp.array3d(dtype=Any), lo: int, hi: int, g: int, total: Any):
 
 _deferred(_span_reduction(_root_mean), "rms_norm_span")  # a = b = x
 _deferred(_span_reduction(_total), "dot_span")
+
+
+# out[e] = (x[e] · a) · b over the entries e = lane, lane + lanes, ... of segment rows lo:hi and
+# group g (of `groups`, `k` features each), x and out flat; a plain loop over the span where
+# G = 1, which a CPU's compiler vectorizes ("float" stands for the dtype, as in _SPAN_SUM)
+_SPAN_SCALED = """
+    const float* p = (const float*)x.data;
+    float* o = (float*)out.data;
+    if (groups == 1) {
+        for (int e = lo * k + lane; e < hi * k; e += lanes) o[e] = p[e] * a * b;
+    } else {
+        for (int e = lane; e < (hi - lo) * k; e += lanes) {
+            const int i = lo + e / k;
+            const int at = (i * groups + g) * k + (e - (i - lo) * k);
+            o[at] = p[at] * a * b;
+        }
+    }
+    return 0;
+"""
+
+
+@wp.func_native(_SPAN_SCALED)
+def _span_scaled(x: wp.array(dtype=wp.float32), out: wp.array(dtype=wp.float32), lo: int,
+                 hi: int, g: int, groups: int, k: int, lane: int, lanes: int, a: wp.float32,
+                 b: wp.float32) -> int:
+    ...
+
+
+@wp.func_native(_SPAN_SCALED.replace("float", "double"))
+def _span_scaled(x: wp.array(dtype=wp.float64), out: wp.array(dtype=wp.float64), lo: int,
+                 hi: int, g: int, groups: int, k: int, lane: int, lanes: int, a: wp.float64,
+                 b: wp.float64) -> int:  # an overload per dtype
+    ...
+
+
+@wp.func
+def _zero_rows(out: wp.array(dtype=Any), a: int, b: int, g: int, groups: int, k: int, lane: int,
+               lanes: int):
+    # rows a:b of group g of out (N·G·K entries, flat) set to 0 by the group's lanes
+    for e in range(lane, (b - a) * k, lanes):
+        i = a + e // k
+        out[(i * groups + g) * k + e - (i - a) * k] = out.dtype(0.0)
+
+
+@_deferred
+def _rms_norm_cotangent_span_kernel(
+    x: wp.array3d(dtype=Any),
+    entries: wp.array(dtype=Any),
+    c: wp.array2d(dtype=Any),
+    offsets: wp.array(dtype=wp.int32),
+    lanes: int,
+    out: wp.array(dtype=Any),
+):
+    # rms_norm's cotangent of x (N, G, K) for a cotangent c (M, G) of its norms, the offsets
+    # known: group t of lanes sums its segment's squares as rms_norm_span does (the same bits),
+    # then writes out[i, g] = (x[i, g] · ι) · (c[s, g] / δ) over the segment's rows (flat, as
+    # entries), ι a power of two near 1/norm and δ = count · norm · ι, 0 where the norm is 0 (as
+    # rescale does with the norms); the first and last segments' groups also write 0 in the
+    # rows before and after every segment.
+    t, lane = wp.tid()
+    lanes = _lanes_here(lanes)
+    if lane >= lanes:
+        return
+    n = x.shape[0]
+    groups = x.shape[1]
+    k = x.shape[2]
+    s = t // groups
+    g = t - s * groups
+    lo, hi = _segment_range(offsets, s, n)
+    total = _lanes_sum(_span_sum(entries, entries, lo, hi, g, groups, k, lane, lanes,
+                                 x.dtype(1.0)), lanes)
+    norm = _root_mean(x, lo, hi, g, total)
+    _scale, inverse = _power_of_two(norm)
+    factor = x.dtype(0.0)
+    if norm != x.dtype(0.0):
+        factor = c[s, g] / (x.dtype(hi - lo) * (norm * inverse))
+    _span_scaled(entries, out, lo, hi, g, groups, k, lane, lanes, inverse, factor)
+    if s == 0:
+        _zero_rows(out, 0, lo, g, groups, k, lane, lanes)
+    if s == offsets.shape[0] - 2:
+        _zero_rows(out, hi, n, g, groups, k, lane, lanes)
 
 
 @_deferred

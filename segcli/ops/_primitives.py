@@ -64,7 +64,7 @@ def _layout(idx, offsets, num_segments, indices_are_sorted, gpu):
     return offsets, jnp.all(idx[1:] >= idx[:-1]).astype(jnp.int32).reshape(1)
 
 
-def _known_sorted(offsets, indices_are_sorted):
+def ids_known_sorted(offsets, indices_are_sorted):
     """Whether the ids are known, at trace time, to be in order: promised, or given offsets."""
     return bool(indices_are_sorted) or offsets.shape[0] > 0
 
@@ -348,7 +348,7 @@ def _sum(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
         return jnp.zeros(shape, x.dtype)
     layout = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
     return _reduce_rows("sum", x, None, idx, layout, num_segments, gpu,
-                        _known_sorted(offsets, indices_are_sorted))
+                        ids_known_sorted(offsets, indices_are_sorted))
 
 
 sum_p = _multilinear(_Rule(
@@ -371,7 +371,7 @@ def _mean(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     if _empty(shape, x):
         return jnp.zeros(shape, x.dtype)
     layout = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
-    known_sorted = _known_sorted(offsets, indices_are_sorted)
+    known_sorted = ids_known_sorted(offsets, indices_are_sorted)
     # The kernel weighs each row by 1/count: taken from the offsets on the ordered path, from
     # `weights` on the atomic one, which ids known sorted never take (x stands in, unread).
     weights = x if known_sorted else (
@@ -397,7 +397,7 @@ def _dot(x, y, idx, offsets, *, num_segments, indices_are_sorted, gpu=False, w=N
     if _empty(shape, x, y):
         return jnp.zeros(shape, x.dtype)
     layout = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
-    known_sorted = _known_sorted(offsets, indices_are_sorted)
+    known_sorted = ids_known_sorted(offsets, indices_are_sorted)
     # the rows' products summed by lanes per segment (ordered ids), else by atomics
     factors = jnp.zeros((0, x.shape[1]), x.dtype) if w is None else w
     lanes = LANES if gpu else 1
@@ -512,7 +512,7 @@ def _outer(a, b, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     layout = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
     out = _reduce("outer", a.reshape(n, groups * k), b.reshape(n, groups * l), idx, layout,
                   (num_segments, groups * k * l), a.dtype, gpu,
-                  _known_sorted(offsets, indices_are_sorted))
+                  ids_known_sorted(offsets, indices_are_sorted))
     return out.reshape(shape)
 
 
@@ -557,7 +557,7 @@ def _rms_norm(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     shape = (num_segments, groups)
     if _empty(shape, x):
         return jnp.zeros(shape, x.dtype)
-    known_sorted = _known_sorted(offsets, indices_are_sorted)
+    known_sorted = ids_known_sorted(offsets, indices_are_sorted)
     layout = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
     if gpu and x.dtype == jnp.float32 and not known_sorted:
         return _wide_rms_norm(x, idx, layout, num_segments)
@@ -623,6 +623,25 @@ per feature, then the norms); finite wherever the true value is. No derivative
 rule of its own (segcli.ops gives it one)."""
 
 
+def _rms_norm_rows(g, c, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
+    if _empty(g.shape, g) or num_segments == 0:
+        return jnp.zeros(g.shape, g.dtype)
+    offsets, _ = _layout(idx, offsets, num_segments, True, gpu)
+    groups = g.shape[1]
+    lanes = LANES if gpu else 1
+    out = launch("rms_norm_cotangent_span", g, g.reshape(-1), c.astype(g.dtype), offsets, lanes,
+                 dims=(num_segments * groups, lanes), out=(g.size,))
+    return out.reshape(g.shape)
+
+
+rms_norm_cotangent_p = _register(_Rule(
+    "rms_norm_cotangent", _rms_norm_rows, lambda g, c, idx, offsets, **_: g.shape, 2))
+"""g[i] · c[s] / (count · rms_norm(g)[s]) over the rows i of each segment s and group of g (N,
+G, K), for ids known sorted (promised, or offsets given): rms_norm's cotangent, its norms
+summed in the same kernel as rms_norm sums them (one pass over g, not two), 0 where the norm
+is 0 and in rows of no segment. No derivative rule of its own (segcli.ops gives it one)."""
+
+
 # --- The integer primitives.
 
 
@@ -642,7 +661,7 @@ def _extreme(x, idx, offsets, *, num_segments, indices_are_sorted, kind, gpu=Fal
         return first
     if kind == "max_norm" and gpu and x.dtype == jnp.float32:
         return _first_of_packed_keys(x, idx, num_segments)
-    known_sorted = _known_sorted(offsets, indices_are_sorted)
+    known_sorted = ids_known_sorted(offsets, indices_are_sorted)
     offsets, ordered = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
     # Ordered ids: one pass per segment (max_norm's on GPUs by a group of LANES threads).
     # Otherwise: the atomic best of the keys, then the atomic min of the rows attaining it. Each
@@ -770,7 +789,7 @@ its packed search compared. No derivative rule of its own (segcli.ops gives it o
 def _count(idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     if idx.shape[0] == 0 or num_segments == 0:
         return jnp.zeros((num_segments,), jnp.int32)
-    known_sorted = _known_sorted(offsets, indices_are_sorted)
+    known_sorted = ids_known_sorted(offsets, indices_are_sorted)
     layout = _layout(idx, offsets, num_segments, known_sorted, gpu)
     return _row_counts(idx, layout, known_sorted, gpu)
 
@@ -790,7 +809,7 @@ def _bincount(labels, idx, offsets, *, num_segments, indices_are_sorted, length,
     shape = (num_segments, length)
     if _empty(shape, labels):
         return jnp.zeros(shape, jnp.int32)
-    known_sorted = _known_sorted(offsets, indices_are_sorted)
+    known_sorted = ids_known_sorted(offsets, indices_are_sorted)
     offsets, ordered = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
     threads = stride(gpu, idx.shape[0])
     return launch("bincount", labels, idx, offsets, ordered, threads, jnp.zeros(shape, jnp.int32),
@@ -823,7 +842,7 @@ def _alone(name, x, idx, offsets, params):
 def _in_one_pass(x, offsets, num_segments, indices_are_sorted, gpu):
     """Whether reductions3 reduces x (N, G, K): on CPUs, rows of 3 floats, ids known sorted,
     rows and segments to reduce."""
-    return (not gpu and _known_sorted(offsets, indices_are_sorted) and _is_float_vec3(x)
+    return (not gpu and ids_known_sorted(offsets, indices_are_sorted) and _is_float_vec3(x)
             and not _empty((num_segments,), x))
 
 
