@@ -28,12 +28,12 @@ Shapes (rows first, then a group axis G that vmap folds into, then features):
     sum_squares, rms_norm_of_squares            -> (M, G)       the same for float32 on GPUs,
                                                                 ids known sorted: Σ x² per
                                                                 feature, then the norms
-    rms_norm_cotangent_span  x (N, G, K),    -> (N, G, K)       out[i,g] = x[i,g] · c[s,g] / (count
-                  c (M, G)                                      · norm[s,g]) for ids known sorted:
-                                                                rms_norm's gradient, its norms
-                                                                summed as rms_norm_span sums them
-                                                                (a group of LANES threads per
-                                                                segment on GPUs)
+    rms_norm_cotangent_span                  -> (N, G, K)       out[i,g] = x[i,g] · c[s,g] /
+      x (N, G, K), c (M, G)                                     (count · norm[s,g]) for ids known
+                                                                sorted: rms_norm's gradient, its
+                                                                norms summed as rms_norm_span
+                                                                sums them (a group of LANES
+                                                                threads per segment on GPUs)
     wide_squares  a (N, G·K) float32         -> (M, G·K, 2)     float64 Σ_{idx[i]=s} a[i,p]², as
                                                                 uint32 pairs (GPUs, ids not
                                                                 promised sorted; then
