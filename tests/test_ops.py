@@ -934,45 +934,77 @@ def check_rows_written_a_segment_at_a_time(dtype):
 
 @pytest.mark.parametrize("gpu_paths", [False, True])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_rms_norm_gradient_over_known_sorted_ids_is_one_kernel(gpu_paths, dtype):
-    """Given a Segments (or ids promised sorted), rms_norm's gradient sums the norms in the
-    kernel that writes the rows: the program launches that kernel alone (the forward's is
-    dropped), and batched by vmap (the batch as groups of the kernel, whose sums run in
-    another order) each example's gradient to an ulp or two, and 0 in rows of no segment;
-    against NumPy in float64."""
+def test_rms_norm_derivatives_over_known_sorted_ids_are_one_kernel_each(gpu_paths, dtype):
+    """Given a Segments, rms_norm's gradient and its second derivatives (the gradient of
+    <gradient, v>, and the JVP of the gradient along v) each sum the norms in the kernel that
+    writes the rows: each program launches that kernel alone (the forward's is dropped). The
+    gradient is checked against NumPy in float64, and the second derivative against central
+    differences of the gradient in float64; all three against the same ids given alone (bit for
+    bit where both sum the norms alike: not float32 on the GPU's paths, whose ids not known
+    sorted sum them in float64), with 0 in rows of no segment; and batched by vmap (the batch
+    as groups of the kernel, whose sums run in another order) each example's to 16 units in
+    the last place of its largest entry."""
     rng = np.random.default_rng(31)
     n, m, batch = 50, 9, 3
     ids = np.sort(rng.choice([-1, 0, 1, 3, 4, 6, 8, 9], size=n))  # 2, 5, 7 empty; -1, 9 outside
     offsets = np.searchsorted(ids, np.arange(m + 1), side="left").astype(np.int32)
     segments = ops.Segments(jnp.asarray(ids, jnp.int32), jnp.asarray(offsets))
     x = rng.normal(size=(batch, n, 3))
-    x[:, ids == 4] = 0  # a segment whose norm is 0: gradient 0
+    x[:, ids == 4] = 0  # a segment whose norm is 0: every derivative 0
+    v = rng.normal(size=(batch, n, 3))
     w = rng.normal(size=(batch, m))
+    inside = (ids >= 0) & (ids < m)
 
-    def grad(a, weights):
-        return jax.grad(lambda a: jnp.sum(weights * ops.segmented_rms_norm(a, segments, m)))(a)
+    def derivatives(seg):
+        def grad(a, weights):
+            return jax.grad(lambda a: jnp.sum(weights * ops.segmented_rms_norm(a, seg, m)))(a)
+
+        return {"grad": lambda a, weights, _: grad(a, weights),
+                "grad2": lambda a, weights, v: jax.grad(
+                    lambda a: jnp.sum(grad(a, weights) * v))(a),
+                "hvp": lambda a, weights, v: jax.jvp(lambda a: grad(a, weights), (a,), (v,))[1]}
 
     _primitives.lower_cpu_as_gpu(gpu_paths)
     try:
-        a, weights = jnp.asarray(x, dtype), jnp.asarray(w, dtype)
-        compiled = jax.jit(grad).lower(a[0], weights[0]).compile().as_text()
-        assert compiled[compiled.index("ENTRY"):].count(" custom-call(") == 1
-        batched = jax.jit(jax.vmap(grad))(a, weights)
-        for k in range(batch):
-            one = jax.jit(grad)(a[k], weights[k])
-            np.testing.assert_array_max_ulp(batched[k], one, maxulp=4)
-            inside = (ids >= 0) & (ids < m)
-            s = np.clip(ids, 0, m - 1)
-            xk = np.asarray(a[k], np.float64)
+        a, weights, along = (jnp.asarray(array, dtype) for array in (x, w, v))
+        by_ids = derivatives(jnp.asarray(ids, jnp.int32))
+        for name, call in derivatives(segments).items():
+            compiled = jax.jit(call).lower(a[0], weights[0], along[0]).compile().as_text()
+            assert compiled[compiled.index("ENTRY"):].count(" custom-call(") == 1, name
+            batched = jax.jit(jax.vmap(call))(a, weights, along)
+            for k in range(batch):
+                one = jax.jit(call)(a[k], weights[k], along[k])
+                scale = 16 * np.finfo(dtype).eps * np.max(np.abs(one))
+                np.testing.assert_allclose(batched[k], one, rtol=0, atol=scale, err_msg=name)
+                alone = jax.jit(by_ids[name])(a[k], weights[k], along[k])
+                if gpu_paths and dtype == np.float32:
+                    np.testing.assert_allclose(one, alone, rtol=0, atol=scale, err_msg=name)
+                else:
+                    np.testing.assert_array_equal(one, alone, err_msg=name)
+                assert not np.asarray(one)[~inside].any(), name
+        xk, wk, vk = x[0], w[0], v[0]
+        s = np.clip(ids, 0, m - 1)
+
+        def numpy_grad(xk):
             squares = np.bincount(ids[inside], np.sum(xk[inside] ** 2, axis=1), minlength=m)
             counts = np.bincount(ids[inside], minlength=m)
             norms = np.sqrt(squares / np.maximum(counts, 1))
-            want = np.where((inside & (norms[s] > 0))[:, None],
-                            xk * (w[k, s] / (np.maximum(counts[s], 1) * np.where(
-                                norms[s] > 0, norms[s], 1)))[:, None], 0)
-            np.testing.assert_allclose(one, want, rtol=2e-5 if dtype == np.float32 else 1e-12,
-                                       atol=1e-30)
-            assert not np.asarray(one)[~inside].any()
+            return np.where((inside & (norms[s] > 0))[:, None], xk * (wk[s] / (
+                np.maximum(counts[s], 1) * np.where(norms[s] > 0, norms[s], 1)))[:, None], 0)
+
+        tolerance = 2e-5 if dtype == np.float32 else 1e-9
+        calls = derivatives(segments)
+        np.testing.assert_allclose(jax.jit(calls["grad"])(a[0], weights[0], along[0]),
+                                   numpy_grad(xk), rtol=tolerance, atol=1e-30)
+        # d/dt grad(x + t v) at 0, the Hessian (symmetric) along v; v 0 on the segment whose
+        # norm is 0, where the gradient jumps (and its derivative is taken as 0)
+        vk = np.where((ids == 4)[:, None], 0, vk)
+        step = 1e-6
+        central = (numpy_grad(xk + step * vk) - numpy_grad(xk - step * vk)) / (2 * step)
+        for name in ("grad2", "hvp"):
+            np.testing.assert_allclose(
+                jax.jit(calls[name])(a[0], weights[0], jnp.asarray(vk, dtype)), central,
+                rtol=max(tolerance, 1e-6), atol=1e-7, err_msg=name)
     finally:
         _primitives.lower_cpu_as_gpu(False)
 

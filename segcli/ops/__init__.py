@@ -459,7 +459,9 @@ def _rms_norm_cotangent_jvp(params, primals, tangents):
 def _rms_norm_curvature(g, dg, dc, norms, c, idx, offsets, **params):
     """The JVP of _rms_norm_cotangent, linear in (dg, dc): dg[i] · c[s] / (count · norm) +
     g[i] · (dc / δ - c · count · ι · S / δ³)[s] · ι, S = Σ <g[i] · ι, dg[i]>, in one kernel
-    after the dot."""
+    after the dot (ids known sorted: one kernel, the norms and the dot summed in it)."""
+    if P.ids_known_sorted(offsets, params["indices_are_sorted"]):
+        return P.rms_norm_curvature_rows_p.bind(g, dg, dc, c, idx, offsets, **params)
     terms = _norm_terms(g, norms, idx, offsets, params)
     dot = P.scaled_dot_p.bind(g, dg, terms[0], idx, offsets, **params)
     return _curvature_rows(g, dg, dc, dot, c, terms, idx, offsets, params)
@@ -476,14 +478,14 @@ def _curvature_rows(g, rows, dc, dot, c, terms, idx, offsets, params):
 
 def _rms_norm_curvature_transpose(u, g, dg, dc, norms, c, idx, offsets, **params):
     """The transpose of the curvature, a Hessian: for dg the map itself at (u, 0) (both its
-    terms by one kernel, where JAX would add two rescales), for dc R / δ, R = Σ <g · ι, u>."""
-    terms = _norm_terms(g, norms, idx, offsets, params)
-    *_, divisor, zero = terms
-    dot = P.scaled_dot_p.bind(g, u, terms[0], idx, offsets, **params)
+    terms by one kernel, where JAX would add two rescales), for dc R / δ, R = Σ <g · ι, u>
+    (the same scaled dot as the map's, which XLA computes once)."""
     ct_dg = ct_dc = None
     if ad.is_undefined_primal(dg):
-        ct_dg = _curvature_rows(g, u, jnp.zeros_like(c), dot, c, terms, idx, offsets, params)
+        ct_dg = _rms_norm_curvature(g, u, jnp.zeros_like(c), norms, c, idx, offsets, **params)
     if ad.is_undefined_primal(dc):
+        inverse, _, divisor, zero = _norm_terms(g, norms, idx, offsets, params)
+        dot = P.scaled_dot_p.bind(g, u, inverse, idx, offsets, **params)
         ct_dc = jnp.where(zero, 0, dot / divisor)
     return [None, ct_dg, ct_dc, None, None, None, None]
 

@@ -34,6 +34,9 @@ Shapes (rows first, then a group axis G that vmap folds into, then features):
                                                                 norms summed as rms_norm_span
                                                                 sums them (a group of LANES
                                                                 threads per segment on GPUs)
+    rms_norm_curvature_span                  -> (N, G, K)       the JVP of that along rows (N, G,
+      x, rows (N, G, K), dc, c (M, G)                           K) and dc (M, G), in one pass (see
+                                                                the kernel)
     wide_squares  a (N, G·K) float32         -> (M, G·K, 2)     float64 Σ_{idx[i]=s} a[i,p]², as
                                                                 uint32 pairs (GPUs, ids not
                                                                 promised sorted; then
@@ -795,19 +798,31 @@ _deferred(_span_reduction(_root_mean), "rms_norm_span")  # a = b = x
 _deferred(_span_reduction(_total), "dot_span")
 
 
-# out[e] = (x[e] · a) · b over the entries e = lane, lane + lanes, ... of segment rows lo:hi and
-# group g (of `groups`, `k` features each), x and out flat; a plain loop over the span where
-# G = 1, which a CPU's compiler vectorizes ("float" stands for the dtype, as in _SPAN_SUM)
+# out[e] = (x[e] · a) · b, plus (y[e] · a) · c if `paired`, over the entries e = lane, lane +
+# lanes, ... of segment rows lo:hi and group g (of `groups`, `k` features each), x, y and out
+# flat: the bits of the scale kernels (each product a statement of its own, as Warp writes
+# them); a plain loop over the span where G = 1, which a CPU's compiler vectorizes ("float"
+# stands for the dtype, as in _SPAN_SUM)
 _SPAN_SCALED = """
     const float* p = (const float*)x.data;
+    const float* q = (const float*)y.data;
     float* o = (float*)out.data;
+    auto put = [&](int at) {
+        float v = p[at] * a;
+        v = v * b;
+        if (paired) {
+            float w = q[at] * a;
+            w = w * c;
+            v = v + w;
+        }
+        o[at] = v;
+    };
     if (groups == 1) {
-        for (int e = lo * k + lane; e < hi * k; e += lanes) o[e] = p[e] * a * b;
+        for (int e = lo * k + lane; e < hi * k; e += lanes) put(e);
     } else {
         for (int e = lane; e < (hi - lo) * k; e += lanes) {
             const int i = lo + e / k;
-            const int at = (i * groups + g) * k + (e - (i - lo) * k);
-            o[at] = p[at] * a * b;
+            put((i * groups + g) * k + (e - (i - lo) * k));
         }
     }
     return 0;
@@ -815,16 +830,18 @@ _SPAN_SCALED = """
 
 
 @wp.func_native(_SPAN_SCALED)
-def _span_scaled(x: wp.array(dtype=wp.float32), out: wp.array(dtype=wp.float32), lo: int,
-                 hi: int, g: int, groups: int, k: int, lane: int, lanes: int, a: wp.float32,
-                 b: wp.float32) -> int:
+def _span_scaled(x: wp.array(dtype=wp.float32), y: wp.array(dtype=wp.float32),
+                 out: wp.array(dtype=wp.float32), lo: int, hi: int, g: int, groups: int, k: int,
+                 lane: int, lanes: int, a: wp.float32, b: wp.float32, c: wp.float32,
+                 paired: int) -> int:
     ...
 
 
 @wp.func_native(_SPAN_SCALED.replace("float", "double"))
-def _span_scaled(x: wp.array(dtype=wp.float64), out: wp.array(dtype=wp.float64), lo: int,
-                 hi: int, g: int, groups: int, k: int, lane: int, lanes: int, a: wp.float64,
-                 b: wp.float64) -> int:  # an overload per dtype
+def _span_scaled(x: wp.array(dtype=wp.float64), y: wp.array(dtype=wp.float64),
+                 out: wp.array(dtype=wp.float64), lo: int, hi: int, g: int, groups: int, k: int,
+                 lane: int, lanes: int, a: wp.float64, b: wp.float64, c: wp.float64,
+                 paired: int) -> int:  # an overload per dtype
     ...
 
 
@@ -835,6 +852,16 @@ def _zero_rows(out: wp.array(dtype=Any), a: int, b: int, g: int, groups: int, k:
     for e in range(lane, (b - a) * k, lanes):
         i = a + e // k
         out[(i * groups + g) * k + e - (i - a) * k] = out.dtype(0.0)
+
+
+@wp.func
+def _zero_outside(out: wp.array(dtype=Any), offsets: wp.array(dtype=wp.int32), s: int, lo: int,
+                  hi: int, g: int, groups: int, k: int, lane: int, lanes: int):
+    # the first and last segments' lanes write 0 in the rows before and after every segment
+    if s == 0:
+        _zero_rows(out, 0, lo, g, groups, k, lane, lanes)
+    if s == offsets.shape[0] - 2:
+        _zero_rows(out, hi, out.shape[0] // (groups * k), g, groups, k, lane, lanes)
 
 
 @_deferred
@@ -869,11 +896,50 @@ def _rms_norm_cotangent_span_kernel(
     factor = x.dtype(0.0)
     if norm != x.dtype(0.0):
         factor = c[s, g] / (x.dtype(hi - lo) * (norm * inverse))
-    _span_scaled(entries, out, lo, hi, g, groups, k, lane, lanes, inverse, factor)
-    if s == 0:
-        _zero_rows(out, 0, lo, g, groups, k, lane, lanes)
-    if s == offsets.shape[0] - 2:
-        _zero_rows(out, hi, n, g, groups, k, lane, lanes)
+    _span_scaled(entries, entries, out, lo, hi, g, groups, k, lane, lanes, inverse, factor,
+                 x.dtype(0.0), 0)
+    _zero_outside(out, offsets, s, lo, hi, g, groups, k, lane, lanes)
+
+
+@_deferred
+def _rms_norm_curvature_span_kernel(
+    x: wp.array3d(dtype=Any),
+    entries: wp.array(dtype=Any),
+    rows: wp.array(dtype=Any),
+    dc: wp.array2d(dtype=Any),
+    c: wp.array2d(dtype=Any),
+    offsets: wp.array(dtype=wp.int32),
+    lanes: int,
+    out: wp.array(dtype=Any),
+):
+    # rms_norm's curvature (the JVP of its cotangent) along rows and dc, the offsets known:
+    # out[i, g] = (rows[i, g] · ι) · (c / δ) + (x[i, g] · ι) · ((dc - c · count · ι · S / δ²) / δ)
+    # with S = Σ <x[i, g] · ι, rows[i, g]>, the norm, ι and δ as in rms_norm_cotangent_span
+    # (0 where the norm is 0), each sum as rms_norm_span and dot_span take it: the bits of
+    # scaled_dot and rescale2 from the norms, in one pass
+    t, lane = wp.tid()
+    lanes = _lanes_here(lanes)
+    if lane >= lanes:
+        return
+    groups = x.shape[1]
+    k = x.shape[2]
+    s = t // groups
+    g = t - s * groups
+    lo, hi = _segment_range(offsets, s, x.shape[0])
+    total = _lanes_sum(_span_sum(entries, entries, lo, hi, g, groups, k, lane, lanes,
+                                 x.dtype(1.0)), lanes)
+    norm = _root_mean(x, lo, hi, g, total)
+    _scale, inverse = _power_of_two(norm)
+    dot = _lanes_sum(_span_sum(entries, rows, lo, hi, g, groups, k, lane, lanes, inverse), lanes)
+    first = x.dtype(0.0)
+    along = x.dtype(0.0)
+    if norm != x.dtype(0.0):
+        count = x.dtype(hi - lo)
+        divisor = count * (norm * inverse)
+        first = c[s, g] / divisor
+        along = (dc[s, g] - c[s, g] * count * inverse * dot / (divisor * divisor)) / divisor
+    _span_scaled(rows, entries, out, lo, hi, g, groups, k, lane, lanes, inverse, first, along, 1)
+    _zero_outside(out, offsets, s, lo, hi, g, groups, k, lane, lanes)
 
 
 @_deferred

@@ -642,6 +642,28 @@ summed in the same kernel as rms_norm sums them (one pass over g, not two), 0 wh
 is 0 and in rows of no segment. No derivative rule of its own (segcli.ops gives it one)."""
 
 
+def _rms_norm_curvature_rows(g, rows, dc, c, idx, offsets, *, num_segments, indices_are_sorted,
+                             gpu=False):
+    if _empty(g.shape, g) or num_segments == 0:
+        return jnp.zeros(g.shape, g.dtype)
+    offsets, _ = _layout(idx, offsets, num_segments, True, gpu)
+    groups = g.shape[1]
+    lanes = LANES if gpu else 1
+    out = launch("rms_norm_curvature_span", g, g.reshape(-1), rows.reshape(-1), dc, c, offsets,
+                 lanes, dims=(num_segments * groups, lanes), out=(g.size,))
+    return out.reshape(g.shape)
+
+
+rms_norm_curvature_rows_p = _register(_Rule(
+    "rms_norm_curvature_rows", _rms_norm_curvature_rows,
+    lambda g, rows, dc, c, idx, offsets, **_: g.shape, 4))
+"""rms_norm's curvature for ids known sorted: rows[i] · c[s] / (count · norm) + g[i] · (dc /
+δ - c · count · ι · S / δ³)[s] · ι, S = Σ <g[i] · ι, rows[i]>, norm = rms_norm(g) (ι, δ as
+segcli.ops._norm_terms takes them), in one pass over g and rows: the JVP of
+rms_norm_cotangent along (rows, dc), and for dc = 0 its transpose for the rows. No derivative
+rule of its own (segcli.ops gives it one)."""
+
+
 # --- The integer primitives.
 
 
