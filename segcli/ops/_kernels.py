@@ -864,82 +864,80 @@ def _zero_outside(out: wp.array(dtype=Any), offsets: wp.array(dtype=wp.int32), s
         _zero_rows(out, hi, out.shape[0] // (groups * k), g, groups, k, lane, lanes)
 
 
-@_deferred
-def _rms_norm_cotangent_span_kernel(
-    x: wp.array3d(dtype=Any),
-    entries: wp.array(dtype=Any),
-    c: wp.array2d(dtype=Any),
-    offsets: wp.array(dtype=wp.int32),
-    lanes: int,
-    out: wp.array(dtype=Any),
-):
-    # rms_norm's cotangent of x (N, G, K) for a cotangent c (M, G) of its norms, the offsets
-    # known: group t of lanes sums its segment's squares as rms_norm_span does (the same bits),
-    # then writes out[i, g] = (x[i, g] · ι) · (c[s, g] / δ) over the segment's rows (flat, as
-    # entries), ι a power of two near 1/norm and δ = count · norm · ι, 0 where the norm is 0 (as
-    # rescale does with the norms); the first and last segments' groups also write 0 in the
-    # rows before and after every segment.
-    t, lane = wp.tid()
-    lanes = _lanes_here(lanes)
-    if lane >= lanes:
-        return
-    n = x.shape[0]
-    groups = x.shape[1]
-    k = x.shape[2]
+@wp.func
+def _group_of(offsets: wp.array(dtype=wp.int32), t: int, groups: int, n: int):
+    # (s, g, lo, hi): the segment and group of lane group t (of M·G) and the segment's rows
     s = t // groups
-    g = t - s * groups
     lo, hi = _segment_range(offsets, s, n)
-    total = _lanes_sum(_span_sum(entries, entries, lo, hi, g, groups, k, lane, lanes,
-                                 x.dtype(1.0)), lanes)
-    norm = _root_mean(x, lo, hi, g, total)
-    _scale, inverse = _power_of_two(norm)
-    factor = x.dtype(0.0)
-    if norm != x.dtype(0.0):
-        factor = c[s, g] / (x.dtype(hi - lo) * (norm * inverse))
-    _span_scaled(entries, entries, out, lo, hi, g, groups, k, lane, lanes, inverse, factor,
-                 x.dtype(0.0), 0)
-    _zero_outside(out, offsets, s, lo, hi, g, groups, k, lane, lanes)
+    return s, t - s * groups, lo, hi
 
 
-@_deferred
-def _rms_norm_curvature_span_kernel(
-    x: wp.array3d(dtype=Any),
-    entries: wp.array(dtype=Any),
-    rows: wp.array(dtype=Any),
-    dc: wp.array2d(dtype=Any),
-    c: wp.array2d(dtype=Any),
-    offsets: wp.array(dtype=wp.int32),
-    lanes: int,
-    out: wp.array(dtype=Any),
-):
-    # rms_norm's curvature (the JVP of its cotangent) along rows and dc, the offsets known:
-    # out[i, g] = (rows[i, g] · ι) · (c / δ) + (x[i, g] · ι) · ((dc - c · count · ι · S / δ²) / δ)
-    # with S = Σ <x[i, g] · ι, rows[i, g]>, the norm, ι and δ as in rms_norm_cotangent_span
-    # (0 where the norm is 0), each sum as rms_norm_span and dot_span take it: the bits of
-    # scaled_dot and rescale2 from the norms, in one pass
-    t, lane = wp.tid()
-    lanes = _lanes_here(lanes)
-    if lane >= lanes:
-        return
-    groups = x.shape[1]
-    k = x.shape[2]
-    s = t // groups
-    g = t - s * groups
-    lo, hi = _segment_range(offsets, s, x.shape[0])
-    total = _lanes_sum(_span_sum(entries, entries, lo, hi, g, groups, k, lane, lanes,
-                                 x.dtype(1.0)), lanes)
+@wp.func
+def _lanes_norm(x: wp.array3d(dtype=Any), entries: wp.array(dtype=Any), lo: int, hi: int, g: int,
+                lane: int, lanes: int):
+    # (the RMS norm of rows lo:hi of group g, ι a power of two near 1/norm), its squares summed
+    # by the group's lanes as rms_norm_span sums them: the same bits, in each lane
+    total = _lanes_sum(_span_sum(entries, entries, lo, hi, g, x.shape[1], x.shape[2], lane,
+                                 lanes, x.dtype(1.0)), lanes)
     norm = _root_mean(x, lo, hi, g, total)
     _scale, inverse = _power_of_two(norm)
-    dot = _lanes_sum(_span_sum(entries, rows, lo, hi, g, groups, k, lane, lanes, inverse), lanes)
-    first = x.dtype(0.0)
-    along = x.dtype(0.0)
-    if norm != x.dtype(0.0):
-        count = x.dtype(hi - lo)
-        divisor = count * (norm * inverse)
-        first = c[s, g] / divisor
-        along = (dc[s, g] - c[s, g] * count * inverse * dot / (divisor * divisor)) / divisor
-    _span_scaled(rows, entries, out, lo, hi, g, groups, k, lane, lanes, inverse, first, along, 1)
-    _zero_outside(out, offsets, s, lo, hi, g, groups, k, lane, lanes)
+    return norm, inverse
+
+
+def _rms_norm_rows(curvature):
+    """rms_norm's cotangent of x (N, G, K) for a cotangent c (M, G) of its norms, or with
+    `curvature` the JVP of that along rows (N, G, K) and dc (M, G), for ids whose offsets are
+    known, launched (M·G, lanes). Group t of lanes sums its segment's squares as rms_norm_span
+    does (the same bits), takes ι, a power of two near 1/norm, and δ = count · norm · ι, and
+    writes over the segment's rows (flat, as entries) out[i, g] = (x[i, g] · ι) · (c / δ), or
+    (rows[i, g] · ι) · (c / δ) + (x[i, g] · ι) · ((dc - c · count · ι · S / δ²) / δ) with S =
+    Σ <x[i, g] · ι, rows[i, g]> summed as dot_span sums it: the bits of rescale (rescale2 and
+    scaled_dot) from the norms, 0 where the norm is 0. The first and last segments' groups
+    also write 0 in the rows before and after every segment."""
+
+    def kernel(
+        x: wp.array3d(dtype=Any),
+        entries: wp.array(dtype=Any),
+        rows: wp.array(dtype=Any),
+        dc: wp.array2d(dtype=Any),
+        c: wp.array2d(dtype=Any),
+        offsets: wp.array(dtype=wp.int32),
+        lanes: int,
+        out: wp.array(dtype=Any),
+    ):
+        t, lane = wp.tid()
+        lanes = _lanes_here(lanes)
+        if lane >= lanes:
+            return
+        groups = x.shape[1]
+        k = x.shape[2]
+        s, g, lo, hi = _group_of(offsets, t, groups, x.shape[0])
+        norm, inverse = _lanes_norm(x, entries, lo, hi, g, lane, lanes)
+        first = x.dtype(0.0)
+        along = x.dtype(0.0)
+        if wp.static(curvature):
+            dot = _lanes_sum(_span_sum(entries, rows, lo, hi, g, groups, k, lane, lanes,
+                                       inverse), lanes)
+            if norm != x.dtype(0.0):
+                count = x.dtype(hi - lo)
+                divisor = count * (norm * inverse)
+                first = c[s, g] / divisor
+                along = (dc[s, g] - c[s, g] * count * inverse * dot / (divisor * divisor)) \
+                    / divisor
+            _span_scaled(rows, entries, out, lo, hi, g, groups, k, lane, lanes, inverse, first,
+                         along, 1)
+        else:
+            if norm != x.dtype(0.0):
+                first = c[s, g] / (x.dtype(hi - lo) * (norm * inverse))
+            _span_scaled(entries, entries, out, lo, hi, g, groups, k, lane, lanes, inverse,
+                         first, along, 0)
+        _zero_outside(out, offsets, s, lo, hi, g, groups, k, lane, lanes)
+
+    return kernel
+
+
+_deferred(_rms_norm_rows(False), "rms_norm_cotangent_span")
+_deferred(_rms_norm_rows(True), "rms_norm_curvature_span")
 
 
 @_deferred

@@ -623,14 +623,19 @@ per feature, then the norms); finite wherever the true value is. No derivative
 rule of its own (segcli.ops gives it one)."""
 
 
-def _rms_norm_rows(g, c, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
+def _rms_norm_rows(g, c, idx, offsets, *, num_segments, indices_are_sorted, gpu=False,
+                   rows=None, dc=None):
+    """rms_norm's cotangent (kernel rms_norm_cotangent_span), or given `rows` and `dc` its
+    curvature (rms_norm_curvature_span), for ids known sorted."""
     if _empty(g.shape, g) or num_segments == 0:
         return jnp.zeros(g.shape, g.dtype)
     offsets, _ = _layout(idx, offsets, num_segments, True, gpu)
-    groups = g.shape[1]
+    entries, c = g.reshape(-1), c.astype(g.dtype)
+    kernel = "rms_norm_cotangent_span" if rows is None else "rms_norm_curvature_span"
+    rows, dc = (entries, c) if rows is None else (rows.reshape(-1), dc)  # (the former unread)
     lanes = LANES if gpu else 1
-    out = launch("rms_norm_cotangent_span", g, g.reshape(-1), c.astype(g.dtype), offsets, lanes,
-                 dims=(num_segments * groups, lanes), out=(g.size,))
+    out = launch(kernel, g, entries, rows, dc, c, offsets, lanes,
+                 dims=(num_segments * g.shape[1], lanes), out=(g.size,))
     return out.reshape(g.shape)
 
 
@@ -642,16 +647,8 @@ summed in the same kernel as rms_norm sums them (one pass over g, not two), 0 wh
 is 0 and in rows of no segment. No derivative rule of its own (segcli.ops gives it one)."""
 
 
-def _rms_norm_curvature_rows(g, rows, dc, c, idx, offsets, *, num_segments, indices_are_sorted,
-                             gpu=False):
-    if _empty(g.shape, g) or num_segments == 0:
-        return jnp.zeros(g.shape, g.dtype)
-    offsets, _ = _layout(idx, offsets, num_segments, True, gpu)
-    groups = g.shape[1]
-    lanes = LANES if gpu else 1
-    out = launch("rms_norm_curvature_span", g, g.reshape(-1), rows.reshape(-1), dc, c, offsets,
-                 lanes, dims=(num_segments * groups, lanes), out=(g.size,))
-    return out.reshape(g.shape)
+def _rms_norm_curvature_rows(g, rows, dc, c, idx, offsets, **params):
+    return _rms_norm_rows(g, c, idx, offsets, rows=rows, dc=dc, **params)
 
 
 rms_norm_curvature_rows_p = _register(_Rule(
