@@ -913,24 +913,22 @@ def _rms_norm_rows(curvature):
         k = x.shape[2]
         s, g, lo, hi = _group_of(offsets, t, groups, x.shape[0])
         norm, inverse = _lanes_norm(x, entries, lo, hi, g, lane, lanes)
-        first = x.dtype(0.0)
-        along = x.dtype(0.0)
+        dot = x.dtype(0.0)
         if wp.static(curvature):
             dot = _lanes_sum(_span_sum(entries, rows, lo, hi, g, groups, k, lane, lanes,
                                        inverse), lanes)
-            if norm != x.dtype(0.0):
-                count = x.dtype(hi - lo)
-                divisor = count * (norm * inverse)
-                first = c[s, g] / divisor
+        first = x.dtype(0.0)
+        along = x.dtype(0.0)
+        if norm != x.dtype(0.0):
+            count = x.dtype(hi - lo)
+            divisor = count * (norm * inverse)
+            first = c[s, g] / divisor
+            if wp.static(curvature):
                 along = (dc[s, g] - c[s, g] * count * inverse * dot / (divisor * divisor)) \
                     / divisor
-            _span_scaled(rows, entries, out, lo, hi, g, groups, k, lane, lanes, inverse, first,
-                         along, 1)
-        else:
-            if norm != x.dtype(0.0):
-                first = c[s, g] / (x.dtype(hi - lo) * (norm * inverse))
-            _span_scaled(entries, entries, out, lo, hi, g, groups, k, lane, lanes, inverse,
-                         first, along, 0)
+        # (the cotangent's `rows` are x's own entries; the second array is read only paired)
+        _span_scaled(rows, entries, out, lo, hi, g, groups, k, lane, lanes, inverse, first, along,
+                     wp.static(1 if curvature else 0))
         _zero_outside(out, offsets, s, lo, hi, g, groups, k, lane, lanes)
 
     return kernel
