@@ -433,7 +433,7 @@ def test_max_norm_picks_the_first_largest_row_in_any_id_order(gpu_paths, dtype):
     on GPUs a group of lanes a segment, up to 44 rows, so that each lane takes several): the
     values and the row that takes the gradient, against NumPy, with ties, NaN, inf, rows whose
     squares overflow float32, zero rows, empty segments and dropped ids; sorted (as a Segments
-    too) and not."""
+    too, and promised with dropped ids at both ends) and not."""
     rng = np.random.default_rng(11)
     # ties exact in float32 however the squares are added (a GPU fuses them into FMAs)
     vectors = np.array([[3, 4, 0], [0, 5, 0], [0, 0, -5], [1, 0, 0], [5, 12, 0], [0, 0, 0],
@@ -450,8 +450,10 @@ def test_max_norm_picks_the_first_largest_row_in_any_id_order(gpu_paths, dtype):
     x[np.cumsum(counts)[long[1]] - counts[long[1]] + np.array([4, 11])] = [np.inf, 0, 0]
     order = rng.permutation(ids.size)
     shuffled = np.where(rng.random(ids.size) < 0.1, [-1, m + 3][rng.integers(0, 2)], ids)[order]
+    dropped = np.concatenate([[-1, -1], ids, [m, m + 3]]).astype(np.int32)  # sorted still
+    padded = np.concatenate([x[:2], x, x[-2:]])
     layouts = [(x, ids, ids, False), (x, ops.segments(counts), ids, False), (x, ids, ids, True),
-               (x[order], shuffled, shuffled, False)]
+               (padded, dropped, dropped, True), (x[order], shuffled, shuffled, False)]
     _primitives.lower_cpu_as_gpu(gpu_paths)
     try:
         for data, idx, plain, sorted_ in layouts:
@@ -977,7 +979,7 @@ def test_rms_norm_derivatives_over_known_sorted_ids_are_one_kernel_each(gpu_path
                 scale = 16 * np.finfo(dtype).eps * np.max(np.abs(one))
                 np.testing.assert_allclose(batched[k], one, rtol=0, atol=scale, err_msg=name)
                 alone = jax.jit(by_ids[name])(a[k], weights[k], along[k])
-                if gpu_paths and dtype == np.float32:
+                if (gpu_paths or jax.default_backend() == "gpu") and dtype == np.float32:
                     np.testing.assert_allclose(one, alone, rtol=0, atol=scale, err_msg=name)
                 else:
                     np.testing.assert_array_equal(one, alone, err_msg=name)
