@@ -98,6 +98,8 @@ def main():
     parser.add_argument("--chunk-atoms", type=int, help="--chunk-atoms for every command "
                                                         "and the bare reads' step")
     parser.add_argument("--compression", help="compress the per-atom fields (e.g. gzip)")
+    parser.add_argument("--where", help="--where for every command (e.g. 'energy > -1e300', "
+                                        "which keeps every structure on a selection's path)")
     parser.add_argument("--processes", type=int, help="also a bare read by K processes")
     args = parser.parse_args()
     path = os.path.join(args.dir, f"segcli-steady-{args.atoms}"
@@ -131,6 +133,7 @@ def main():
             argv = [command, path, *words.split(), "-o", out, "--force", "-q", "--device",
                     args.device, "--structures", f"0:{stop}",
                     *(["--threads", str(args.threads)] if args.threads else []),
+                    *(["--where", args.where] if args.where else []),
                     *(["--chunk-atoms", str(args.chunk_atoms)] if args.chunk_atoms else [])]
             work[(command, words, stop)] = (lambda argv=argv: cli.main(argv,
                                                                        standalone_mode=False))
@@ -161,6 +164,7 @@ def main():
     k = args.processes
     print(f"{args.atoms} atoms, float64{', ' + args.compression if args.compression else ''}, "
           f"device {args.device}, threads {args.threads or 'default'}, chunks of {step} atoms, "
+          f"{'--where ' + repr(args.where) + ', ' if args.where else ''}"
           f"median of {args.rounds} "
           f"rounds in turns, each after a first run in this process, -o into "
           f"{os.path.dirname(out)}\n")

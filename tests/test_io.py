@@ -449,6 +449,33 @@ def test_result_writer_writes_blocks_of_rows_in_any_order(tmp_path, dtype):
             assert np.array_equal(h5[f"results/{name}"][()], expected, equal_nan=True), name
 
 
+def test_result_writer_fills_the_rows_no_block_covers(tmp_path):
+    """The rows before, between and after the blocks written (the gaps longer than the
+    writer's step of rows), and a result never written, hold the fill (NaN) once the writer
+    closes; the datasets state it as their fill value. A result without a fill is 0 there."""
+    n = 200_000
+    values = np.arange(n, dtype=np.float64)
+    written = [(70_000, 80_000), (80_000, 80_500), (81_000, 81_001), (150_000, 150_010)]
+    with ResultWriter(output_path=tmp_path / "out.h5") as w:
+        w.set_n_atoms(np.ones(n, np.int64))
+        for name, fill in (("filled", np.nan), ("never", np.nan), ("zeros", None)):
+            w.create(name, (n, 3), "float64", {}, fill)
+        for lo, hi in reversed(written):
+            for name in ("filled", "zeros"):
+                w.write(name, lo, np.repeat(values[lo:hi, None], 3, axis=1))
+    inside = np.zeros(n, bool)
+    for lo, hi in written:
+        inside[lo:hi] = True
+    with h5py.File(tmp_path / "out.h5") as h5:
+        for name, fill in (("filled", np.nan), ("zeros", 0.0)):
+            got = h5[f"results/{name}"][()]
+            assert np.array_equal(got[inside], np.repeat(values[inside, None], 3, axis=1)), name
+            assert np.array_equal(got[~inside], np.full(((~inside).sum(), 3), fill),
+                                  equal_nan=True), name
+        assert np.isnan(h5["results/never"][()]).all()
+        assert np.isnan(h5["results/filled"].fillvalue)
+
+
 def test_result_writer_leaves_nothing_on_failure(batch_h5, tmp_path):
     out = tmp_path / "results.h5"
     with pytest.raises(RuntimeError):

@@ -119,7 +119,10 @@ class Chunk(NamedTuple):
                                                           side="right")])
 
     def take(self, mask):
-        """The chunk's structures where `mask` (S_c,) is true, with their numbers."""
+        """The chunk's structures where `mask` (S_c,) is true, with their numbers (the chunk
+        itself, its arrays not copied, where it is true everywhere)."""
+        if mask.all():
+            return self
         rows = np.repeat(mask, self.n_atoms)
         return Chunk(self.start, self.n_atoms[mask], {n: a[rows] for n, a in self.atoms.items()},
                      {n: a[mask] for n, a in self.structures.items()},
@@ -131,7 +134,10 @@ def spread(rows, numbers, offsets, fill):
     rows are offsets[s] to offsets[s + 1], placed in a block of the rows of every structure
     from numbers[0] to numbers[-1], `fill` in the rows of those not among `numbers`."""
     first, last = int(offsets[numbers[0]]), int(offsets[numbers[-1] + 1])
-    block = np.full((last - first, *rows.shape[1:]), fill, np.result_type(rows.dtype, fill))
+    dtype = np.result_type(rows.dtype, fill)
+    if numbers[-1] - numbers[0] + 1 == len(numbers):  # no structure between them left out
+        return first, np.asarray(rows, dtype)
+    block = np.full((last - first, *rows.shape[1:]), fill, dtype)
     lengths = offsets[numbers + 1] - offsets[numbers]
     block[np.repeat(offsets[numbers] - first - (np.cumsum(lengths) - lengths), lengths)
           + np.arange(len(rows))] = rows

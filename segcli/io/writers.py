@@ -326,6 +326,7 @@ class ResultWriter:
         self.names = tuple(names)
         self._n_atoms = None
         self._results = {}  # name -> its dataset, as created
+        self._written = {}  # name -> the (start, stop) rows written, for a result with a fill
 
     def _refuse(self, key):
         if not self.force:
@@ -362,10 +363,14 @@ class ResultWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        if exc_type is None and self._n_atoms is None:
-            exc = ValueError("ResultWriter: set_n_atoms() was not called")
-            self._stack.__exit__(ValueError, exc, None)
-            raise exc
+        if exc_type is None:
+            try:
+                if self._n_atoms is None:
+                    raise ValueError("ResultWriter: set_n_atoms() was not called")
+                self._fill_unwritten()
+            except BaseException as error:
+                self._stack.__exit__(type(error), error, error.__traceback__)
+                raise
         return self._stack.__exit__(exc_type, exc, tb)
 
     def set_n_atoms(self, n_atoms):
@@ -392,14 +397,20 @@ class ResultWriter:
         self._h5.create_dataset("structures/source_index", data=np.asarray(source_index, np.int64))
 
     def create(self, name, shape, dtype, attrs, fill=None):
-        """Create /results/<name>, its rows `fill` (default 0) until written; a result already
-        there (or a result where one of its groups would go) is replaced only with force."""
+        """Create /results/<name>, `fill` (default 0) in the rows not written when the `with`
+        block ends; a result already there (or a result where one of its groups would go) is
+        replaced only with force. The rows are filled then, by this writer, not by HDF5 as
+        the dataset's storage is allocated: that would write every row twice (a third more
+        time for a per-atom result, benchmarks/RESULTS.md)."""
         existing = _existing_result(self._h5, name)
         if existing is not None:
             self._refuse(existing)
             del self._h5[existing]
         ensure_room(self._h5, int(np.prod(shape)) * np.dtype(dtype).itemsize)
-        ds = self._h5.create_dataset(f"results/{name}", shape=shape, dtype=dtype, fillvalue=fill)
+        ds = self._h5.create_dataset(f"results/{name}", shape=shape, dtype=dtype, fillvalue=fill,
+                                     fill_time=None if fill is None else "never")
+        if fill is not None:
+            self._written[name] = []
         _set_attrs(ds, {"segcli_version": __version__,
                         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                         **attrs})
@@ -410,8 +421,6 @@ class ResultWriter:
         `create`: by HDF5's own write of that block of rows, which h5py's slicing and the
         lookup by name cost about as much again as a block of 64 Ki float64 rows
         (benchmarks/RESULTS.md)."""
-        from h5py import h5s
-
         ds = self._results[name]
         array = np.ascontiguousarray(array)
         if array.shape[1:] != ds.shape[1:]:
@@ -419,9 +428,28 @@ class ResultWriter:
                              f"are {ds.shape[1:]}")
         if not len(array):
             return
+        self._write_block(ds, start_row, array)
+        if name in self._written:
+            self._written[name].append((start_row, start_row + len(array)))
+
+    @staticmethod
+    def _write_block(ds, start_row, array):
+        from h5py import h5s
+
         rows = ds.id.get_space()
         rows.select_hyperslab((start_row,) + (0,) * (array.ndim - 1), array.shape)
         ds.id.write(h5s.create_simple(array.shape), rows, array)
+
+    def _fill_unwritten(self, step=1 << 16):
+        """Write each result's fill value in the rows no block covered, `step` rows at a time."""
+        for name, written in self._written.items():
+            ds = self._results[name]
+            block = np.full((min(step, len(ds)), *ds.shape[1:]), ds.fillvalue, ds.dtype)
+            row = 0
+            for start, stop in [*sorted(written), (len(ds), len(ds))]:
+                for at in range(row, start, step):
+                    self._write_block(ds, at, block[:min(step, start - at)])
+                row = max(row, stop)
 
 
 JOIN_HINT = ("; `--to-ase-units` converts each input to ASE's units, `--units NAME=UNIT` "
