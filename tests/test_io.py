@@ -449,30 +449,50 @@ def test_result_writer_writes_blocks_of_rows_in_any_order(tmp_path, dtype):
             assert np.array_equal(h5[f"results/{name}"][()], expected, equal_nan=True), name
 
 
-@pytest.mark.parametrize("numbers", [[2, 3, 4], [0, 2, 5], [5]])
-def test_a_selection_takes_and_spreads_the_rows_of_its_structures(numbers):
+@pytest.fixture(params=["C", "NumPy"])
+def rows_route(request, monkeypatch):
+    """A selection's rows copied by `_rows.c`, or by NumPy's indexing (SEGCLI_NATIVE_ROWS=0)."""
+    from segcli.io import core
+
+    monkeypatch.setenv("SEGCLI_NATIVE_ROWS", "1" if request.param == "C" else "0")
+    core._native_rows.cache_clear()
+    assert (core._native_rows() is not None) == (request.param == "C")
+    yield
+    core._native_rows.cache_clear()
+
+
+@pytest.mark.parametrize("numbers", [[2, 3, 4], [0, 2, 5], [1, 4], [5]])
+@pytest.mark.parametrize("dtype", [np.int32, np.float32, np.float64])
+def test_a_selection_takes_and_spreads_the_rows_of_its_structures(rows_route, numbers, dtype):
     """Chunk.take keeps the rows of the structures a mask marks (the chunk itself, its arrays
     not copied, where it marks all); spread places them back among those of every structure
-    from the first to the last, NaN in the rows of the others: against a loop over the
-    structures, with integer rows promoted to float64 by the fill."""
+    from the first to the last (a per-atom field and a per-structure one), NaN in the rows of
+    the others: against a loop over the structures, with integer rows promoted to float64 by
+    the fill, empty structures among them."""
     from segcli.io.core import Chunk, spread
 
     n_atoms = np.array([2, 0, 3, 1, 4, 2])
     offsets = np.concatenate([[0], np.cumsum(n_atoms)])
-    rows = np.arange(offsets[-1] * 3).reshape(-1, 3)
-    chunk = Chunk(0, n_atoms, {"x": rows}, {"e": np.arange(6.0)})
+    rows = np.arange(offsets[-1] * 3, dtype=dtype).reshape(-1, 3)
+    per_structure = np.arange(6 * 2, dtype=dtype).reshape(6, 2)
+    chunk = Chunk(0, n_atoms, {"x": rows}, {"e": per_structure})
     mask = np.isin(np.arange(6), numbers)
     taken = chunk.take(mask)
     assert chunk.take(np.ones(6, bool)) is chunk
     expected = np.concatenate([rows[offsets[s]:offsets[s + 1]] for s in numbers])
-    assert np.array_equal(taken.atoms["x"], expected)
+    assert np.array_equal(taken.atoms["x"], expected) and taken.atoms["x"].dtype == dtype
+    assert np.array_equal(taken.structures["e"], per_structure[numbers])
     assert np.array_equal(taken.structure_numbers, numbers)
-    first, block = spread(taken.atoms["x"], np.asarray(numbers), offsets, np.nan)
-    assert first == offsets[numbers[0]] and block.dtype == np.float64
-    reference = np.concatenate([rows[offsets[s]:offsets[s + 1]] if s in numbers else
-                                np.full((n_atoms[s], 3), np.nan)
-                                for s in range(numbers[0], numbers[-1] + 1)])
-    assert np.array_equal(block, reference, equal_nan=True)
+    span = range(numbers[0], numbers[-1] + 1)
+    for got, whole, starts in ((taken.atoms["x"], rows, offsets),
+                               (taken.structures["e"], per_structure, np.arange(7))):
+        first, block = spread(got, np.asarray(numbers), starts, np.nan)
+        assert first == starts[numbers[0]]
+        assert block.dtype == np.result_type(dtype, np.nan)
+        reference = np.concatenate([whole[starts[s]:starts[s + 1]] if s in numbers else
+                                    np.full((starts[s + 1] - starts[s], *whole.shape[1:]),
+                                            np.nan) for s in span])
+        assert np.array_equal(block, reference, equal_nan=True)
 
 
 def test_result_writer_fills_the_rows_no_block_covers(tmp_path):

@@ -1,9 +1,13 @@
 """What every reader shares: field descriptions, chunks of whole structures, derived fields."""
 
 import contextlib
+import ctypes
+import functools
+import math
 import os
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 from types import MappingProxyType
 from typing import NamedTuple
 
@@ -124,9 +128,53 @@ class Chunk(NamedTuple):
         if mask.all():
             return self
         rows = np.repeat(mask, self.n_atoms)
-        return Chunk(self.start, self.n_atoms[mask], {n: a[rows] for n, a in self.atoms.items()},
+        return Chunk(self.start, self.n_atoms[mask],
+                     {n: _kept_rows(a, self.n_atoms, mask, rows) for n, a in self.atoms.items()},
                      {n: a[mask] for n, a in self.structures.items()},
                      {n: m[mask] for n, m in self.present.items()}, self.structure_numbers[mask])
+
+
+@functools.cache
+def _native_rows():
+    """`_rows.c`, loaded; None where it cannot be built (see segcli.native) or with
+    SEGCLI_NATIVE_ROWS=0."""
+    from segcli.native import library
+
+    lib = library(Path(__file__).with_name("_rows.c"), ["-O2"], [], "SEGCLI_NATIVE_ROWS")
+    if lib is None:
+        return None
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    lib.segcli_take.restype = size
+    lib.segcli_take.argtypes = [pointer, size, pointer, pointer, size, pointer]
+    lib.segcli_spread.restype = None
+    lib.segcli_spread.argtypes = [pointer, size, pointer, pointer, size, pointer, pointer]
+    return lib
+
+
+def _by_runs(*arrays):
+    """`_rows.c` where it is loaded and every one of `arrays` is a C-contiguous array of
+    numbers (not strings), else None (NumPy's indexing then)."""
+    lib = _native_rows()
+    if lib is None or any(a.dtype.hasobject or not a.flags.c_contiguous for a in arrays):
+        return None
+    return lib
+
+
+def _row_bytes(a):
+    return a.itemsize * math.prod(a.shape[1:])
+
+
+def _kept_rows(a, n_atoms, mask, rows):
+    """The rows of a (N_c, ...) of the structures `mask` keeps (`rows` marks them)."""
+    lib = _by_runs(a)
+    if lib is None:
+        return a[rows]
+    counts = np.ascontiguousarray(n_atoms, np.int64)
+    keep = np.ascontiguousarray(mask, np.uint8)
+    out = np.empty((int(counts[mask].sum()), *a.shape[1:]), a.dtype)
+    lib.segcli_take(a.ctypes.data, _row_bytes(a), counts.ctypes.data, keep.ctypes.data,
+                    len(counts), out.ctypes.data)
+    return out
 
 
 def spread(rows, numbers, offsets, fill):
@@ -134,10 +182,20 @@ def spread(rows, numbers, offsets, fill):
     rows are offsets[s] to offsets[s + 1], placed in a block of the rows of every structure
     from numbers[0] to numbers[-1], `fill` in the rows of those not among `numbers`."""
     first, last = int(offsets[numbers[0]]), int(offsets[numbers[-1] + 1])
-    dtype = np.result_type(rows.dtype, fill)
+    rows = np.asarray(rows, np.result_type(rows.dtype, fill))
     if numbers[-1] - numbers[0] + 1 == len(numbers):  # no structure between them left out
-        return first, np.asarray(rows, dtype)
-    block = np.full((last - first, *rows.shape[1:]), fill, dtype)
+        return first, rows
+    lib = _by_runs(rows)
+    if lib is not None:
+        counts = np.ascontiguousarray(np.diff(offsets[numbers[0]:numbers[-1] + 2]), np.int64)
+        keep = np.zeros(len(counts), np.uint8)
+        keep[numbers - numbers[0]] = 1
+        fill_row = np.full(rows.shape[1:], fill, rows.dtype)
+        block = np.empty((last - first, *rows.shape[1:]), rows.dtype)
+        lib.segcli_spread(rows.ctypes.data, _row_bytes(rows), counts.ctypes.data,
+                          keep.ctypes.data, len(counts), fill_row.ctypes.data, block.ctypes.data)
+        return first, block
+    block = np.full((last - first, *rows.shape[1:]), fill, rows.dtype)
     lengths = offsets[numbers + 1] - offsets[numbers]
     block[np.repeat(offsets[numbers] - first - (np.cumsum(lengths) - lengths), lengths)
           + np.arange(len(rows))] = rows

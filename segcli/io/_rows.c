@@ -1,0 +1,42 @@
+/* A selection's rows, for `segcli.io.core`: the rows of the structures a mask keeps, copied a
+   run of kept structures at a time (`take`), and put back among the rows of every structure
+   of their span, a fill row in those of the others (`spread`), at the speed of memcpy where
+   NumPy's boolean and fancy indexing go an element at a time. Rows are `width` bytes;
+   structure s has n_atoms[s] of them. */
+
+#include <stdint.h>
+#include <string.h>
+
+/* Copy into dst the rows of the structures s < count where keep[s]; the rows copied. */
+int64_t segcli_take(const char *src, int64_t width, const int64_t *n_atoms,
+                    const uint8_t *keep, int64_t count, char *dst) {
+    int64_t s = 0, at = 0, written = 0;
+    while (s < count) {
+        int64_t rows = 0;
+        const int64_t start = at;
+        for (; s < count && keep[s]; s++) rows += n_atoms[s];
+        if (rows) {
+            memcpy(dst + written * width, src + start * width, (size_t)(rows * width));
+            written += rows;
+            at += rows;
+        }
+        for (; s < count && !keep[s]; s++) at += n_atoms[s];
+    }
+    return written;
+}
+
+/* Write into dst the rows of the structures s < count: the next rows of src where keep[s],
+   else n_atoms[s] copies of the row `fill`. */
+void segcli_spread(const char *src, int64_t width, const int64_t *n_atoms, const uint8_t *keep,
+                   int64_t count, const char *fill, char *dst) {
+    for (int64_t s = 0; s < count;) {
+        int64_t rows = 0;
+        for (; s < count && keep[s]; s++) rows += n_atoms[s];
+        memcpy(dst, src, (size_t)(rows * width));
+        src += rows * width;
+        dst += rows * width;
+        for (; s < count && !keep[s]; s++) {
+            for (int64_t i = 0; i < n_atoms[s]; i++, dst += width) memcpy(dst, fill, (size_t)width);
+        }
+    }
+}
