@@ -400,8 +400,8 @@ class ResultWriter:
         """Create /results/<name>, `fill` (default 0) in the rows not written when the `with`
         block ends; a result already there (or a result where one of its groups would go) is
         replaced only with force. The rows are filled then, by this writer, not by HDF5 as
-        the dataset's storage is allocated: that would write every row twice (a third more
-        time for a per-atom result, benchmarks/RESULTS.md)."""
+        the dataset's storage is allocated, which writes every row twice (10⁷ rows of 3
+        float64 in 147 ms against 94, benchmarks/RESULTS.md)."""
         existing = _existing_result(self._h5, name)
         if existing is not None:
             self._refuse(existing)
