@@ -117,10 +117,14 @@ print("made", *sorted(_kernels._MADE), "of", len(_kernels._SOURCES))
     assert len(launched) < int(total)
 
 
-def test_reduce_imports_neither_ase_nor_dask():
+@pytest.mark.parametrize("args", [["reduce", METALS, "rms_norm", "forces"],
+                                  ["select", METALS, "--where", "energy < 0", "-o", "OUT.h5", "-q"],
+                                  ["convert", METALS, "-o", "OUT.h5", "-q"]])
+def test_hdf5_in_and_out_imports_neither_ase_nor_dask(args, tmp_path):
+    args = [str(tmp_path / a) if a == "OUT.h5" else str(a) for a in args]
     code = f"""
 import runpy, sys
-sys.argv = ["segcli", "reduce", {str(METALS)!r}, "rms_norm", "forces"]
+sys.argv = ["segcli", *{args!r}]
 try:
     runpy.run_module("segcli", run_name="__main__")
 except SystemExit:
