@@ -7,7 +7,8 @@ Runs, in turns (one of each per round, so that a slow moment of a shared machine
 all of them), `python -c pass`, `import jax`, `import jax, warp`, `segcli --help`, and
 `segcli reduce FILE rms_norm forces`, `segcli grad FILE rms_norm forces` and `segcli stats
 FILE forces` on a 16-atom file, these with an empty compilation cache (cold: a new
-SEGCLI_COMPILATION_CACHE directory each run) and with one a first run filled (warm). Warp's
+SEGCLI_COMPILATION_CACHE directory each run) and with one a first run filled (warm), and
+`segcli select` and `segcli convert` of that file into a new HDF5 file. Warp's
 kernel cache is warm throughout (the first runs fill it), and segcli's bytecode is written
 first, as an installation has it. Prints a Markdown table: the median wall and CPU time of
 each, and its fixed cost: that median less the one of `import jax, warp`.
@@ -85,6 +86,13 @@ def measure(work, runs, device):
                        ("grad", ["rms_norm", "forces", *on]), ("stats", ["forces"])):
         for cache in ("cold", "warm"):
             commands[f"segcli {name} ({cache} cache)"] = (segcli + [name, small, *tail], cache)
+    out, listed = os.path.join(work, "out.h5"), os.path.join(work, "structures.txt")
+    with open(listed, "w") as f:
+        f.write("0\n")
+    commands["segcli select -o OUT.h5"] = (segcli + ["select", small, "--structures-from", listed,
+                                                     "-o", out, "--force", "-q"], None)
+    commands["segcli convert -o OUT.h5"] = (segcli + ["convert", small, "-o", out, "--force",
+                                                      "-q"], None)
 
     warm = os.path.join(work, "warm")
     for command, cache in commands.values():
