@@ -7,22 +7,17 @@
 #include <stdint.h>
 #include <string.h>
 
-/* Copy into dst the rows of the structures s < count where keep[s]; the rows copied. */
-int64_t segcli_take(const char *src, int64_t width, const int64_t *n_atoms,
-                    const uint8_t *keep, int64_t count, char *dst) {
-    int64_t s = 0, at = 0, written = 0;
-    while (s < count) {
+/* Copy into dst the rows of the structures s < count where keep[s], a run at a time. */
+void segcli_take(const char *src, int64_t width, const int64_t *n_atoms, const uint8_t *keep,
+                 int64_t count, char *dst) {
+    for (int64_t s = 0; s < count;) {
         int64_t rows = 0;
-        const int64_t start = at;
         for (; s < count && keep[s]; s++) rows += n_atoms[s];
-        if (rows) {
-            memcpy(dst + written * width, src + start * width, (size_t)(rows * width));
-            written += rows;
-            at += rows;
-        }
-        for (; s < count && !keep[s]; s++) at += n_atoms[s];
+        memcpy(dst, src, (size_t)(rows * width));
+        src += rows * width;
+        dst += rows * width;
+        for (; s < count && !keep[s]; s++) src += n_atoms[s] * width;
     }
-    return written;
 }
 
 /* Write into dst the rows of the structures s < count: the next rows of src where keep[s],

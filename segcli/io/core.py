@@ -127,9 +127,8 @@ class Chunk(NamedTuple):
         itself, its arrays not copied, where it is true everywhere)."""
         if mask.all():
             return self
-        rows = np.repeat(mask, self.n_atoms)
         return Chunk(self.start, self.n_atoms[mask],
-                     {n: _kept_rows(a, self.n_atoms, mask, rows) for n, a in self.atoms.items()},
+                     {n: _kept_rows(a, self.n_atoms, mask) for n, a in self.atoms.items()},
                      {n: a[mask] for n, a in self.structures.items()},
                      {n: m[mask] for n, m in self.present.items()}, self.structure_numbers[mask])
 
@@ -144,31 +143,29 @@ def _native_rows():
     if lib is None:
         return None
     pointer, size = ctypes.c_void_p, ctypes.c_int64
-    lib.segcli_take.restype = size
+    lib.segcli_take.restype = None
     lib.segcli_take.argtypes = [pointer, size, pointer, pointer, size, pointer]
     lib.segcli_spread.restype = None
     lib.segcli_spread.argtypes = [pointer, size, pointer, pointer, size, pointer, pointer]
     return lib
 
 
-def _by_runs(*arrays):
-    """`_rows.c` where it is loaded and every one of `arrays` is a C-contiguous array of
-    numbers (not strings), else None (NumPy's indexing then)."""
+def _by_runs(a):
+    """`_rows.c` where it is loaded and `a` is a C-contiguous array of numbers (not strings),
+    else None (NumPy's indexing then)."""
     lib = _native_rows()
-    if lib is None or any(a.dtype.hasobject or not a.flags.c_contiguous for a in arrays):
-        return None
-    return lib
+    return None if lib is None or a.dtype.hasobject or not a.flags.c_contiguous else lib
 
 
 def _row_bytes(a):
     return a.itemsize * math.prod(a.shape[1:])
 
 
-def _kept_rows(a, n_atoms, mask, rows):
-    """The rows of a (N_c, ...) of the structures `mask` keeps (`rows` marks them)."""
+def _kept_rows(a, n_atoms, mask):
+    """The rows of a (N_c, ...) of the structures `mask` keeps."""
     lib = _by_runs(a)
     if lib is None:
-        return a[rows]
+        return a[np.repeat(mask, n_atoms)]
     counts = np.ascontiguousarray(n_atoms, np.int64)
     keep = np.ascontiguousarray(mask, np.uint8)
     out = np.empty((int(counts[mask].sum()), *a.shape[1:]), a.dtype)
