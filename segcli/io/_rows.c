@@ -7,23 +7,11 @@
 #include <stdint.h>
 #include <string.h>
 
-/* Copy into dst the rows of the structures s < count where keep[s], a run at a time. */
-void segcli_take(const char *src, int64_t width, const int64_t *n_atoms, const uint8_t *keep,
-                 int64_t count, char *dst) {
-    for (int64_t s = 0; s < count;) {
-        int64_t rows = 0;
-        for (; s < count && keep[s]; s++) rows += n_atoms[s];
-        memcpy(dst, src, (size_t)(rows * width));
-        src += rows * width;
-        dst += rows * width;
-        for (; s < count && !keep[s]; s++) src += n_atoms[s] * width;
-    }
-}
-
-/* Write into dst the rows of the structures s < count: the next rows of src where keep[s],
-   else n_atoms[s] copies of the row `fill`. */
-void segcli_spread(const char *src, int64_t width, const int64_t *n_atoms, const uint8_t *keep,
-                   int64_t count, const char *fill, char *dst) {
+/* Over the structures s < count, a run of kept ones (keep[s]) at a time: their rows copied
+   from src to dst. For one not kept: without `fill` (take), its rows of src skipped; with it
+   (spread), n_atoms[s] copies of the row `fill` written to dst. */
+void segcli_runs(const char *src, int64_t width, const int64_t *n_atoms, const uint8_t *keep,
+                 int64_t count, const char *fill, char *dst) {
     for (int64_t s = 0; s < count;) {
         int64_t rows = 0;
         for (; s < count && keep[s]; s++) rows += n_atoms[s];
@@ -31,6 +19,10 @@ void segcli_spread(const char *src, int64_t width, const int64_t *n_atoms, const
         src += rows * width;
         dst += rows * width;
         for (; s < count && !keep[s]; s++) {
+            if (!fill) {
+                src += n_atoms[s] * width;
+                continue;
+            }
             for (int64_t i = 0; i < n_atoms[s]; i++, dst += width) memcpy(dst, fill, (size_t)width);
         }
     }

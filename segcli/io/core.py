@@ -143,10 +143,8 @@ def _native_rows():
     if lib is None:
         return None
     pointer, size = ctypes.c_void_p, ctypes.c_int64
-    lib.segcli_take.restype = None
-    lib.segcli_take.argtypes = [pointer, size, pointer, pointer, size, pointer]
-    lib.segcli_spread.restype = None
-    lib.segcli_spread.argtypes = [pointer, size, pointer, pointer, size, pointer, pointer]
+    lib.segcli_runs.restype = None
+    lib.segcli_runs.argtypes = [pointer, size, pointer, pointer, size, pointer, pointer]
     return lib
 
 
@@ -169,8 +167,8 @@ def _kept_rows(a, n_atoms, mask):
     counts = np.ascontiguousarray(n_atoms, np.int64)
     keep = np.ascontiguousarray(mask, np.uint8)
     out = np.empty((int(counts[mask].sum()), *a.shape[1:]), a.dtype)
-    lib.segcli_take(a.ctypes.data, _row_bytes(a), counts.ctypes.data, keep.ctypes.data,
-                    len(counts), out.ctypes.data)
+    lib.segcli_runs(a.ctypes.data, _row_bytes(a), counts.ctypes.data, keep.ctypes.data,
+                    len(counts), None, out.ctypes.data)
     return out
 
 
@@ -189,8 +187,8 @@ def spread(rows, numbers, offsets, fill):
         keep[numbers - numbers[0]] = 1
         fill_row = np.full(rows.shape[1:], fill, rows.dtype)
         block = np.empty((last - first, *rows.shape[1:]), rows.dtype)
-        lib.segcli_spread(rows.ctypes.data, _row_bytes(rows), counts.ctypes.data,
-                          keep.ctypes.data, len(counts), fill_row.ctypes.data, block.ctypes.data)
+        lib.segcli_runs(rows.ctypes.data, _row_bytes(rows), counts.ctypes.data, keep.ctypes.data,
+                        len(counts), fill_row.ctypes.data, block.ctypes.data)
         return first, block
     block = np.full((last - first, *rows.shape[1:]), fill, rows.dtype)
     lengths = offsets[numbers + 1] - offsets[numbers]
