@@ -136,6 +136,29 @@ print(*sorted(m for m in ("ase", "dask", "distributed", "scipy", "tqdm") if m in
     assert result.returncode == 0 and result.stderr == "\n", result.stderr
 
 
+def test_an_ase_format_loads_ase_io_before_any_output_exists(tmp_path):
+    """Reading an extxyz file loads ase.io (and SciPy under it, most of a second) when the
+    file opens, before `convert` creates its temporary output: a signal then interrupts the
+    run where it cleans up, not in the middle of an import, which would end in a traceback."""
+    code = f"""
+import os, runpy, sys
+class Watch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "ase.io":
+            print("outputs when ase.io loads:", os.listdir({str(tmp_path)!r}), file=sys.stderr)
+sys.meta_path.insert(0, Watch())
+sys.argv = ["segcli", "convert", {str(METALS.with_suffix(".extxyz"))!r}, "-o",
+            {str(tmp_path / "out.h5")!r}, "-q"]
+try:
+    runpy.run_module("segcli", run_name="__main__")
+except SystemExit as exit:
+    assert not exit.code
+"""
+    result = python("-c", code)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == ["outputs when ase.io loads: []"], result.stderr
+
+
 @pytest.mark.parametrize("args, code, needle", [
     (["reduce", "missing.h5", "sum", "forces"], 1, "missing.h5: no such file"),
     (["reduce", METALS, "sum", "forcez"], 1, "no field 'forcez'"),

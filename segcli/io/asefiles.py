@@ -195,6 +195,9 @@ class AseBatch(StreamedBatch):
     format = "ase"
 
     def __init__(self, path, ase_format):
+        import ase.io  # noqa: F401 - loaded as the file opens, before any output exists: not
+        #                 mid-run, where a signal could break off the import
+
         super().__init__(path)
         self.ase_format = ase_format
 
