@@ -42,7 +42,7 @@ def main():
     threads.set_count(args.threads)
 
     device = jax.devices(args.device)[0] if args.device != "auto" else jax.devices()[0]
-    gpu = device.platform != "cpu"  # pinned buffers, ids expanded on the device: as engine.run
+    gpu = device.platform != "cpu"  # pinned buffers, NaN checked on the device: as engine.run
     with open_batch(path) as batch:
         job = engine.plan(path, OPS["rms_norm"], ["forces"], batch.fields)
         runs = []
@@ -67,14 +67,13 @@ def main():
             t0 = time.perf_counter()
             chunk = next(batch.iter_chunks(list(job.read), chunk_atoms=engine.DEFAULT_CHUNK_ATOMS))
             t1 = time.perf_counter()
-            padded = engine._pad(engine.field_dtypes([job]), chunk, least, ring, not gpu)
+            padded = engine._pad(engine.field_dtypes([job]), chunk, least, ring, gpu)
             t2 = time.perf_counter()
             with enable_x64(True):
-                forces, offsets, ids = jax.block_until_ready(jax.device_put(
-                    (padded.arrays["forces"], padded.offsets, padded.ids), device,
-                    may_alias=True))
+                forces, offsets = jax.block_until_ready(jax.device_put(
+                    (padded.arrays["forces"], padded.offsets), device, may_alias=True))
                 t3 = time.perf_counter()
-                out = jax.block_until_ready(function((forces,), offsets, ids, rows=padded.rows,
+                out = jax.block_until_ready(function((forces,), offsets, rows=padded.rows,
                                                      num_segments=padded.segments))
                 t4 = time.perf_counter()
                 jax.tree.map(np.asarray, out)

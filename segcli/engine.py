@@ -255,17 +255,18 @@ class _Padded(NamedTuple):
     structure and `rows` (N_b) per atom, the chunk's atoms at rows [skip, skip + n_rows) (skip:
     the rows ahead of them in a window of the file's pages, see io.core.Window), the rows
     around them in segment -1 ahead and S_b after (out of range, so dropped by the ops).
-    `offsets` (S_b + 1,) are the segments' CSR offsets, padding ones empty; `ids` (N_b,) the
-    atoms' segment ids, or None for a device that expands the offsets into ids itself."""
+    `offsets` (S_b + 1,) are the segments' CSR offsets, padding ones empty, which the device
+    expands into ids itself (ops.segments_of_offsets). With `device_checks_nan` the device
+    looks for NaN in the values, which the host has not."""
 
     n_structures: int
     n_rows: int
     segments: int
     rows: int
-    ids: np.ndarray | None
     offsets: np.ndarray
     arrays: dict
     skip: int = 0
+    device_checks_nan: bool = False
 
 
 def _nan_rows(chunk, name, where_present):
@@ -385,9 +386,9 @@ def _aligned(size, pinned):
     return raw[start:start + size]
 
 
-def _pad(dtypes, chunk, least, buffers, ids=True):
+def _pad(dtypes, chunk, least, buffers, device_checks_nan=False):
     """The chunk's fields (name -> dtype `dtypes`, see field_dtypes), cast and padded (see
-    _Padded, which has ids if `ids`) to at least `least` = (rows, structures), in `buffers`,
+    _Padded) to at least `least` = (rows, structures), in `buffers`,
     or where the chunk was read in place or left in the file's pages (see _padded_chunks); the
     rows of structures that lack a field (Chunk.present) hold 0, not its fill."""
     n_structures, n_rows = len(chunk.n_atoms), int(chunk.n_atoms.sum())
@@ -402,14 +403,6 @@ def _pad(dtypes, chunk, least, buffers, ids=True):
     np.cumsum(chunk.n_atoms, out=offsets[1:n_structures + 1])
     offsets[n_structures + 1:] = n_rows
     offsets += skip
-    if ids:
-        ids = buffers.take("ids", (rows,), np.int32)
-        ids[:skip] = -1
-        ids[skip:skip + n_rows] = np.repeat(np.arange(n_structures, dtype=np.int32),
-                                            chunk.n_atoms)
-        ids[skip + n_rows:] = segments
-    else:
-        ids = None
     arrays = {}
     for name, dtype in dtypes.items():
         per_atom = name in chunk.atoms
@@ -429,7 +422,8 @@ def _pad(dtypes, chunk, least, buffers, ids=True):
             have = chunk.present[name]
             out[at:at + len(data)][~np.repeat(have, chunk.n_atoms) if per_atom else ~have] = 0
         arrays[name] = out
-    return _Padded(n_structures, n_rows, segments, rows, ids, offsets, arrays, skip)
+    return _Padded(n_structures, n_rows, segments, rows, offsets, arrays, skip,
+                   device_checks_nan)
 
 
 def padded_size(n_atoms, chunk_atoms):
@@ -464,8 +458,7 @@ def _padded_chunks(batch, jobs, chunk_atoms, structures, buffers, on_device=Fals
     """(Chunk, _Padded) for each chunk (of the structures `keep` marks, see Batch.iter_chunks),
     holding every field the jobs read, in `buffers` (a _BufferRing); DataError if one holds
     NaN, with the count over the whole selection and the first structure. With `on_device`
-    the NaN check and the expansion of the offsets into ids are left to the device (see
-    compute)."""
+    the NaN check is left to the device (see _compiled)."""
     from segcli.io.core import check_memory
 
     dtypes = field_dtypes(jobs)
@@ -486,11 +479,8 @@ def _padded_chunks(batch, jobs, chunk_atoms, structures, buffers, on_device=Fals
         shown = shown_nan(jobs, fields)
         chunks = nan_checked(jobs[0].path, chunks, [n for n in read if n not in shown],
                              where_present=True)
-    # ids on the host where a CPU's kernels read rows; with no per-atom field (count), the
-    # program's own expansion of the offsets, which XLA drops unused
-    host_ids = not on_device and any(fields[name].per == "atom" for name in dtypes)
     for chunk in chunks:
-        yield chunk, _pad(dtypes, chunk, least, buffers, ids=host_ids)
+        yield chunk, _pad(dtypes, chunk, least, buffers, on_device)
 
 
 def shown_nan(jobs, fields):
@@ -615,24 +605,16 @@ def runs_on(device):
     return device.platform != "cpu" or _kernels.cpu_available()
 
 
-def _ids(offsets, rows):
-    """Segment ids (rows,) of the rows of segments with CSR `offsets`, rows past them in
-    segment len(offsets) - 1 and rows ahead of them in -1: each row's id is the number of
-    segments starting at or before it, less one."""
-    import jax.numpy as jnp
-
-    return jnp.cumsum(jnp.zeros(rows, jnp.int32).at[offsets].add(1, mode="drop")) - 1
-
-
 @functools.cache
 def _compiled(programs, on_device=False):
-    """A jitted function (values, offsets, ids, rows, num_segments) -> (a tuple of outputs per
+    """A jitted function (values, offsets, rows, num_segments) -> (a tuple of outputs per
     program, see Job.program; whether a value holds NaN): the op's value (order 0), or the
     gradient (order 1) or Hessian-vector product along values[direction] (order 2) of
     Σ_s w_s · op_s, w = values[weights] or 1, with respect to the values `wrt`, over the
-    segments (ops.Segments) of `offsets` and `ids`. With `on_device` the ids (None) are
-    expanded from the offsets, and the values checked for NaN, there; else the NaN flag says
-    whether a value of a program that shows its inputs' NaN (Job.shows_nan) is NaN."""
+    segments of `offsets` (their ids expanded there, where a program reads them: XLA drops
+    them where none does). With `on_device` the values are checked for NaN there; else the NaN
+    flag says whether a value of a program that shows its inputs' NaN (Job.shows_nan) is
+    NaN."""
     import jax
     import jax.numpy as jnp
 
@@ -664,8 +646,8 @@ def _compiled(programs, on_device=False):
             return jax.grad(objective)(moving)
         return jax.jvp(jax.grad(objective), (moving,), ((values[direction],) * len(wrt),))[1]
 
-    def all_outputs(values, offsets, ids, rows, num_segments):
-        idx = ops.Segments(_ids(offsets, rows) if on_device else ids, offsets)
+    def all_outputs(values, offsets, rows, num_segments):
+        idx = ops.segments_of_offsets(offsets, rows)
         together = _reduced_together(programs, values, idx, num_segments)
         out = tuple(together[i] if i in together else outputs(p, values, idx, num_segments)
                     for i, p in enumerate(programs))
@@ -704,18 +686,18 @@ def _reduced_together(programs, values, idx, num_segments):
 def launch(jobs, padded, device):
     """Start computing the jobs' outputs for one padded chunk on `device` (a jax.Device), by
     one program, and return at once; `finish` waits for them. The NaN check runs there only
-    for a chunk padded without ids (see _Padded)."""
+    for a chunk the host has not checked (see _Padded)."""
     import jax
 
     from segcli._jax import enable_x64
 
     read = reads(jobs)
-    function = _compiled(tuple(job.program(read) for job in jobs), padded.ids is None)
+    function = _compiled(tuple(job.program(read) for job in jobs), padded.device_checks_nan)
     with enable_x64(True):
-        values, offsets, ids = jax.device_put(
-            (tuple(padded.arrays[name] for name in read), padded.offsets, padded.ids), device,
+        values, offsets = jax.device_put(
+            (tuple(padded.arrays[name] for name in read), padded.offsets), device,
             may_alias=True)
-        return jobs, padded, function(values, offsets, ids, rows=padded.rows,
+        return jobs, padded, function(values, offsets, rows=padded.rows,
                                       num_segments=padded.segments)
 
 

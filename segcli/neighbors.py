@@ -184,16 +184,14 @@ def _fractional_program(rows, segments):
     import jax.numpy as jnp
 
     from segcli import ops
-    from segcli.engine import _ids
 
     def program(positions, offsets, basis, inverse, periodic):
-        ids = _ids(offsets, rows)
-        at = jnp.minimum(ids, segments - 1)
+        idx = ops.segments_of_offsets(offsets, rows)
+        at = jnp.minimum(idx.ids, segments - 1)
         fractional = jnp.einsum("ni,nij->nj", positions, inverse[at])
         image = jnp.where(periodic[at], jnp.floor(fractional), 0.0)
         wrapped = positions - jnp.einsum("ni,nij->nj", image, basis[at])
         fractional = fractional - image
-        idx = ops.Segments(ids, offsets)
         return (wrapped, fractional,
                 ops.segmented_min(fractional, idx, segments, indices_are_sorted=True),
                 ops.segmented_max(fractional, idx, segments, indices_are_sorted=True))
@@ -212,12 +210,12 @@ def _pairs_program(n_cutoffs, rows, segments, n_bins, histogram_bins):
     import jax.numpy as jnp
 
     from segcli import ops
-    from segcli.engine import _ids
     from segcli.ops._kernels import launch
 
     def program(wrapped, fractional, offsets, present, low, high, bins, reach, periodic,
                 first_bin, lattice, cutoffs, scale):
-        ids = _ids(offsets, rows)
+        idx = ops.segments_of_offsets(offsets, rows)
+        ids = idx.ids
         at = jnp.minimum(ids, segments - 1)
         real = (ids < segments) & present[at]  # others in no bin, visited by no thread
         span = jnp.where(high > low, high - low, 1.0)
@@ -236,7 +234,6 @@ def _pairs_program(n_cutoffs, rows, segments, n_bins, histogram_bins):
             jnp.zeros((rows, n_cutoffs), jnp.int32), jnp.zeros(rows, jnp.float64),
             jnp.zeros(rows, jnp.int32), jnp.zeros(histogram_bins, jnp.int32),
             dims=rows, in_out=("counts", "nearest", "partner", "histogram"))
-        idx = ops.Segments(ids, offsets)
         counts = counts.astype(jnp.int64)
         pairs = ops.segmented_sum(counts, idx, segments, indices_are_sorted=True)
         least = ops.segmented_min(nearest, idx, segments, indices_are_sorted=True)

@@ -18,8 +18,7 @@ from batch_reference import (
     write_batch,
 )
 
-from segcli import engine
-from segcli._jax import enable_x64
+from segcli import engine, ops
 from segcli.errors import DataError
 from segcli.io import open_batch, open_inputs
 from segcli.io.core import Chunk, FieldInfo
@@ -351,14 +350,20 @@ def test_ids_expanded_and_nan_checked_on_the_device_give_the_same_bits(batch_fil
                         np.testing.assert_array_equal(a[label], b[label])
 
 
-def test_ids_of_offsets_put_padding_rows_out_of_range():
+def test_segments_of_offsets_put_padding_rows_out_of_range():
     offsets = np.array([0, 2, 2, 5, 6, 6, 6, 6, 6], np.int32)  # 4 structures, 4 padding ones
-    with enable_x64(True):
-        got = np.asarray(jax.jit(engine._ids, static_argnums=1)(offsets, 10))
-    np.testing.assert_array_equal(got, [0, 0, 2, 2, 2, 3, 8, 8, 8, 8])
-    with enable_x64(True):  # rows ahead of the first segment (a window's skip) in -1
-        got = np.asarray(jax.jit(engine._ids, static_argnums=1)(offsets + 2, 10))
-    np.testing.assert_array_equal(got, [-1, -1, 0, 0, 2, 2, 2, 3, 8, 8])
+    of = jax.jit(lambda o, rows: ops.segments_of_offsets(o, rows).ids, static_argnums=1)
+    np.testing.assert_array_equal(of(offsets, 10), [0, 0, 2, 2, 2, 3, 8, 8, 8, 8])
+    # rows ahead of the first segment (a window's skip) in -1
+    np.testing.assert_array_equal(of(offsets + 2, 10), [-1, -1, 0, 0, 2, 2, 2, 3, 8, 8])
+    np.testing.assert_array_equal(of(np.array([0, 3], np.int32), 3), [0, 0, 0])
+    assert of(np.zeros(4, np.int32), 0).shape == (0,)
+    rng = np.random.default_rng(7)
+    for _ in range(20):  # against the number of offsets at or before each row, less one
+        rows = int(rng.integers(0, 300))
+        offsets = np.sort(rng.integers(0, rows + 1, int(rng.integers(1, 60)))).astype(np.int32)
+        np.testing.assert_array_equal(
+            of(offsets, rows), np.searchsorted(offsets, np.arange(rows), side="right") - 1)
 
 
 def test_pad_takes_a_window_whole_and_puts_every_field_where_its_rows_are():
@@ -379,7 +384,8 @@ def test_pad_takes_a_window_whole_and_puts_every_field_where_its_rows_are():
     np.testing.assert_array_equal(padded.arrays["y"], np.r_[0, 0, y, np.zeros(1017)])
     np.testing.assert_array_equal(padded.arrays["w"], np.r_[1, 1, 1, np.zeros(1021)])
     np.testing.assert_array_equal(padded.offsets, np.r_[2, 4, 4, np.full(1022, 7)])
-    np.testing.assert_array_equal(padded.ids, np.r_[-1, -1, 0, 0, 2, 2, 2, np.full(1017, 1024)])
+    np.testing.assert_array_equal(ops.segments_of_offsets(padded.offsets, padded.rows).ids,
+                                  np.r_[-1, -1, 0, 0, 2, 2, 2, np.full(1017, 1024)])
     partial = chunk._replace(present={"x": np.array([True, True, False])})
     padded = engine._pad(dtypes, partial, (1024, 1024), ring)
     assert padded.skip == 0 and padded.arrays["x"] is not window.array

@@ -1032,6 +1032,37 @@ def test_segments_built_from_counts_and_their_edge_cases():
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_segments_of_offsets_give_padded_rows_the_values_of_the_rows_alone(dtype):
+    """Segments made from offsets under jit, over rows padded ahead and behind (ids -1 and M),
+    give the values and gradients of the unpadded rows' Segments, bit for bit."""
+    rng = np.random.default_rng(3)
+    n_atoms = rng.integers(0, 9, 40)
+    n_atoms[[0, 7, -1]] = 0
+    n, m, skip, rows = int(n_atoms.sum()), len(n_atoms), 5, int(n_atoms.sum()) + 16
+    x = rng.normal(size=(n, 3)).astype(dtype)
+    padded = np.zeros((rows, 3), dtype)
+    padded[skip:skip + n] = x
+    offsets = np.full(m + 9, skip + n, np.int32)  # as the engine pads: 9 empty segments more
+    offsets[:m + 1] = skip + np.concatenate([[0], np.cumsum(n_atoms)])
+    seg = ops.segments(n_atoms)
+    for name in ("sum", "mean", "rms_norm", "max_norm"):
+        op = getattr(ops, f"segmented_{name}")
+
+        @jax.jit
+        def both(a, offsets, op=op):
+            pad = ops.segments_of_offsets(offsets, rows)
+            value = op(a, pad, m + 8)[:m]
+            return value, jax.grad(lambda a: jnp.sum(op(a, pad, m + 8)[:m] ** 2))(a)
+
+        value, grad = both(padded, offsets)
+        np.testing.assert_array_equal(value, op(x, seg, m), err_msg=name)
+        alone = jax.grad(lambda a, op=op: jnp.sum(op(a, seg, m) ** 2))(x)
+        np.testing.assert_array_equal(
+            grad, np.r_[np.zeros((skip, 3)), alone, np.zeros((16 - skip, 3))].astype(dtype),
+            err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("gpu_paths", [False, True])
 @pytest.mark.parametrize("features", [1, 3, 5, 33])
 def test_rms_norm_and_dot_over_any_features_and_layout(gpu_paths, features, dtype, monkeypatch):

@@ -94,8 +94,8 @@ def test_reductions_of_one_field_go_together_with_each_jobs_bits(random_file, pr
         values = tuple(np.zeros((n, *batch.fields[name].shape), batch.fields[name].dtype)
                        for name in read)
         with enable_x64(True):
-            program = jax.make_jaxpr(lambda v, o, i: function(v, o, i, rows=n, num_segments=2))(
-                values, np.array([0, 9, n], np.int32), np.zeros(n, np.int32))
+            program = jax.make_jaxpr(lambda v, o: function(v, o, rows=n, num_segments=2))(
+                values, np.array([0, 9, n], np.int32))
         assert str(program).count("segcli_reductions") == 3  # x, x32, t
 
         def outputs(jobs):

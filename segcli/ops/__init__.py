@@ -58,6 +58,7 @@ __all__ = [
     "segmented_sum",
     "segmented_var",
     "segments",
+    "segments_of_offsets",
 ]
 
 _NATIVE = (jnp.float32, jnp.float64)
@@ -161,6 +162,21 @@ def segments(n_atoms):
     n_atoms = _counts(n_atoms)
     offsets = np.concatenate([[0], np.cumsum(n_atoms, dtype=np.int64)]).astype(np.int32)
     return Segments(*jax.device_put((_host_ids(n_atoms), offsets)))
+
+
+def segments_of_offsets(offsets, rows):
+    """The Segments of CSR `offsets` (M+1,) int32, non-decreasing, over `rows` (static) rows,
+    its ids made on the device (under `jax.jit` too): rows ahead of offsets[0] get id -1 and
+    rows from offsets[M] on id M, out of range, so every op drops them (padding).
+
+    Example::
+
+        seg = segments_of_offsets(jnp.array([1, 3, 3, 4], jnp.int32), 6)
+        seg.ids                   # [-1 0 0 2 3 3]
+        segmented_sum(x, seg, 3)  # rows 1:3, none, row 3
+    """
+    offsets = jnp.asarray(offsets, jnp.int32)
+    return Segments(P.segment_ids_of(offsets, int(rows)), offsets)
 
 
 def _segments(idx, n, m):

@@ -6,6 +6,10 @@ Shapes (rows first, then a group axis G that vmap folds into, then features):
                                                                 idx[i] >= s (a binary search per
                                                                 segment on GPUs; layout_runs, a
                                                                 thread per 4 ids, on CPUs)
+    segment_ids  offsets (M+1,)              -> ids (N,)        ids[i] = s for offsets[s] <= i <
+                                                                offsets[s+1], -1 ahead of
+                                                                offsets[0], M from offsets[M]
+                                                                (a thread per run of one id)
     count       idx as a (N, 1)              -> (M, 1)          out[s] = #{i : idx[i]=s}
     sum         x (N, K)                     -> (M, K)          out[s] = Σ_{idx[i]=s} x[i]
     mean        x (N, K), w (M, 1)           -> (M, K)          out[s] = Σ_{idx[i]=s} x[i] w[s]
@@ -245,6 +249,31 @@ def _layout_run(idx: wp.array(dtype=wp.int32), out: wp.array(dtype=wp.int32), t:
 def _layout_runs_kernel(idx: wp.array(dtype=wp.int32), out: wp.array(dtype=wp.int32)):
     # a thread per run of 4 ids (see _LAYOUT_RUN), launched (max(1, ceil(N / 4)),)
     _layout_run(idx, out, wp.tid())
+
+
+@wp.func_native("""
+    int* p = (int*)out.data;
+    for (int i = lo; i < hi; i++) p[i] = id;
+""")
+def _fill_ids(out: wp.array(dtype=wp.int32), lo: int, hi: int, id: int): ...
+
+
+@_deferred
+def _segment_ids_kernel(offsets: wp.array(dtype=wp.int32), out: wp.array(dtype=wp.int32)):
+    # a thread per run of rows of one id, launched (M + 2,): thread 0 the rows ahead of
+    # offsets[0] (-1), thread t in 1..M those of segment t - 1, thread M + 1 those from
+    # offsets[M] on (M); offsets non-decreasing, clamped to [0, N]. (2 Mi rows in 65 Ki
+    # segments on a 2-core VM: 3.1 ms by a loop in Warp, 1.2 ms in C, as NumPy's repeat.)
+    t = wp.tid()
+    m = offsets.shape[0] - 1
+    n = out.shape[0]
+    lo = int(0)  # noqa: UP018, RUF046  (a Warp variable, not a constant: it changes)
+    hi = n
+    if t > 0:
+        lo = wp.clamp(offsets[t - 1], 0, n)
+    if t <= m:
+        hi = wp.clamp(offsets[t], lo, n)
+    _fill_ids(out, lo, hi, t - 1)
 
 
 def _segment_reduction(term, rows=None, mean=False, ordered_path=True):
