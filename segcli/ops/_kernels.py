@@ -304,11 +304,10 @@ def _segment_reduction(term, rows=None, mean=False, ordered_path=True):
         out: wp.array2d(dtype=Any),
     ):
         t, p = wp.tid()
-        n = idx.shape[0]
         m = out.shape[0]
-        if ordered[0] != 0:
+        if ordered[0] != 0:  # (the ids then unread, perhaps not passed: a's rows are N)
             if wp.static(ordered_path) and t < m:
-                lo, hi = _segment_range(offsets, t, n)
+                lo, hi = _segment_range(offsets, t, a.shape[0])
                 w = b.dtype(1.0)
                 if wp.static(mean):
                     w = b.dtype(1.0) / b.dtype(wp.max(hi - lo, 1))
@@ -320,7 +319,7 @@ def _segment_reduction(term, rows=None, mean=False, ordered_path=True):
                         acc += weighted(term(a, b, out, i, t, p), w)
                 out[t, p] = acc
         elif t < stride:
-            for i in range(t, n, stride):
+            for i in range(t, idx.shape[0], stride):
                 s = idx[i]
                 if s >= 0 and s < m:
                     w = b.dtype(1.0)

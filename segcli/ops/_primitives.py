@@ -99,10 +99,11 @@ def _reduce(name, a, b, idx, layout, shape, dtype, gpu, known_sorted, vector=())
     (each of shape `vector` for the vec3 kernels), over M × P threads where the ids are known
     sorted, else max(M, stride) × P: a segment per thread for ordered ids (each writing its
     own result, so the output is filled first only where the order is found at run time),
-    else atomics into zeros; `layout` is `_layout`'s."""
+    else atomics into zeros; `layout` is `_layout`'s. Ids known sorted are not passed (that
+    path reads none), so that XLA drops their making."""
     threads = stride(gpu, idx.shape[0])
     dims = (_segment_threads(shape[0], threads, known_sorted), *shape[1:])
-    args = (name, a, b, idx, *layout, threads)
+    args = (name, a, b, idx[:0] if known_sorted else idx, *layout, threads)
     if known_sorted:
         return launch(*args, dims=dims, out=shape, dtype=a.dtype)
     zeros = jnp.zeros((*shape, *vector), dtype)
@@ -130,13 +131,16 @@ def _is_float_vec3(x):
     return x.shape[1:] in ((3,), (1, 3)) and jnp.issubdtype(x.dtype, jnp.floating)
 
 
-def _rows3(name, *args, rows, segments, offsets, gpu):
-    """Kernel `name`'s (N,) vec3 output over `rows` = N rows of 3: a row a thread, or on CPUs
-    given the offsets its NAME_ordered variant, a segment (of `segments`) a thread, which
-    reads each segment's factors once (faster there: benchmarks/RESULTS.md)."""
+def _rows3(name, *args, idx, offsets, segments, gpu):
+    """Kernel `name`'s (N,) vec3 output over the N rows of 3 of the ids `idx` (among `args`):
+    a row a thread, or on CPUs given the offsets its NAME_ordered variant, a segment (of
+    `segments`) a thread, which reads each segment's factors once (faster there:
+    benchmarks/RESULTS.md) and no id (passed none, so that XLA drops their making)."""
     by_segment = not gpu and offsets.shape[0] > 0
+    if by_segment:
+        args = tuple(idx[:0] if a is idx else a for a in args)
     return launch(name + "_ordered" * by_segment, *args,
-                  dims=(segments if by_segment else rows,), out=(rows,))
+                  dims=(segments if by_segment else idx.shape[0],), out=(idx.shape[0],))
 
 
 @dataclass(frozen=True)
@@ -386,8 +390,8 @@ def _gather(y, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     if _empty(shape, y):
         return jnp.zeros(shape, y.dtype)
     if _is_float_vec3(y):
-        return _rows3("gather3", y, idx, offsets, rows=idx.shape[0], segments=y.shape[0],
-                      offsets=offsets, gpu=gpu).reshape(shape)
+        return _rows3("gather3", y, idx, offsets, idx=idx, offsets=offsets,
+                      segments=y.shape[0], gpu=gpu).reshape(shape)
     return launch("gather", y, idx, dims=(idx.shape[0],), out=shape)
 
 
@@ -462,8 +466,8 @@ def _scaled_rows(kernel, x, y, z, b, w, idx, offsets, gpu):
         def vec3(a):
             return a.reshape(a.shape[0], 3)
 
-        return _rows3(f"{kernel}3", vec3(x), y, z, vec3(b), w, idx, offsets, rows=idx.shape[0],
-                      segments=y.shape[0], offsets=offsets, gpu=gpu).reshape(x.shape)
+        return _rows3(f"{kernel}3", vec3(x), y, z, vec3(b), w, idx, offsets, idx=idx,
+                      offsets=offsets, segments=y.shape[0], gpu=gpu).reshape(x.shape)
     return launch(kernel, x, y, z, b, w, idx, dims=(idx.shape[0],), out=x.shape)
 
 
@@ -516,7 +520,7 @@ def _matvec(v, m, idx, offsets, *, num_segments, indices_are_sorted, transpose, 
         return jnp.zeros(v.shape, v.dtype)
     if _is_float_vec3(v) and m.shape[1:] == (1, 3, 3):
         return _rows3("matvec3", v.reshape(-1, 3), m.reshape(-1, 3, 3), idx, offsets,
-                      int(transpose), rows=idx.shape[0], segments=m.shape[0], offsets=offsets,
+                      int(transpose), idx=idx, offsets=offsets, segments=m.shape[0],
                       gpu=gpu).reshape(v.shape)
     return launch("matvec", v, m, idx, int(transpose), dims=(idx.shape[0],), out=v.shape)
 
