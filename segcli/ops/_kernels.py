@@ -1314,7 +1314,7 @@ _SQUARES_LANES = _LANES8 + _ROWS8 + """
         const mask8 close = (before >= near) | ((top >= near) & (where < winner));
         return __builtin_reduce_or(close) ? -(winner + 2) : winner;
     };
-    auto squares8 = [&](int i, lanes8 a, lanes8 b, lanes8 c) {
+    auto squares8 = [&](int rows_left, lanes8 a, lanes8 b, lanes8 c) {
         a = a * a;
         b = b * b;
         c = c * c;
@@ -1325,17 +1325,20 @@ _SQUARES_LANES = _LANES8 + _ROWS8 + """
         square = square + __builtin_shufflevector(ab0, c, 0, 1, 2, 3, 4, 5, 10, 13);
         square = square + __builtin_shufflevector(ab1, c, 0, 1, 2, 3, 4, 8, 11, 14);
         square = square + __builtin_shufflevector(ab2, c, 0, 1, 2, 3, 4, 9, 12, 15);
-        return lane < hi - i ? square : 0;
+        return lane < rows_left ? square : 0;
     };
 """
 
 _PLAIN_SQUARES_SEARCH = _SQUARES_LANES + """
-    if (k == 3 && step == 3) {
-        for (int i = lo; i < hi; i += 8) {
+    if (k == 3 && step == 3) {  /* whole blocks of 8 rows, then the last, masked */
+        auto block = [&](int i, int rows_left) {
             lanes8 a, b, c;
             rows8(rows, n, i, &a, &b, &c);
-            take(i, squares8(i, a, b, c));
-        }
+            take(i, squares8(rows_left, a, b, c));
+        };
+        int i = lo;
+        for (; i + 8 <= hi; i += 8) block(i, 8);
+        if (i < hi) block(i, hi - i);
         return found();
     }
     for (int i = lo; i < hi; i += 8) {
@@ -1618,18 +1621,20 @@ _REDUCTIONS3 = _SQUARES_LANES + """
 """.format(**REDUCE_BITS) + """
     const float w = (float)1 / (float)(hi - lo > 1 ? hi - lo : 1), f = 1;
     lanes8 sum3[3] = {}, mean3[3] = {}, squares = {};
-    for (int i = lo; i < hi; i += 8) {
+    auto block = [&](int i, int rows_left) {  /* whole blocks unmasked once inlined */
         lanes8 v[3];
         rows8(rows, n, i, &v[0], &v[1], &v[2]);
-        const int left = 3 * (hi - i);
         for (int k = 0; k < 3; k++) {
-            const mask8 inside = lane + 8 * k < left;
+            const mask8 inside = lane + 8 * k < 3 * rows_left;
             if (sum) sum3[k] = inside ? sum3[k] + v[k] * f : sum3[k];
             if (mean) mean3[k] = inside ? mean3[k] + v[k] * w : mean3[k];
             if (rms) squares = inside ? squares + v[k] * f * v[k] : squares;
         }
-        if (largest) take(i, squares8(i, v[0], v[1], v[2]));
-    }
+        if (largest) take(i, squares8(rows_left, v[0], v[1], v[2]));
+    };
+    int i = lo;
+    for (; i + 8 <= hi; i += 8) block(i, 8);
+    if (i < hi) block(i, hi - i);
     for (int d = 0; d < 3 && sum; d++) ((float*)sums.data)[3LL * s + d] = sum24(sum3, d);
     for (int d = 0; d < 3 && mean; d++) ((float*)means.data)[3LL * s + d] = sum24(mean3, d);
     if (rms) ((float*)rms_out.data)[s] = sum8(squares);
