@@ -1169,13 +1169,16 @@ def _extreme(key, better, atomic_better, screen=None, shortcut=None):
         x: wp.array3d(dtype=Any),
         offsets: wp.array(dtype=wp.int32),
         ordered: wp.array(dtype=wp.int32),
-        first: wp.array2d(dtype=wp.int32),
+        out: wp.array2d(dtype=wp.int32),
     ):
+        # where the ids are ordered, each out[s, g] (N for an empty segment), else left as given
         s, g = wp.tid()
         if ordered[0] != 0:
             lo, hi = _segment_range(offsets, s, x.shape[0])
             if lo < hi:
-                first[s, g] = search(x, lo, hi, g)
+                out[s, g] = search(x, lo, hi, g)
+            else:
+                out[s, g] = x.shape[0]
 
     def best_kernel(
         x: wp.array3d(dtype=Any),
@@ -1583,17 +1586,17 @@ def _max_norm_lanes_kernel(
     offsets: wp.array(dtype=wp.int32),
     ordered: wp.array(dtype=wp.int32),
     lanes: int,
-    first: wp.array2d(dtype=wp.int32),
+    out: wp.array2d(dtype=wp.int32),
 ):
     # max_norm's ordered search on GPUs, a group of lanes a segment and group, launched (M·G,
-    # lanes): where the ids are ordered, first[s, g] becomes the first row of the largest norm
-    # of a non-empty segment (_lanes_squares_search, else the one-thread search); left as
-    # given otherwise.
+    # lanes): where the ids are ordered, out[s, g] becomes the first row of the largest norm
+    # of the segment (_lanes_squares_search, else the one-thread search), N for an empty one;
+    # left as given otherwise.
     t, lane = wp.tid()
     lanes = _lanes_here(lanes)
     if lane >= lanes or ordered[0] == 0:
         return
-    groups = first.shape[1]
+    groups = out.shape[1]
     s = t // groups
     g = t - s * groups
     lo, hi = _segment_range(offsets, s, x.shape[0])
@@ -1602,7 +1605,9 @@ def _max_norm_lanes_kernel(
         if lane == 0:
             if found < 0:
                 found = _max_norm_search(x, lo, hi, g)
-            first[s, g] = found
+            out[s, g] = found
+    elif lane == 0:
+        out[s, g] = x.shape[0]
 
 
 REDUCE_BITS = {"sum": 1, "mean": 2, "rms_norm": 4, "max_norm": 8}

@@ -711,19 +711,17 @@ def _extreme(x, idx, offsets, *, num_segments, indices_are_sorted, kind, gpu=Fal
         return _first_of_packed_keys(x, idx, num_segments)
     known_sorted = ids_known_sorted(offsets, indices_are_sorted)
     offsets, ordered = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
-    # Ordered ids: one pass per segment (max_norm's on GPUs by a group of LANES threads).
-    # Otherwise: the atomic best of the keys, then the atomic min of the rows attaining it. Each
-    # kernel returns at once when the flag says the other path applies; promised-sorted ids
-    # skip the other path.
-    if gpu and kind == "max_norm":
-        first = launch("max_norm_lanes", x, offsets, ordered, LANES, first,
-                       dims=(first.size, LANES), in_out=("first",), dtype=x.dtype)
-    else:
-        search = f"{kind}_ordered" if gpu else f"{kind}_cpu_ordered"
-        first = launch(search, x, offsets, ordered, first, dims=first.shape,
-                       in_out=("first",), dtype=x.dtype)
+    # Ordered ids: one pass per segment (max_norm's on GPUs by a group of LANES threads), which
+    # writes every segment's row (N where empty): ids known sorted need no `first` filled
+    # first. Otherwise: the atomic best of the keys, then the atomic min of the rows attaining
+    # it. Each kernel returns at once when the flag says the other path applies.
+    search, dims = ((("max_norm_lanes", x, offsets, ordered, LANES), (first.size, LANES))
+                    if gpu and kind == "max_norm" else
+                    ((f"{kind}_ordered" if gpu else f"{kind}_cpu_ordered", x, offsets, ordered),
+                     first.shape))
     if known_sorted:
-        return first
+        return launch(*search, dims=dims, out=first.shape, dtype=x.dtype)
+    first = launch(*search, first, dims=dims, in_out=("out",), dtype=x.dtype)
     worst, nan_key = (jnp.full(shape, key, x.dtype) for shape, key in
                       zip((first.shape, (1,)), _worst_and_nan_keys(kind, x.dtype)))
     threads = stride(gpu, n)
