@@ -1,5 +1,6 @@
 """Errors that reach the user as one or two lines and an exit code, never a traceback."""
 
+import builtins
 import signal
 import sys
 import threading
@@ -22,12 +23,14 @@ class Interrupted(BaseException):
 
 _received = []
 _held = [0]
+_deferred = []  # signals that arrived while held, not raised since
 
 
 def _interrupt(signum, frame):
     _received.append(signum)
     if not _held[0]:
         raise Interrupted(signum)
+    _deferred.append(signum)
 
 
 def hold_signals():
@@ -40,8 +43,34 @@ def release_signals(pending=True):
     """End a hold_signals(); raise Interrupted for a signal that arrived meanwhile, unless
     `pending` is False (the caller is unwinding already)."""
     _held[0] -= 1
+    if not _held[0]:
+        _deferred.clear()
     if pending and not _held[0]:
         raise_if_interrupted()
+
+
+def _whole_imports(original):
+    """`original` (builtins.__import__) holding signals in the main thread until the module is
+    loaded, then raising Interrupted for one that arrived meanwhile: an import broken off
+    halfway leaves its package half made (a later import of it fails, or a library that
+    catches every exception around an optional import goes on without it), as the lazy
+    imports of a command may run after its output exists."""
+    main = threading.main_thread().ident
+
+    def whole_import(*args, **kwargs):
+        if threading.get_ident() != main:
+            return original(*args, **kwargs)
+        _held[0] += 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _held[0] -= 1
+            if not _held[0] and _deferred:
+                signum = _deferred[0]
+                _deferred.clear()
+                raise Interrupted(signum)
+
+    return whole_import
 
 
 def _unraisable(report, default=sys.unraisablehook):
@@ -54,22 +83,27 @@ def _unraisable(report, default=sys.unraisablehook):
 @contextmanager
 def interruptible():
     """While the block runs, SIGINT and SIGTERM raise Interrupted in the main thread (so that
-    `finally` blocks remove temporary files) and a file-size limit gives an OSError rather
-    than a kill; the previous handlers are back afterwards. Elsewhere than in the main
-    thread, which alone can set handlers, nothing changes."""
+    `finally` blocks remove temporary files), after any import in progress there (see
+    _whole_imports), and a file-size limit gives an OSError rather than a kill; the previous
+    handlers are back afterwards. Elsewhere than in the main thread, which alone can set
+    handlers, nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     signals = (signal.SIGINT, signal.SIGTERM, signal.SIGXFSZ)
     previous, hook = {s: signal.getsignal(s) for s in signals}, sys.unraisablehook
+    importer = builtins.__import__
     _received.clear()
+    _deferred.clear()
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     sys.unraisablehook = _unraisable
+    builtins.__import__ = _whole_imports(importer)
     try:
         yield
     finally:
+        builtins.__import__ = importer
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         sys.unraisablehook = hook

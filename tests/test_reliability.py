@@ -103,6 +103,38 @@ def test_sigint_during_a_conversion_leaves_no_output(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["water.extxyz"]
 
 
+def test_a_signal_during_an_import_waits_for_the_module_then_interrupts(tmp_path):
+    """A real SIGINT arriving while the main thread imports a module (as a command's lazy
+    imports may, after its output exists) lets the import finish, then raises Interrupted;
+    an import in the cleanup after an Interrupted does not raise it again."""
+    (tmp_path / "slow_module.py").write_text(
+        "import os, signal\nos.kill(os.getpid(), signal.SIGINT)\nfor _ in range(1000): pass\n"
+        "DONE = True\n")
+    (tmp_path / "plain_module.py").write_text("DONE = True\n")
+    child = f"""
+import os, signal, sys
+sys.path.insert(0, {str(tmp_path)!r})
+from segcli.errors import Interrupted, interruptible
+with interruptible():
+    try:
+        import slow_module
+        print("not interrupted")
+    except Interrupted:
+        print("interrupted after the import:", sys.modules["slow_module"].DONE)
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(1000): pass
+        print("not interrupted")
+    except Interrupted:
+        import plain_module
+        print("cleanup import:", plain_module.DONE)
+"""
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["interrupted after the import: True", "cleanup import: True"]
+
+
 def test_concurrent_in_place_writers_all_land(tmp_path, composition_file):
     """Three runs storing results in one file at once: each exits 0 and each result is there."""
     source, counts, energies = composition_file
