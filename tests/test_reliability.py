@@ -132,7 +132,8 @@ with interruptible():
     done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
                           timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == ["interrupted after the import: True", "cleanup import: True"]
+    assert done.stdout.splitlines() == ["interrupted after the import: True",
+                                        "cleanup import: True"]
 
 
 def test_concurrent_in_place_writers_all_land(tmp_path, composition_file):
