@@ -269,9 +269,10 @@ class _Padded(NamedTuple):
     device_checks_nan: bool = False
 
 
-def _nan_rows(chunk, name, where_present):
+def _nan_rows(chunk, name, where_present, keep=None):
     """The rows of field `name` of `chunk` that hold NaN (with `where_present`, only in
-    structures that have the field, see Chunk.present), or None where none does."""
+    structures that have the field, see Chunk.present; only in those `keep` marks, see
+    _whole_kept), or None where none does."""
     array = chunk.atoms.get(name, chunk.structures.get(name))
     # the max is NaN where an entry is (never otherwise, where a sum of ±inf is), and takes
     # half the time of a sum
@@ -279,19 +280,29 @@ def _nan_rows(chunk, name, where_present):
         return None
     rows = np.isnan(array.reshape(len(array), -1)).any(axis=1)
     have = chunk.present.get(name) if where_present else None
-    if have is not None:
-        rows &= np.repeat(have, chunk.n_atoms) if name in chunk.atoms else have
+    for mask in (have, _whole_kept(chunk, keep)):
+        if mask is not None:
+            rows &= np.repeat(mask, chunk.n_atoms) if name in chunk.atoms else mask
     return rows if rows.any() else None
 
 
-def nan_checked(path, chunks, names, where_present=False):
+def _whole_kept(chunk, keep):
+    """The structures of `chunk` that `keep` ((S,) bool over the file's, or None) marks, where
+    the chunk holds them all (computed whole, see _padded_chunks), else None."""
+    if keep is None or chunk.selected is not None:
+        return None
+    return keep[chunk.start:chunk.start + len(chunk.n_atoms)]
+
+
+def nan_checked(path, chunks, names, where_present=False, keep=None):
     """The chunks, each given once checked: DataError naming the first of the fields `names`
     that holds NaN (with `where_present`, only in structures that have the field, see
-    Chunk.present), with its count over all the chunks and the first structure."""
+    Chunk.present; only in those `keep` marks of a chunk computed whole, see _whole_kept),
+    with its count over all the chunks and the first structure."""
     bad = None  # [field, NaN count, first structure]
     for chunk in chunks:
         for name in names if bad is None else [bad[0]]:
-            rows = _nan_rows(chunk, name, where_present)
+            rows = _nan_rows(chunk, name, where_present, keep)
             if rows is None:
                 continue
             array = chunk.atoms.get(name, chunk.structures.get(name))
@@ -454,11 +465,13 @@ def lending(buffers, dtypes, fields, least_rows, windows=False):
     return into
 
 
-def _padded_chunks(batch, jobs, chunk_atoms, structures, buffers, on_device=False, keep=None):
-    """(Chunk, _Padded) for each chunk (of the structures `keep` marks, see Batch.iter_chunks),
-    holding every field the jobs read, in `buffers` (a _BufferRing); DataError if one holds
-    NaN, with the count over the whole selection and the first structure. With `on_device`
-    the NaN check is left to the device (see _compiled)."""
+def _padded_chunks(batch, jobs, chunk_atoms, structures, buffers, on_device=False, keep=None,
+                   whole=None):
+    """(Chunk, _Padded) for each chunk (of the structures `keep` marks, see Batch.iter_chunks;
+    or, given `whole`, of those it marks, see _whole_or_taken), holding every field the jobs
+    read, in `buffers` (a _BufferRing); DataError if one holds NaN, with the count over the
+    whole selection and the first structure. With `on_device` the NaN check is left to the
+    device (see _compiled)."""
     from segcli.io.core import check_memory
 
     dtypes = field_dtypes(jobs)
@@ -474,13 +487,44 @@ def _padded_chunks(batch, jobs, chunk_atoms, structures, buffers, on_device=Fals
     windows = not on_device and not buffers.pinned
     chunks = batch.iter_chunks(list(read), chunk_atoms=chunk_atoms, structures=structures,
                                into=lending(buffers, dtypes, fields, least[0], windows),
-                               keep=keep)
+                               keep=keep if whole is None else None)
+    if whole is not None:
+        chunks = _whole_or_taken(chunks, whole)
     if not on_device:
         shown = shown_nan(jobs, fields)
         chunks = nan_checked(jobs[0].path, chunks, [n for n in read if n not in shown],
-                             where_present=True)
+                             where_present=True, keep=whole)
     for chunk in chunks:
         yield chunk, _pad(dtypes, chunk, least, buffers, on_device)
+
+
+WHOLE = 0.25
+"""The share of a chunk's atoms that the structures a selection keeps must hold for the chunk
+to be computed whole (see _whole_or_taken): copying the kept rows costs more than the kernels
+of the others (on a 2-core VM a copy of 2 Mi rows of 3 float64 takes 4 times rms_norm's)."""
+
+
+def _whole_or_taken(chunks, keep):
+    """The chunks, each as it is where the structures `keep` ((S,) bool) marks hold at least
+    WHOLE of its atoms (computed whole: the results of the others are left out, see
+    _finished), else those structures taken (copied, see Chunk.take); chunks with none left
+    out."""
+    for chunk in chunks:
+        mask = keep[chunk.start:chunk.start + len(chunk.n_atoms)]
+        if not mask.any():
+            continue
+        kept_atoms = int(chunk.n_atoms[mask].sum())
+        yield chunk if kept_atoms >= WHOLE * int(chunk.n_atoms.sum()) else chunk.take(mask)
+
+
+def whole_selection(jobs, keep):
+    """`keep` where the jobs may compute chunks whole and leave out the results of the
+    structures it does not mark (every output per structure, so leaving them out copies
+    little), else None."""
+    if keep is None or any(per != "structure" for job in jobs
+                           for per, _, _ in job.outputs.values()):
+        return None
+    return keep
 
 
 def shown_nan(jobs, fields):
@@ -728,18 +772,19 @@ def run(batch, jobs, device, *, chunk_atoms=DEFAULT_CHUNK_ATOMS, structures=slic
     jobs = tuple(jobs)
     on_device = device.platform != "cpu" if on_device is None else on_device
     devices = peers(device)
+    whole = whole_selection(jobs, keep)
     with buffer_ring(device.platform != "cpu") as buffers:
         items = prefetch(_padded_chunks(batch, jobs, chunk_atoms, structures, buffers, on_device,
-                                        keep))
+                                        keep, whole))
         with contextlib.closing(items):
             flying = collections.deque()  # (chunk, launch) in flight, one more than devices
             for number, (chunk, padded) in enumerate(items):
                 flying.append((chunk, launch(jobs, padded, devices[number % len(devices)])))
                 if len(flying) > len(devices):
                     yield _finished(jobs, *flying.popleft(), itertools.chain(
-                        [c for c, _ in flying], (c for c, _ in items)))
+                        [c for c, _ in flying], (c for c, _ in items)), whole)
             while flying:
-                yield _finished(jobs, *flying.popleft(), [c for c, _ in flying])
+                yield _finished(jobs, *flying.popleft(), [c for c, _ in flying], whole)
 
 
 def peers(device):
@@ -761,17 +806,24 @@ HOST_DEVICES = 4
 CPU, each holding its buffers and results."""
 
 
-def _finished(jobs, chunk, launched, rest):
+def _finished(jobs, chunk, launched, rest, keep=None):
     """(chunk, outputs) of a launched chunk; DataError counting and naming NaN over it and the
     chunks `rest` (those after it) where the device found one, or a value is NaN that a NaN
-    input would make so and the chunk holds one (not where ±inf made it)."""
+    input would make so and the chunk holds one (not where ±inf made it). Of a chunk computed
+    whole (see _whole_kept), the structures `keep` marks: their results, and the chunk of
+    them without its per-atom fields (which no consumer of per-structure results reads)."""
     outputs, nan = finish(launched)
     read = reads(jobs)
-    if nan and any(_nan_rows(chunk, name, True) is not None for name in read):
+    if nan and any(_nan_rows(chunk, name, True, keep) is not None for name in read):
         for _ in nan_checked(jobs[0].path, itertools.chain([chunk], rest), read,
-                             where_present=True):  # counted and named, over the rest too
+                             where_present=True, keep=keep):  # counted and named, the rest too
             pass
-    return chunk, tuple(_blank_absent(job, chunk, out) for job, out in zip(jobs, outputs))
+    outputs = tuple(_blank_absent(job, chunk, out) for job, out in zip(jobs, outputs))
+    kept = _whole_kept(chunk, keep)
+    if kept is None or kept.all():
+        return chunk, outputs
+    return (chunk._replace(atoms={}).take(kept),
+            tuple({label: array[kept] for label, array in out.items()} for out in outputs))
 
 
 def _blank_absent(job, chunk, outputs):

@@ -409,6 +409,60 @@ def test_nan_is_counted_over_every_chunk_and_named_either_way(tmp_path, on_devic
             list(engine.run(batch, [job], DEVICE, chunk_atoms=20, on_device=on_device))
 
 
+@pytest.mark.parametrize("on_device", [False, True])
+def test_a_selection_computed_whole_or_taken_gives_the_same_results_and_errors(
+        tmp_path, monkeypatch, on_device):
+    """Chunks whose kept structures hold at least engine.WHOLE of the atoms are computed whole
+    and the others' results left out; the rest are taken (copied). Whichever way each chunk
+    goes, the kept structures' results are the same bits, against NumPy, their numbers the
+    kept ones; a NaN in a structure left out is no error, one in a kept structure is counted
+    over the kept ones only."""
+    rng = np.random.default_rng(11)
+    n_atoms = rng.integers(0, 7, 120)
+    x = rng.normal(size=(int(n_atoms.sum()), 3))
+    keep = rng.random(120) < 0.6
+    keep[:20], keep[20:40], keep[40:60] = True, False, np.arange(20) % 7 == 0  # all, none, few
+    first = np.cumsum(n_atoms) - n_atoms
+    dropped = np.flatnonzero(~keep & (n_atoms > 0))
+    x[first[dropped[:5]]] = np.nan  # NaN only where left out
+    path = write_batch(tmp_path / "x.h5", n_atoms, {"x": x})
+    ops_ = ["rms_norm", "max_norm", "sum", "count"]
+
+    def run(whole):
+        monkeypatch.setattr(engine, "WHOLE", whole)
+        with open_batch(path) as batch:
+            jobs = [engine.plan(str(path), OPS[op], [] if op == "count" else ["x"],
+                                batch.fields) for op in ops_]
+            assert engine.whole_selection(jobs, keep) is keep
+            chunks = list(engine.run(batch, jobs, DEVICE, chunk_atoms=30, keep=keep,
+                                     on_device=on_device))
+        numbers = np.concatenate([c.structure_numbers for c, _ in chunks])
+        return numbers, [np.concatenate([o[k][""] for _, o in chunks]) for k in range(4)]
+
+    numbers, taken = run(2.0)  # every chunk taken
+    np.testing.assert_array_equal(numbers, np.flatnonzero(keep))
+    for whole in (0.0, 0.25):  # every chunk whole; some of each
+        again, results = run(whole)
+        np.testing.assert_array_equal(again, numbers)
+        for got, expected in zip(results, taken):
+            np.testing.assert_array_equal(got, expected)
+    rows = np.split(x, np.cumsum(n_atoms)[:-1])
+    norms = [np.linalg.norm(rows[s], axis=1) for s in numbers]
+    np.testing.assert_allclose(taken[0], [np.sqrt(np.mean(n ** 2)) if len(n) else 0
+                                          for n in norms], rtol=1e-12)
+    np.testing.assert_allclose(taken[1], [n.max(initial=0) for n in norms], rtol=1e-12)
+    np.testing.assert_allclose(taken[2], [rows[s].sum(axis=0) for s in numbers], atol=1e-12)
+    np.testing.assert_array_equal(taken[3], n_atoms[keep])
+    kept_row = first[np.flatnonzero(keep & (n_atoms > 0))[3]]
+    x[kept_row, 1] = np.nan
+    write_batch(tmp_path / "x.h5", n_atoms, {"x": x})
+    structure = int(np.searchsorted(np.cumsum(n_atoms), kept_row, side="right"))
+    for whole in (2.0, 0.0):
+        with pytest.raises(DataError, match=rf"field 'x' holds 1 NaN value\(s\), the first in "
+                                            rf"structure {structure}$"):
+            run(whole)
+
+
 SHOWING = [(op, k) for op in OPS for k, arg in enumerate(OPS[op].inputs)
            if OPS[op].output_per == "structure" and arg.per == "atom" and arg.kind == "float"]
 """Each per-atom float input of each op with a result per structure: their values show a
