@@ -109,6 +109,13 @@ def interruptible():
         sys.unraisablehook = hook
 
 
+def interrupting_signal():
+    """The first signal that arrived while interruptible() ran, or None: an exception that
+    follows one may be how a library (h5py's conversions, say) passed on the Interrupted that
+    its Python callback raised."""
+    return _received[0] if _received else None
+
+
 def raise_if_interrupted():
     """Raise Interrupted if a signal arrived, even one whose exception a C library's callback
     swallowed: called before a result is committed."""

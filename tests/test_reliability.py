@@ -136,6 +136,39 @@ with interruptible():
                                         "cleanup import: True"]
 
 
+def test_an_interrupt_that_a_library_turns_into_another_error_is_an_interrupt(tmp_path):
+    """A real SIGINT whose Interrupted a library's callback turned into another exception (as
+    h5py's conversions make a TypeError of it) exits 130 saying so, not with a traceback;
+    the same exception with no signal before it is still a traceback (a bug to show)."""
+    child = """
+import os, signal, sys
+import click
+from segcli.cli import main
+from segcli.errors import Interrupted
+
+@click.command()
+@click.option("--signal", "send", is_flag=True)
+def fails(send):
+    try:
+        if send:
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000): pass
+        raise TypeError("operation not defined for data type class")
+    except Interrupted as err:
+        raise TypeError("operation not defined for data type class") from err
+
+main.add_command(fails)
+main(["fails", *sys.argv[1:]])
+"""
+    interrupted = subprocess.run([sys.executable, "-c", child, "--signal"], capture_output=True,
+                                 text=True, timeout=120, cwd=tmp_path)
+    assert (interrupted.returncode, interrupted.stderr) == (130, "Interrupted (SIGINT)\n")
+    bug = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert bug.returncode == 1 and bug.stderr.startswith("Traceback"), bug.stderr
+    assert "TypeError: operation not defined" in bug.stderr
+
+
 def test_concurrent_in_place_writers_all_land(tmp_path, composition_file):
     """Three runs storing results in one file at once: each exits 0 and each result is there."""
     source, counts, energies = composition_file

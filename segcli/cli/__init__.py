@@ -13,7 +13,7 @@ import click
 
 from segcli import __version__
 from segcli.cli.common import as_program, note
-from segcli.errors import DataError, Interrupted, interruptible
+from segcli.errors import DataError, Interrupted, interruptible, interrupting_signal
 
 
 def _silence_stdout():
@@ -66,6 +66,12 @@ def _fail_on_stdout(err):
     sys.exit(1)
 
 
+def _interrupted(err):
+    """Exit 128 + the signal's number, saying which (the cleanup has run as the error unwound)."""
+    note(f"Interrupted ({err})")
+    sys.exit(err.exit_code)
+
+
 class SegcliGroup(click.Group):
     """Every command's errors as one line on stderr and an exit code (a traceback only with
     --debug): 1 for bad data and for what the system refuses (a full disk, a missing
@@ -92,13 +98,16 @@ class SegcliGroup(click.Group):
                 if ctx.meta.get("segcli.debug"):
                     raise
                 if isinstance(err, Interrupted):
-                    note(f"Interrupted ({err})")
-                    sys.exit(err.exit_code)
+                    _interrupted(err)
                 if isinstance(err, OSError):
                     err = f"{err.filename}: {err.strerror}" if err.filename else err
                     _silence_stdout()
                 note(f"Error: {err}")
                 sys.exit(1)
+            except Exception:  # after a signal: a library's rendering of its Interrupted
+                if ctx.meta.get("segcli.debug") or interrupting_signal() is None:
+                    raise
+                _interrupted(Interrupted(interrupting_signal()))
 
 
 @click.group(cls=SegcliGroup, context_settings={"help_option_names": ["-h", "--help"]})
