@@ -1596,10 +1596,7 @@ def _max_norm_lanes_kernel(
     lanes = _lanes_here(lanes)
     if lane >= lanes or ordered[0] == 0:
         return
-    groups = out.shape[1]
-    s = t // groups
-    g = t - s * groups
-    lo, hi = _segment_range(offsets, s, x.shape[0])
+    s, g, lo, hi = _group_of(offsets, t, out.shape[1], x.shape[0])
     if lo < hi:
         found = _lanes_squares_search(x, lo, hi, g, lane, lanes)
         if lane == 0:
