@@ -775,18 +775,16 @@ def _put(ct, first, idx, offsets, *, num_segments, indices_are_sorted, gpu=False
     shape = (idx.shape[0], *ct.shape[1:])
     if _empty(shape, ct):
         return jnp.zeros(shape, ct.dtype)
-    if gpu and ct.dtype == jnp.float64:  # each row written once
-        return launch("put", ct, first, idx, dims=(idx.shape[0],), out=shape)
-    # zeros, then the M chosen rows
-    return jnp.zeros(shape, ct.dtype).at[first, jnp.arange(shape[1])].add(ct, mode="drop")
+    return launch("put", ct, first, jnp.zeros(shape, ct.dtype), dims=first.shape,
+                  in_out=("out",))
 
 
 put_p = _multilinear(_Rule(
     "put", _put, lambda ct, first, idx, offsets, **_: (idx.shape[0], *ct.shape[1:]), 2,
     transposes=(lambda ct, first, seg, p: take_p.bind(ct, first, *seg, **p),)))
-"""take's transpose: ct[s, g] at row first[s, g], 0 elsewhere, for ct (M, G, K): XLA's scatter
-into zeros, or for float64 on GPUs a kernel writing each row once, which there beats it
-(float32 and CPUs: not; benchmarks/RESULTS.md)."""
+"""take's transpose: ct[s, g] at row first[s, g], 0 elsewhere, for ct (M, G, K): zeros, then
+a kernel writing the M chosen rows, a thread per segment and group (no scatter: each row
+has one writer, so neither atomics nor the ids are needed)."""
 
 
 def scaled_norms(rows):
