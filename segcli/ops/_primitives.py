@@ -775,16 +775,19 @@ def _put(ct, first, idx, offsets, *, num_segments, indices_are_sorted, gpu=False
     shape = (idx.shape[0], *ct.shape[1:])
     if _empty(shape, ct):
         return jnp.zeros(shape, ct.dtype)
-    return launch("put", ct, first, jnp.zeros(shape, ct.dtype), dims=first.shape,
-                  in_out=("out",))
+    zeros = jnp.zeros(shape, ct.dtype)
+    if gpu:
+        return launch("put", ct, first, zeros, dims=first.shape, in_out=("out",))
+    return zeros.at[first, jnp.arange(shape[1])].add(ct, mode="drop")
 
 
 put_p = _multilinear(_Rule(
     "put", _put, lambda ct, first, idx, offsets, **_: (idx.shape[0], *ct.shape[1:]), 2,
     transposes=(lambda ct, first, seg, p: take_p.bind(ct, first, *seg, **p),)))
 """take's transpose: ct[s, g] at row first[s, g], 0 elsewhere, for ct (M, G, K): zeros, then
-a kernel writing the M chosen rows, a thread per segment and group (no scatter: each row
-has one writer, so neither atomics nor the ids are needed)."""
+the M chosen rows written into them; on GPUs by a kernel, a thread per segment and group
+(each row has one writer: no atomics, no ids), which beats XLA's scatter there, and on CPUs
+by that scatter, which beats the kernel there (benchmarks/RESULTS.md)."""
 
 
 def scaled_norms(rows):
