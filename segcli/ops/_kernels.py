@@ -1586,11 +1586,13 @@ def _max_norm_lanes_kernel(
     offsets: wp.array(dtype=wp.int32),
     ordered: wp.array(dtype=wp.int32),
     lanes: int,
+    norms: wp.array2d(dtype=Any),
     out: wp.array2d(dtype=wp.int32),
 ):
     # max_norm's ordered search on GPUs, a group of lanes a segment and group, launched (M·G,
     # lanes): where the ids are ordered, out[s, g] becomes the first row of the largest norm
-    # of the segment (_lanes_squares_search, else the one-thread search), N for an empty one;
+    # of the segment (_lanes_squares_search, else the one-thread search), N for an empty one,
+    # and norms[s, g] (unless norms has no rows) that row's norm, 0 for an empty one; both
     # left as given otherwise.
     t, lane = wp.tid()
     lanes = _lanes_here(lanes)
@@ -1603,8 +1605,12 @@ def _max_norm_lanes_kernel(
             if found < 0:
                 found = _max_norm_search(x, lo, hi, g)
             out[s, g] = found
+            if norms.shape[0] > 0:
+                norms[s, g] = _norm(x, found, g)
     elif lane == 0:
         out[s, g] = x.shape[0]
+        if norms.shape[0] > 0:
+            norms[s, g] = x.dtype(0.0)
 
 
 REDUCE_BITS = {"sum": 1, "mean": 2, "rms_norm": 4, "max_norm": 8}
@@ -2141,10 +2147,10 @@ def _kernels(name):
 
 
 @functools.cache
-def _ffi(name, dtype, in_out):
+def _ffi(name, dtype, in_out, pure):
     kernel = _kernels(name)[dtype]
     outputs = len(in_out) + sum(1 for a in kernel.adj.args
-                                if a.label == "out" and "out" not in in_out)
+                                if a.label in pure and a.label not in in_out)
     return wp.jax_kernel(kernel, num_outputs=outputs, in_out_argnames=list(in_out),
                          vmap_method="sequential", block_dim=_BLOCK_DIM)
 
@@ -2155,8 +2161,9 @@ def launch(name, *args, dims, in_out=(), out=None, dtype=None):
     `dtype` picks the overload (default: the first float argument's dtype, else the kernel's
     only one).
     The in-out arguments are updated copies of the arrays passed for them; `out`, if given,
-    is the shape of a pure output named "out". One FFI call is one kernel launch, so JAX
-    can capture it into its own CUDA graph."""
+    is the shape of a pure output named "out", or {name: shape} of pure outputs (the kernel's
+    last arguments). One FFI call is one kernel launch, so JAX can capture it into its own
+    CUDA graph."""
     if dtype is None:
         floats = [a for a in args if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating)]
         dtype = (jnp.dtype(floats[0].dtype).name if floats
@@ -2165,8 +2172,10 @@ def launch(name, *args, dims, in_out=(), out=None, dtype=None):
         result = _native.launch(_kernels(name)[jnp.dtype(dtype).name], args, dims, in_out, out,
                                 _BLOCK_DIM)
     else:
-        call = _ffi(name, jnp.dtype(dtype).name, tuple(in_out))
-        result = call(*args, launch_dims=dims, output_dims=None if out is None else {"out": out})
+        shapes = out if isinstance(out, dict) else {"out": out}
+        call = _ffi(name, jnp.dtype(dtype).name, tuple(in_out), tuple(shapes))
+        result = call(*args, launch_dims=dims,
+                      output_dims={k: v for k, v in shapes.items() if v is not None} or None)
     return result[0] if len(result) == 1 else result
 
 

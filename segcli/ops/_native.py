@@ -73,19 +73,20 @@ def unavailable():
 
 class _Plan:
     """One kernel launch: its parameter block, complete but for its arrays' addresses, and
-    the FFI call's result types and aliases (in-out arrays first, then the pure output)."""
+    the FFI call's result types and aliases (in-out arrays first, then the pure outputs)."""
 
     def __init__(self, kernel, operands, dims, in_out, out, block_dim):
         self.dims = (dims,) if isinstance(dims, int) else tuple(dims)
         self.kernel, self.block_dim = kernel, block_dim
         args = [FfiArg(a.label, a.type, a.label in in_out) for a in kernel.adj.args]
-        pure = [arg for arg in args if arg.name == "out" and not arg.in_out]
+        shapes = out if isinstance(out, dict) else {"out": out}
+        pure = [arg for arg in args if arg.name in shapes and not arg.in_out]
         inputs = iter(operands)
         self.arrays, self.results, self.aliases = [], [], {}
         fields, values, sources = [], {}, {}
         for arg in args:
             if arg in pure:
-                values[arg.name] = get_jax_output_type(arg, out)
+                values[arg.name] = get_jax_output_type(arg, shapes[arg.name])
                 fields.append((arg.name, array_t))
                 continue
             value = next(inputs)
@@ -195,7 +196,8 @@ def _registry():
 
 def launch(kernel, operands, dims, in_out, out, block_dim):
     """kernel(*operands) over `dims` threads (`block_dim` a block on a GPU) as one FFI call:
-    a list of the in-out arrays' updated copies, then the pure output "out" shaped `out`."""
+    a list of the in-out arrays' updated copies, then the pure outputs: "out" shaped `out`, or
+    those `out` names {name: shape}."""
     plan = _Plan(kernel, operands, dims, in_out, out, block_dim)
     call = jax.ffi.ffi_call(_TARGET, plan.results, input_output_aliases=plan.aliases,
                             vmap_method="sequential")

@@ -703,32 +703,51 @@ def _worst_and_nan_keys(kind, dtype):
 
 
 def _extreme(x, idx, offsets, *, num_segments, indices_are_sorted, kind, gpu=False):
+    return _search(x, idx, offsets, num_segments, indices_are_sorted, kind, gpu)[0]
+
+
+def _search(x, idx, offsets, num_segments, indices_are_sorted, kind, gpu, norms=False):
+    """(first, None), or with `norms` (max_norm, float64, GPUs) (first, |x[first]|): norms the
+    lanes search writes beside its rows where the ids are ordered (one launch for a known
+    sorted max_norm), else XLA's of the rows found."""
     n, groups = x.shape[:2]
     first = jnp.full((num_segments, groups), n, jnp.int32)
     if _empty(first.shape, x):
-        return first
+        return first, jnp.zeros(first.shape, x.dtype) if norms else None
     if kind == "max_norm" and gpu and x.dtype == jnp.float32:
-        return _first_of_packed_keys(x, idx, num_segments)
+        return _first_of_packed_keys(x, idx, num_segments), None
     known_sorted = ids_known_sorted(offsets, indices_are_sorted)
     offsets, ordered = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
     # Ordered ids: one pass per segment (max_norm's on GPUs by a group of LANES threads), which
     # writes every segment's row (N where empty): ids known sorted need no `first` filled
     # first. Otherwise: the atomic best of the keys, then the atomic min of the rows attaining
     # it. Each kernel returns at once when the flag says the other path applies.
+    lanes = gpu and kind == "max_norm"
     search, dims = ((("max_norm_lanes", x, offsets, ordered, LANES), (first.size, LANES))
-                    if gpu and kind == "max_norm" else
+                    if lanes else
                     ((f"{kind}_ordered" if gpu else f"{kind}_cpu_ordered", x, offsets, ordered),
                      first.shape))
+    if lanes and norms and known_sorted:  # the search writes every norm
+        return launch(*search, dims=dims, out={"norms": first.shape, "out": first.shape},
+                      dtype=x.dtype)[::-1]
+    if lanes:  # norms written where the ids are ordered, or none (no rows)
+        written = jnp.zeros(first.shape if norms else (0, groups), x.dtype)
+        search += (written,)
+    in_out = ("norms",) if lanes and norms else ()
     if known_sorted:
-        return launch(*search, dims=dims, out=first.shape, dtype=x.dtype)
-    first = launch(*search, first, dims=dims, in_out=("out",), dtype=x.dtype)
+        return launch(*search, dims=dims, out=first.shape, dtype=x.dtype), None
+    found = launch(*search, first, dims=dims, in_out=in_out + ("out",), dtype=x.dtype)
+    written, first = found if in_out else (None, found)
     worst, nan_key = (jnp.full(shape, key, x.dtype) for shape, key in
                       zip((first.shape, (1,)), _worst_and_nan_keys(kind, x.dtype)))
     threads = stride(gpu, n)
     best = launch(f"{kind}_best", x, idx, ordered, threads, nan_key, worst, dims=(threads, groups),
                   in_out=("best",), dtype=x.dtype)
-    return launch(f"{kind}_first", x, idx, ordered, threads, nan_key, best, first,
-                  dims=(threads, groups), in_out=("first",), dtype=x.dtype)
+    first = launch(f"{kind}_first", x, idx, ordered, threads, nan_key, best, first,
+                   dims=(threads, groups), in_out=("first",), dtype=x.dtype)
+    if not norms:
+        return first, None
+    return first, jnp.where(ordered[0] != 0, written, _norms_of(x, first))
 
 
 def _packed_keys(x, idx, num_segments):
@@ -808,9 +827,9 @@ def _max_norm(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     if _in_one_pass(x, offsets, num_segments, indices_are_sorted, gpu):  # search and norm
         return _reductions(x, idx, offsets, num_segments=num_segments,
                            indices_are_sorted=indices_are_sorted, names=("max_norm",))[0]
-    first = _extreme(x, idx, offsets, num_segments=num_segments,
-                     indices_are_sorted=indices_are_sorted, kind="max_norm", gpu=gpu)
-    return _norms_of(x, first)
+    first, norms = _search(x, idx, offsets, num_segments, indices_are_sorted, "max_norm", gpu,
+                           norms=gpu)
+    return _norms_of(x, first) if norms is None else norms
 
 
 def _norms_of(x, first):
@@ -829,8 +848,9 @@ max_norm_p = _register(_Rule(
     1, batch_first=True))
 """max_i |x[i, g]| over each segment and group of x (N, G, K), 0 for an empty segment: the
 norms of the rows `extreme` (kind "max_norm") chooses, on CPUs for rows of 3 with ids known
-sorted the search and the norm in one kernel (reductions3), or on GPUs in float32 the norms
-its packed search compared. No derivative rule of its own (segcli.ops gives it one)."""
+sorted the search and the norm in one kernel (reductions3); on GPUs in float32 the norms its
+packed search compared, in float64 those its lanes search wrote where the ids are ordered.
+No derivative rule of its own (segcli.ops gives it one)."""
 
 
 def _count(idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
