@@ -804,9 +804,9 @@ put_p = _multilinear(_Rule(
     "put", _put, lambda ct, first, idx, offsets, **_: (idx.shape[0], *ct.shape[1:]), 2,
     transposes=(lambda ct, first, seg, p: take_p.bind(ct, first, *seg, **p),)))
 """take's transpose: ct[s, g] at row first[s, g], 0 elsewhere, for ct (M, G, K): zeros, then
-the M chosen rows written into them; on GPUs by a kernel, a thread per segment and group
-(each row has one writer: no atomics, no ids), which beats XLA's scatter there, and on CPUs
-by that scatter, which beats the kernel there (benchmarks/RESULTS.md)."""
+the M chosen rows written into them: on GPUs by a kernel, a thread per segment and group
+(each row has one writer: no atomics, no ids); on CPUs by XLA's scatter, faster there than
+that kernel (benchmarks/RESULTS.md)."""
 
 
 def scaled_norms(rows):
