@@ -674,3 +674,14 @@ def test_progress_on_a_cluster_counts_the_structures_where_keeps(tmp_path):
     assert code == 0, shown
     bars = [m for m in map(BAR.fullmatch, final_screen(shown)) if m]
     assert [(m["done"], m["total"]) for m in bars] == [("10", "10")], shown
+
+
+def test_leaf_of_structures_is_the_last_bound_at_or_below_each():
+    """stats._leaf_of against NumPy's search per number: numbers below, on, between and
+    above the bounds, no numbers, one bound."""
+    rng = np.random.default_rng(5)
+    for _ in range(500):
+        leaves = np.unique(rng.integers(0, 60, rng.integers(1, 12)))
+        numbers = np.unique(rng.integers(0, 70, rng.integers(0, 30)))
+        np.testing.assert_array_equal(stats._leaf_of(numbers, leaves),
+                                      np.searchsorted(leaves, numbers, side="right") - 1)
