@@ -128,21 +128,39 @@ INLINE void run_moments(const double *v, int64_t B, int64_t n, int64_t K, double
 }
 
 /* Rows x[0..rows) (T, k components) as columns of `columns` (stride B), row i at position
-   filled[label[i]]++ (at i without labels), its norm as column k where `norm`. */
+   filled[label[i]]++ (at i without labels), its norm (√Σ x², summed in the order of the
+   components) as column k where `norm`. Without labels the norms are taken in passes of
+   their own, whose roots run as vectors (4.4 -> 3.9 ns a row of 3 on one core); with labels
+   the scattered stores bound the loop, and splitting it was slower (6.2 -> 6.7). */
 #define PUT_ROWS(T)                                                                          \
     INLINE void put_rows_##T(const T *restrict x, int64_t rows, int64_t k, int norm,         \
                              const uint8_t *restrict label, int64_t *restrict filled,       \
                              double *restrict columns, int64_t B) {                          \
-        for (int64_t i = 0; i < rows; i++) {                                                 \
-            int64_t p = label ? filled[label[i]]++ : i;                                      \
+        if (label) {                                                                         \
+            for (int64_t i = 0; i < rows; i++) {                                             \
+                int64_t p = filled[label[i]]++;                                              \
+                double s = 0.0;                                                              \
+                for (int64_t c = 0; c < k; c++) {                                            \
+                    double v = (double)x[i * k + c];                                         \
+                    columns[c * B + p] = v;                                                  \
+                    s += v * v;                                                              \
+                }                                                                            \
+                if (norm) columns[k * B + p] = sqrt(s);                                      \
+            }                                                                                \
+            return;                                                                          \
+        }                                                                                    \
+        double *norms = columns + k * B;                                                     \
+        for (int64_t i = 0; i < rows && norm; i++) {                                         \
             double s = 0.0;                                                                  \
             for (int64_t c = 0; c < k; c++) {                                                \
                 double v = (double)x[i * k + c];                                             \
-                columns[c * B + p] = v;                                                      \
                 s += v * v;                                                                  \
             }                                                                                \
-            if (norm) columns[k * B + p] = sqrt(s);                                          \
+            norms[i] = s;                                                                    \
         }                                                                                    \
+        for (int64_t i = 0; i < rows && norm; i++) norms[i] = sqrt(norms[i]);                \
+        for (int64_t i = 0; i < rows; i++)                                                   \
+            for (int64_t c = 0; c < k; c++) columns[c * B + i] = (double)x[i * k + c];       \
     }
 PUT_ROWS(double)
 PUT_ROWS(float)
