@@ -85,8 +85,8 @@ Shapes (rows first, then a group axis G that vmap folds into, then features):
                                                                 * w[idx[i],g]
     matvec      v (N, G, K), m (M, G, K, K)  -> (N, G, K)       out[i,g] = v[i,g] @ m[idx[i],g]
                                                                 (@ m[idx[i],g]ᵀ with `transpose`)
-    put         ct (M, G, K), first (M, G),  -> out              out[first[s,g],g] = ct[s,g]
-                out (N, G, K) in-out                            (the other rows left as given)
+    put         ct (M, G, K), first (M, G)   -> (N, G, K)       out[i,g] = ct[idx[i],g] if
+                                                                first[idx[i],g] = i, else 0
     gather3, scale3, scale_pair3, matvec3                       the same for G = 1, K = 3
     gather3_ordered, scale3_ordered,                            the same, a segment a thread
       scale_pair3_ordered, matvec3_ordered                      over its CSR range (CPUs, the
@@ -1732,14 +1732,21 @@ def _gather_kernel(y: wp.array2d(dtype=Any), idx: wp.array(dtype=wp.int32),
 
 @_deferred
 def _put_kernel(ct: wp.array3d(dtype=Any), first: wp.array2d(dtype=wp.int32),
-                out: wp.array3d(dtype=Any)):
-    # into out (zeros): ct[s, g] at row first[s, g], a thread per segment and group (rows of
-    # distinct segments are distinct: no two threads write one entry); first = N: none
-    s, g = wp.tid()
-    i = first[s, g]
-    if i >= 0 and i < out.shape[0]:
+                idx: wp.array(dtype=wp.int32), out: wp.array3d(dtype=Any)):
+    # out[i, g] = ct[s, g] where row i is the one first[s, g] chose (s = idx[i], the only
+    # segment that can have), else 0: each row written once
+    i = wp.tid()
+    s = idx[i]
+    valid = s >= 0 and s < ct.shape[0]
+    for g in range(out.shape[1]):
+        chosen = False
+        if valid:
+            chosen = first[s, g] == i
         for k in range(out.shape[2]):
-            out[i, g, k] = ct[s, g, k]
+            v = out.dtype(0.0)
+            if chosen:  # (ct read only then: s may be out of range)
+                v = ct[s, g, k]
+            out[i, g, k] = v
 
 
 def _segment_factors(paired):

@@ -794,19 +794,18 @@ def _put(ct, first, idx, offsets, *, num_segments, indices_are_sorted, gpu=False
     shape = (idx.shape[0], *ct.shape[1:])
     if _empty(shape, ct):
         return jnp.zeros(shape, ct.dtype)
-    zeros = jnp.zeros(shape, ct.dtype)
-    if gpu:
-        return launch("put", ct, first, zeros, dims=first.shape, in_out=("out",))
-    return zeros.at[first, jnp.arange(shape[1])].add(ct, mode="drop")
+    if gpu and ct.dtype == jnp.float64:  # each row written once
+        return launch("put", ct, first, idx, dims=(idx.shape[0],), out=shape)
+    # zeros, then the M chosen rows
+    return jnp.zeros(shape, ct.dtype).at[first, jnp.arange(shape[1])].add(ct, mode="drop")
 
 
 put_p = _multilinear(_Rule(
     "put", _put, lambda ct, first, idx, offsets, **_: (idx.shape[0], *ct.shape[1:]), 2,
     transposes=(lambda ct, first, seg, p: take_p.bind(ct, first, *seg, **p),)))
-"""take's transpose: ct[s, g] at row first[s, g], 0 elsewhere, for ct (M, G, K): zeros, then
-the M chosen rows written into them: on GPUs by a kernel, a thread per segment and group
-(each row has one writer: no atomics, no ids); on CPUs by XLA's scatter, faster there than
-that kernel (benchmarks/RESULTS.md)."""
+"""take's transpose: ct[s, g] at row first[s, g], 0 elsewhere, for ct (M, G, K): XLA's scatter
+into zeros, or for float64 on GPUs a kernel writing each row once, which there beats it
+(float32 and CPUs: not; benchmarks/RESULTS.md)."""
 
 
 def scaled_norms(rows):
