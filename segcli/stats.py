@@ -466,9 +466,9 @@ def _add_chunk(chunk, s, shape, labels, leaf, first, buffers):
     values = as_rows(array)
     count = np.bincount(leaf, rows).astype(np.int64)  # rows in each leaf
     n_groups, k = len(s.moments.count[0]), len(s.components)
+    into = s.moments[first:first + len(count)]  # a view: the chunk's leaves
     native = _native_moments()
     if native is not None:
-        into = s.moments[first:first + len(count)]
         grouped = labels if s.grouped else None
         return into if native(values, bool(shape), count, grouped, into, buffers) else None
     out = Moments.empty(n_groups, k, leaves=len(count))
@@ -488,7 +488,7 @@ def _add_chunk(chunk, s, shape, labels, leaf, first, buffers):
                 value = value.reshape(n_groups, b - a, *tail).swapaxes(0, 1)
             getattr(out, key)[a:b] = value.reshape(b - a, n_groups, *tail)
     _add_leaves(s.moments, first, out)
-    return s.moments[first:first + len(count)]
+    return into
 
 
 @functools.cache

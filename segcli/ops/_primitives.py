@@ -729,8 +729,9 @@ def _search(x, idx, offsets, num_segments, indices_are_sorted, kind, gpu, norms=
                     ((f"{kind}_ordered" if gpu else f"{kind}_cpu_ordered", x, offsets, ordered),
                      first.shape))
     if lanes and norms and known_sorted:  # the search writes every norm
-        return launch(*search, dims=dims, out={"norms": first.shape, "out": first.shape},
-                      dtype=x.dtype)[::-1]
+        written, first = launch(*search, dims=dims, dtype=x.dtype,
+                                out={"norms": first.shape, "out": first.shape})
+        return first, written
     if lanes:  # norms written where the ids are ordered, or none (no rows)
         written = jnp.zeros(first.shape if norms else (0, groups), x.dtype)
         search += (written,)
