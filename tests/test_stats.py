@@ -146,9 +146,13 @@ def test_structure_ranges_combine_exactly(random_file):
         np.testing.assert_array_equal(merged.count, expected.count)
         np.testing.assert_array_equal(merged.min, expected.min)
         np.testing.assert_array_equal(merged.max, expected.max)
+        # a mean near 0 (one run in a few thousand: 6e-5 of values near 1) rounds as the
+        # values it sums do, not as itself
+        scale = np.abs(expected.rms[expected.count > 0]).max()
         for key in ("mean", "std", "rms"):
             np.testing.assert_allclose(getattr(merged, key)[merged.count > 0],
-                                       getattr(expected, key)[expected.count > 0], rtol=REL)
+                                       getattr(expected, key)[expected.count > 0], rtol=REL,
+                                       atol=REL * scale)
 
 
 def test_moments_of_groups_and_merge_with_empty():
