@@ -523,7 +523,7 @@ def _native_moments():
         block = NATIVE_BLOCK_ROWS
         size = lib.segcli_moments_scratch(block, n_groups, k) // 8
         offsets = np.concatenate([[0], np.cumsum(count)])
-        parts = plan_chunks(count, max(PART_ROWS, -(-int(offsets[-1]) // helpers)))
+        parts = _balanced(offsets, max(1, min(helpers, int(offsets[-1]) // PART_ROWS)))
 
         bad = []  # the parts that found a label that is no group
 
@@ -549,6 +549,15 @@ PART_ROWS = 1 << 18
 """The fewest rows that a thread takes of a chunk's moments (whole leaves): a chunk's leaves
 are shared by up to `threads.count()` threads, one fewer where the reading thread copies the
 rows (it then takes the last core)."""
+
+
+def _balanced(offsets, parts):
+    """Bounds [0, ..., L] cutting the L leaves of row `offsets` (L + 1,) into at most `parts`
+    runs of whole leaves, each cut at the leaf bound at or after its share of the rows (so
+    that threads taking a run each finish together, to within a leaf)."""
+    shares = np.arange(1, parts) * (int(offsets[-1]) / parts)
+    cuts = np.searchsorted(offsets, shares)
+    return np.unique(np.concatenate([[0], cuts, [len(offsets) - 1]])).tolist()
 
 
 def moments_library(lib):

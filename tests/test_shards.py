@@ -20,7 +20,7 @@ from segcli.io.core import (
     merge_pieces,
     rechunk,
     segment_bounds,
-    whole_segments,
+    segment_runs,
 )
 from segcli.shards import ENVIRONMENTS, leaf_bounds, shard_bounds
 
@@ -275,9 +275,9 @@ def test_shards_of_many_files_merge_into_one_run(tmp_path):
 @pytest.mark.parametrize("seed", range(20))
 def test_chunks_hold_whole_segments_and_copy_only_those_they_join(seed):
     """iter_chunks with breaks: every chunk holds whole segments (the runs between breaks, one
-    of more than chunk_atoms atoms split greedily from its start) and at most chunk_atoms
-    atoms (or one bigger structure), whatever pieces the reader gave; a chunk of one piece
-    is a view of it."""
+    of more than chunk_atoms atoms split greedily from its start), as many as fit in
+    chunk_atoms atoms (or one bigger structure), whatever pieces the reader gave; a chunk
+    within one piece is a view of it."""
     rng = np.random.default_rng(seed)
     n_atoms = rng.integers(0, 20, rng.integers(0, 60))
     offsets = np.concatenate([[0], np.cumsum(n_atoms)])
@@ -287,7 +287,6 @@ def test_chunks_hold_whole_segments_and_copy_only_those_they_join(seed):
     schema = {"x": FieldInfo("x", "atom", (), x.dtype)}
     pieces = [Chunk(a, n_atoms[a:b], {"x": x[offsets[a]:offsets[b]]}, {})
               for a, b in itertools.pairwise(cuts)]
-    read = [merge_pieces("f", group, schema) for group in rechunk(iter(pieces), chunk_atoms)]
     breaks = sorted(set(rng.integers(0, len(n_atoms) + 1, 4).tolist()))
     bounds = segment_bounds(n_atoms, breaks, chunk_atoms)
     wanted, start = [0], 0
@@ -300,18 +299,21 @@ def test_chunks_hold_whole_segments_and_copy_only_those_they_join(seed):
             wanted.append(end)
             start = end
     assert bounds.tolist() == (wanted if len(n_atoms) else [0])
-    got = list(whole_segments("f", iter(read), bounds, schema))
+    runs = segment_runs(n_atoms, breaks, chunk_atoms)
+    got = [merge_pieces("f", group, schema) for group in rechunk(iter(pieces), chunk_atoms, runs)]
     starts, stops = [c.start for c in got], [c.start + len(c.n_atoms) for c in got]
     assert starts == [0, *stops[:-1]] and stops[-1:] == [len(n_atoms)][:len(got)]
     assert set(starts + stops) <= set(wanted)
+    segment_atoms = np.diff(offsets[bounds])
     for chunk, stop in zip(got, stops):
         assert chunk.n_atoms.sum() <= chunk_atoms or len(chunk.n_atoms) == 1
+        if stop < len(n_atoms):  # the next segment would not fit
+            following = segment_atoms[np.searchsorted(bounds, stop)]
+            assert chunk.n_atoms.sum() + following > chunk_atoms
         np.testing.assert_array_equal(chunk.atoms["x"], x[offsets[chunk.start]:offsets[stop]])
-        holder = [r for r in read if r.start <= chunk.start and stop <= r.start + len(r.n_atoms)]
+        holder = [p for p in pieces if p.start <= chunk.start and stop <= p.start + len(p.n_atoms)]
         if holder and len(chunk.atoms["x"]):
             assert np.shares_memory(chunk.atoms["x"], holder[0].atoms["x"])
-
-
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -184,7 +184,7 @@ class StreamedBatch(Batch):
             pieces = (only(piece, keep) for piece in pieces)
         return rechunk(pieces, chunk_atoms)
 
-    def _pieces(self, start, stop, names, chunk_atoms, into=None):
+    def _pieces(self, start, stop, names, chunk_atoms, into=None, bounds=None):
         for piece in self.structures(start, stop):
             yield piece if names is None else only(piece, names.__contains__)
 

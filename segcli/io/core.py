@@ -259,9 +259,14 @@ def split_piece(piece, k):
     return head, tail
 
 
-def rechunk(pieces, chunk_atoms):
+def rechunk(pieces, chunk_atoms, bounds=None):
     """Group a stream of pieces (consecutive structures) into lists forming chunks of whole
-    structures with at most `chunk_atoms` atoms; the same runs as `plan_chunks`."""
+    structures with at most `chunk_atoms` atoms; the same runs as `plan_chunks`. Given
+    `bounds` (increasing structure numbers, the first where the pieces start), the chunks are
+    the runs between them instead, pieces cut at them."""
+    if bounds is not None:
+        yield from _cut_at(pieces, bounds)
+        return
     group, room = [], chunk_atoms
     for piece in pieces:
         total = int(piece.n_atoms.sum())
@@ -287,6 +292,24 @@ def rechunk(pieces, chunk_atoms):
         yield group
 
 
+def _cut_at(pieces, bounds):
+    """The pieces grouped into lists that end at each structure number of `bounds`."""
+    ends = iter(bounds[1:])
+    end, group = next(ends, None), []
+    for piece in pieces:
+        while len(piece.n_atoms):
+            if end is None:  # past the last bound
+                group.append(piece)
+                break
+            head, piece = split_piece(piece, min(int(end) - piece.start, len(piece.n_atoms)))
+            group.append(head)
+            if head.start + len(head.n_atoms) == end:
+                yield group
+                end, group = next(ends, None), []
+    if group:
+        yield group
+
+
 def segment_bounds(n_atoms, breaks, chunk_atoms):
     """Bounds (0 to len(n_atoms)) of the segments of structures of `n_atoms` atoms: the runs
     between the structure numbers `breaks`, one of more than `chunk_atoms` atoms cut into the
@@ -300,27 +323,12 @@ def segment_bounds(n_atoms, breaks, chunk_atoms):
     return np.unique(np.concatenate([runs, *cuts]))
 
 
-def whole_segments(path, chunks, bounds, schema):
-    """The chunks (consecutive structures, from bounds[0] to bounds[-1]) cut at the segment
-    bounds `bounds`: a chunk's run of whole segments as it is (no copy), and each segment
-    that spans chunks joined into a chunk of its own (merge_pieces, `schema` its fields)."""
-    held = []  # the parts of a segment that began in a chunk before
-    for chunk in chunks:
-        stop = chunk.start + len(chunk.n_atoms)
-        if held:
-            end = int(bounds[np.searchsorted(bounds, chunk.start, side="right")])
-            if end > stop:
-                held.append(chunk)
-                continue
-            head, chunk = split_piece(chunk, end - chunk.start)
-            yield merge_pieces(path, [*held, head], schema)
-            held = []
-        last = int(bounds[np.searchsorted(bounds, stop, side="right") - 1])
-        body, rest = split_piece(chunk, max(last - chunk.start, 0))
-        if len(body.n_atoms):
-            yield body
-        if len(rest.n_atoms):
-            held = [rest]
+def segment_runs(n_atoms, breaks, chunk_atoms):
+    """Bounds of the runs of whole segments (see segment_bounds) that hold at most
+    `chunk_atoms` atoms each (a bigger segment alone), from the first (0)."""
+    bounds = segment_bounds(n_atoms, breaks, chunk_atoms)
+    offsets = np.concatenate([[0], np.cumsum(n_atoms, dtype=np.int64)])
+    return bounds[plan_chunks(np.diff(offsets[bounds]), chunk_atoms)]
 
 
 def merge_pieces(path, pieces, schema, fill=None):
@@ -508,10 +516,11 @@ class Batch:
 
     Subclasses provide `n_atoms`, `_stored` (name -> FieldInfo of the fields in the file),
     `_present(name)` (see `present`, for a stored field or result) and
-    `_pieces(start, stop, names, chunk_atoms, into=None)`, which yields Chunks of consecutive
-    structures from `start` to `stop` (None: the end) holding those of `names` (None: all
-    stored fields) they have, reading a per-atom field into `into(name, rows)` where they can
-    (see iter_chunks). `_result_fields` (name -> FieldInfo) are the stored results that
+    `_pieces(start, stop, names, chunk_atoms, into=None, bounds=None)`, which yields Chunks of
+    consecutive structures from `start` to `stop` (None: the end) holding those of `names`
+    (None: all stored fields) they have, reading a per-atom field into `into(name, rows)` where
+    they can (see iter_chunks), and where the format reads any structures as cheaply as any
+    others, ending them at the structure numbers `bounds` (the chunks to come, see rechunk). `_result_fields` (name -> FieldInfo) are the stored results that
     `_pieces` also reads.
     """
 
@@ -619,8 +628,8 @@ class Batch:
         """Yield Chunks of whole structures, at most `chunk_atoms` atoms each (a bigger structure
         alone), holding the requested per-atom and per-structure fields. With `breaks`
         (structure numbers), a chunk holds whole segments (see segment_bounds): runs between
-        breaks, but for those of more than `chunk_atoms` atoms, cut from their start; only a
-        segment that spans two chunks as read is copied to be whole (see whole_segments).
+        breaks, but for those of more than `chunk_atoms` atoms, cut from their start; as many
+        as it can (see segment_runs), read as one piece where the format can.
 
         `into(name, rows)`, if given, may return an array to read a chunk's stored per-atom field
         into (or None); a format that can read in place (segcli HDF5, when the array has the
@@ -642,13 +651,12 @@ class Batch:
                    for name in fields}
         read = {n: available[n] for names in sources.values() for n in names}
         stop = max(start, stop)
-        chunks = self._chunks(self._pieces(start, stop, list(read), chunk_atoms, into),
-                              chunk_atoms, read, sources)
+        bounds = None
         if len(breaks):
-            bounds = start + segment_bounds(self.n_atoms[start:stop],
-                                            np.asarray(breaks, np.int64) - start, chunk_atoms)
-            chunks = whole_segments(self.path, chunks, bounds,
-                                    {name: available[name] for name in fields})
+            bounds = start + segment_runs(self.n_atoms[start:stop],
+                                          np.asarray(breaks, np.int64) - start, chunk_atoms)
+        chunks = self._chunks(self._pieces(start, stop, list(read), chunk_atoms, into, bounds),
+                              chunk_atoms, read, sources, bounds)
         if keep is None:
             yield from chunks
             return
@@ -657,12 +665,12 @@ class Batch:
             if mask.any():
                 yield chunk.take(mask)
 
-    def _chunks(self, pieces, chunk_atoms, read, sources):
-        """Chunks of the pieces, with each field of `sources` (name -> the fields of `read`
-        that it is read or derived from); a field that some structures lack is filled there
-        (see fill_value) and marked in the chunk's `present`, as in a converted file."""
+    def _chunks(self, pieces, chunk_atoms, read, sources, bounds=None):
+        """Chunks of the pieces (see rechunk), with each field of `sources` (name -> the fields
+        of `read` that it is read or derived from); a field that some structures lack is filled
+        there (see fill_value) and marked in the chunk's `present`, as in a converted file."""
         available = self.fields
-        for group in rechunk(pieces, chunk_atoms):
+        for group in rechunk(pieces, chunk_atoms, bounds):
             chunk = merge_pieces(self.path, group, read, np.nan)
             out = {"atom": {}, "structure": {}}
             present = {}
@@ -701,5 +709,5 @@ class EmptyBatch(Batch):
     n_atoms = np.zeros(0, np.int64)
     _stored = MappingProxyType({})
 
-    def _pieces(self, start, stop, names, chunk_atoms, into=None):
+    def _pieces(self, start, stop, names, chunk_atoms, into=None, bounds=None):
         return iter(())

@@ -474,10 +474,11 @@ class SegcliBatch(Batch):
             return plain(self._datasets[name].attrs["fill_value"])
         return None
 
-    def _pieces(self, start, stop, names, chunk_atoms, into=None):
+    def _pieces(self, start, stop, names, chunk_atoms, into=None, bounds=None):
         stop = self.n_structures if stop is None else stop
         names = list(self._stored) if names is None else names
-        bounds = start + np.array(plan_chunks(self.n_atoms[start:stop], chunk_atoms))
+        if bounds is None:
+            bounds = start + np.array(plan_chunks(self.n_atoms[start:stop], chunk_atoms))
         per = {**self._result_fields, **self._stored}
         row_bytes = sum(per[name].dtype.itemsize * math.prod(per[name].shape) for name in names
                         if per[name].per == "atom")
@@ -632,7 +633,7 @@ class ConformerBatch(Batch):
                          [m.n_conformers for m in self._molecules])
         return None if have.all() else have
 
-    def _pieces(self, start, stop, names, chunk_atoms, into=None):
+    def _pieces(self, start, stop, names, chunk_atoms, into=None, bounds=None):
         stop = self.n_structures if stop is None else stop
         m = int(np.searchsorted(self._first, start, side="right")) - 1
         while start < stop:

@@ -337,7 +337,7 @@ class MultiBatch(Batch):
         info = self.fields[name]
         return None if self.present(name) is None else fill_value(info.dtype, np.nan)
 
-    def _pieces(self, start, stop, names, chunk_atoms, into=None):
+    def _pieces(self, start, stop, names, chunk_atoms, into=None, bounds=None):
         from segcli.io import open_batch
 
         stop = self.n_structures if stop is None else stop
@@ -350,8 +350,10 @@ class MultiBatch(Batch):
             batch = open_batch(self._layout.path(member), self._layout.input_format)
             self._open.append(batch)
             try:
+                inside = None if bounds is None else np.unique(np.clip(bounds, lo, hi)) - first
                 for piece in batch._pieces(int(lo - first), int(hi - first),
-                                           [n for n in names if n in has], chunk_atoms, into):
+                                           [n for n in names if n in has], chunk_atoms, into,
+                                           inside):
                     yield self._completed(member, piece, names)
             finally:
                 if batch in self._open:
