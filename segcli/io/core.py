@@ -520,8 +520,8 @@ class Batch:
     consecutive structures from `start` to `stop` (None: the end) holding those of `names`
     (None: all stored fields) they have, reading a per-atom field into `into(name, rows)` where
     they can (see iter_chunks), and where the format reads any structures as cheaply as any
-    others, ending them at the structure numbers `bounds` (the chunks to come, see rechunk). `_result_fields` (name -> FieldInfo) are the stored results that
-    `_pieces` also reads.
+    others, ending them at the structure numbers `bounds` (the chunks to come, see rechunk).
+    `_result_fields` (name -> FieldInfo) are the stored results that `_pieces` also reads.
     """
 
     format = ""
