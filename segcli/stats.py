@@ -24,6 +24,7 @@ import numpy as np
 from segcli import threads
 from segcli.errors import DataError
 from segcli.io.core import Window, held, plan_chunks
+from segcli.shards import even_cuts
 
 N_ELEMENTS = 119
 """Atomic numbers 0 (ASE's placeholder X) to 118."""
@@ -523,7 +524,9 @@ def _native_moments():
         block = NATIVE_BLOCK_ROWS
         size = lib.segcli_moments_scratch(block, n_groups, k) // 8
         offsets = np.concatenate([[0], np.cumsum(count)])
-        parts = _balanced(offsets, max(1, min(helpers, int(offsets[-1]) // PART_ROWS)))
+        # as many runs of whole leaves as threads, each cut after its share of the rows
+        runs = max(1, min(helpers, int(offsets[-1]) // PART_ROWS))
+        parts = np.unique(even_cuts(count, runs)).tolist()
 
         bad = []  # the parts that found a label that is no group
 
@@ -549,15 +552,6 @@ PART_ROWS = 1 << 18
 """The fewest rows that a thread takes of a chunk's moments (whole leaves): a chunk's leaves
 are shared by up to `threads.count()` threads, one fewer where the reading thread copies the
 rows (it then takes the last core)."""
-
-
-def _balanced(offsets, parts):
-    """Bounds [0, ..., L] cutting the L leaves of row `offsets` (L + 1,) into at most `parts`
-    runs of whole leaves, each cut at the leaf bound at or after its share of the rows (so
-    that threads taking a run each finish together, to within a leaf)."""
-    shares = np.arange(1, parts) * (int(offsets[-1]) / parts)
-    cuts = np.searchsorted(offsets, shares)
-    return np.unique(np.concatenate([[0], cuts, [len(offsets) - 1]])).tolist()
 
 
 def moments_library(lib):
