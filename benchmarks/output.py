@@ -34,8 +34,8 @@ import h5py
 import numpy as np
 import orjson
 
+from segcli import keep_freed_buffers
 from segcli.cli.compute import _Hdf5Sink, _NpySink, _TextSink
-from segcli.engine import keep_freed_buffers
 from segcli.io import ResultWriter, text
 from segcli.io.core import Chunk
 

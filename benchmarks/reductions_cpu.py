@@ -21,7 +21,7 @@ import numpy as np
 
 jax.config.update("jax_enable_x64", True)
 
-from segcli import engine, ops  # noqa: E402  (after x64 is on)
+from segcli import keep_freed_buffers, ops  # noqa: E402  (after x64 is on)
 
 THREE = ("rms_norm", "max_norm", "mean")
 
@@ -51,7 +51,7 @@ def main():
     parser.add_argument("--rows", type=int, default=1 << 21)
     parser.add_argument("--rounds", type=int, default=21)
     args = parser.parse_args()
-    engine.keep_freed_buffers()  # as the segcli program does
+    keep_freed_buffers()  # as the segcli program does
     rng = np.random.default_rng(0)
     n_atoms = rng.integers(1, 64, args.rows)
     n_atoms = n_atoms[np.cumsum(n_atoms) <= args.rows]

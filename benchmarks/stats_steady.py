@@ -1,11 +1,11 @@
 """Steady-state throughput of `segcli stats FILE forces` (and `--per-element`) against a bare
 chunked h5py read of the same datasets, in one process: passes after a first one (imports,
-page cache and allocator warm), in turns, medians; the moments in C (segcli/_moments.c) and,
-beside them, by NumPy's passes (SEGCLI_NATIVE_STATS=0, the path taken where no C compiler
-builds the kernel). With --before REV, also the statistics of `segcli/stats.py` as it was at
-git revision REV (loaded as a module of its own). On a shared
-machine, a pass during which other processes kept more than a tenth of a core busy (Linux
-/proc/stat) is left out and made again.
+page cache and allocator warm; freed blocks kept for reuse, as in the segcli program), in
+turns, medians; the moments in C (segcli/_moments.c) and, beside them, by NumPy's passes
+(SEGCLI_NATIVE_STATS=0, the path taken where no C compiler builds the kernel). With
+--before REV, also the statistics of `segcli/stats.py` as it was at git revision REV (loaded
+as a module of its own). On a shared machine, a pass during which other processes kept more
+than a tenth of a core busy (Linux /proc/stat) is left out and made again.
 
     python benchmarks/stats_steady.py [--atoms 10000000] [--passes 7] [--before REV] [--dir DIR]
 
@@ -25,7 +25,7 @@ import h5py
 from reduce import make_file
 from stats import add_fields
 
-from segcli import stats
+from segcli import keep_freed_buffers, stats
 from segcli.io import open_batch
 
 STEP = 1 << 21
@@ -93,6 +93,7 @@ def main():
     parser.add_argument("--before", metavar="REV", help="also time segcli/stats.py at REV")
     parser.add_argument("--dir", default=tempfile.gettempdir())
     args = parser.parse_args()
+    keep_freed_buffers()  # as the segcli program does
     with tempfile.TemporaryDirectory(dir=args.dir) as directory:
         path = os.path.join(directory, "steady.h5")
         make_file(path, args.atoms)

@@ -10,3 +10,20 @@ def cache_directory():
 
     return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
                         "segcli")
+
+
+def keep_freed_buffers():
+    """Have glibc's malloc keep freed blocks of up to 256 MiB for reuse, rather than unmap
+    them: XLA's CPU client allocates every output afresh, and on a VM the page faults of a
+    fresh 48 MiB block cost about 35 ms a chunk, five times the kernel (benchmarks/RESULTS.md).
+    Process-wide, so for the segcli program and its local clusters' workers only (see
+    cli.common.as_program and cluster.dask_setup), not for library users; nothing without
+    glibc."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except AttributeError:
+        return
+    mallopt(-3, 256 << 20)  # M_MMAP_THRESHOLD
+    mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD

@@ -74,9 +74,9 @@ def _local_cluster(address):
 def dask_setup(worker):
     """Run as a worker that preloads this module starts (those of --scheduler local:..., or
     `dask worker --preload segcli.cluster`): it keeps freed host blocks for reuse, as the
-    segcli program does (see segcli.engine.keep_freed_buffers). Without, a worker's tasks
+    segcli program does (see segcli.keep_freed_buffers). Without, a worker's tasks
     fault in fresh pages for every chunk (benchmarks/RESULTS.md, Clusters)."""
-    from segcli.engine import keep_freed_buffers
+    from segcli import keep_freed_buffers
 
     keep_freed_buffers()
 

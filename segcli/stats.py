@@ -412,10 +412,8 @@ def leaf_stats(batch, names, leaves, *, per_element=False, per_atom=False, by=No
             if by is not None:
                 group = np.searchsorted(values, chunk.structures[by]).astype(np.uint8)
                 labels = {"structure": group, "atom": np.repeat(group, chunk.n_atoms)}
-            leaf = _leaf_of(chunk.structure_numbers, leaves)
-            first = int(leaf[0])
-            leaf -= first
-            parts = [_add_chunk(chunk, s, shapes[s.name], labels.get(s.per), leaf, first,
+            first, starts = _leaf_runs(chunk.structure_numbers, leaves)
+            parts = [_add_chunk(chunk, s, shapes[s.name], labels.get(s.per), starts, first,
                                 buffers) for s in out.values()]
             if any(part is None for part in parts):  # a number that is no atomic number
                 _check_numbers(batch.path, chunk.atoms["numbers"], chunk)
@@ -426,12 +424,16 @@ def leaf_stats(batch, names, leaves, *, per_element=False, per_atom=False, by=No
     return out
 
 
-def _leaf_of(numbers, leaves):
-    """The leaf of each of the increasing structure `numbers`: the index of the last of the
-    increasing bounds `leaves` at or below it (-1 below the first). Found by one search per
-    leaf bound into the numbers, not one per number into the bounds (a tenth of the time)."""
-    bounds = np.searchsorted(numbers, leaves)
-    return np.repeat(np.arange(-1, len(leaves)), np.diff(bounds, prepend=0, append=len(numbers)))
+def _leaf_runs(numbers, leaves):
+    """(first, starts) for the increasing structure `numbers` (one at least) in the leaves
+    between the increasing bounds `leaves`: the leaf of the first number (the index of the last
+    bound at or below it, -1 below the first), and where each leaf from it to the last
+    number's begins among the numbers, len(numbers) last ((L + 1,)). One search per leaf
+    bound, none per number."""
+    first, last = (int(leaf) for leaf in
+                   np.searchsorted(leaves, numbers[[0, -1]], side="right") - 1)
+    inner = np.searchsorted(numbers, leaves[first + 1:last + 1])
+    return first, np.concatenate([[0], inner, [len(numbers)]])
 
 
 def _in_place(name, rows):
@@ -441,9 +443,10 @@ def _in_place(name, rows):
     return Window(rows, align=1)
 
 
-def _add_chunk(chunk, s, shape, labels, leaf, first, buffers):
+def _add_chunk(chunk, s, shape, labels, starts, first, buffers):
     """The rows of field `s` (FieldStats) in `chunk` added to its moments: those of the
-    chunk's structures, in leaves `leaf` (S_c,) from 0, to leaves `first` on of s.moments,
+    chunk's structures, leaf j from structure starts[j] (see _leaf_runs), to leaves `first` on
+    of s.moments,
     its rows in groups `labels` (uint8, or integers the moments in C check; for a field
     grouped by element or by `s.by`), reduced block by block in `buffers` (_Buffers). The
     moments in C merge each block into s.moments itself; the NumPy passes take the chunk's
@@ -455,7 +458,7 @@ def _add_chunk(chunk, s, shape, labels, leaf, first, buffers):
     by = "numbers" if s.by_element else s.by
     if by in chunk.present:  # rows without what they are grouped by have no group
         keep = chunk.present[by] & (True if keep is None else keep)
-    rows = chunk.n_atoms if per_atom else np.ones(len(leaf), np.int64)
+    rows = chunk.n_atoms if per_atom else np.ones(len(chunk.n_atoms), np.int64)
     if s.per_atom:
         array = array / np.maximum(chunk.n_atoms, 1).reshape(-1, *(1,) * (array.ndim - 1))
         keep = chunk.n_atoms > 0 if keep is None else keep & (chunk.n_atoms > 0)
@@ -465,7 +468,7 @@ def _add_chunk(chunk, s, shape, labels, leaf, first, buffers):
         array = array[kept]
         labels = labels[kept] if s.grouped else None
     values = as_rows(array)
-    count = np.bincount(leaf, rows).astype(np.int64)  # rows in each leaf
+    count = np.diff(np.concatenate([[0], np.cumsum(rows, dtype=np.int64)])[starts])
     n_groups, k = len(s.moments.count[0]), len(s.components)
     into = s.moments[first:first + len(count)]  # a view: the chunk's leaves
     native = _native_moments()

@@ -131,6 +131,34 @@ def test_rows_left_in_the_files_pages(tmp_path):
         np.testing.assert_array_equal(rows, layouts["chunked"][0][10:74])
 
 
+def test_a_windows_pages_stay_mapped_while_an_array_over_them_lives(tmp_path):
+    """A Window's pages are mapped (Linux: /proc/self/maps names the file) from the read until
+    the last array over them goes, a view of a view included, and then unmapped."""
+    from segcli.io.core import Window
+
+    path = tmp_path / "mapped.h5"
+    data = np.random.default_rng(4).normal(size=(ROWS, 3))
+    with h5py.File(path, "w") as f:
+        f["x"] = data
+
+    def maps():
+        with open("/proc/self/maps") as lines:
+            return sum(line.rstrip("\n").endswith(str(path)) for line in lines)
+
+    with h5py.File(path, "r") as f:
+        reader = direct.Reader(str(path), f)
+        assert maps() == 0
+        request = Window(2000)
+        rows = reader.window(f["x"], 100, 1100, request)
+        assert maps() == 1
+        part = rows[10:20][::2]
+        request.array = rows = None
+        assert maps() == 1
+        np.testing.assert_array_equal(part, data[110:120:2])
+        del part
+        assert maps() == 0
+
+
 def test_missing_chunks_and_skipped_filters(tmp_path, thread_count):
     """Chunks never written read as the dataset's fill value; a chunk stored with its filters
     skipped (its filter mask) is read raw."""

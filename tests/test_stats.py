@@ -680,12 +680,18 @@ def test_progress_on_a_cluster_counts_the_structures_where_keeps(tmp_path):
     assert [(m["done"], m["total"]) for m in bars] == [("10", "10")], shown
 
 
-def test_leaf_of_structures_is_the_last_bound_at_or_below_each():
-    """stats._leaf_of against NumPy's search per number: numbers below, on, between and
-    above the bounds, no numbers, one bound."""
+def test_leaf_runs_of_structures_follow_the_last_bound_at_or_below_each():
+    """stats._leaf_runs against NumPy's search per number (each number's leaf: the last bound
+    at or below it): numbers below, on, between and above the bounds, one number, one bound,
+    leaves without numbers."""
     rng = np.random.default_rng(5)
     for _ in range(500):
         leaves = np.unique(rng.integers(0, 60, rng.integers(1, 12)))
-        numbers = np.unique(rng.integers(0, 70, rng.integers(0, 30)))
-        np.testing.assert_array_equal(stats._leaf_of(numbers, leaves),
-                                      np.searchsorted(leaves, numbers, side="right") - 1)
+        numbers = np.unique(rng.integers(0, 70, rng.integers(1, 30)))
+        leaf = np.searchsorted(leaves, numbers, side="right") - 1
+        first, starts = stats._leaf_runs(numbers, leaves)
+        assert first == leaf[0] and starts[0] == 0 and starts[-1] == len(numbers)
+        assert len(starts) == leaf[-1] - first + 2
+        assert (np.diff(starts) >= 0).all()
+        for j, (a, b) in enumerate(itertools.pairwise(starts)):
+            assert (leaf[a:b] == first + j).all()

@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from segcli import cache_directory
+from segcli import cache_directory, keep_freed_buffers
 
 
 def result_name(ctx, param, name):
@@ -253,8 +253,9 @@ _program = False
 
 def as_program():
     """Mark this process as the segcli program: it then keeps compiled programs across runs
-    (see `device`), and at exit the cyclic garbage collector leaves what remains to the
-    operating system instead of traversing it (0.25 s once JAX and Warp are loaded). A closed
+    (see `device`) and freed blocks of memory for reuse (segcli.keep_freed_buffers), and at
+    exit the cyclic garbage collector leaves what remains to the operating system instead of
+    traversing it (0.25 s once JAX and Warp are loaded). A closed
     stdin, stdout or stderr (`<&-`, `>&-`, `2>&-`) is given /dev/null opened the wrong way
     for stdin and stdout (reading or writing them fails as on a closed one) and the right way
     for stderr (messages are lost, see `note`): no file the command opens takes the place of
@@ -263,6 +264,7 @@ def as_program():
     strict (PYTHONIOENCODING=utf-8)."""
     global _program
     _program = True
+    keep_freed_buffers()
     atexit.register(gc.freeze)
     if sys.stdout is not None and sys.stdout.errors == "strict":
         sys.stdout.reconfigure(errors="surrogateescape")
@@ -347,11 +349,11 @@ def device(choice):
     Called before JAX starts, it leaves GPU memory to Warp's own allocations (no
     preallocation) and lets XLA capture even a small program, such as one chunk's kernels,
     into one CUDA graph; in the program (see `as_program`), compiled programs are kept across
-    runs, freed host blocks for reuse, and XLA has a CPU device for each thread segcli uses
+    runs, and XLA has a CPU device for each thread segcli uses
     (threads.count(): the cores, or SEGCLI_THREADS; up to engine.HOST_DEVICES), which a run's
     chunks take turns at."""
     from segcli import threads
-    from segcli.engine import HOST_DEVICES, keep_freed_buffers, runs_on
+    from segcli.engine import HOST_DEVICES, runs_on
 
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     flags = os.environ.get("XLA_FLAGS", "")
@@ -364,7 +366,6 @@ def device(choice):
         import jax
     if _program:
         _use_compilation_cache(jax)
-        keep_freed_buffers()
     if choice != "cpu":
         _start_gpu_backend(jax)
     if choice == "cpu":

@@ -11,6 +11,7 @@ contiguously can also be left in the file's pages (`Reader.window`), mapped rath
     forces = reader.read(h5["atoms/forces"], 0, 1_000_000)
 """
 
+import ctypes
 import functools
 import math
 import mmap
@@ -29,6 +30,44 @@ MIN_PART = 4 << 20
 _SHUFFLE, _DEFLATE = h5py.h5z.FILTER_SHUFFLE, h5py.h5z.FILTER_DEFLATE
 _H5PY_ERRORS = (RuntimeError, KeyError, ValueError, TypeError, OSError)
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: the pages mapped at once, not on first use
+
+
+@functools.cache
+def _libc():
+    """The C library, its mmap and munmap declared; None where it has none. Called through
+    ctypes, they release Python's lock, which Python's own mmap module holds while it maps
+    and populates a window's pages and while it unmaps them (10 and 7 ms for 64 MiB on a
+    2-core VM), stopping every other thread of the process meanwhile."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+    except (OSError, AttributeError):
+        return None
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
+
+
+class _Pages:
+    """`size` bytes of file descriptor `fd` from `offset` (a multiple of the page size) mapped
+    read-only and shared, populated at once, by libc (see _libc), as bytes for NumPy
+    (np.asarray): unmapped when the last array over them goes. OSError where they cannot be
+    mapped."""
+
+    def __init__(self, fd, offset, size):
+        libc = _libc()
+        if libc is None:
+            raise OSError("no C library to map files with")
+        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED | _POPULATE, fd, offset)
+        if address in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+        self._address, self._size = address, size
+        self.__array_interface__ = {"shape": (size,), "typestr": "|u1",
+                                    "data": (address, True), "version": 3}
+
+    def __del__(self):
+        _libc().munmap(self._address, self._size)
 
 
 class _Storage:
@@ -169,13 +208,11 @@ class Reader:
         try:
             if os.fstat(self._fd).st_size < start + request.rows * row_bytes:
                 return None  # cut short since it was opened: reading it says so
-            pages = mmap.mmap(self._fd, start - base + request.rows * row_bytes,
-                              flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ, offset=base)
+            pages = np.asarray(_Pages(self._fd, base, start - base + request.rows * row_bytes))
         except (OSError, ValueError):
             return None
         shape = (request.rows, *ds.shape[1:])
-        request.array = np.frombuffer(pages, storage.dtype, math.prod(shape),
-                                      start - base).reshape(shape)
+        request.array = pages[start - base:].view(storage.dtype).reshape(shape)
         request.skip, request.given = skip, hi - lo
         return request.array[skip:skip + hi - lo]
 
