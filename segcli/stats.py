@@ -446,10 +446,9 @@ def _in_place(name, rows):
 def _add_chunk(chunk, s, shape, labels, starts, first, buffers):
     """The rows of field `s` (FieldStats) in `chunk` added to its moments: those of the
     chunk's structures, leaf j from structure starts[j] (see _leaf_runs), to leaves `first` on
-    of s.moments,
-    its rows in groups `labels` (uint8, or integers the moments in C check; for a field
-    grouped by element or by `s.by`), reduced block by block in `buffers` (_Buffers). The
-    moments in C merge each block into s.moments itself; the NumPy passes take the chunk's
+    of s.moments, its rows in groups `labels` (uint8, or integers the moments in C check; for
+    a field grouped by element or by `s.by`), reduced block by block in `buffers` (_Buffers).
+    The moments in C merge each block into s.moments itself; the NumPy passes take the chunk's
     moments, then merge them (_add_leaves). Returns those L leaves of s.moments, or None
     where such a label is no group (the moments then left part-way)."""
     per_atom = s.per == "atom"

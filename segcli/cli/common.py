@@ -255,11 +255,11 @@ def as_program():
     """Mark this process as the segcli program: it then keeps compiled programs across runs
     (see `device`) and freed blocks of memory for reuse (segcli.keep_freed_buffers), and at
     exit the cyclic garbage collector leaves what remains to the operating system instead of
-    traversing it (0.25 s once JAX and Warp are loaded). A closed
-    stdin, stdout or stderr (`<&-`, `>&-`, `2>&-`) is given /dev/null opened the wrong way
-    for stdin and stdout (reading or writing them fails as on a closed one) and the right way
-    for stderr (messages are lost, see `note`): no file the command opens takes the place of
-    one and receives what was meant for it. A file name that is not UTF-8 (its bytes held
+    traversing it (0.25 s once JAX and Warp are loaded). A closed stdin, stdout or stderr
+    (`<&-`, `>&-`, `2>&-`) is given /dev/null opened the wrong way for stdin and stdout
+    (reading or writing them fails as on a closed one) and the right way for stderr
+    (messages are lost, see `note`): no file the command opens takes the place of one and
+    receives what was meant for it. A file name that is not UTF-8 (its bytes held
     as surrogates) prints as its own bytes on stdout, even where stdout's encoding was made
     strict (PYTHONIOENCODING=utf-8)."""
     global _program
@@ -349,9 +349,8 @@ def device(choice):
     Called before JAX starts, it leaves GPU memory to Warp's own allocations (no
     preallocation) and lets XLA capture even a small program, such as one chunk's kernels,
     into one CUDA graph; in the program (see `as_program`), compiled programs are kept across
-    runs, and XLA has a CPU device for each thread segcli uses
-    (threads.count(): the cores, or SEGCLI_THREADS; up to engine.HOST_DEVICES), which a run's
-    chunks take turns at."""
+    runs, and XLA has a CPU device for each thread segcli uses (threads.count(): the cores,
+    or SEGCLI_THREADS; up to engine.HOST_DEVICES), which a run's chunks take turns at."""
     from segcli import threads
     from segcli.engine import HOST_DEVICES, runs_on
 

@@ -56,18 +56,19 @@ class _Pages:
     mapped."""
 
     def __init__(self, fd, offset, size):
-        libc = _libc()
+        self._address, self._size, libc = None, size, _libc()
         if libc is None:
             raise OSError("no C library to map files with")
         address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED | _POPULATE, fd, offset)
         if address in (None, ctypes.c_void_p(-1).value):
             raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
-        self._address, self._size = address, size
+        self._address = address
         self.__array_interface__ = {"shape": (size,), "typestr": "|u1",
                                     "data": (address, True), "version": 3}
 
     def __del__(self):
-        _libc().munmap(self._address, self._size)
+        if self._address is not None:
+            _libc().munmap(self._address, self._size)
 
 
 class _Storage:
