@@ -2,8 +2,10 @@
 own read of the same rows, for every storage it reads itself; what it leaves to h5py; damaged
 chunks; --threads and segcli.threads."""
 
+import gc
 import io
 import os
+import sys
 import time
 import zlib
 
@@ -157,6 +159,19 @@ def test_a_windows_pages_stay_mapped_while_an_array_over_them_lives(tmp_path):
         np.testing.assert_array_equal(part, data[110:120:2])
         del part
         assert maps() == 0
+
+
+def test_pages_that_cannot_be_mapped_raise_and_leave_nothing_to_unmap(monkeypatch):
+    """Mapping a closed descriptor raises OSError naming why; the half-made map is let go
+    quietly (no error from its unmapping)."""
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    fd = os.open(os.devnull, os.O_RDONLY)
+    os.close(fd)
+    with pytest.raises(OSError, match="Bad file descriptor"):
+        direct._Pages(fd, 0, 4096)
+    gc.collect()
+    assert unraisable == []
 
 
 def test_missing_chunks_and_skipped_filters(tmp_path, thread_count):
