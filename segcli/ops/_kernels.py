@@ -87,8 +87,6 @@ Shapes (rows first, then a group axis G that vmap folds into, then features):
                                                                 (@ m[idx[i],g]ᵀ with `transpose`)
     put         ct (M, G, K), first (M, G)   -> (N, G, K)       out[i,g] = ct[idx[i],g] if
                                                                 first[idx[i],g] = i, else 0
-    put_span    ct, first, offsets           -> (N, G, K)       the same for ids known sorted, by
-                                                                lanes over each segment's rows
     gather3, scale3, scale_pair3, matvec3                       the same for G = 1, K = 3
     gather3_ordered, scale3_ordered,                            the same, a segment a thread
       scale_pair3_ordered, matvec3_ordered                      over its CSR range (CPUs, the
@@ -1749,50 +1747,6 @@ def _put_kernel(ct: wp.array3d(dtype=Any), first: wp.array2d(dtype=wp.int32),
             if chosen:  # (ct read only then: s may be out of range)
                 v = ct[s, g, k]
             out[i, g, k] = v
-
-
-PUT_PAD_ROWS = 4096
-"""Rows a group of put_span's past its segments' zeroes (those outside every segment)."""
-_PUT_PAD_ROWS = wp.constant(PUT_PAD_ROWS)
-
-
-@_deferred
-def _put_span_kernel(ct: wp.array3d(dtype=Any), first: wp.array2d(dtype=wp.int32),
-                     offsets: wp.array(dtype=wp.int32), lanes: int, out: wp.array3d(dtype=Any)):
-    # put over ids known sorted, launched (M·G + ⌈N / PUT_PAD_ROWS⌉, lanes): a group of lanes
-    # per segment and group writes its rows' entries side by side, ct[s, g] at row first[s, g]
-    # and 0 elsewhere; each further group writes 0 to the rows of its block of PUT_PAD_ROWS
-    # that lie outside every segment. Every entry is written once and no id is read.
-    t, lane = wp.tid()
-    lanes = _lanes_here(lanes)
-    if lane >= lanes:
-        return
-    n = out.shape[0]
-    groups = out.shape[1]
-    k = out.shape[2]
-    segments = first.shape[0] * groups
-    if t < segments:
-        s, g, lo, hi = _group_of(offsets, t, groups, n)
-        chosen = first[s, g]
-        for j in range(lane, (hi - lo) * k, lanes):
-            row = j // k
-            f = j - row * k
-            v = out.dtype(0.0)
-            if lo + row == chosen:
-                v = ct[s, g, f]
-            out[lo + row, g, f] = v
-    else:
-        start = (t - segments) * _PUT_PAD_ROWS
-        end = wp.min(start + _PUT_PAD_ROWS, n)
-        covered_from = wp.clamp(offsets[0], 0, n)
-        covered_to = wp.clamp(offsets[first.shape[0]], covered_from, n)
-        width = groups * k
-        for j in range(lane, (end - start) * width, lanes):
-            row = j // width
-            i = start + row
-            if i < covered_from or i >= covered_to:
-                g = (j - row * width) // k
-                out[i, g, j - row * width - g * k] = out.dtype(0.0)
 
 
 def _segment_factors(paired):

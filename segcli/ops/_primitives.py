@@ -49,7 +49,6 @@ from segcli.ops._kernels import (
     LANES,
     PACKED_RUN,
     PLAIN_SQUARES,
-    PUT_PAD_ROWS,
     REDUCE_BITS,
     cpu_available,
     launch,
@@ -796,10 +795,6 @@ def _put(ct, first, idx, offsets, *, num_segments, indices_are_sorted, gpu=False
     shape = (idx.shape[0], *ct.shape[1:])
     if _empty(shape, ct):
         return jnp.zeros(shape, ct.dtype)
-    if gpu and ids_known_sorted(offsets, indices_are_sorted):  # each segment's rows by lanes
-        offsets, _ = _layout(idx, offsets, num_segments, True, gpu)
-        groups = first.size + -(-shape[0] // PUT_PAD_ROWS)
-        return launch("put_span", ct, first, offsets, LANES, dims=(groups, LANES), out=shape)
     if gpu and ct.dtype == jnp.float64:  # each row written once
         return launch("put", ct, first, idx, dims=(idx.shape[0],), out=shape)
     # zeros, then the M chosen rows
@@ -809,10 +804,9 @@ def _put(ct, first, idx, offsets, *, num_segments, indices_are_sorted, gpu=False
 put_p = _multilinear(_Rule(
     "put", _put, lambda ct, first, idx, offsets, **_: (idx.shape[0], *ct.shape[1:]), 2,
     transposes=(lambda ct, first, seg, p: take_p.bind(ct, first, *seg, **p),)))
-"""take's transpose: ct[s, g] at row first[s, g], 0 elsewhere, for ct (M, G, K): on GPUs with
-ids known sorted a group of lanes writing each segment's rows (no ids read); otherwise XLA's
-scatter into zeros, or for float64 on GPUs a kernel writing each row once, which there beats
-it (float32 and CPUs: not; benchmarks/RESULTS.md)."""
+"""take's transpose: ct[s, g] at row first[s, g], 0 elsewhere, for ct (M, G, K): XLA's scatter
+into zeros, or for float64 on GPUs a kernel writing each row once, which there beats it
+(float32 and CPUs: not; benchmarks/RESULTS.md)."""
 
 
 def scaled_norms(rows):
