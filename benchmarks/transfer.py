@@ -4,9 +4,9 @@ copies back to back, Warp's and (where installed) PyTorch's copy from pinned mem
 link's own rate, and `jax.device_put` while 8 threads copy memory (the load of a read by 8
 threads). Then from a file's pages (a file of --chunks chunks under --dir, page cache warm):
 read by 8 threads into pinned memory, then `jax.device_put` (how a run on a GPU reads a chunk);
-and left in the pages, mapped read-only, locked by the CUDA driver for the copy
-(cuMemHostRegister, read-only; each step timed over every chunk: map, lock, copy, unlock),
-beside the same map copied unlocked. Needs a CUDA GPU.
+and left in the pages, mapped read-only as segcli's windows are (populated at once), locked by
+the CUDA driver for the copy (cuMemHostRegister, read-only; each step timed over every chunk:
+map, lock, copy, unlock), beside the same map copied unlocked. Needs a CUDA GPU.
 
     python benchmarks/transfer.py [--rounds 15] [--dir /dev/shm] [--chunks 24]
 
@@ -16,7 +16,6 @@ Prints median ms per copy and GB/s.
 import argparse
 import concurrent.futures
 import ctypes
-import mmap
 import os
 import statistics
 import tempfile
@@ -26,6 +25,8 @@ import time
 import jax
 import numpy as np
 import warp as wp
+
+from segcli.io.direct import _Pages
 
 CHUNK = 48 << 20
 
@@ -101,9 +102,7 @@ def from_pages(device, directory, chunks, rounds, show):
         for turn in range(3):
             for chunk in range(chunks):
                 times = [time.perf_counter()]
-                pages = mmap.mmap(fd, CHUNK, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ,
-                                  offset=chunk * CHUNK)
-                rows = np.frombuffer(pages, np.float64)
+                rows = np.asarray(_Pages(fd, chunk * CHUNK, CHUNK)).view(np.float64)
                 times.append(time.perf_counter())
                 assert lock(rows.ctypes.data, CHUNK) == 0, "the driver refused to lock the pages"
                 times.append(time.perf_counter())
@@ -116,18 +115,14 @@ def from_pages(device, directory, chunks, rounds, show):
                         steps[name].append(b - a)
                 if chunk == 0:
                     assert np.array_equal(np.asarray(copied), rows)
-                del rows, copied
-                pages.close()
+                del rows, copied  # unmapped when the last array over the pages goes
         for name, seconds in steps.items():
             show(f"left in the pages, locked: {name}", statistics.median(seconds))
         show("left in the pages, locked: the four steps",
              sum(statistics.median(seconds) for seconds in steps.values()))
-        pages = mmap.mmap(fd, CHUNK, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        mapped = np.frombuffer(pages, np.float64)
+        mapped = np.asarray(_Pages(fd, 0, CHUNK)).view(np.float64)
         show("left in the pages, not locked: jax.device_put",
              median_seconds(lambda: jax.device_put(mapped, device).block_until_ready(), rounds))
-        mapped = None  # its pages let go before they are unmapped
-        pages.close()
     finally:
         os.close(fd)
         os.unlink(path)
