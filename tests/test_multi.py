@@ -349,6 +349,26 @@ with open_inputs(layout) as batch:
 """
 
 
+def test_a_layout_reopens_its_unchanged_file_without_reading_its_counts_again(tmp_path):
+    """A cluster's tasks open the file again from the client's layout: its n_atoms, read when
+    the layout was made, are taken as they are while the file's stamp (device, inode, size,
+    modification time) holds, and read again once it changes."""
+    path = write_batch(tmp_path / "a.h5", [3, 1, 4], {"x": np.arange(24.0).reshape(8, 3)})
+    with open_inputs(str(path)) as batch:
+        layout = batch.layout
+    before = os.stat(path)
+    with h5py.File(path, "r+") as f:  # the same shape and atom total: no check can tell
+        f["structures/n_atoms"][:] = [4, 1, 3]
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert os.stat(path).st_size == before.st_size
+    with open_inputs(layout) as batch:
+        assert batch.n_atoms.tolist() == [3, 1, 4]  # the layout's, not read again
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 1))
+    with open_inputs(layout) as batch:
+        assert batch.n_atoms.tolist() == [4, 1, 3]
+        assert [c.n_atoms.tolist() for c in batch.iter_chunks(["x"])] == [[4, 1, 3]]
+
+
 def test_a_layout_reopens_in_another_process_reading_only_touched_files(shards, tmp_path):
     directory, members = shards
     n_atoms, x, *_ = joined(members)

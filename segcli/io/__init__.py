@@ -17,10 +17,12 @@ __all__ = ["Batch", "Chunk", "FieldInfo", "Layout", "MultiBatch", "ResultWriter"
            "expand_inputs", "open_batch", "open_inputs", "reads"]
 
 
-def open_batch(path, input_format=None):
+def open_batch(path, input_format=None, counts=None):
     """Open a file in the first format of `segcli.io.formats.FORMATS` that recognises it (segcli
     HDF5, conformer-layout HDF5, an ASE database, extended XYZ, any file ASE reads, ...), or
-    in `input_format` (a name of segcli.io.formats.named) whatever its content.
+    in `input_format` (a name of segcli.io.formats.named) whatever its content. `counts`: its
+    n_atoms, read by an earlier open of the unchanged file (see Layout.open), which a format
+    that can takes as they are.
 
     Raises DataError naming the file and the problem when it is none of these.
     """
@@ -38,7 +40,8 @@ def open_batch(path, input_format=None):
     if fmt is None:
         raise DataError(f"{path}: neither HDF5 nor a file format that ASE can read (`--format "
                         "NAME` names its format)")
-    batch = fmt.open(path)
+    batch = fmt.open(path) if counts is None or not fmt.takes_counts else \
+        fmt.open(path, counts=counts)
     batch.input_format = input_format
     return batch
 

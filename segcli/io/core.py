@@ -511,6 +511,16 @@ def unknown_field(path, name, fields):
                      f"{', '.join(sorted(fields)) or '(none)'}")
 
 
+def file_stamp(path):
+    """What tells that a file changed: its device, inode, size and modification time (ns);
+    None where it cannot be read."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 class Batch:
     """The structures of one file, read as chunks of whole structures.
 
@@ -534,6 +544,7 @@ class Batch:
 
     def __init__(self, path):
         self.path = path
+        self.stamp = file_stamp(path)  # before n_atoms are read: a change after shows
 
     def __enter__(self):
         return self

@@ -29,9 +29,10 @@ LMDB_MAGIC_OFFSET = 16  # after the page header of LMDB's first meta page
 
 class Format(NamedTuple):
     """A reader: `can_open(path, head)` tells by the file's content (`head`: its first
-    HEAD_BYTES) whether it is this format; `open(path)` returns the Batch; `by_name(path)`,
-    where given, claims a file that no entry recognised by content from its name alone, for
-    formats whose content cannot tell (`open` then reports what is wrong)."""
+    HEAD_BYTES) whether it is this format; `open(path)` returns the Batch (and, where
+    `takes_counts`, `open(path, counts=n_atoms)` one that does not read its n_atoms again);
+    `by_name(path)`, where given, claims a file that no entry recognised by content from its
+    name alone, for formats whose content cannot tell (`open` then reports what is wrong)."""
 
     name: str
     description: str
@@ -40,6 +41,7 @@ class Format(NamedTuple):
     by_name: Callable = None
     stores_results: bool = False  # results can be written into the file in place
     copies_datasets: bool = False  # a subset is copied dataset by dataset (HDF5 to HDF5)
+    takes_counts: bool = False  # open(path, counts=...) takes known n_atoms
 
 
 def _hdf5(path):
@@ -95,10 +97,10 @@ def _ase_content(path, head):
         return False
 
 
-def _open_segcli(path):
+def _open_segcli(path, counts=None):
     from segcli.io.hdf5 import SegcliBatch, open_file
 
-    return open_file(path, SegcliBatch)
+    return open_file(path, SegcliBatch, counts=counts)
 
 
 def _open_conformers(path):
@@ -114,7 +116,7 @@ def _open_ase(path):
 FORMATS = [
     Format("empty", "empty file", lambda path, head: os.path.getsize(path) == 0, EmptyBatch),
     Format("segcli", "segcli HDF5", _has_format_attribute, _open_segcli,
-           stores_results=True, copies_datasets=True),
+           stores_results=True, copies_datasets=True, takes_counts=True),
     Format("conformers", "conformer-layout HDF5", lambda path, head: _hdf5(path),
            _open_conformers),
     Format("aselmdb", "ASE LMDB database (OMat24/OMol25 .aselmdb)", _lmdb,

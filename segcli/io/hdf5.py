@@ -254,9 +254,9 @@ def units_of(path, ds, default=None):
     return stated(units)
 
 
-def open_file(path, batch_class):
-    """An HDF5 file opened as `batch_class` (SegcliBatch or ConformerBatch); DataError when
-    HDF5 cannot read it."""
+def open_file(path, batch_class, **options):
+    """An HDF5 file opened as `batch_class` (SegcliBatch or ConformerBatch, given `options`);
+    DataError when HDF5 cannot read it."""
     try:
         h5 = h5py.File(path, "r", rdcc_nbytes=0)
     except OSError as err:
@@ -267,7 +267,7 @@ def open_file(path, batch_class):
     try:
         with guarded(path) as text:
             contents = check_metadata(path, h5, text)
-        return batch_class(path, h5, contents)
+        return batch_class(path, h5, contents, **options)
     except BaseException as err:
         with contextlib.suppress(*HDF5_ERRORS):
             h5.close()
@@ -278,12 +278,13 @@ def open_file(path, batch_class):
 
 class SegcliBatch(Batch):
     """A segcli-batch HDF5 file (SPEC §4), open as `h5` (its layout names its datasets, so
-    the Contents that opening read are not needed)."""
+    the Contents that opening read are not needed); `counts`: its n_atoms as an earlier open
+    of the unchanged file read and checked them (see Layout.open), not read again."""
 
     format = "segcli"
     _states_units = True
 
-    def __init__(self, path, h5, contents=None):
+    def __init__(self, path, h5, contents=None, counts=None):
         super().__init__(path)
         self._h5 = h5
         self._reader = Reader(path, h5)
@@ -295,11 +296,17 @@ class SegcliBatch(Batch):
             raise DataError(f"{path}: version {version!r} of {FORMAT} is not supported (this "
                             f"segcli reads version {VERSION})")
         groups = {name: self._group(name) for name in ("atoms", "structures", "present")}
-        counts = groups["structures"].get("n_atoms")
-        if not isinstance(counts, h5py.Dataset):
+        stored_counts = groups["structures"].get("n_atoms")
+        if not isinstance(stored_counts, h5py.Dataset):
             raise DataError(f"{path}: /structures/n_atoms is missing")
-        self.n_atoms, running = self._counts(counts)
-        self._offsets = np.concatenate([[0], running])
+        if counts is None:
+            self.n_atoms = self._counts(stored_counts)
+        elif stored_counts.shape == np.shape(counts):
+            self.n_atoms = np.asarray(counts, np.int64)
+        else:
+            raise DataError(f"{path}: /structures/n_atoms has changed since it was read "
+                            f"(shape {stored_counts.shape}, was {np.shape(counts)})")
+        self._offsets = np.concatenate([[0], np.cumsum(self.n_atoms)])
         rows = {"atom": self._offsets[-1], "structure": len(self.n_atoms)}
         self._stored, self._datasets = {}, {}
         for per, group in (("atom", "atoms"), ("structure", "structures")):
@@ -355,9 +362,9 @@ class SegcliBatch(Batch):
         return {} if group is None else group
 
     def _counts(self, ds):
-        """The atom counts of /structures/n_atoms, `ds`, as int64, and their running sums;
-        DataError for counts that are not integers, negative, never written, or whose sum int64
-        cannot hold (checked before anything is allocated for them)."""
+        """The atom counts of /structures/n_atoms, `ds`, as int64; DataError for counts that are
+        not integers, negative, never written, or whose sum int64 cannot hold (checked before
+        anything is allocated for them)."""
         if ds.ndim != 1 or ds.dtype.kind not in "iu":
             raise DataError(f"{self.path}: /structures/n_atoms must be a 1-D integer array, "
                             f"not {ds.dtype} of shape {ds.shape}")
@@ -376,7 +383,7 @@ class SegcliBatch(Batch):
             raise DataError(f"{self.path}: /structures/n_atoms sums to more than "
                             f"{np.iinfo(np.int64).max} atoms (from structure "
                             f"{np.argmax(running < 0)})")
-        return counts, running
+        return counts
 
     def _absent_rows(self, mask, per):
         """How many rows (per `per`) belong to structures that /present/NAME, `mask`, says lack

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import numpy as np
 
 from segcli.errors import DataError
-from segcli.io.core import Batch, Schema, fill_value, standard_input
+from segcli.io.core import Batch, Schema, file_stamp, fill_value, standard_input
 
 
 class Layout(NamedTuple):
@@ -22,8 +22,9 @@ class Layout(NamedTuple):
     paths as given (`sources`, relative ones to `directory`), each member's format, n_atoms,
     field names (stored fields and results) and presence masks of the fields it has for some
     of its structures only; the merged stored fields and results (name -> FieldInfo) and the
-    attributes of the stored results; the format forced on them, if any; and the names that
-    members hold in ways that do not merge, with why (`conflicts`, see Fields)."""
+    attributes of the stored results; the format forced on them, if any; the names that
+    members hold in ways that do not merge, with why (`conflicts`, see Fields); and each
+    member's `stamp` (see Batch.stamp) when its n_atoms were read."""
 
     name: str
     directory: str
@@ -37,10 +38,22 @@ class Layout(NamedTuple):
     results: dict
     input_format: str = None  # the format forced on every member (see open_batch)
     conflicts: tuple = ()  # ((name, why), ...)
+    stamps: tuple = ()
 
     def path(self, member):
         """The path that opens member `member`, wherever the current directory is."""
         return os.path.join(self.directory, self.sources[member])
+
+    def open(self, member):
+        """Member `member` opened again (see open_batch), given its n_atoms where the file is
+        unchanged since they were read (its stamp): a reader that can then skips reading and
+        checking them again."""
+        from segcli.io import open_batch
+
+        path = self.path(member)
+        known = member < len(self.stamps) and self.stamps[member] == file_stamp(path)
+        return open_batch(path, self.input_format,
+                          counts=self.n_atoms[member] if known else None)
 
 
 def member_layout(batch, name=None):
@@ -51,7 +64,7 @@ def member_layout(batch, name=None):
                   (np.asarray(batch.n_atoms, np.int64),), (frozenset(names),),
                   ({n: m for n, m in present.items() if m is not None},),
                   dict(batch._stored), dict(batch._result_fields), dict(batch.results),
-                  batch.input_format)
+                  batch.input_format, stamps=(batch.stamp,))
 
 
 def _join(layouts, name):
@@ -80,7 +93,8 @@ def _join(layouts, name):
         results = {**layout.results, **results}
     parts = zip(*(layout[2:7] for layout in layouts))
     return Layout(name, os.getcwd(), *(sum(part, ()) for part in parts), dict(stored),
-                  dict(result_fields), results, conflicts=tuple(conflicts.items()))
+                  dict(result_fields), results, conflicts=tuple(conflicts.items()),
+                  stamps=sum((layout.stamps for layout in layouts), ()))
 
 
 def _described(info):
@@ -251,9 +265,7 @@ def open_inputs(spec, name=None, input_format=None):
     from segcli.io import open_batch
 
     if isinstance(spec, Layout):
-        if len(spec.sources) == 1:
-            return open_batch(spec.path(0), spec.input_format)
-        return MultiBatch(spec)
+        return spec.open(0) if len(spec.sources) == 1 else MultiBatch(spec)
     paths = expand_inputs(spec)
     if len(paths) == 1:
         return open_batch(paths[0], input_format)
@@ -338,8 +350,6 @@ class MultiBatch(Batch):
         return None if self.present(name) is None else fill_value(info.dtype, np.nan)
 
     def _pieces(self, start, stop, names, chunk_atoms, into=None, bounds=None):
-        from segcli.io import open_batch
-
         stop = self.n_structures if stop is None else stop
         names = list(self._stored) if names is None else names
         for member, (first, end) in enumerate(zip(self._first[:-1], self._first[1:])):
@@ -347,7 +357,7 @@ class MultiBatch(Batch):
             if lo >= hi:
                 continue
             has = self._layout.fields[member]
-            batch = open_batch(self._layout.path(member), self._layout.input_format)
+            batch = self._layout.open(member)
             self._open.append(batch)
             try:
                 inside = None if bounds is None else np.unique(np.clip(bounds, lo, hi)) - first
