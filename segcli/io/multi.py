@@ -51,7 +51,8 @@ class Layout(NamedTuple):
         from segcli.io import open_batch
 
         path = self.path(member)
-        known = member < len(self.stamps) and self.stamps[member] == file_stamp(path)
+        stamp = self.stamps[member] if member < len(self.stamps) else None
+        known = stamp is not None and stamp == file_stamp(path)
         return open_batch(path, self.input_format,
                           counts=self.n_atoms[member] if known else None)
 
