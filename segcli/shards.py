@@ -32,38 +32,54 @@ counts from SLURM_ARRAY_TASK_MIN)."""
 def even_cuts(n_atoms, parts):
     """The parts + 1 boundaries cutting items of `n_atoms` atoms (structures, or leaves) where
     the running count first reaches k·total/parts."""
-    running = np.cumsum(n_atoms, dtype=np.int64)
+    return _even_cuts(np.cumsum(n_atoms, dtype=np.int64), parts)
+
+
+def _even_cuts(running, parts):
+    """even_cuts, given the running counts."""
     total = int(running[-1]) if len(running) else 0
     targets = np.arange(1, parts, dtype=np.int64) * total // parts
     cuts = np.searchsorted(running, targets, side="left") + 1
-    return np.array([0, *np.minimum(cuts, len(n_atoms)).tolist(), len(n_atoms)], np.int64)
+    return np.array([0, *np.minimum(cuts, len(running)).tolist(), len(running)], np.int64)
 
 
 def leaf_bounds(n_atoms):
     """Boundaries of the leaves of a selection of structures with `n_atoms` atoms: one leaf per
     structure up to LEAVES structures, else LEAVES runs of nearly equal atom counts (some
     empty where one structure outweighs several leaves)."""
-    n_atoms = np.asarray(n_atoms, np.int64)
-    if len(n_atoms) <= LEAVES:
-        return np.arange(len(n_atoms) + 1, dtype=np.int64)
-    return even_cuts(n_atoms, LEAVES)
+    return _leaves(np.cumsum(n_atoms, dtype=np.int64))
+
+
+def _leaves(running):
+    """leaf_bounds, given the running counts."""
+    if len(running) <= LEAVES:
+        return np.arange(len(running) + 1, dtype=np.int64)
+    return _even_cuts(running, LEAVES)
+
+
+def _shard_leaves(running, leaves, shards):
+    """shard_leaves, given the running counts and the leaves: one pass over the leaves, none
+    over the structures."""
+    ends = running[leaves[1:] - 1] if len(running) else np.zeros(0, np.int64)
+    return even_cuts(np.diff(ends, prepend=0), shards)
 
 
 def shard_leaves(n_atoms, shards):
     """The shards + 1 leaf numbers splitting the leaves (see leaf_bounds) of structures of
     `n_atoms` atoms into contiguous ranges with nearly equal atom counts: range k ends at the
     first leaf where the running count reaches (k + 1)·total/shards."""
-    leaves = leaf_bounds(n_atoms)
-    leaf_atoms = np.diff(np.concatenate([[0], np.cumsum(n_atoms, dtype=np.int64)])[leaves])
-    return even_cuts(leaf_atoms, shards)
+    running = np.cumsum(n_atoms, dtype=np.int64)
+    return _shard_leaves(running, _leaves(running), shards)
 
 
 def shard_bounds(n_atoms, shards):
     """The shards + 1 structure boundaries splitting structures of `n_atoms` atoms into
     contiguous ranges of whole structures with nearly equal atom counts, at leaf boundaries
     (see shard_leaves): the same split on every machine. More shards than structures leave
-    some empty."""
-    return leaf_bounds(n_atoms)[shard_leaves(n_atoms, shards)].tolist()
+    some empty. One array as long as the structures is made (their running counts)."""
+    running = np.cumsum(n_atoms, dtype=np.int64)
+    leaves = _leaves(running)
+    return leaves[_shard_leaves(running, leaves, shards)].tolist()
 
 
 MOST_SHARDS = 1 << 22
