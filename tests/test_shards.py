@@ -104,6 +104,31 @@ def test_shards_are_contiguous_whole_structures_on_leaf_boundaries(n_atoms, shar
     assert len(leaves) - 1 == min(len(n_atoms), 1024)
 
 
+def reference_cuts(counts, parts):
+    """Where the running count of `counts` first reaches k·total/parts, by a loop."""
+    running, total, cuts = np.cumsum(counts), int(np.sum(counts)), [0]
+    for k in range(1, parts):
+        target = k * total // parts
+        cuts.append(min(next((i + 1 for i, r in enumerate(running) if r >= target),
+                             len(counts)), len(counts)))
+    return [*cuts, len(counts)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_shard_bounds_equal_a_loop_over_leaves_of_structures(seed):
+    rng = np.random.default_rng(seed)
+    n_atoms = rng.integers(0, 3 if seed % 2 else 64, int(rng.integers(0, 3000)))
+    if len(n_atoms) and seed % 3 == 0:
+        n_atoms[rng.integers(0, len(n_atoms))] = 10**6  # outweighs many leaves
+    leaves = (list(range(len(n_atoms) + 1)) if len(n_atoms) <= 1024
+              else reference_cuts(n_atoms, 1024))
+    assert leaf_bounds(n_atoms).tolist() == leaves
+    leaf_atoms = [int(n_atoms[a:b].sum()) for a, b in itertools.pairwise(leaves)]
+    for shards in (1, 3, 32, 4000):
+        assert shard_bounds(n_atoms, shards) == [leaves[c] for c in
+                                                 reference_cuts(leaf_atoms, shards)]
+
+
 CUTS = [
     *[(["reduce", "rms_norm", "forces"], shards) for shards in (1, 2, 3, 7, 80)],
     *[(command, shards) for shards in (3, 80) for command in (
