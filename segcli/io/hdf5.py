@@ -23,6 +23,7 @@ from segcli.io.core import (
     Schema,
     Window,
     check_memory,
+    offsets_of,
     plan_chunks,
 )
 from segcli.io.direct import Reader
@@ -254,15 +255,6 @@ def units_of(path, ds, default=None):
     return stated(units)
 
 
-def _offsets(counts):
-    """0, then the running sums of `counts` (int64), in one new array: what a file's counts
-    cost in fresh memory, paid once (page faults dominate a large one on a VM)."""
-    offsets = np.empty(len(counts) + 1, np.int64)
-    offsets[0] = 0
-    np.cumsum(counts, out=offsets[1:])
-    return offsets
-
-
 def open_file(path, batch_class, **options):
     """An HDF5 file opened as `batch_class` (SegcliBatch or ConformerBatch, given `options`);
     DataError when HDF5 cannot read it."""
@@ -312,7 +304,7 @@ class SegcliBatch(Batch):
             self.n_atoms, self._offsets = self._counts(stored_counts)
         elif stored_counts.shape == np.shape(counts):
             self.n_atoms = np.asarray(counts, np.int64)
-            self._offsets = _offsets(self.n_atoms)
+            self._offsets = offsets_of(self.n_atoms)
         else:
             raise DataError(f"{path}: /structures/n_atoms has changed since it was read "
                             f"(shape {stored_counts.shape}, was {np.shape(counts)})")
@@ -372,7 +364,7 @@ class SegcliBatch(Batch):
 
     def _counts(self, ds):
         """The atom counts of /structures/n_atoms, `ds`, as int64, and their offsets (see
-        _offsets); DataError for counts that are not integers, negative, never written, or
+        offsets_of); DataError for counts that are not integers, negative, never written, or
         whose sum int64 cannot hold (checked before anything is allocated for them)."""
         if ds.ndim != 1 or ds.dtype.kind not in "iu":
             raise DataError(f"{self.path}: /structures/n_atoms must be a 1-D integer array, "
@@ -387,7 +379,7 @@ class SegcliBatch(Batch):
             raise DataError(f"{self.path}: /structures/n_atoms[{bad[0]}] is {value}; atom counts "
                             f"{rule}")
         counts = counts.astype(np.int64, copy=False)
-        offsets = _offsets(counts)
+        offsets = offsets_of(counts)
         running = offsets[1:]
         if len(running) and running.min() < 0:  # the first sum past int64's range wraps below 0
             raise DataError(f"{self.path}: /structures/n_atoms sums to more than "

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import numpy as np
 
 from segcli.errors import DataError
-from segcli.io.core import Batch, Schema, file_stamp, fill_value, standard_input
+from segcli.io.core import Batch, Schema, file_stamp, fill_value, offsets_of, standard_input
 
 
 class Layout(NamedTuple):
@@ -289,7 +289,7 @@ class MultiBatch(Batch):
         super().__init__(layout.name)
         self._layout = layout
         counts = [len(n) for n in layout.n_atoms]
-        self._first = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+        self._first = offsets_of(counts)
         self.n_atoms = np.concatenate(layout.n_atoms)
         self._stored = layout.stored
         self._result_fields = layout.result_fields
