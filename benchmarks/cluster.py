@@ -12,8 +12,9 @@ installation has it.
                                  [--device cpu|gpu] [--compression gzip] [--gpus]
                                  [--jobs reduce,stats] [--before-checkout DIR]
 
-With --before-checkout, each job also runs in one process and on `--scheduler local:K` from
-the segcli of another checkout (DIR on PYTHONPATH), in the same turns. Prints a Markdown
+With --before-checkout, each job also runs in one process, on `--scheduler local:K` and with
+a client of the running cluster from the segcli of another checkout (DIR on PYTHONPATH), in
+the same turns. Prints a Markdown
 table: median wall time, speed-up over one process and its share of the
 ideal K×, and the peak RSS of each process (the client, and each shard process or worker).
 """
@@ -177,14 +178,20 @@ def main():
             cases.append((f"h5py read, {k} processes, first half", "read",
                           [[sys.executable, "-c", READ, path, str(a), str(b), str(step)]
                            for a, b in itertools.pairwise(half_cuts)]))
+        before = ["env", "PYTHONPATH=" + os.pathsep.join(
+            [os.path.abspath(args.before_checkout or "."), os.environ.get("PYTHONPATH", "")])]
+        clients = [("", [])] + ([(f", {args.before_checkout}", before)]
+                                if args.before_checkout else [])
         for job, (base, prefix) in jobs.items():
-            if args.running_only:
-                cases.append((f"{job}: --scheduler ADDRESS (running cluster)", job,
-                              [base + ["-o", out, "--scheduler", address]]))
+            for tag, env in clients:  # the running cluster's client from either checkout
+                cases.append((f"{job}: --scheduler ADDRESS (running cluster){tag}", job,
+                              [env + base + ["-o", out, "--scheduler", address]]))
                 if args.steady:
-                    cases.append((f"{job}: --scheduler ADDRESS (running cluster), first half",
-                                  job, [base + ["-o", out, "--scheduler", address,
-                                                "--structures", f":{structures // 2}"]]))
+                    label = f"{job}: --scheduler ADDRESS (running cluster){tag}, first half"
+                    cases.append((label, job, [env + base + ["-o", out, "--scheduler", address,
+                                                             "--structures",
+                                                             f":{structures // 2}"]]))
+            if args.running_only:
                 continue
             pattern = os.path.join(parts, f"{prefix}-{{shard}}.h5")
             cases += [
@@ -203,16 +210,8 @@ def main():
             cases += [
                 (f"{job}: --scheduler {local}", job,
                  [base + ["-o", out, "--scheduler", local]]),
-                (f"{job}: --scheduler ADDRESS (running cluster)", job,
-                 [base + ["-o", out, "--scheduler", address]]),
             ]
-            if args.steady:
-                cases.append((f"{job}: --scheduler ADDRESS (running cluster), first half", job,
-                              [base + ["-o", out, "--scheduler", address,
-                                       "--structures", f":{structures // 2}"]]))
             if args.before_checkout:
-                before = ["env", "PYTHONPATH=" + os.pathsep.join(
-                    [os.path.abspath(args.before_checkout), os.environ.get("PYTHONPATH", "")])]
                 cases += [(f"{job}: 1 process, {args.before_checkout}", job,
                            [before + base + ["-o", out]]),
                           (f"{job}: --scheduler {local}, {args.before_checkout}", job,
@@ -284,12 +283,13 @@ def main():
 
         read = steady(f"h5py read, {k} processes (1/{k} each)", f"h5py read, {k} processes, "
                       "first half")
-        for job in jobs:
-            label = f"{job}: --scheduler ADDRESS (running cluster)"
+        for job, (tag, _) in itertools.product(jobs, clients):
+            label = f"{job}: --scheduler ADDRESS (running cluster){tag}"
             rate = steady(label, label + ", first half")
-            print(f"\n{job} on the running cluster of {k} workers, steady state (the second "
-                  f"half of the file: whole file less first half): {rate / 1e6:.1f} M atoms/s "
-                  f"against the {k}-process read's {read / 1e6:.1f} M atoms/s: {rate / read:.0%}")
+            print(f"\n{job} on the running cluster of {k} workers{tag}, steady state (the "
+                  f"second half of the file: whole file less first half): {rate / 1e6:.1f} M "
+                  f"atoms/s against the {k}-process read's {read / 1e6:.1f} M atoms/s: "
+                  f"{rate / read:.0%}")
     for job, seconds in first.items():
         print(f"\n{job} --scheduler ADDRESS, first run on the fresh cluster (workers import JAX "
               f"and Warp, load kernels): {seconds:.2f} s")

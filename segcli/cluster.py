@@ -153,27 +153,52 @@ def shared(client, value):
 
 def map_shards(client, function, calls, progress=None, sizes=None):
     """[function(*call) for call in calls], in that order: on `client`'s cluster, one task per
-    call, or here one after another when `client` is None. As call k finishes,
-    `progress.update(sizes[k])` is called (1 without `sizes`; see segcli.cli.common.progress)."""
+    call, or here one after another when `client` is None (see shards_as_done)."""
+    done = dict(shards_as_done(client, function, calls, progress, sizes))
+    return [done[k] for k in range(len(calls))]
+
+
+def shards_as_done(client, function, calls, progress=None, sizes=None):
+    """(k, function(*calls[k])) for each call as it finishes: on `client`'s cluster, one task
+    per call, in the order they end, or here one after another when `client` is None; so the
+    caller uses each result while the others compute. The first task to raise DataError
+    raises it here, and the tasks not yet done are cancelled when the caller stops early. As
+    call k finishes, `progress.update(sizes[k])` is called (1 without `sizes`; see
+    segcli.cli.common.progress)."""
     sizes = [1] * len(calls) if sizes is None else [int(n) for n in sizes]
     if client is None:
-        out = []
-        for call, size in zip(calls, sizes):
-            out.append(function(*call))
+        for k, call in enumerate(calls):
+            value = function(*call)
             if progress is not None:
-                progress.update(size)
-        return out
+                progress.update(sizes[k])
+            yield k, value
+        return
     from dask.distributed import as_completed
 
     futures = [client.submit(_task, function, *call, pure=False) for call in calls]
-    size_of = {future.key: size for future, size in zip(futures, sizes)}
-    for future in as_completed(futures):
-        _, error = future.result()  # a failed task raises its error here
-        if error is not None:
-            raise error
-        if progress is not None:
-            progress.update(size_of[future.key])
-    return [value for value, _ in client.gather(futures)]
+    index = {future.key: k for k, future in enumerate(futures)}
+    try:
+        for future in as_completed(futures):
+            value, error = future.result()  # a failed task raises its error here
+            if error is not None:
+                raise error
+            k = index[future.key]
+            if progress is not None:
+                progress.update(sizes[k])
+            yield k, value
+    finally:
+        client.cancel([future for future in futures if not future.done()])
+
+
+def in_order(done):
+    """The (k, value) pairs of `done`, which come in any order of k = 0, 1, ..., in that
+    order: each as soon as every pair before it has come."""
+    waiting, next_k = {}, 0
+    for k, value in done:
+        waiting[k] = value
+        while next_k in waiting:
+            yield next_k, waiting.pop(next_k)
+            next_k += 1
 
 
 def _task(function, *args):

@@ -37,6 +37,32 @@ def test_shards_are_contiguous_whole_structures_of_nearly_equal_atoms(n_atoms, s
     assert all(abs(a - sum(n_atoms) / shards) <= biggest for a in atoms)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_in_order_passes_each_shard_on_once_those_before_it_have_come(seed):
+    """What a cluster's stream of results gets: shards done in any order, each passed on in
+    shard order as soon as it can be, none held longer."""
+    from segcli.cluster import in_order
+
+    done = np.random.default_rng(seed).permutation(9).tolist()
+    events = []
+
+    def finishing():
+        for k in done:
+            events.append(("done", k))
+            yield k, f"part-{k}"
+
+    for k, value in in_order(finishing()):
+        events.append(("out", k))
+        assert value == f"part-{k}"
+    out = [k for what, k in events if what == "out"]
+    assert out == list(range(9))
+    for at, (what, _) in enumerate(events + [("done", None)]):
+        if what == "done":  # before awaiting the next shard, every one it can pass on is out
+            came = {k for w, k in events[:at] if w == "done"}
+            ready = next(k for k in range(10) if k not in came)
+            assert [k for w, k in events[:at] if w == "out"] == list(range(ready))
+
+
 def test_stats_on_a_cluster_equal_one_pass_and_numpy(tmp_path, dask_cluster):
     path, n_atoms, data = make_random_file(tmp_path)
     args = [path, "forces", "energy", "--per-element", "--per-atom"]

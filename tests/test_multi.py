@@ -205,6 +205,26 @@ def test_reduce_over_many_files_equals_reduce_over_their_conversion(shards, tmp_
     assert result.stdout.splitlines()[0] == "structure,rms_norm_x"
 
 
+@pytest.mark.parametrize("step", [1, 2, 5, 1 << 20])
+def test_sources_written_in_blocks_equal_the_whole_selection(shards, tmp_path, step):
+    """ResultWriter.set_sources writes a selection's sources `step` structures at a time,
+    blocks crossing from one member into the next."""
+    from segcli.io import ResultWriter
+
+    directory, members = shards
+    *_, source, index = joined(members)
+    with open_inputs(str(directory)) as batch:
+        start, stop = 3, batch.n_structures - 2
+        with ResultWriter(output_path=tmp_path / "out.h5") as writer:
+            writer.set_n_atoms(batch.n_atoms[start:stop])
+            writer.set_sources(batch.sources, batch.source_of, start, stop, step=step)
+    with h5py.File(tmp_path / "out.h5") as h5:
+        assert h5["structures/source"].dtype == np.int32
+        np.testing.assert_array_equal(h5["structures/source"][()], source[start:stop])
+        assert h5["structures/source_index"].dtype == np.int64
+        np.testing.assert_array_equal(h5["structures/source_index"][()], index[start:stop])
+
+
 def test_per_atom_json_lines_and_gradients_say_where_structures_came_from(shards, tmp_path):
     directory, members = shards
     n_atoms, x, _v, _s, source, index = joined(members)

@@ -255,26 +255,29 @@ class _Hdf5Sink:
     """Results into /results/<dataset> of a new file or, in place, of the input (ResultWriter),
     a row for each of the `n_atoms` structures from structure `first` (or for their atoms);
     with `selected`, NaN in the rows that no chunk writes (see _selected_outputs). A new file
-    also says where its structures come from (`sources`: the arguments of
-    ResultWriter.set_sources)."""
+    also says where its structures come from (`sources`: the input paths and the batch's
+    source_of, see ResultWriter.set_sources)."""
 
     def __init__(self, writer, outputs, n_atoms, attrs, sources=None, first=0, selected=False):
         import numpy as np
+
+        from segcli.io.core import offsets_of
 
         self._writer, self._attrs, self._first = writer, attrs, first
         self._outputs = _selected_outputs(outputs) if selected else outputs
         self._fill = np.nan if selected else None
         self._n_atoms, self._sources = n_atoms, sources
-        kinds = {per for per, _, _ in self._outputs.values()}  # only those the outputs have
-        self._offsets = {per: np.arange(len(n_atoms) + 1) if per == "structure" else
-                         np.concatenate([[0], np.cumsum(n_atoms)]) for per in kinds}
+        per_atom = any(per == "atom" for per, _, _ in self._outputs.values())
+        self._atom_offsets = offsets_of(n_atoms) if per_atom else None
 
     def __enter__(self):
         self._writer.__enter__()
         try:
             self._writer.set_n_atoms(self._n_atoms)
             if self._sources:
-                self._writer.set_sources(*self._sources)
+                paths, source_of = self._sources
+                self._writer.set_sources(paths, source_of, self._first,
+                                         self._first + len(self._n_atoms))
             rows = {"atom": int(self._n_atoms.sum()), "structure": len(self._n_atoms)}
             for dataset, (per, shape, dtype) in self._outputs.items():
                 self._writer.create(dataset, (rows[per], *shape), dtype,
@@ -288,14 +291,19 @@ class _Hdf5Sink:
         return self._writer.__exit__(*exc)
 
     def write(self, chunk, arrays):
+        import numpy as np
+
         from segcli.io.core import spread
 
         numbers = chunk.structure_numbers - self._first
+        lo, hi = int(numbers[0]), int(numbers[-1]) + 1
         for dataset, array in arrays.items():
-            offsets = self._offsets[self._outputs[dataset][0]]
-            row, block = (spread(array, numbers, offsets, self._fill) if chunk.selected is not None
-                          else (offsets[numbers[0]], array))
-            self._writer.write(dataset, int(row), block)
+            atoms = self._atom_offsets if self._outputs[dataset][0] == "atom" else None
+            row = lo if atoms is None else int(atoms[lo])
+            if chunk.selected is not None:  # the rows of the structures between, filled
+                span = np.arange(hi - lo + 1) if atoms is None else atoms[lo:hi + 1] - row
+                _, array = spread(array, numbers - lo, span, self._fill)
+            self._writer.write(dataset, row, array)
 
 
 def _selected_outputs(outputs):
@@ -392,6 +400,11 @@ class _NpySink:
         self.out.write(out)
 
 
+def _into_hdf5(output, in_place, fmt, **_):
+    """Whether results go into an HDF5 file (-o OUT.h5, --in-place), not out as a stream."""
+    return bool(in_place or (output and not (fmt or file_format(output))))
+
+
 def open_sink(results, batch, lo, hi, *, output, in_place, file, fmt, force, attrs, keep=None):
     """Where the results (a Results) of structures [lo, hi) of `batch` go: a new file (-o),
     FILE itself (--in-place) or stdout (fmt); `keep` ((S,) bool), if given, marks the
@@ -400,10 +413,10 @@ def open_sink(results, batch, lo, hi, *, output, in_place, file, fmt, force, att
 
     n_atoms = batch.n_atoms[lo:hi]
     fmt = fmt or file_format(output)
-    if (output and not fmt) or in_place:
+    if _into_hdf5(output, in_place, fmt):
         writer = (ResultWriter(output_path=output, force=force) if output
                   else ResultWriter(in_place_of=file, force=force, names=results.datasets))
-        sources = (batch.sources, *batch.source_of(slice(lo, hi))) if output else None
+        sources = (batch.sources, batch.source_of) if output else None
         return _Hdf5Sink(writer, results.outputs, n_atoms, results.attrs(attrs), sources, lo,
                          keep is not None)
     if fmt == "npy":
@@ -582,40 +595,54 @@ def _execute(file, ops, *, output, in_place, fmt, name, force, structures, chunk
 
 def _on_cluster(scheduler, label, batch, results, lo, hi, call, attrs, into):
     """The job over structures [lo, hi) as shards on the dask cluster at `scheduler`: each
-    task writes its part into a temporary directory beside the output, and the parts are
-    then written out in order as one run writes them (`into`: the arguments of open_sink); a
-    progress bar `label`ed (None: none)."""
+    task writes its part into a temporary directory beside the output, and each part is
+    written out as it comes, while the others compute (in structure order where the output is
+    a stream), as one run writes them (`into`: the arguments of open_sink); a progress bar
+    `label`ed (None: none)."""
     import os
 
-    from segcli.cluster import map_shards, shard_count, shared
-    from segcli.io.core import Chunk
-    from segcli.io.merge import check_parts, part_rows
+    from segcli.cluster import in_order, shard_count, shards_as_done, shared
+    from segcli.io.merge import check_cover, describe_part
     from segcli.io.writers import scratch_directory
     from segcli.shards import shard_bounds
 
     beside = into["output"] or (into["file"] if into["in_place"] else None)
-    with scratch_directory(os.path.dirname(os.path.abspath(beside)) if beside
-                           else os.getcwd()) as parts_dir:
-        with on_cluster(scheduler) as client:
-            n_atoms = batch.n_atoms[lo:hi]
-            bounds = [lo + b for b in shard_bounds(n_atoms, shard_count(client, len(n_atoms)))]
-            call = (shared(client, call[0]), *call[1:])
-            calls = [(*call, int(a), int(b), os.path.join(parts_dir, f"part-{k}.h5"), attrs)
-                     for k, (a, b) in enumerate(itertools.pairwise(bounds))]
-            with progress(label is not None, f"{label} (shards)", hi - lo) as bar:
-                paths = map_shards(client, _part, calls, bar, [b - a for a, b in
-                                                               itertools.pairwise(bounds)])
-        parts = check_parts(paths)
-        first = parts[0].datasets[next(iter(results.datasets))]
-        sink = open_sink(results, batch, lo, hi, attrs={**attrs, "device": first["device"]},
-                         **into)
-        with sink:
-            for start, counts, rows in part_rows(parts, list(results.datasets)):
-                chunk = Chunk(start, counts, {}, {})
-                if into["keep"] is not None and not isinstance(sink, _Hdf5Sink):
-                    chunk, rows = _kept_rows(chunk, rows, results.outputs, into["keep"])
-                if len(chunk.n_atoms):
-                    sink.write(chunk, rows)
+    with (scratch_directory(os.path.dirname(os.path.abspath(beside)) if beside
+                            else os.getcwd()) as parts_dir,
+          contextlib.ExitStack() as opened, on_cluster(scheduler) as client):
+        n_atoms = batch.n_atoms[lo:hi]
+        bounds = [lo + b for b in shard_bounds(n_atoms, shard_count(client, len(n_atoms)))]
+        call = (shared(client, call[0]), *call[1:])
+        calls = [(*call, int(a), int(b), os.path.join(parts_dir, f"part-{k}.h5"), attrs)
+                 for k, (a, b) in enumerate(itertools.pairwise(bounds))]
+        sink, first, parts = None, None, [None] * len(calls)
+        sizes = [b - a for a, b in itertools.pairwise(bounds)]
+        with (progress(label is not None, f"{label} (shards)", hi - lo) as bar,
+              contextlib.closing(shards_as_done(client, _part, calls, bar, sizes)) as done):
+            # a file's rows go anywhere in it, a stream's in structure order
+            for k, path in done if _into_hdf5(**into) else in_order(done):
+                parts[k] = describe_part(path, like=first)
+                if sink is None:  # opened as the first part comes, written while others compute
+                    first = parts[k]
+                    device = first.datasets[next(iter(results.datasets))]["device"]
+                    sink = opened.enter_context(open_sink(
+                        results, batch, lo, hi, attrs={**attrs, "device": device}, **into))
+                _write_part(sink, parts[k], results, into["keep"])
+        check_cover(parts)
+
+
+def _write_part(sink, part, results, keep):
+    """The rows of the Part `part` written into `sink`, those of structures `keep` leaves out
+    dropped where the sink holds only the selected ones."""
+    from segcli.io.core import Chunk
+    from segcli.io.merge import part_rows
+
+    for start, counts, rows in part_rows([part], list(results.datasets)):
+        chunk = Chunk(start, counts, {}, {})
+        if keep is not None and not isinstance(sink, _Hdf5Sink):
+            chunk, rows = _kept_rows(chunk, rows, results.outputs, keep)
+        if len(chunk.n_atoms):
+            sink.write(chunk, rows)
 
 
 def _kept_rows(chunk, rows, outputs, keep):

@@ -110,26 +110,46 @@ def check_parts(paths):
     if not paths:
         raise DataError("no parts to merge")
     parts = sorted((_describe(os.fspath(p)) for p in paths), key=lambda p: (p.start, p.stop))
-    first = parts[0]
     for part in parts[1:]:
-        if part.kind != first.kind:
-            raise DataError(f"{part.path}: holds {part.kind}, but {first.path} {first.kind}")
-        if set(part.datasets) != set(first.datasets):
-            raise DataError(f"{part.path}: holds {', '.join(sorted(part.datasets))}, but "
-                            f"{first.path} {', '.join(sorted(first.datasets))}")
-        for name, attrs in part.datasets.items():
-            mine, theirs = _agreeing(attrs), _agreeing(first.datasets[name])
-            for key in sorted(mine.keys() | theirs.keys()):
-                if mine.get(key) != theirs.get(key):
-                    raise DataError(f"{part.path}: {name} has {key}={mine.get(key)!r}, but "
-                                    f"{first.path} has {theirs.get(key)!r}: parts of different "
-                                    "jobs or inputs")
-        if _agreeing(part.attrs) != _agreeing(first.attrs):
-            key = next(k for k in sorted(_agreeing(part.attrs).keys() | _agreeing(
-                first.attrs).keys()) if part.attrs.get(k) != first.attrs.get(k))
-            raise DataError(f"{part.path}: attribute {key} is {part.attrs.get(key)!r}, but "
-                            f"{first.path} has {first.attrs.get(key)!r}: parts of different "
-                            "jobs or inputs")
+        _check_alike(part, parts[0])
+    check_cover(parts)
+    return parts
+
+
+def describe_part(path, like=None):
+    """The Part of the file `path`, checked to be of the same job as the Part `like` if
+    given: parts checked one by one as they come (then check_cover)."""
+    part = _describe(os.fspath(path))
+    if like is not None:
+        _check_alike(part, like)
+    return part
+
+
+def _check_alike(part, first):
+    """DataError unless the Parts `part` and `first` hold the same results or statistics of
+    one job and input."""
+    if part.kind != first.kind:
+        raise DataError(f"{part.path}: holds {part.kind}, but {first.path} {first.kind}")
+    if set(part.datasets) != set(first.datasets):
+        raise DataError(f"{part.path}: holds {', '.join(sorted(part.datasets))}, but "
+                        f"{first.path} {', '.join(sorted(first.datasets))}")
+    for name, attrs in part.datasets.items():
+        mine, theirs = _agreeing(attrs), _agreeing(first.datasets[name])
+        for key in sorted(mine.keys() | theirs.keys()):
+            if mine.get(key) != theirs.get(key):
+                raise DataError(f"{part.path}: {name} has {key}={mine.get(key)!r}, but "
+                                f"{first.path} has {theirs.get(key)!r}: parts of different "
+                                "jobs or inputs")
+    if _agreeing(part.attrs) != _agreeing(first.attrs):
+        key = next(k for k in sorted(_agreeing(part.attrs).keys() | _agreeing(
+            first.attrs).keys()) if part.attrs.get(k) != first.attrs.get(k))
+        raise DataError(f"{part.path}: attribute {key} is {part.attrs.get(key)!r}, but "
+                        f"{first.path} has {first.attrs.get(key)!r}: parts of different "
+                        "jobs or inputs")
+
+
+def check_cover(parts):
+    """DataError unless `parts` (in structure order) neither overlap nor leave a gap."""
     for before, after in itertools.pairwise(parts):
         if after.start > before.stop:
             raise DataError(f"parts leave structures {before.stop}:{after.start} uncovered "
@@ -139,7 +159,6 @@ def check_parts(paths):
             raise DataError(f"parts overlap on structures {after.start}:"
                             f"{min(before.stop, after.stop)} ({before.path} has {before.start}:"
                             f"{before.stop}, {after.path} {after.start}:{after.stop})")
-    return parts
 
 
 def merged_attrs(parts, attrs):

@@ -383,18 +383,23 @@ class ResultWriter:
             raise DataError(f"{self.path}: results stored in place must cover all its "
                             f"{len(self._n_atoms)} structures, not {len(n_atoms)}")
 
-    def set_sources(self, paths, source, source_index):
-        """Where a new file's structures come from: the root attribute `sources` (the input
-        files' paths), /structures/source (indices into them) and /structures/source_index
-        (the structures' numbers inside their files)."""
+    def set_sources(self, paths, source_of, start, stop, step=1 << 20):
+        """Where a new file's structures, structures [start, stop) of a batch, come from: the
+        root attribute `sources` (the input files' paths), /structures/source (indices into
+        them) and /structures/source_index (the structures' numbers inside their files), as
+        `source_of(slice)` (see Batch.source_of) gives them, `step` structures at a time."""
         import h5py
 
         if self.in_place:
             raise ValueError("ResultWriter: sources describe the structures of a new file")
         self._h5.attrs["sources"] = np.array([path_text(p) for p in paths],
                                              dtype=h5py.string_dtype())
-        self._h5.create_dataset("structures/source", data=np.asarray(source, np.int32))
-        self._h5.create_dataset("structures/source_index", data=np.asarray(source_index, np.int64))
+        source = self._h5.create_dataset("structures/source", (stop - start,), np.int32)
+        index = self._h5.create_dataset("structures/source_index", (stop - start,), np.int64)
+        for at in range(start, stop, step):
+            block = source_of(slice(at, min(at + step, stop)))
+            for ds, values, dtype in ((source, block[0], np.int32), (index, block[1], np.int64)):
+                self._write_block(ds, at - start, np.ascontiguousarray(values, dtype))
 
     def create(self, name, shape, dtype, attrs, fill=None):
         """Create /results/<name>, `fill` (default 0) in the rows not written when the `with`
