@@ -389,6 +389,24 @@ def test_a_layout_reopens_its_unchanged_file_without_reading_its_counts_again(tm
         assert [c.n_atoms.tolist() for c in batch.iter_chunks(["x"])] == [[4, 1, 3]]
 
 
+@pytest.mark.parametrize("largest", [0, 255, 256, 65536, 2**32])
+def test_a_pickled_layout_carries_its_counts_in_their_narrowest_type(tmp_path, largest):
+    """What a cluster sends every worker: n_atoms as the narrowest unsigned integers that hold
+    them (an eighth of the bytes for counts below 256), int64 and equal again once loaded."""
+    counts = np.array([0, 1, largest, 7], np.int64)
+    with open_inputs(str(write_batch(tmp_path / "a.h5", [2, 1],
+                                     {"x": np.ones((3, 3))}))) as batch:
+        layout = batch.layout._replace(n_atoms=(counts, counts[:0]))
+    loaded = pickle.loads(pickle.dumps(layout))
+    assert type(loaded) is type(layout)
+    assert loaded[:4] == layout[:4] and loaded[5:] == layout[5:]
+    for got, sent in zip(loaded.n_atoms, layout.n_atoms):
+        assert got.dtype == np.int64 and got.tolist() == sent.tolist()
+    itemsize = np.min_scalar_type(largest).itemsize
+    assert len(pickle.dumps(layout._replace(n_atoms=(np.zeros(10**5, np.int64) + largest,)))) \
+        < 10**5 * itemsize + 4096
+
+
 def test_a_layout_reopens_in_another_process_reading_only_touched_files(shards, tmp_path):
     directory, members = shards
     n_atoms, x, *_ = joined(members)

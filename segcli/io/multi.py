@@ -40,6 +40,13 @@ class Layout(NamedTuple):
     conflicts: tuple = ()  # ((name, why), ...)
     stamps: tuple = ()
 
+    def __reduce__(self):
+        """Pickled (a cluster sends the layout to every worker) with each member's n_atoms in
+        the narrowest unsigned integer type that holds them, int64 again once loaded."""
+        narrow = tuple(np.asarray(n, np.min_scalar_type(int(n.max()) if len(n) else 0))
+                       for n in self.n_atoms)
+        return _loaded_layout, (tuple(self._replace(n_atoms=narrow)),)
+
     def path(self, member):
         """The path that opens member `member`, wherever the current directory is."""
         return os.path.join(self.directory, self.sources[member])
@@ -55,6 +62,12 @@ class Layout(NamedTuple):
         known = stamp is not None and stamp == file_stamp(path)
         return open_batch(path, self.input_format,
                           counts=self.n_atoms[member] if known else None)
+
+
+def _loaded_layout(fields):
+    """The Layout of pickled `fields` (see Layout.__reduce__)."""
+    layout = Layout(*fields)
+    return layout._replace(n_atoms=tuple(n.astype(np.int64) for n in layout.n_atoms))
 
 
 def member_layout(batch, name=None):
