@@ -11,6 +11,7 @@ installation has it.
     python benchmarks/cluster.py [--workers 2] [--atoms 10000000] [--runs 3] [--dir /tmp]
                                  [--device cpu|gpu] [--compression gzip] [--gpus]
                                  [--jobs reduce,stats] [--before-checkout DIR]
+                                 [--worker-threads N]
 
 With --before-checkout, each job also runs in one process, on `--scheduler local:K` and with
 a client of the running cluster from the segcli of another checkout (DIR on PYTHONPATH), in
@@ -117,6 +118,9 @@ def main():
                         help="the commands to run, of reduce and stats")
     parser.add_argument("--before-checkout", metavar="DIR",
                         help="also run one process and local:K from this checkout's segcli")
+    parser.add_argument("--worker-threads", type=int,
+                        help="SEGCLI_THREADS of the running cluster's workers (default: unset, "
+                             "as `dask worker` leaves it: each takes the cores, at most 8)")
     parser.add_argument("-v", "--verbose", action="store_true", help="each run's time on stderr")
     args = parser.parse_args()
     from distributed import Client, LocalCluster
@@ -171,7 +175,9 @@ def main():
         ]
         cluster = (_local_cluster(local) if args.gpus else
                    LocalCluster(n_workers=k, threads_per_worker=1, processes=True,
-                                dashboard_address=":0", preload=["segcli.cluster"]))
+                                dashboard_address=":0", preload=["segcli.cluster"],
+                                env={"SEGCLI_THREADS": str(args.worker_threads)}
+                                if args.worker_threads else None))
         client = Client(cluster)
         address = cluster.scheduler_address
         if args.steady:
