@@ -170,6 +170,37 @@ def test_merged_shards_equal_one_run_bit_for_bit(tmp_path, lumpy, shards, comman
                                    rtol=1e-12)
 
 
+@pytest.mark.parametrize("atoms_per_block", [1, 5, 40, 1 << 20])
+def test_part_rows_give_each_part_in_whole_structures_in_order(tmp_path, lumpy, atoms_per_block):
+    """What a cluster's client writes out: parts' rows of results per structure and per atom,
+    alone or together, in blocks of whole structures (at most the atoms asked for, where a
+    result is per atom) and in order, empty parts and structures included."""
+    from segcli.io.merge import check_parts, part_rows
+
+    path, n_atoms, _ = lumpy
+    ok("reduce", path, "rms_norm", "forces", "+", "mul", "forces", "w", "-o", tmp_path / "whole.h5",
+       "-q")
+    for i in range(3):
+        ok("reduce", path, "rms_norm", "forces", "+", "mul", "forces", "w", "--structures",
+           "5:", "--shard", f"{i}/3", "-o", tmp_path / "parts" / "p-{shard}.h5", "-q")
+    parts = check_parts(sorted((tmp_path / "parts").glob("p-*.h5")))
+    offsets = np.concatenate([[0], np.cumsum(n_atoms)])
+    with h5py.File(tmp_path / "whole.h5") as f:
+        whole = {name: f[f"results/{name}"][()] for name in ("rms_norm_forces", "mul_forces_w")}
+    for names in (["rms_norm_forces"], ["mul_forces_w"], ["mul_forces_w", "rms_norm_forces"]):
+        blocks = list(part_rows(parts, names, atoms_per_block))
+        assert [b[0] for b in blocks] == sorted(b[0] for b in blocks)
+        assert np.concatenate([b[1] for b in blocks]).tolist() == n_atoms[5:].tolist()
+        for start, counts, rows in blocks:
+            stop = start + len(counts)
+            size = counts.sum() if "mul_forces_w" in names else len(counts)  # atoms, or rows
+            assert len(counts) == 1 or size <= atoms_per_block
+            for name in names:
+                per_atom = name == "mul_forces_w"
+                lo, hi = (offsets[start], offsets[stop]) if per_atom else (start, stop)
+                np.testing.assert_array_equal(rows[name], whole[name][lo:hi])
+
+
 @pytest.mark.parametrize("shards", [1, 2, 3, 7, pytest.param(80, marks=pytest.mark.slow)])
 def test_merged_stats_parts_equal_one_run_bit_for_bit(tmp_path, lumpy, shards):
     path, _, _ = lumpy

@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 import numpy as np
 
 from segcli.errors import DataError
-from segcli.io.core import FORMAT, plan_chunks
+from segcli.io.core import FORMAT, offsets_of, plan_chunks
 from segcli.io.hdf5 import (
     ATTRIBUTE_BYTES,
     HDF5_ERRORS,
@@ -247,20 +247,26 @@ def _merge_stats(parts, output, force):
 
 def part_rows(parts, names, atoms_per_block=1 << 20):
     """(first structure, n_atoms, {name: rows}) in blocks of whole structures over the parts'
-    results `names` (per structure or per atom), in structure order: to print or store them."""
+    results `names` (per structure or per atom), in structure order: to print or store them.
+    A block holds at most `atoms_per_block` atoms where a result is per atom, else as many
+    structures."""
     import h5py
 
     for part in parts:
         with h5py.File(part.path, "r") as h5:
             n_atoms = read_rows(part.path, h5["structures/n_atoms"], 0,
-                                part.stop - part.start).astype(np.int64)
-            offsets = np.concatenate([[0], np.cumsum(n_atoms)])
-            bounds = plan_chunks(n_atoms, atoms_per_block)
+                                part.stop - part.start).astype(np.int64, copy=False)
+            datasets = {name: h5[f"results/{name}"] for name in names}
+            per_atom = {name for name, ds in datasets.items()
+                        if plain(ds.attrs.get("per")) == "atom"}
+            if per_atom:
+                offsets = offsets_of(n_atoms)
+                bounds = plan_chunks(n_atoms, atoms_per_block)
+            else:
+                bounds = [*range(0, len(n_atoms), atoms_per_block), len(n_atoms)]
             for a, b in itertools.pairwise(bounds):
                 rows = {}
-                for name in names:
-                    ds = h5[f"results/{name}"]
-                    per_atom = plain(ds.attrs.get("per")) == "atom"
-                    lo, hi = (offsets[a], offsets[b]) if per_atom else (a, b)
+                for name, ds in datasets.items():
+                    lo, hi = (offsets[a], offsets[b]) if name in per_atom else (a, b)
                     rows[name] = read_rows(part.path, ds, int(lo), int(hi))
                 yield part.start + a, n_atoms[a:b], rows
