@@ -187,7 +187,9 @@ def shards_as_done(client, function, calls, progress=None, sizes=None):
                 progress.update(sizes[k])
             yield k, value
     finally:
-        client.cancel([future for future in futures if not future.done()])
+        pending = [future for future in futures if not future.done()]
+        if pending:
+            client.cancel(pending)
 
 
 def in_order(done):
