@@ -1011,6 +1011,61 @@ def test_rms_norm_derivatives_over_known_sorted_ids_are_one_kernel_each(gpu_path
         _primitives.lower_cpu_as_gpu(False)
 
 
+@pytest.mark.parametrize("gpu_paths", [False, True])
+def test_var_and_std_are_one_kernel_over_ordered_ids_and_numpy_s_values_over_any(gpu_paths):
+    """var and std take both passes of each segment in one kernel where the ids are ordered
+    (one custom call in the compiled program given a Segments; two more for the gradient:
+    the mean gathered, the cotangent gathered), the same bits whether the order is promised or
+    found; unordered ids (atomic sums, then the squares about their means) give NumPy's float64
+    values too. Rows of no segment count nowhere; an empty segment gives 0."""
+    rng = np.random.default_rng(41)
+    n, m = 60, 9
+    # 2, 5, 7 empty, 6 of one row; -1, 9 outside
+    ids = np.sort(np.append(rng.choice([-1, 0, 1, 3, 4, 8, 9], size=n - 1), 6))
+    offsets = np.searchsorted(ids, np.arange(m + 1), side="left").astype(np.int32)
+    segments = ops.Segments(jnp.asarray(ids, jnp.int32), jnp.asarray(offsets))
+    x = rng.normal(size=(n, 3)) * 10.0 ** rng.integers(-3, 4, size=(n, 1)) + 1e3
+    w = rng.normal(size=(m, 3))
+    inside = (ids >= 0) & (ids < m)
+    expected = np.zeros((m, 3))
+    for s in range(m):
+        if np.any(ids == s):
+            expected[s] = np.var(x[ids == s], axis=0)
+
+    def loss(a, seg):
+        return jnp.sum(w * ops.segmented_std(a, seg, m))
+
+    _primitives.lower_cpu_as_gpu(gpu_paths)
+    try:
+        a = jnp.asarray(x)
+        calls = {"var": lambda a: ops.segmented_var(a, segments, m),
+                 "grad": jax.grad(lambda a: loss(a, segments))}
+        for name, launches in (("var", 1), ("grad", 3)):
+            compiled = jax.jit(calls[name]).lower(a).compile().as_text()
+            assert compiled[compiled.index("ENTRY"):].count(" custom-call(") == launches, name
+        promised = ops.segmented_var(a, segments, m)
+        np.testing.assert_allclose(promised, expected, rtol=1e-12, atol=1e-300)
+        np.testing.assert_array_equal(ops.segmented_var(a, jnp.asarray(ids, jnp.int32), m),
+                                      promised)
+        order = rng.permutation(n)
+        shuffled = ops.segmented_var(a[order], jnp.asarray(ids[order], jnp.int32), m)
+        np.testing.assert_allclose(shuffled, expected, rtol=1e-12, atol=1e-300)
+        grad = np.asarray(calls["grad"](a))
+        assert not grad[~inside].any()
+        shuffled_grad = jax.grad(lambda a: loss(a, jnp.asarray(ids[order], jnp.int32)))(a[order])
+        np.testing.assert_allclose(np.asarray(shuffled_grad)[np.argsort(order)], grad,
+                                   rtol=1e-10, atol=1e-14)
+        step = 1e-4
+        for i, k in ((0, 0), (n // 2, 1), (n - 5, 2)):
+            bump = np.zeros_like(x)
+            bump[i, k] = step
+            central = (float(loss(a + bump, segments)) - float(loss(a - bump, segments))) / (
+                2 * step)
+            np.testing.assert_allclose(grad[i, k], central, rtol=1e-6, atol=1e-9)
+    finally:
+        _primitives.lower_cpu_as_gpu(False)
+
+
 def test_segments_built_from_counts_and_their_edge_cases():
     seg = ops.segments(np.array([2, 0, 3, 0]))
     assert seg.ids.tolist() == [0, 0, 2, 2, 2] and seg.offsets.tolist() == [0, 2, 2, 5, 5]

@@ -682,10 +682,26 @@ def _norms_jvp(primals, tangents):
 
 def _variance(rows, seg, params):
     """Σ (x[i] - mean)² / count per segment of rows (N, K): two passes, no cancellation."""
-    counts = _nonzero_counts(seg, params, rows.dtype)[:, None]
-    mean = P.sum_p.bind(rows, *seg, **params) / counts
-    deviations = rows - P.gather_p.bind(mean, *seg, **params)
-    return P.sum_p.bind(deviations * deviations, *seg, **params) / counts
+    return _moments(rows, seg, tuple(params.items()))[..., 1]
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _moments(rows, seg, params):
+    """(mean, variance) (M, K, 2) of each segment of rows (N, K) (see P.moments_p)."""
+    return P.moments_p.bind(rows, *seg, **dict(params))
+
+
+@_moments.defjvp
+def _moments_jvp(params, primals, tangents):
+    """d mean = Σ dx / count and d var = 2 Σ (x - mean) dx / count, by one sum of both."""
+    (rows, seg), (drows, _) = primals, tangents
+    p = dict(params)
+    out = _moments(rows, seg, params)
+    deviations = rows - P.gather_p.bind(out[..., 0], *seg, **p)
+    sums = P.sum_p.bind(jnp.concatenate([drows, 2 * deviations * drows], axis=1), *seg, **p)
+    k = rows.shape[1]
+    counts = _nonzero_counts(seg, p, rows.dtype)[:, None, None]
+    return out, jnp.stack([sums[:, :k], sums[:, k:]], axis=-1) / counts
 
 
 @_op

@@ -826,6 +826,54 @@ _deferred(_span_reduction(_root_mean), "rms_norm_span")  # a = b = x
 _deferred(_span_reduction(_total), "dot_span")
 
 
+@_deferred
+def _moments_kernel(x: wp.array2d(dtype=Any), idx: wp.array(dtype=wp.int32),
+                    offsets: wp.array(dtype=wp.int32), ordered: wp.array(dtype=wp.int32),
+                    stride: int, out: wp.array3d(dtype=Any)):
+    # Ordered ids: thread (s, p) writes out[s, p] = (mean, Σ (x[i, p] - mean)² / count) over
+    # the rows of segment s ((0, 0) if it has none), a variance's two passes (no cancellation)
+    # in index order. Otherwise threads t < stride add each row's x[i, p] and 1 atomically
+    # into a zero-initialised out[s, p] (sum, count); centered_squares then takes over.
+    t, p = wp.tid()
+    m = out.shape[0]
+    if ordered[0] != 0:
+        if t < m:
+            lo, hi = _segment_range(offsets, t, x.shape[0])
+            count = x.dtype(wp.max(hi - lo, 1))
+            total = x.dtype(0.0)
+            for i in range(lo, hi):
+                total += x[i, p]
+            mean = total / count
+            squares = x.dtype(0.0)
+            for i in range(lo, hi):
+                deviation = x[i, p] - mean
+                squares += deviation * deviation
+            out[t, p, 0] = mean
+            out[t, p, 1] = squares / count
+    elif t < stride:
+        for i in range(t, idx.shape[0], stride):
+            s = idx[i]
+            if s >= 0 and s < m:
+                wp.atomic_add(out, s, p, 0, x[i, p])
+                wp.atomic_add(out, s, p, 1, x.dtype(1.0))
+
+
+@_deferred
+def _centered_squares_kernel(x: wp.array2d(dtype=Any), sums: wp.array3d(dtype=Any),
+                             idx: wp.array(dtype=wp.int32), ordered: wp.array(dtype=wp.int32),
+                             stride: int, out: wp.array2d(dtype=Any)):
+    # ids not ordered: Σ (x[i, p] - mean)² into a zero-initialised out[s, p], the mean from
+    # moments' (sum, count) in `sums`; nothing for ordered ids (moments did it all)
+    t, p = wp.tid()
+    m = out.shape[0]
+    if ordered[0] == 0 and t < stride:
+        for i in range(t, idx.shape[0], stride):
+            s = idx[i]
+            if s >= 0 and s < m:
+                deviation = x[i, p] - sums[s, p, 0] / wp.max(sums[s, p, 1], x.dtype(1.0))
+                wp.atomic_add(out, s, p, deviation * deviation)
+
+
 # out[e] = (x[e] · a) · b, plus (y[e] · a) · c if `paired`, over the entries e = lane, lane +
 # lanes, ... of segment rows lo:hi and group g (of `groups`, `k` features each), x, y and out
 # flat: the bits of the scale kernels (each product a statement of its own, as Warp writes

@@ -853,6 +853,36 @@ packed search compared, in float64 those its lanes search wrote where the ids ar
 No derivative rule of its own (segcli.ops gives it one)."""
 
 
+def _moments(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
+    shape = (num_segments, x.shape[1], 2)
+    if _empty(shape, x):
+        return jnp.zeros(shape, x.dtype)
+    known_sorted = ids_known_sorted(offsets, indices_are_sorted)
+    offsets, ordered = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
+    threads = stride(gpu, idx.shape[0])
+    dims = (_segment_threads(num_segments, threads, known_sorted), x.shape[1])
+    if known_sorted:  # (ids not passed, so that XLA drops their making)
+        return launch("moments", x, idx[:0], offsets, ordered, threads, dims=dims, out=shape)
+    sums = launch("moments", x, idx, offsets, ordered, threads, jnp.zeros(shape, x.dtype),
+                  dims=dims, in_out=("out",))
+    squares = launch("centered_squares", x, sums, idx, ordered, threads,
+                     jnp.zeros(shape[:2], x.dtype), dims=dims, in_out=("out",))
+    counts = jnp.maximum(sums[..., 1], 1)
+    return jnp.where(ordered[0] != 0, sums,
+                     jnp.stack([sums[..., 0] / counts, squares / counts], axis=-1))
+
+
+moments_p = _register(_Rule(
+    "moments", _moments,
+    lambda x, idx, offsets, *, num_segments, **_: (num_segments, x.shape[1], 2), 1,
+    batch_first=True))
+"""(mean, Σ (x[i] - mean)² / count) (M, K, 2) over each segment of x (N, K), (0, 0) for an
+empty one: where the ids are ordered, both passes of the variance in one kernel, in index
+order (the same bits whether the order is promised or found); otherwise atomic sums and
+counts, then the squares about their means. No derivative rule of its own (segcli.ops gives
+it one)."""
+
+
 def _count(idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     if idx.shape[0] == 0 or num_segments == 0:
         return jnp.zeros((num_segments,), jnp.int32)
