@@ -680,28 +680,37 @@ def _norms_jvp(primals, tangents):
     return norms, jnp.where(zero, 0, jnp.sum(units * dv, axis=1))
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
 def _variance(rows, seg, params):
-    """Σ (x[i] - mean)² / count per segment of rows (N, K): two passes, no cancellation."""
-    return _moments(rows, seg, tuple(params.items()))[..., 1]
+    """Σ (x[i] - mean)² / count per segment of rows (N, K): two passes, no cancellation (see
+    P.moments_p)."""
+    return P.moments_p.bind(rows, *seg, **dict(params))[..., 1]
+
+
+@_variance.defjvp
+def _variance_jvp(params, primals, tangents):
+    """d var = 2 Σ (x - mean) dx / count: the mean (of the same kernel) gathered, one sum."""
+    (rows, seg), (drows, _) = primals, tangents
+    p = dict(params)
+    deviations = rows - P.gather_p.bind(_mean_of_moments(rows, seg, params), *seg, **p)
+    counts = _nonzero_counts(seg, p, rows.dtype)[:, None]
+    return (_variance(rows, seg, params),
+            2 * P.sum_p.bind(deviations * drows, *seg, **p) / counts)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
-def _moments(rows, seg, params):
-    """(mean, variance) (M, K, 2) of each segment of rows (N, K) (see P.moments_p)."""
-    return P.moments_p.bind(rows, *seg, **dict(params))
+def _mean_of_moments(rows, seg, params):
+    """Σ x[i] / count per segment of rows (N, K), as P.moments_p gives it beside the variance
+    (XLA merges the two identical kernel calls into one)."""
+    return P.moments_p.bind(rows, *seg, **dict(params))[..., 0]
 
 
-@_moments.defjvp
-def _moments_jvp(params, primals, tangents):
-    """d mean = Σ dx / count and d var = 2 Σ (x - mean) dx / count, by one sum of both."""
+@_mean_of_moments.defjvp
+def _mean_of_moments_jvp(params, primals, tangents):
     (rows, seg), (drows, _) = primals, tangents
     p = dict(params)
-    out = _moments(rows, seg, params)
-    deviations = rows - P.gather_p.bind(out[..., 0], *seg, **p)
-    sums = P.sum_p.bind(jnp.concatenate([drows, 2 * deviations * drows], axis=1), *seg, **p)
-    k = rows.shape[1]
-    counts = _nonzero_counts(seg, p, rows.dtype)[:, None, None]
-    return out, jnp.stack([sums[:, :k], sums[:, k:]], axis=-1) / counts
+    counts = _nonzero_counts(seg, p, rows.dtype)[:, None]
+    return _mean_of_moments(rows, seg, params), P.sum_p.bind(drows, *seg, **p) / counts
 
 
 @_op
@@ -721,7 +730,7 @@ def segmented_var(x, idx, num_segments, *, indices_are_sorted=False):
         segmented_var(jnp.array([1., 3., 7.]), jnp.array([0, 0, 1]), 2)  # [1., 0.]
     """
     x, seg, m, dtype = _common("x", x, idx, num_segments)
-    out = _variance(_rows(x), seg, _params(m, indices_are_sorted))
+    out = _variance(_rows(x), seg, tuple(_params(m, indices_are_sorted).items()))
     return out.reshape(m, *x.shape[1:]).astype(dtype)
 
 
@@ -741,7 +750,7 @@ def segmented_std(x, idx, num_segments, *, indices_are_sorted=False):
         segmented_std(jnp.array([1., 3., 7.]), jnp.array([0, 0, 1]), 2)  # [1., 0.]
     """
     x, seg, m, dtype = _common("x", x, idx, num_segments)
-    out = _safe_sqrt(_variance(_rows(x), seg, _params(m, indices_are_sorted)))
+    out = _safe_sqrt(_variance(_rows(x), seg, tuple(_params(m, indices_are_sorted).items())))
     return out.reshape(m, *x.shape[1:]).astype(dtype)
 
 
