@@ -1066,6 +1066,77 @@ def test_var_and_std_are_one_kernel_over_ordered_ids_and_numpy_s_values_over_any
         _primitives.lower_cpu_as_gpu(False)
 
 
+@pytest.mark.parametrize("gpu_paths", [False, True])
+def test_logsumexp_and_softmax_are_one_kernel_over_ordered_ids_and_numpy_s_values_over_any(
+        gpu_paths):
+    """logsumexp and softmax find each segment's largest value and sum its shifted
+    exponentials in one kernel where the ids are ordered (one custom call given a Segments;
+    logsumexp's gradient one more, the cotangent gathered), the same bits whether the order is
+    promised or found; unordered ids (atomic max, then the sums) give NumPy's float64 values
+    too. A segment of -inf alone gives logsumexp -inf and softmax 0 (as pure JAX's
+    reference), both with derivative 0; rows of no segment count nowhere."""
+    rng = np.random.default_rng(43)
+    n, m = 60, 9
+    # 2, 5, 7 empty, 6 of one row, 8 all -inf; -1, 9 outside
+    ids = np.sort(np.append(rng.choice([-1, 0, 1, 3, 4, 8, 9], size=n - 1), 6))
+    offsets = np.searchsorted(ids, np.arange(m + 1), side="left").astype(np.int32)
+    segments = ops.Segments(jnp.asarray(ids, jnp.int32), jnp.asarray(offsets))
+    x = rng.normal(size=(n, 3)) * 30 + 500
+    x[ids == 8] = -np.inf
+    w = rng.normal(size=(m, 3))
+    expected_lse = np.full((m, 3), -np.inf)
+    expected_soft = np.zeros((n, 3))
+    for s in range(m):
+        rows = ids == s
+        top = np.max(x[rows], axis=0, initial=-np.inf)
+        if np.all(np.isfinite(top)):
+            terms = np.exp(x[rows] - top)
+            expected_lse[s] = top + np.log(terms.sum(axis=0))
+            expected_soft[rows] = terms / terms.sum(axis=0)
+
+    def loss(a, seg):
+        return jnp.sum(w * jnp.where(jnp.asarray(expected_lse) > -np.inf,
+                                     ops.segmented_logsumexp(a, seg, m), 0))
+
+    _primitives.lower_cpu_as_gpu(gpu_paths)
+    try:
+        a = jnp.asarray(x)
+        calls = {"logsumexp": lambda a: ops.segmented_logsumexp(a, segments, m),
+                 "softmax": lambda a: ops.segmented_softmax(a, segments, m),
+                 "grad": jax.grad(lambda a: loss(a, segments))}
+        for name, launches in (("logsumexp", 1), ("softmax", 1), ("grad", 2)):
+            compiled = jax.jit(calls[name]).lower(a).compile().as_text()
+            assert compiled[compiled.index("ENTRY"):].count(" custom-call(") == launches, name
+        order = rng.permutation(n)
+        for function, expected in ((ops.segmented_logsumexp, expected_lse),
+                                   (ops.segmented_softmax, expected_soft)):
+            promised = function(a, segments, m)
+            np.testing.assert_allclose(promised, expected, rtol=1e-13, atol=1e-300)
+            np.testing.assert_array_equal(function(a, jnp.asarray(ids, jnp.int32), m), promised)
+            shuffled = np.asarray(function(a[order], jnp.asarray(ids[order], jnp.int32), m))
+            if function is ops.segmented_softmax:
+                shuffled = shuffled[np.argsort(order)]
+            np.testing.assert_allclose(shuffled, expected, rtol=1e-13, atol=1e-300)
+        grad = np.asarray(calls["grad"](a))
+        np.testing.assert_allclose(grad, expected_soft * np.where(
+            (ids >= 0) & (ids < m), 1, 0)[:, None] * w[np.clip(ids, 0, m - 1)], rtol=1e-12,
+            atol=1e-300)
+        soft_grad = jax.grad(lambda a: jnp.sum(w[np.clip(ids, 0, m - 1)] * ops.segmented_softmax(
+            a, segments, m)))(a)
+        assert np.all(np.asarray(soft_grad)[ids == 8] == 0)
+        step = 1e-5
+        for i in np.flatnonzero(np.isin(ids, [0, 3, 6]))[:4]:
+            bump = np.zeros_like(x)
+            bump[i, 1] = step
+            def value(b):
+                return float(jnp.sum(w[np.clip(ids, 0, m - 1)] * ops.segmented_softmax(
+                    a + b, segments, m)))
+            central = (value(bump) - value(-bump)) / (2 * step)
+            np.testing.assert_allclose(soft_grad[i, 1], central, rtol=1e-6, atol=1e-8)
+    finally:
+        _primitives.lower_cpu_as_gpu(False)
+
+
 def test_segments_built_from_counts_and_their_edge_cases():
     seg = ops.segments(np.array([2, 0, 3, 0]))
     assert seg.ids.tolist() == [0, 0, 2, 2, 2] and seg.offsets.tolist() == [0, 2, 2, 5, 5]

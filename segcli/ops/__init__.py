@@ -754,18 +754,52 @@ def segmented_std(x, idx, num_segments, *, indices_are_sorted=False):
     return out.reshape(m, *x.shape[1:]).astype(dtype)
 
 
-def _shifted_exps(rows, seg, m, params):
-    """exp(x[i] - shift[idx[i]]) for rows (N, K) (0 for out-of-range ids), shift being each
-    segment's max where finite (else 0, held constant): no overflow, and the segment's
-    largest term is 1. Also the shift and which rows are in range."""
-    top = jax.lax.stop_gradient(_extreme_values("max", rows, seg, params, rows.dtype))
-    shift = jnp.where(jnp.isfinite(top), top, 0)
+def _exp_terms(rows, seg, params):
+    """(exp(x[i] - shift), Σ of its segment) per row of rows (N, K), each segment's shift and
+    sum (see P.exp_sums_p) taken to its rows by an XLA gather; 0 and 0 for rows whose id is out
+    of range."""
+    m = params["num_segments"]
+    out = P.exp_sums_p.bind(rows, *seg, **params)
     ids = seg[0]
     valid = ((ids >= 0) & (ids < m))[:, None]
-    # the shift is a constant: an XLA gather, not a kernel launch
-    gathered = shift[jnp.clip(ids, 0, m - 1)] if m else jnp.zeros_like(rows)
-    shifted = jnp.where(valid, rows - gathered, -jnp.inf)
-    return jnp.exp(shifted), shift, valid
+    at = out[jnp.clip(ids, 0, m - 1)] if m else jnp.zeros((*rows.shape, 2), rows.dtype)
+    return (jnp.where(valid, jnp.exp(rows - at[..., 0]), 0),
+            jnp.where(valid, at[..., 1], 0))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _logsumexp(rows, seg, params):
+    """log Σ exp x[i] per segment of rows (N, K): its shift plus the log of its sum (see
+    P.exp_sums_p); -inf where the sum is 0."""
+    out = P.exp_sums_p.bind(rows, *seg, **dict(params))
+    none = out[..., 1] == 0
+    return jnp.where(none, -jnp.inf, jnp.log(jnp.where(none, 1, out[..., 1]))) + out[..., 0]
+
+
+@_logsumexp.defjvp
+def _logsumexp_jvp(params, primals, tangents):
+    """d lse = Σ softmax(x)[i] dx[i]: 0 (not NaN) where lse is -inf."""
+    (rows, seg), (drows, _) = primals, tangents
+    return (_logsumexp(rows, seg, params),
+            P.sum_p.bind(_softmax(rows, seg, params) * drows, *seg, **dict(params)))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _softmax(rows, seg, params):
+    """exp(x[i] - shift) / Σ of its segment per row of rows (N, K); 0 where that sum is 0 or
+    the id out of range."""
+    exps, totals = _exp_terms(rows, seg, dict(params))
+    some = totals != 0  # (NaN stays NaN)
+    return jnp.where(some, exps / jnp.where(some, totals, 1), 0)
+
+
+@_softmax.defjvp
+def _softmax_jvp(params, primals, tangents):
+    """d s[i] = s[i] (dx[i] - Σ_j s[j] dx[j]) over i's segment."""
+    (rows, seg), (drows, _) = primals, tangents
+    p = dict(params)
+    s = _softmax(rows, seg, params)
+    return s, s * (drows - P.gather_p.bind(P.sum_p.bind(s * drows, *seg, **p), *seg, **p))
 
 
 @_op
@@ -786,11 +820,7 @@ def segmented_logsumexp(x, idx, num_segments, *, indices_are_sorted=False):
         # [1000.6931, 0.]
     """
     x, seg, m, dtype = _common("x", x, idx, num_segments)
-    params = _params(m, indices_are_sorted)
-    exps, shift, _ = _shifted_exps(_rows(x), seg, m, params)
-    total = P.sum_p.bind(exps, *seg, **params)
-    none = total == 0  # -inf, with derivatives 0 (not NaN) in both modes
-    out = jnp.where(none, -jnp.inf, jnp.log(jnp.where(none, 1, total))) + shift
+    out = _logsumexp(_rows(x), seg, tuple(_params(m, indices_are_sorted).items()))
     return out.reshape(m, *x.shape[1:]).astype(dtype)
 
 
@@ -810,10 +840,8 @@ def segmented_softmax(x, idx, num_segments, *, indices_are_sorted=False):
         segmented_softmax(jnp.array([0., 0., 5.]), jnp.array([0, 0, 1]), 2)  # [0.5, 0.5, 1.]
     """
     x, seg, m, dtype = _common("x", x, idx, num_segments)
-    params = _params(m, indices_are_sorted)
-    exps, _, valid = _shifted_exps(_rows(x), seg, m, params)
-    totals = P.gather_p.bind(P.sum_p.bind(exps, *seg, **params), *seg, **params)
-    return (exps / jnp.where(valid, totals, 1)).reshape(x.shape).astype(dtype)
+    out = _softmax(_rows(x), seg, tuple(_params(m, indices_are_sorted).items()))
+    return out.reshape(x.shape).astype(dtype)
 
 
 @_op

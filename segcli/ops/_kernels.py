@@ -858,6 +858,55 @@ def _moments_kernel(x: wp.array2d(dtype=Any), idx: wp.array(dtype=wp.int32),
                 wp.atomic_add(out, s, p, 1, x.dtype(1.0))
 
 
+
+@_deferred
+def _exp_sums_kernel(x: wp.array2d(dtype=Any), idx: wp.array(dtype=wp.int32),
+                     offsets: wp.array(dtype=wp.int32), ordered: wp.array(dtype=wp.int32),
+                     stride: int, out: wp.array3d(dtype=Any)):
+    # Ordered ids: thread (s, p) writes out[s, p] = (shift, Σ exp(x[i, p] - shift)) over the
+    # rows of segment s, shift their largest value where it is finite, else 0 (NaN and ±inf
+    # then carry into the sum); (0, 0) for none. Otherwise threads t < stride take each row's
+    # x[i, p] into out[s, p, 0] (-inf first) by atomic max; shifted_exp_sums takes over.
+    t, p = wp.tid()
+    m = out.shape[0]
+    if ordered[0] != 0:
+        if t < m:
+            lo, hi = _segment_range(offsets, t, x.shape[0])
+            top = x.dtype(-wp.inf)
+            for i in range(lo, hi):
+                top = wp.max(top, x[i, p])
+            shift = x.dtype(0.0)
+            if wp.isfinite(top):
+                shift = top
+            total = x.dtype(0.0)
+            for i in range(lo, hi):
+                total += wp.exp(x[i, p] - shift)
+            out[t, p, 0] = shift
+            out[t, p, 1] = total
+    elif t < stride:
+        for i in range(t, idx.shape[0], stride):
+            s = idx[i]
+            if s >= 0 and s < m:
+                wp.atomic_max(out, s, p, 0, x[i, p])
+
+
+@_deferred
+def _shifted_exp_sums_kernel(x: wp.array2d(dtype=Any), tops: wp.array3d(dtype=Any),
+                             idx: wp.array(dtype=wp.int32), ordered: wp.array(dtype=wp.int32),
+                             stride: int, out: wp.array2d(dtype=Any)):
+    # ids not ordered: Σ exp(x[i, p] - shift) into a zero-initialised out[s, p], the shift
+    # exp_sums' largest value where finite, else 0; nothing for ordered ids
+    t, p = wp.tid()
+    m = out.shape[0]
+    if ordered[0] == 0 and t < stride:
+        for i in range(t, idx.shape[0], stride):
+            s = idx[i]
+            if s >= 0 and s < m:
+                shift = x.dtype(0.0)
+                if wp.isfinite(tops[s, p, 0]):
+                    shift = tops[s, p, 0]
+                wp.atomic_add(out, s, p, wp.exp(x[i, p] - shift))
+
 @_deferred
 def _centered_squares_kernel(x: wp.array2d(dtype=Any), sums: wp.array3d(dtype=Any),
                              idx: wp.array(dtype=wp.int32), ordered: wp.array(dtype=wp.int32),

@@ -883,6 +883,35 @@ counts, then the squares about their means. No derivative rule of its own (segcl
 it one)."""
 
 
+def _exp_sums(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
+    shape = (num_segments, x.shape[1], 2)
+    if _empty(shape, x):
+        return jnp.zeros(shape, x.dtype)
+    known_sorted = ids_known_sorted(offsets, indices_are_sorted)
+    offsets, ordered = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
+    threads = stride(gpu, idx.shape[0])
+    dims = (_segment_threads(num_segments, threads, known_sorted), x.shape[1])
+    if known_sorted:  # (ids not passed, so that XLA drops their making)
+        return launch("exp_sums", x, idx[:0], offsets, ordered, threads, dims=dims, out=shape)
+    tops = launch("exp_sums", x, idx, offsets, ordered, threads,
+                  jnp.full(shape, -jnp.inf, x.dtype), dims=dims, in_out=("out",))
+    totals = launch("shifted_exp_sums", x, tops, idx, ordered, threads,
+                    jnp.zeros(shape[:2], x.dtype), dims=dims, in_out=("out",))
+    shift = jnp.where(jnp.isfinite(tops[..., 0]), tops[..., 0], 0)
+    return jnp.where(ordered[0] != 0, tops, jnp.stack([shift, totals], axis=-1))
+
+
+exp_sums_p = _register(_Rule(
+    "exp_sums", _exp_sums,
+    lambda x, idx, offsets, *, num_segments, **_: (num_segments, x.shape[1], 2), 1,
+    batch_first=True))
+"""(shift, Σ exp(x[i] - shift)) (M, K, 2) over each segment of x (N, K), shift its largest
+value where finite, else 0; (0, 0) for an empty one: where the ids are ordered, both passes
+in one kernel, in index order (the same bits whether the order is promised or found);
+otherwise the largest values by atomic max, then the sums. No derivative rule of its own
+(segcli.ops gives logsumexp and softmax theirs)."""
+
+
 def _count(idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     if idx.shape[0] == 0 or num_segments == 0:
         return jnp.zeros((num_segments,), jnp.int32)
