@@ -826,101 +826,115 @@ _deferred(_span_reduction(_root_mean), "rms_norm_span")  # a = b = x
 _deferred(_span_reduction(_total), "dot_span")
 
 
-@_deferred
-def _moments_kernel(x: wp.array2d(dtype=Any), idx: wp.array(dtype=wp.int32),
-                    offsets: wp.array(dtype=wp.int32), ordered: wp.array(dtype=wp.int32),
-                    stride: int, out: wp.array3d(dtype=Any)):
-    # Ordered ids: thread (s, p) writes out[s, p] = (mean, Σ (x[i, p] - mean)² / count) over
-    # the rows of segment s ((0, 0) if it has none), a variance's two passes (no cancellation)
-    # in index order. Otherwise threads t < stride add each row's x[i, p] and 1 atomically
-    # into a zero-initialised out[s, p] (sum, count); centered_squares then takes over.
-    t, p = wp.tid()
-    m = out.shape[0]
-    if ordered[0] != 0:
-        if t < m:
-            lo, hi = _segment_range(offsets, t, x.shape[0])
-            count = x.dtype(wp.max(hi - lo, 1))
-            total = x.dtype(0.0)
-            for i in range(lo, hi):
-                total += x[i, p]
-            mean = total / count
-            squares = x.dtype(0.0)
-            for i in range(lo, hi):
-                deviation = x[i, p] - mean
-                squares += deviation * deviation
-            out[t, p, 0] = mean
-            out[t, p, 1] = squares / count
-    elif t < stride:
-        for i in range(t, idx.shape[0], stride):
-            s = idx[i]
-            if s >= 0 and s < m:
-                wp.atomic_add(out, s, p, 0, x[i, p])
-                wp.atomic_add(out, s, p, 1, x.dtype(1.0))
+
+def _two_passes(segment, first_atomic):
+    """A kernel over x (N, K) into out (M, K, 2): where the ids are ordered, thread (s, p)
+    writes out[s, p] = segment(x, lo, hi, p) of the rows lo:hi of segment s (both its passes
+    over them, in index order); otherwise threads t < stride fold each row's x[i, p] into
+    out[s, p] by first_atomic(out, s, p, x, i), and an `_atomic_pass` kernel takes over."""
+
+    def kernel(x: wp.array2d(dtype=Any), idx: wp.array(dtype=wp.int32),
+               offsets: wp.array(dtype=wp.int32), ordered: wp.array(dtype=wp.int32),
+               stride: int, out: wp.array3d(dtype=Any)):
+        t, p = wp.tid()
+        m = out.shape[0]
+        if ordered[0] != 0:
+            if t < m:
+                lo, hi = _segment_range(offsets, t, x.shape[0])
+                first, second = segment(x, lo, hi, p)
+                out[t, p, 0] = first
+                out[t, p, 1] = second
+        elif t < stride:
+            for i in range(t, idx.shape[0], stride):
+                s = idx[i]
+                if s >= 0 and s < m:
+                    first_atomic(out, s, p, x, i)
+
+    return kernel
 
 
+def _atomic_pass(term):
+    """A kernel adding term(x, i, p, firsts, s) over the rows i of each segment s atomically
+    into a zero-initialised out[s, p], `firsts` (M, K, 2) being a `_two_passes` kernel's
+    atomic first pass; nothing where the ids are ordered (that kernel did it all)."""
 
-@_deferred
-def _exp_sums_kernel(x: wp.array2d(dtype=Any), idx: wp.array(dtype=wp.int32),
-                     offsets: wp.array(dtype=wp.int32), ordered: wp.array(dtype=wp.int32),
-                     stride: int, out: wp.array3d(dtype=Any)):
-    # Ordered ids: thread (s, p) writes out[s, p] = (shift, Σ exp(x[i, p] - shift)) over the
-    # rows of segment s, shift their largest value where it is finite, else 0 (NaN and ±inf
-    # then carry into the sum); (0, 0) for none. Otherwise threads t < stride take each row's
-    # x[i, p] into out[s, p, 0] (-inf first) by atomic max; shifted_exp_sums takes over.
-    t, p = wp.tid()
-    m = out.shape[0]
-    if ordered[0] != 0:
-        if t < m:
-            lo, hi = _segment_range(offsets, t, x.shape[0])
-            top = x.dtype(-wp.inf)
-            for i in range(lo, hi):
-                top = wp.max(top, x[i, p])
-            shift = x.dtype(0.0)
-            if wp.isfinite(top):
-                shift = top
-            total = x.dtype(0.0)
-            for i in range(lo, hi):
-                total += wp.exp(x[i, p] - shift)
-            out[t, p, 0] = shift
-            out[t, p, 1] = total
-    elif t < stride:
-        for i in range(t, idx.shape[0], stride):
-            s = idx[i]
-            if s >= 0 and s < m:
-                wp.atomic_max(out, s, p, 0, x[i, p])
+    def kernel(x: wp.array2d(dtype=Any), firsts: wp.array3d(dtype=Any),
+               idx: wp.array(dtype=wp.int32), ordered: wp.array(dtype=wp.int32),
+               stride: int, out: wp.array2d(dtype=Any)):
+        t, p = wp.tid()
+        m = out.shape[0]
+        if ordered[0] == 0 and t < stride:
+            for i in range(t, idx.shape[0], stride):
+                s = idx[i]
+                if s >= 0 and s < m:
+                    wp.atomic_add(out, s, p, term(x, i, p, firsts, s))
+
+    return kernel
 
 
-@_deferred
-def _shifted_exp_sums_kernel(x: wp.array2d(dtype=Any), tops: wp.array3d(dtype=Any),
-                             idx: wp.array(dtype=wp.int32), ordered: wp.array(dtype=wp.int32),
-                             stride: int, out: wp.array2d(dtype=Any)):
-    # ids not ordered: Σ exp(x[i, p] - shift) into a zero-initialised out[s, p], the shift
-    # exp_sums' largest value where finite, else 0; nothing for ordered ids
-    t, p = wp.tid()
-    m = out.shape[0]
-    if ordered[0] == 0 and t < stride:
-        for i in range(t, idx.shape[0], stride):
-            s = idx[i]
-            if s >= 0 and s < m:
-                shift = x.dtype(0.0)
-                if wp.isfinite(tops[s, p, 0]):
-                    shift = tops[s, p, 0]
-                wp.atomic_add(out, s, p, wp.exp(x[i, p] - shift))
+@wp.func
+def _mean_and_variance(x: wp.array2d(dtype=Any), lo: int, hi: int, p: int):
+    # (mean, Σ (x - mean)² / count) of x[lo:hi, p], (0, 0) if empty: no cancellation
+    count = x.dtype(wp.max(hi - lo, 1))
+    total = x.dtype(0.0)
+    for i in range(lo, hi):
+        total += x[i, p]
+    mean = total / count
+    squares = x.dtype(0.0)
+    for i in range(lo, hi):
+        deviation = x[i, p] - mean
+        squares += deviation * deviation
+    return mean, squares / count
 
-@_deferred
-def _centered_squares_kernel(x: wp.array2d(dtype=Any), sums: wp.array3d(dtype=Any),
-                             idx: wp.array(dtype=wp.int32), ordered: wp.array(dtype=wp.int32),
-                             stride: int, out: wp.array2d(dtype=Any)):
-    # ids not ordered: Σ (x[i, p] - mean)² into a zero-initialised out[s, p], the mean from
-    # moments' (sum, count) in `sums`; nothing for ordered ids (moments did it all)
-    t, p = wp.tid()
-    m = out.shape[0]
-    if ordered[0] == 0 and t < stride:
-        for i in range(t, idx.shape[0], stride):
-            s = idx[i]
-            if s >= 0 and s < m:
-                deviation = x[i, p] - sums[s, p, 0] / wp.max(sums[s, p, 1], x.dtype(1.0))
-                wp.atomic_add(out, s, p, deviation * deviation)
+
+@wp.func
+def _add_and_count(out: wp.array3d(dtype=Any), s: int, p: int, x: wp.array2d(dtype=Any),
+                   i: int):
+    wp.atomic_add(out, s, p, 0, x[i, p])
+    wp.atomic_add(out, s, p, 1, x.dtype(1.0))
+
+
+@wp.func
+def _squared_deviation(x: wp.array2d(dtype=Any), i: int, p: int,
+                       sums: wp.array3d(dtype=Any), s: int):
+    # about the mean of the segment's (sum, count)
+    deviation = x[i, p] - sums[s, p, 0] / wp.max(sums[s, p, 1], x.dtype(1.0))
+    return deviation * deviation
+
+
+@wp.func
+def _shift_and_exp_sum(x: wp.array2d(dtype=Any), lo: int, hi: int, p: int):
+    # (shift, Σ exp(x - shift)) of x[lo:hi, p], shift its largest value where finite, else 0
+    top = x.dtype(-wp.inf)
+    for i in range(lo, hi):
+        top = wp.max(top, x[i, p])
+    shift = x.dtype(0.0)
+    if wp.isfinite(top):
+        shift = top
+    total = x.dtype(0.0)
+    for i in range(lo, hi):
+        total += wp.exp(x[i, p] - shift)
+    return shift, total
+
+
+@wp.func
+def _raise_top(out: wp.array3d(dtype=Any), s: int, p: int, x: wp.array2d(dtype=Any), i: int):
+    wp.atomic_max(out, s, p, 0, x[i, p])
+
+
+@wp.func
+def _shifted_exp(x: wp.array2d(dtype=Any), i: int, p: int, tops: wp.array3d(dtype=Any), s: int):
+    shift = x.dtype(0.0)
+    if wp.isfinite(tops[s, p, 0]):
+        shift = tops[s, p, 0]
+    return wp.exp(x[i, p] - shift)
+
+
+# var and std (moments: mean, variance), logsumexp and softmax (exp_sums: shift, Σ exp)
+_deferred(_two_passes(_mean_and_variance, _add_and_count), "moments")
+_deferred(_atomic_pass(_squared_deviation), "centered_squares")
+_deferred(_two_passes(_shift_and_exp_sum, _raise_top), "exp_sums")
+_deferred(_atomic_pass(_shifted_exp), "shifted_exp_sums")
 
 
 # out[e] = (x[e] · a) · b, plus (y[e] · a) · c if `paired`, over the entries e = lane, lane +

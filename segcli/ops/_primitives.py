@@ -853,7 +853,12 @@ packed search compared, in float64 those its lanes search wrote where the ids ar
 No derivative rule of its own (segcli.ops gives it one)."""
 
 
-def _moments(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
+def _two_passes(name, after, start, found, x, idx, offsets, num_segments, indices_are_sorted,
+                gpu):
+    """(M, K, 2) of x (N, K) by kernel `name` (see _kernels._two_passes): where the ids are
+    ordered, both passes over each segment in one thread; where the ids are not known sorted,
+    also kernel `after`'s atomic pass (the first's output filled with `start` before), and
+    `found`(first, second) where the order is not found at run time."""
     shape = (num_segments, x.shape[1], 2)
     if _empty(shape, x):
         return jnp.zeros(shape, x.dtype)
@@ -862,14 +867,21 @@ def _moments(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     threads = stride(gpu, idx.shape[0])
     dims = (_segment_threads(num_segments, threads, known_sorted), x.shape[1])
     if known_sorted:  # (ids not passed, so that XLA drops their making)
-        return launch("moments", x, idx[:0], offsets, ordered, threads, dims=dims, out=shape)
-    sums = launch("moments", x, idx, offsets, ordered, threads, jnp.zeros(shape, x.dtype),
-                  dims=dims, in_out=("out",))
-    squares = launch("centered_squares", x, sums, idx, ordered, threads,
-                     jnp.zeros(shape[:2], x.dtype), dims=dims, in_out=("out",))
-    counts = jnp.maximum(sums[..., 1], 1)
-    return jnp.where(ordered[0] != 0, sums,
-                     jnp.stack([sums[..., 0] / counts, squares / counts], axis=-1))
+        return launch(name, x, idx[:0], offsets, ordered, threads, dims=dims, out=shape)
+    first = launch(name, x, idx, offsets, ordered, threads, jnp.full(shape, start, x.dtype),
+                   dims=dims, in_out=("out",))
+    second = launch(after, x, first, idx, ordered, threads, jnp.zeros(shape[:2], x.dtype),
+                    dims=dims, in_out=("out",))
+    return jnp.where(ordered[0] != 0, first, found(first, second))
+
+
+def _moments(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
+    def found(sums, squares):  # (Σ x, count) and Σ (x - mean)²
+        counts = jnp.maximum(sums[..., 1], 1)
+        return jnp.stack([sums[..., 0] / counts, squares / counts], axis=-1)
+
+    return _two_passes("moments", "centered_squares", 0, found, x, idx, offsets, num_segments,
+                       indices_are_sorted, gpu)
 
 
 moments_p = _register(_Rule(
@@ -884,21 +896,12 @@ it one)."""
 
 
 def _exp_sums(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
-    shape = (num_segments, x.shape[1], 2)
-    if _empty(shape, x):
-        return jnp.zeros(shape, x.dtype)
-    known_sorted = ids_known_sorted(offsets, indices_are_sorted)
-    offsets, ordered = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
-    threads = stride(gpu, idx.shape[0])
-    dims = (_segment_threads(num_segments, threads, known_sorted), x.shape[1])
-    if known_sorted:  # (ids not passed, so that XLA drops their making)
-        return launch("exp_sums", x, idx[:0], offsets, ordered, threads, dims=dims, out=shape)
-    tops = launch("exp_sums", x, idx, offsets, ordered, threads,
-                  jnp.full(shape, -jnp.inf, x.dtype), dims=dims, in_out=("out",))
-    totals = launch("shifted_exp_sums", x, tops, idx, ordered, threads,
-                    jnp.zeros(shape[:2], x.dtype), dims=dims, in_out=("out",))
-    shift = jnp.where(jnp.isfinite(tops[..., 0]), tops[..., 0], 0)
-    return jnp.where(ordered[0] != 0, tops, jnp.stack([shift, totals], axis=-1))
+    def found(tops, totals):  # the largest values and Σ exp(x - shift)
+        return jnp.stack([jnp.where(jnp.isfinite(tops[..., 0]), tops[..., 0], 0), totals],
+                         axis=-1)
+
+    return _two_passes("exp_sums", "shifted_exp_sums", -jnp.inf, found, x, idx, offsets,
+                       num_segments, indices_are_sorted, gpu)
 
 
 exp_sums_p = _register(_Rule(
