@@ -833,7 +833,8 @@ def segmented_softmax(x, idx, num_segments, *, indices_are_sorted=False):
       {segment args}
 
     Returns:
-      (N, *F): exp(x[i]) / Σ_{idx[j]=idx[i]} exp(x[j]); 0 for a row whose id is out of range.
+      (N, *F): exp(x[i]) / Σ_{idx[j]=idx[i]} exp(x[j]); 0 for a row whose id is out of range
+      and in a segment whose entries are all -inf.
 
     Example::
 
