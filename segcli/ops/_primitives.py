@@ -22,7 +22,10 @@ it through a custom JVP built of the others, whose tangent map and that map's de
 `custom_transposed` primitives, composites of the others with a transpose of their own (so
 that a second derivative adds its two rescales of the rows in one rescale2 kernel).
 `reductions` gives several of sum, mean, rms_norm and max_norm of one array (on CPUs by one
-kernel); segcli.ops differentiates each through its own primitive.
+kernel); segcli.ops differentiates each through its own primitive. `moments` (each segment's
+mean and variance) and `exp_sums` (its largest value and sum of shifted exponentials) take
+both passes over a segment in one kernel and have no rule either: segcli.ops differentiates
+var, std, logsumexp and softmax through custom JVPs built of sum and gather.
 The other primitives give integers, so no derivative: `extreme` (the first row attaining
 each segment's max, min or max norm, through which the ops differentiate), `count` and
 `bincount`. Batching folds a vmapped axis into axis 1 of every float operand (the feature or
