@@ -826,7 +826,6 @@ _deferred(_span_reduction(_root_mean), "rms_norm_span")  # a = b = x
 _deferred(_span_reduction(_total), "dot_span")
 
 
-
 def _two_passes(segment, first_atomic):
     """A kernel over x (N, K) into out (M, K, 2): where the ids are ordered, thread (s, p)
     writes out[s, p] = segment(x, lo, hi, p) of the rows lo:hi of segment s (both its passes
