@@ -34,6 +34,8 @@ CASES = [("reduce", "sum forces"), ("reduce", "mean forces"), ("reduce", "rms_no
          ("reduce", "max_norm forces"), ("reduce", "dot forces velocities"),
          ("reduce", "mul forces energy"), ("reduce", "matvec forces cell"), ("reduce", "count"),
          ("reduce", "rms_norm forces + max_norm forces + mean forces"),
+         ("reduce", "max forces"), ("reduce", "min forces"), ("reduce", "var forces"),
+         ("reduce", "std forces"), ("reduce", "logsumexp forces"), ("reduce", "softmax forces"),
          ("grad", "sum forces"), ("grad", "rms_norm forces"), ("grad", "max_norm forces"),
          ("grad", "dot forces velocities"), ("grad", "matvec forces cell")]
 
