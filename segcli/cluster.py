@@ -234,6 +234,7 @@ def leaf_stats_sharded(client, batch, names, leaves, progress=None, where=(), ke
     or as shards on `client`'s cluster, whose tasks open the file themselves (and evaluate
     `where` over their structures); joined in leaf order. `progress.update(n)` is called as n
     more structures are done."""
+    from segcli.io.core import offsets_of
     from segcli.shards import even_cuts
     from segcli.stats import join_leaves, leaf_stats
 
@@ -241,7 +242,7 @@ def leaf_stats_sharded(client, batch, names, leaves, progress=None, where=(), ke
     if client is None:
         return join_leaves([leaf_stats(batch, list(names), leaves, progress=progress,
                                        keep=keep, **options)])
-    offsets = np.concatenate([[0], np.cumsum(batch.n_atoms)])
+    offsets = offsets_of(batch.n_atoms)
     cuts = even_cuts(np.diff(offsets[leaves]), shard_count(client, len(leaves) - 1))
     layout = shared(client, batch.layout)
     calls = [(layout, list(names), leaves[a:b + 1].tolist(), where, options)

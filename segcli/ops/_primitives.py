@@ -856,8 +856,8 @@ packed search compared, in float64 those its lanes search wrote where the ids ar
 No derivative rule of its own (segcli.ops gives it one)."""
 
 
-def _two_passes(name, after, start, found, x, idx, offsets, num_segments, indices_are_sorted,
-                gpu):
+def _launch_two_passes(name, after, start, found, x, idx, offsets, num_segments,
+                       indices_are_sorted, gpu):
     """(M, K, 2) of x (N, K) by kernel `name` (see _kernels._two_passes): where the ids are
     ordered, both passes over each segment in one thread; where the ids are not known sorted,
     also kernel `after`'s atomic pass (the first's output filled with `start` before), and
@@ -883,8 +883,8 @@ def _moments(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
         counts = jnp.maximum(sums[..., 1], 1)
         return jnp.stack([sums[..., 0] / counts, squares / counts], axis=-1)
 
-    return _two_passes("moments", "centered_squares", 0, found, x, idx, offsets, num_segments,
-                       indices_are_sorted, gpu)
+    return _launch_two_passes("moments", "centered_squares", 0, found, x, idx, offsets,
+                              num_segments, indices_are_sorted, gpu)
 
 
 moments_p = _register(_Rule(
@@ -903,8 +903,8 @@ def _exp_sums(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
         return jnp.stack([jnp.where(jnp.isfinite(tops[..., 0]), tops[..., 0], 0), totals],
                          axis=-1)
 
-    return _two_passes("exp_sums", "shifted_exp_sums", -jnp.inf, found, x, idx, offsets,
-                       num_segments, indices_are_sorted, gpu)
+    return _launch_two_passes("exp_sums", "shifted_exp_sums", -jnp.inf, found, x, idx,
+                              offsets, num_segments, indices_are_sorted, gpu)
 
 
 exp_sums_p = _register(_Rule(
