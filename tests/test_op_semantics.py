@@ -52,6 +52,41 @@ def test_extremes_tie_to_the_first_row_and_differentiate_there(any_ids, name):
     assert np.isnan(got[3, 1]) and np.all(grad[rows == 4] == 0)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.int64])
+@pytest.mark.parametrize("name", ["max", "min"])
+def test_extremes_of_rows_of_three_tie_to_the_first_row_across_vector_lanes(name, dtype):
+    # segments of 0 to 40 rows (whole blocks of 8 rows and tails), few distinct values (ties in
+    # and across lanes and blocks), NaN in entry 1 of some rows; sorted ids, promised or found
+    rng = np.random.default_rng(7)
+    counts = rng.integers(0, 41, 60)
+    counts[:4] = (0, 1, 8, 9)
+    ids = np.repeat(np.arange(60), counts).astype(np.int32)
+    x = rng.integers(-3, 4, (len(ids), 3)).astype(dtype)
+    if np.issubdtype(dtype, np.floating):
+        x[rng.choice(len(ids), 6, replace=False), 1] = np.nan
+    pick = np.nanargmax if name == "max" else np.nanargmin
+    bounds = ((np.iinfo(dtype).min, np.iinfo(dtype).max) if np.issubdtype(dtype, np.integer)
+              else (-np.inf, np.inf))
+    expected = np.full((60, 3), bounds[name == "min"], dtype)  # an empty segment's
+    winners = np.zeros((len(ids), 3))
+    for s in np.flatnonzero(counts):
+        rows = np.flatnonzero(ids == s)
+        for e in range(3):
+            values = x[rows, e].astype(np.float64)
+            nans = np.flatnonzero(np.isnan(values))
+            first = rows[nans[0]] if len(nans) else rows[pick(values)]
+            expected[s, e] = x[first, e]
+            winners[first, e] = not len(nans)
+    function = getattr(ops, f"segmented_{name}")
+    for promised in (True, False):
+        got = function(jnp.asarray(x), jnp.asarray(ids), 60, indices_are_sorted=promised)
+        np.testing.assert_array_equal(np.asarray(got), expected)
+        if np.issubdtype(dtype, np.floating):
+            grad = jax.grad(lambda x, promised=promised: jnp.sum(jnp.nan_to_num(
+                function(x, jnp.asarray(ids), 60, indices_are_sorted=promised))))(jnp.asarray(x))
+            np.testing.assert_array_equal(np.asarray(grad), winners)
+
+
 @pytest.mark.parametrize("dtype", [np.int8, np.uint16, np.int32, np.uint32, np.int64])
 def test_integer_data_is_reduced_in_its_own_dtype(ids, dtype):
     idx, order = ids

@@ -1593,15 +1593,112 @@ def _first_by_plain_comparisons(largest):
     return shortcut
 
 
+# The first rows of rows lo:hi (lo < hi) of x (N, 3, 1) attaining each entry's largest value
+# (`largest` 1, max) or smallest (0, min), 8 rows at a time in vector lanes: their 24 entries
+# (`rows8`) sorted by shuffles into a vector per entry, each lane keeping its best value and
+# the first row of it, starting from row lo's, so that no comparison waits on another; the
+# lanes then give each entry's best value and its first row, or -1 where the entry has a NaN
+# ("float" stands for the dtype).
+_PLAIN_SEARCH3 = _LANES8 + _ROWS8 + """
+    const float* rows = (const float*)x.data;
+    lanes8 top[3];
+    mask8 where[3], nan[3] = {};
+    for (int c = 0; c < 3; c++) {
+        top[c] = lanes8{} + rows[3LL * lo + c];
+        where[c] = mask8{} + lo;
+    }
+    for (int i = lo; i < hi; i += 8) {
+        lanes8 a, b, c;
+        rows8(rows, x.shape[0], i, &a, &b, &c);
+        const lanes8 ab0 = __builtin_shufflevector(a, b, 0, 3, 6, 9, 12, 15, 0, 0);
+        const lanes8 ab1 = __builtin_shufflevector(a, b, 1, 4, 7, 10, 13, 0, 0, 0);
+        const lanes8 ab2 = __builtin_shufflevector(a, b, 2, 5, 8, 11, 14, 0, 0, 0);
+        const lanes8 v[3] = {__builtin_shufflevector(ab0, c, 0, 1, 2, 3, 4, 5, 10, 13),
+                             __builtin_shufflevector(ab1, c, 0, 1, 2, 3, 4, 8, 11, 14),
+                             __builtin_shufflevector(ab2, c, 0, 1, 2, 3, 4, 9, 12, 15)};
+        const mask8 inside = lane < hi - i;
+        for (int e = 0; e < 3; e++) {
+            const mask8 taken = inside & (largest ? v[e] > top[e] : v[e] < top[e]);
+            top[e] = taken ? v[e] : top[e];
+            where[e] = taken ? lane + i : where[e];
+            nan[e] |= inside & (v[e] != v[e]);
+        }
+    }
+    int first[3];
+    for (int e = 0; e < 3; e++) {
+        const float best = largest ? __builtin_reduce_max(top[e]) : __builtin_reduce_min(top[e]);
+        const int winner = __builtin_reduce_min(top[e] == best ? where[e] : hi);
+        first[e] = __builtin_reduce_or(nan[e]) ? -1 : winner;
+    }
+    return wp::vec_t<3, wp::int32>(first[0], first[1], first[2]);
+"""
+
+
+def _plain_search3_source(dtype):
+    """_PLAIN_SEARCH3 for `dtype` (a C type)."""
+    return _PLAIN_SEARCH3.replace("float", dtype)
+
+
+@wp.func_native(_plain_search3_source("float"))
+def _plain_search3(x: wp.array3d(dtype=wp.float32), lo: int, hi: int, largest: int) -> wp.vec3i:
+    ...
+
+
+@wp.func_native(_plain_search3_source("double"))
+def _plain_search3(x: wp.array3d(dtype=wp.float64), lo: int, hi: int, largest: int) -> wp.vec3i:
+    ...
+
+
+@wp.func_native(_plain_search3_source("wp::int32"))
+def _plain_search3(x: wp.array3d(dtype=wp.int32), lo: int, hi: int, largest: int) -> wp.vec3i:
+    ...
+
+
+@wp.func_native(_plain_search3_source("wp::int64"))
+def _plain_search3(x: wp.array3d(dtype=wp.int64), lo: int, hi: int, largest: int) -> wp.vec3i:
+    ...
+
+
+def _cpu_ordered_extreme(largest, key, better):
+    """max's (`largest` 1) or min's ordered search on CPUs, a thread per segment over all its
+    entries: where the ids are ordered, out[s, g] for every entry g of segment s (N if it is
+    empty), else left as given. Rows of 3 entries (x (N, 3, 1)) are searched together by
+    _plain_search3 (3 times faster than an entry at a time, benchmarks/RESULTS.md), an entry
+    with a NaN (which must win where it first comes) then alone; other shapes an entry at a
+    time by _first_by_plain_comparisons."""
+    search = _first_by_plain_comparisons(largest)(_ordered_search(key, better), key, better)
+
+    def kernel(x: wp.array3d(dtype=Any), offsets: wp.array(dtype=wp.int32),
+               ordered: wp.array(dtype=wp.int32), out: wp.array2d(dtype=wp.int32)):
+        s = wp.tid()
+        if ordered[0] == 0:
+            return
+        lo, hi = _segment_range(offsets, s, x.shape[0])
+        entries = out.shape[1]
+        if lo == hi:
+            for g in range(entries):
+                out[s, g] = x.shape[0]
+        elif entries == 3 and x.shape[2] == 1:
+            found = _plain_search3(x, lo, hi, largest)
+            for g in range(3):
+                first = found[g]
+                if first < 0:
+                    first = search(x, lo, hi, g)
+                out[s, g] = first
+        else:
+            for g in range(entries):
+                out[s, g] = search(x, lo, hi, g)
+
+    return kernel
+
+
 # The ordered searches on CPUs: plain comparisons first (1.5–2× faster there). GPUs keep the
 # searches above for max and min (the shortcuts not measured there) and take max_norm's by
 # lanes (max_norm_lanes, below; benchmarks/RESULTS.md).
 _deferred(_extreme(_norm, _above, _atomic_above, screen=_squared_norm,
                    shortcut=_largest_square_first)[0], "max_norm_cpu_ordered")
-for _name, _parts in (("max", (_value, _above, _atomic_above)),
-                      ("min", (_value, _below, _atomic_below))):
-    _deferred(_extreme(*_parts, shortcut=_first_by_plain_comparisons(int(_name == "max")))[0],
-              f"{_name}_cpu_ordered")
+_deferred(_cpu_ordered_extreme(1, _value, _above), "max_cpu_ordered")
+_deferred(_cpu_ordered_extreme(0, _value, _below), "min_cpu_ordered")
 
 
 # max_norm's ordered search on GPUs by a group of `lanes` threads a segment ("float" stands for
