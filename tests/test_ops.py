@@ -1325,3 +1325,66 @@ def check_spans_to_the_last_entry(rng, dtype, tolerance):
         assert_close(ops.segmented_rms_norm(a, seg, m),
                      np.sqrt(squares / np.maximum(counts, 1)), tolerance)
         assert_close(ops.segmented_dot(a, b, seg, m), dots, tolerance)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_var_and_logsumexp_of_rows_of_three_by_vector_lanes_match_numpy(x64, dtype):
+    """On CPUs, rows of 3 with ordered ids take both passes in vector lanes (moments3,
+    exp_sums3, whose exponentials are exp8's own): segments of 0 to 40 rows (whole blocks of 8
+    rows and tails), differences beyond exp8's range (wp::exp's then), infinities and NaN,
+    against NumPy in float64; the same bits whether the order is promised or found."""
+    rng = np.random.default_rng(11)
+    counts = rng.integers(0, 41, 64)
+    counts[:5] = (0, 1, 8, 9, 3)
+    ids = np.repeat(np.arange(64), counts).astype(np.int32)
+    x = (rng.normal(size=(len(ids), 3)) * 3).astype(dtype)
+    rows = np.concatenate([[0], np.cumsum(counts)])
+    x[rows[4]:rows[5]] = [[-np.inf, 1, -np.inf], [-np.inf, -1000, np.inf], [-np.inf, 2, 0]]
+    x[rows[6], 0] = np.nan
+    wide = np.float64(x)
+    lse, var = np.zeros((64, 3)), np.zeros((64, 3))
+    for s in range(64):
+        part = wide[rows[s]:rows[s + 1]]
+        if len(part):
+            top = part.max(axis=0)
+            shift = np.where(np.isfinite(top), top, 0)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                lse[s] = np.log(np.exp(part - shift).sum(axis=0)) + shift
+            var[s] = part.var(axis=0)
+        else:
+            lse[s] = -np.inf
+    tight = 1e-13 if dtype == np.float64 else 2e-6
+    for promised in (True, False):
+        got_lse = ops.segmented_logsumexp(jnp.asarray(x), jnp.asarray(ids), 64,
+                                          indices_are_sorted=promised)
+        got_var = ops.segmented_var(jnp.asarray(x), jnp.asarray(ids), 64,
+                                    indices_are_sorted=promised)
+        if promised:
+            first = (np.asarray(got_lse), np.asarray(got_var))
+        else:
+            np.testing.assert_array_equal(np.asarray(got_lse), first[0])
+            np.testing.assert_array_equal(np.asarray(got_var), first[1])
+        np.testing.assert_allclose(np.asarray(got_lse, np.float64), lse, rtol=tight, atol=tight)
+        finite = np.isfinite(var)
+        np.testing.assert_allclose(np.asarray(got_var, np.float64)[finite], var[finite],
+                                   rtol=tight * 10, atol=tight)
+        assert np.array_equal(np.isnan(np.asarray(got_var)), np.isnan(var))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_exp_sums_of_rows_of_three_sum_exp8_s_exponentials_to_two_units(x64, dtype):
+    """exp8 over its whole range: segments of rows (0, 0, 0) and (t, t, t), for t from exp8's
+    lowest argument to 0 (and 2000 in [-ln 2, 0], where each unit of e^t shows in the sum),
+    sum to 1 + e^t within 2 units in the last place of the sum."""
+    low = -87.0 if dtype == np.float32 else -708.0
+    near = -np.random.default_rng(5).uniform(0, np.log(2), 2000)
+    t = np.concatenate([np.linspace(low, 0, 4001), near]).astype(dtype)
+    x = np.repeat(np.stack([np.zeros_like(t), t], axis=1).reshape(-1), 3).reshape(-1, 3)
+    ids = np.repeat(np.arange(len(t)), 2).astype(np.int32)
+    out = np.asarray(_primitives.exp_sums_p.bind(
+        jnp.asarray(x), jnp.asarray(ids), jnp.zeros((0,), jnp.int32), num_segments=len(t),
+        indices_are_sorted=True))
+    expected = 1 + np.exp(np.float64(t))
+    ulp = np.spacing(expected.astype(dtype)).astype(np.float64)
+    assert np.all(out[:, :, 0] == 0)
+    assert np.all(np.abs(np.float64(out[:, :, 1]) - expected[:, None]) <= 2 * ulp[:, None])

@@ -105,6 +105,7 @@ float atomics over a grid-stride loop into a zero-initialised output.
 """
 
 import functools
+import math
 import os
 import sys
 import threading
@@ -826,11 +827,19 @@ _deferred(_span_reduction(_root_mean), "rms_norm_span")  # a = b = x
 _deferred(_span_reduction(_total), "dot_span")
 
 
-def _two_passes(segment, first_atomic):
+@wp.func
+def _no_rows3(x: wp.array2d(dtype=Any), lo: int, hi: int, s: int, p: int,
+              out: wp.array3d(dtype=Any)):
+    return 0
+
+
+def _two_passes(segment, first_atomic, rows3=_no_rows3):
     """A kernel over x (N, K) into out (M, K, 2): where the ids are ordered, thread (s, p)
     writes out[s, p] = segment(x, lo, hi, p) of the rows lo:hi of segment s (both its passes
-    over them, in index order); otherwise threads t < stride fold each row's x[i, p] into
-    out[s, p] by first_atomic(out, s, p, x, i), and an `_atomic_pass` kernel takes over."""
+    over them, in index order), unless rows3(x, lo, hi, s, p, out) wrote all of out[s] (then
+    1; a CPU's vector lanes over rows of 3); otherwise threads t < stride fold each row's
+    x[i, p] into out[s, p] by first_atomic(out, s, p, x, i), and an `_atomic_pass` kernel
+    takes over."""
 
     def kernel(x: wp.array2d(dtype=Any), idx: wp.array(dtype=wp.int32),
                offsets: wp.array(dtype=wp.int32), ordered: wp.array(dtype=wp.int32),
@@ -840,9 +849,10 @@ def _two_passes(segment, first_atomic):
         if ordered[0] != 0:
             if t < m:
                 lo, hi = _segment_range(offsets, t, x.shape[0])
-                first, second = segment(x, lo, hi, p)
-                out[t, p, 0] = first
-                out[t, p, 1] = second
+                if rows3(x, lo, hi, t, p, out) == 0:
+                    first, second = segment(x, lo, hi, p)
+                    out[t, p, 0] = first
+                    out[t, p, 1] = second
         elif t < stride:
             for i in range(t, idx.shape[0], stride):
                 s = idx[i]
@@ -929,10 +939,173 @@ def _shifted_exp(x: wp.array2d(dtype=Any), i: int, p: int, tops: wp.array3d(dtyp
     return wp.exp(x[i, p] - shift)
 
 
-# var and std (moments: mean, variance), logsumexp and softmax (exp_sums: shift, Σ exp)
-_deferred(_two_passes(_mean_and_variance, _add_and_count), "moments")
+# C: both passes over rows lo:hi of 3 entries of x (N, 3) by one thread (CPUs), 8 rows (24
+# entries) at a time in vector lanes as _ROWS3_SUM takes them, into out[s] (M, 3, 2); only
+# thread p = 0 of the segment works, and each returns 1 (0 where x is not (N, 3): nothing
+# done). "float" stands for the dtype. ROWS3_TWO_PASSES is completed by FIRST (after the
+# first pass's lanes `firsts`, each entry's value `first[c]`, and the lanes `centre` holding
+# them in the rows' layout) and SECOND (each lane's term of the second pass from v[k] and
+# centre[k]), both summed (sum24).
+_ROWS3_TWO_PASSES = """
+    if (x.shape[1] != 3) return 0;
+    if (p != 0) return 1;
+    const float* rows = (const float*)x.data;
+    const int n = x.shape[0];
+    const float count = (float)(hi - lo > 1 ? hi - lo : 1);
+    lanes8 firsts[3], seconds[3] = {}, centre[3];
+    for (int k = 0; k < 3; k++) firsts[k] = lanes8{} + START;
+    for (int i = lo; i < hi; i += 8) {
+        lanes8 v[3];
+        rows8(rows, n, i, &v[0], &v[1], &v[2]);
+        for (int k = 0; k < 3; k++) {
+            const mask8 inside = lane + 8 * k < 3 * (hi - i);
+            firsts[k] = inside ? FOLD : firsts[k];
+        }
+    }
+    float first[3];
+    FIRST
+    for (int k = 0; k < 3; k++)
+        for (int l = 0; l < 8; l++) centre[k][l] = first[(8 * k + l) % 3];
+    for (int i = lo; i < hi; i += 8) {
+        lanes8 v[3];
+        rows8(rows, n, i, &v[0], &v[1], &v[2]);
+        for (int k = 0; k < 3; k++) {
+            const mask8 inside = lane + 8 * k < 3 * (hi - i);
+            const lanes8 term = SECOND;
+            seconds[k] = inside ? seconds[k] + term : seconds[k];
+        }
+    }
+    float* o = (float*)out.data + 6LL * s;
+    for (int c = 0; c < 3; c++) {
+        o[2 * c] = first[c];
+        o[2 * c + 1] = sum24(seconds, c) DIVIDE;
+    }
+    return 1;
+"""
+
+# the mean (Σ x / count, as sum24 adds the lanes), then Σ (x - mean)² / count
+_MOMENTS3 = _LANES8 + _ROWS8 + (
+    _ROWS3_TWO_PASSES.replace("START", "0").replace("FOLD", "firsts[k] + v[k]")
+    .replace("FIRST", "for (int c = 0; c < 3; c++) first[c] = sum24(firsts, c) / count;")
+    .replace("SECOND", "(v[k] - centre[k]) * (v[k] - centre[k])")
+    .replace("DIVIDE", "/ count"))
+
+# C: exp8(x), e^x in each of 8 lanes where x is in [LOW, HIGH] (each lane outside marked in
+# `unplain`, for the caller to redo): x = n ln2 + r, |r| <= ln2/2 (n by rounding x/ln2, ln2
+# in two parts), e^r by its Taylor polynomial (to degree 7 for float32, 13 for float64, by
+# Estrin's scheme), times 2^n made of its bits. Within 2 units in the last place (tested
+# against NumPy's exp).
+_EXP8 = """
+    mask8 unplain = {};
+    auto exp8 = [&](lanes8 x) {
+        const mask8 plain = (x >= LOW) & (x <= HIGH);
+        unplain |= ~plain;
+        const lanes8 clamped = plain ? x : 0;
+        const lanes8 n = (clamped * LOG2E + ROUND) - ROUND;
+        const lanes8 r = (clamped - n * LN2_HIGH) - n * LN2_LOW;
+        POLYNOMIAL
+        const mask8 bits = (__builtin_convertvector(n, mask8) + BIAS) << MANTISSA;
+        lanes8 scale;
+        __builtin_memcpy(&scale, &bits, sizeof scale);
+        return p * scale;
+    };
+"""
+
+# the largest value of each entry (NaN passed over), shifted by it where finite
+_EXP_SUMS3 = _LANES8 + _ROWS8 + _EXP8 + (_ROWS3_TWO_PASSES
+              .replace("START", "-(float)__builtin_inf()")
+              .replace("FOLD", "v[k] > firsts[k] ? v[k] : firsts[k]")
+              .replace("FIRST", """
+    float tops[24];
+    __builtin_memcpy(tops, firsts, sizeof tops);
+    for (int c = 0; c < 3; c++) {
+        float top = tops[c];
+        for (int e = c + 3; e < 24; e += 3) top = tops[e] > top ? tops[e] : top;
+        first[c] = __builtin_isfinite(top) ? top : 0;
+    }""")
+              .replace("SECOND", "exp8(inside ? v[k] - centre[k] : 0)")
+              .replace("DIVIDE", "")
+              .replace("    float* o = (float*)out.data", """
+    if (__builtin_reduce_or(unplain)) {  /* a difference beyond exp8's range: wp::exp's */
+        float sums[3] = {};
+        for (int i = lo; i < hi; i++)
+            for (int c = 0; c < 3; c++) sums[c] += wp::exp(rows[3LL * i + c] - first[c]);
+        for (int k = 0; k < 3; k++) seconds[k] = lanes8{};
+        for (int c = 0; c < 3; c++) seconds[0][c] = sums[c];  /* entry c's lane */
+    }
+    float* o = (float*)out.data"""))
+
+
+def _polynomial(coefficients):
+    """C statements leaving Σ coefficients[j] · r^j in `p` by Estrin's scheme (pairs of terms,
+    then pairs of pairs by r², r⁴, ...)."""
+    terms = [f"({a} + {b} * r)" for a, b in zip(coefficients[::2], coefficients[1::2])]
+    terms += coefficients[len(coefficients) // 2 * 2:]
+    lines, power = ["const lanes8 r2 = r * r;"], 2
+    while len(terms) > 1:
+        pairs = [f"{a} + {b} * r{power}" for a, b in zip(terms[::2], terms[1::2])]
+        names = [f"t{power}_{j}" for j in range(len(pairs))]
+        lines += [f"const lanes8 {name} = {pair};" for name, pair in zip(names, pairs)]
+        terms = names + terms[len(pairs) * 2:]
+        if len(terms) > 1:
+            lines.append(f"const lanes8 r{2 * power} = r{power} * r{power};")
+            power *= 2
+    return "\n".join([*lines, f"const lanes8 p = {terms[0]};"])
+
+
+def _with_exp_constants(source, dtype):
+    """`source` for `dtype` ("float32" or "float64"): "float" its C type, _EXP8's constants
+    exact C literals."""
+    single = dtype == "float32"
+    suffix = "f" if single else ""
+    literal = lambda value: float(np.dtype(dtype).type(value)).hex() + suffix  # noqa: E731
+    degree = 7 if single else 13
+    ln2_high = 0.693359375 if single else float.fromhex("0x1.62e42fee00000p-1")
+    constants = {
+        "LOW": literal(-87 if single else -708), "HIGH": literal(88 if single else 709),
+        "LOG2E": literal(1 / math.log(2)), "ROUND": literal(1.5 * 2.0 ** (23 if single else 52)),
+        "LN2_HIGH": literal(ln2_high), "LN2_LOW": literal(math.log(2) - ln2_high),
+        "BIAS": "127" if single else "1023", "MANTISSA": "23" if single else "52",
+    }
+    source = source.replace("POLYNOMIAL", _polynomial(
+        [literal(1 / math.factorial(j)) for j in range(degree + 1)]))
+    source = source if single else source.replace("float", "double")
+    for name in sorted(constants, key=len, reverse=True):  # LN2_HIGH before HIGH
+        source = source.replace(name, constants[name])
+    return source
+
+
+@wp.func_native(_with_exp_constants(_MOMENTS3, "float32"))
+def _moments3(x: wp.array2d(dtype=wp.float32), lo: int, hi: int, s: int, p: int,
+              out: wp.array3d(dtype=wp.float32)) -> int:
+    ...
+
+
+@wp.func_native(_with_exp_constants(_MOMENTS3, "float64"))
+def _moments3(x: wp.array2d(dtype=wp.float64), lo: int, hi: int, s: int, p: int,
+              out: wp.array3d(dtype=wp.float64)) -> int:
+    ...
+
+
+@wp.func_native(_with_exp_constants(_EXP_SUMS3, "float32"))
+def _exp_sums3(x: wp.array2d(dtype=wp.float32), lo: int, hi: int, s: int, p: int,
+               out: wp.array3d(dtype=wp.float32)) -> int:
+    ...
+
+
+@wp.func_native(_with_exp_constants(_EXP_SUMS3, "float64"))
+def _exp_sums3(x: wp.array2d(dtype=wp.float64), lo: int, hi: int, s: int, p: int,
+               out: wp.array3d(dtype=wp.float64)) -> int:
+    ...
+
+
+# var and std (moments: mean, variance), logsumexp and softmax (exp_sums: shift, Σ exp); on
+# CPUs rows of 3 in vector lanes (moments3, exp_sums3)
+for _name, _segment, _first, _rows3 in (("moments", _mean_and_variance, _add_and_count, _moments3),
+                                        ("exp_sums", _shift_and_exp_sum, _raise_top, _exp_sums3)):
+    _deferred(_two_passes(_segment, _first), _name)
+    _deferred(_two_passes(_segment, _first, _rows3), f"{_name}_cpu")
 _deferred(_atomic_pass(_squared_deviation), "centered_squares")
-_deferred(_two_passes(_shift_and_exp_sum, _raise_top), "exp_sums")
 _deferred(_atomic_pass(_shifted_exp), "shifted_exp_sums")
 
 

@@ -888,6 +888,7 @@ def _launch_two_passes(name, after, start, found, x, idx, offsets, num_segments,
     offsets, ordered = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
     threads = stride(gpu, idx.shape[0])
     dims = (_segment_threads(num_segments, threads, known_sorted), x.shape[1])
+    name = name if gpu else f"{name}_cpu"
     if known_sorted:  # (ids not passed, so that XLA drops their making)
         return launch(name, x, idx[:0], offsets, ordered, threads, dims=dims, out=shape)
     first = launch(name, x, idx, offsets, ordered, threads, jnp.full(shape, start, x.dtype),
