@@ -1254,7 +1254,7 @@ def test_rms_norm_and_dot_over_any_features_and_layout(gpu_paths, features, dtyp
 
 
 CPU_KERNELS = {"layout_runs", "sum3", "mean3", "reductions3", "max_cpu_ordered",
-               "min_cpu_ordered", "max_norm_cpu_ordered"}
+               "min_cpu_ordered", "max_norm_cpu_ordered", "moments_cpu", "exp_sums_cpu"}
 """The kernels only CPUs launch (their C has no CUDA branch)."""
 
 
