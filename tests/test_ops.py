@@ -1254,7 +1254,8 @@ def test_rms_norm_and_dot_over_any_features_and_layout(gpu_paths, features, dtyp
 
 
 CPU_KERNELS = {"layout_runs", "sum3", "mean3", "reductions3", "max_cpu_ordered",
-               "min_cpu_ordered", "max_norm_cpu_ordered", "moments_cpu", "exp_sums_cpu"}
+               "min_cpu_ordered", "max_norm_cpu_ordered", "moments_cpu", "exp_sums_cpu",
+               "softmax3"}
 """The kernels only CPUs launch (their C has no CUDA branch)."""
 
 
@@ -1328,11 +1329,12 @@ def check_spans_to_the_last_entry(rng, dtype, tolerance):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_var_and_logsumexp_of_rows_of_three_by_vector_lanes_match_numpy(x64, dtype):
-    """On CPUs, rows of 3 with ordered ids take both passes in vector lanes (moments3,
-    exp_sums3, whose exponentials are exp8's own): segments of 0 to 40 rows (whole blocks of 8
-    rows and tails), differences beyond exp8's range (wp::exp's then), infinities and NaN,
-    against NumPy in float64; the same bits whether the order is promised or found."""
+def test_var_logsumexp_and_softmax_of_rows_of_three_by_vector_lanes_match_numpy(x64, dtype):
+    """On CPUs, rows of 3 with ordered ids take their passes in vector lanes (moments3,
+    exp_sums3, softmax3, whose exponentials are exp8's own): segments of 0 to 40 rows (whole
+    blocks of 8 rows and tails), differences beyond exp8's range (wp::exp's then), infinities
+    and NaN, against NumPy in float64; the same bits whether the order is promised or
+    found."""
     rng = np.random.default_rng(11)
     counts = rng.integers(0, 41, 64)
     counts[:5] = (0, 1, 8, 9, 3)
@@ -1342,33 +1344,57 @@ def test_var_and_logsumexp_of_rows_of_three_by_vector_lanes_match_numpy(x64, dty
     x[rows[4]:rows[5]] = [[-np.inf, 1, -np.inf], [-np.inf, -1000, np.inf], [-np.inf, 2, 0]]
     x[rows[6], 0] = np.nan
     wide = np.float64(x)
-    lse, var = np.zeros((64, 3)), np.zeros((64, 3))
+    lse, var, softmax = np.zeros((64, 3)), np.zeros((64, 3)), np.zeros_like(wide)
     for s in range(64):
         part = wide[rows[s]:rows[s + 1]]
         if len(part):
             top = part.max(axis=0)
             shift = np.where(np.isfinite(top), top, 0)
             with np.errstate(divide="ignore", invalid="ignore"):
-                lse[s] = np.log(np.exp(part - shift).sum(axis=0)) + shift
+                exps = np.exp(part - shift)
+                lse[s] = np.log(exps.sum(axis=0)) + shift
+                softmax[rows[s]:rows[s + 1]] = np.where(exps.sum(axis=0) != 0,
+                                                        exps / exps.sum(axis=0), 0)
             var[s] = part.var(axis=0)
         else:
             lse[s] = -np.inf
     tight = 1e-13 if dtype == np.float64 else 2e-6
+    first = {}
     for promised in (True, False):
-        got_lse = ops.segmented_logsumexp(jnp.asarray(x), jnp.asarray(ids), 64,
-                                          indices_are_sorted=promised)
-        got_var = ops.segmented_var(jnp.asarray(x), jnp.asarray(ids), 64,
-                                    indices_are_sorted=promised)
-        if promised:
-            first = (np.asarray(got_lse), np.asarray(got_var))
-        else:
-            np.testing.assert_array_equal(np.asarray(got_lse), first[0])
-            np.testing.assert_array_equal(np.asarray(got_var), first[1])
-        np.testing.assert_allclose(np.asarray(got_lse, np.float64), lse, rtol=tight, atol=tight)
+        got = {name: np.asarray(getattr(ops, f"segmented_{name}")(
+            jnp.asarray(x), jnp.asarray(ids), 64, indices_are_sorted=promised))
+            for name in ("logsumexp", "var", "softmax")}
+        for name, value in got.items():
+            np.testing.assert_array_equal(value, first.setdefault(name, value))
+        got_lse, got_var = got["logsumexp"], got["var"]
+        np.testing.assert_allclose(np.float64(got_lse), lse, rtol=tight, atol=tight)
+        np.testing.assert_allclose(np.float64(got["softmax"]), softmax, rtol=tight * 4,
+                                   atol=tight)
         finite = np.isfinite(var)
-        np.testing.assert_allclose(np.asarray(got_var, np.float64)[finite], var[finite],
-                                   rtol=tight * 10, atol=tight)
-        assert np.array_equal(np.isnan(np.asarray(got_var)), np.isnan(var))
+        np.testing.assert_allclose(np.float64(got_var)[finite], var[finite], rtol=tight * 10,
+                                   atol=tight)
+        assert np.array_equal(np.isnan(got_var), np.isnan(var))
+
+
+def test_softmax_of_rows_of_three_is_0_on_rows_in_no_segment(x64):
+    """Rows ahead of a Segments' first offset and from its last on (padding) get 0 from
+    softmax3's last thread; the rows between, each segment's softmax."""
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(11, 3)))
+    seg = ops.segments_of_offsets(jnp.array([2, 5, 5, 9], jnp.int32), 11)
+    got = np.asarray(ops.segmented_softmax(x, seg, 3))
+    expected = np.zeros((11, 3))
+    for lo, hi in ((2, 5), (5, 9)):
+        exps = np.exp(np.asarray(x[lo:hi]) - np.asarray(x[lo:hi]).max(axis=0))
+        expected[lo:hi] = exps / exps.sum(axis=0)
+    np.testing.assert_allclose(got, expected, rtol=1e-14, atol=0)
+    # the kernel itself, into rows that held NaN: every row written (XLA's fresh output
+    # buffers may hold zeros already)
+    from segcli.ops import _kernels
+
+    written = _kernels.launch("softmax3", x, seg.offsets, jnp.ones(1, jnp.int32),
+                              jnp.full((11, 3), jnp.nan), dims=(4,), in_out=("out",))
+    np.testing.assert_array_equal(np.asarray(written), got)
+    assert np.all(got[:2] == 0) and np.all(got[9:] == 0)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -754,19 +754,6 @@ def segmented_std(x, idx, num_segments, *, indices_are_sorted=False):
     return out.reshape(m, *x.shape[1:]).astype(dtype)
 
 
-def _exp_terms(rows, seg, params):
-    """(exp(x[i] - shift), Σ of its segment) per row of rows (N, K), each segment's shift and
-    sum (see P.exp_sums_p) taken to its rows by an XLA gather; 0 and 0 for rows whose id is out
-    of range."""
-    m = params["num_segments"]
-    out = P.exp_sums_p.bind(rows, *seg, **params)
-    ids = seg[0]
-    valid = ((ids >= 0) & (ids < m))[:, None]
-    at = out[jnp.clip(ids, 0, m - 1)] if m else jnp.zeros((*rows.shape, 2), rows.dtype)
-    return (jnp.where(valid, jnp.exp(rows - at[..., 0]), 0),
-            jnp.where(valid, at[..., 1], 0))
-
-
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
 def _logsumexp(rows, seg, params):
     """log Σ exp x[i] per segment of rows (N, K): its shift plus the log of its sum (see
@@ -788,9 +775,7 @@ def _logsumexp_jvp(params, primals, tangents):
 def _softmax(rows, seg, params):
     """exp(x[i] - shift) / Σ of its segment per row of rows (N, K); 0 where that sum is 0 or
     the id out of range."""
-    exps, totals = _exp_terms(rows, seg, dict(params))
-    some = totals != 0  # (NaN stays NaN)
-    return jnp.where(some, exps / jnp.where(some, totals, 1), 0)
+    return P.softmax_p.bind(rows, *seg, **dict(params))
 
 
 @_softmax.defjvp

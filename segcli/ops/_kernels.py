@@ -1011,18 +1011,23 @@ _EXP8 = """
     };
 """
 
-# the largest value of each entry (NaN passed over), shifted by it where finite
-_EXP_SUMS3 = _LANES8 + _ROWS8 + _EXP8 + (_ROWS3_TWO_PASSES
-              .replace("START", "-(float)__builtin_inf()")
-              .replace("FOLD", "v[k] > firsts[k] ? v[k] : firsts[k]")
-              .replace("FIRST", """
+# C: first[c], the shift of entry c: the largest value of its lanes `firsts` (NaN passed
+# over) where finite, else 0
+_SHIFTS = """
     float tops[24];
     __builtin_memcpy(tops, firsts, sizeof tops);
     for (int c = 0; c < 3; c++) {
         float top = tops[c];
         for (int e = c + 3; e < 24; e += 3) top = tops[e] > top ? tops[e] : top;
         first[c] = __builtin_isfinite(top) ? top : 0;
-    }""")
+    }
+"""
+
+# the largest value of each entry (NaN passed over), shifted by it where finite
+_EXP_SUMS3 = _LANES8 + _ROWS8 + _EXP8 + (_ROWS3_TWO_PASSES
+              .replace("START", "-(float)__builtin_inf()")
+              .replace("FOLD", "v[k] > firsts[k] ? v[k] : firsts[k]")
+              .replace("FIRST", _SHIFTS)
               .replace("SECOND", "exp8(inside ? v[k] - centre[k] : 0)")
               .replace("DIVIDE", "")
               .replace("    float* o = (float*)out.data", """
@@ -1097,6 +1102,104 @@ def _exp_sums3(x: wp.array2d(dtype=wp.float32), lo: int, hi: int, s: int, p: int
 def _exp_sums3(x: wp.array2d(dtype=wp.float64), lo: int, hi: int, s: int, p: int,
                out: wp.array3d(dtype=wp.float64)) -> int:
     ...
+
+
+# C: the softmax of rows lo:hi of 3 entries of x (N, 3) into the same rows of out, by one
+# thread (CPUs), 8 rows at a time in vector lanes: each entry's shift (as _EXP_SUMS3 finds
+# it), its exponentials by exp8 written out and summed, then divided by their sum (0 where it
+# is 0); wp::exp's exponentials where a difference is beyond exp8's range. "float" stands for
+# the dtype.
+_SOFTMAX3 = _LANES8 + _ROWS8 + _EXP8 + """
+    auto put8 = [](float* dest, int i, int hi, const lanes8* v) {  /* rows i.. of the block */
+        if (hi - i >= 8)
+            __builtin_memcpy(dest + 3LL * i, v, 24 * sizeof(float));
+        else
+            __builtin_memcpy(dest + 3LL * i, v, 3 * (hi - i) * sizeof(float));
+    };
+    const float* rows = (const float*)x.data;
+    float* dest = (float*)out.data;
+    const int n = x.shape[0];
+    lanes8 firsts[3], seconds[3] = {}, centre[3];
+    for (int k = 0; k < 3; k++) firsts[k] = lanes8{} - (float)__builtin_inf();
+    for (int i = lo; i < hi; i += 8) {
+        lanes8 v[3];
+        rows8(rows, n, i, &v[0], &v[1], &v[2]);
+        for (int k = 0; k < 3; k++) {
+            const mask8 inside = lane + 8 * k < 3 * (hi - i);
+            firsts[k] = (inside & (v[k] > firsts[k])) ? v[k] : firsts[k];
+        }
+    }
+    float first[3];
+""" + _SHIFTS + """
+    for (int k = 0; k < 3; k++)
+        for (int l = 0; l < 8; l++) centre[k][l] = first[(8 * k + l) % 3];
+    for (int i = lo; i < hi; i += 8) {
+        lanes8 v[3];
+        rows8(rows, n, i, &v[0], &v[1], &v[2]);
+        for (int k = 0; k < 3; k++) {
+            const mask8 inside = lane + 8 * k < 3 * (hi - i);
+            v[k] = exp8(inside ? v[k] - centre[k] : 0);
+            seconds[k] = inside ? seconds[k] + v[k] : seconds[k];
+        }
+        put8(dest, i, hi, v);
+    }
+    float totals[3];
+    for (int c = 0; c < 3; c++) totals[c] = sum24(seconds, c);
+    if (__builtin_reduce_or(unplain)) {  /* a difference beyond exp8's range: wp::exp's */
+        for (int c = 0; c < 3; c++) totals[c] = 0;
+        for (long long e = 3LL * lo; e < 3LL * hi; e++) {
+            dest[e] = wp::exp(rows[e] - first[e % 3]);
+            totals[e % 3] += dest[e];
+        }
+    }
+    for (int k = 0; k < 3; k++)  /* 1 / Σ (0 where Σ is 0) */
+        for (int l = 0; l < 8; l++)
+            centre[k][l] = totals[(8 * k + l) % 3] != 0 ? 1 / totals[(8 * k + l) % 3] : 0;
+    for (int i = lo; i < hi; i += 8) {
+        lanes8 v[3];
+        rows8(dest, n, i, &v[0], &v[1], &v[2]);
+        for (int k = 0; k < 3; k++) v[k] = v[k] * centre[k];
+        put8(dest, i, hi, v);
+    }
+    return 0;
+"""
+
+
+@wp.func_native(_with_exp_constants(_SOFTMAX3, "float32"))
+def _softmax3(x: wp.array2d(dtype=wp.float32), lo: int, hi: int,
+              out: wp.array2d(dtype=wp.float32)) -> int:
+    ...
+
+
+@wp.func_native(_with_exp_constants(_SOFTMAX3, "float64"))
+def _softmax3(x: wp.array2d(dtype=wp.float64), lo: int, hi: int,
+              out: wp.array2d(dtype=wp.float64)) -> int:
+    ...
+
+
+@_deferred
+def _softmax3_kernel(x: wp.array2d(dtype=Any), offsets: wp.array(dtype=wp.int32),
+                     ordered: wp.array(dtype=wp.int32), out: wp.array2d(dtype=Any)):
+    # launched M + 1 threads, where the ids are ordered (else nothing written): segment s <
+    # M's rows by _softmax3, thread M zeros in the rows before offsets[0] and from offsets[M]
+    # on (in no segment)
+    s = wp.tid()
+    if ordered[0] == 0:
+        return
+    m = offsets.shape[0] - 1
+    n = x.shape[0]
+    if s < m:
+        lo, hi = _segment_range(offsets, s, n)
+        _softmax3(x, lo, hi, out)
+    else:
+        first = wp.clamp(offsets[0], 0, n)
+        last = wp.clamp(offsets[m], first, n)
+        for i in range(first):
+            for c in range(3):
+                out[i, c] = x.dtype(0.0)
+        for i in range(last, n):
+            for c in range(3):
+                out[i, c] = x.dtype(0.0)
 
 
 # var and std (moments: mean, variance), logsumexp and softmax (exp_sums: shift, Σ exp); on

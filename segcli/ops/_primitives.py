@@ -938,6 +938,42 @@ otherwise the largest values by atomic max, then the sums. No derivative rule of
 (segcli.ops gives logsumexp and softmax theirs)."""
 
 
+def _softmax(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
+    if _empty(x.shape, x):
+        return jnp.zeros(x.shape, x.dtype)
+    rows3 = not gpu and x.shape[1] == 3
+    if rows3:  # written where the ids are ordered
+        layout, ordered = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
+        found = launch("softmax3", x, layout, ordered, dims=(num_segments + 1,), out=x.shape)
+        if ids_known_sorted(offsets, indices_are_sorted):
+            return found
+    params = {"num_segments": num_segments, "indices_are_sorted": indices_are_sorted}
+    exps, totals = _exp_terms(x, idx, offsets, params)
+    some = totals != 0  # (NaN stays NaN)
+    gathered = jnp.where(some, exps / jnp.where(some, totals, 1), 0)
+    return jnp.where(ordered[0] != 0, found, gathered) if rows3 else gathered
+
+
+def _exp_terms(x, idx, offsets, params):
+    """(exp(x[i] - shift), Σ of its segment) per row of x (N, K), each segment's shift and sum
+    (exp_sums_p) taken to its rows by an XLA gather; 0 and 0 for rows whose id is out of
+    range."""
+    m = params["num_segments"]
+    out = exp_sums_p.bind(x, idx, offsets, **params)
+    valid = ((idx >= 0) & (idx < m))[:, None]
+    at = out[jnp.clip(idx, 0, m - 1)] if m else jnp.zeros((*x.shape, 2), x.dtype)
+    return (jnp.where(valid, jnp.exp(x - at[..., 0]), 0), jnp.where(valid, at[..., 1], 0))
+
+
+softmax_p = _register(_Rule(
+    "softmax", _softmax, lambda x, idx, offsets, **_: x.shape, 1, batch_first=True))
+"""exp(x[i] - shift) / Σ of its segment per row of x (N, K) (see exp_sums_p), 0 where that
+sum is 0 or the id out of range: on CPUs, rows of 3 with ordered ids, by one kernel
+(softmax3: a thread per segment writing its rows; the same bits whether the order is
+promised or found); elsewhere exp_sums_p's shifts and sums gathered to the rows by XLA. No
+derivative rule of its own (segcli.ops gives it one)."""
+
+
 def _count(idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     if idx.shape[0] == 0 or num_segments == 0:
         return jnp.zeros((num_segments,), jnp.int32)
