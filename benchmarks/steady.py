@@ -37,7 +37,9 @@ CASES = [("reduce", "sum forces"), ("reduce", "mean forces"), ("reduce", "rms_no
          ("reduce", "max forces"), ("reduce", "min forces"), ("reduce", "var forces"),
          ("reduce", "std forces"), ("reduce", "logsumexp forces"), ("reduce", "softmax forces"),
          ("grad", "sum forces"), ("grad", "rms_norm forces"), ("grad", "max_norm forces"),
-         ("grad", "dot forces velocities"), ("grad", "matvec forces cell")]
+         ("grad", "dot forces velocities"), ("grad", "matvec forces cell"),
+         ("grad", "max forces"), ("grad", "var forces"), ("grad", "logsumexp forces"),
+         ("grad", "softmax forces")]
 
 
 def make_file(path, atoms, seed=0, compression=None):
