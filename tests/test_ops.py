@@ -1014,10 +1014,11 @@ def test_rms_norm_derivatives_over_known_sorted_ids_are_one_kernel_each(gpu_path
 @pytest.mark.parametrize("gpu_paths", [False, True])
 def test_var_and_std_are_one_kernel_over_ordered_ids_and_numpy_s_values_over_any(gpu_paths):
     """var and std take both passes of each segment in one kernel where the ids are ordered
-    (one custom call in the compiled program given a Segments; two more for the gradient:
-    the mean gathered, the cotangent gathered), the same bits whether the order is promised or
-    found; unordered ids (atomic sums, then the squares about their means) give NumPy's float64
-    values too. Rows of no segment count nowhere; an empty segment gives 0."""
+    (one custom call in the compiled program given a Segments; one more for the gradient, the
+    cotangent gathered: XLA gathers the mean where it uses it), the same bits whether the
+    order is promised or found; unordered ids (atomic sums, then the squares about their
+    means) give NumPy's float64 values too. Rows of no segment count nowhere; an empty segment
+    gives 0."""
     rng = np.random.default_rng(41)
     n, m = 60, 9
     # 2, 5, 7 empty, 6 of one row; -1, 9 outside
@@ -1040,7 +1041,7 @@ def test_var_and_std_are_one_kernel_over_ordered_ids_and_numpy_s_values_over_any
         a = jnp.asarray(x)
         calls = {"var": lambda a: ops.segmented_var(a, segments, m),
                  "grad": jax.grad(lambda a: loss(a, segments))}
-        for name, launches in (("var", 1), ("grad", 3)):
+        for name, launches in (("var", 1), ("grad", 2)):
             compiled = jax.jit(calls[name]).lower(a).compile().as_text()
             assert compiled[compiled.index("ENTRY"):].count(" custom-call(") == launches, name
         promised = ops.segmented_var(a, segments, m)
