@@ -680,13 +680,23 @@ def _norms_jvp(primals, tangents):
     return norms, jnp.where(zero, 0, jnp.sum(units * dv, axis=1))
 
 
-def _at_rows(values, ids):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _at_rows(values, seg, params):
     """values[ids[i]] per row (0 where ids[i] is out of range) by XLA's gather, which XLA
-    fuses into the elementwise work that uses it (a kernel's gather writes its rows out: the
-    gradient of var on a CPU took 21 ms a chunk of 2 Mi rows with it, 11 without)."""
+    fuses into the elementwise work that uses it (gather_p's kernel writes its rows out: the
+    gradient of var on a CPU took 21 ms a chunk of 2 Mi rows with it, 11 without); its
+    tangent gather_p's, so that a derivative's transpose is a segment sum, not XLA's
+    scatter."""
+    ids = seg[0]
     if values.shape[0] == 0:
         return jnp.zeros((ids.shape[0], *values.shape[1:]), values.dtype)
     return values.at[ids].get(mode="fill", fill_value=0)
+
+
+@_at_rows.defjvp
+def _at_rows_jvp(params, primals, tangents):
+    (values, seg), (dvalues, _) = primals, tangents
+    return _at_rows(values, seg, params), P.gather_p.bind(dvalues, *seg, **dict(params))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
@@ -701,7 +711,7 @@ def _variance_jvp(params, primals, tangents):
     """d var = 2 Σ (x - mean) dx / count: the mean (of the same kernel) gathered, one sum."""
     (rows, seg), (drows, _) = primals, tangents
     p = dict(params)
-    deviations = rows - _at_rows(_mean_of_moments(rows, seg, params), seg[0])
+    deviations = rows - _at_rows(_mean_of_moments(rows, seg, params), seg, params)
     counts = _nonzero_counts(seg, p, rows.dtype)[:, None]
     return (_variance(rows, seg, params),
             2 * P.sum_p.bind(deviations * drows, *seg, **p) / counts)
