@@ -388,10 +388,23 @@ sum_p = _multilinear(_Rule(
     transposes=(lambda ct, seg, p: gather_p.bind(ct, *seg, **p),)))
 
 
+XLA_GATHER_ROWS = 1 << 20
+"""Rows up to which gather_p of float64 is XLA's gather on GPUs (float32: at any size), which
+XLA fuses into the work that uses the rows. On an H100 at N = 10⁷, float32: the gradients of
+var, std, logsumexp and softmax 1.2–1.6 times as fast (var 390 → 243 µs), their second
+orders 1.3–2 times, sum's as fast, mean's slower (81 → 96 µs: its gather alone); float64
+gathered alone (grad sum) took twice the kernel's time (118 → 236 µs), so from 2²⁰ rows on
+float64 is the kernel's (benchmarks/RESULTS.md)."""
+
+
 def _gather(y, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     shape = (idx.shape[0], y.shape[1])
     if _empty(shape, y):
         return jnp.zeros(shape, y.dtype)
+    if gpu and (y.dtype != jnp.float64 or idx.shape[0] < XLA_GATHER_ROWS):
+        # XLA's gather, fused into the work that uses the rows
+        valid = ((idx >= 0) & (idx < y.shape[0]))[:, None]
+        return jnp.where(valid, y[jnp.clip(idx, 0, y.shape[0] - 1)], 0)
     if _is_float_vec3(y):
         return _rows3("gather3", y, idx, offsets, idx=idx, offsets=offsets,
                       segments=y.shape[0], gpu=gpu).reshape(shape)
