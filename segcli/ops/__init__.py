@@ -682,16 +682,12 @@ def _norms_jvp(primals, tangents):
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
 def _at_rows(values, seg, params):
-    """values[ids[i]] per row (0 where ids[i] is out of range) by XLA's gather, which XLA
-    fuses into the elementwise work that uses it (gather_p's kernel writes its rows out: the
-    gradient of var on a CPU took 21 ms a chunk of 2 Mi rows with it, 11 without); its
+    """values[ids[i]] per row (0 where ids[i] is out of range) by XLA's gather (P.at_rows),
+    which XLA fuses into the elementwise work that uses it (gather_p's kernel writes its rows
+    out on CPUs: the gradient of var took 21 ms a chunk of 2 Mi rows with it, 11 without); its
     tangent gather_p's, so that a derivative's transpose is a segment sum, not XLA's
     scatter."""
-    ids, m = seg[0], values.shape[0]
-    if m == 0:
-        return jnp.zeros((ids.shape[0], *values.shape[1:]), values.dtype)
-    valid = ((ids >= 0) & (ids < m)).reshape(-1, *(1,) * (values.ndim - 1))
-    return jnp.where(valid, values[jnp.clip(ids, 0, m - 1)], 0)
+    return P.at_rows(values, seg[0])
 
 
 @_at_rows.defjvp

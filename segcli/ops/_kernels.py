@@ -945,7 +945,8 @@ def _shifted_exp(x: wp.array2d(dtype=Any), i: int, p: int, tops: wp.array3d(dtyp
 # done). "float" stands for the dtype. ROWS3_TWO_PASSES is completed by FIRST (after the
 # first pass's lanes `firsts`, each entry's value `first[c]`, and the lanes `centre` holding
 # them in the rows' layout) and SECOND (each lane's term of the second pass from v[k] and
-# centre[k]), both summed (sum24).
+# centre[k]), both summed (sum24), then REDO (what redoes the second pass's sums where its
+# lanes could not).
 _ROWS3_TWO_PASSES = """
     if (x.shape[1] != 3) return 0;
     if (p != 0) return 1;
@@ -975,6 +976,7 @@ _ROWS3_TWO_PASSES = """
             seconds[k] = inside ? seconds[k] + term : seconds[k];
         }
     }
+    REDO
     float* o = (float*)out.data + 6LL * s;
     for (int c = 0; c < 3; c++) {
         o[2 * c] = first[c];
@@ -988,7 +990,7 @@ _MOMENTS3 = _LANES8 + _ROWS8 + (
     _ROWS3_TWO_PASSES.replace("START", "0").replace("FOLD", "firsts[k] + v[k]")
     .replace("FIRST", "for (int c = 0; c < 3; c++) first[c] = sum24(firsts, c) / count;")
     .replace("SECOND", "(v[k] - centre[k]) * (v[k] - centre[k])")
-    .replace("DIVIDE", "/ count"))
+    .replace("DIVIDE", "/ count").replace("REDO", ""))
 
 # C: exp8(x), e^x in each of 8 lanes where x is in [LOW, HIGH] (each lane outside marked in
 # `unplain`, for the caller to redo): x = n ln2 + r, |r| <= ln2/2 (n by rounding x/ln2, ln2
@@ -1033,15 +1035,14 @@ _EXP_SUMS3 = _LANES8 + _ROWS8 + _EXP8 + (_ROWS3_TWO_PASSES
               .replace("FIRST", _SHIFTS)
               .replace("SECOND", "exp8(inside ? v[k] - centre[k] : 0)")
               .replace("DIVIDE", "")
-              .replace("    float* o = (float*)out.data", """
+              .replace("REDO", """
     if (__builtin_reduce_or(unplain)) {  /* a difference beyond exp8's range: wp::exp's */
         float sums[3] = {};
         for (int i = lo; i < hi; i++)
             for (int c = 0; c < 3; c++) sums[c] += wp::exp(rows[3LL * i + c] - first[c]);
         for (int k = 0; k < 3; k++) seconds[k] = lanes8{};
         for (int c = 0; c < 3; c++) seconds[0][c] = sums[c];  /* entry c's lane */
-    }
-    float* o = (float*)out.data"""))
+    }"""))
 
 
 def _polynomial(coefficients):

@@ -388,6 +388,16 @@ sum_p = _multilinear(_Rule(
     transposes=(lambda ct, seg, p: gather_p.bind(ct, *seg, **p),)))
 
 
+def at_rows(values, idx):
+    """values[idx[i]] per row, 0 where idx[i] is out of range (negative ones too, which JAX's
+    indexing would wrap), by XLA's gather, which XLA fuses into the work that uses it."""
+    m = values.shape[0]
+    if m == 0:
+        return jnp.zeros((idx.shape[0], *values.shape[1:]), values.dtype)
+    valid = ((idx >= 0) & (idx < m)).reshape(-1, *(1,) * (values.ndim - 1))
+    return jnp.where(valid, values[jnp.clip(idx, 0, m - 1)], 0)
+
+
 XLA_GATHER_ROWS = 1 << 20
 """Rows up to which gather_p of float64 is XLA's gather on GPUs (float32: at any size), which
 XLA fuses into the work that uses the rows. On an H100 at N = 10⁷, float32: the gradients of
@@ -402,9 +412,7 @@ def _gather(y, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     if _empty(shape, y):
         return jnp.zeros(shape, y.dtype)
     if gpu and (y.dtype != jnp.float64 or idx.shape[0] < XLA_GATHER_ROWS):
-        # XLA's gather, fused into the work that uses the rows
-        valid = ((idx >= 0) & (idx < y.shape[0]))[:, None]
-        return jnp.where(valid, y[jnp.clip(idx, 0, y.shape[0] - 1)], 0)
+        return at_rows(y, idx)  # fused into the work that uses the rows
     if _is_float_vec3(y):
         return _rows3("gather3", y, idx, offsets, idx=idx, offsets=offsets,
                       segments=y.shape[0], gpu=gpu).reshape(shape)
@@ -824,7 +832,7 @@ def _put(ct, first, idx, offsets, *, num_segments, indices_are_sorted, gpu=False
 
 def _flat_rows(rows):
     """rows (N, G, K) as (N·G, K), row i of group g at i·G + g: XLA's gathers and scatters by
-one index a row take a third of the time of those by (row, group) pairs on a CPU."""
+    one index a row take a third of the time of those by (row, group) pairs on a CPU."""
     return rows.reshape(rows.shape[0] * rows.shape[1], *rows.shape[2:])
 
 
@@ -971,11 +979,9 @@ def _exp_terms(x, idx, offsets, params):
     """(exp(x[i] - shift), Σ of its segment) per row of x (N, K), each segment's shift and sum
     (exp_sums_p) taken to its rows by an XLA gather; 0 and 0 for rows whose id is out of
     range."""
-    m = params["num_segments"]
-    out = exp_sums_p.bind(x, idx, offsets, **params)
-    valid = ((idx >= 0) & (idx < m))[:, None]
-    at = out[jnp.clip(idx, 0, m - 1)] if m else jnp.zeros((*x.shape, 2), x.dtype)
-    return (jnp.where(valid, jnp.exp(x - at[..., 0]), 0), jnp.where(valid, at[..., 1], 0))
+    at = at_rows(exp_sums_p.bind(x, idx, offsets, **params), idx)
+    valid = ((idx >= 0) & (idx < params["num_segments"]))[:, None]
+    return jnp.where(valid, jnp.exp(x - at[..., 0]), 0), at[..., 1]
 
 
 softmax_p = _register(_Rule(
