@@ -1258,7 +1258,7 @@ def test_rms_norm_and_dot_over_any_features_and_layout(gpu_paths, features, dtyp
 
 CPU_KERNELS = {"layout_runs", "sum3", "mean3", "reductions3", "max_cpu_ordered",
                "min_cpu_ordered", "max_norm_cpu_ordered", "moments_cpu", "exp_sums_cpu",
-               "softmax3"}
+               "softmax3", "softmax3_tangent"}
 """The kernels only CPUs launch (their C has no CUDA branch)."""
 
 
@@ -1332,7 +1332,8 @@ def check_spans_to_the_last_entry(rng, dtype, tolerance):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_var_logsumexp_and_softmax_of_rows_of_three_by_vector_lanes_match_numpy(x64, dtype):
     """On CPUs, rows of 3 with ordered ids take their passes in vector lanes (moments3,
-    exp_sums3, softmax3, whose exponentials are exp8's own): segments of 0 to 40 rows (whole
+    exp_sums3, softmax3 and softmax3_tangent, whose exponentials are exp8's own; softmax's
+    gradient checked too): segments of 0 to 40 rows (whole
     blocks of 8 rows and tails), differences beyond exp8's range (wp::exp's then), infinities
     and NaN, against NumPy in float64; the same bits whether the order is promised or
     found."""
@@ -1359,6 +1360,11 @@ def test_var_logsumexp_and_softmax_of_rows_of_three_by_vector_lanes_match_numpy(
             var[s] = part.var(axis=0)
         else:
             lse[s] = -np.inf
+    weights = rng.normal(size=x.shape).astype(dtype)
+    expected_grad = np.zeros_like(wide)
+    for s in range(64):
+        part, w = softmax[rows[s]:rows[s + 1]], np.float64(weights[rows[s]:rows[s + 1]])
+        expected_grad[rows[s]:rows[s + 1]] = part * (w - (part * w).sum(axis=0))
     tight = 1e-13 if dtype == np.float64 else 2e-6
     first = {}
     for promised in (True, False):
@@ -1371,6 +1377,16 @@ def test_var_logsumexp_and_softmax_of_rows_of_three_by_vector_lanes_match_numpy(
         np.testing.assert_allclose(np.float64(got_lse), lse, rtol=tight, atol=tight)
         np.testing.assert_allclose(np.float64(got["softmax"]), softmax, rtol=tight * 4,
                                    atol=tight)
+        # softmax's gradient (softmax3_tangent): s (w - Σ s w) over each segment
+        grad = np.asarray(jax.grad(lambda a, promised=promised: jnp.sum(
+            jnp.asarray(weights) * ops.segmented_softmax(a, jnp.asarray(ids), 64,
+                                                         indices_are_sorted=promised)))(
+            jnp.asarray(x)))
+        np.testing.assert_array_equal(grad, first.setdefault("grad", grad))
+        finite = np.isfinite(expected_grad)
+        np.testing.assert_allclose(np.float64(grad)[finite], expected_grad[finite],
+                                   rtol=tight * 4, atol=tight)
+        assert np.array_equal(np.isnan(grad), np.isnan(expected_grad))
         finite = np.isfinite(var)
         np.testing.assert_allclose(np.float64(got_var)[finite], var[finite], rtol=tight * 10,
                                    atol=tight)
@@ -1379,7 +1395,8 @@ def test_var_logsumexp_and_softmax_of_rows_of_three_by_vector_lanes_match_numpy(
 
 def test_softmax_of_rows_of_three_is_0_on_rows_in_no_segment(x64):
     """Rows ahead of a Segments' first offset and from its last on (padding) get 0 from
-    softmax3's last thread; the rows between, each segment's softmax."""
+    softmax3's and softmax3_tangent's last thread; the rows between, each segment's softmax
+    and its tangent."""
     x = jnp.asarray(np.random.default_rng(2).normal(size=(11, 3)))
     seg = ops.segments_of_offsets(jnp.array([2, 5, 5, 9], jnp.int32), 11)
     got = np.asarray(ops.segmented_softmax(x, seg, 3))
@@ -1389,13 +1406,22 @@ def test_softmax_of_rows_of_three_is_0_on_rows_in_no_segment(x64):
         expected[lo:hi] = exps / exps.sum(axis=0)
     # the kernel itself, into rows that held NaN: every row written (XLA's fresh output
     # buffers may hold zeros already)
-    with jax.default_device(jax.devices("cpu")[0]):  # a CPU kernel
+    with jax.default_device(jax.devices("cpu")[0]):  # CPU kernels
         written = _kernels.launch("softmax3", *jax.device_put((x, seg.offsets)),
+                                  jnp.ones(1, jnp.int32), jnp.full((11, 3), jnp.nan), dims=(4,),
+                                  in_out=("out",))
+        tangent = _kernels.launch("softmax3_tangent", *jax.device_put((x, x, seg.offsets)),
                                   jnp.ones(1, jnp.int32), jnp.full((11, 3), jnp.nan), dims=(4,),
                                   in_out=("out",))
     for value in (got, np.asarray(written)):
         np.testing.assert_allclose(value, expected, rtol=1e-14, atol=0)
         assert np.all(value[:2] == 0) and np.all(value[9:] == 0)
+    expected_tangent = np.zeros((11, 3))
+    for lo, hi in ((2, 5), (5, 9)):
+        s, d = expected[lo:hi], np.asarray(x[lo:hi])
+        expected_tangent[lo:hi] = s * (d - (s * d).sum(axis=0))
+    np.testing.assert_allclose(np.asarray(tangent), expected_tangent, rtol=1e-13, atol=1e-15)
+    assert np.all(np.asarray(tangent)[:2] == 0) and np.all(np.asarray(tangent)[9:] == 0)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

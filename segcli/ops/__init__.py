@@ -787,20 +787,10 @@ def _logsumexp_jvp(params, primals, tangents):
             P.sum_p.bind(_softmax(rows, seg, params) * drows, *seg, **dict(params)))
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
 def _softmax(rows, seg, params):
     """exp(x[i] - shift) / Σ of its segment per row of rows (N, K); 0 where that sum is 0 or
-    the id out of range."""
+    the id out of range (P.softmax_p, whose JVP is P.softmax_tangent_p)."""
     return P.softmax_p.bind(rows, *seg, **dict(params))
-
-
-@_softmax.defjvp
-def _softmax_jvp(params, primals, tangents):
-    """d s[i] = s[i] (dx[i] - Σ_j s[j] dx[j]) over i's segment."""
-    (rows, seg), (drows, _) = primals, tangents
-    p = dict(params)
-    s = _softmax(rows, seg, params)
-    return s, s * (drows - P.gather_p.bind(P.sum_p.bind(s * drows, *seg, **p), *seg, **p))
 
 
 @_op

@@ -1166,8 +1166,35 @@ _SOFTMAX3 = _LANES8 + _ROWS8 + _EXP8 + """
         for (int k = 0; k < 3; k++) v[k] = v[k] * centre[k];
         put8(dest, i, hi, v);
     }
+    TANGENT
     return 0;
 """
+
+# softmax's tangent along dx (N, 3) from the softmax s its rows hold: s (dx - Σ s dx), each
+# entry's Σ over the segment (sum24 of the lanes)
+_SOFTMAX3_TANGENT = _SOFTMAX3.replace("TANGENT", """
+    const float* along = (const float*)dx.data;
+    lanes8 dots[3] = {};
+    for (int i = lo; i < hi; i += 8) {
+        lanes8 v[3], d[3];
+        rows8(dest, n, i, &v[0], &v[1], &v[2]);
+        rows8(along, n, i, &d[0], &d[1], &d[2]);
+        for (int k = 0; k < 3; k++) {
+            const mask8 inside = lane + 8 * k < 3 * (hi - i);
+            dots[k] = inside ? dots[k] + v[k] * d[k] : dots[k];
+        }
+    }
+    for (int c = 0; c < 3; c++) totals[c] = sum24(dots, c);
+    for (int k = 0; k < 3; k++)
+        for (int l = 0; l < 8; l++) centre[k][l] = totals[(8 * k + l) % 3];
+    for (int i = lo; i < hi; i += 8) {
+        lanes8 v[3], d[3];
+        rows8(dest, n, i, &v[0], &v[1], &v[2]);
+        rows8(along, n, i, &d[0], &d[1], &d[2]);
+        for (int k = 0; k < 3; k++) v[k] = v[k] * (d[k] - centre[k]);
+        put8(dest, i, hi, v);
+    }""")
+_SOFTMAX3 = _SOFTMAX3.replace("TANGENT", "")
 
 
 @wp.func_native(_with_exp_constants(_SOFTMAX3, "float32"))
@@ -1182,29 +1209,60 @@ def _softmax3(x: wp.array2d(dtype=wp.float64), lo: int, hi: int,
     ...
 
 
+@wp.func_native(_with_exp_constants(_SOFTMAX3_TANGENT, "float32"))
+def _softmax3_tangent(x: wp.array2d(dtype=wp.float32), dx: wp.array2d(dtype=wp.float32), lo: int,
+                      hi: int, out: wp.array2d(dtype=wp.float32)) -> int:
+    ...
+
+
+@wp.func_native(_with_exp_constants(_SOFTMAX3_TANGENT, "float64"))
+def _softmax3_tangent(x: wp.array2d(dtype=wp.float64), dx: wp.array2d(dtype=wp.float64), lo: int,
+                      hi: int, out: wp.array2d(dtype=wp.float64)) -> int:
+    ...
+
+
+@wp.func
+def _zero_rows_outside(offsets: wp.array(dtype=wp.int32), out: wp.array2d(dtype=Any)):
+    # rows of out (N, K) before offsets[0] and from offsets[M] on (in no segment) set to 0
+    n = out.shape[0]
+    first = wp.clamp(offsets[0], 0, n)
+    last = wp.clamp(offsets[offsets.shape[0] - 1], first, n)
+    for i in range(first):
+        for c in range(out.shape[1]):
+            out[i, c] = out.dtype(0.0)
+    for i in range(last, n):
+        for c in range(out.shape[1]):
+            out[i, c] = out.dtype(0.0)
+
+
 @_deferred
 def _softmax3_kernel(x: wp.array2d(dtype=Any), offsets: wp.array(dtype=wp.int32),
                      ordered: wp.array(dtype=wp.int32), out: wp.array2d(dtype=Any)):
     # launched M + 1 threads, where the ids are ordered (else nothing written): segment s <
-    # M's rows by _softmax3, thread M zeros in the rows before offsets[0] and from offsets[M]
-    # on (in no segment)
+    # M's rows by _softmax3, thread M the rows in no segment (_zero_rows_outside)
     s = wp.tid()
     if ordered[0] == 0:
         return
-    m = offsets.shape[0] - 1
-    n = x.shape[0]
-    if s < m:
-        lo, hi = _segment_range(offsets, s, n)
+    if s < offsets.shape[0] - 1:
+        lo, hi = _segment_range(offsets, s, x.shape[0])
         _softmax3(x, lo, hi, out)
     else:
-        first = wp.clamp(offsets[0], 0, n)
-        last = wp.clamp(offsets[m], first, n)
-        for i in range(first):
-            for c in range(3):
-                out[i, c] = x.dtype(0.0)
-        for i in range(last, n):
-            for c in range(3):
-                out[i, c] = x.dtype(0.0)
+        _zero_rows_outside(offsets, out)
+
+
+@_deferred
+def _softmax3_tangent_kernel(x: wp.array2d(dtype=Any), dx: wp.array2d(dtype=Any),
+                             offsets: wp.array(dtype=wp.int32),
+                             ordered: wp.array(dtype=wp.int32), out: wp.array2d(dtype=Any)):
+    # the same for softmax's tangent along dx (_softmax3_tangent)
+    s = wp.tid()
+    if ordered[0] == 0:
+        return
+    if s < offsets.shape[0] - 1:
+        lo, hi = _segment_range(offsets, s, x.shape[0])
+        _softmax3_tangent(x, dx, lo, hi, out)
+    else:
+        _zero_rows_outside(offsets, out)
 
 
 # var and std (moments: mean, variance), logsumexp and softmax (exp_sums: shift, Σ exp); on

@@ -301,18 +301,24 @@ def _integral(rule):
     return prim
 
 
-def custom_transposed(name, function, linear, like, transpose):
+def custom_transposed(name, function, linear, like, transpose, impl=None):
     """A primitive computing `function(*operands, **params)` from other primitives, linear in
     the operands numbered in `linear`, whose transpose is `transpose(ct, *operands, **params)`
     (a cotangent for each operand, None for the others; the linear ones to find are
     ad.UndefinedPrimal) rather than that of the function's parts: one that shares their work,
     or fuses the terms JAX would add. Its result has the aval of operand `like`. Its JVP keeps
     the linear operands' tangents in the primitive (so that transposing it stays custom) and
-    differentiates `function` for the others; it is batched, and lowered, as `function`."""
+    differentiates `function` for the others; it is batched as `function`, and lowered as it,
+    or as `impl(*operands, gpu, **params)` (a kernel of its own where one applies) if given."""
     prim = Primitive(f"segcli_{name}")
     prim.def_impl(lambda *args, **params: _jitted_bind(prim, tuple(sorted(params.items())))(*args))
     prim.def_abstract_eval(lambda *avals, **_: avals[like])
-    mlir.register_lowering(prim, mlir.lower_fun(function, multiple_results=False))
+    if impl is None:
+        mlir.register_lowering(prim, mlir.lower_fun(function, multiple_results=False))
+    else:
+        _IMPLS[prim] = impl
+        for platform, gpu in (("cpu", False), ("cuda", True)):
+            _lower(prim, platform, gpu)
 
     def jvp(primals, tangents, **params):
         out = prim.bind(*primals, **params)
@@ -989,8 +995,48 @@ softmax_p = _register(_Rule(
 """exp(x[i] - shift) / Σ of its segment per row of x (N, K) (see exp_sums_p), 0 where that
 sum is 0 or the id out of range: on CPUs, rows of 3 with ordered ids, by one kernel
 (softmax3: a thread per segment writing its rows; the same bits whether the order is
-promised or found); elsewhere exp_sums_p's shifts and sums gathered to the rows by XLA. No
-derivative rule of its own (segcli.ops gives it one)."""
+promised or found); elsewhere exp_sums_p's shifts and sums gathered to the rows by XLA. Its
+JVP is softmax_tangent_p (below)."""
+
+
+def _softmax_tangent(x, dx, idx, offsets, **params):
+    """s (dx - Σ s dx) over each segment, s = softmax(x): softmax's tangent along dx (N, K),
+    linear in dx, whose Jacobian is symmetric (its own transpose)."""
+    s = softmax_p.bind(x, idx, offsets, **params)
+    return s * (dx - gather_p.bind(sum_p.bind(s * dx, idx, offsets, **params), idx, offsets,
+                                   **params))
+
+
+def _softmax_tangent_rows(x, dx, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
+    """_softmax_tangent, on CPUs for rows of 3 with ordered ids by one kernel (softmax3_tangent:
+    a thread per segment, all in its rows; the same bits whether the order is promised or
+    found)."""
+    params = {"num_segments": num_segments, "indices_are_sorted": indices_are_sorted}
+    if gpu or x.shape[1] != 3 or _empty(x.shape, x):
+        return _softmax_tangent(x, dx, idx, offsets, **params)
+    layout, ordered = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
+    found = launch("softmax3_tangent", x, dx, layout, ordered, dims=(num_segments + 1,),
+                   out=x.shape)
+    if ids_known_sorted(offsets, indices_are_sorted):
+        return found
+    return jnp.where(ordered[0] != 0, found, _softmax_tangent(x, dx, idx, offsets, **params))
+
+
+softmax_tangent_p = custom_transposed(
+    "softmax_tangent", _softmax_tangent, linear=(1,), like=1,
+    transpose=lambda ct, x, dx, idx, offsets, **params: [
+        None, softmax_tangent_p.bind(x, ct, idx, offsets, **params), None, None],
+    impl=_softmax_tangent_rows)
+"""softmax's tangent map along dx (see _softmax_tangent), transposed into itself."""
+
+
+def _softmax_jvp(primals, tangents, **params):
+    x, idx, offsets = primals
+    return (softmax_p.bind(x, idx, offsets, **params),
+            softmax_tangent_p.bind(x, ad.instantiate_zeros(tangents[0]), idx, offsets, **params))
+
+
+ad.primitive_jvps[softmax_p] = _softmax_jvp
 
 
 def _count(idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
