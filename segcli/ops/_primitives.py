@@ -965,20 +965,31 @@ otherwise the largest values by atomic max, then the sums. No derivative rule of
 (segcli.ops gives logsumexp and softmax theirs)."""
 
 
+def _by_rows3(kernel, operands, formula, x, idx, offsets, num_segments, indices_are_sorted,
+              gpu):
+    """formula(), an (N, K) result of x (N, K); or on CPUs, for rows of 3 where the ids are
+    ordered, kernel `kernel` over operands (M + 1 threads: one a segment writing its rows, the
+    last the rows in no segment), the same bits whether the order is promised or found."""
+    if gpu or x.shape[1] != 3 or _empty(x.shape, x):
+        return formula()
+    layout, ordered = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
+    found = launch(kernel, *operands, layout, ordered, dims=(num_segments + 1,), out=x.shape)
+    if ids_known_sorted(offsets, indices_are_sorted):
+        return found
+    return jnp.where(ordered[0] != 0, found, formula())
+
+
 def _softmax(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
-    if _empty(x.shape, x):
-        return jnp.zeros(x.shape, x.dtype)
-    rows3 = not gpu and x.shape[1] == 3
-    if rows3:  # written where the ids are ordered
-        layout, ordered = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
-        found = launch("softmax3", x, layout, ordered, dims=(num_segments + 1,), out=x.shape)
-        if ids_known_sorted(offsets, indices_are_sorted):
-            return found
     params = {"num_segments": num_segments, "indices_are_sorted": indices_are_sorted}
-    exps, totals = _exp_terms(x, idx, offsets, params)
-    some = totals != 0  # (NaN stays NaN)
-    gathered = jnp.where(some, exps / jnp.where(some, totals, 1), 0)
-    return jnp.where(ordered[0] != 0, found, gathered) if rows3 else gathered
+
+    def gathered():
+        if _empty(x.shape, x):
+            return jnp.zeros(x.shape, x.dtype)
+        exps, totals = _exp_terms(x, idx, offsets, params)
+        some = totals != 0  # (NaN stays NaN)
+        return jnp.where(some, exps / jnp.where(some, totals, 1), 0)
+
+    return _by_rows3("softmax3", (x,), gathered, x, idx, offsets, gpu=gpu, **params)
 
 
 def _exp_terms(x, idx, offsets, params):
@@ -1009,17 +1020,11 @@ def _softmax_tangent(x, dx, idx, offsets, **params):
 
 def _softmax_tangent_rows(x, dx, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     """_softmax_tangent, on CPUs for rows of 3 with ordered ids by one kernel (softmax3_tangent:
-    a thread per segment, all in its rows; the same bits whether the order is promised or
-    found)."""
+    all in each segment's rows)."""
     params = {"num_segments": num_segments, "indices_are_sorted": indices_are_sorted}
-    if gpu or x.shape[1] != 3 or _empty(x.shape, x):
-        return _softmax_tangent(x, dx, idx, offsets, **params)
-    layout, ordered = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
-    found = launch("softmax3_tangent", x, dx, layout, ordered, dims=(num_segments + 1,),
-                   out=x.shape)
-    if ids_known_sorted(offsets, indices_are_sorted):
-        return found
-    return jnp.where(ordered[0] != 0, found, _softmax_tangent(x, dx, idx, offsets, **params))
+    return _by_rows3("softmax3_tangent", (x, dx),
+                     lambda: _softmax_tangent(x, dx, idx, offsets, **params), x, idx, offsets,
+                     gpu=gpu, **params)
 
 
 softmax_tangent_p = custom_transposed(
