@@ -1063,9 +1063,9 @@ def _polynomial(coefficients):
     return "\n".join([*lines, f"const lanes8 p = {terms[0]};"])
 
 
-def _with_exp_constants(source, dtype):
-    """`source` for `dtype` ("float32" or "float64"): "float" its C type, _EXP8's constants
-    exact C literals."""
+def _lanes_source(source, dtype):
+    """`source` (C in vector lanes) for `dtype` ("float32" or "float64"): "float" its C type,
+    and exp8's constants, where it holds _EXP8, exact C literals."""
     single = dtype == "float32"
     suffix = "f" if single else ""
     literal = lambda value: float(np.dtype(dtype).type(value)).hex() + suffix  # noqa: E731
@@ -1085,25 +1085,25 @@ def _with_exp_constants(source, dtype):
     return source
 
 
-@wp.func_native(_with_exp_constants(_MOMENTS3, "float32"))
+@wp.func_native(_lanes_source(_MOMENTS3, "float32"))
 def _moments3(x: wp.array2d(dtype=wp.float32), lo: int, hi: int, s: int, p: int,
               out: wp.array3d(dtype=wp.float32)) -> int:
     ...
 
 
-@wp.func_native(_with_exp_constants(_MOMENTS3, "float64"))
+@wp.func_native(_lanes_source(_MOMENTS3, "float64"))
 def _moments3(x: wp.array2d(dtype=wp.float64), lo: int, hi: int, s: int, p: int,
               out: wp.array3d(dtype=wp.float64)) -> int:
     ...
 
 
-@wp.func_native(_with_exp_constants(_EXP_SUMS3, "float32"))
+@wp.func_native(_lanes_source(_EXP_SUMS3, "float32"))
 def _exp_sums3(x: wp.array2d(dtype=wp.float32), lo: int, hi: int, s: int, p: int,
                out: wp.array3d(dtype=wp.float32)) -> int:
     ...
 
 
-@wp.func_native(_with_exp_constants(_EXP_SUMS3, "float64"))
+@wp.func_native(_lanes_source(_EXP_SUMS3, "float64"))
 def _exp_sums3(x: wp.array2d(dtype=wp.float64), lo: int, hi: int, s: int, p: int,
                out: wp.array3d(dtype=wp.float64)) -> int:
     ...
@@ -1197,25 +1197,25 @@ _SOFTMAX3_TANGENT = _SOFTMAX3.replace("TANGENT", """
 _SOFTMAX3 = _SOFTMAX3.replace("TANGENT", "")
 
 
-@wp.func_native(_with_exp_constants(_SOFTMAX3, "float32"))
+@wp.func_native(_lanes_source(_SOFTMAX3, "float32"))
 def _softmax3(x: wp.array2d(dtype=wp.float32), lo: int, hi: int,
               out: wp.array2d(dtype=wp.float32)) -> int:
     ...
 
 
-@wp.func_native(_with_exp_constants(_SOFTMAX3, "float64"))
+@wp.func_native(_lanes_source(_SOFTMAX3, "float64"))
 def _softmax3(x: wp.array2d(dtype=wp.float64), lo: int, hi: int,
               out: wp.array2d(dtype=wp.float64)) -> int:
     ...
 
 
-@wp.func_native(_with_exp_constants(_SOFTMAX3_TANGENT, "float32"))
+@wp.func_native(_lanes_source(_SOFTMAX3_TANGENT, "float32"))
 def _softmax3_tangent(x: wp.array2d(dtype=wp.float32), dx: wp.array2d(dtype=wp.float32), lo: int,
                       hi: int, out: wp.array2d(dtype=wp.float32)) -> int:
     ...
 
 
-@wp.func_native(_with_exp_constants(_SOFTMAX3_TANGENT, "float64"))
+@wp.func_native(_lanes_source(_SOFTMAX3_TANGENT, "float64"))
 def _softmax3_tangent(x: wp.array2d(dtype=wp.float64), dx: wp.array2d(dtype=wp.float64), lo: int,
                       hi: int, out: wp.array2d(dtype=wp.float64)) -> int:
     ...
