@@ -162,6 +162,35 @@ def test_bincount_counts_labels_per_segment(any_ids):
     np.testing.assert_array_equal(got, expected)
 
 
+@pytest.mark.parametrize("gpu_paths", [False, True])
+def test_bincount_of_long_segments_and_many_labels_matches_numpy_in_any_id_order(gpu_paths):
+    # segments of 0–80 rows (more than a warp's lanes) and labels past 32, 64 and 96 (more
+    # than a lane's first label), some outside [0, length); the ids as a Segments, promised
+    # sorted, sorted unpromised, shuffled and with rows past the last segment
+    rng = np.random.default_rng(7)
+    n_atoms = rng.integers(0, 81, 60)
+    n_atoms[[3, 17, 18]] = 0
+    ids = np.repeat(np.arange(60), n_atoms)
+    for length in (119, 5):
+        labels = rng.integers(-3, length + 3, ids.size)
+        expected = np.zeros((60, length), np.int32)
+        inside = (labels >= 0) & (labels < length)
+        np.add.at(expected, (ids[inside], labels[inside]), 1)
+        order = rng.permutation(ids.size)
+        cases = [(ops.segments(n_atoms), labels, {}),
+                 (ids, labels, {"indices_are_sorted": True}), (ids, labels, {}),
+                 (ids[order], labels[order], {}),
+                 (np.append(ids, [60, 75]), np.append(labels, [1, 2]), {})]
+        _primitives.lower_cpu_as_gpu(gpu_paths)
+        try:
+            for idx, lab, params in cases:
+                idx = idx if isinstance(idx, ops.Segments) else jnp.asarray(idx, jnp.int32)
+                got = ops.segmented_bincount(jnp.asarray(lab, jnp.int32), idx, 60, length, **params)
+                np.testing.assert_array_equal(got, expected)
+        finally:
+            _primitives.lower_cpu_as_gpu(False)
+
+
 def test_bincount_edge_cases_and_transforms():
     labels, idx = jnp.asarray([3, 0, 3], jnp.int64), jnp.asarray([0, 1, 1])
     assert ops.segmented_bincount(labels[:0], idx[:0], 2, 4).tolist() == [[0] * 4] * 2

@@ -76,7 +76,9 @@ Shapes (rows first, then a group axis G that vmap folds into, then features):
                                                                 as uint32 pairs (GPUs, any order
                                                                 of the ids, no layout)
     bincount    labels (N,)                  -> (M, L) int32    out[s,c] = #{i : idx[i]=s,
-                                                                labels[i]=c}
+                                                                labels[i]=c} over ordered ids,
+                                                                each entry written once (else 0;
+                                                                bincount_atomic then adds)
     gather      y (R, K), idx (L,)           -> (L, K)          out[i] = y[idx[i]]
     scale       x (N, G, K), y, z (M, G)     -> (N, G, K)       out[i,g] = x[i,g] * y[idx[i],g]
                                                                 (then * z[idx[i],g] if z has
@@ -747,6 +749,22 @@ def _lane_xor(v: wp.float32, offset: int, lanes: int) -> wp.float32:
 def _lane_xor(v: wp.float64, offset: int, lanes: int) -> wp.float64:  # an overload per dtype
     ...
 
+
+
+_SYNC_LANES = """
+#if defined(__CUDA_ARCH__)
+    unsigned int base = (threadIdx.x & 31u) & ~(unsigned int)(lanes - 1);
+    unsigned int mask = lanes >= 32 ? 0xFFFFFFFFu : ((1u << lanes) - 1u) << base;
+    __syncwarp(mask);
+#endif
+"""
+
+
+@wp.func_native(_SYNC_LANES)
+def _sync_lanes(lanes: int):
+    """Waits for every lane of the group, whose memory writes before are then seen by all
+    (CPUs: one lane, nothing to wait for)."""
+    ...
 
 
 @wp.func_native(_SPAN_SUM)
@@ -2235,33 +2253,67 @@ def _reductions3_kernel(
         largest[s, 0] = _norm(x, _first_of_largest_norm(x, lo, hi, 0, found), 0)
 
 
+BINCOUNT_LANES = 32
+"""Lanes of a segment's group in bincount's kernel on GPUs: a warp, whose stores of a row of
+zeros lie side by side and whose lanes then add a row each."""
+
+
 @_deferred
 def _bincount_kernel(
     labels: wp.array(dtype=wp.int32),
-    idx: wp.array(dtype=wp.int32),
     offsets: wp.array(dtype=wp.int32),
+    ordered: wp.array(dtype=wp.int32),
+    lanes: int,
+    out: wp.array2d(dtype=wp.int32),
+):
+    # a group of lanes per segment s, launched (M, lanes): where the ids are ordered, out[s, c]
+    # = the rows of s with label c, else 0 (bincount_atomic then adds the rows); asked for
+    # one lane (CPUs), `out` comes as zeros and each row adds 1
+    s, lane = wp.tid()
+    asked = lanes
+    lanes = _lanes_here(lanes)
+    if lane >= lanes:
+        return
+    length = out.shape[1]
+    lo, hi = _segment_range(offsets, s, labels.shape[0])
+    if ordered[0] == 0:
+        hi = lo
+    if lanes == 1:
+        if asked > 1:  # (the GPU's code paths on a CPU: `out` not zeros)
+            for c in range(length):
+                out[s, c] = 0
+        for i in range(lo, hi):
+            c = labels[i]
+            if c >= 0 and c < length:
+                out[s, c] = out[s, c] + 1
+    else:  # the row zeroed by the lanes side by side, then each lane's rows added to it
+        for c in range(lane, length, lanes):
+            out[s, c] = 0
+        _sync_lanes(lanes)
+        for i in range(lo + lane, hi, lanes):
+            c = labels[i]
+            if c >= 0 and c < length:
+                wp.atomic_add(out, s, c, 1)
+
+
+@_deferred
+def _bincount_atomic_kernel(
+    labels: wp.array(dtype=wp.int32),
+    idx: wp.array(dtype=wp.int32),
     ordered: wp.array(dtype=wp.int32),
     stride: int,
     out: wp.array2d(dtype=wp.int32),
 ):
-    # Rows per segment and label in [0, length): one thread per ordered segment, else atomics.
+    # Ids not ordered (else it returns at once): threads t < stride add each row i to
+    # out[idx[i], labels[i]] (bincount's zeros) where both are in range.
     t = wp.tid()
-    n = idx.shape[0]
-    m = out.shape[0]
-    length = out.shape[1]
-    if ordered[0] != 0:
-        if t < m:
-            lo, hi = _segment_range(offsets, t, n)
-            for i in range(lo, hi):
-                c = labels[i]
-                if c >= 0 and c < length:
-                    out[t, c] = out[t, c] + 1
-    elif t < stride:
-        for i in range(t, n, stride):
+    if ordered[0] == 0:
+        for i in range(t, idx.shape[0], stride):
             s = idx[i]
             c = labels[i]
-            if s >= 0 and s < m and c >= 0 and c < length:
+            if s >= 0 and s < out.shape[0] and c >= 0 and c < out.shape[1]:
                 wp.atomic_add(out, s, c, 1)
+
 
 @_deferred
 def _gather_kernel(y: wp.array2d(dtype=Any), idx: wp.array(dtype=wp.int32),

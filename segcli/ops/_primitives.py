@@ -49,6 +49,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from segcli.ops._kernels import (
+    BINCOUNT_LANES,
     LANES,
     PACKED_RUN,
     PLAIN_SQUARES,
@@ -1069,9 +1070,17 @@ def _bincount(labels, idx, offsets, *, num_segments, indices_are_sorted, length,
         return jnp.zeros(shape, jnp.int32)
     known_sorted = ids_known_sorted(offsets, indices_are_sorted)
     offsets, ordered = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
+    # on GPUs a warp per segment zeroes its row and adds its rows; on CPUs a thread per
+    # segment adds them into zeros (faster there than zeroing its row)
+    lanes = BINCOUNT_LANES if gpu else 1
+    args = ("bincount", labels, offsets, ordered, lanes)
+    dims = (num_segments, lanes)
+    out = (launch(*args, dims=dims, out=shape) if gpu else
+           launch(*args, jnp.zeros(shape, jnp.int32), dims=dims, in_out=("out",)))
+    if known_sorted:
+        return out
     threads = stride(gpu, idx.shape[0])
-    return launch("bincount", labels, idx, offsets, ordered, threads, jnp.zeros(shape, jnp.int32),
-                  dims=(_segment_threads(num_segments, threads, known_sorted),),
+    return launch("bincount_atomic", labels, idx, ordered, threads, out, dims=(threads,),
                   in_out=("out",))
 
 
