@@ -164,9 +164,9 @@ def test_bincount_counts_labels_per_segment(any_ids):
 
 @pytest.mark.parametrize("gpu_paths", [False, True])
 def test_bincount_of_long_segments_and_many_labels_matches_numpy_in_any_id_order(gpu_paths):
-    # segments of 0–80 rows (more than a warp's lanes) and labels past 32, 64 and 96 (more
-    # than a lane's first label), some outside [0, length); the ids as a Segments, promised
-    # sorted, sorted unpromised, shuffled and with rows past the last segment
+    # segments of 0–80 rows (more than a warp's lanes) and labels past 32, 64 and 96 (a lane
+    # zeroes several entries of its row), some outside [0, length); the ids as a Segments,
+    # promised sorted, sorted unpromised, shuffled and with rows past the last segment
     rng = np.random.default_rng(7)
     n_atoms = rng.integers(0, 81, 60)
     n_atoms[[3, 17, 18]] = 0

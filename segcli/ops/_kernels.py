@@ -76,9 +76,9 @@ Shapes (rows first, then a group axis G that vmap folds into, then features):
                                                                 as uint32 pairs (GPUs, any order
                                                                 of the ids, no layout)
     bincount    labels (N,)                  -> (M, L) int32    out[s,c] = #{i : idx[i]=s,
-                                                                labels[i]=c} over ordered ids,
-                                                                each entry written once (else 0;
-                                                                bincount_atomic then adds)
+                                                                labels[i]=c} over ordered ids
+                                                                (GPUs: a warp a segment), else 0
+                                                                (bincount_atomic then adds)
     gather      y (R, K), idx (L,)           -> (L, K)          out[i] = y[idx[i]]
     scale       x (N, G, K), y, z (M, G)     -> (N, G, K)       out[i,g] = x[i,g] * y[idx[i],g]
                                                                 (then * z[idx[i],g] if z has
