@@ -2186,7 +2186,8 @@ _WANT_LARGEST = wp.constant(REDUCE_BITS["max_norm"])
 # (24 entries) read once for all those `want` asks (the bits of REDUCE_BITS):
 # the sum and the mean into sums[s] and means[s] as _ROWS3_SUM adds them, Σ|x|² into rms[s]
 # as _SPAN_SUM adds it (one lane, factor 1), max_norm's search as _PLAIN_SQUARES_SEARCH (its
-# answer returned, else 0): every bit as those give it. CPUs only.
+# answer returned, else 0) and, where it found the row, that row's norm into largest[s]:
+# every bit as those give it. CPUs only.
 _REDUCTIONS3 = _SQUARES_LANES + """
     const bool sum = want & {sum}, mean = want & {mean}, rms = want & {rms_norm};
     const bool largest = want & {max_norm};
@@ -2210,21 +2211,26 @@ _REDUCTIONS3 = _SQUARES_LANES + """
     for (int d = 0; d < 3 && sum; d++) ((float*)sums.data)[3LL * s + d] = sum24(sum3, d);
     for (int d = 0; d < 3 && mean; d++) ((float*)means.data)[3LL * s + d] = sum24(mean3, d);
     if (rms) ((float*)rms_out.data)[s] = sum8(squares);
-    return largest ? found() : 0;
+    if (!largest) return 0;
+    const int winner = found();  /* its norm the root of its plain square, as _norm takes it */
+    if (winner >= 0) ((float*)largest_out.data)[s] = wp::sqrt(__builtin_reduce_max(top));
+    return winner;
 """
 
 
 @wp.func_native(_squares_search_source("float32", _REDUCTIONS3))
 def _reductions3(x: wp.array3d(dtype=wp.float32), lo: int, hi: int, g: int, s: int, want: int,
                  sums: wp.array2d(dtype=wp.vec3f), means: wp.array2d(dtype=wp.vec3f),
-                 rms_out: wp.array2d(dtype=wp.float32)) -> int:
+                 rms_out: wp.array2d(dtype=wp.float32),
+                 largest_out: wp.array2d(dtype=wp.float32)) -> int:
     ...
 
 
 @wp.func_native(_squares_search_source("float64", _REDUCTIONS3))
 def _reductions3(x: wp.array3d(dtype=wp.float64), lo: int, hi: int, g: int, s: int, want: int,
                  sums: wp.array2d(dtype=wp.vec3d), means: wp.array2d(dtype=wp.vec3d),
-                 rms_out: wp.array2d(dtype=wp.float64)) -> int:
+                 rms_out: wp.array2d(dtype=wp.float64),
+                 largest_out: wp.array2d(dtype=wp.float64)) -> int:
     ...
 
 
@@ -2243,13 +2249,13 @@ def _reductions3_kernel(
 ):
     # a thread per segment s: the reductions `want` asks of its rows (see _REDUCTIONS3), rms
     # then the RMS norm of its Σ|x|², and largest the norm of max_norm's row (left 0 where s
-    # is empty), as _norm gives it
+    # is empty), as _norm gives it (by the search where it found the row)
     s = wp.tid()
     lo, hi = _segment_range(offsets, s, x.shape[0])
-    found = _reductions3(x, lo, hi, 0, s, want, sums, means, rms)
+    found = _reductions3(x, lo, hi, 0, s, want, sums, means, rms, largest)
     if (want & _WANT_RMS) != 0:
         rms[s, 0] = _root_mean(x, lo, hi, 0, rms[s, 0])
-    if (want & _WANT_LARGEST) != 0 and lo < hi:
+    if (want & _WANT_LARGEST) != 0 and lo < hi and found < 0:
         largest[s, 0] = _norm(x, _first_of_largest_norm(x, lo, hi, 0, found), 0)
 
 
