@@ -1407,7 +1407,7 @@ def test_softmax_of_rows_of_three_is_0_on_rows_in_no_segment(x64):
     # the kernel itself, into rows that held NaN: every row written (XLA's fresh output
     # buffers may hold zeros already)
     with jax.default_device(jax.devices("cpu")[0]):  # CPU kernels
-        written = _kernels.launch("softmax3", *jax.device_put((x, seg.offsets)),
+        written = _kernels.launch("softmax3", *jax.device_put((x, x, seg.offsets)),
                                   jnp.ones(1, jnp.int32), jnp.full((11, 3), jnp.nan), dims=(4,),
                                   in_out=("out",))
         tangent = _kernels.launch("softmax3_tangent", *jax.device_put((x, x, seg.offsets)),

@@ -1081,26 +1081,36 @@ def _polynomial(coefficients):
     return "\n".join([*lines, f"const lanes8 p = {terms[0]};"])
 
 
+def _c_literal(value, dtype):
+    """`value` rounded to `dtype` ("float32" or "float64") as an exact C literal."""
+    return float(np.dtype(dtype).type(value)).hex() + ("f" if dtype == "float32" else "")
+
+
+def _source_for(source, dtype, constants):
+    """C `source` for `dtype` ("float32" or "float64"): "float" its C type, and each name of
+    `constants` replaced by its value (a string, or a number as an exact literal)."""
+    source = source if dtype == "float32" else source.replace("float", "double")
+    for name in sorted(constants, key=len, reverse=True):  # LN2_HIGH before HIGH
+        value = constants[name]
+        source = source.replace(name, value if isinstance(value, str) else _c_literal(value, dtype))
+    return source
+
+
 def _lanes_source(source, dtype):
     """`source` (C in vector lanes) for `dtype` ("float32" or "float64"): "float" its C type,
     and exp8's constants, where it holds _EXP8, exact C literals."""
     single = dtype == "float32"
-    suffix = "f" if single else ""
-    literal = lambda value: float(np.dtype(dtype).type(value)).hex() + suffix  # noqa: E731
     degree = 7 if single else 13
     ln2_high = 0.693359375 if single else float.fromhex("0x1.62e42fee00000p-1")
     constants = {
-        "LOW": literal(-87 if single else -708), "HIGH": literal(88 if single else 709),
-        "LOG2E": literal(1 / math.log(2)), "ROUND": literal(1.5 * 2.0 ** (23 if single else 52)),
-        "LN2_HIGH": literal(ln2_high), "LN2_LOW": literal(math.log(2) - ln2_high),
+        "LOW": -87 if single else -708, "HIGH": 88 if single else 709, "LOG2E": 1 / math.log(2),
+        "ROUND": 1.5 * 2.0 ** (23 if single else 52), "LN2_HIGH": ln2_high,
+        "LN2_LOW": math.log(2) - ln2_high,
         "BIAS": "127" if single else "1023", "MANTISSA": "23" if single else "52",
     }
     source = source.replace("POLYNOMIAL", _polynomial(
-        [literal(1 / math.factorial(j)) for j in range(degree + 1)]))
-    source = source if single else source.replace("float", "double")
-    for name in sorted(constants, key=len, reverse=True):  # LN2_HIGH before HIGH
-        source = source.replace(name, constants[name])
-    return source
+        [_c_literal(1 / math.factorial(j), dtype) for j in range(degree + 1)]))
+    return _source_for(source, dtype, constants)
 
 
 @wp.func_native(_lanes_source(_MOMENTS3, "float32"))
@@ -1253,34 +1263,40 @@ def _zero_rows_outside(offsets: wp.array(dtype=wp.int32), out: wp.array2d(dtype=
             out[i, c] = out.dtype(0.0)
 
 
-@_deferred
-def _softmax3_kernel(x: wp.array2d(dtype=Any), offsets: wp.array(dtype=wp.int32),
-                     ordered: wp.array(dtype=wp.int32), out: wp.array2d(dtype=Any)):
-    # launched M + 1 threads, where the ids are ordered (else nothing written): segment s <
-    # M's rows by _softmax3, thread M the rows in no segment (_zero_rows_outside)
-    s = wp.tid()
-    if ordered[0] == 0:
-        return
-    if s < offsets.shape[0] - 1:
-        lo, hi = _segment_range(offsets, s, x.shape[0])
-        _softmax3(x, lo, hi, out)
-    else:
-        _zero_rows_outside(offsets, out)
+def _rows3_or_zeros(rows3):
+    """A kernel over x and dx (N, 3) into out, launched M + 1 threads, where the ids are ordered
+    (else nothing written): segment s < M's rows by rows3(x, dx, lo, hi, out), thread M the
+    rows in no segment (_zero_rows_outside)."""
+
+    def kernel(x: wp.array2d(dtype=Any), dx: wp.array2d(dtype=Any),
+               offsets: wp.array(dtype=wp.int32), ordered: wp.array(dtype=wp.int32),
+               out: wp.array2d(dtype=Any)):
+        s = wp.tid()
+        if ordered[0] == 0:
+            return
+        if s < offsets.shape[0] - 1:
+            lo, hi = _segment_range(offsets, s, x.shape[0])
+            rows3(x, dx, lo, hi, out)
+        else:
+            _zero_rows_outside(offsets, out)
+
+    return kernel
 
 
-@_deferred
-def _softmax3_tangent_kernel(x: wp.array2d(dtype=Any), dx: wp.array2d(dtype=Any),
-                             offsets: wp.array(dtype=wp.int32),
-                             ordered: wp.array(dtype=wp.int32), out: wp.array2d(dtype=Any)):
-    # the same for softmax's tangent along dx (_softmax3_tangent)
-    s = wp.tid()
-    if ordered[0] == 0:
-        return
-    if s < offsets.shape[0] - 1:
-        lo, hi = _segment_range(offsets, s, x.shape[0])
-        _softmax3_tangent(x, dx, lo, hi, out)
-    else:
-        _zero_rows_outside(offsets, out)
+@wp.func
+def _softmax_rows3(x: wp.array2d(dtype=Any), dx: wp.array2d(dtype=Any), lo: int, hi: int,
+                   out: wp.array2d(dtype=Any)):
+    return _softmax3(x, lo, hi, out)  # (dx unused)
+
+
+@wp.func
+def _softmax_tangent_rows3(x: wp.array2d(dtype=Any), dx: wp.array2d(dtype=Any), lo: int,
+                           hi: int, out: wp.array2d(dtype=Any)):
+    return _softmax3_tangent(x, dx, lo, hi, out)
+
+
+_deferred(_rows3_or_zeros(_softmax_rows3), "softmax3")
+_deferred(_rows3_or_zeros(_softmax_tangent_rows3), "softmax3_tangent")
 
 
 # var and std (moments: mean, variance), logsumexp and softmax (exp_sums: shift, Σ exp); on
@@ -1829,15 +1845,10 @@ _PLAIN_SQUARES_SEARCH = _SQUARES_LANES + """
 def _squares_search_source(dtype, source=_PLAIN_SQUARES_SEARCH, near=None):
     """`source` (_PLAIN_SQUARES_SEARCH) for `dtype` ("float32" or "float64"), its constants the
     kernels' own as exact C literals (NEAR `near`, by default _NEAR_FLOAT of the dtype)."""
-    single = dtype == "float32"
-    suffix = "f" if single else ""
     if near is None:
-        near = _NEAR_FLOAT32 if single else _NEAR_FLOAT64
-    constants = {"PLAIN": PLAIN_SQUARES[dtype], "NEAR": near, "MAX": float(np.finfo(dtype).max)}
-    source = source if single else source.replace("float", "double")
-    for name, value in constants.items():
-        source = source.replace(name, float(value).hex() + suffix)
-    return source
+        near = _NEAR_FLOAT32 if dtype == "float32" else _NEAR_FLOAT64
+    return _source_for(source, dtype, {"PLAIN": PLAIN_SQUARES[dtype], "NEAR": near,
+                                       "MAX": float(np.finfo(dtype).max)})
 
 
 @wp.func_native(_squares_search_source("float32"))

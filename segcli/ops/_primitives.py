@@ -25,7 +25,8 @@ that a second derivative adds its two rescales of the rows in one rescale2 kerne
 kernel); segcli.ops differentiates each through its own primitive. `moments` (each segment's
 mean and variance) and `exp_sums` (its largest value and sum of shifted exponentials) take
 both passes over a segment in one kernel and have no rule either: segcli.ops differentiates
-var, std, logsumexp and softmax through custom JVPs built of sum and gather.
+var, std and logsumexp through custom JVPs built of sum and gather. `softmax` has its JVP
+beside it: `softmax_tangent`, a custom_transposed primitive that is its own transpose.
 The other primitives give integers, so no derivative: `extreme` (the first row attaining
 each segment's max, min or max norm, through which the ops differentiate), `count` and
 `bincount`. Batching folds a vmapped axis into axis 1 of every float operand (the feature or
@@ -969,8 +970,8 @@ otherwise the largest values by atomic max, then the sums. No derivative rule of
 def _by_rows3(kernel, operands, formula, x, idx, offsets, num_segments, indices_are_sorted,
               gpu):
     """formula(), an (N, K) result of x (N, K); or on CPUs, for rows of 3 where the ids are
-    ordered, kernel `kernel` over operands (M + 1 threads: one a segment writing its rows, the
-    last the rows in no segment), the same bits whether the order is promised or found."""
+    ordered, kernel `kernel` over operands (x, dx; see _kernels._rows3_or_zeros), the same bits
+    whether the order is promised or found."""
     if gpu or x.shape[1] != 3 or _empty(x.shape, x):
         return formula()
     layout, ordered = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
@@ -990,7 +991,7 @@ def _softmax(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
         some = totals != 0  # (NaN stays NaN)
         return jnp.where(some, exps / jnp.where(some, totals, 1), 0)
 
-    return _by_rows3("softmax3", (x,), gathered, x, idx, offsets, gpu=gpu, **params)
+    return _by_rows3("softmax3", (x, x), gathered, x, idx, offsets, gpu=gpu, **params)
 
 
 def _exp_terms(x, idx, offsets, params):
