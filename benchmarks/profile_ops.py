@@ -1,9 +1,9 @@
 """Where an op's time goes on a GPU: wall time and each device kernel's time, from JAX's profiler.
 
     python benchmarks/profile_ops.py --atoms 10000000 --dtype float32 --ops sum,mul \\
-        --logdir /tmp/prof
+        --logdir /tmp/prof [--modes fwd,grad,grad2] [--layout segments]
 
-For each op, mode (fwd, grad) and implementation (segcli, jax) of `benchmarks/ops.py`, with
+For each op, mode (`--modes`, of fwd, grad and grad2) and implementation (segcli, jax) of `benchmarks/ops.py`, with
 the segments given as its `--layout` says: the median latency and throughput time per call as
 `benchmarks/ops.py` measures them, then the kernels that 3 profiled calls ran, with each
 kernel's median duration and how many times a call launched it.
@@ -40,6 +40,7 @@ def main():
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--ops", default="sum,mul")
     parser.add_argument("--layout", choices=bench.LAYOUTS, default="ids")
+    parser.add_argument("--modes", default="fwd,grad", help="comma-separated modes")
     parser.add_argument("--logdir", required=True)
     args = parser.parse_args()
     impls = {k: v for k, v in bench.implementations().items() if k in ("segcli", "jax")}
@@ -54,7 +55,7 @@ def main():
                          bench.offsets_of(idx, m))
             for name, module in impls.items():
                 for mode, fn in bench.functions(module, op, m, args.layout).items():
-                    if mode == "grad2":
+                    if mode not in args.modes.split(","):
                         continue
                     latency, throughput = bench.median_seconds({name: fn}, call_args, 10)[name]
                     logdir = os.path.join(args.logdir, f"{dtype}-{op_name}-{mode}-{name}")

@@ -84,8 +84,8 @@ def test_rows_match_h5py(tmp_path, thread_count):
 
 def test_rows_left_in_the_files_pages(tmp_path):
     """A Window over contiguous rows: the file's rows, read-only, from `skip` rows ahead of the
-    first, at an address that is a multiple of 64 bytes, past the dataset's end where the file
-    goes on; nothing for storage not contiguous as NumPy holds it, or a window past the file's
+    first, at an address that is a multiple of 64 bytes, before the dataset's start and past
+    its end where the file goes on; nothing for storage not contiguous as NumPy holds it, or a window past the file's
     end; read_rows reads into the fallback then."""
     from segcli.io.core import Window
     from segcli.io.hdf5 import read_rows
@@ -116,8 +116,13 @@ def test_rows_left_in_the_files_pages(tmp_path):
                 assert not request.holds(rows[1:]) and not request.holds(rows.copy())
                 skips.add(request.skip)
             assert len(skips) > 1, name  # windows from other rows than the first
-            unaligned = f[name].id.get_offset() % 64  # then no window from row 0
-            assert (reader.window(f[name], 0, 5, Window(69)) is None) == bool(unaligned)
+            first = Window(69)  # from row 0: the file's bytes before the rows where unaligned
+            np.testing.assert_array_equal(reader.window(f[name], 0, 5, first), data[:5])
+            start = f[name].id.get_offset() - first.skip * data[:1].nbytes
+            assert start % 64 == 0 and (first.skip > 0) == bool(f[name].id.get_offset() % 64)
+            with open(path, "rb") as raw:
+                raw.seek(start)
+                assert first.array.tobytes() == raw.read(first.array.nbytes)
             past = Window(64)  # past the dataset's rows: the file's next bytes
             np.testing.assert_array_equal(reader.window(f[name], ROWS - 10, ROWS, past),
                                           data[ROWS - 10:])

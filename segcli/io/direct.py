@@ -191,19 +191,20 @@ class Reader:
     def window(self, ds, lo, hi, request):
         """Rows [lo, hi) of `ds` left in the file's pages as `request` (a core.Window) asks: its
         window set to a read-only map of them and of the bytes around them (the dataset's
-        other rows, or past its end whatever the file holds there), and the rows returned (a
-        view of it); None where `ds` is not stored contiguously as NumPy holds it, or no such
-        window lies within the file."""
+        other rows, or before its start and past its end whatever the file holds there: so
+        that its first rows too are mapped where they do not start at an aligned address),
+        and the rows returned (a view of it); None where `ds` is not stored contiguously as
+        NumPy holds it, or no such window lies within the file."""
         storage = self.storage(ds)
         if storage is None or storage.offset is None or not 0 <= lo < hi <= storage.rows:
             return None
         row_bytes = storage.row_bytes
-        skip = next((k for k in range(min(lo, request.align) + 1)
+        skip = next((k for k in range(request.align + 1)
                      if (storage.offset + (lo - k) * row_bytes) % request.align == 0), None)
         if skip is None or skip + hi - lo > request.rows:
             return None
         start = storage.offset + (lo - skip) * row_bytes
-        if start + request.rows * row_bytes > self._size:
+        if start < 0 or start + request.rows * row_bytes > self._size:
             return None
         base = start - start % mmap.ALLOCATIONGRANULARITY
         try:
