@@ -3,7 +3,9 @@ one pass, each run in this process after a first run (imports, compilation, page
 host buffers warm), against a bare chunked h5py read of the same datasets, side by side in
 turns. Each is run over the whole file and over its first half (`--structures`): the steady
 state is the throughput of the second half, (atoms - half's atoms) / (time - half's time),
-free of what a command pays once (opening, planning, creating and renaming its output).
+free of what a command pays once (opening, planning, creating and renaming its output). Beside
+the whole file's time, the CPU time (user + system, all this process's threads) a whole-file
+run took: on a machine of few cores, what a command costs the cores shows there first.
 
     python benchmarks/steady.py [--atoms 10000000] [--rounds 5] [--device auto|cpu|gpu]
                                 [--threads K] [--compression gzip] [--processes K]
@@ -23,6 +25,7 @@ import argparse
 import concurrent.futures
 import multiprocessing
 import os
+import resource
 import statistics
 import tempfile
 import time
@@ -89,6 +92,12 @@ def datasets_of(words):
                                      for n in names]
 
 
+def _cpu_seconds():
+    """User and system seconds this process (every thread) has used."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--atoms", type=int, default=10_000_000)
@@ -148,16 +157,18 @@ def main():
                                 bare_read_by(pool, args.processes, path, reads,
                                              step, stop))
     seconds = {name: [] for name in work}
+    cpu = {name: [] for name in work}
     for round_ in range(args.rounds + 1):
         for name, run in work.items():
             # untimed: a run replacing the previous run's output would free its pages in the
             # timed part, and the whole file's run and the half's replace each other's
             if os.path.exists(out):
                 os.remove(out)
-            start = time.perf_counter()
+            start, used = time.perf_counter(), _cpu_seconds()
             run()
             if round_:  # the first round warms everything up
                 seconds[name].append(time.perf_counter() - start)
+                cpu[name].append(_cpu_seconds() - used)
     median = {name: statistics.median(s) for name, s in seconds.items()}
 
     def steady(key):
@@ -172,14 +183,16 @@ def main():
           f"median of {args.rounds} "
           f"rounds in turns, each after a first run in this process, -o into "
           f"{os.path.dirname(out)}\n")
-    print("| command | read of | whole file, s | steady state, M atoms/s | bare read, M atoms/s "
-          "| share of the read |" + (f" bare read by {k} processes | share of it |" if k else ""))
-    print("| --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if k else ""))
+    print("| command | read of | whole file, s | CPU s | steady state, M atoms/s "
+          "| bare read, M atoms/s | share of the read |"
+          + (f" bare read by {k} processes | share of it |" if k else ""))
+    print("| --- | --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if k else ""))
     for command, words in cases:
         reads = tuple(datasets_of(words))
         rate, read = steady((command, words)), steady((reads,))
+        whole = (command, words, len(n_atoms))
         line = (f"| `{command} {words}` | {', '.join(r.split('/')[1] for r in reads[1:]) or '-'} "
-                f"| {median[(command, words, len(n_atoms))]:.3f} | {rate / 1e6:.1f} "
+                f"| {median[whole]:.3f} | {statistics.median(cpu[whole]):.3f} | {rate / 1e6:.1f} "
                 f"| {read / 1e6:.1f} | {rate / read:.0%} |")
         if k:
             many = steady(("processes", reads))
