@@ -89,7 +89,7 @@ Shapes (rows first, then a group axis G that vmap folds into, then features):
                                                                 (@ m[idx[i],g]ᵀ with `transpose`)
     put         ct (M, G, K), first (M, G)   -> (N, G, K)       out[i,g] = ct[idx[i],g] if
                                                                 first[idx[i],g] = i, else 0
-    gather3, scale3, scale_pair3, matvec3                       the same for G = 1, K = 3
+    gather3, scale3, scale_pair3, matvec3, put3                 the same for G = 1, K = 3
     gather3_ordered, scale3_ordered,                            the same, a segment a thread
       scale_pair3_ordered, matvec3_ordered                      over its CSR range (CPUs, the
                                                                 offsets given)
@@ -2364,6 +2364,19 @@ def _put_kernel(ct: wp.array3d(dtype=Any), first: wp.array2d(dtype=wp.int32),
             out[i, g, k] = v
 
 
+@_deferred
+def _put3_kernel(ct: wp.array(dtype=Any), first: wp.array2d(dtype=wp.int32),
+                 idx: wp.array(dtype=wp.int32), out: wp.array(dtype=Any)):
+    # put for rows of one group of 3 features, whole vectors: out[i] = ct[s] where row i is
+    # the one first[s, 0] chose (s = idx[i]), else 0
+    i = wp.tid()
+    s = idx[i]
+    if s >= 0 and s < ct.shape[0] and first[s, 0] == i:
+        out[i] = ct[s]
+    else:
+        out[i] = type(out[i])()
+
+
 def _segment_factors(paired):
     """(y[s, g], z[s, g] or 1 where z has no rows, w[s, g] if `paired`): the factors of the
     scale kernels for segment s, (0, 1, 0) where s is out of range."""
@@ -2719,6 +2732,7 @@ _ELEMENTS = {
     "mean3": {"a": "vec3", "out": "vec3"},
     "reductions3": {"sums": "vec3", "means": "vec3"},
     **{name: {"y": "vec3", "out": "vec3"} for name in ("gather3", "gather3_ordered")},
+    "put3": {"ct": "vec3", "out": "vec3"},
     **{name: {"x": "vec3", "b": "vec3", "out": "vec3"}
        for name in ("scale3", "scale_pair3", "scale3_ordered", "scale_pair3_ordered")},
     **{name: {"v": "vec3", "m": "mat33", "out": "vec3"} for name in ("matvec3", "matvec3_ordered")},
@@ -2730,6 +2744,7 @@ _DTYPES = {
     "rms_norm_of_wide_squares": {"float32": wp.float32},
     "max_norm_packed": {"float32": wp.float32},
     "neighbors": {"float64": wp.float64},
+    "put3": {"float64": wp.float64},
     **{name: {**_FLOATS, **_INTEGERS}
        for name in ("sum", "max_ordered", "max_cpu_ordered", "max_best", "max_first",
                     "min_ordered", "min_cpu_ordered", "min_best", "min_first")},

@@ -830,8 +830,12 @@ def _put(ct, first, idx, offsets, *, num_segments, indices_are_sorted, gpu=False
     shape = (idx.shape[0], *ct.shape[1:])
     if _empty(shape, ct):
         return jnp.zeros(shape, ct.dtype)
-    if gpu and ct.dtype == jnp.float64:  # each row written once
-        return launch("put", ct, first, idx, dims=(idx.shape[0],), out=shape)
+    if gpu and ct.dtype == jnp.float64:  # each row written once (rows of 3 as whole vectors)
+        n = idx.shape[0]
+        if _is_float_vec3(ct):
+            return launch("put3", ct.reshape(-1, 3), first, idx, dims=(n,), out=(n,)).reshape(
+                shape)
+        return launch("put", ct, first, idx, dims=(n,), out=shape)
     # zeros, then the M chosen rows
     chosen = _flat_rows(jnp.zeros(shape, ct.dtype)).at[_flat_index(first, shape[0])].add(
         ct, mode="drop")
@@ -856,8 +860,8 @@ put_p = _multilinear(_Rule(
     "put", _put, lambda ct, first, idx, offsets, **_: (idx.shape[0], *ct.shape[1:]), 2,
     transposes=(lambda ct, first, seg, p: take_p.bind(ct, first, *seg, **p),)))
 """take's transpose: ct[s, g] at row first[s, g], 0 elsewhere, for ct (M, G, K): XLA's scatter
-into zeros, or for float64 on GPUs a kernel writing each row once, which there beats it
-(float32 and CPUs: not; benchmarks/RESULTS.md)."""
+into zeros, or for float64 on GPUs a kernel writing each row once (a row of 3 as one vector,
+put3), which there beats it (float32 and CPUs: not; benchmarks/RESULTS.md)."""
 
 
 def scaled_norms(rows):
