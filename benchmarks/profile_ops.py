@@ -3,10 +3,10 @@
     python benchmarks/profile_ops.py --atoms 10000000 --dtype float32 --ops sum,mul \\
         --logdir /tmp/prof [--modes fwd,grad,grad2] [--layout segments]
 
-For each op, mode (`--modes`, of fwd, grad and grad2) and implementation (segcli, jax) of `benchmarks/ops.py`, with
-the segments given as its `--layout` says: the median latency and throughput time per call as
-`benchmarks/ops.py` measures them, then the kernels that 3 profiled calls ran, with each
-kernel's median duration and how many times a call launched it.
+For each op, mode (`--modes`, of fwd, grad and grad2) and implementation (segcli, jax) of
+`benchmarks/ops.py`, with the segments given as its `--layout` says: the median latency and
+throughput time per call as `benchmarks/ops.py` measures them, then the kernels that 3
+profiled calls ran, with each kernel's median duration and how many times a call launched it.
 """
 
 import argparse

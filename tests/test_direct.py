@@ -85,8 +85,8 @@ def test_rows_match_h5py(tmp_path, thread_count):
 def test_rows_left_in_the_files_pages(tmp_path):
     """A Window over contiguous rows: the file's rows, read-only, from `skip` rows ahead of the
     first, at an address that is a multiple of 64 bytes, before the dataset's start and past
-    its end where the file goes on; nothing for storage not contiguous as NumPy holds it, or a window past the file's
-    end; read_rows reads into the fallback then."""
+    its end where the file goes on; nothing for storage not contiguous as NumPy holds it, or
+    a window past the file's end; read_rows reads into the fallback then."""
     from segcli.io.core import Window
     from segcli.io.hdf5 import read_rows
 
