@@ -89,7 +89,8 @@ Shapes (rows first, then a group axis G that vmap folds into, then features):
                                                                 (@ m[idx[i],g]ᵀ with `transpose`)
     put         ct (M, G, K), first (M, G)   -> (N, G, K)       out[i,g] = ct[idx[i],g] if
                                                                 first[idx[i],g] = i, else 0
-    gather3, scale3, scale_pair3, matvec3, put3                 the same for G = 1, K = 3
+    gather3, scale3, scale_pair3, matvec3                       the same for G = 1, K = 3
+    put3                                                        put for G·K = 3
     gather3_ordered, scale3_ordered,                            the same, a segment a thread
       scale_pair3_ordered, matvec3_ordered                      over its CSR range (CPUs, the
                                                                 offsets given)
@@ -2367,14 +2368,20 @@ def _put_kernel(ct: wp.array3d(dtype=Any), first: wp.array2d(dtype=wp.int32),
 @_deferred
 def _put3_kernel(ct: wp.array(dtype=Any), first: wp.array2d(dtype=wp.int32),
                  idx: wp.array(dtype=wp.int32), out: wp.array(dtype=Any)):
-    # put for rows of one group of 3 features, whole vectors: out[i] = ct[s] where row i is
-    # the one first[s, 0] chose (s = idx[i]), else 0
+    # put for rows of 3 entries, whole vectors, a thread a row: entry f of out[i] = ct[s][f]
+    # where row i is the one chosen for it (s = idx[i]): first[s, 0] = i for one group of 3
+    # features (first (M, 1)), first[s, f] = i for 3 groups of one (first (M, 3)); else 0
     i = wp.tid()
     s = idx[i]
-    if s >= 0 and s < ct.shape[0] and first[s, 0] == i:
-        out[i] = ct[s]
-    else:
-        out[i] = type(out[i])()
+    v = type(out[i])()
+    if s >= 0 and s < ct.shape[0]:
+        c = ct[s]
+        last = first.shape[1] - 1  # 0 or 2
+        zero = c[0] - c[0]
+        v = type(out[i])(wp.where(first[s, 0] == i, c[0], zero),
+                         wp.where(first[s, wp.min(1, last)] == i, c[1], zero),
+                         wp.where(first[s, last] == i, c[2], zero))
+    out[i] = v
 
 
 def _segment_factors(paired):

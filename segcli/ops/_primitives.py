@@ -832,7 +832,7 @@ def _put(ct, first, idx, offsets, *, num_segments, indices_are_sorted, gpu=False
         return jnp.zeros(shape, ct.dtype)
     if gpu and ct.dtype == jnp.float64:  # each row written once (rows of 3 as whole vectors)
         n = idx.shape[0]
-        if _is_float_vec3(ct):
+        if ct.shape[1] * ct.shape[2] == 3:
             return launch("put3", ct.reshape(-1, 3), first, idx, dims=(n,), out=(n,)).reshape(
                 shape)
         return launch("put", ct, first, idx, dims=(n,), out=shape)
@@ -860,8 +860,9 @@ put_p = _multilinear(_Rule(
     "put", _put, lambda ct, first, idx, offsets, **_: (idx.shape[0], *ct.shape[1:]), 2,
     transposes=(lambda ct, first, seg, p: take_p.bind(ct, first, *seg, **p),)))
 """take's transpose: ct[s, g] at row first[s, g], 0 elsewhere, for ct (M, G, K): XLA's scatter
-into zeros, or for float64 on GPUs a kernel writing each row once (a row of 3 as one vector,
-put3), which there beats it (float32 and CPUs: not; benchmarks/RESULTS.md)."""
+into zeros, or for float64 on GPUs a kernel writing each row once (a row of 3 entries, one
+group of 3 features or 3 of one, as one vector: put3), which there beats it (float32 and
+CPUs: not; benchmarks/RESULTS.md)."""
 
 
 def scaled_norms(rows):
