@@ -416,21 +416,21 @@ def test_max_norm_gradient_goes_to_first_attaining_row():
 def test_max_and_min_gradients_go_to_each_entrys_own_first_row(kind, gpu_paths, dtype):
     """The gradient of Σ w · max (min) of (N, 3) rows, against NumPy: each component's weight
     at the first row attaining that component's extreme (its own row, not its neighbours'),
-    0 elsewhere; with ties (small integers), empty segments, a segment of one row, ids out of
-    range at both ends, N not a multiple of 4 (the GPU's code paths write several rows a
-    thread); ids promised sorted, and shuffled."""
+    0 elsewhere, an infinite weight included; with ties (small integers), empty segments, a
+    segment of one row, ids out of range at both ends; ids promised sorted, and shuffled."""
     rng = np.random.default_rng(5)
     m = 40
     counts = rng.integers(0, 30, m)
     counts[[2, 9]] = 0
     counts[11] = 1
     inside = np.repeat(np.arange(m), counts)
-    tail = 3 + (inside.size + 1) % 4 % 2  # N odd
-    ids = np.concatenate([[-1], inside, np.full(tail, m + 2)]).astype(np.int32)
+    ids = np.concatenate([[-1], inside, [m + 2] * 3]).astype(np.int32)
     n = ids.size
     x = rng.integers(-6, 7, (n, 3)).astype(dtype)
     w = rng.normal(size=(m, 3)).astype(dtype)
+    w[5, 0] = np.inf  # 0 still in the rows and components it does not reach
     pick = np.argmax if kind == "max" else np.argmin
+    reduce = getattr(ops, f"segmented_{kind}")
 
     def expected(x, ids):
         grad = np.zeros((n, 3), dtype)
@@ -440,19 +440,17 @@ def test_max_and_min_gradients_go_to_each_entrys_own_first_row(kind, gpu_paths, 
                 grad[rows[pick(x[rows, f])], f] = w[s, f]  # argmax/argmin: the first
         return grad
 
-    reduce = getattr(ops, f"segmented_{kind}")
+    def loss(a, idx, sorted_):
+        out = reduce(a, jnp.asarray(idx), m, indices_are_sorted=sorted_)
+        return jnp.sum(jnp.asarray(w) * jnp.where(jnp.isfinite(out), out, 0))
+
     order = rng.permutation(n)
     _primitives.lower_cpu_as_gpu(gpu_paths)
     try:
         for data, idx, sorted_ in [(x, ids, True), (x[order], ids[order], False)]:
-            want = expected(data, idx)
-            loss = lambda a, idx=idx, sorted_=sorted_: jnp.sum(
-                jnp.asarray(w) * jnp.where(jnp.isfinite(r := reduce(a, jnp.asarray(idx), m,
-                                                                   indices_are_sorted=sorted_)),
-                                           r, 0))
-            got = np.asarray(jax.grad(loss)(jnp.asarray(data)))
-            assert got.dtype == dtype and n % 2 == 1
-            np.testing.assert_array_equal(got, want)
+            got = np.asarray(jax.grad(loss)(jnp.asarray(data), idx, sorted_))
+            assert got.dtype == dtype
+            np.testing.assert_array_equal(got, expected(data, idx))
     finally:
         _primitives.lower_cpu_as_gpu(False)
 

@@ -2377,10 +2377,12 @@ def _put3_kernel(ct: wp.array(dtype=Any), first: wp.array2d(dtype=wp.int32),
     if s >= 0 and s < ct.shape[0]:
         c = ct[s]
         last = first.shape[1] - 1  # 0 or 2
-        zero = c[0] - c[0]
-        v = type(out[i])(wp.where(first[s, 0] == i, c[0], zero),
-                         wp.where(first[s, wp.min(1, last)] == i, c[1], zero),
-                         wp.where(first[s, last] == i, c[2], zero))
+        if first[s, 0] == i:
+            v[0] = c[0]
+        if first[s, wp.min(1, last)] == i:
+            v[1] = c[1]
+        if first[s, last] == i:
+            v[2] = c[2]
     out[i] = v
 
 
