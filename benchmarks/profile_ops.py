@@ -6,7 +6,11 @@
 For each op, mode (`--modes`, of fwd, grad and grad2) and implementation (segcli, jax) of
 `benchmarks/ops.py`, with the segments given as its `--layout` says: the median latency and
 throughput time per call as `benchmarks/ops.py` measures them, then the kernels that 3
-profiled calls ran, with each kernel's median duration and how many times a call launched it.
+profiled calls ran, with each kernel's median duration and how many times a call launched it,
+and for a traced burst of `ops.BURST` calls back to back: the host's time to issue a call, the
+GPU's span per call (first kernel's start to last kernel's end, over the calls) and the share
+of that span its kernels kept the GPU busy (where it is well below 1 and the issue time is
+near the span, the host bounds the throughput).
 """
 
 import argparse
@@ -14,6 +18,7 @@ import collections
 import glob
 import os
 import statistics
+import time
 
 import jax
 import ops as bench
@@ -22,16 +27,38 @@ from jax.profiler import ProfileData
 from segcli.registry import OPS
 
 
+def gpu_events(logdir):
+    """(name, start ns, duration ns) of every event on the GPU planes of the trace in logdir."""
+    trace = glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)[0]
+    return [(event.name, event.start_ns, event.duration_ns)
+            for plane in ProfileData.from_file(trace).planes
+            if plane.name.startswith("/device:GPU")
+            for line in plane.lines for event in line.events]
+
+
 def kernel_times(logdir):
     """(name -> durations in µs) of every event on the GPU planes of the trace in logdir."""
     times = collections.defaultdict(list)
-    trace = glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)[0]
-    for plane in ProfileData.from_file(trace).planes:
-        if plane.name.startswith("/device:GPU"):
-            for line in plane.lines:
-                for event in line.events:
-                    times[event.name].append(event.duration_ns / 1e3)
+    for name, _, duration in gpu_events(logdir):
+        times[name].append(duration / 1e3)
     return times
+
+
+def burst_timeline(fn, call_args, logdir):
+    """(µs to issue a call, GPU span per call, busy share of it) over a traced burst."""
+    jax.block_until_ready(fn(*call_args))
+    with jax.profiler.trace(logdir):
+        start = time.perf_counter()
+        outputs = [fn(*call_args) for _ in range(bench.BURST)]
+        issued = time.perf_counter() - start
+        jax.block_until_ready(outputs)
+    events = gpu_events(logdir)
+    if not events:  # (no GPU)
+        return issued / bench.BURST * 1e6, float("nan"), float("nan")
+    begin = min(start for _, start, _ in events)
+    end = max(start + duration for _, start, duration in events)
+    busy = sum(duration for _, _, duration in events)
+    return issued / bench.BURST * 1e6, (end - begin) / bench.BURST / 1e3, busy / (end - begin)
 
 
 def main():
@@ -66,6 +93,9 @@ def main():
                     busy = sum(sum(t) for t in kernels.values()) / 3
                     print(f"{dtype} {op_name} {mode} {name}: latency {latency * 1e6:.0f} µs, "
                           f"throughput {throughput * 1e6:.0f} µs, kernels {busy:.0f} µs per call")
+                    issue, span, share = burst_timeline(fn, call_args, logdir + "-burst")
+                    print(f"    burst of {bench.BURST}: {issue:.0f} µs to issue a call, GPU span "
+                          f"{span:.0f} µs a call, {share:.0%} of it busy")
                     for kernel, t in sorted(kernels.items(), key=lambda kv: -sum(kv[1])):
                         print(f"    {len(t) / 3:4.1f}× {statistics.median(t):7.1f} µs  "
                               f"{kernel[:100]}")
