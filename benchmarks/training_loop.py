@@ -1,0 +1,77 @@
+"""segcli.ops against pure JAX at training-batch sizes, called as a training loop calls them.
+
+    python benchmarks/training_loop.py --atoms 10000,100000 --ops sum,rms_norm,var,softmax
+
+For each op, mode (fwd, grad, grad2, as `benchmarks/ops.py` builds them, float32, ids given as
+a `Segments`) and N, the time per call of 20 calls back to back with one synchronisation, two
+ways, segcli and pure JAX in turns (median of `--rounds`):
+  kept     every call's result held until the end (`benchmarks/ops.py`'s throughput): each call
+           writes into new buffers;
+  dropped  each result dropped as the next call starts, as a training step's are: XLA reuses
+           the same buffers, and a CUDA graph it recorded (an FFI call in it by tracing) is
+           replayed from its cache.
+"""
+
+import argparse
+import statistics
+import time
+
+import jax
+import ops as bench
+
+from segcli.registry import OPS
+
+CALLS = 20
+
+
+def per_call(fns, args, rounds, warm=3):
+    """name -> (kept, dropped) seconds per call, the functions called in turns."""
+    kept, dropped = ({name: [] for name in fns} for _ in range(2))
+    for fn in fns.values():
+        for _ in range(warm):
+            jax.block_until_ready(fn(*args))
+    for r in range(warm + rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready([fn(*args) for _ in range(CALLS)])
+            middle = time.perf_counter()
+            out = None
+            for _ in range(CALLS):
+                out = fn(*args)
+            jax.block_until_ready(out)
+            if r >= warm:
+                kept[name].append((middle - start) / CALLS)
+                dropped[name].append((time.perf_counter() - middle) / CALLS)
+    return {name: (statistics.median(kept[name]), statistics.median(dropped[name]))
+            for name in fns}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--atoms", default="10000,100000", help="comma-separated N")
+    parser.add_argument("--ops", default="sum,rms_norm,var,softmax")
+    parser.add_argument("--rounds", type=int, default=15)
+    args = parser.parse_args()
+    print(jax.devices()[0].device_kind)
+    impls = bench.implementations(("segcli", "jax"))
+    print("| N | op | mode | kept: segcli µs | jax µs | jax / segcli | dropped: segcli µs | jax µs "
+          "| jax / segcli |\n| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for n in map(int, args.atoms.split(",")):
+        rng, idx, m, v = bench.inputs(n, "float32")
+        for name in args.ops.split(","):
+            op = OPS[name]
+            data = bench.arguments(op, rng, n, m, "float32")
+            call_args = (bench.loss_weights(op, data, idx, m, "float32"), v, *data, idx,
+                         bench.offsets_of(idx, m))
+            modes = {impl: bench.functions(module, op, m, "segments")
+                     for impl, module in impls.items()}
+            for mode in modes["segcli"]:
+                t = per_call({impl: fns[mode] for impl, fns in modes.items()}, call_args,
+                             args.rounds)
+                (sk, sd), (jk, jd) = t["segcli"], t["jax"]
+                print(f"| {n} | {name} | {mode} | {sk * 1e6:.0f} | {jk * 1e6:.0f} | {jk / sk:.2f} "
+                      f"| {sd * 1e6:.0f} | {jd * 1e6:.0f} | {jd / sd:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
