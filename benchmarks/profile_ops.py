@@ -55,8 +55,8 @@ def burst_timeline(fn, call_args, logdir):
     events = gpu_events(logdir)
     if not events:  # (no GPU)
         return issued / bench.BURST * 1e6, float("nan"), float("nan")
-    begin = min(start for _, start, _ in events)
-    end = max(start + duration for _, start, duration in events)
+    begin = min(at for _, at, _ in events)
+    end = max(at + duration for _, at, duration in events)
     busy = sum(duration for _, _, duration in events)
     return issued / bench.BURST * 1e6, (end - begin) / bench.BURST / 1e3, busy / (end - begin)
 

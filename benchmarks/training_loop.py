@@ -65,7 +65,7 @@ def main():
                          bench.offsets_of(idx, m))
             modes = {impl: bench.functions(module, op, m, "segments")
                      for impl, module in impls.items()}
-            for mode in modes["segcli"]:
+            for mode in [mode for mode in modes["segcli"] if mode in modes["jax"]]:
                 t = per_call({impl: fns[mode] for impl, fns in modes.items()}, call_args,
                              args.rounds)
                 (sk, sd), (jk, jd) = t["segcli"], t["jax"]
