@@ -9,8 +9,7 @@ scaled by its own factor, so that XLA cannot merge them.
 import argparse
 
 import jax
-import jax.numpy as jnp
-from ops import inputs, median_seconds
+from ops import inputs, median_seconds, offsets_of
 
 from segcli import ops
 
@@ -36,7 +35,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
     _, idx, m, x = inputs(args.atoms, "float32")
-    offsets = jnp.searchsorted(idx, jnp.arange(m + 1), side="left").astype(jnp.int32)
+    offsets = offsets_of(idx, m)
     fns = {"x * 2": jax.jit(lambda x, idx, offsets: x * 2)}
     for k in (1, 2, 4, 8):
         fns[f"segcli × {k}"] = chained(k, m, True)
