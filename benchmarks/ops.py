@@ -114,12 +114,15 @@ def loss_weights(op, args, idx, m, dtype):
     return jnp.asarray(np.random.default_rng(1).normal(size=shape), dtype)
 
 
-def median_seconds(fns, args, repeats):
-    """name -> (latency, throughput time) of fns[name](*args) in seconds (or why it fails). The
-    functions are called in turns, one call (or burst) of each per round, so that all see the
-    same GPU clocks and load; each is first called twice (compilation) and then for `repeats`
-    rounds unmeasured (warming the GPU)."""
-    failed, latency, throughput = {}, {name: [] for name in fns}, {name: [] for name in fns}
+def median_seconds(fns, args, repeats, dropped=False):
+    """name -> (latency, throughput time) of fns[name](*args) in seconds (or why it fails), and
+    with `dropped` a third time: that of a burst whose every result is dropped as the next
+    call starts, as a training loop's are (XLA may then hand each call the buffers of the one
+    before). The functions are called in turns, one call (or burst) of each per round, so that
+    all see the same GPU clocks and load; each is first called twice (compilation) and then
+    for `repeats` rounds unmeasured (warming the GPU)."""
+    failed = {}
+    latency, throughput, without = ({name: [] for name in fns} for _ in range(3))
     for name, fn in fns.items():
         try:
             for _ in range(2):
@@ -134,11 +137,18 @@ def median_seconds(fns, args, repeats):
                 jax.block_until_ready(fn(*args))
                 middle = time.perf_counter()
                 jax.block_until_ready([fn(*args) for _ in range(BURST)])
+                end = time.perf_counter()
+                if dropped:
+                    out = None
+                    for _ in range(BURST):
+                        out = fn(*args)
+                    jax.block_until_ready(out)
                 if measured:
                     latency[name].append(middle - start)
-                    throughput[name].append((time.perf_counter() - middle) / BURST)
-    return {**failed, **{name: (statistics.median(latency[name]),
-                                statistics.median(throughput[name]))
+                    throughput[name].append((end - middle) / BURST)
+                    without[name].append((time.perf_counter() - end) / BURST)
+    times = (latency, throughput, without) if dropped else (latency, throughput)
+    return {**failed, **{name: tuple(statistics.median(t[name]) for t in times)
                          for name in running}}
 
 

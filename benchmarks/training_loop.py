@@ -4,7 +4,8 @@
 
 For each op, mode (fwd, grad, grad2, as `benchmarks/ops.py` builds them, float32, ids given as
 a `Segments`) and N, the time per call of 20 calls back to back with one synchronisation, two
-ways, segcli and pure JAX in turns (median of `--rounds`):
+ways, segcli and pure JAX in turns (median of `--rounds`, after as many unmeasured; see
+`benchmarks/ops.py`'s `median_seconds`):
   kept     every call's result held until the end (`benchmarks/ops.py`'s throughput): each call
            writes into new buffers;
   dropped  each result dropped as the next call starts, as a training step's are: XLA reuses
@@ -13,37 +14,11 @@ ways, segcli and pure JAX in turns (median of `--rounds`):
 """
 
 import argparse
-import statistics
-import time
 
 import jax
 import ops as bench
 
 from segcli.registry import OPS
-
-CALLS = 20
-
-
-def per_call(fns, args, rounds, warm=3):
-    """name -> (kept, dropped) seconds per call, the functions called in turns."""
-    kept, dropped = ({name: [] for name in fns} for _ in range(2))
-    for fn in fns.values():
-        for _ in range(warm):
-            jax.block_until_ready(fn(*args))
-    for r in range(warm + rounds):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            jax.block_until_ready([fn(*args) for _ in range(CALLS)])
-            middle = time.perf_counter()
-            out = None
-            for _ in range(CALLS):
-                out = fn(*args)
-            jax.block_until_ready(out)
-            if r >= warm:
-                kept[name].append((middle - start) / CALLS)
-                dropped[name].append((time.perf_counter() - middle) / CALLS)
-    return {name: (statistics.median(kept[name]), statistics.median(dropped[name]))
-            for name in fns}
 
 
 def main():
@@ -66,9 +41,9 @@ def main():
             modes = {impl: bench.functions(module, op, m, "segments")
                      for impl, module in impls.items()}
             for mode in [mode for mode in modes["segcli"] if mode in modes["jax"]]:
-                t = per_call({impl: fns[mode] for impl, fns in modes.items()}, call_args,
-                             args.rounds)
-                (sk, sd), (jk, jd) = t["segcli"], t["jax"]
+                t = bench.median_seconds({impl: fns[mode] for impl, fns in modes.items()},
+                                         call_args, args.rounds, dropped=True)
+                (_, sk, sd), (_, jk, jd) = t["segcli"], t["jax"]
                 print(f"| {n} | {name} | {mode} | {sk * 1e6:.0f} | {jk * 1e6:.0f} | {jk / sk:.2f} "
                       f"| {sd * 1e6:.0f} | {jd * 1e6:.0f} | {jd / sd:.2f} |", flush=True)
 

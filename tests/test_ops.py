@@ -1114,6 +1114,90 @@ def test_var_and_std_are_one_kernel_over_ordered_ids_and_numpy_s_values_over_any
 
 
 @pytest.mark.parametrize("gpu_paths", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_var_derivatives_are_one_kernel_each_and_numpy_s_values(gpu_paths, dtype):
+    """Given a Segments, var's gradient and its second derivatives (the gradient of
+    <gradient, v> in x and in the weights, and the JVP of the gradient along v) each compile to
+    one kernel on GPUs' paths (on CPUs the mean's, XLA's fusions and in the weights' derivative
+    a sum's). The gradient equals NumPy's float64 2 (x - mean) w / count,
+    the second derivative central differences of it; the same ids alone give the same bits
+    (the order found at run time), shuffled ids the same values (atomic sums); rows of no
+    segment and empty segments get 0; vmap gives each example's values."""
+    rng = np.random.default_rng(43)
+    n, m, batch = 60, 9, 3
+    # 2, 5, 7 empty, 6 of one row; -1, 9 outside
+    ids = np.sort(np.append(rng.choice([-1, 0, 1, 3, 4, 8, 9], size=n - 1), 6))
+    offsets = np.searchsorted(ids, np.arange(m + 1), side="left").astype(np.int32)
+    segments = ops.Segments(jnp.asarray(ids, jnp.int32), jnp.asarray(offsets))
+    x = rng.normal(size=(batch, n, 3)) * 10.0 ** rng.integers(-2, 3, size=(batch, n, 1))
+    w, v = rng.normal(size=(batch, m, 3)), rng.normal(size=(batch, n, 3))
+    inside = (ids >= 0) & (ids < m)
+    s = np.clip(ids, 0, m - 1)
+
+    def derivatives(seg):
+        def grad(a, weights):
+            return jax.grad(lambda a: jnp.sum(weights * ops.segmented_var(a, seg, m)))(a)
+
+        return {"grad": lambda a, weights, _: grad(a, weights),
+                "grad2": lambda a, weights, v: jax.grad(
+                    lambda a: jnp.sum(grad(a, weights) * v))(a),
+                "grad2_weights": lambda a, weights, v: jax.grad(
+                    lambda weights: jnp.sum(grad(a, weights) * v))(weights),
+                "hvp": lambda a, weights, v: jax.jvp(lambda a: grad(a, weights), (a,), (v,))[1]}
+
+    def numpy_grad(xk, wk):
+        counts = np.maximum(np.bincount(ids[inside], minlength=m), 1)
+        means = np.stack([np.bincount(ids[inside], xk[inside, k], minlength=m)
+                          for k in range(3)], axis=1) / counts[:, None]
+        return np.where(inside[:, None], 2 * (xk - means[s]) * wk[s] / counts[s, None], 0)
+
+    _primitives.lower_cpu_as_gpu(gpu_paths)
+    try:
+        a, weights, along = (jnp.asarray(array, dtype) for array in (x, w, v))
+        calls = derivatives(segments)
+        by_ids = derivatives(jnp.asarray(ids, jnp.int32))
+        order = rng.permutation(n)
+        shuffled = derivatives(jnp.asarray(ids[order], jnp.int32))
+        tolerance = 2e-5 if dtype == np.float32 else 1e-11
+        for name, call in calls.items():
+            compiled = jax.jit(call).lower(a[0], weights[0], along[0]).compile().as_text()
+            entry = compiled[compiled.index("ENTRY"):]
+            on_cpu = not gpu_paths and jax.default_backend() == "cpu"
+            launches = 2 if on_cpu and name == "grad2_weights" else 1
+            assert entry.count(" custom-call(") == launches, name
+            batched = jax.jit(jax.vmap(call))(a, weights, along)
+            for k in range(batch):
+                one = jax.jit(call)(a[k], weights[k], along[k])
+                scale = tolerance * np.max(np.abs(one))
+                np.testing.assert_allclose(batched[k], one, rtol=0, atol=scale, err_msg=name)
+                np.testing.assert_array_equal(jax.jit(by_ids[name])(a[k], weights[k], along[k]),
+                                              one, err_msg=name)
+                mixed = jax.jit(shuffled[name])(a[k][order], weights[k], along[k][order])
+                if name != "grad2_weights":
+                    mixed = np.asarray(mixed)[np.argsort(order)]
+                np.testing.assert_allclose(mixed, one, rtol=0, atol=scale, err_msg=name)
+                if name != "grad2_weights":
+                    assert not np.asarray(one)[~inside].any(), name
+        xk, wk, vk = x[0], w[0], v[0]
+        expected = numpy_grad(xk, wk)
+        np.testing.assert_allclose(calls["grad"](a[0], weights[0], along[0]), expected,
+                                   rtol=tolerance, atol=tolerance * np.max(np.abs(expected)))
+        step = 1e-3
+        central = (numpy_grad(xk + step * vk, wk) - numpy_grad(xk - step * vk, wk)) / (2 * step)
+        for name in ("grad2", "hvp"):
+            np.testing.assert_allclose(calls[name](a[0], weights[0], along[0]), central,
+                                       rtol=tolerance, atol=tolerance * np.max(np.abs(central)),
+                                       err_msg=name)
+        # d/dw <grad, v> = <grad(x, e_j), v> for each unit weight e_j: the gradient is linear in w
+        units = np.eye(m * 3).reshape(m * 3, m, 3)
+        exact = np.array([np.sum(numpy_grad(xk, unit) * vk) for unit in units]).reshape(m, 3)
+        np.testing.assert_allclose(calls["grad2_weights"](a[0], weights[0], along[0]), exact,
+                                   rtol=tolerance, atol=tolerance * np.max(np.abs(exact)))
+    finally:
+        _primitives.lower_cpu_as_gpu(False)
+
+
+@pytest.mark.parametrize("gpu_paths", [False, True])
 def test_logsumexp_and_softmax_are_one_kernel_over_ordered_ids_and_numpy_s_values_over_any(
         gpu_paths):
     """logsumexp and softmax find each segment's largest value and sum its shifted exponentials in

@@ -705,12 +705,29 @@ def _variance(rows, seg, params):
 
 @_variance.defjvp
 def _variance_jvp(params, primals, tangents):
+    """d var = 2 Σ (x - mean) dx / count by P.variance_tangent_p: the gradient, and each
+    derivative of it, one kernel where the ids are known sorted (the variance itself unused)."""
+    (rows, seg), (drows, _) = primals, tangents
+    return (_variance(rows, seg, params),
+            P.variance_tangent_p.bind(rows, drows, *seg, **dict(params)))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _variance_beside_mean(rows, seg, params):
+    """_variance for std, whose derivative needs the variance's value: there the mean from the
+    same moments kernel, gathered into the XLA fusion that scales the rows, makes the gradient
+    that kernel and one fusion (P.variance_cotangent_p would add a kernel)."""
+    return P.moments_p.bind(rows, *seg, **dict(params))[..., 1]
+
+
+@_variance_beside_mean.defjvp
+def _variance_beside_mean_jvp(params, primals, tangents):
     """d var = 2 Σ (x - mean) dx / count: the mean (of the same kernel) gathered, one sum."""
     (rows, seg), (drows, _) = primals, tangents
     p = dict(params)
     deviations = rows - _at_rows(_mean_of_moments(rows, seg, params), seg, params)
     counts = _nonzero_counts(seg, p, rows.dtype)[:, None]
-    return (_variance(rows, seg, params),
+    return (_variance_beside_mean(rows, seg, params),
             2 * P.sum_p.bind(deviations * drows, *seg, **p) / counts)
 
 
@@ -766,7 +783,8 @@ def segmented_std(x, idx, num_segments, *, indices_are_sorted=False):
         segmented_std(jnp.array([1., 3., 7.]), jnp.array([0, 0, 1]), 2)  # [1., 0.]
     """
     x, seg, m, dtype = _common("x", x, idx, num_segments)
-    out = _safe_sqrt(_variance(_rows(x), seg, tuple(_params(m, indices_are_sorted).items())))
+    out = _safe_sqrt(_variance_beside_mean(_rows(x), seg,
+                                           tuple(_params(m, indices_are_sorted).items())))
     return out.reshape(m, *x.shape[1:]).astype(dtype)
 
 

@@ -901,13 +901,19 @@ def _atomic_pass(term):
 
 
 @wp.func
-def _mean_and_variance(x: wp.array2d(dtype=Any), lo: int, hi: int, p: int):
-    # (mean, Σ (x - mean)² / count) of x[lo:hi, p], (0, 0) if empty: no cancellation
-    count = x.dtype(wp.max(hi - lo, 1))
+def _mean_of(x: wp.array2d(dtype=Any), lo: int, hi: int, p: int):
+    # Σ x[lo:hi, p] / count in index order, 0 if empty
     total = x.dtype(0.0)
     for i in range(lo, hi):
         total += x[i, p]
-    mean = total / count
+    return total / x.dtype(wp.max(hi - lo, 1))
+
+
+@wp.func
+def _mean_and_variance(x: wp.array2d(dtype=Any), lo: int, hi: int, p: int):
+    # (mean, Σ (x - mean)² / count) of x[lo:hi, p], (0, 0) if empty: no cancellation
+    count = x.dtype(wp.max(hi - lo, 1))
+    mean = _mean_of(x, lo, hi, p)
     squares = x.dtype(0.0)
     for i in range(lo, hi):
         deviation = x[i, p] - mean
@@ -1308,6 +1314,44 @@ for _name, _segment, _first, _rows3 in (("moments", _mean_and_variance, _add_and
     _deferred(_two_passes(_segment, _first, _rows3), f"{_name}_cpu")
 _deferred(_atomic_pass(_squared_deviation), "centered_squares")
 _deferred(_atomic_pass(_shifted_exp), "shifted_exp_sums")
+
+
+# var's derivatives where the ids are ordered (see _primitives.variance_tangent_p): each
+# segment's mean as moments takes it, then one more pass over its rows
+
+
+@_deferred
+def _variance_tangent_kernel(x: wp.array2d(dtype=Any), y: wp.array2d(dtype=Any),
+                             offsets: wp.array(dtype=wp.int32),
+                             ordered: wp.array(dtype=wp.int32), out: wp.array2d(dtype=Any)):
+    # thread (s, p): out[s, p] = 2 Σ (x[i, p] - mean) y[i, p] / count over segment s's rows
+    s, p = wp.tid()
+    if ordered[0] != 0:
+        lo, hi = _segment_range(offsets, s, x.shape[0])
+        mean = _mean_of(x, lo, hi, p)
+        total = x.dtype(0.0)
+        for i in range(lo, hi):
+            total += (x[i, p] - mean) * y[i, p]
+        out[s, p] = x.dtype(2.0) * total / x.dtype(wp.max(hi - lo, 1))
+
+
+@_deferred
+def _variance_cotangent_kernel(x: wp.array2d(dtype=Any), c: wp.array2d(dtype=Any),
+                               offsets: wp.array(dtype=wp.int32),
+                               ordered: wp.array(dtype=wp.int32), out: wp.array2d(dtype=Any)):
+    # launched (M + 1, K): thread (s < M, p) writes out[i, p] = (x[i, p] - mean) · 2 c[s, p] /
+    # count over segment s's rows, thread (M, 0) zeroes the rows in no segment
+    s, p = wp.tid()
+    if ordered[0] == 0:
+        return
+    if s < offsets.shape[0] - 1:
+        lo, hi = _segment_range(offsets, s, x.shape[0])
+        mean = _mean_of(x, lo, hi, p)
+        scale = x.dtype(2.0) * c[s, p] / x.dtype(wp.max(hi - lo, 1))
+        for i in range(lo, hi):
+            out[i, p] = (x[i, p] - mean) * scale
+    elif p == 0:
+        _zero_rows_outside(offsets, out)
 
 
 # out[e] = (x[e] · a) · b, plus (y[e] · a) · c if `paired`, over the entries e = lane, lane +

@@ -15,6 +15,9 @@ with respect to each operand is another primitive of the set:
     outer(a, b)    a ↦ matvecᵀ(b, ct)    b ↦ matvec(a, ct)
     rescale(x, y, z)     x ↦ rescale(ct, y, z)    y, z ↦ scaled_dot(x, ct, ·)   (x·y·z per row)
     rescale2(x, b, y, z, w)   x·y·z + b·y·w per row in one kernel, each product as rescale's
+    variance_tangent(x, y)     x ↦ variance_cotangent(y, ct)   y ↦ variance_cotangent(x, ct)
+    variance_cotangent(x, c)   x ↦ variance_cotangent(ct, c)   c ↦ variance_tangent(x, ct)
+                               (2 Σ (x - mean) y / count; (x - mean) · 2 c / count per row)
 
 JAX derives every higher derivative, forward or reverse, from these rules. `rms_norm` (the
 RMS norm of each segment, in one pass over the rows) has no rule: segcli.ops differentiates
@@ -25,7 +28,8 @@ that a second derivative adds its two rescales of the rows in one rescale2 kerne
 kernel); segcli.ops differentiates each through its own primitive. `moments` (each segment's
 mean and variance) and `exp_sums` (its largest value and sum of shifted exponentials) take
 both passes over a segment in one kernel and have no rule either: segcli.ops differentiates
-var, std and logsumexp through custom JVPs built of sum and gather. `softmax` has its JVP
+var by variance_tangent (whose derivatives are then one kernel each), std and logsumexp
+through custom JVPs built of sum and gather. `softmax` has its JVP
 beside it: `softmax_tangent`, a custom_transposed primitive that is its own transpose.
 The other primitives give integers, so no derivative: `extreme` (the first row attaining
 each segment's max, min or max norm, through which the ops differentiate), `count` and
@@ -952,6 +956,70 @@ counts, then the squares about their means. No derivative rule of its own (segcl
 it one)."""
 
 
+def _deviations(x, idx, offsets, num_segments, indices_are_sorted, gpu):
+    """(x[i] - mean of its segment, 0 in rows of no segment; 2 / count (M, 1), empty segments
+    counted as 1) of x (N, K): the mean's kernel, then XLA's gather, which it fuses into the
+    work that uses the rows. var's derivatives by them, not by variance_tangent's kernels, on
+    CPUs: 1.5–2.5 times as fast there at 2 Mi rows (benchmarks/RESULTS.md)."""
+    params = {"num_segments": num_segments, "indices_are_sorted": indices_are_sorted, "gpu": gpu}
+    mean = _mean(x, idx, offsets, **params)
+    valid = ((idx >= 0) & (idx < num_segments))[:, None]
+    counts = jnp.maximum(_count(idx, offsets, **params), 1).astype(x.dtype)[:, None]
+    return jnp.where(valid, x - at_rows(mean, idx), 0), 2 / counts
+
+
+def _variance_tangent(x, y, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
+    shape = (num_segments, x.shape[1])
+    if _empty(shape, x, y):
+        return jnp.zeros(shape, x.dtype)
+
+    def formula():
+        deviations, twice_inverse = _deviations(x, idx, offsets, num_segments,
+                                                indices_are_sorted, gpu)
+        return _sum(deviations * y, idx, offsets, num_segments=num_segments,
+                    indices_are_sorted=indices_are_sorted, gpu=gpu) * twice_inverse
+
+    if not gpu:
+        return formula()
+    return _ordered_or("variance_tangent", (x, y), shape, shape, formula, idx, offsets,
+                       num_segments, indices_are_sorted, gpu)
+
+
+def _variance_cotangent(x, c, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
+    if _empty(x.shape, x, c):
+        return jnp.zeros(x.shape, x.dtype)
+
+    def formula():
+        deviations, twice_inverse = _deviations(x, idx, offsets, num_segments,
+                                                indices_are_sorted, gpu)
+        return deviations * at_rows(c * twice_inverse, idx)
+
+    if not gpu:
+        return formula()
+    return _ordered_or("variance_cotangent", (x, c), (num_segments + 1, x.shape[1]), x.shape,
+                       formula, idx, offsets, num_segments, indices_are_sorted, gpu)
+
+
+variance_tangent_p = _multilinear(_Rule(
+    "variance_tangent", _variance_tangent,
+    lambda x, y, idx, offsets, *, num_segments, **_: (num_segments, x.shape[1]), 2,
+    transposes=(lambda ct, y, seg, p: variance_cotangent_p.bind(y, ct, *seg, **p),
+                lambda ct, x, seg, p: variance_cotangent_p.bind(x, ct, *seg, **p))))
+"""2 Σ (x[i] - mean) y[i] / count over each segment of x and y (N, K), the mean x's: var's
+tangent at x along y, symmetric in x and y; 0 for an empty segment. Where the ids are
+ordered one kernel (the mean as moments takes it, then the sum); elsewhere atomic sums."""
+
+
+variance_cotangent_p = _multilinear(_Rule(
+    "variance_cotangent", _variance_cotangent, lambda x, c, idx, offsets, **_: x.shape, 2,
+    transposes=(lambda ct, c, seg, p: variance_cotangent_p.bind(ct, c, *seg, **p),
+                lambda ct, x, seg, p: variance_tangent_p.bind(x, ct, *seg, **p))))
+"""(x[i] - mean) · 2 c[s] / count over the rows i of each segment s of x (N, K), for c (M, K):
+var's cotangent at x (variance_tangent's transpose along y), 0 in rows of no segment. Where the
+ids are ordered one kernel (a thread per segment and feature: the mean, then the rows);
+elsewhere atomic sums and XLA's gathers."""
+
+
 def _exp_sums(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     def found(tops, totals):  # the largest values and Σ exp(x - shift)
         return jnp.stack([jnp.where(jnp.isfinite(tops[..., 0]), tops[..., 0], 0), totals],
@@ -979,8 +1047,17 @@ def _by_rows3(kernel, operands, formula, x, idx, offsets, num_segments, indices_
     whether the order is promised or found."""
     if gpu or x.shape[1] != 3 or _empty(x.shape, x):
         return formula()
+    return _ordered_or(kernel, operands, (num_segments + 1,), x.shape, formula, idx, offsets,
+                       num_segments, indices_are_sorted, gpu)
+
+
+def _ordered_or(kernel, operands, dims, shape, formula, idx, offsets, num_segments,
+                indices_are_sorted, gpu):
+    """Kernel `kernel` over `operands` and the layout, `dims` threads, into `shape`, where the
+    ids are ordered; formula() where they are not known sorted and not found ordered at run
+    time: the same bits whether the order is promised or found."""
     layout, ordered = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
-    found = launch(kernel, *operands, layout, ordered, dims=(num_segments + 1,), out=x.shape)
+    found = launch(kernel, *operands, layout, ordered, dims=dims, out=shape)
     if ids_known_sorted(offsets, indices_are_sorted):
         return found
     return jnp.where(ordered[0] != 0, found, formula())
