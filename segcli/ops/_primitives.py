@@ -1006,8 +1006,9 @@ variance_tangent_p = _multilinear(_Rule(
     transposes=(lambda ct, y, seg, p: variance_cotangent_p.bind(y, ct, *seg, **p),
                 lambda ct, x, seg, p: variance_cotangent_p.bind(x, ct, *seg, **p))))
 """2 Σ (x[i] - mean) y[i] / count over each segment of x and y (N, K), the mean x's: var's
-tangent at x along y, symmetric in x and y; 0 for an empty segment. Where the ids are
-ordered one kernel (the mean as moments takes it, then the sum); elsewhere atomic sums."""
+tangent at x along y, symmetric in x and y; 0 for an empty segment. On GPUs, where the ids
+are ordered, one kernel (the mean as moments takes it, then the sum); elsewhere the mean's
+kernel, XLA's fused gather and a sum (see _deviations)."""
 
 
 variance_cotangent_p = _multilinear(_Rule(
@@ -1015,9 +1016,9 @@ variance_cotangent_p = _multilinear(_Rule(
     transposes=(lambda ct, c, seg, p: variance_cotangent_p.bind(ct, c, *seg, **p),
                 lambda ct, x, seg, p: variance_tangent_p.bind(x, ct, *seg, **p))))
 """(x[i] - mean) · 2 c[s] / count over the rows i of each segment s of x (N, K), for c (M, K):
-var's cotangent at x (variance_tangent's transpose along y), 0 in rows of no segment. Where the
-ids are ordered one kernel (a thread per segment and feature: the mean, then the rows);
-elsewhere atomic sums and XLA's gathers."""
+var's cotangent at x (variance_tangent's transpose along y), 0 in rows of no segment. On GPUs,
+where the ids are ordered, one kernel (a thread per segment and feature: the mean, then the
+rows); elsewhere the mean's kernel and XLA's fused gathers (see _deviations)."""
 
 
 def _exp_sums(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
