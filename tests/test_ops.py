@@ -1113,16 +1113,17 @@ def test_var_and_std_are_one_kernel_over_ordered_ids_and_numpy_s_values_over_any
         _primitives.lower_cpu_as_gpu(False)
 
 
-@pytest.mark.parametrize("gpu_paths", [False, True])
+@pytest.mark.parametrize("gpu_paths", [False, True, "fused"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_var_derivatives_are_one_kernel_each_and_numpy_s_values(gpu_paths, dtype):
+def test_var_derivatives_are_one_kernel_each_and_numpy_s_values(gpu_paths, dtype, monkeypatch):
     """Given a Segments, var's gradient and its second derivatives (the gradient of
     <gradient, v> in x and in the weights, and the JVP of the gradient along v) each compile to
-    one kernel on GPUs' paths (on CPUs the mean's, XLA's fusions and in the weights' derivative
-    a sum's). The gradient equals NumPy's float64 2 (x - mean) w / count,
-    the second derivative central differences of it; the same ids alone give the same bits
-    (the order found at run time), shuffled ids the same values (atomic sums); rows of no
-    segment and empty segments get 0; vmap gives each example's values."""
+    one kernel on GPUs' paths (on CPUs, and on GPUs for float32 from VARIANCE_FUSED_ROWS rows
+    on ("fused"), the mean's, XLA's fusions and in the weights' derivative a sum's). The
+    gradient equals NumPy's float64 2 (x - mean) w / count, the second derivative central
+    differences of it; the same ids alone give the same bits (the order found at run time),
+    shuffled ids the same values (atomic sums); rows of no segment and empty segments get 0;
+    vmap gives each example's values."""
     rng = np.random.default_rng(43)
     n, m, batch = 60, 9, 3
     # 2, 5, 7 empty, 6 of one row; -1, 9 outside
@@ -1151,7 +1152,9 @@ def test_var_derivatives_are_one_kernel_each_and_numpy_s_values(gpu_paths, dtype
                           for k in range(3)], axis=1) / counts[:, None]
         return np.where(inside[:, None], 2 * (xk - means[s]) * wk[s] / counts[s, None], 0)
 
-    _primitives.lower_cpu_as_gpu(gpu_paths)
+    if gpu_paths == "fused":
+        monkeypatch.setattr(_primitives, "VARIANCE_FUSED_ROWS", 1)
+    _primitives.lower_cpu_as_gpu(bool(gpu_paths))
     try:
         a, weights, along = (jnp.asarray(array, dtype) for array in (x, w, v))
         calls = derivatives(segments)
@@ -1162,8 +1165,9 @@ def test_var_derivatives_are_one_kernel_each_and_numpy_s_values(gpu_paths, dtype
         for name, call in calls.items():
             compiled = jax.jit(call).lower(a[0], weights[0], along[0]).compile().as_text()
             entry = compiled[compiled.index("ENTRY"):]
-            on_cpu = not gpu_paths and jax.default_backend() == "cpu"
-            launches = 2 if on_cpu and name == "grad2_weights" else 1
+            gpu = bool(gpu_paths) or jax.default_backend() == "gpu"
+            fused = not _primitives._variance_kernels(a[0], gpu)
+            launches = 2 if fused and name == "grad2_weights" else 1
             assert entry.count(" custom-call(") == launches, name
             batched = jax.jit(jax.vmap(call))(a, weights, along)
             for k in range(batch):

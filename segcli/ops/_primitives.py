@@ -956,6 +956,21 @@ counts, then the squares about their means. No derivative rule of its own (segcl
 it one)."""
 
 
+VARIANCE_FUSED_ROWS = 1 << 20
+"""Rows from which var's derivatives of float32 on GPUs are, as on CPUs, the mean's kernel and
+XLA's fusions (_deviations) rather than variance_tangent's kernels, whose thread per segment
+and feature reads rows too far apart to coalesce. On an H100 at N = 10⁷, float32: the gradient
+385 µs by the kernel, 240 by moments and a fusion (float64: 685 against 758, second order 686
+against 1138); at 10⁴–10⁵ the kernel, one launch, took 0.7–0.9 of their time
+(benchmarks/RESULTS.md)."""
+
+
+def _variance_kernels(x, gpu):
+    """Whether var's derivatives of x (N, K) take variance_tangent's kernels (see
+    VARIANCE_FUSED_ROWS)."""
+    return gpu and (x.dtype != jnp.float32 or x.shape[0] < VARIANCE_FUSED_ROWS)
+
+
 def _deviations(x, idx, offsets, num_segments, indices_are_sorted, gpu):
     """(x[i] - mean of its segment, 0 in rows of no segment; 2 / count (M, 1), empty segments
     counted as 1) of x (N, K): the mean's kernel, then XLA's gather, which it fuses into the
@@ -979,7 +994,7 @@ def _variance_tangent(x, y, idx, offsets, *, num_segments, indices_are_sorted, g
         return _sum(deviations * y, idx, offsets, num_segments=num_segments,
                     indices_are_sorted=indices_are_sorted, gpu=gpu) * twice_inverse
 
-    if not gpu:
+    if not _variance_kernels(x, gpu):
         return formula()
     return _ordered_or("variance_tangent", (x, y), shape, shape, formula, idx, offsets,
                        num_segments, indices_are_sorted, gpu)
@@ -994,7 +1009,7 @@ def _variance_cotangent(x, c, idx, offsets, *, num_segments, indices_are_sorted,
                                                 indices_are_sorted, gpu)
         return deviations * at_rows(c * twice_inverse, idx)
 
-    if not gpu:
+    if not _variance_kernels(x, gpu):
         return formula()
     return _ordered_or("variance_cotangent", (x, c), (num_segments + 1, x.shape[1]), x.shape,
                        formula, idx, offsets, num_segments, indices_are_sorted, gpu)
