@@ -960,9 +960,9 @@ VARIANCE_FUSED_ROWS = 1 << 20
 """Rows from which var's derivatives of float32 on GPUs are, as on CPUs, the mean's kernel and
 XLA's fusions (_deviations) rather than variance_tangent's kernels, whose thread per segment
 and feature reads rows too far apart to coalesce. On an H100 at N = 10⁷, float32: the gradient
-385 µs by the kernel, 240 by moments and a fusion (float64: 685 against 758, second order 686
-against 1138); at 10⁴–10⁵ the kernel, one launch, took 0.7–0.9 of their time
-(benchmarks/RESULTS.md)."""
+385 µs by the kernel, 207–210 by the mean's kernel and a fusion (float64: the kernels 685
+against 758 before them, second order 686 against 1138); at 10⁴–10⁵ the kernel, one launch,
+took 0.6–0.96 of the time of the three before it (benchmarks/RESULTS.md)."""
 
 
 def _variance_kernels(x, gpu):
@@ -975,7 +975,7 @@ def _deviations(x, idx, offsets, num_segments, indices_are_sorted, gpu):
     """(x[i] - mean of its segment, 0 in rows of no segment; 2 / count (M, 1), empty segments
     counted as 1) of x (N, K): the mean's kernel, then XLA's gather, which it fuses into the
     work that uses the rows. var's derivatives by them, not by variance_tangent's kernels, on
-    CPUs: 1.5–2.5 times as fast there at 2 Mi rows (benchmarks/RESULTS.md)."""
+    CPUs: 1.6–3 times as fast there at 2 Mi rows (benchmarks/RESULTS.md)."""
     params = {"num_segments": num_segments, "indices_are_sorted": indices_are_sorted, "gpu": gpu}
     mean = _mean(x, idx, offsets, **params)
     valid = ((idx >= 0) & (idx < num_segments))[:, None]
