@@ -979,6 +979,22 @@ def check_rows_written_a_segment_at_a_time(dtype):
             np.testing.assert_allclose(by_segment, references[name](), rtol=1e-6, err_msg=name)
 
 
+def derivative_calls(op, seg, m, weights_too=False):
+    """name -> f(x, w, v): the gradient of Σ w · op(x, seg, m) in x, the gradient of
+    <gradient, v> in x (and with `weights_too` in w), and the JVP of the gradient along v."""
+
+    def grad(a, weights):
+        return jax.grad(lambda a: jnp.sum(weights * op(a, seg, m)))(a)
+
+    calls = {"grad": lambda a, weights, _: grad(a, weights),
+             "grad2": lambda a, weights, v: jax.grad(lambda a: jnp.sum(grad(a, weights) * v))(a),
+             "hvp": lambda a, weights, v: jax.jvp(lambda a: grad(a, weights), (a,), (v,))[1]}
+    if weights_too:
+        calls["grad2_weights"] = lambda a, weights, v: jax.grad(
+            lambda weights: jnp.sum(grad(a, weights) * v))(weights)
+    return calls
+
+
 @pytest.mark.parametrize("gpu_paths", [False, True])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_rms_norm_derivatives_over_known_sorted_ids_are_one_kernel_each(gpu_paths, dtype):
@@ -1003,13 +1019,7 @@ def test_rms_norm_derivatives_over_known_sorted_ids_are_one_kernel_each(gpu_path
     inside = (ids >= 0) & (ids < m)
 
     def derivatives(seg):
-        def grad(a, weights):
-            return jax.grad(lambda a: jnp.sum(weights * ops.segmented_rms_norm(a, seg, m)))(a)
-
-        return {"grad": lambda a, weights, _: grad(a, weights),
-                "grad2": lambda a, weights, v: jax.grad(
-                    lambda a: jnp.sum(grad(a, weights) * v))(a),
-                "hvp": lambda a, weights, v: jax.jvp(lambda a: grad(a, weights), (a,), (v,))[1]}
+        return derivative_calls(ops.segmented_rms_norm, seg, m)
 
     _primitives.lower_cpu_as_gpu(gpu_paths)
     try:
@@ -1136,15 +1146,7 @@ def test_var_derivatives_are_one_kernel_each_and_numpy_s_values(gpu_paths, dtype
     s = np.clip(ids, 0, m - 1)
 
     def derivatives(seg):
-        def grad(a, weights):
-            return jax.grad(lambda a: jnp.sum(weights * ops.segmented_var(a, seg, m)))(a)
-
-        return {"grad": lambda a, weights, _: grad(a, weights),
-                "grad2": lambda a, weights, v: jax.grad(
-                    lambda a: jnp.sum(grad(a, weights) * v))(a),
-                "grad2_weights": lambda a, weights, v: jax.grad(
-                    lambda weights: jnp.sum(grad(a, weights) * v))(weights),
-                "hvp": lambda a, weights, v: jax.jvp(lambda a: grad(a, weights), (a,), (v,))[1]}
+        return derivative_calls(ops.segmented_var, seg, m, weights_too=True)
 
     def numpy_grad(xk, wk):
         counts = np.maximum(np.bincount(ids[inside], minlength=m), 1)
