@@ -29,8 +29,7 @@ def main():
     offsets = bench.offsets_of(idx, m)
     for name in args.ops.split(","):
         op = OPS[name]
-        data = bench.arguments(op, rng, args.atoms, m, args.dtype)
-        call_args = (bench.loss_weights(op, data, idx, m, args.dtype), v, *data, idx, offsets)
+        call_args = bench.call_arguments(op, rng, idx, m, v, offsets, args.dtype)
         functions = bench.functions(ops, op, m, args.layout)
         for mode in args.modes.split(","):
             for _ in range(2):

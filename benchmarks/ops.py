@@ -114,6 +114,12 @@ def loss_weights(op, args, idx, m, dtype):
     return jnp.asarray(np.random.default_rng(1).normal(size=shape), dtype)
 
 
+def call_arguments(op, rng, idx, m, v, offsets, dtype):
+    """(w, v, op's random arguments, idx, offsets): what each function of `functions` takes."""
+    data = arguments(op, rng, idx.shape[0], m, dtype)
+    return (loss_weights(op, data, idx, m, dtype), v, *data, idx, offsets)
+
+
 def median_seconds(fns, args, repeats, dropped=False):
     """name -> (latency, throughput time) of fns[name](*args) in seconds (or why it fails), and
     with `dropped` a third time: that of a burst whose every result is dropped as the next
@@ -221,8 +227,7 @@ def run(atoms, dtypes, repeats, ops, layout="ids", modes=MODES, impl_names=None)
                      False))
         for name in ops:
             op = OPS[name]
-            data = arguments(op, rng, atoms, m, dtype)
-            args = (loss_weights(op, data, idx, m, dtype), v, *data, idx, offsets)
+            args = call_arguments(op, rng, idx, m, v, offsets, dtype)
             per_impl = {impl: functions(module, op, m, layout) for impl, module in impls.items()}
             for mode in modes:
                 fns = {impl: f[mode] for impl, f in per_impl.items() if mode in f}

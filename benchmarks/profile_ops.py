@@ -77,9 +77,7 @@ def main():
         rng, idx, m, v = bench.inputs(args.atoms, dtype)
         for op_name in args.ops.split(","):
             op = OPS[op_name]
-            data = bench.arguments(op, rng, args.atoms, m, dtype)
-            call_args = (bench.loss_weights(op, data, idx, m, dtype), v, *data, idx,
-                         bench.offsets_of(idx, m))
+            call_args = bench.call_arguments(op, rng, idx, m, v, bench.offsets_of(idx, m), dtype)
             for name, module in impls.items():
                 for mode, fn in bench.functions(module, op, m, args.layout).items():
                     if mode not in args.modes.split(","):

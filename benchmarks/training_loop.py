@@ -28,16 +28,15 @@ def main():
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
     print(jax.devices()[0].device_kind)
-    impls = bench.implementations(("segcli", "jax"))
+    impls = bench.implementations(("jax",))
     print("| N | op | mode | kept: segcli µs | jax µs | jax / segcli | dropped: segcli µs | jax µs "
           "| jax / segcli |\n| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for n in map(int, args.atoms.split(",")):
         rng, idx, m, v = bench.inputs(n, "float32")
         for name in args.ops.split(","):
             op = OPS[name]
-            data = bench.arguments(op, rng, n, m, "float32")
-            call_args = (bench.loss_weights(op, data, idx, m, "float32"), v, *data, idx,
-                         bench.offsets_of(idx, m))
+            call_args = bench.call_arguments(op, rng, idx, m, v, bench.offsets_of(idx, m),
+                                             "float32")
             modes = {impl: bench.functions(module, op, m, "segments")
                      for impl, module in impls.items()}
             for mode in [mode for mode in modes["segcli"] if mode in modes["jax"]]:
