@@ -1128,7 +1128,7 @@ def test_var_and_std_are_one_kernel_over_ordered_ids_and_numpy_s_values_over_any
 def test_var_derivatives_are_one_kernel_each_and_numpy_s_values(gpu_paths, dtype, monkeypatch):
     """Given a Segments, var's gradient and its second derivatives (the gradient of
     <gradient, v> in x and in the weights, and the JVP of the gradient along v) each compile to
-    one kernel on GPUs' paths (on CPUs, and on GPUs for float32 from VARIANCE_FUSED_ROWS rows
+    one kernel on GPUs' paths (on CPUs, and on GPUs for float32 from SEGMENT_THREAD_FUSED_ROWS rows
     on ("fused"), the mean's, XLA's fusions and in the weights' derivative a sum's). The
     gradient equals NumPy's float64 2 (x - mean) w / count, the second derivative central
     differences of it; the same ids alone give the same bits (the order found at run time),
@@ -1155,7 +1155,7 @@ def test_var_derivatives_are_one_kernel_each_and_numpy_s_values(gpu_paths, dtype
         return np.where(inside[:, None], 2 * (xk - means[s]) * wk[s] / counts[s, None], 0)
 
     if gpu_paths == "fused":
-        monkeypatch.setattr(_primitives, "VARIANCE_FUSED_ROWS", 1)
+        monkeypatch.setattr(_primitives, "SEGMENT_THREAD_FUSED_ROWS", 1)
     _primitives.lower_cpu_as_gpu(bool(gpu_paths))
     try:
         a, weights, along = (jnp.asarray(array, dtype) for array in (x, w, v))
@@ -1168,7 +1168,7 @@ def test_var_derivatives_are_one_kernel_each_and_numpy_s_values(gpu_paths, dtype
             compiled = jax.jit(call).lower(a[0], weights[0], along[0]).compile().as_text()
             entry = compiled[compiled.index("ENTRY"):]
             gpu = bool(gpu_paths) or jax.default_backend() == "gpu"
-            fused = not _primitives._variance_kernels(a[0], gpu)
+            fused = not _primitives._segment_thread_kernels(a[0], gpu)
             launches = 2 if fused and name == "grad2_weights" else 1
             assert entry.count(" custom-call(") == launches, name
             batched = jax.jit(jax.vmap(call))(a, weights, along)
@@ -1271,6 +1271,104 @@ def test_logsumexp_and_softmax_are_one_kernel_over_ordered_ids_and_numpy_s_value
                     a + b, segments, m)))
             central = (value(bump) - value(-bump)) / (2 * step)
             np.testing.assert_allclose(soft_grad[i, 1], central, rtol=1e-6, atol=1e-8)
+    finally:
+        _primitives.lower_cpu_as_gpu(False)
+
+
+@pytest.mark.parametrize("gpu_paths", [False, True, "fused"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_softmax_derivatives_are_one_kernel_each_and_numpy_s_values(gpu_paths, dtype,
+                                                                    monkeypatch):
+    """Given a Segments, softmax's gradient s (w - Σ s w) (softmax_tangent), the gradient of
+    <gradient, v> in x and the JVP of the gradient along v (softmax_curvature), and that
+    gradient in the weights (softmax_tangent along v) each compile to one kernel on GPUs'
+    paths, a thread per segment and feature (on GPUs for float32 from SEGMENT_THREAD_FUSED_ROWS
+    rows on ("fused"), exp_sums' and sums; on CPUs softmax3_tangent and, for the second
+    derivatives in x, sums). The gradient equals NumPy's float64 value, the second derivatives
+    central differences of it, the third (in float64) central differences of the second; the
+    same ids alone give the same bits, shuffled ids the same values; rows of no segment, empty
+    segments and a segment of -inf alone get 0; vmap gives each example's values."""
+    rng = np.random.default_rng(47)
+    n, m, batch = 60, 9, 3
+    # 2, 5, 7 empty, 6 of one row, 8 all -inf; -1, 9 outside
+    ids = np.sort(np.append(rng.choice([-1, 0, 1, 3, 4, 8, 9], size=n - 1), 6))
+    offsets = np.searchsorted(ids, np.arange(m + 1), side="left").astype(np.int32)
+    segments = ops.Segments(jnp.asarray(ids, jnp.int32), jnp.asarray(offsets))
+    x = rng.normal(size=(batch, n, 3)) * 2 + 300
+    x[:, ids == 8] = -np.inf
+    w, v = rng.normal(size=(batch, n, 3)), rng.normal(size=(batch, n, 3))
+    inside = (ids >= 0) & (ids < m)
+
+    def numpy_grad(xk, wk):  # s (w - Σ s w) over each segment
+        out = np.zeros_like(xk)
+        for s in range(m):
+            rows = ids == s
+            top = np.max(xk[rows], axis=0, initial=-np.inf)
+            if rows.any() and np.all(np.isfinite(top)):
+                soft = np.exp(xk[rows] - top) / np.exp(xk[rows] - top).sum(axis=0)
+                out[rows] = soft * (wk[rows] - (soft * wk[rows]).sum(axis=0))
+        return out
+
+    if gpu_paths == "fused":
+        monkeypatch.setattr(_primitives, "SEGMENT_THREAD_FUSED_ROWS", 1)
+    _primitives.lower_cpu_as_gpu(bool(gpu_paths))
+    try:
+        a, weights, along = (jnp.asarray(array, dtype) for array in (x, w, v))
+        calls = derivative_calls(ops.segmented_softmax, segments, m, weights_too=True)
+        by_ids = derivative_calls(ops.segmented_softmax, jnp.asarray(ids, jnp.int32), m,
+                                  weights_too=True)
+        order = rng.permutation(n)
+        shuffled = derivative_calls(ops.segmented_softmax, jnp.asarray(ids[order], jnp.int32), m,
+                                    weights_too=True)
+        gpu = bool(gpu_paths) or jax.default_backend() == "gpu"
+        if not gpu:
+            launches = {"grad": 1, "grad2": 6, "hvp": 6, "grad2_weights": 1}
+        elif _primitives._segment_thread_kernels(a[0], gpu):
+            launches = dict.fromkeys(calls, 1)
+        else:
+            launches = {"grad": 2, "grad2": 4, "hvp": 4, "grad2_weights": 2}
+        tolerance = 2e-5 if dtype == np.float32 else 1e-12
+        for name, call in calls.items():
+            compiled = jax.jit(call).lower(a[0], weights[0], along[0]).compile().as_text()
+            entry = compiled[compiled.index("ENTRY"):]
+            assert entry.count(" custom-call(") == launches[name], name
+            batched = jax.jit(jax.vmap(call))(a, weights, along)
+            for k in range(batch):
+                one = jax.jit(call)(a[k], weights[k], along[k])
+                scale = tolerance * np.max(np.abs(one))
+                np.testing.assert_allclose(batched[k], one, rtol=0, atol=scale, err_msg=name)
+                np.testing.assert_array_equal(jax.jit(by_ids[name])(a[k], weights[k], along[k]),
+                                              one, err_msg=name)
+                mixed = jax.jit(shuffled[name])(a[k][order], weights[k][order],
+                                                along[k][order])
+                np.testing.assert_allclose(np.asarray(mixed)[np.argsort(order)], one, rtol=0,
+                                           atol=scale, err_msg=name)
+                assert not np.asarray(one)[~inside | (ids == 8)].any(), name
+        xk, wk, vk = x[0], w[0], v[0]
+        expected = numpy_grad(xk, wk)
+        np.testing.assert_allclose(calls["grad"](a[0], weights[0], along[0]), expected,
+                                   rtol=tolerance, atol=tolerance * np.max(np.abs(expected)))
+        # the gradient is linear in w, and softmax's Jacobian symmetric: d/dw <grad, v> is the
+        # gradient with weights v
+        exact = numpy_grad(xk, vk)
+        np.testing.assert_allclose(calls["grad2_weights"](a[0], weights[0], along[0]), exact,
+                                   rtol=tolerance, atol=tolerance * np.max(np.abs(exact)))
+        step = 1e-4
+        central = (numpy_grad(xk + step * vk, wk) - numpy_grad(xk - step * vk, wk)) / (2 * step)
+        second = max(tolerance, 1e-7)  # central differences' own error, step²
+        for name in ("grad2", "hvp"):
+            np.testing.assert_allclose(calls[name](a[0], weights[0], along[0]), central,
+                                       rtol=second, atol=second * np.max(np.abs(central)),
+                                       err_msg=name)
+        if dtype == np.float64:  # the third derivative: the JVP of the hvp along v
+
+            def hvp(a):
+                return calls["hvp"](a, weights[0], along[0])
+
+            third = jax.jvp(hvp, (a[0],), (along[0],))[1]
+            central = (hvp(a[0] + step * along[0]) - hvp(a[0] - step * along[0])) / (2 * step)
+            np.testing.assert_allclose(third, central, rtol=1e-7,
+                                       atol=1e-7 * np.max(np.abs(central)))
     finally:
         _primitives.lower_cpu_as_gpu(False)
 

@@ -1354,6 +1354,78 @@ def _variance_cotangent_kernel(x: wp.array2d(dtype=Any), c: wp.array2d(dtype=Any
         _zero_rows_outside(offsets, out)
 
 
+# softmax's derivatives where the ids are ordered (see _primitives.softmax_tangent_p and
+# softmax_curvature_p): each segment's shift and Σ exp as exp_sums takes them, the means the
+# rows' terms need, then two more passes over its rows
+
+
+@wp.func
+def _no_means(x: wp.array2d(dtype=Any), a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any),
+              lo: int, hi: int, p: int, shift: Any, total: Any):
+    return x.dtype(0.0), x.dtype(0.0)
+
+
+@wp.func
+def _softmax_means(x: wp.array2d(dtype=Any), a: wp.array2d(dtype=Any),
+                   b: wp.array2d(dtype=Any), lo: int, hi: int, p: int, shift: Any, total: Any):
+    # (Σ e a, Σ e b) over rows lo:hi of column p, e = exp(x - shift) / total
+    alpha = x.dtype(0.0)
+    beta = x.dtype(0.0)
+    for i in range(lo, hi):
+        e = wp.exp(x[i, p] - shift) / total
+        alpha += e * a[i, p]
+        beta += e * b[i, p]
+    return alpha, beta
+
+
+@wp.func
+def _row_of_a(a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any), i: int, p: int,
+              alpha: Any, beta: Any):
+    return a[i, p]
+
+
+@wp.func
+def _centred_product(a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any), i: int, p: int,
+                     alpha: Any, beta: Any):
+    return (a[i, p] - alpha) * (b[i, p] - beta)
+
+
+def _softmax_rows(means, term):
+    """A kernel over x, a, b (N, K) into out, launched (M + 1, K) where the ids are ordered
+    (else nothing written): thread (s < M, p) writes out[i, p] = e[i] (q[i] - Σ e q) over
+    segment s's rows, e = exp(x - shift) / Σ exp(x - shift) (e = 0 where Σ is 0), q[i] =
+    term(a, b, i, p, means(...)); thread (M, 0) zeroes the rows in no segment."""
+
+    def kernel(x: wp.array2d(dtype=Any), a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any),
+               offsets: wp.array(dtype=wp.int32), ordered: wp.array(dtype=wp.int32),
+               out: wp.array2d(dtype=Any)):
+        s, p = wp.tid()
+        if ordered[0] == 0:
+            return
+        if s < offsets.shape[0] - 1:
+            lo, hi = _segment_range(offsets, s, x.shape[0])
+            shift, total = _shift_and_exp_sum(x, lo, hi, p)
+            if total == x.dtype(0.0):
+                total = x.dtype(1.0)  # every exp is 0 (a segment of -inf): e = 0, not 0 / 0
+            alpha, beta = means(x, a, b, lo, hi, p, shift, total)
+            dot = x.dtype(0.0)
+            for i in range(lo, hi):
+                dot += wp.exp(x[i, p] - shift) / total * term(a, b, i, p, alpha, beta)
+            for i in range(lo, hi):
+                out[i, p] = wp.exp(x[i, p] - shift) / total * (term(a, b, i, p, alpha, beta)
+                                                                - dot)
+        elif p == 0:
+            _zero_rows_outside(offsets, out)
+
+    return kernel
+
+
+# softmax's tangent along a: q = a; its curvature along a and b (the second derivative, a
+# symmetric bilinear map): q = (a - Σ e a)(b - Σ e b)
+_deferred(_softmax_rows(_no_means, _row_of_a), "softmax_tangent")
+_deferred(_softmax_rows(_softmax_means, _centred_product), "softmax_curvature")
+
+
 # out[e] = (x[e] · a) · b, plus (y[e] · a) · c if `paired`, over the entries e = lane, lane +
 # lanes, ... of segment rows lo:hi and group g (of `groups`, `k` features each), x, y and out
 # flat: the bits of the scale kernels (each product a statement of its own, as Warp writes

@@ -30,7 +30,9 @@ mean and variance) and `exp_sums` (its largest value and sum of shifted exponent
 both passes over a segment in one kernel and have no rule either: segcli.ops differentiates
 var by variance_tangent (whose derivatives are then one kernel each), std and logsumexp
 through custom JVPs built of sum and gather. `softmax` has its JVP
-beside it: `softmax_tangent`, a custom_transposed primitive that is its own transpose.
+beside it: `softmax_tangent`, a custom_transposed primitive that is its own transpose, and
+whose JVP in x is `softmax_curvature` (softmax's second derivative, bilinear, its own
+transpose in each operand); on GPUs each is one kernel where the ids are ordered.
 The other primitives give integers, so no derivative: `extreme` (the first row attaining
 each segment's max, min or max norm, through which the ops differentiate), `count` and
 `bincount`. Batching folds a vmapped axis into axis 1 of every float operand (the feature or
@@ -307,15 +309,18 @@ def _integral(rule):
     return prim
 
 
-def custom_transposed(name, function, linear, like, transpose, impl=None):
+def custom_transposed(name, function, linear, like, transpose, impl=None, multilinear=False,
+                      moving_jvp=None):
     """A primitive computing `function(*operands, **params)` from other primitives, linear in
-    the operands numbered in `linear`, whose transpose is `transpose(ct, *operands, **params)`
-    (a cotangent for each operand, None for the others; the linear ones to find are
-    ad.UndefinedPrimal) rather than that of the function's parts: one that shares their work,
-    or fuses the terms JAX would add. Its result has the aval of operand `like`. Its JVP keeps
-    the linear operands' tangents in the primitive (so that transposing it stays custom) and
-    differentiates `function` for the others; it is batched as `function`, and lowered as it,
-    or as `impl(*operands, gpu, **params)` (a kernel of its own where one applies) if given."""
+    the operands numbered in `linear` (jointly, or with `multilinear` in each of them apart),
+    whose transpose is `transpose(ct, *operands, **params)` (a cotangent for each operand, None
+    for the others; the linear ones to find are ad.UndefinedPrimal) rather than that of the
+    function's parts: one that shares their work, or fuses the terms JAX would add. Its result
+    has the aval of operand `like`. Its JVP keeps the linear operands' tangents in the
+    primitive (so that transposing it stays custom) and differentiates `function` for the
+    others, or gives their term as `moving_jvp(primals, tangents, **params)` if given; it is
+    batched as `function`, and lowered as it, or as `impl(*operands, gpu, **params)` (a kernel
+    of its own where one applies) if given."""
     prim = Primitive(f"segcli_{name}")
     prim.def_impl(lambda *args, **params: _jitted_bind(prim, tuple(sorted(params.items())))(*args))
     prim.def_abstract_eval(lambda *avals, **_: avals[like])
@@ -326,16 +331,20 @@ def custom_transposed(name, function, linear, like, transpose, impl=None):
         for platform, gpu in (("cpu", False), ("cuda", True)):
             _lower(prim, platform, gpu)
 
+    def along_linear(primals, tangents, slot, params):
+        return prim.bind(*(ad.instantiate_zeros(t) if j in slot else p
+                           for j, (p, t) in enumerate(zip(primals, tangents))), **params)
+
     def jvp(primals, tangents, **params):
         out = prim.bind(*primals, **params)
-        terms = []
-        if any(type(tangents[j]) is not ad.Zero for j in linear):
-            terms.append(prim.bind(*(ad.instantiate_zeros(t) if j in linear else p
-                                     for j, (p, t) in enumerate(zip(primals, tangents))),
-                                   **params))
+        slots = [(j,) for j in linear] if multilinear else [linear]
+        terms = [along_linear(primals, tangents, slot, params) for slot in slots
+                 if any(type(tangents[j]) is not ad.Zero for j in slot)]
         moving = [j for j, t in enumerate(tangents) if j not in linear and type(t) is not ad.Zero
                   and jnp.issubdtype(primals[j].dtype, jnp.inexact)]
-        if moving:
+        if moving and moving_jvp is not None:
+            terms.append(moving_jvp(primals, tangents, **params))
+        elif moving:
             def along(*values):
                 operands = list(primals)
                 for j, value in zip(moving, values):
@@ -956,7 +965,7 @@ counts, then the squares about their means. No derivative rule of its own (segcl
 it one)."""
 
 
-VARIANCE_FUSED_ROWS = 1 << 20
+SEGMENT_THREAD_FUSED_ROWS = 1 << 20
 """Rows from which var's derivatives of float32 on GPUs are, as on CPUs, the mean's kernel and
 XLA's fusions (_deviations) rather than variance_tangent's kernels, whose thread per segment
 and feature reads rows too far apart to coalesce. On an H100 at N = 10⁷, float32: the gradient
@@ -965,10 +974,21 @@ against 758 before them, second order 686 against 1138); at 10⁴–10⁵ the ke
 took 0.6–0.96 of the time of the three before it (benchmarks/RESULTS.md)."""
 
 
-def _variance_kernels(x, gpu):
+def _segment_thread_kernels(x, gpu):
     """Whether var's derivatives of x (N, K) take variance_tangent's kernels (see
-    VARIANCE_FUSED_ROWS)."""
-    return gpu and (x.dtype != jnp.float32 or x.shape[0] < VARIANCE_FUSED_ROWS)
+    SEGMENT_THREAD_FUSED_ROWS)."""
+    return gpu and (x.dtype != jnp.float32 or x.shape[0] < SEGMENT_THREAD_FUSED_ROWS)
+
+
+def _by_segment_threads(kernel, operands, dims, shape, formula, x, idx, offsets, num_segments,
+                        indices_are_sorted, gpu):
+    """Kernel `kernel` (a thread per segment and feature) over `operands`, `dims` threads, into
+    `shape`, where _segment_thread_kernels(x, gpu) and the ids are ordered (see _ordered_or);
+    formula() elsewhere."""
+    if not _segment_thread_kernels(x, gpu):
+        return formula()
+    return _ordered_or(kernel, operands, dims, shape, formula, idx, offsets, num_segments,
+                       indices_are_sorted, gpu)
 
 
 def _deviations(x, idx, offsets, num_segments, indices_are_sorted, gpu):
@@ -994,10 +1014,8 @@ def _variance_tangent(x, y, idx, offsets, *, num_segments, indices_are_sorted, g
         return _sum(deviations * y, idx, offsets, num_segments=num_segments,
                     indices_are_sorted=indices_are_sorted, gpu=gpu) * twice_inverse
 
-    if not _variance_kernels(x, gpu):
-        return formula()
-    return _ordered_or("variance_tangent", (x, y), shape, shape, formula, idx, offsets,
-                       num_segments, indices_are_sorted, gpu)
+    return _by_segment_threads("variance_tangent", (x, y), shape, shape, formula, x, idx,
+                               offsets, num_segments, indices_are_sorted, gpu)
 
 
 def _variance_cotangent(x, c, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
@@ -1009,10 +1027,9 @@ def _variance_cotangent(x, c, idx, offsets, *, num_segments, indices_are_sorted,
                                                 indices_are_sorted, gpu)
         return deviations * at_rows(c * twice_inverse, idx)
 
-    if not _variance_kernels(x, gpu):
-        return formula()
-    return _ordered_or("variance_cotangent", (x, c), (num_segments + 1, x.shape[1]), x.shape,
-                       formula, idx, offsets, num_segments, indices_are_sorted, gpu)
+    return _by_segment_threads("variance_cotangent", (x, c), (num_segments + 1, x.shape[1]),
+                               x.shape, formula, x, idx, offsets, num_segments,
+                               indices_are_sorted, gpu)
 
 
 variance_tangent_p = _multilinear(_Rule(
@@ -1119,20 +1136,71 @@ def _softmax_tangent(x, dx, idx, offsets, **params):
 
 
 def _softmax_tangent_rows(x, dx, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
-    """_softmax_tangent, on CPUs for rows of 3 with ordered ids by one kernel (softmax3_tangent:
-    all in each segment's rows)."""
+    """_softmax_tangent where the ids are ordered by one kernel: on CPUs for rows of 3
+    (softmax3_tangent: all in each segment's rows), on GPUs by softmax_tangent (a thread per
+    segment and feature, see _by_segment_threads)."""
     params = {"num_segments": num_segments, "indices_are_sorted": indices_are_sorted}
-    return _by_rows3("softmax3_tangent", (x, dx),
-                     lambda: _softmax_tangent(x, dx, idx, offsets, **params), x, idx, offsets,
-                     gpu=gpu, **params)
+
+    def formula():
+        return _softmax_tangent(x, dx, idx, offsets, **params)
+
+    if not gpu or _empty(x.shape, x, dx):
+        return _by_rows3("softmax3_tangent", (x, dx), formula, x, idx, offsets, gpu=gpu, **params)
+    return _by_segment_threads("softmax_tangent", (x, dx, dx), (num_segments + 1, x.shape[1]),
+                               x.shape, formula, x, idx, offsets, gpu=gpu, **params)
 
 
 softmax_tangent_p = custom_transposed(
     "softmax_tangent", _softmax_tangent, linear=(1,), like=1,
     transpose=lambda ct, x, dx, idx, offsets, **params: [
         None, softmax_tangent_p.bind(x, ct, idx, offsets, **params), None, None],
-    impl=_softmax_tangent_rows)
-"""softmax's tangent map along dx (see _softmax_tangent), transposed into itself."""
+    impl=_softmax_tangent_rows,
+    moving_jvp=lambda primals, tangents, **params: softmax_curvature_p.bind(
+        primals[0], primals[1], ad.instantiate_zeros(tangents[0]), *primals[2:], **params))
+"""softmax's tangent map along dx (see _softmax_tangent), transposed into itself; its JVP in x
+is softmax_curvature."""
+
+
+def _softmax_curvature(x, a, b, idx, offsets, **params):
+    """s (q - Σ s q) over each segment, q = (a - Σ s a)(b - Σ s b), s = softmax(x): softmax's
+    second derivative along a and b (N, K), the JVP in x along b of its tangent along a;
+    symmetric bilinear in a and b, and its own transpose in each."""
+    s = softmax_p.bind(x, idx, offsets, **params)
+
+    def centred(y):
+        return y - gather_p.bind(sum_p.bind(s * y, idx, offsets, **params), idx, offsets,
+                                 **params)
+
+    return softmax_tangent_p.bind(x, centred(a) * centred(b), idx, offsets, **params)
+
+
+def _softmax_curvature_rows(x, a, b, idx, offsets, *, num_segments, indices_are_sorted,
+                            gpu=False):
+    """_softmax_curvature, on GPUs where the ids are ordered by one kernel (softmax_curvature:
+    a thread per segment and feature, see _by_segment_threads)."""
+    params = {"num_segments": num_segments, "indices_are_sorted": indices_are_sorted}
+
+    def formula():
+        return _softmax_curvature(x, a, b, idx, offsets, **params)
+
+    if _empty(x.shape, x, a, b):
+        return formula()
+    return _by_segment_threads("softmax_curvature", (x, a, b), (num_segments + 1, x.shape[1]),
+                               x.shape, formula, x, idx, offsets, gpu=gpu, **params)
+
+
+def _softmax_curvature_transpose(ct, x, a, b, idx, offsets, **params):
+    if ad.is_undefined_primal(a):
+        return [None, softmax_curvature_p.bind(x, ct, b, idx, offsets, **params), None, None,
+                None]
+    return [None, None, softmax_curvature_p.bind(x, a, ct, idx, offsets, **params), None, None]
+
+
+softmax_curvature_p = custom_transposed(
+    "softmax_curvature", _softmax_curvature, linear=(1, 2), like=1, multilinear=True,
+    transpose=_softmax_curvature_transpose, impl=_softmax_curvature_rows)
+"""softmax's second derivative along a and b (see _softmax_curvature), bilinear, transposed
+into itself; its JVP in x differentiates _softmax_curvature."""
 
 
 def _softmax_jvp(primals, tangents, **params):
