@@ -995,6 +995,32 @@ def derivative_calls(op, seg, m, weights_too=False):
     return calls
 
 
+def check_derivative_calls(calls, by_ids, shuffled, order, inputs, launches, tolerance,
+                           zero_rows, weights_per_row):
+    """Each of derivative_calls' `calls` (given a Segments) over the batch `inputs` (x, w, v)
+    compiles to `launches[name]` custom calls; vmap gives each example's values; `by_ids` (the
+    same ids alone) the same bits; `shuffled` (the rows permuted by `order`, the weights too
+    where they are per row) the same values; rows where `zero_rows` get 0."""
+    a, weights, along = inputs
+    for name, call in calls.items():
+        compiled = jax.jit(call).lower(a[0], weights[0], along[0]).compile().as_text()
+        assert compiled[compiled.index("ENTRY"):].count(" custom-call(") == launches[name], name
+        per_row = name != "grad2_weights" or weights_per_row
+        batched = jax.jit(jax.vmap(call))(a, weights, along)
+        for k in range(a.shape[0]):
+            one = jax.jit(call)(a[k], weights[k], along[k])
+            scale = tolerance * np.max(np.abs(one))
+            np.testing.assert_allclose(batched[k], one, rtol=0, atol=scale, err_msg=name)
+            np.testing.assert_array_equal(jax.jit(by_ids[name])(a[k], weights[k], along[k]),
+                                          one, err_msg=name)
+            w = weights[k][order] if weights_per_row else weights[k]
+            mixed = np.asarray(jax.jit(shuffled[name])(a[k][order], w, along[k][order]))
+            if per_row:
+                mixed = mixed[np.argsort(order)]
+                assert not np.asarray(one)[zero_rows].any(), name
+            np.testing.assert_allclose(mixed, one, rtol=0, atol=scale, err_msg=name)
+
+
 @pytest.mark.parametrize("gpu_paths", [False, True])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_rms_norm_derivatives_over_known_sorted_ids_are_one_kernel_each(gpu_paths, dtype):
@@ -1164,26 +1190,11 @@ def test_var_derivatives_are_one_kernel_each_and_numpy_s_values(gpu_paths, dtype
         order = rng.permutation(n)
         shuffled = derivatives(jnp.asarray(ids[order], jnp.int32))
         tolerance = 2e-5 if dtype == np.float32 else 1e-11
-        for name, call in calls.items():
-            compiled = jax.jit(call).lower(a[0], weights[0], along[0]).compile().as_text()
-            entry = compiled[compiled.index("ENTRY"):]
-            gpu = bool(gpu_paths) or jax.default_backend() == "gpu"
-            fused = not _primitives._segment_thread_kernels(a[0], gpu)
-            launches = 2 if fused and name == "grad2_weights" else 1
-            assert entry.count(" custom-call(") == launches, name
-            batched = jax.jit(jax.vmap(call))(a, weights, along)
-            for k in range(batch):
-                one = jax.jit(call)(a[k], weights[k], along[k])
-                scale = tolerance * np.max(np.abs(one))
-                np.testing.assert_allclose(batched[k], one, rtol=0, atol=scale, err_msg=name)
-                np.testing.assert_array_equal(jax.jit(by_ids[name])(a[k], weights[k], along[k]),
-                                              one, err_msg=name)
-                mixed = jax.jit(shuffled[name])(a[k][order], weights[k], along[k][order])
-                if name != "grad2_weights":
-                    mixed = np.asarray(mixed)[np.argsort(order)]
-                np.testing.assert_allclose(mixed, one, rtol=0, atol=scale, err_msg=name)
-                if name != "grad2_weights":
-                    assert not np.asarray(one)[~inside].any(), name
+        gpu = bool(gpu_paths) or jax.default_backend() == "gpu"
+        fused = not _primitives._segment_thread_kernels(a[0], gpu)
+        launches = {name: 2 if fused and name == "grad2_weights" else 1 for name in calls}
+        check_derivative_calls(calls, by_ids, shuffled, order, (a, weights, along), launches,
+                               tolerance, ~inside, weights_per_row=False)
         xk, wk, vk = x[0], w[0], v[0]
         expected = numpy_grad(xk, wk)
         np.testing.assert_allclose(calls["grad"](a[0], weights[0], along[0]), expected,
@@ -1328,22 +1339,8 @@ def test_softmax_derivatives_are_one_kernel_each_and_numpy_s_values(gpu_paths, d
         else:
             launches = {"grad": 2, "grad2": 4, "hvp": 4, "grad2_weights": 2}
         tolerance = 2e-5 if dtype == np.float32 else 1e-12
-        for name, call in calls.items():
-            compiled = jax.jit(call).lower(a[0], weights[0], along[0]).compile().as_text()
-            entry = compiled[compiled.index("ENTRY"):]
-            assert entry.count(" custom-call(") == launches[name], name
-            batched = jax.jit(jax.vmap(call))(a, weights, along)
-            for k in range(batch):
-                one = jax.jit(call)(a[k], weights[k], along[k])
-                scale = tolerance * np.max(np.abs(one))
-                np.testing.assert_allclose(batched[k], one, rtol=0, atol=scale, err_msg=name)
-                np.testing.assert_array_equal(jax.jit(by_ids[name])(a[k], weights[k], along[k]),
-                                              one, err_msg=name)
-                mixed = jax.jit(shuffled[name])(a[k][order], weights[k][order],
-                                                along[k][order])
-                np.testing.assert_allclose(np.asarray(mixed)[np.argsort(order)], one, rtol=0,
-                                           atol=scale, err_msg=name)
-                assert not np.asarray(one)[~inside | (ids == 8)].any(), name
+        check_derivative_calls(calls, by_ids, shuffled, order, (a, weights, along), launches,
+                               tolerance, ~inside | (ids == 8), weights_per_row=True)
         xk, wk, vk = x[0], w[0], v[0]
         expected = numpy_grad(xk, wk)
         np.testing.assert_allclose(calls["grad"](a[0], weights[0], along[0]), expected,
