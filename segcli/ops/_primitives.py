@@ -966,17 +966,18 @@ it one)."""
 
 
 SEGMENT_THREAD_FUSED_ROWS = 1 << 20
-"""Rows from which var's derivatives of float32 on GPUs are, as on CPUs, the mean's kernel and
-XLA's fusions (_deviations) rather than variance_tangent's kernels, whose thread per segment
-and feature reads rows too far apart to coalesce. On an H100 at N = 10⁷, float32: the gradient
-385 µs by the kernel, 207–210 by the mean's kernel and a fusion (float64: the kernels 685
-against 758 before them, second order 686 against 1138); at 10⁴–10⁵ the kernel, one launch,
-took 0.6–0.96 of the time of the three before it (benchmarks/RESULTS.md)."""
+"""Rows from which var's and softmax's derivatives of float32 on GPUs are, as on CPUs, XLA's
+fusions around a reduction's kernels (_deviations; softmax's exp_sums and sums) rather than
+one kernel of a thread per segment and feature, whose reads of rows too far apart do not
+coalesce. var on an H100 at N = 10⁷, float32: the gradient 385 µs by the kernel, 207–210 by
+the mean's kernel and a fusion (float64: the kernels 685 against 758 before them, second
+order 686 against 1138); at 10⁴–10⁵ the kernel, one launch, took 0.6–0.96 of the time of the
+three before it (benchmarks/RESULTS.md)."""
 
 
 def _segment_thread_kernels(x, gpu):
-    """Whether var's derivatives of x (N, K) take variance_tangent's kernels (see
-    SEGMENT_THREAD_FUSED_ROWS)."""
+    """Whether derivatives of x (N, K) take the kernels of a thread per segment and feature
+    (variance_tangent's, softmax_tangent's; see SEGMENT_THREAD_FUSED_ROWS)."""
     return gpu and (x.dtype != jnp.float32 or x.shape[0] < SEGMENT_THREAD_FUSED_ROWS)
 
 
