@@ -995,12 +995,15 @@ def derivative_calls(op, seg, m, weights_too=False):
     return calls
 
 
-def check_derivative_calls(calls, by_ids, shuffled, order, inputs, launches, tolerance,
-                           zero_rows, weights_per_row):
-    """Each of derivative_calls' `calls` (given a Segments) over the batch `inputs` (x, w, v)
-    compiles to `launches[name]` custom calls; vmap gives each example's values; `by_ids` (the
-    same ids alone) the same bits; `shuffled` (the rows permuted by `order`, the weights too
-    where they are per row) the same values; rows where `zero_rows` get 0."""
+def check_derivative_calls(op, segments, ids, m, inputs, launches, tolerance, zero_rows,
+                           weights_per_row, order):
+    """derivative_calls(op, segments, m, weights_too=True), returned, after checking them over
+    the batch `inputs` (x, w, v): each compiles to `launches[name]` custom calls; vmap gives
+    each example's values; the same ids alone give the same bits; the rows permuted by `order`
+    (their ids, and the weights too where they are per row) the same values; rows where
+    `zero_rows` get 0."""
+    calls, by_ids, shuffled = (derivative_calls(op, seg, m, weights_too=True) for seg in (
+        segments, jnp.asarray(ids, jnp.int32), jnp.asarray(ids[order], jnp.int32)))
     a, weights, along = inputs
     for name, call in calls.items():
         compiled = jax.jit(call).lower(a[0], weights[0], along[0]).compile().as_text()
@@ -1019,6 +1022,7 @@ def check_derivative_calls(calls, by_ids, shuffled, order, inputs, launches, tol
                 mixed = mixed[np.argsort(order)]
                 assert not np.asarray(one)[zero_rows].any(), name
             np.testing.assert_allclose(mixed, one, rtol=0, atol=scale, err_msg=name)
+    return calls
 
 
 @pytest.mark.parametrize("gpu_paths", [False, True])
@@ -1171,9 +1175,6 @@ def test_var_derivatives_are_one_kernel_each_and_numpy_s_values(gpu_paths, dtype
     inside = (ids >= 0) & (ids < m)
     s = np.clip(ids, 0, m - 1)
 
-    def derivatives(seg):
-        return derivative_calls(ops.segmented_var, seg, m, weights_too=True)
-
     def numpy_grad(xk, wk):
         counts = np.maximum(np.bincount(ids[inside], minlength=m), 1)
         means = np.stack([np.bincount(ids[inside], xk[inside, k], minlength=m)
@@ -1185,16 +1186,13 @@ def test_var_derivatives_are_one_kernel_each_and_numpy_s_values(gpu_paths, dtype
     _primitives.lower_cpu_as_gpu(bool(gpu_paths))
     try:
         a, weights, along = (jnp.asarray(array, dtype) for array in (x, w, v))
-        calls = derivatives(segments)
-        by_ids = derivatives(jnp.asarray(ids, jnp.int32))
-        order = rng.permutation(n)
-        shuffled = derivatives(jnp.asarray(ids[order], jnp.int32))
         tolerance = 2e-5 if dtype == np.float32 else 1e-11
         gpu = bool(gpu_paths) or jax.default_backend() == "gpu"
         fused = not _primitives._segment_thread_kernels(a[0], gpu)
-        launches = {name: 2 if fused and name == "grad2_weights" else 1 for name in calls}
-        check_derivative_calls(calls, by_ids, shuffled, order, (a, weights, along), launches,
-                               tolerance, ~inside, weights_per_row=False)
+        launches = {"grad": 1, "grad2": 1, "hvp": 1, "grad2_weights": 2 if fused else 1}
+        calls = check_derivative_calls(ops.segmented_var, segments, ids, m, (a, weights, along),
+                                       launches, tolerance, ~inside, weights_per_row=False,
+                                       order=rng.permutation(n))
         xk, wk, vk = x[0], w[0], v[0]
         expected = numpy_grad(xk, wk)
         np.testing.assert_allclose(calls["grad"](a[0], weights[0], along[0]), expected,
@@ -1325,22 +1323,18 @@ def test_softmax_derivatives_are_one_kernel_each_and_numpy_s_values(gpu_paths, d
     _primitives.lower_cpu_as_gpu(bool(gpu_paths))
     try:
         a, weights, along = (jnp.asarray(array, dtype) for array in (x, w, v))
-        calls = derivative_calls(ops.segmented_softmax, segments, m, weights_too=True)
-        by_ids = derivative_calls(ops.segmented_softmax, jnp.asarray(ids, jnp.int32), m,
-                                  weights_too=True)
-        order = rng.permutation(n)
-        shuffled = derivative_calls(ops.segmented_softmax, jnp.asarray(ids[order], jnp.int32), m,
-                                    weights_too=True)
         gpu = bool(gpu_paths) or jax.default_backend() == "gpu"
         if not gpu:
             launches = {"grad": 1, "grad2": 6, "hvp": 6, "grad2_weights": 1}
         elif _primitives._segment_thread_kernels(a[0], gpu):
-            launches = dict.fromkeys(calls, 1)
+            launches = {"grad": 1, "grad2": 1, "hvp": 1, "grad2_weights": 1}
         else:
             launches = {"grad": 2, "grad2": 4, "hvp": 4, "grad2_weights": 2}
         tolerance = 2e-5 if dtype == np.float32 else 1e-12
-        check_derivative_calls(calls, by_ids, shuffled, order, (a, weights, along), launches,
-                               tolerance, ~inside | (ids == 8), weights_per_row=True)
+        calls = check_derivative_calls(ops.segmented_softmax, segments, ids, m,
+                                       (a, weights, along), launches, tolerance,
+                                       ~inside | (ids == 8), weights_per_row=True,
+                                       order=rng.permutation(n))
         xk, wk, vk = x[0], w[0], v[0]
         expected = numpy_grad(xk, wk)
         np.testing.assert_allclose(calls["grad"](a[0], weights[0], along[0]), expected,

@@ -985,8 +985,8 @@ def _by_segment_threads(kernel, operands, dims, shape, formula, x, idx, offsets,
                         indices_are_sorted, gpu):
     """Kernel `kernel` (a thread per segment and feature) over `operands`, `dims` threads, into
     `shape`, where _segment_thread_kernels(x, gpu) and the ids are ordered (see _ordered_or);
-    formula() elsewhere."""
-    if not _segment_thread_kernels(x, gpu):
+    formula() elsewhere, and where an operand or the result has no entries."""
+    if not _segment_thread_kernels(x, gpu) or _empty(shape, *operands):
         return formula()
     return _ordered_or(kernel, operands, dims, shape, formula, idx, offsets, num_segments,
                        indices_are_sorted, gpu)
@@ -1145,7 +1145,7 @@ def _softmax_tangent_rows(x, dx, idx, offsets, *, num_segments, indices_are_sort
     def formula():
         return _softmax_tangent(x, dx, idx, offsets, **params)
 
-    if not gpu or _empty(x.shape, x, dx):
+    if not gpu:
         return _by_rows3("softmax3_tangent", (x, dx), formula, x, idx, offsets, gpu=gpu, **params)
     return _by_segment_threads("softmax_tangent", (x, dx, dx), (num_segments + 1, x.shape[1]),
                                x.shape, formula, x, idx, offsets, gpu=gpu, **params)
@@ -1184,8 +1184,6 @@ def _softmax_curvature_rows(x, a, b, idx, offsets, *, num_segments, indices_are_
     def formula():
         return _softmax_curvature(x, a, b, idx, offsets, **params)
 
-    if _empty(x.shape, x, a, b):
-        return formula()
     return _by_segment_threads("softmax_curvature", (x, a, b), (num_segments + 1, x.shape[1]),
                                x.shape, formula, x, idx, offsets, gpu=gpu, **params)
 
