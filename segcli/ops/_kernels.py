@@ -790,6 +790,16 @@ def _lanes_sum(v: Any, lanes: int):
     return v
 
 
+@wp.func
+def _lanes_max(v: Any, lanes: int):
+    # the largest v over the lanes of the group (NaN passed over), the same in each
+    offset = lanes // 2
+    while offset > 0:
+        v = wp.max(v, _lane_xor(v, offset, lanes))
+        offset = offset // 2
+    return v
+
+
 def _span_reduction(finish):
     """A kernel over x (N, G, K), a and b the same shape flat, w (M, G) or no rows, launched
     (M·G, lanes): where the ids are ordered, group t of lanes writes out[s, g] =
@@ -939,16 +949,25 @@ def _squared_deviation(x: wp.array2d(dtype=Any), i: int, p: int,
 @wp.func
 def _shift_and_exp_sum(x: wp.array2d(dtype=Any), lo: int, hi: int, p: int):
     # (shift, Σ exp(x - shift)) of x[lo:hi, p], shift its largest value where finite, else 0
+    return _lanes_shift_and_exp_sum(x, lo, hi, p, 0, 1)
+
+
+@wp.func
+def _lanes_shift_and_exp_sum(x: wp.array2d(dtype=Any), lo: int, hi: int, p: int, lane: int,
+                             lanes: int):
+    # _shift_and_exp_sum by a group of lanes, lane j taking rows lo + j, lo + j + lanes, ...:
+    # the same (shift, Σ) in each lane
     top = x.dtype(-wp.inf)
-    for i in range(lo, hi):
+    for i in range(lo + lane, hi, lanes):
         top = wp.max(top, x[i, p])
+    top = _lanes_max(top, lanes)
     shift = x.dtype(0.0)
     if wp.isfinite(top):
         shift = top
     total = x.dtype(0.0)
-    for i in range(lo, hi):
+    for i in range(lo + lane, hi, lanes):
         total += wp.exp(x[i, p] - shift)
-    return shift, total
+    return shift, _lanes_sum(total, lanes)
 
 
 @wp.func
@@ -1355,27 +1374,31 @@ def _variance_cotangent_kernel(x: wp.array2d(dtype=Any), c: wp.array2d(dtype=Any
 
 
 # softmax's derivatives where the ids are ordered (see _primitives.softmax_tangent_p and
-# softmax_curvature_p): each segment's shift and Σ exp as exp_sums takes them, the means the
-# rows' terms need, then two more passes over its rows
+# softmax_curvature_p): a group of LANES threads per segment and feature, lane j taking rows
+# lo + j, lo + j + LANES, ... of every pass (each segment's shift and Σ exp as exp_sums takes
+# them, the means the rows' terms need, Σ e q, then the rows), the group's sums by shuffles.
+# A thread per segment and feature walking its rows alone was latency-bound where segments
+# are few (N = 10⁴–10⁵ in float64; benchmarks/RESULTS.md).
 
 
 @wp.func
 def _no_means(x: wp.array2d(dtype=Any), a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any),
-              lo: int, hi: int, p: int, shift: Any, total: Any):
+              lo: int, hi: int, p: int, shift: Any, total: Any, lane: int, lanes: int):
     return x.dtype(0.0), x.dtype(0.0)
 
 
 @wp.func
 def _softmax_means(x: wp.array2d(dtype=Any), a: wp.array2d(dtype=Any),
-                   b: wp.array2d(dtype=Any), lo: int, hi: int, p: int, shift: Any, total: Any):
-    # (Σ e a, Σ e b) over rows lo:hi of column p, e = exp(x - shift) / total
+                   b: wp.array2d(dtype=Any), lo: int, hi: int, p: int, shift: Any, total: Any,
+                   lane: int, lanes: int):
+    # (Σ e a, Σ e b) over rows lo:hi of column p, e = exp(x - shift) / total, by the lanes
     alpha = x.dtype(0.0)
     beta = x.dtype(0.0)
-    for i in range(lo, hi):
+    for i in range(lo + lane, hi, lanes):
         e = wp.exp(x[i, p] - shift) / total
         alpha += e * a[i, p]
         beta += e * b[i, p]
-    return alpha, beta
+    return _lanes_sum(alpha, lanes), _lanes_sum(beta, lanes)
 
 
 @wp.func
@@ -1391,30 +1414,32 @@ def _centred_product(a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any), i: int,
 
 
 def _softmax_rows(means, term):
-    """A kernel over x, a, b (N, K) into out, launched (M + 1, K) where the ids are ordered
-    (else nothing written): thread (s < M, p) writes out[i, p] = e[i] (q[i] - Σ e q) over
-    segment s's rows, e = exp(x - shift) / Σ exp(x - shift) (e = 0 where Σ is 0), q[i] =
-    term(a, b, i, p, means(...)); thread (M, 0) zeroes the rows in no segment."""
+    """A kernel over x, a, b (N, K) into out, launched (M + 1, K, lanes) where the ids are
+    ordered (else nothing written): the group (s < M, p) writes out[i, p] = e[i] (q[i] - Σ e q)
+    over segment s's rows, e = exp(x - shift) / Σ exp(x - shift) (e = 0 where Σ is 0), q[i] =
+    term(a, b, i, p, means(...)); thread (M, 0, 0) zeroes the rows in no segment."""
 
     def kernel(x: wp.array2d(dtype=Any), a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any),
                offsets: wp.array(dtype=wp.int32), ordered: wp.array(dtype=wp.int32),
-               out: wp.array2d(dtype=Any)):
-        s, p = wp.tid()
-        if ordered[0] == 0:
+               lanes: int, out: wp.array2d(dtype=Any)):
+        s, p, lane = wp.tid()
+        lanes = _lanes_here(lanes)
+        if ordered[0] == 0 or lane >= lanes:
             return
         if s < offsets.shape[0] - 1:
             lo, hi = _segment_range(offsets, s, x.shape[0])
-            shift, total = _shift_and_exp_sum(x, lo, hi, p)
+            shift, total = _lanes_shift_and_exp_sum(x, lo, hi, p, lane, lanes)
             if total == x.dtype(0.0):
                 total = x.dtype(1.0)  # every exp is 0 (a segment of -inf): e = 0, not 0 / 0
-            alpha, beta = means(x, a, b, lo, hi, p, shift, total)
+            alpha, beta = means(x, a, b, lo, hi, p, shift, total, lane, lanes)
             dot = x.dtype(0.0)
-            for i in range(lo, hi):
+            for i in range(lo + lane, hi, lanes):
                 dot += wp.exp(x[i, p] - shift) / total * term(a, b, i, p, alpha, beta)
-            for i in range(lo, hi):
+            dot = _lanes_sum(dot, lanes)
+            for i in range(lo + lane, hi, lanes):
                 out[i, p] = wp.exp(x[i, p] - shift) / total * (term(a, b, i, p, alpha, beta)
                                                                 - dot)
-        elif p == 0:
+        elif p == 0 and lane == 0:
             _zero_rows_outside(offsets, out)
 
     return kernel

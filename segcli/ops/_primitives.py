@@ -982,14 +982,19 @@ def _segment_thread_kernels(x, gpu):
 
 
 def _by_segment_threads(kernel, operands, dims, shape, formula, x, idx, offsets, num_segments,
-                        indices_are_sorted, gpu):
-    """Kernel `kernel` (a thread per segment and feature) over `operands`, `dims` threads, into
-    `shape`, where _segment_thread_kernels(x, gpu) and the ids are ordered (see _ordered_or);
-    formula() elsewhere, and where an operand or the result has no entries."""
+                        indices_are_sorted, gpu, lanes=False):
+    """Kernel `kernel` (a thread per segment and feature, or with `lanes` a group of LANES
+    threads, the kernel given LANES) over `operands`, `dims` threads (groups), into `shape`,
+    where _segment_thread_kernels(x, gpu) and the ids are ordered (see _ordered_or); formula()
+    elsewhere, and where an operand or the result has no entries."""
     if not _segment_thread_kernels(x, gpu) or _empty(shape, *operands):
         return formula()
+    if lanes:
+        dims, trailing = (*dims, LANES), (LANES,)
+    else:
+        trailing = ()
     return _ordered_or(kernel, operands, dims, shape, formula, idx, offsets, num_segments,
-                       indices_are_sorted, gpu)
+                       indices_are_sorted, gpu, trailing)
 
 
 def _deviations(x, idx, offsets, num_segments, indices_are_sorted, gpu):
@@ -1086,12 +1091,12 @@ def _by_rows3(kernel, operands, formula, x, idx, offsets, num_segments, indices_
 
 
 def _ordered_or(kernel, operands, dims, shape, formula, idx, offsets, num_segments,
-                indices_are_sorted, gpu):
-    """Kernel `kernel` over `operands` and the layout, `dims` threads, into `shape`, where the
-    ids are ordered; formula() where they are not known sorted and not found ordered at run
-    time: the same bits whether the order is promised or found."""
+                indices_are_sorted, gpu, trailing=()):
+    """Kernel `kernel` over `operands`, the layout and `trailing`, `dims` threads, into
+    `shape`, where the ids are ordered; formula() where they are not known sorted and not found
+    ordered at run time: the same bits whether the order is promised or found."""
     layout, ordered = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
-    found = launch(kernel, *operands, layout, ordered, dims=dims, out=shape)
+    found = launch(kernel, *operands, layout, ordered, *trailing, dims=dims, out=shape)
     if ids_known_sorted(offsets, indices_are_sorted):
         return found
     return jnp.where(ordered[0] != 0, found, formula())
@@ -1138,8 +1143,8 @@ def _softmax_tangent(x, dx, idx, offsets, **params):
 
 def _softmax_tangent_rows(x, dx, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     """_softmax_tangent where the ids are ordered by one kernel: on CPUs for rows of 3
-    (softmax3_tangent: all in each segment's rows), on GPUs by softmax_tangent (a thread per
-    segment and feature, see _by_segment_threads)."""
+    (softmax3_tangent: all in each segment's rows), on GPUs by softmax_tangent (a group of
+    lanes per segment and feature, see _by_segment_threads)."""
     params = {"num_segments": num_segments, "indices_are_sorted": indices_are_sorted}
 
     def formula():
@@ -1148,7 +1153,7 @@ def _softmax_tangent_rows(x, dx, idx, offsets, *, num_segments, indices_are_sort
     if not gpu:
         return _by_rows3("softmax3_tangent", (x, dx), formula, x, idx, offsets, gpu=gpu, **params)
     return _by_segment_threads("softmax_tangent", (x, dx, dx), (num_segments + 1, x.shape[1]),
-                               x.shape, formula, x, idx, offsets, gpu=gpu, **params)
+                               x.shape, formula, x, idx, offsets, gpu=gpu, lanes=True, **params)
 
 
 softmax_tangent_p = custom_transposed(
@@ -1178,14 +1183,14 @@ def _softmax_curvature(x, a, b, idx, offsets, **params):
 def _softmax_curvature_rows(x, a, b, idx, offsets, *, num_segments, indices_are_sorted,
                             gpu=False):
     """_softmax_curvature, on GPUs where the ids are ordered by one kernel (softmax_curvature:
-    a thread per segment and feature, see _by_segment_threads)."""
+    a group of lanes per segment and feature, see _by_segment_threads)."""
     params = {"num_segments": num_segments, "indices_are_sorted": indices_are_sorted}
 
     def formula():
         return _softmax_curvature(x, a, b, idx, offsets, **params)
 
     return _by_segment_threads("softmax_curvature", (x, a, b), (num_segments + 1, x.shape[1]),
-                               x.shape, formula, x, idx, offsets, gpu=gpu, **params)
+                               x.shape, formula, x, idx, offsets, gpu=gpu, lanes=True, **params)
 
 
 def _softmax_curvature_transpose(ct, x, a, b, idx, offsets, **params):
