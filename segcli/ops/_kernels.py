@@ -913,10 +913,17 @@ def _atomic_pass(term):
 @wp.func
 def _mean_of(x: wp.array2d(dtype=Any), lo: int, hi: int, p: int):
     # Σ x[lo:hi, p] / count in index order, 0 if empty
+    return _lanes_mean(x, lo, hi, p, 0, 1)
+
+
+@wp.func
+def _lanes_mean(x: wp.array2d(dtype=Any), lo: int, hi: int, p: int, lane: int, lanes: int):
+    # _mean_of by a group of lanes, lane j adding rows lo + j, lo + j + lanes, ...: the same
+    # mean in each lane
     total = x.dtype(0.0)
-    for i in range(lo, hi):
+    for i in range(lo + lane, hi, lanes):
         total += x[i, p]
-    return total / x.dtype(wp.max(hi - lo, 1))
+    return _lanes_sum(total, lanes) / x.dtype(wp.max(hi - lo, 1))
 
 
 @wp.func
@@ -1335,50 +1342,59 @@ _deferred(_atomic_pass(_squared_deviation), "centered_squares")
 _deferred(_atomic_pass(_shifted_exp), "shifted_exp_sums")
 
 
-# var's derivatives where the ids are ordered (see _primitives.variance_tangent_p): each
-# segment's mean as moments takes it, then one more pass over its rows
+# var's derivatives where the ids are ordered (see _primitives.variance_tangent_p): a group
+# of LANES threads per segment and feature (as softmax's derivatives, below), each
+# segment's mean, then one more pass over its rows
 
 
 @_deferred
 def _variance_tangent_kernel(x: wp.array2d(dtype=Any), y: wp.array2d(dtype=Any),
                              offsets: wp.array(dtype=wp.int32),
-                             ordered: wp.array(dtype=wp.int32), out: wp.array2d(dtype=Any)):
-    # thread (s, p): out[s, p] = 2 Σ (x[i, p] - mean) y[i, p] / count over segment s's rows
-    s, p = wp.tid()
-    if ordered[0] != 0:
-        lo, hi = _segment_range(offsets, s, x.shape[0])
-        mean = _mean_of(x, lo, hi, p)
-        total = x.dtype(0.0)
-        for i in range(lo, hi):
-            total += (x[i, p] - mean) * y[i, p]
+                             ordered: wp.array(dtype=wp.int32), lanes: int,
+                             out: wp.array2d(dtype=Any)):
+    # group (s, p): out[s, p] = 2 Σ (x[i, p] - mean) y[i, p] / count over segment s's rows
+    s, p, lane = wp.tid()
+    lanes = _lanes_here(lanes)
+    if ordered[0] == 0 or lane >= lanes:
+        return
+    lo, hi = _segment_range(offsets, s, x.shape[0])
+    mean = _lanes_mean(x, lo, hi, p, lane, lanes)
+    total = x.dtype(0.0)
+    for i in range(lo + lane, hi, lanes):
+        total += (x[i, p] - mean) * y[i, p]
+    total = _lanes_sum(total, lanes)
+    if lane == 0:
         out[s, p] = x.dtype(2.0) * total / x.dtype(wp.max(hi - lo, 1))
 
 
 @_deferred
 def _variance_cotangent_kernel(x: wp.array2d(dtype=Any), c: wp.array2d(dtype=Any),
                                offsets: wp.array(dtype=wp.int32),
-                               ordered: wp.array(dtype=wp.int32), out: wp.array2d(dtype=Any)):
-    # launched (M + 1, K): thread (s < M, p) writes out[i, p] = (x[i, p] - mean) · 2 c[s, p] /
-    # count over segment s's rows, thread (M, 0) zeroes the rows in no segment
-    s, p = wp.tid()
-    if ordered[0] == 0:
+                               ordered: wp.array(dtype=wp.int32), lanes: int,
+                               out: wp.array2d(dtype=Any)):
+    # launched (M + 1, K, lanes): group (s < M, p) writes out[i, p] = (x[i, p] - mean) · 2
+    # c[s, p] / count over segment s's rows, thread (M, 0, 0) zeroes the rows in no segment
+    s, p, lane = wp.tid()
+    lanes = _lanes_here(lanes)
+    if ordered[0] == 0 or lane >= lanes:
         return
     if s < offsets.shape[0] - 1:
         lo, hi = _segment_range(offsets, s, x.shape[0])
-        mean = _mean_of(x, lo, hi, p)
+        mean = _lanes_mean(x, lo, hi, p, lane, lanes)
         scale = x.dtype(2.0) * c[s, p] / x.dtype(wp.max(hi - lo, 1))
-        for i in range(lo, hi):
+        for i in range(lo + lane, hi, lanes):
             out[i, p] = (x[i, p] - mean) * scale
-    elif p == 0:
+    elif p == 0 and lane == 0:
         _zero_rows_outside(offsets, out)
 
 
 # softmax's derivatives where the ids are ordered (see _primitives.softmax_tangent_p and
 # softmax_curvature_p): a group of LANES threads per segment and feature, lane j taking rows
 # lo + j, lo + j + LANES, ... of every pass (each segment's shift and Σ exp as exp_sums takes
-# them, the means the rows' terms need, Σ e q, then the rows), the group's sums by shuffles.
-# A thread per segment and feature walking its rows alone was latency-bound where segments
-# are few (N = 10⁴–10⁵ in float64; benchmarks/RESULTS.md).
+# them, the means the rows' terms need, Σ e q, then the rows), the group's sums and largest
+# value by shuffles, the same in every lane. A thread per segment and feature walking its rows
+# alone was latency-bound where segments are few (N = 10⁴–10⁵ in float64;
+# benchmarks/RESULTS.md).
 
 
 @wp.func

@@ -982,19 +982,15 @@ def _segment_thread_kernels(x, gpu):
 
 
 def _by_segment_threads(kernel, operands, dims, shape, formula, x, idx, offsets, num_segments,
-                        indices_are_sorted, gpu, lanes=False):
-    """Kernel `kernel` (a thread per segment and feature, or with `lanes` a group of LANES
-    threads, the kernel given LANES) over `operands`, `dims` threads (groups), into `shape`,
-    where _segment_thread_kernels(x, gpu) and the ids are ordered (see _ordered_or); formula()
-    elsewhere, and where an operand or the result has no entries."""
+                        indices_are_sorted, gpu):
+    """Kernel `kernel` (a group of LANES threads per segment and feature, given LANES) over
+    `operands`, `dims` groups, into `shape`, where _segment_thread_kernels(x, gpu) and the ids
+    are ordered (see _ordered_or); formula() elsewhere, and where an operand or the result has
+    no entries."""
     if not _segment_thread_kernels(x, gpu) or _empty(shape, *operands):
         return formula()
-    if lanes:
-        dims, trailing = (*dims, LANES), (LANES,)
-    else:
-        trailing = ()
-    return _ordered_or(kernel, operands, dims, shape, formula, idx, offsets, num_segments,
-                       indices_are_sorted, gpu, trailing)
+    return _ordered_or(kernel, operands, (*dims, LANES), shape, formula, idx, offsets,
+                       num_segments, indices_are_sorted, gpu, (LANES,))
 
 
 def _deviations(x, idx, offsets, num_segments, indices_are_sorted, gpu):
@@ -1153,7 +1149,7 @@ def _softmax_tangent_rows(x, dx, idx, offsets, *, num_segments, indices_are_sort
     if not gpu:
         return _by_rows3("softmax3_tangent", (x, dx), formula, x, idx, offsets, gpu=gpu, **params)
     return _by_segment_threads("softmax_tangent", (x, dx, dx), (num_segments + 1, x.shape[1]),
-                               x.shape, formula, x, idx, offsets, gpu=gpu, lanes=True, **params)
+                               x.shape, formula, x, idx, offsets, gpu=gpu, **params)
 
 
 softmax_tangent_p = custom_transposed(
@@ -1190,7 +1186,7 @@ def _softmax_curvature_rows(x, a, b, idx, offsets, *, num_segments, indices_are_
         return _softmax_curvature(x, a, b, idx, offsets, **params)
 
     return _by_segment_threads("softmax_curvature", (x, a, b), (num_segments + 1, x.shape[1]),
-                               x.shape, formula, x, idx, offsets, gpu=gpu, lanes=True, **params)
+                               x.shape, formula, x, idx, offsets, gpu=gpu, **params)
 
 
 def _softmax_curvature_transpose(ct, x, a, b, idx, offsets, **params):
