@@ -23,6 +23,7 @@ of 64 Ki rows, shuffled.
 
 import argparse
 import concurrent.futures
+import math
 import multiprocessing
 import os
 import resource
@@ -172,9 +173,13 @@ def main():
     median = {name: statistics.median(s) for name, s in seconds.items()}
 
     def steady(key):
-        """Atoms per second of the second half."""
+        """Atoms per second of the second half; NaN where the first half took as long as the
+        whole file (the run's noise hides the second half's time)."""
         whole, first = median[(*key, len(n_atoms))], median[(*key, half)]
-        return (atoms[len(n_atoms)] - atoms[half]) / max(whole - first, 1e-9)
+        return (atoms[len(n_atoms)] - atoms[half]) / (whole - first) if whole > first else math.nan
+
+    def figure(value, spec):
+        return format(value, spec) if math.isfinite(value) else "—"
 
     k = args.processes
     print(f"{args.atoms} atoms, float64{', ' + args.compression if args.compression else ''}, "
@@ -192,11 +197,12 @@ def main():
         rate, read = steady((command, words)), steady((reads,))
         whole = (command, words, len(n_atoms))
         line = (f"| `{command} {words}` | {', '.join(r.split('/')[1] for r in reads[1:]) or '-'} "
-                f"| {median[whole]:.3f} | {statistics.median(cpu[whole]):.3f} | {rate / 1e6:.1f} "
-                f"| {read / 1e6:.1f} | {rate / read:.0%} |")
+                f"| {median[whole]:.3f} | {statistics.median(cpu[whole]):.3f} "
+                f"| {figure(rate / 1e6, '.1f')} | {figure(read / 1e6, '.1f')} "
+                f"| {figure(rate / read, '.0%')} |")
         if k:
             many = steady(("processes", reads))
-            line += f" {many / 1e6:.1f} | {rate / many:.0%} |"
+            line += f" {figure(many / 1e6, '.1f')} | {figure(rate / many, '.0%')} |"
         print(line)
 
 
