@@ -1153,13 +1153,13 @@ def test_var_and_std_are_one_kernel_over_ordered_ids_and_numpy_s_values_over_any
         _primitives.lower_cpu_as_gpu(False)
 
 
-@pytest.mark.parametrize("gpu_paths", [False, True, "fused"])
+@pytest.mark.parametrize("gpu_paths", [False, True])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_var_derivatives_are_one_kernel_each_and_numpy_s_values(gpu_paths, dtype, monkeypatch):
+def test_var_derivatives_are_one_kernel_each_and_numpy_s_values(gpu_paths, dtype):
     """Given a Segments, var's gradient and its second derivatives (the gradient of
     <gradient, v> in x and in the weights, and the JVP of the gradient along v) each compile to
-    one kernel on GPUs' paths (on CPUs, and on GPUs for float32 from SEGMENT_THREAD_FUSED_ROWS rows
-    on ("fused"), the mean's, XLA's fusions and in the weights' derivative a sum's). The
+    one kernel on GPUs' paths, a group of lanes per segment and feature (on CPUs the mean's,
+    XLA's fusions and in the weights' derivative a sum's). The
     gradient equals NumPy's float64 2 (x - mean) w / count, the second derivative central
     differences of it; the same ids alone give the same bits (the order found at run time),
     shuffled ids the same values (atomic sums); rows of no segment and empty segments get 0;
@@ -1181,15 +1181,12 @@ def test_var_derivatives_are_one_kernel_each_and_numpy_s_values(gpu_paths, dtype
                           for k in range(3)], axis=1) / counts[:, None]
         return np.where(inside[:, None], 2 * (xk - means[s]) * wk[s] / counts[s, None], 0)
 
-    if gpu_paths == "fused":
-        monkeypatch.setattr(_primitives, "SEGMENT_THREAD_FUSED_ROWS", 1)
-    _primitives.lower_cpu_as_gpu(bool(gpu_paths))
+    _primitives.lower_cpu_as_gpu(gpu_paths)
     try:
         a, weights, along = (jnp.asarray(array, dtype) for array in (x, w, v))
         tolerance = 2e-5 if dtype == np.float32 else 1e-11
-        gpu = bool(gpu_paths) or jax.default_backend() == "gpu"
-        fused = not _primitives._segment_thread_kernels(a[0], gpu)
-        launches = {"grad": 1, "grad2": 1, "hvp": 1, "grad2_weights": 2 if fused else 1}
+        gpu = gpu_paths or jax.default_backend() == "gpu"
+        launches = {"grad": 1, "grad2": 1, "hvp": 1, "grad2_weights": 1 if gpu else 2}
         calls = check_derivative_calls(ops.segmented_var, segments, ids, m, (a, weights, along),
                                        launches, tolerance, ~inside, weights_per_row=False,
                                        order=rng.permutation(n))
@@ -1284,19 +1281,18 @@ def test_logsumexp_and_softmax_are_one_kernel_over_ordered_ids_and_numpy_s_value
         _primitives.lower_cpu_as_gpu(False)
 
 
-@pytest.mark.parametrize("gpu_paths", [False, True, "fused"])
+@pytest.mark.parametrize("gpu_paths", [False, True])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_softmax_derivatives_are_one_kernel_each_and_numpy_s_values(gpu_paths, dtype,
-                                                                    monkeypatch):
+def test_softmax_derivatives_are_one_kernel_each_and_numpy_s_values(gpu_paths, dtype):
     """Given a Segments, softmax's gradient s (w - Σ s w) (softmax_tangent), the gradient of
     <gradient, v> in x and the JVP of the gradient along v (softmax_curvature), and that
     gradient in the weights (softmax_tangent along v) each compile to one kernel on GPUs'
-    paths, a thread per segment and feature (on GPUs for float32 from SEGMENT_THREAD_FUSED_ROWS
-    rows on ("fused"), exp_sums' and sums; on CPUs softmax3_tangent and, for the second
-    derivatives in x, sums). The gradient equals NumPy's float64 value, the second derivatives
-    central differences of it, the third (in float64) central differences of the second; the
-    same ids alone give the same bits, shuffled ids the same values; rows of no segment, empty
-    segments and a segment of -inf alone get 0; vmap gives each example's values."""
+    paths, a group of lanes per segment and feature (on CPUs softmax3_tangent and, for the
+    second derivatives in x, sums). The gradient equals NumPy's float64 value, the second
+    derivatives central differences of it, the third (in float64) central differences of the
+    second; the same ids alone give the same bits, shuffled ids the same values; rows of no
+    segment, empty segments and a segment of -inf alone get 0; vmap gives each example's
+    values."""
     rng = np.random.default_rng(47)
     n, m, batch = 60, 9, 3
     # 2, 5, 7 empty, 6 of one row, 8 all -inf; -1, 9 outside
@@ -1318,18 +1314,12 @@ def test_softmax_derivatives_are_one_kernel_each_and_numpy_s_values(gpu_paths, d
                 out[rows] = soft * (wk[rows] - (soft * wk[rows]).sum(axis=0))
         return out
 
-    if gpu_paths == "fused":
-        monkeypatch.setattr(_primitives, "SEGMENT_THREAD_FUSED_ROWS", 1)
-    _primitives.lower_cpu_as_gpu(bool(gpu_paths))
+    _primitives.lower_cpu_as_gpu(gpu_paths)
     try:
         a, weights, along = (jnp.asarray(array, dtype) for array in (x, w, v))
-        gpu = bool(gpu_paths) or jax.default_backend() == "gpu"
-        if not gpu:
-            launches = {"grad": 1, "grad2": 6, "hvp": 6, "grad2_weights": 1}
-        elif _primitives._segment_thread_kernels(a[0], gpu):
-            launches = {"grad": 1, "grad2": 1, "hvp": 1, "grad2_weights": 1}
-        else:
-            launches = {"grad": 2, "grad2": 4, "hvp": 4, "grad2_weights": 2}
+        gpu = gpu_paths or jax.default_backend() == "gpu"
+        launches = ({"grad": 1, "grad2": 1, "hvp": 1, "grad2_weights": 1} if gpu else
+                    {"grad": 1, "grad2": 6, "hvp": 6, "grad2_weights": 1})
         tolerance = 2e-5 if dtype == np.float32 else 1e-12
         calls = check_derivative_calls(ops.segmented_softmax, segments, ids, m,
                                        (a, weights, along), launches, tolerance,

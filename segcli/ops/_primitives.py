@@ -965,29 +965,15 @@ counts, then the squares about their means. No derivative rule of its own (segcl
 it one)."""
 
 
-SEGMENT_THREAD_FUSED_ROWS = 1 << 20
-"""Rows from which var's and softmax's derivatives of float32 on GPUs are, as on CPUs, XLA's
-fusions around a reduction's kernels (_deviations; softmax's exp_sums and sums) rather than
-one kernel of a thread per segment and feature, whose reads of rows too far apart do not
-coalesce. var on an H100 at N = 10⁷, float32: the gradient 385 µs by the kernel, 207–210 by
-the mean's kernel and a fusion (float64: the kernels 685 against 758 before them, second
-order 686 against 1138); at 10⁴–10⁵ the kernel, one launch, took 0.6–0.96 of the time of the
-three before it (benchmarks/RESULTS.md)."""
-
-
-def _segment_thread_kernels(x, gpu):
-    """Whether derivatives of x (N, K) take the kernels of a thread per segment and feature
-    (variance_tangent's, softmax_tangent's; see SEGMENT_THREAD_FUSED_ROWS)."""
-    return gpu and (x.dtype != jnp.float32 or x.shape[0] < SEGMENT_THREAD_FUSED_ROWS)
-
-
-def _by_segment_threads(kernel, operands, dims, shape, formula, x, idx, offsets, num_segments,
+def _by_segment_threads(kernel, operands, dims, shape, formula, idx, offsets, num_segments,
                         indices_are_sorted, gpu):
     """Kernel `kernel` (a group of LANES threads per segment and feature, given LANES) over
-    `operands`, `dims` groups, into `shape`, where _segment_thread_kernels(x, gpu) and the ids
-    are ordered (see _ordered_or); formula() elsewhere, and where an operand or the result has
-    no entries."""
-    if not _segment_thread_kernels(x, gpu) or _empty(shape, *operands):
+    `operands`, `dims` groups, into `shape`, on GPUs where the ids are ordered (see
+    _ordered_or); formula() elsewhere, and where an operand or the result has no entries. On an
+    H100 these kernels beat XLA's fusions around a reduction's kernels (_deviations; softmax's
+    exp_sums and sums) from N = 10⁴ to 10⁷, float32 too; on CPUs those fusions are faster
+    (benchmarks/RESULTS.md)."""
+    if not gpu or _empty(shape, *operands):
         return formula()
     return _ordered_or(kernel, operands, (*dims, LANES), shape, formula, idx, offsets,
                        num_segments, indices_are_sorted, gpu, (LANES,))
@@ -1016,7 +1002,7 @@ def _variance_tangent(x, y, idx, offsets, *, num_segments, indices_are_sorted, g
         return _sum(deviations * y, idx, offsets, num_segments=num_segments,
                     indices_are_sorted=indices_are_sorted, gpu=gpu) * twice_inverse
 
-    return _by_segment_threads("variance_tangent", (x, y), shape, shape, formula, x, idx,
+    return _by_segment_threads("variance_tangent", (x, y), shape, shape, formula, idx,
                                offsets, num_segments, indices_are_sorted, gpu)
 
 
@@ -1030,7 +1016,7 @@ def _variance_cotangent(x, c, idx, offsets, *, num_segments, indices_are_sorted,
         return deviations * at_rows(c * twice_inverse, idx)
 
     return _by_segment_threads("variance_cotangent", (x, c), (num_segments + 1, x.shape[1]),
-                               x.shape, formula, x, idx, offsets, num_segments,
+                               x.shape, formula, idx, offsets, num_segments,
                                indices_are_sorted, gpu)
 
 
@@ -1149,7 +1135,7 @@ def _softmax_tangent_rows(x, dx, idx, offsets, *, num_segments, indices_are_sort
     if not gpu:
         return _by_rows3("softmax3_tangent", (x, dx), formula, x, idx, offsets, gpu=gpu, **params)
     return _by_segment_threads("softmax_tangent", (x, dx, dx), (num_segments + 1, x.shape[1]),
-                               x.shape, formula, x, idx, offsets, gpu=gpu, **params)
+                               x.shape, formula, idx, offsets, gpu=gpu, **params)
 
 
 softmax_tangent_p = custom_transposed(
@@ -1186,7 +1172,7 @@ def _softmax_curvature_rows(x, a, b, idx, offsets, *, num_segments, indices_are_
         return _softmax_curvature(x, a, b, idx, offsets, **params)
 
     return _by_segment_threads("softmax_curvature", (x, a, b), (num_segments + 1, x.shape[1]),
-                               x.shape, formula, x, idx, offsets, gpu=gpu, **params)
+                               x.shape, formula, idx, offsets, gpu=gpu, **params)
 
 
 def _softmax_curvature_transpose(ct, x, a, b, idx, offsets, **params):
