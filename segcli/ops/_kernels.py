@@ -1355,22 +1355,41 @@ _deferred(_atomic_pass(_squared_deviation), "centered_squares")
 _deferred(_atomic_pass(_shifted_exp), "shifted_exp_sums")
 
 
-# var's derivatives where the ids are ordered (see _primitives.variance_tangent_p): a group
-# of LANES threads per segment and feature (as softmax's derivatives, below), each
-# segment's mean, then one more pass over its rows
+# var's and softmax's derivatives where the ids are ordered (see _primitives.variance_tangent_p,
+# softmax_tangent_p and softmax_curvature_p): a group of LANES threads per segment and
+# feature, lane j taking rows lo + j, lo + j + LANES, ... of every pass over the segment, the
+# group's sums and largest value by shuffles, the same in every lane. A thread per segment
+# and feature walking its rows alone was latency-bound where segments are few (N = 10⁴–10⁵
+# in float64; benchmarks/RESULTS.md).
 
 
-@_deferred
-def _variance_tangent_kernel(x: wp.array2d(dtype=Any), y: wp.array2d(dtype=Any),
-                             offsets: wp.array(dtype=wp.int32),
-                             ordered: wp.array(dtype=wp.int32), lanes: int,
-                             out: wp.array2d(dtype=Any)):
-    # group (s, p): out[s, p] = 2 Σ (x[i, p] - mean) y[i, p] / count over segment s's rows
-    s, p, lane = wp.tid()
-    lanes = _lanes_here(lanes)
-    if ordered[0] == 0 or lane >= lanes:
-        return
-    lo, hi = _segment_range(offsets, s, x.shape[0])
+def _segment_groups(body):
+    """A kernel over x, a, b (N, K) into out, launched (M, K, lanes), or (M + 1, K, lanes)
+    where out has x's rows, where the ids are ordered (else nothing written): the group (s < M,
+    p) runs body(x, a, b, s, p, lo, hi, lane, lanes, out) over segment s's rows lo:hi; thread
+    (M, 0, 0) zeroes the rows in no segment."""
+
+    def kernel(x: wp.array2d(dtype=Any), a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any),
+               offsets: wp.array(dtype=wp.int32), ordered: wp.array(dtype=wp.int32),
+               lanes: int, out: wp.array2d(dtype=Any)):
+        s, p, lane = wp.tid()
+        lanes = _lanes_here(lanes)
+        if ordered[0] == 0 or lane >= lanes:
+            return
+        if s < offsets.shape[0] - 1:
+            lo, hi = _segment_range(offsets, s, x.shape[0])
+            body(x, a, b, s, p, lo, hi, lane, lanes, out)
+        elif p == 0 and lane == 0:
+            _zero_rows_outside(offsets, out)
+
+    return kernel
+
+
+@wp.func
+def _variance_sum(x: wp.array2d(dtype=Any), y: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any),
+                  s: int, p: int, lo: int, hi: int, lane: int, lanes: int,
+                  out: wp.array2d(dtype=Any)):
+    # out[s, p] = 2 Σ (x[i, p] - mean) y[i, p] / count (variance_tangent; b unused)
     mean = _lanes_mean(x, lo, hi, p, lane, lanes)
     total = x.dtype(0.0)
     for i in range(lo + lane, hi, lanes):
@@ -1380,34 +1399,19 @@ def _variance_tangent_kernel(x: wp.array2d(dtype=Any), y: wp.array2d(dtype=Any),
         out[s, p] = x.dtype(2.0) * total / x.dtype(wp.max(hi - lo, 1))
 
 
-@_deferred
-def _variance_cotangent_kernel(x: wp.array2d(dtype=Any), c: wp.array2d(dtype=Any),
-                               offsets: wp.array(dtype=wp.int32),
-                               ordered: wp.array(dtype=wp.int32), lanes: int,
-                               out: wp.array2d(dtype=Any)):
-    # launched (M + 1, K, lanes): group (s < M, p) writes out[i, p] = (x[i, p] - mean) · 2
-    # c[s, p] / count over segment s's rows, thread (M, 0, 0) zeroes the rows in no segment
-    s, p, lane = wp.tid()
-    lanes = _lanes_here(lanes)
-    if ordered[0] == 0 or lane >= lanes:
-        return
-    if s < offsets.shape[0] - 1:
-        lo, hi = _segment_range(offsets, s, x.shape[0])
-        mean = _lanes_mean(x, lo, hi, p, lane, lanes)
-        scale = x.dtype(2.0) * c[s, p] / x.dtype(wp.max(hi - lo, 1))
-        for i in range(lo + lane, hi, lanes):
-            out[i, p] = (x[i, p] - mean) * scale
-    elif p == 0 and lane == 0:
-        _zero_rows_outside(offsets, out)
+@wp.func
+def _variance_rows(x: wp.array2d(dtype=Any), c: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any),
+                   s: int, p: int, lo: int, hi: int, lane: int, lanes: int,
+                   out: wp.array2d(dtype=Any)):
+    # out[i, p] = (x[i, p] - mean) · 2 c[s, p] / count (variance_cotangent; b unused)
+    mean = _lanes_mean(x, lo, hi, p, lane, lanes)
+    scale = x.dtype(2.0) * c[s, p] / x.dtype(wp.max(hi - lo, 1))
+    for i in range(lo + lane, hi, lanes):
+        out[i, p] = (x[i, p] - mean) * scale
 
 
-# softmax's derivatives where the ids are ordered (see _primitives.softmax_tangent_p and
-# softmax_curvature_p): a group of LANES threads per segment and feature, lane j taking rows
-# lo + j, lo + j + LANES, ... of every pass (each segment's shift and Σ exp as exp_sums takes
-# them, the means the rows' terms need, Σ e q, then the rows), the group's sums and largest
-# value by shuffles, the same in every lane. A thread per segment and feature walking its rows
-# alone was latency-bound where segments are few (N = 10⁴–10⁵ in float64;
-# benchmarks/RESULTS.md).
+_deferred(_segment_groups(_variance_sum), "variance_tangent")
+_deferred(_segment_groups(_variance_rows), "variance_cotangent")
 
 
 @wp.func
@@ -1443,41 +1447,32 @@ def _centred_product(a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any), i: int,
 
 
 def _softmax_rows(means, term):
-    """A kernel over x, a, b (N, K) into out, launched (M + 1, K, lanes) where the ids are
-    ordered (else nothing written): the group (s < M, p) writes out[i, p] = e[i] (q[i] - Σ e q)
-    over segment s's rows, e = exp(x - shift) / Σ exp(x - shift) (e = 0 where Σ is 0), q[i] =
-    term(a, b, i, p, means(...)); thread (M, 0, 0) zeroes the rows in no segment."""
+    """The body (see _segment_groups) writing out[i, p] = e[i] (q[i] - Σ e q) over a segment's
+    rows, e = exp(x - shift) / Σ exp(x - shift) (e = 0 where Σ is 0), q[i] = term(a, b, i, p,
+    means(...))."""
 
-    def kernel(x: wp.array2d(dtype=Any), a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any),
-               offsets: wp.array(dtype=wp.int32), ordered: wp.array(dtype=wp.int32),
-               lanes: int, out: wp.array2d(dtype=Any)):
-        s, p, lane = wp.tid()
-        lanes = _lanes_here(lanes)
-        if ordered[0] == 0 or lane >= lanes:
-            return
-        if s < offsets.shape[0] - 1:
-            lo, hi = _segment_range(offsets, s, x.shape[0])
-            shift, total = _lanes_shift_and_exp_sum(x, lo, hi, p, lane, lanes)
-            if total == x.dtype(0.0):
-                total = x.dtype(1.0)  # every exp is 0 (a segment of -inf): e = 0, not 0 / 0
-            alpha, beta = means(x, a, b, lo, hi, p, shift, total, lane, lanes)
-            dot = x.dtype(0.0)
-            for i in range(lo + lane, hi, lanes):
-                dot += wp.exp(x[i, p] - shift) / total * term(a, b, i, p, alpha, beta)
-            dot = _lanes_sum(dot, lanes)
-            for i in range(lo + lane, hi, lanes):
-                out[i, p] = wp.exp(x[i, p] - shift) / total * (term(a, b, i, p, alpha, beta)
-                                                                - dot)
-        elif p == 0 and lane == 0:
-            _zero_rows_outside(offsets, out)
+    def body(x: wp.array2d(dtype=Any), a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any),
+             s: int, p: int, lo: int, hi: int, lane: int, lanes: int,
+             out: wp.array2d(dtype=Any)):
+        shift, total = _lanes_shift_and_exp_sum(x, lo, hi, p, lane, lanes)
+        if total == x.dtype(0.0):
+            total = x.dtype(1.0)  # every exp is 0 (a segment of -inf): e = 0, not 0 / 0
+        alpha, beta = means(x, a, b, lo, hi, p, shift, total, lane, lanes)
+        dot = x.dtype(0.0)
+        for i in range(lo + lane, hi, lanes):
+            dot += wp.exp(x[i, p] - shift) / total * term(a, b, i, p, alpha, beta)
+        dot = _lanes_sum(dot, lanes)
+        for i in range(lo + lane, hi, lanes):
+            out[i, p] = wp.exp(x[i, p] - shift) / total * (term(a, b, i, p, alpha, beta) - dot)
 
-    return kernel
+    body.__name__ = body.__qualname__ = f"_softmax_rows_{term.key}"
+    return wp.func(body)
 
 
 # softmax's tangent along a: q = a; its curvature along a and b (the second derivative, a
 # symmetric bilinear map): q = (a - Σ e a)(b - Σ e b)
-_deferred(_softmax_rows(_no_means, _row_of_a), "softmax_tangent")
-_deferred(_softmax_rows(_softmax_means, _centred_product), "softmax_curvature")
+_deferred(_segment_groups(_softmax_rows(_no_means, _row_of_a)), "softmax_tangent")
+_deferred(_segment_groups(_softmax_rows(_softmax_means, _centred_product)), "softmax_curvature")
 
 
 # out[e] = (x[e] · a) · b, plus (y[e] · a) · c if `paired`, over the entries e = lane, lane +

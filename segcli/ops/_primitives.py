@@ -1003,7 +1003,7 @@ def _variance_tangent(x, y, idx, offsets, *, num_segments, indices_are_sorted, g
         return _sum(deviations * y, idx, offsets, num_segments=num_segments,
                     indices_are_sorted=indices_are_sorted, gpu=gpu) * twice_inverse
 
-    return _by_segment_threads("variance_tangent", (x, y), shape, shape, formula, idx,
+    return _by_segment_threads("variance_tangent", (x, y, y), shape, shape, formula, idx,
                                offsets, num_segments, indices_are_sorted, gpu)
 
 
@@ -1016,7 +1016,7 @@ def _variance_cotangent(x, c, idx, offsets, *, num_segments, indices_are_sorted,
                                                 indices_are_sorted, gpu)
         return deviations * at_rows(c * twice_inverse, idx)
 
-    return _by_segment_threads("variance_cotangent", (x, c), (num_segments + 1, x.shape[1]),
+    return _by_segment_threads("variance_cotangent", (x, c, c), (num_segments + 1, x.shape[1]),
                                x.shape, formula, idx, offsets, num_segments,
                                indices_are_sorted, gpu)
 
