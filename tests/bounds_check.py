@@ -20,7 +20,9 @@ from segcli import ops  # noqa: E402
 from segcli.ops import _primitives  # noqa: E402
 from segcli.registry import OPS  # noqa: E402
 
-SECOND_ORDER = {"rms_norm"}  # ops whose second derivative launches a kernel the first does not
+# ops whose second derivative launches a kernel the first does not (on the GPU's paths:
+# rms_norm's, var's variance_tangent, softmax's softmax_curvature)
+SECOND_ORDER = {"rms_norm", "var", "softmax"}
 
 
 def check(op, layout, promise, dtype):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from batch_reference import random_args
 
-from segcli import ops
+from segcli import cache_directory, ops
 from segcli.ops import _kernels, _primitives
 from segcli.registry import OPS
 
@@ -1494,12 +1494,14 @@ def test_gpu_kernels_compile_for_cuda(tmp_path):
 
 
 @pytest.mark.parametrize("paths", ["gpu", pytest.param("cpu", marks=pytest.mark.slow)])
-def test_kernels_stay_in_bounds(paths, tmp_path):
+def test_kernels_stay_in_bounds(paths):
     """Every op and gradient on the GPU's (or the CPU's) code paths with Warp's bounds checks
-    on (tests/bounds_check.py, its kernels built in a cache of their own): no kernel reads or
-    writes outside an array, which a CPU survives silently and a GPU does not."""
+    on (tests/bounds_check.py, its kernels built in a cache of their own, kept in segcli's
+    cache directory from one run to the next): no kernel reads or writes outside an array,
+    which a CPU survives silently and a GPU does not."""
+    bounds_cache = os.path.join(cache_directory(), "warp-bounds-check")
     result = subprocess.run([sys.executable, "bounds_check.py", paths], cwd=Path(__file__).parent,
-                            env={**os.environ, "WARP_CACHE_PATH": str(tmp_path)},
+                            env={**os.environ, "WARP_CACHE_PATH": bounds_cache},
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and "in bounds" in result.stdout, (
         result.stdout[-2000:] + result.stderr[-2000:])
