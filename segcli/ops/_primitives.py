@@ -965,7 +965,7 @@ counts, then the squares about their means. No derivative rule of its own (segcl
 it one)."""
 
 
-def _by_segment_threads(kernel, operands, dims, shape, formula, idx, offsets, num_segments,
+def _by_segment_groups(kernel, operands, dims, shape, formula, idx, offsets, num_segments,
                         indices_are_sorted, gpu):
     """Kernel `kernel` (a group of LANES threads per segment and feature, given LANES) over
     `operands`, `dims` groups, into `shape`, on GPUs where the ids are ordered (see
@@ -994,8 +994,6 @@ def _deviations(x, idx, offsets, num_segments, indices_are_sorted, gpu):
 
 def _variance_tangent(x, y, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     shape = (num_segments, x.shape[1])
-    if _empty(shape, x, y):
-        return jnp.zeros(shape, x.dtype)
 
     def formula():
         deviations, twice_inverse = _deviations(x, idx, offsets, num_segments,
@@ -1003,20 +1001,18 @@ def _variance_tangent(x, y, idx, offsets, *, num_segments, indices_are_sorted, g
         return _sum(deviations * y, idx, offsets, num_segments=num_segments,
                     indices_are_sorted=indices_are_sorted, gpu=gpu) * twice_inverse
 
-    return _by_segment_threads("variance_tangent", (x, y, y), shape, shape, formula, idx,
+    return _by_segment_groups("variance_tangent", (x, y, y), shape, shape, formula, idx,
                                offsets, num_segments, indices_are_sorted, gpu)
 
 
 def _variance_cotangent(x, c, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
-    if _empty(x.shape, x, c):
-        return jnp.zeros(x.shape, x.dtype)
 
     def formula():
         deviations, twice_inverse = _deviations(x, idx, offsets, num_segments,
                                                 indices_are_sorted, gpu)
         return deviations * at_rows(c * twice_inverse, idx)
 
-    return _by_segment_threads("variance_cotangent", (x, c, c), (num_segments + 1, x.shape[1]),
+    return _by_segment_groups("variance_cotangent", (x, c, c), (num_segments + 1, x.shape[1]),
                                x.shape, formula, idx, offsets, num_segments,
                                indices_are_sorted, gpu)
 
@@ -1127,7 +1123,7 @@ def _softmax_tangent(x, dx, idx, offsets, **params):
 def _softmax_tangent_rows(x, dx, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     """_softmax_tangent where the ids are ordered by one kernel: on CPUs for rows of 3
     (softmax3_tangent: all in each segment's rows), on GPUs by softmax_tangent (a group of
-    lanes per segment and feature, see _by_segment_threads)."""
+    lanes per segment and feature, see _by_segment_groups)."""
     params = {"num_segments": num_segments, "indices_are_sorted": indices_are_sorted}
 
     def formula():
@@ -1135,7 +1131,7 @@ def _softmax_tangent_rows(x, dx, idx, offsets, *, num_segments, indices_are_sort
 
     if not gpu:
         return _by_rows3("softmax3_tangent", (x, dx), formula, x, idx, offsets, gpu=gpu, **params)
-    return _by_segment_threads("softmax_tangent", (x, dx, dx), (num_segments + 1, x.shape[1]),
+    return _by_segment_groups("softmax_tangent", (x, dx, dx), (num_segments + 1, x.shape[1]),
                                x.shape, formula, idx, offsets, gpu=gpu, **params)
 
 
@@ -1166,13 +1162,13 @@ def _softmax_curvature(x, a, b, idx, offsets, **params):
 def _softmax_curvature_rows(x, a, b, idx, offsets, *, num_segments, indices_are_sorted,
                             gpu=False):
     """_softmax_curvature, on GPUs where the ids are ordered by one kernel (softmax_curvature:
-    a group of lanes per segment and feature, see _by_segment_threads)."""
+    a group of lanes per segment and feature, see _by_segment_groups)."""
     params = {"num_segments": num_segments, "indices_are_sorted": indices_are_sorted}
 
     def formula():
         return _softmax_curvature(x, a, b, idx, offsets, **params)
 
-    return _by_segment_threads("softmax_curvature", (x, a, b), (num_segments + 1, x.shape[1]),
+    return _by_segment_groups("softmax_curvature", (x, a, b), (num_segments + 1, x.shape[1]),
                                x.shape, formula, idx, offsets, gpu=gpu, **params)
 
 
