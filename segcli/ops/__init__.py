@@ -206,12 +206,6 @@ def _nonzero_counts(seg, params, dtype):
     return jnp.maximum(counts, 1).astype(dtype)
 
 
-def _safe_sqrt(s):
-    """sqrt with every derivative 0 (never NaN) where s is 0."""
-    zero = s == 0
-    return jnp.where(zero, 0, jnp.sqrt(jnp.where(zero, 1, s)))
-
-
 def _grouped(x):
     """(N, *F) as (N, 1, K): one group of K = prod(F) features."""
     return x.reshape(x.shape[0], 1, math.prod(x.shape[1:]))
@@ -681,22 +675,6 @@ def _norms_jvp(primals, tangents):
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
-def _at_rows(values, seg, params):
-    """values[ids[i]] per row (0 where ids[i] is out of range) by XLA's gather (P.at_rows),
-    which XLA fuses into the elementwise work that uses it (gather_p's kernel writes its rows
-    out on CPUs: the gradient of var took 21 ms a chunk of 2 Mi rows with it, 11 without); its
-    tangent gather_p's, so that a derivative's transpose is a segment sum, not XLA's
-    scatter."""
-    return P.at_rows(values, seg[0])
-
-
-@_at_rows.defjvp
-def _at_rows_jvp(params, primals, tangents):
-    (values, seg), (dvalues, _) = primals, tangents
-    return _at_rows(values, seg, params), P.gather_p.bind(dvalues, *seg, **dict(params))
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
 def _variance(rows, seg, params):
     """Σ (x[i] - mean)² / count per segment of rows (N, K): two passes, no cancellation (see
     P.moments_p)."""
@@ -713,37 +691,18 @@ def _variance_jvp(params, primals, tangents):
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
-def _variance_beside_mean(rows, seg, params):
-    """_variance for std, whose derivative needs the variance's value: there the mean from the
-    same moments kernel, gathered into the XLA fusion that scales the rows, makes the gradient
-    that kernel and one fusion (P.variance_cotangent_p would add a kernel)."""
-    return P.moments_p.bind(rows, *seg, **dict(params))[..., 1]
+def _std(rows, seg, params):
+    """sqrt(Σ (x[i] - mean)² / count) per segment of rows (N, K) (see P.moments_p)."""
+    return jnp.sqrt(P.moments_p.bind(rows, *seg, **dict(params))[..., 1])
 
 
-@_variance_beside_mean.defjvp
-def _variance_beside_mean_jvp(params, primals, tangents):
-    """d var = 2 Σ (x - mean) dx / count: the mean (of the same kernel) gathered, one sum."""
+@_std.defjvp
+def _std_jvp(params, primals, tangents):
+    """d std = Σ (x - mean) dx / (count · std), 0 where std is 0, by P.std_tangent_p: its
+    transpose (the gradient) and their derivatives one kernel each where the ids are known
+    sorted on GPUs (the std itself unused)."""
     (rows, seg), (drows, _) = primals, tangents
-    p = dict(params)
-    deviations = rows - _at_rows(_mean_of_moments(rows, seg, params), seg, params)
-    counts = _nonzero_counts(seg, p, rows.dtype)[:, None]
-    return (_variance_beside_mean(rows, seg, params),
-            2 * P.sum_p.bind(deviations * drows, *seg, **p) / counts)
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
-def _mean_of_moments(rows, seg, params):
-    """Σ x[i] / count per segment of rows (N, K), as P.moments_p gives it beside the variance
-    (XLA merges the two identical kernel calls into one)."""
-    return P.moments_p.bind(rows, *seg, **dict(params))[..., 0]
-
-
-@_mean_of_moments.defjvp
-def _mean_of_moments_jvp(params, primals, tangents):
-    (rows, seg), (drows, _) = primals, tangents
-    p = dict(params)
-    counts = _nonzero_counts(seg, p, rows.dtype)[:, None]
-    return _mean_of_moments(rows, seg, params), P.sum_p.bind(drows, *seg, **p) / counts
+    return _std(rows, seg, params), P.std_tangent_p.bind(rows, drows, *seg, **dict(params))
 
 
 @_op
@@ -783,8 +742,7 @@ def segmented_std(x, idx, num_segments, *, indices_are_sorted=False):
         segmented_std(jnp.array([1., 3., 7.]), jnp.array([0, 0, 1]), 2)  # [1., 0.]
     """
     x, seg, m, dtype = _common("x", x, idx, num_segments)
-    out = _safe_sqrt(_variance_beside_mean(_rows(x), seg,
-                                           tuple(_params(m, indices_are_sorted).items())))
+    out = _std(_rows(x), seg, tuple(_params(m, indices_are_sorted).items()))
     return out.reshape(m, *x.shape[1:]).astype(dtype)
 
 

@@ -1415,6 +1415,73 @@ _deferred(_segment_groups(_variance_rows), "variance_cotangent")
 
 
 @wp.func
+def _lanes_std_scales(x: wp.array2d(dtype=Any), lo: int, hi: int, p: int, lane: int,
+                      lanes: int):
+    # (mean, 1 / (count · std), 1 / var) of x[lo:hi, p] by the lanes; the two scales 0 where
+    # var is 0
+    mean = _lanes_mean(x, lo, hi, p, lane, lanes)
+    squares = x.dtype(0.0)
+    for i in range(lo + lane, hi, lanes):
+        squares += (x[i, p] - mean) * (x[i, p] - mean)
+    count = x.dtype(wp.max(hi - lo, 1))
+    var = _lanes_sum(squares, lanes) / count
+    scale = x.dtype(0.0)
+    inverse_var = x.dtype(0.0)
+    if var != x.dtype(0.0):
+        scale = x.dtype(1.0) / (count * wp.sqrt(var))
+        inverse_var = x.dtype(1.0) / var
+    return mean, scale, inverse_var
+
+
+@wp.func
+def _std_sum(x: wp.array2d(dtype=Any), y: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any),
+             s: int, p: int, lo: int, hi: int, lane: int, lanes: int,
+             out: wp.array2d(dtype=Any)):
+    # out[s, p] = Σ (x[i, p] - mean) y[i, p] / (count · std) (std_tangent; b unused)
+    mean, scale, _inverse_var = _lanes_std_scales(x, lo, hi, p, lane, lanes)
+    total = x.dtype(0.0)
+    for i in range(lo + lane, hi, lanes):
+        total += (x[i, p] - mean) * y[i, p]
+    total = _lanes_sum(total, lanes)
+    if lane == 0:
+        out[s, p] = total * scale
+
+
+@wp.func
+def _std_rows(x: wp.array2d(dtype=Any), c: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any),
+              s: int, p: int, lo: int, hi: int, lane: int, lanes: int,
+              out: wp.array2d(dtype=Any)):
+    # out[i, p] = (x[i, p] - mean) c[s, p] / (count · std) (std_cotangent; b unused)
+    mean, scale, _inverse_var = _lanes_std_scales(x, lo, hi, p, lane, lanes)
+    scale = scale * c[s, p]
+    for i in range(lo + lane, hi, lanes):
+        out[i, p] = (x[i, p] - mean) * scale
+
+
+@wp.func
+def _std_curvature(x: wp.array2d(dtype=Any), a: wp.array2d(dtype=Any),
+                   c: wp.array2d(dtype=Any), s: int, p: int, lo: int, hi: int, lane: int,
+                   lanes: int, out: wp.array2d(dtype=Any)):
+    # out[i, p] = c[s, p] ((a[i] - mean a) - d[i] Σ d a / (count · var)) / (count · std),
+    # d = x - mean (std_curvature)
+    mean, scale, inverse_var = _lanes_std_scales(x, lo, hi, p, lane, lanes)
+    mean_a = _lanes_mean(a, lo, hi, p, lane, lanes)
+    products = x.dtype(0.0)
+    for i in range(lo + lane, hi, lanes):
+        products += (x[i, p] - mean) * a[i, p]
+    ratio = _lanes_sum(products, lanes) * inverse_var / x.dtype(wp.max(hi - lo, 1))
+    scale = scale * c[s, p]
+    for i in range(lo + lane, hi, lanes):
+        out[i, p] = ((a[i, p] - mean_a) - (x[i, p] - mean) * ratio) * scale
+
+
+# std's tangent, cotangent and weighted second derivative (see _primitives.std_tangent_p)
+_deferred(_segment_groups(_std_sum), "std_tangent")
+_deferred(_segment_groups(_std_rows), "std_cotangent")
+_deferred(_segment_groups(_std_curvature), "std_curvature")
+
+
+@wp.func
 def _no_means(x: wp.array2d(dtype=Any), a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any),
               lo: int, hi: int, p: int, shift: Any, total: Any, lane: int, lanes: int):
     return x.dtype(0.0), x.dtype(0.0)

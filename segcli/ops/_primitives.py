@@ -316,14 +316,15 @@ def custom_transposed(name, function, linear, like, transpose, impl=None, multil
     whose transpose is `transpose(ct, *operands, **params)` (a cotangent for each operand, None
     for the others; the linear ones to find are ad.UndefinedPrimal) rather than that of the
     function's parts: one that shares their work, or fuses the terms JAX would add. Its result
-    has the aval of operand `like`. Its JVP keeps the linear operands' tangents in the
-    primitive (so that transposing it stays custom) and differentiates `function` for the
-    others, or gives their term as `moving_jvp(primals, tangents, **params)` if given; it is
-    batched as `function`, and lowered as it, or as `impl(*operands, gpu, **params)` (a kernel
-    of its own where one applies) if given."""
+    has the aval of operand `like`, or `like(*avals, **params)` if a function. Its JVP keeps the
+    linear operands' tangents in the primitive (so that transposing it stays custom) and
+    differentiates `function` for the others, or gives their term as `moving_jvp(primals,
+    tangents, **params)` if given; it is batched as `function`, and lowered as it, or as
+    `impl(*operands, gpu, **params)` (a kernel of its own where one applies) if given."""
     prim = Primitive(f"segcli_{name}")
     prim.def_impl(lambda *args, **params: _jitted_bind(prim, tuple(sorted(params.items())))(*args))
-    prim.def_abstract_eval(lambda *avals, **_: avals[like])
+    prim.def_abstract_eval(lambda *avals, **params: avals[like] if isinstance(like, int)
+                           else like(*avals, **params))
     if impl is None:
         mlir.register_lowering(prim, mlir.lower_fun(function, multiple_results=False))
     else:
@@ -1036,6 +1037,114 @@ variance_cotangent_p = _multilinear(_Rule(
 var's cotangent at x (variance_tangent's transpose along y), 0 in rows of no segment. On GPUs,
 where the ids are ordered, one kernel (a thread per segment and feature: the mean, then the
 rows); elsewhere the mean's kernel and XLA's fused gathers (see _deviations)."""
+
+
+def _std_parts(x, idx, offsets, params, fused):
+    """(x[i] - mean, 0 in rows of no segment (N, K); 1 / (count · std) and 1 / var (M, K), both
+    0 where var is 0; a gather of (M, K) values to the rows) of x (N, K): the mean and variance
+    by moments_p and the gathers by XLA if `fused` (in an impl: no derivative rules needed),
+    else by mean_p and gather_p (differentiable)."""
+    valid = ((idx >= 0) & (idx < params["num_segments"]))[:, None]
+    if fused:
+        def gather(values):
+            return at_rows(values, idx)
+
+        mean, var = jnp.moveaxis(moments_p.bind(x, idx, offsets, **params), -1, 0)
+        deviations = jnp.where(valid, x - gather(mean), 0)
+    else:
+        def gather(values):
+            return gather_p.bind(values, idx, offsets, **params)
+
+        deviations = jnp.where(valid, x - gather(mean_p.bind(x, idx, offsets, **params)), 0)
+        var = mean_p.bind(deviations * deviations, idx, offsets, **params)
+    counts = jnp.maximum(count(idx, offsets, **params), 1).astype(x.dtype)[:, None]
+    zero = var == 0
+    inverse_var = jnp.where(zero, 0, 1 / jnp.where(zero, 1, var))
+    return deviations, jnp.sqrt(inverse_var) / counts, inverse_var, gather
+
+
+def _std_tangent(x, y, idx, offsets, fused=False, **params):
+    """Σ (x[i] - mean) y[i] / (count · std) over each segment of x and y (N, K): std's tangent
+    at x along y (M, K), linear in y; 0 where std is 0."""
+    deviations, scale, _, _ = _std_parts(x, idx, offsets, params, fused)
+    return sum_p.bind(deviations * y, idx, offsets, **params) * scale
+
+
+def _std_cotangent(x, c, idx, offsets, fused=False, **params):
+    """(x[i] - mean) c[s] / (count · std) over the rows i of each segment s of x (N, K), for c
+    (M, K): std's cotangent at x, _std_tangent's transpose along y; 0 where std is 0 and in rows
+    of no segment."""
+    deviations, scale, _, gather = _std_parts(x, idx, offsets, params, fused)
+    return deviations * gather(scale * c)
+
+
+def _std_curvature(x, a, c, idx, offsets, fused=False, **params):
+    """c[s] ((a[i] - mean a) - d[i] Σ d a / (count · var)) / (count · std) over the rows i of
+    each segment s, d = x - mean: std's second derivative along a weighted by c (N, K), the
+    JVP in x along a of _std_cotangent; bilinear, and its own transpose in a (a Hessian); 0
+    where std is 0 and in rows of no segment."""
+    deviations, scale, inverse_var, gather = _std_parts(x, idx, offsets, params, fused)
+    k = x.shape[1]
+    means = mean_p.bind(jnp.concatenate([a, deviations * a], axis=1), idx, offsets, **params)
+    valid = ((idx >= 0) & (idx < params["num_segments"]))[:, None]
+    return jnp.where(valid, gather(scale * c) * (
+        a - gather(means[:, :k]) - deviations * gather(means[:, k:] * inverse_var)), 0)
+
+
+def _std_impl(kernel, formula, rows):
+    """The impl of formula (x, a[, b]): on GPUs, where the ids are ordered, kernel `kernel` (a
+    group of lanes per segment and feature: the mean, the variance, then the sum or the rows;
+    see _by_segment_groups), into x's shape if `rows` else (M, K); elsewhere formula's
+    moments_p and XLA's fused gathers."""
+
+    def impl(x, *operands, num_segments, indices_are_sorted, gpu=False):
+        *floats, idx, offsets = operands
+        params = {"num_segments": num_segments, "indices_are_sorted": indices_are_sorted}
+        shape = x.shape if rows else (num_segments, x.shape[1])
+        return _by_segment_groups(
+            kernel, (x, floats[0], floats[-1]), (num_segments + rows, x.shape[1]), shape,
+            lambda: formula(x, *floats, idx, offsets, fused=True, **params), idx, offsets,
+            gpu=gpu, **params)
+
+    return impl
+
+
+std_tangent_p = custom_transposed(
+    "std_tangent", _std_tangent, linear=(1,),
+    like=lambda x, y, idx, offsets, *, num_segments, **_: x.update(shape=(num_segments,
+                                                                           x.shape[1])),
+    transpose=lambda ct, x, y, idx, offsets, **params: [
+        None, std_cotangent_p.bind(x, ct, idx, offsets, **params), None, None],
+    impl=_std_impl("std_tangent", _std_tangent, rows=False))
+"""std's tangent map along y (see _std_tangent), transposed into std_cotangent; its JVP in x
+differentiates _std_tangent."""
+
+
+std_cotangent_p = custom_transposed(
+    "std_cotangent", _std_cotangent, linear=(1,), like=0,
+    transpose=lambda ct, x, c, idx, offsets, **params: [
+        None, std_tangent_p.bind(x, ct, idx, offsets, **params), None, None],
+    impl=_std_impl("std_cotangent", _std_cotangent, rows=True),
+    moving_jvp=lambda primals, tangents, **params: std_curvature_p.bind(
+        primals[0], ad.instantiate_zeros(tangents[0]), *primals[1:], **params))
+"""std's cotangent at x (see _std_cotangent), transposed into std_tangent; its JVP in x is
+std_curvature."""
+
+
+def _std_curvature_transpose(ct, x, a, c, idx, offsets, **params):
+    if ad.is_undefined_primal(a):
+        return [None, std_curvature_p.bind(x, ct, c, idx, offsets, **params), None, None, None]
+    ones = jnp.ones(c.aval.shape, c.aval.dtype)  # linear in c: c[s] times its weight-1 rows
+    return [None, None, sum_p.bind(ct * std_curvature_p.bind(x, a, ones, idx, offsets, **params),
+                                   idx, offsets, **params), None, None]
+
+
+std_curvature_p = custom_transposed(
+    "std_curvature", _std_curvature, linear=(1, 2), like=0, multilinear=True,
+    transpose=_std_curvature_transpose, impl=_std_impl("std_curvature", _std_curvature,
+                                                       rows=True))
+"""std's weighted second derivative (see _std_curvature), bilinear; its JVP in x
+differentiates _std_curvature."""
 
 
 def _exp_sums(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
