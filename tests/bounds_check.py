@@ -1,5 +1,5 @@
-"""Every op, its gradient where it is differentiable and its second derivative where that
-launches a kernel of its own, and segmented_reductions, with Warp's bounds checks on (its
+"""Every op, its gradient where it is differentiable and its JVP and second derivative where
+those launch kernels of their own, and segmented_reductions, with Warp's bounds checks on (its
 debug mode) and the GPU's (or the CPU's) code paths lowered on this CPU: ids out of range,
 unsorted, sorted and promised sorted, and a Segments; float32 and float64. A kernel reading or
 writing outside an array aborts here, where on a GPU it is an illegal address. Run by
@@ -20,9 +20,10 @@ from segcli import ops  # noqa: E402
 from segcli.ops import _primitives  # noqa: E402
 from segcli.registry import OPS  # noqa: E402
 
-# ops whose second derivative launches a kernel the first does not (on the GPU's paths:
-# rms_norm's, var's variance_tangent, softmax's softmax_curvature)
-SECOND_ORDER = {"rms_norm", "var", "softmax"}
+# ops whose JVP or second derivative launches a kernel the gradient does not (on the GPU's
+# paths: rms_norm's, var's variance_tangent, std's std_tangent and std_curvature, softmax's
+# softmax_curvature)
+SECOND_ORDER = {"rms_norm", "var", "std", "softmax"}
 
 
 def check(op, layout, promise, dtype):
@@ -40,6 +41,7 @@ def check(op, layout, promise, dtype):
     if op.differentiable:
         jax.block_until_ready(grad(args[0]))
     if op.name in SECOND_ORDER:
+        jax.block_until_ready(jax.jvp(lambda a: call(a, *args[1:]), args[:1], args[:1]))
         jax.block_until_ready(jax.grad(lambda a: jnp.vdot(jnp.nan_to_num(grad(a)), a))(args[0]))
 
 

@@ -1099,9 +1099,7 @@ def test_rms_norm_derivatives_over_known_sorted_ids_are_one_kernel_each(gpu_path
 @pytest.mark.parametrize("gpu_paths", [False, True])
 def test_var_and_std_are_one_kernel_over_ordered_ids_and_numpy_s_values_over_any(gpu_paths):
     """var and std take both passes of each segment in one kernel where the ids are ordered (one
-    custom call in the compiled program given a Segments; on CPUs one more for the gradient,
-    the cotangent gathered: XLA gathers the mean where it uses it, and on GPUs the cotangent
-    too, see XLA_GATHER_ROWS), the same bits whether the order is promised or found; unordered
+    custom call in the compiled program given a Segments, std's gradient too), the same bits whether the order is promised or found; unordered
     ids (atomic sums, then the squares about their means) give NumPy's float64 values too. Rows
     of no segment count nowhere; an empty segment gives 0."""
     rng = np.random.default_rng(41)
@@ -1127,9 +1125,9 @@ def test_var_and_std_are_one_kernel_over_ordered_ids_and_numpy_s_values_over_any
         calls = {"var": lambda a: ops.segmented_var(a, segments, m),
                  "grad": jax.grad(lambda a: loss(a, segments))}
         gpu = gpu_paths or jax.default_backend() == "gpu"
-        for name, launches in (("var", 1), ("grad", 1 if gpu else 2)):
+        for name in calls:
             compiled = jax.jit(calls[name]).lower(a).compile().as_text()
-            assert compiled[compiled.index("ENTRY"):].count(" custom-call(") == launches, name
+            assert compiled[compiled.index("ENTRY"):].count(" custom-call(") == 1, name
         promised = ops.segmented_var(a, segments, m)
         np.testing.assert_allclose(promised, expected, rtol=1e-12, atol=1e-300)
         np.testing.assert_array_equal(ops.segmented_var(a, jnp.asarray(ids, jnp.int32), m),
@@ -1205,6 +1203,86 @@ def test_var_derivatives_are_one_kernel_each_and_numpy_s_values(gpu_paths, dtype
         exact = np.array([np.sum(numpy_grad(xk, unit) * vk) for unit in units]).reshape(m, 3)
         np.testing.assert_allclose(calls["grad2_weights"](a[0], weights[0], along[0]), exact,
                                    rtol=tolerance, atol=tolerance * np.max(np.abs(exact)))
+    finally:
+        _primitives.lower_cpu_as_gpu(False)
+
+
+@pytest.mark.parametrize("gpu_paths", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_std_derivatives_are_one_kernel_each_and_numpy_s_values(gpu_paths, dtype):
+    """Given a Segments, std's gradient, its second derivatives (the gradient of <gradient, v>
+    in x and in the weights, the JVP of the gradient along v) and its JVP each compile to one
+    kernel on GPUs' paths, a group of lanes per segment and feature (on CPUs the moments' and
+    XLA's fusions, and one mean or sum for the second derivatives and the JVP). The gradient
+    equals NumPy's float64 (x - mean) w / (count · std), the second derivatives central
+    differences of it, the JVP NumPy's Σ (x - mean) v / (count · std); the same ids alone give
+    the same bits, shuffled ids the same values; rows of no segment, empty segments and segments
+    whose std is 0 (of zeros, of one row) get 0; vmap gives each example's values."""
+    rng = np.random.default_rng(47)
+    n, m, batch = 60, 9, 3
+    # 2, 5, 7 empty, 6 of one row, 3 of zeros (std 0 exactly); -1, 9 outside
+    ids = np.sort(np.append(rng.choice([-1, 0, 1, 3, 4, 8, 9], size=n - 1), 6))
+    offsets = np.searchsorted(ids, np.arange(m + 1), side="left").astype(np.int32)
+    segments = ops.Segments(jnp.asarray(ids, jnp.int32), jnp.asarray(offsets))
+    x = rng.normal(size=(batch, n, 3)) * 10.0 ** rng.uniform(-1, 1, size=(batch, n, 1))
+    x[:, ids == 3] = 0
+    w, v = rng.normal(size=(batch, m, 3)), rng.normal(size=(batch, n, 3))
+    inside = (ids >= 0) & (ids < m)
+    s = np.clip(ids, 0, m - 1)
+
+    def numpy_scaled_deviations(xk):  # (x - mean) / (count · std), 0 where std is 0
+        counts = np.maximum(np.bincount(ids[inside], minlength=m), 1)[:, None]
+        means = np.stack([np.bincount(ids[inside], xk[inside, k], minlength=m)
+                          for k in range(3)], axis=1) / counts
+        deviations = np.where(inside[:, None], xk - means[s], 0)
+        var = np.stack([np.bincount(ids[inside], deviations[inside, k] ** 2, minlength=m)
+                        for k in range(3)], axis=1) / counts
+        std = np.sqrt(var)
+        scale = np.where(var > 0, 1 / (counts * np.where(var > 0, std, 1)), 0)
+        return deviations * scale[s]
+
+    def numpy_grad(xk, wk):
+        return numpy_scaled_deviations(xk) * wk[s]
+
+    _primitives.lower_cpu_as_gpu(gpu_paths)
+    try:
+        a, weights, along = (jnp.asarray(array, dtype) for array in (x, w, v))
+        tolerance = 2e-5 if dtype == np.float32 else 1e-11
+        gpu = gpu_paths or jax.default_backend() == "gpu"
+        launches = {"grad": 1, "grad2": 1 if gpu else 2, "hvp": 1 if gpu else 2,
+                    "grad2_weights": 1 if gpu else 2}
+        calls = check_derivative_calls(ops.segmented_std, segments, ids, m, (a, weights, along),
+                                       launches, tolerance, ~inside | (ids == 3) | (ids == 6),
+                                       weights_per_row=False, order=rng.permutation(n))
+        xk, wk, vk = x[0], w[0], v[0]
+        expected = numpy_grad(xk, wk)
+        np.testing.assert_allclose(calls["grad"](a[0], weights[0], along[0]), expected,
+                                   rtol=tolerance, atol=tolerance * np.max(np.abs(expected)))
+        # v 0 where std is 0, where the gradient jumps (and its derivative is taken as 0)
+        vk = np.where(((ids == 3) | (ids == 6))[:, None], 0, vk)
+        step = 1e-5
+        central = (numpy_grad(xk + step * vk, wk) - numpy_grad(xk - step * vk, wk)) / (2 * step)
+        bound = max(tolerance, 1e-7)
+        for name in ("grad2", "hvp"):
+            np.testing.assert_allclose(calls[name](a[0], weights[0], jnp.asarray(vk, dtype)),
+                                       central, rtol=bound, atol=bound * np.max(np.abs(central)),
+                                       err_msg=name)
+        units = np.eye(m * 3).reshape(m * 3, m, 3)
+        exact = np.array([np.sum(numpy_grad(xk, unit) * vk) for unit in units]).reshape(m, 3)
+        np.testing.assert_allclose(
+            calls["grad2_weights"](a[0], weights[0], jnp.asarray(vk, dtype)), exact,
+            rtol=tolerance, atol=tolerance * np.max(np.abs(exact)))
+        # the JVP: <(x - mean) / (count · std), v> per segment, one kernel on GPUs' paths
+        def jvp(a, v):
+            return jax.jvp(lambda a: ops.segmented_std(a, segments, m), (a,), (v,))[1]
+
+        compiled = jax.jit(jvp).lower(a[0], along[0]).compile().as_text()
+        assert compiled[compiled.index("ENTRY"):].count(" custom-call(") == (1 if gpu else 2)
+        products = numpy_scaled_deviations(xk) * vk
+        expected_jvp = np.stack([np.bincount(ids[inside], products[inside, k], minlength=m)
+                                 for k in range(3)], axis=1)
+        np.testing.assert_allclose(jax.jit(jvp)(a[0], jnp.asarray(vk, dtype)), expected_jvp,
+                                   rtol=tolerance, atol=tolerance * np.max(np.abs(expected_jvp)))
     finally:
         _primitives.lower_cpu_as_gpu(False)
 
