@@ -1099,9 +1099,10 @@ def test_rms_norm_derivatives_over_known_sorted_ids_are_one_kernel_each(gpu_path
 @pytest.mark.parametrize("gpu_paths", [False, True])
 def test_var_and_std_are_one_kernel_over_ordered_ids_and_numpy_s_values_over_any(gpu_paths):
     """var and std take both passes of each segment in one kernel where the ids are ordered (one
-    custom call in the compiled program given a Segments, std's gradient too), the same bits whether the order is promised or found; unordered
-    ids (atomic sums, then the squares about their means) give NumPy's float64 values too. Rows
-    of no segment count nowhere; an empty segment gives 0."""
+    custom call in the compiled program given a Segments, std's gradient too), the same bits
+    whether the order is promised or found; unordered ids (atomic sums, then the squares about
+    their means) give NumPy's float64 values too. Rows of no segment count nowhere; an empty
+    segment gives 0."""
     rng = np.random.default_rng(41)
     n, m = 60, 9
     # 2, 5, 7 empty, 6 of one row; -1, 9 outside
@@ -1124,9 +1125,8 @@ def test_var_and_std_are_one_kernel_over_ordered_ids_and_numpy_s_values_over_any
         a = jnp.asarray(x)
         calls = {"var": lambda a: ops.segmented_var(a, segments, m),
                  "grad": jax.grad(lambda a: loss(a, segments))}
-        gpu = gpu_paths or jax.default_backend() == "gpu"
-        for name in calls:
-            compiled = jax.jit(calls[name]).lower(a).compile().as_text()
+        for name, call in calls.items():
+            compiled = jax.jit(call).lower(a).compile().as_text()
             assert compiled[compiled.index("ENTRY"):].count(" custom-call(") == 1, name
         promised = ops.segmented_var(a, segments, m)
         np.testing.assert_allclose(promised, expected, rtol=1e-12, atol=1e-300)

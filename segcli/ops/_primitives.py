@@ -18,6 +18,10 @@ with respect to each operand is another primitive of the set:
     variance_tangent(x, y)     x ↦ variance_cotangent(y, ct)   y ↦ variance_cotangent(x, ct)
     variance_cotangent(x, c)   x ↦ variance_cotangent(ct, c)   c ↦ variance_tangent(x, ct)
                                (2 Σ (x - mean) y / count; (x - mean) · 2 c / count per row)
+    std_tangent(x; y)          y ↦ std_cotangent(x; ct)      (x ↦ by its formula)
+    std_cotangent(x; c)        c ↦ std_tangent(x; ct)        (x ↦ std_curvature(x; dx, c))
+    std_curvature(x; a, c)     a ↦ std_curvature(x; ct, c)   c ↦ sum(ct · std_curvature(x; a, 1))
+                               (linear in the operands after x; their JVP in x as in brackets)
 
 JAX derives every higher derivative, forward or reverse, from these rules. `rms_norm` (the
 RMS norm of each segment, in one pass over the rows) has no rule: segcli.ops differentiates
@@ -28,16 +32,18 @@ that a second derivative adds its two rescales of the rows in one rescale2 kerne
 kernel); segcli.ops differentiates each through its own primitive. `moments` (each segment's
 mean and variance) and `exp_sums` (its largest value and sum of shifted exponentials) take
 both passes over a segment in one kernel and have no rule either: segcli.ops differentiates
-var by variance_tangent (whose derivatives are then one kernel each), std and logsumexp
-through custom JVPs built of sum and gather. `softmax` has its JVP
-beside it: `softmax_tangent`, a custom_transposed primitive that is its own transpose, and
-whose JVP in x is `softmax_curvature` (softmax's second derivative, bilinear, its own
-transpose in each operand); on GPUs each is one kernel where the ids are ordered.
-The other primitives give integers, so no derivative: `extreme` (the first row attaining
-each segment's max, min or max norm, through which the ops differentiate), `count` and
+var by variance_tangent (whose derivatives are then one kernel each), std by `std_tangent`
+(a custom_transposed primitive transposed into `std_cotangent`, whose JVP in x is
+`std_curvature`, std's weighted second derivative), logsumexp through a custom JVP built of
+sum and softmax. `softmax` has its JVP beside it: `softmax_tangent`, a custom_transposed
+primitive that is its own transpose, and whose JVP in x is `softmax_curvature` (softmax's
+second derivative, bilinear, its own transpose in each operand). On GPUs each of var's,
+std's and softmax's derivatives is one kernel where the ids are ordered. The other
+primitives give integers, so no derivative: `extreme` (the first row attaining each
+segment's max, min or max norm, through which the ops differentiate), `count` and
 `bincount`. Batching folds a vmapped axis into axis 1 of every float operand (the feature or
-group axis), which keeps the segment ids and their order; vmapped ids fall back to a loop over
-the batch.
+group axis), which keeps the segment ids and their order; vmapped ids fall back to a loop
+over the batch.
 
 Operands are the data arrays followed by int32 ids and int32 offsets: the segments' CSR
 offsets (M+1,) when the caller has them (the ids then non-decreasing), else an empty array and
@@ -1058,9 +1064,10 @@ def _std_parts(x, idx, offsets, params, fused):
         deviations = jnp.where(valid, x - gather(mean_p.bind(x, idx, offsets, **params)), 0)
         var = mean_p.bind(deviations * deviations, idx, offsets, **params)
     counts = jnp.maximum(count(idx, offsets, **params), 1).astype(x.dtype)[:, None]
-    zero = var == 0
-    inverse_var = jnp.where(zero, 0, 1 / jnp.where(zero, 1, var))
-    return deviations, jnp.sqrt(inverse_var) / counts, inverse_var, gather
+    zero = var == 0  # (where every derivative of the two scales is 0 too, never NaN)
+    var = jnp.where(zero, 1, var)
+    return (deviations, jnp.where(zero, 0, 1 / (counts * jnp.sqrt(var))),
+            jnp.where(zero, 0, 1 / var), gather)
 
 
 def _std_tangent(x, y, idx, offsets, fused=False, **params):
