@@ -10,15 +10,15 @@ run took: on a machine of few cores, what a command costs the cores shows there 
     python benchmarks/steady.py [--atoms 10000000] [--rounds 5] [--device auto|cpu|gpu]
                                 [--threads K] [--compression gzip] [--processes K]
 
-Generates (once, under --dir) a segcli file of float64 forces and velocities (N, 3), energy
-(S,) and cell (S, 3, 3), 1 to 63 atoms per structure. Each command writes its results with
-`-o` (HDF5) into --out-dir (default /dev/shm, a memory file system like the warm page
-cache the read comes from, so that a disk's write-back does not time one case for
-another). Prints a Markdown table: median seconds per run, atoms per second, and the share
-of the bare read's throughput; with `--processes K`, also of a bare read by K processes at
-once (each its share of every chunk's rows). `--threads K` is passed to the commands;
-`--compression gzip` makes (and reads) a file whose per-atom fields are compressed in chunks
-of 64 Ki rows, shuffled.
+Generates (once, under --dir) a segcli file of float64 forces and velocities (N, 3), int32
+atomic numbers (N,), energy (S,) and cell (S, 3, 3), 1 to 63 atoms per structure. Each
+command writes its results with `-o` (HDF5) into --out-dir (default /dev/shm, a memory file
+system like the warm page cache the read comes from, so that a disk's write-back does not
+time one case for another). Prints a Markdown table: median seconds per run, atoms per
+second, and the share of the bare read's throughput; with `--processes K`, also of a bare
+read by K processes at once (each its share of every chunk's rows). `--threads K` is passed
+to the commands; `--compression gzip` makes (and reads) a file whose per-atom fields are
+compressed in chunks of 64 Ki rows, shuffled.
 """
 
 import argparse
@@ -40,10 +40,12 @@ CASES = [("reduce", "sum forces"), ("reduce", "mean forces"), ("reduce", "rms_no
          ("reduce", "rms_norm forces + max_norm forces + mean forces"),
          ("reduce", "max forces"), ("reduce", "min forces"), ("reduce", "var forces"),
          ("reduce", "std forces"), ("reduce", "logsumexp forces"), ("reduce", "softmax forces"),
-         ("grad", "sum forces"), ("grad", "rms_norm forces"), ("grad", "max_norm forces"),
-         ("grad", "dot forces velocities"), ("grad", "matvec forces cell"),
-         ("grad", "max forces"), ("grad", "var forces"), ("grad", "logsumexp forces"),
-         ("grad", "softmax forces")]
+         ("reduce", "bincount numbers"),
+         ("grad", "sum forces"), ("grad", "mean forces"), ("grad", "rms_norm forces"),
+         ("grad", "max_norm forces"), ("grad", "dot forces velocities"),
+         ("grad", "mul forces energy"), ("grad", "matvec forces cell"), ("grad", "max forces"),
+         ("grad", "min forces"), ("grad", "var forces"), ("grad", "std forces"),
+         ("grad", "logsumexp forces"), ("grad", "softmax forces")]
 
 
 def make_file(path, atoms, seed=0, compression=None):
@@ -57,6 +59,7 @@ def make_file(path, atoms, seed=0, compression=None):
         f["structures/n_atoms"] = n_atoms
         f["structures/energy"] = rng.normal(size=len(n_atoms))
         f["structures/cell"] = rng.normal(size=(len(n_atoms), 3, 3))
+        f["atoms/numbers"] = rng.integers(1, 119, atoms, dtype=np.int32)
         for name in ("forces", "velocities"):
             data = f.create_dataset(f"atoms/{name}", (atoms, 3), np.float64,
                                     chunks=(min(atoms, 1 << 16), 3) if compression else None,
@@ -119,7 +122,10 @@ def main():
     path = os.path.join(args.dir, f"segcli-steady-{args.atoms}"
                                   f"{'-' + args.compression if args.compression else ''}.h5")
     out = os.path.join(args.out_dir or args.dir, "segcli-steady-out.h5")
-    if not os.path.exists(path):
+    if os.path.exists(path):
+        with h5py.File(path, "r") as f:
+            current = "atoms/numbers" in f  # (files of earlier versions lack it)
+    if not os.path.exists(path) or not current:
         make_file(path, args.atoms, compression=args.compression)
     pool = None
     if args.processes:
