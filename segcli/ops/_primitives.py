@@ -1046,34 +1046,43 @@ rows); elsewhere the mean's kernel and XLA's fused gathers (see _deviations)."""
 
 
 def _std_parts(x, idx, offsets, params, fused):
-    """(x[i] - mean, 0 in rows of no segment (N, K); 1 / (count · std) and 1 / var (M, K), both
-    0 where var is 0; a gather of (M, K) values to the rows) of x (N, K): the mean and variance
-    by moments_p and the gathers by XLA if `fused` (in an impl: no derivative rules needed),
-    else by mean_p and gather_p (differentiable)."""
+    """(mean, 1 / (count · std), 1 / var) (M, K) of x (N, K), the two scales 0 where var is 0
+    (and so each of their derivatives, never NaN), and gather(*values): (M, K) values taken to
+    the rows, several in one gather. The mean and variance by moments_p and the gathers by XLA
+    (fused into the work that uses the rows) if `fused` (in an impl, where no derivative rule
+    is needed), else by mean_p and gather_p (differentiable)."""
     valid = ((idx >= 0) & (idx < params["num_segments"]))[:, None]
     if fused:
-        def gather(values):
-            return at_rows(values, idx)
+        def gather(*values):
+            rows = at_rows(jnp.stack(values, axis=-1), idx)
+            return tuple(rows[..., j] for j in range(len(values)))
 
         mean, var = jnp.moveaxis(moments_p.bind(x, idx, offsets, **params), -1, 0)
-        deviations = jnp.where(valid, x - gather(mean), 0)
     else:
-        def gather(values):
-            return gather_p.bind(values, idx, offsets, **params)
+        def gather(*values):
+            rows = gather_p.bind(jnp.concatenate(values, axis=1), idx, offsets, **params)
+            return tuple(jnp.split(rows, len(values), axis=1))
 
-        deviations = jnp.where(valid, x - gather(mean_p.bind(x, idx, offsets, **params)), 0)
+        mean = mean_p.bind(x, idx, offsets, **params)
+        deviations = jnp.where(valid, x - gather(mean)[0], 0)
         var = mean_p.bind(deviations * deviations, idx, offsets, **params)
     counts = jnp.maximum(count(idx, offsets, **params), 1).astype(x.dtype)[:, None]
-    zero = var == 0  # (where every derivative of the two scales is 0 too, never NaN)
+    zero = var == 0
     var = jnp.where(zero, 1, var)
-    return (deviations, jnp.where(zero, 0, 1 / (counts * jnp.sqrt(var))),
-            jnp.where(zero, 0, 1 / var), gather)
+    return (mean, jnp.where(zero, 0, 1 / (counts * jnp.sqrt(var))), jnp.where(zero, 0, 1 / var),
+            gather)
+
+
+def _in_rows(rows, idx, num_segments):
+    """rows, 0 in rows of no segment."""
+    return jnp.where(((idx >= 0) & (idx < num_segments))[:, None], rows, 0)
 
 
 def _std_tangent(x, y, idx, offsets, fused=False, **params):
     """Σ (x[i] - mean) y[i] / (count · std) over each segment of x and y (N, K): std's tangent
     at x along y (M, K), linear in y; 0 where std is 0."""
-    deviations, scale, _, _ = _std_parts(x, idx, offsets, params, fused)
+    mean, scale, _, gather = _std_parts(x, idx, offsets, params, fused)
+    deviations = _in_rows(x - gather(mean)[0], idx, params["num_segments"])
     return sum_p.bind(deviations * y, idx, offsets, **params) * scale
 
 
@@ -1081,8 +1090,9 @@ def _std_cotangent(x, c, idx, offsets, fused=False, **params):
     """(x[i] - mean) c[s] / (count · std) over the rows i of each segment s of x (N, K), for c
     (M, K): std's cotangent at x, _std_tangent's transpose along y; 0 where std is 0 and in rows
     of no segment."""
-    deviations, scale, _, gather = _std_parts(x, idx, offsets, params, fused)
-    return deviations * gather(scale * c)
+    mean, scale, _, gather = _std_parts(x, idx, offsets, params, fused)
+    centre, weight = gather(mean, scale * c)
+    return _in_rows((x - centre) * weight, idx, params["num_segments"])
 
 
 def _std_curvature(x, a, c, idx, offsets, fused=False, **params):
@@ -1090,12 +1100,12 @@ def _std_curvature(x, a, c, idx, offsets, fused=False, **params):
     each segment s, d = x - mean: std's second derivative along a weighted by c (N, K), the
     JVP in x along a of _std_cotangent; bilinear, and its own transpose in a (a Hessian); 0
     where std is 0 and in rows of no segment."""
-    deviations, scale, inverse_var, gather = _std_parts(x, idx, offsets, params, fused)
+    mean, scale, inverse_var, gather = _std_parts(x, idx, offsets, params, fused)
+    deviations = _in_rows(x - gather(mean)[0], idx, params["num_segments"])
     k = x.shape[1]
     means = mean_p.bind(jnp.concatenate([a, deviations * a], axis=1), idx, offsets, **params)
-    valid = ((idx >= 0) & (idx < params["num_segments"]))[:, None]
-    return jnp.where(valid, gather(scale * c) * (
-        a - gather(means[:, :k]) - deviations * gather(means[:, k:] * inverse_var)), 0)
+    weight, mean_a, ratio = gather(scale * c, means[:, :k], means[:, k:] * inverse_var)
+    return _in_rows(weight * (a - mean_a - deviations * ratio), idx, params["num_segments"])
 
 
 def _std_impl(kernel, formula, rows):
