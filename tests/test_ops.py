@@ -995,6 +995,15 @@ def derivative_calls(op, seg, m, weights_too=False):
     return calls
 
 
+def edge_case_segments(rng, n, m):
+    """n sorted ids over m = 9 segments: 2, 5, 7 empty, 6 of one row, -1 and 9 outside (rows of
+    no segment); the same as a Segments (with their offsets); whether each row is inside."""
+    ids = np.sort(np.append(rng.choice([-1, 0, 1, 3, 4, 8, 9], size=n - 1), 6))
+    offsets = np.searchsorted(ids, np.arange(m + 1), side="left").astype(np.int32)
+    return (ids, ops.Segments(jnp.asarray(ids, jnp.int32), jnp.asarray(offsets)),
+            (ids >= 0) & (ids < m))
+
+
 def check_derivative_calls(op, segments, ids, m, inputs, launches, tolerance, zero_rows,
                            weights_per_row, order):
     """derivative_calls(op, segments, m, weights_too=True), returned, after checking them over
@@ -1105,13 +1114,9 @@ def test_var_and_std_are_one_kernel_over_ordered_ids_and_numpy_s_values_over_any
     segment gives 0."""
     rng = np.random.default_rng(41)
     n, m = 60, 9
-    # 2, 5, 7 empty, 6 of one row; -1, 9 outside
-    ids = np.sort(np.append(rng.choice([-1, 0, 1, 3, 4, 8, 9], size=n - 1), 6))
-    offsets = np.searchsorted(ids, np.arange(m + 1), side="left").astype(np.int32)
-    segments = ops.Segments(jnp.asarray(ids, jnp.int32), jnp.asarray(offsets))
+    ids, segments, inside = edge_case_segments(rng, n, m)
     x = rng.normal(size=(n, 3)) * 10.0 ** rng.integers(-3, 4, size=(n, 1)) + 1e3
     w = rng.normal(size=(m, 3))
-    inside = (ids >= 0) & (ids < m)
     expected = np.zeros((m, 3))
     for s in range(m):
         if np.any(ids == s):
@@ -1164,13 +1169,9 @@ def test_var_derivatives_are_one_kernel_each_and_numpy_s_values(gpu_paths, dtype
     vmap gives each example's values."""
     rng = np.random.default_rng(43)
     n, m, batch = 60, 9, 3
-    # 2, 5, 7 empty, 6 of one row; -1, 9 outside
-    ids = np.sort(np.append(rng.choice([-1, 0, 1, 3, 4, 8, 9], size=n - 1), 6))
-    offsets = np.searchsorted(ids, np.arange(m + 1), side="left").astype(np.int32)
-    segments = ops.Segments(jnp.asarray(ids, jnp.int32), jnp.asarray(offsets))
+    ids, segments, inside = edge_case_segments(rng, n, m)
     x = rng.normal(size=(batch, n, 3)) * 10.0 ** rng.integers(-2, 3, size=(batch, n, 1))
     w, v = rng.normal(size=(batch, m, 3)), rng.normal(size=(batch, n, 3))
-    inside = (ids >= 0) & (ids < m)
     s = np.clip(ids, 0, m - 1)
 
     def numpy_grad(xk, wk):
@@ -1220,14 +1221,10 @@ def test_std_derivatives_are_one_kernel_each_and_numpy_s_values(gpu_paths, dtype
     whose std is 0 (of zeros, of one row) get 0; vmap gives each example's values."""
     rng = np.random.default_rng(47)
     n, m, batch = 60, 9, 3
-    # 2, 5, 7 empty, 6 of one row, 3 of zeros (std 0 exactly); -1, 9 outside
-    ids = np.sort(np.append(rng.choice([-1, 0, 1, 3, 4, 8, 9], size=n - 1), 6))
-    offsets = np.searchsorted(ids, np.arange(m + 1), side="left").astype(np.int32)
-    segments = ops.Segments(jnp.asarray(ids, jnp.int32), jnp.asarray(offsets))
+    ids, segments, inside = edge_case_segments(rng, n, m)  # and 3 of zeros: std 0 exactly
     x = rng.normal(size=(batch, n, 3)) * 10.0 ** rng.uniform(-1, 1, size=(batch, n, 1))
     x[:, ids == 3] = 0
     w, v = rng.normal(size=(batch, m, 3)), rng.normal(size=(batch, n, 3))
-    inside = (ids >= 0) & (ids < m)
     s = np.clip(ids, 0, m - 1)
 
     def numpy_scaled_deviations(xk):  # (x - mean) / (count · std), 0 where std is 0
@@ -1298,10 +1295,7 @@ def test_logsumexp_and_softmax_are_one_kernel_over_ordered_ids_and_numpy_s_value
     pure JAX's reference), both with derivative 0; rows of no segment count nowhere."""
     rng = np.random.default_rng(43)
     n, m = 60, 9
-    # 2, 5, 7 empty, 6 of one row, 8 all -inf; -1, 9 outside
-    ids = np.sort(np.append(rng.choice([-1, 0, 1, 3, 4, 8, 9], size=n - 1), 6))
-    offsets = np.searchsorted(ids, np.arange(m + 1), side="left").astype(np.int32)
-    segments = ops.Segments(jnp.asarray(ids, jnp.int32), jnp.asarray(offsets))
+    ids, segments, _ = edge_case_segments(rng, n, m)  # and 8 all -inf
     x = rng.normal(size=(n, 3)) * 30 + 500
     x[ids == 8] = -np.inf
     w = rng.normal(size=(m, 3))
@@ -1373,14 +1367,10 @@ def test_softmax_derivatives_are_one_kernel_each_and_numpy_s_values(gpu_paths, d
     values."""
     rng = np.random.default_rng(47)
     n, m, batch = 60, 9, 3
-    # 2, 5, 7 empty, 6 of one row, 8 all -inf; -1, 9 outside
-    ids = np.sort(np.append(rng.choice([-1, 0, 1, 3, 4, 8, 9], size=n - 1), 6))
-    offsets = np.searchsorted(ids, np.arange(m + 1), side="left").astype(np.int32)
-    segments = ops.Segments(jnp.asarray(ids, jnp.int32), jnp.asarray(offsets))
+    ids, segments, inside = edge_case_segments(rng, n, m)  # and 8 all -inf
     x = rng.normal(size=(batch, n, 3)) * 2 + 300
     x[:, ids == 8] = -np.inf
     w, v = rng.normal(size=(batch, n, 3)), rng.normal(size=(batch, n, 3))
-    inside = (ids >= 0) & (ids < m)
 
     def numpy_grad(xk, wk):  # s (w - Σ s w) over each segment
         out = np.zeros_like(xk)
