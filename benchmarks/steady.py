@@ -90,8 +90,8 @@ def bare_read_by(pool, parts, *args):
 def datasets_of(words):
     """The datasets a case reads."""
     per_structure = {"energy", "cell"}
-    names = dict.fromkeys(w for w in words.split() if w in per_structure | {"forces",
-                                                                            "velocities"})
+    names = dict.fromkeys(w for w in words.split()
+                          if w in per_structure | {"forces", "velocities", "numbers"})
     return ["structures/n_atoms"] + [("structures/" if n in per_structure else "atoms/") + n
                                      for n in names]
 
