@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from batch_reference import random_args
 
-from segcli import cache_directory, ops
+from segcli import cache_directory, ops, reference
 from segcli.ops import _kernels, _primitives
 from segcli.registry import OPS
 
@@ -1216,7 +1216,8 @@ def test_std_derivatives_are_one_kernel_each_and_numpy_s_values(gpu_paths, dtype
     kernel on GPUs' paths, a group of lanes per segment and feature (on CPUs the moments' and
     XLA's fusions, and one mean or sum for the second derivatives and the JVP). The gradient
     equals NumPy's float64 (x - mean) w / (count · std), the second derivatives central
-    differences of it, the JVP NumPy's Σ (x - mean) v / (count · std); the same ids alone give
+    differences of it, the JVP NumPy's Σ (x - mean) v / (count · std), a third derivative (in the
+    weights, of the JVP of the gradient) the pure-JAX reference's; the same ids alone give
     the same bits, shuffled ids the same values; rows of no segment, empty segments and segments
     whose std is 0 (of zeros, of one row) get 0; vmap gives each example's values."""
     rng = np.random.default_rng(47)
@@ -1280,6 +1281,22 @@ def test_std_derivatives_are_one_kernel_each_and_numpy_s_values(gpu_paths, dtype
                                  for k in range(3)], axis=1)
         np.testing.assert_allclose(jax.jit(jvp)(a[0], jnp.asarray(vk, dtype)), expected_jvp,
                                    rtol=tolerance, atol=tolerance * np.max(np.abs(expected_jvp)))
+
+        # the weights' derivative of <JVP of the gradient along v, u> (std_curvature's transpose
+        # in its weights), against the pure-JAX reference's in float64
+        def third(function, seg, xk, wk, uk):
+            def hvp(wk):
+                return jax.jvp(jax.grad(lambda b: jnp.sum(wk * function(b, seg, m))),
+                               (xk,), (jnp.asarray(vk, xk.dtype),))[1]
+
+            return jax.grad(lambda wk: jnp.sum(hvp(wk) * uk))(wk)
+
+        uk = rng.normal(size=(n, 3))
+        exact = third(reference.segmented_std, jnp.asarray(ids), *map(jnp.asarray, (xk, wk, uk)))
+        np.testing.assert_allclose(
+            jax.jit(lambda *args: third(ops.segmented_std, segments, *args))(
+                a[0], weights[0], jnp.asarray(uk, dtype)),
+            exact, rtol=tolerance, atol=tolerance * np.max(np.abs(exact)))
     finally:
         _primitives.lower_cpu_as_gpu(False)
 

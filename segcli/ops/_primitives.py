@@ -1051,7 +1051,6 @@ def _std_parts(x, idx, offsets, params, fused):
     the rows, several in one gather. The mean and variance by moments_p and the gathers by XLA
     (fused into the work that uses the rows) if `fused` (in an impl, where no derivative rule
     is needed), else by mean_p and gather_p (differentiable)."""
-    valid = ((idx >= 0) & (idx < params["num_segments"]))[:, None]
     if fused:
         def gather(*values):
             rows = at_rows(jnp.stack(values, axis=-1), idx)
@@ -1064,7 +1063,7 @@ def _std_parts(x, idx, offsets, params, fused):
             return tuple(jnp.split(rows, len(values), axis=1))
 
         mean = mean_p.bind(x, idx, offsets, **params)
-        deviations = jnp.where(valid, x - gather(mean)[0], 0)
+        deviations = _in_rows(x - gather(mean)[0], idx, params["num_segments"])
         var = mean_p.bind(deviations * deviations, idx, offsets, **params)
     counts = jnp.maximum(count(idx, offsets, **params), 1).astype(x.dtype)[:, None]
     zero = var == 0
