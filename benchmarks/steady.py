@@ -122,10 +122,11 @@ def main():
     path = os.path.join(args.dir, f"segcli-steady-{args.atoms}"
                                   f"{'-' + args.compression if args.compression else ''}.h5")
     out = os.path.join(args.out_dir or args.dir, "segcli-steady-out.h5")
+    current = False  # a file of this version (earlier ones lack atoms/numbers)
     if os.path.exists(path):
         with h5py.File(path, "r") as f:
-            current = "atoms/numbers" in f  # (files of earlier versions lack it)
-    if not os.path.exists(path) or not current:
+            current = "atoms/numbers" in f
+    if not current:
         make_file(path, args.atoms, compression=args.compression)
     pool = None
     if args.processes:
