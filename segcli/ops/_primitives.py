@@ -426,6 +426,11 @@ def at_rows(values, idx):
     return jnp.where(valid, values[jnp.clip(idx, 0, m - 1)], 0)
 
 
+def _in_rows(rows, idx, num_segments):
+    """rows, 0 in rows of no segment."""
+    return jnp.where(((idx >= 0) & (idx < num_segments))[:, None], rows, 0)
+
+
 XLA_GATHER_ROWS = 1 << 20
 """Rows up to which gather_p of float64 is XLA's gather on GPUs (float32: at any size), which
 XLA fuses into the work that uses the rows. On an H100 at N = 10⁷, float32: the gradients of
@@ -994,9 +999,8 @@ def _deviations(x, idx, offsets, num_segments, indices_are_sorted, gpu):
     CPUs: 1.6–3 times as fast there at 2 Mi rows (benchmarks/RESULTS.md)."""
     params = {"num_segments": num_segments, "indices_are_sorted": indices_are_sorted, "gpu": gpu}
     mean = _mean(x, idx, offsets, **params)
-    valid = ((idx >= 0) & (idx < num_segments))[:, None]
     counts = jnp.maximum(_count(idx, offsets, **params), 1).astype(x.dtype)[:, None]
-    return jnp.where(valid, x - at_rows(mean, idx), 0), 2 / counts
+    return _in_rows(x - at_rows(mean, idx), idx, num_segments), 2 / counts
 
 
 def _variance_tangent(x, y, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
@@ -1070,11 +1074,6 @@ def _std_parts(x, idx, offsets, params, fused):
     var = jnp.where(zero, 1, var)
     return (mean, jnp.where(zero, 0, 1 / (counts * jnp.sqrt(var))), jnp.where(zero, 0, 1 / var),
             gather)
-
-
-def _in_rows(rows, idx, num_segments):
-    """rows, 0 in rows of no segment."""
-    return jnp.where(((idx >= 0) & (idx < num_segments))[:, None], rows, 0)
 
 
 def _std_tangent(x, y, idx, offsets, fused=False, **params):
@@ -1224,8 +1223,7 @@ def _exp_terms(x, idx, offsets, params):
     (exp_sums_p) taken to its rows by an XLA gather; 0 and 0 for rows whose id is out of
     range."""
     at = at_rows(exp_sums_p.bind(x, idx, offsets, **params), idx)
-    valid = ((idx >= 0) & (idx < params["num_segments"]))[:, None]
-    return jnp.where(valid, jnp.exp(x - at[..., 0]), 0), at[..., 1]
+    return _in_rows(jnp.exp(x - at[..., 0]), idx, params["num_segments"]), at[..., 1]
 
 
 softmax_p = _register(_Rule(
