@@ -5,9 +5,11 @@ compiles, and the median of the calls after it, which reuse the compiled program
 
 Every op of segcli.registry.OPS on the inputs benchmarks/ops.py makes from its argument data
 ((N, 3) per-atom fields, per-structure ones of their own shape, labels), N atoms in structures
-of 1..63 atoms, sorted int32 ids; and the helpers `segment_ids` and `segments` on the
-structures' sizes. Prints a Markdown table: milliseconds per call, with block_until_ready
-after each; the calls after the first are made in turns, one of each function per turn.
+of 1..63 atoms, given sorted int32 ids and given their Segments; `segmented_reductions` of all
+its reductions; and the helpers `segment_ids`, `segments`, `segments_of_offsets` and
+`check_segments` on the structures' sizes. Prints a Markdown table: milliseconds per call,
+with block_until_ready after each; the calls after the first are made in turns, one of each
+function per turn.
 """
 
 import argparse
@@ -28,12 +30,19 @@ def calls(n, dtype):
 
     rng, idx, m, _ = inputs(n, dtype)
     sizes = np.bincount(np.asarray(idx), minlength=m)
+    seg = ops.segments(sizes)
     thunks = [("segment_ids", lambda: ops.segment_ids(sizes)),
-              ("segments", lambda: ops.segments(sizes))]
+              ("segments", lambda: ops.segments(sizes)),
+              ("segments_of_offsets", lambda: ops.segments_of_offsets(seg.offsets, n)),
+              ("check_segments", lambda: ops.check_segments(idx, m))]
     for op in OPS.values():
         args = arguments(op, rng, n, m, dtype)
-        thunks.append((f"segmented_{op.name}",
-                       lambda op=op, args=args: op.function(*args, idx, m, **op.params)))
+        for layout, ids in (("", idx), (" (Segments)", seg)):
+            thunks.append((f"segmented_{op.name}{layout}", lambda op=op, args=args, ids=ids:
+                           op.function(*args, ids, m, **op.params)))
+    x = arguments(OPS["sum"], rng, n, m, dtype)[0]
+    thunks.append(("segmented_reductions (all four)",
+                   lambda: ops.segmented_reductions(x, idx, m, ops.REDUCTIONS)))
     return thunks, m
 
 
