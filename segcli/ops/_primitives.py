@@ -764,16 +764,17 @@ def _extreme(x, idx, offsets, *, num_segments, indices_are_sorted, kind, gpu=Fal
 
 
 def _search(x, idx, offsets, num_segments, indices_are_sorted, kind, gpu, norms=False):
-    """(first, None), or with `norms` (max_norm, float64, GPUs) (first, |x[first]|): norms the
-    lanes search writes beside its rows where the ids are ordered (one launch for a known
-    sorted max_norm), else XLA's of the rows found."""
+    """(first, None), or with `norms` (max_norm, GPUs) (first, |x[first]|): norms the lanes
+    search writes beside its rows where the ids are ordered (one launch for a known sorted
+    max_norm), else XLA's of the rows found. float32 max_norm on GPUs with ids not known sorted
+    takes its packed keys' rows instead (no norms)."""
     n, groups = x.shape[:2]
     first = jnp.full((num_segments, groups), n, jnp.int32)
     if _empty(first.shape, x):
         return first, jnp.zeros(first.shape, x.dtype) if norms else None
-    if kind == "max_norm" and gpu and x.dtype == jnp.float32:
-        return _first_of_packed_keys(x, idx, num_segments), None
     known_sorted = ids_known_sorted(offsets, indices_are_sorted)
+    if kind == "max_norm" and gpu and x.dtype == jnp.float32 and not known_sorted:
+        return _first_of_packed_keys(x, idx, num_segments), None
     offsets, ordered = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
     # Ordered ids: one pass per segment (max_norm's on GPUs by a group of LANES threads), which
     # writes every segment's row (N where empty): ids known sorted need no `first` filled
@@ -902,7 +903,8 @@ def _max_norm(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     groups = x.shape[1]
     if _empty((num_segments, groups), x):
         return jnp.zeros((num_segments, groups), x.dtype)
-    if gpu and x.dtype == jnp.float32:  # the norm is in each key's upper word
+    if gpu and x.dtype == jnp.float32 and not ids_known_sorted(offsets, indices_are_sorted):
+        # the norm is in each key's upper word
         return jax.lax.bitcast_convert_type(_packed_keys(x, idx, num_segments)[..., 1],
                                             jnp.float32)
     if _in_one_pass(x, offsets, num_segments, indices_are_sorted, gpu):  # search and norm
@@ -929,8 +931,9 @@ max_norm_p = _register(_Rule(
     1, batch_first=True))
 """max_i |x[i, g]| over each segment and group of x (N, G, K), 0 for an empty segment: the
 norms of the rows `extreme` (kind "max_norm") chooses, on CPUs for rows of 3 with ids known
-sorted the search and the norm in one kernel (reductions3); on GPUs in float32 the norms its
-packed search compared, in float64 those its lanes search wrote where the ids are ordered.
+sorted the search and the norm in one kernel (reductions3); on GPUs those its lanes search
+wrote where the ids are ordered, or in float32 with ids not known sorted the norms its packed
+search compared.
 No derivative rule of its own (segcli.ops gives it one)."""
 
 
