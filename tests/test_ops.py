@@ -1578,6 +1578,79 @@ def test_gpu_kernels_compile_for_cuda(tmp_path):
     assert failed == {}
 
 
+# max_norm's lanes search, its C compiled on the host as a GPU compiles it (__CUDA_ARCH__, the
+# shuffles stubbed: one lane gives the answer alone): rows of 3 in a 16-byte-aligned array take
+# the blocks path, the same rows 4 or 8 bytes further on the per-row path
+_LANES_SEARCH_HOST = r"""
+#define __CUDA_ARCH__ 900
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+using std::fma;
+struct { unsigned x; } threadIdx{0};
+template <class T> T __shfl_xor_sync(unsigned, T v, int, int) { return v; }
+template <class T> struct Arr { void* data; int shape[3]; };
+int search64(Arr<double> x, int lo, int hi, int g, int lane, int lanes) {
+#include "float64.inc"
+}
+int search32(Arr<float> x, int lo, int hi, int g, int lane, int lanes) {
+#include "float32.inc"
+}
+template <class T, class F> int check(F search, int seed) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<double> normal;
+    int differ = 0;
+    for (int n = 1; n <= 40; n++) {
+        T *aligned, *shifted;  /* exactly 3n entries each, for the sanitizer */
+        char* raw;
+        if (posix_memalign((void**)&aligned, 64, 3 * n * sizeof(T)) ||
+            posix_memalign((void**)&raw, 64, 3 * n * sizeof(T) + sizeof(T)))
+            return 1;
+        shifted = (T*)(raw + sizeof(T));
+        for (int e = 0; e < 3 * n; e++) aligned[e] = (T)normal(rng);
+        if (seed % 2)  /* rows tied with the first */
+            for (int i = 1; i < n; i += 3) std::memcpy(aligned + 3 * i, aligned, 3 * sizeof(T));
+        std::memcpy(shifted, aligned, 3 * n * sizeof(T));
+        for (int lo = 0; lo < n; lo++)
+            for (int hi = lo + 1; hi <= n; hi++) {
+                Arr<T> a{aligned, {n, 1, 3}}, b{shifted, {n, 1, 3}};
+                differ += search(a, lo, hi, 0, 0, 1) != search(b, lo, hi, 0, 0, 1);
+                for (int lanes = 2; lanes <= 8; lanes *= 2)  /* every lane reads in bounds */
+                    for (int lane = 0; lane < lanes; lane++) search(a, lo, hi, 0, lane, lanes);
+            }
+        std::free(aligned);
+        std::free(raw);
+    }
+    return differ;
+}
+int main() {
+    int differ = 0;
+    for (int seed = 0; seed < 4; seed++)
+        differ += check<double>(search64, seed) + check<float>(search32, seed);
+    std::printf("%d differ\n", differ);
+    return differ != 0;
+}
+"""
+
+
+def test_lanes_search_blocks_find_the_rows_of_the_per_row_loop(tmp_path):
+    """max_norm's GPU search (its CUDA branch, compiled on the host with a sanitizer, one lane):
+    rows of 3 loaded as 16-byte blocks give the answer the per-row loop gives, for every span
+    lo:hi of 1 to 40 rows (blocks cut at both ends, the array's last rows), tied rows too; and
+    no lane of a group of 2, 4 or 8 reads outside the array."""
+    for dtype in ("float32", "float64"):
+        (tmp_path / f"{dtype}.inc").write_text(_kernels._lanes_squares_source(dtype))
+    (tmp_path / "search.cpp").write_text(_LANES_SEARCH_HOST)
+    compiler = os.environ.get("CXX", "c++")
+    subprocess.run([compiler, "-std=c++17", "-O1", "-fsanitize=address,undefined",
+                    "-fno-sanitize-recover=all", "-o", "search", "search.cpp"], cwd=tmp_path,
+                   check=True, capture_output=True)
+    result = subprocess.run([str(tmp_path / "search")], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout == "0 differ\n", result.stdout + result.stderr
+
+
 @pytest.mark.parametrize("paths", ["gpu", pytest.param("cpu", marks=pytest.mark.slow)])
 def test_kernels_stay_in_bounds(paths):
     """Every op and gradient on the GPU's (or the CPU's) code paths with Warp's bounds checks
