@@ -73,8 +73,9 @@ Shapes (rows first, then a group axis G that vmap folds into, then features):
                                                                 threads per segment)
     max_norm_packed  x (N, G, K) float32     -> keys (M, G, 2)  the uint64 atomic max of (bits of
                                                                 |x[i,g]|) << 32 | (2³² - 1 - i),
-                                                                as uint32 pairs (GPUs, any order
-                                                                of the ids, no layout)
+                                                                as uint32 pairs (GPUs, ids not
+                                                                known sorted, in any order; no
+                                                                layout)
     bincount    labels (N,)                  -> (M, L) int32    out[s,c] = #{i : idx[i]=s,
                                                                 labels[i]=c} over ordered ids
                                                                 (GPUs: a warp a segment), else 0
