@@ -2306,7 +2306,7 @@ _deferred(_cpu_ordered_extreme(0, _value, _below), "min_cpu_ordered")
 # max_norm's ordered search on GPUs by a group of `lanes` threads a segment ("float" stands for
 # the dtype; PLAIN, NEAR and MAX its constants): lane j takes rows lo + j, lo + j + lanes, ...
 # of group g (rows of 3 alone, 16-byte aligned: the blocks j, j + lanes, ... of `per` rows, 48
-# bytes loaded as three 16-byte vectors; on an H100 float64's forward 149–158 → 110 µs at
+# bytes loaded as three 16-byte vectors; on an H100 float64's forward 149–158 → 110–114 µs at
 # N = 10⁷, benchmarks/RESULTS.md), keeping its largest squared norm (`top`, at row `where`) and
 # the largest of its other rows (`runner`), each row's square summed in the order of its
 # entries; the lanes then join by butterflies. The answer is the first row of
