@@ -1004,6 +1004,12 @@ def edge_case_segments(rng, n, m):
             (ids >= 0) & (ids < m))
 
 
+def kernel_calls(function, *args):
+    """The custom calls (kernel launches) in the program XLA compiles for function(*args)."""
+    compiled = jax.jit(function).lower(*args).compile().as_text()
+    return compiled[compiled.index("ENTRY"):].count(" custom-call(")
+
+
 def check_derivative_calls(op, segments, ids, m, inputs, launches, tolerance, zero_rows,
                            weights_per_row, order):
     """derivative_calls(op, segments, m, weights_too=True), returned, after checking them over
@@ -1015,8 +1021,7 @@ def check_derivative_calls(op, segments, ids, m, inputs, launches, tolerance, ze
         segments, jnp.asarray(ids, jnp.int32), jnp.asarray(ids[order], jnp.int32)))
     a, weights, along = inputs
     for name, call in calls.items():
-        compiled = jax.jit(call).lower(a[0], weights[0], along[0]).compile().as_text()
-        assert compiled[compiled.index("ENTRY"):].count(" custom-call(") == launches[name], name
+        assert kernel_calls(call, a[0], weights[0], along[0]) == launches[name], name
         per_row = name != "grad2_weights" or weights_per_row
         batched = jax.jit(jax.vmap(call))(a, weights, along)
         for k in range(a.shape[0]):
@@ -1065,8 +1070,7 @@ def test_rms_norm_derivatives_over_known_sorted_ids_are_one_kernel_each(gpu_path
         a, weights, along = (jnp.asarray(array, dtype) for array in (x, w, v))
         by_ids = derivatives(jnp.asarray(ids, jnp.int32))
         for name, call in derivatives(segments).items():
-            compiled = jax.jit(call).lower(a[0], weights[0], along[0]).compile().as_text()
-            assert compiled[compiled.index("ENTRY"):].count(" custom-call(") == 1, name
+            assert kernel_calls(call, a[0], weights[0], along[0]) == 1, name
             batched = jax.jit(jax.vmap(call))(a, weights, along)
             for k in range(batch):
                 one = jax.jit(call)(a[k], weights[k], along[k])
@@ -1131,8 +1135,7 @@ def test_var_and_std_are_one_kernel_over_ordered_ids_and_numpy_s_values_over_any
         calls = {"var": lambda a: ops.segmented_var(a, segments, m),
                  "grad": jax.grad(lambda a: loss(a, segments))}
         for name, call in calls.items():
-            compiled = jax.jit(call).lower(a).compile().as_text()
-            assert compiled[compiled.index("ENTRY"):].count(" custom-call(") == 1, name
+            assert kernel_calls(call, a) == 1, name
         promised = ops.segmented_var(a, segments, m)
         np.testing.assert_allclose(promised, expected, rtol=1e-12, atol=1e-300)
         np.testing.assert_array_equal(ops.segmented_var(a, jnp.asarray(ids, jnp.int32), m),
@@ -1274,8 +1277,7 @@ def test_std_derivatives_are_one_kernel_each_and_numpy_s_values(gpu_paths, dtype
         def jvp(a, v):
             return jax.jvp(lambda a: ops.segmented_std(a, segments, m), (a,), (v,))[1]
 
-        compiled = jax.jit(jvp).lower(a[0], along[0]).compile().as_text()
-        assert compiled[compiled.index("ENTRY"):].count(" custom-call(") == (1 if gpu else 2)
+        assert kernel_calls(jvp, a[0], along[0]) == (1 if gpu else 2)
         products = numpy_scaled_deviations(xk) * vk
         expected_jvp = np.stack([np.bincount(ids[inside], products[inside, k], minlength=m)
                                  for k in range(3)], axis=1)
@@ -1338,8 +1340,7 @@ def test_logsumexp_and_softmax_are_one_kernel_over_ordered_ids_and_numpy_s_value
                  "grad": jax.grad(lambda a: loss(a, segments))}
         gpu = gpu_paths or jax.default_backend() == "gpu"
         for name, launches in (("logsumexp", 1), ("softmax", 1), ("grad", 1 if gpu else 2)):
-            compiled = jax.jit(calls[name]).lower(a).compile().as_text()
-            assert compiled[compiled.index("ENTRY"):].count(" custom-call(") == launches, name
+            assert kernel_calls(calls[name], a) == launches, name
         order = rng.permutation(n)
         for function, expected in ((ops.segmented_logsumexp, expected_lse),
                                    (ops.segmented_softmax, expected_soft)):
