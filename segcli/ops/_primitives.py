@@ -772,9 +772,9 @@ def _search(x, idx, offsets, num_segments, indices_are_sorted, kind, gpu, norms=
     first = jnp.full((num_segments, groups), n, jnp.int32)
     if _empty(first.shape, x):
         return first, jnp.zeros(first.shape, x.dtype) if norms else None
-    known_sorted = ids_known_sorted(offsets, indices_are_sorted)
-    if kind == "max_norm" and gpu and x.dtype == jnp.float32 and not known_sorted:
+    if kind == "max_norm" and _by_packed_keys(x, offsets, indices_are_sorted, gpu):
         return _first_of_packed_keys(x, idx, num_segments), None
+    known_sorted = ids_known_sorted(offsets, indices_are_sorted)
     offsets, ordered = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
     # Ordered ids: one pass per segment (max_norm's on GPUs by a group of LANES threads), which
     # writes every segment's row (N where empty): ids known sorted need no `first` filled
@@ -810,6 +810,12 @@ def _search(x, idx, offsets, num_segments, indices_are_sorted, kind, gpu, norms=
     if not norms:
         return first, None
     return first, jnp.where(ordered[0] != 0, written, _norms_of(x, first))
+
+
+def _by_packed_keys(x, offsets, indices_are_sorted, gpu):
+    """Whether max_norm searches by packed keys: float32 on GPUs with ids not known sorted
+    (known sorted, the lanes search is faster and writes the norms too)."""
+    return gpu and x.dtype == jnp.float32 and not ids_known_sorted(offsets, indices_are_sorted)
 
 
 def _packed_keys(x, idx, num_segments):
@@ -903,8 +909,7 @@ def _max_norm(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     groups = x.shape[1]
     if _empty((num_segments, groups), x):
         return jnp.zeros((num_segments, groups), x.dtype)
-    if gpu and x.dtype == jnp.float32 and not ids_known_sorted(offsets, indices_are_sorted):
-        # the norm is in each key's upper word
+    if _by_packed_keys(x, offsets, indices_are_sorted, gpu):  # the norm in each key's upper word
         return jax.lax.bitcast_convert_type(_packed_keys(x, idx, num_segments)[..., 1],
                                             jnp.float32)
     if _in_one_pass(x, offsets, num_segments, indices_are_sorted, gpu):  # search and norm
