@@ -162,17 +162,23 @@ def test_bincount_counts_labels_per_segment(any_ids):
     np.testing.assert_array_equal(got, expected)
 
 
+@pytest.mark.parametrize("label_dtype", [np.int32, np.int64, np.uint8])
 @pytest.mark.parametrize("gpu_paths", [False, True])
-def test_bincount_of_long_segments_and_many_labels_matches_numpy_in_any_id_order(gpu_paths):
+def test_bincount_of_long_segments_and_many_labels_matches_numpy_in_any_id_order(gpu_paths,
+                                                                                  label_dtype):
     # segments of 0–80 rows (more than a warp's lanes) and labels past 32, 64 and 96 (a lane
-    # zeroes several entries of its row), some outside [0, length); the ids as a Segments,
-    # promised sorted, sorted unpromised, shuffled and with rows past the last segment
+    # zeroes several entries of its row), some outside [0, length) (int64 ones also 2³² above
+    # a label in range, which int32 would wrap onto it); the ids as a Segments, promised
+    # sorted, sorted unpromised, shuffled and with rows past the last segment
     rng = np.random.default_rng(7)
     n_atoms = rng.integers(0, 81, 60)
     n_atoms[[3, 17, 18]] = 0
     ids = np.repeat(np.arange(60), n_atoms)
     for length in (119, 5):
-        labels = rng.integers(-3, length + 3, ids.size)
+        low = 0 if label_dtype == np.uint8 else -3
+        labels = rng.integers(low, length + 3, ids.size).astype(label_dtype)
+        if label_dtype == np.int64:
+            labels[::7] += 2**32
         expected = np.zeros((60, length), np.int32)
         inside = (labels >= 0) & (labels < length)
         np.add.at(expected, (ids[inside], labels[inside]), 1)
@@ -180,12 +186,13 @@ def test_bincount_of_long_segments_and_many_labels_matches_numpy_in_any_id_order
         cases = [(ops.segments(n_atoms), labels, {}),
                  (ids, labels, {"indices_are_sorted": True}), (ids, labels, {}),
                  (ids[order], labels[order], {}),
-                 (np.append(ids, [60, 75]), np.append(labels, [1, 2]), {})]
+                 (np.append(ids, [60, 75]), np.append(labels, np.array([1, 2], label_dtype)), {})]
         _primitives.lower_cpu_as_gpu(gpu_paths)
         try:
             for idx, lab, params in cases:
                 idx = idx if isinstance(idx, ops.Segments) else jnp.asarray(idx, jnp.int32)
-                got = ops.segmented_bincount(jnp.asarray(lab, jnp.int32), idx, 60, length, **params)
+                got = ops.segmented_bincount(jnp.asarray(lab), idx, 60, length, **params)
+                assert jnp.asarray(lab).dtype == label_dtype
                 np.testing.assert_array_equal(got, expected)
         finally:
             _primitives.lower_cpu_as_gpu(False)

@@ -833,8 +833,8 @@ def segmented_bincount(labels, idx, num_segments, length, *, indices_are_sorted=
     if not jnp.issubdtype(labels.dtype, jnp.integer) or labels.ndim != 1:
         raise TypeError(f"labels must be a 1-D integer array, got shape {labels.shape} and dtype "
                         f"{labels.dtype}")
-    if labels.dtype != jnp.int32:
-        labels = jnp.clip(labels, -1, length).astype(jnp.int32)
+    if labels.dtype not in (jnp.int32, jnp.int64):  # the kernels' two label types
+        labels = jnp.where((labels >= 0) & (labels < length), labels, -1).astype(jnp.int32)
     seg = _segments(idx, labels.shape[0], num_segments)
     return P.bincount_p.bind(labels, *seg, **_params(num_segments, indices_are_sorted),
                              length=length)

@@ -76,7 +76,7 @@ Shapes (rows first, then a group axis G that vmap folds into, then features):
                                                                 as uint32 pairs (GPUs, ids not
                                                                 known sorted, in any order; no
                                                                 layout)
-    bincount    labels (N,)                  -> (M, L) int32    out[s,c] = #{i : idx[i]=s,
+    bincount    labels (N,) int32|int64      -> (M, L) int32    out[s,c] = #{i : idx[i]=s,
                                                                 labels[i]=c} over ordered ids
                                                                 (GPUs: a warp a segment), else 0
                                                                 (bincount_atomic then adds)
@@ -2541,9 +2541,18 @@ BINCOUNT_LANES = 32
 zeros lie side by side and whose lanes then add a row each."""
 
 
+@wp.func
+def _label(labels: wp.array(dtype=Any), i: int, length: int):
+    # labels[i] (int32 or int64) as an int where in [0, length), else -1
+    c = labels[i]
+    if c >= labels.dtype(0) and c < labels.dtype(length):
+        return int(c)
+    return -1
+
+
 @_deferred
 def _bincount_kernel(
-    labels: wp.array(dtype=wp.int32),
+    labels: wp.array(dtype=Any),
     offsets: wp.array(dtype=wp.int32),
     ordered: wp.array(dtype=wp.int32),
     lanes: int,
@@ -2566,22 +2575,22 @@ def _bincount_kernel(
             for c in range(length):
                 out[s, c] = 0
         for i in range(lo, hi):
-            c = labels[i]
-            if c >= 0 and c < length:
+            c = _label(labels, i, length)
+            if c >= 0:
                 out[s, c] = out[s, c] + 1
     else:  # the row zeroed by the lanes side by side, then each lane's rows added to it
         for c in range(lane, length, lanes):
             out[s, c] = 0
         _sync_lanes(lanes)
         for i in range(lo + lane, hi, lanes):
-            c = labels[i]
-            if c >= 0 and c < length:
+            c = _label(labels, i, length)
+            if c >= 0:
                 wp.atomic_add(out, s, c, 1)
 
 
 @_deferred
 def _bincount_atomic_kernel(
-    labels: wp.array(dtype=wp.int32),
+    labels: wp.array(dtype=Any),
     idx: wp.array(dtype=wp.int32),
     ordered: wp.array(dtype=wp.int32),
     stride: int,
@@ -2593,8 +2602,8 @@ def _bincount_atomic_kernel(
     if ordered[0] == 0:
         for i in range(t, idx.shape[0], stride):
             s = idx[i]
-            c = labels[i]
-            if s >= 0 and s < out.shape[0] and c >= 0 and c < out.shape[1]:
+            c = _label(labels, i, out.shape[1])
+            if s >= 0 and s < out.shape[0] and c >= 0:
                 wp.atomic_add(out, s, c, 1)
 
 
@@ -3019,6 +3028,7 @@ _DTYPES = {
     "max_norm_packed": {"float32": wp.float32},
     "neighbors": {"float64": wp.float64},
     "put3": {"float64": wp.float64},
+    **dict.fromkeys(("bincount", "bincount_atomic"), _INTEGERS),
     **{name: {**_FLOATS, **_INTEGERS}
        for name in ("sum", "max_ordered", "max_cpu_ordered", "max_best", "max_first",
                     "min_ordered", "min_cpu_ordered", "min_best", "min_first")},

@@ -1357,20 +1357,22 @@ def _bincount(labels, idx, offsets, *, num_segments, indices_are_sorted, length,
     lanes = BINCOUNT_LANES if gpu else 1
     args = ("bincount", labels, offsets, ordered, lanes)
     dims = (num_segments, lanes)
-    out = (launch(*args, dims=dims, out=shape) if gpu else
-           launch(*args, jnp.zeros(shape, jnp.int32), dims=dims, in_out=("out",)))
+    out = (launch(*args, dims=dims, out=shape, dtype=labels.dtype) if gpu else
+           launch(*args, jnp.zeros(shape, jnp.int32), dims=dims, in_out=("out",),
+                  dtype=labels.dtype))
     if known_sorted:
         return out
     threads = stride(gpu, idx.shape[0])
     return launch("bincount_atomic", labels, idx, ordered, threads, out, dims=(threads,),
-                  in_out=("out",))
+                  in_out=("out",), dtype=labels.dtype)
 
 
 bincount_p = _integral(_Rule(
     "bincount", _bincount,
     lambda labels, idx, offsets, *, num_segments, length, **_: (num_segments, length),
     dtype=jnp.int32))
-"""Rows per segment with each label in [0, length) of int32 labels (N,): (M, length) int32."""
+"""Rows per segment with each label in [0, length) of int32 or int64 labels (N,): (M, length)
+int32."""
 
 
 # --- Several reductions of one array at once.
