@@ -214,6 +214,41 @@ def test_bincount_edge_cases_and_transforms():
         ops.segmented_bincount(labels, idx, 2, -1)
 
 
+@pytest.mark.parametrize("host", [False, True])
+@pytest.mark.parametrize("dtype", [np.int8, np.int16, np.int32, np.int64,
+                                   np.uint8, np.uint16, np.uint32, np.uint64])
+def test_ids_and_labels_of_any_integer_dtype_are_not_wrapped(dtype, host):
+    """Ids and labels of every integer dtype, as NumPy arrays (`host`) or JAX arrays: each
+    value in [0, M) counts where it is, every other one is dropped, including those 2³² above
+    or below a value in range (which a narrowing to int32 would wrap onto it) and the dtype's
+    extremes; with M small and with M beyond a narrow dtype's range; sorted ids promised
+    sorted. Against NumPy, in float64."""
+    info = np.iinfo(dtype)
+    wide = [2**32 + 1, -(2**32) + 2] if info.bits == 64 else []
+    values = np.array([v for v in [0, 1, 2, 5, -1, 300, info.min, info.max, *wide]
+                       if info.min <= v <= info.max], dtype)
+    rng = np.random.default_rng(info.bits)
+
+    def within(a, top):  # compared as Python ints, which no dtype wraps
+        return np.array([0 <= int(v) < top for v in a], bool)
+
+    for m in (3, 40000):
+        rows = np.sort(values) if m == 3 else values
+        x = rng.normal(size=(rows.size, 2))
+        inside = within(rows, m)
+        expected = np.zeros((m, 2))
+        np.add.at(expected, rows[inside].astype(np.int64), x[inside])
+        labels = rows[::-1].copy()
+        known = inside & within(labels, 6)
+        counts = np.zeros((m, 6), np.int32)
+        np.add.at(counts, (rows[known].astype(np.int64), labels[known].astype(np.int64)), 1)
+        idx, lab = (rows, labels) if host else (jnp.asarray(rows), jnp.asarray(labels))
+        assert idx.dtype == dtype and lab.dtype == dtype
+        sums = ops.segmented_sum(jnp.asarray(x), idx, m, indices_are_sorted=m == 3)
+        np.testing.assert_allclose(sums, expected, rtol=1e-15)
+        np.testing.assert_array_equal(ops.segmented_bincount(lab, idx, m, 6), counts)
+
+
 @pytest.mark.parametrize("name", [n for n in ops.__all__ if n.startswith("segmented_")])
 def test_docstring_examples_hold(name):
     """Each op's docstring Example: every expression followed by `# value` gives that value."""

@@ -88,19 +88,28 @@ def _array(a):
     return a if isinstance(a, jax.Array) else jnp.asarray(a)
 
 
+def _int32(a, top, xp=jnp):
+    """Integers `a` as int32 without wrapping: where int32 could not hold a dtype's values,
+    those below 0 become -1 and those above `top` (≥ 0) become `top`, so order is kept."""
+    if a.dtype == np.int32 or a.dtype.itemsize < 4:  # every value fits
+        return a.astype(np.int32)
+    if np.issubdtype(a.dtype, np.unsignedinteger):
+        return xp.minimum(a, a.dtype.type(top)).astype(np.int32)
+    return xp.clip(a, -1, top).astype(np.int32)
+
+
 def _taken_ids(idx, m):
-    """`idx` (ids or a Segments) as arrays, NumPy ids of another integer dtype clipped to -1 or
-    M and made int32 on the host, before JAX could narrow them to int32 (x64 off) and wrap."""
+    """`idx` (ids or a Segments) as arrays, NumPy ids of another integer dtype made int32 on
+    the host (`_int32`), before JAX could narrow them to int32 (x64 off) and wrap."""
     if isinstance(idx, Segments):
         return Segments(_taken_ids(idx.ids, m), _array(idx.offsets))
-    if (isinstance(idx, np.ndarray) and np.issubdtype(idx.dtype, np.integer)
-            and idx.dtype != np.int32):
-        idx = np.clip(idx, -1, m).astype(np.int32)
+    if isinstance(idx, np.ndarray) and np.issubdtype(idx.dtype, np.integer):
+        idx = _int32(idx, m, np)
     return _array(idx)
 
 
 def _ids(idx, n, m, name="idx"):
-    """Ids as int32, with every out-of-range id clipped to -1 or M (order is kept)."""
+    """Ids as int32 (`_int32`: order kept, out-of-range ids still out of range)."""
     if not jnp.issubdtype(idx.dtype, jnp.integer):
         raise TypeError(f"{name} must hold integers, got dtype {idx.dtype}")
     if idx.ndim != 1:
@@ -108,9 +117,7 @@ def _ids(idx, n, m, name="idx"):
     if n is not None and idx.shape[0] != n:
         raise ValueError(f"{name} has length {idx.shape[0]} but x has {n} rows "
                          f"(shape of {name}: {idx.shape})")
-    if idx.dtype != jnp.int32:
-        idx = jnp.clip(idx, -1, m).astype(jnp.int32)
-    return idx
+    return _int32(idx, m)
 
 
 _WIDENED = {"int8": jnp.int32, "int16": jnp.int32, "uint8": jnp.int32, "uint16": jnp.int32,
@@ -834,7 +841,7 @@ def segmented_bincount(labels, idx, num_segments, length, *, indices_are_sorted=
         raise TypeError(f"labels must be a 1-D integer array, got shape {labels.shape} and dtype "
                         f"{labels.dtype}")
     if labels.dtype not in (jnp.int32, jnp.int64):  # the kernels' two label types
-        labels = jnp.where((labels >= 0) & (labels < length), labels, -1).astype(jnp.int32)
+        labels = _int32(labels, length)
     seg = _segments(idx, labels.shape[0], num_segments)
     return P.bincount_p.bind(labels, *seg, **_params(num_segments, indices_are_sorted),
                              length=length)
