@@ -91,7 +91,9 @@ def _array(a):
 def _int32(a, top, xp=jnp):
     """Integers `a` as int32 without wrapping: where int32 could not hold a dtype's values,
     those below 0 become -1 and those above `top` (≥ 0) become `top`, so order is kept."""
-    if a.dtype == np.int32 or a.dtype.itemsize < 4:  # every value fits
+    if a.dtype == np.int32:
+        return a
+    if a.dtype.itemsize < 4:  # every value fits
         return a.astype(np.int32)
     if np.issubdtype(a.dtype, np.unsignedinteger):
         return xp.minimum(a, a.dtype.type(top)).astype(np.int32)
