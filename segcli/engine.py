@@ -111,7 +111,7 @@ class Job:
     @property
     def integers(self):
         """The integer input fields the op reduces as integers (its `integers`, or labels),
-        which are therefore read as int64 rather than cast to the precision."""
+        which are therefore read as integers (see field_dtypes), not cast to the precision."""
         return tuple(name for name, info, wanted in zip(self.fields, self.infos, self.spec.inputs)
                      if info.dtype.kind in "iu" and (self.spec.integers or wanted.kind == "labels"))
 
@@ -172,11 +172,21 @@ def reads(jobs):
 
 
 def field_dtypes(jobs):
-    """name -> the dtype every field some job of `jobs` reads is padded in: int64 for the
-    integer fields a job reduces as integers (see Job.integers), else the jobs' precision."""
-    kept = {name for job in jobs for name in job.integers}
+    """name -> the dtype every field some job of `jobs` reads is padded in: for the integer
+    fields a job reduces as integers (see Job.integers), int32 where the file stores int32 and
+    every such job takes the field as labels (read as stored: the kernels count int32 labels
+    as they are), else int64; the other fields in the jobs' precision."""
+    stored, counted = {}, set()
+    for job in jobs:
+        for name, info, wanted in zip(job.fields, job.infos, job.spec.inputs):
+            if name in job.integers:
+                stored[name] = info.dtype
+                if wanted.kind != "labels":
+                    counted.add(name)
     precision = _precision(jobs)
-    return {name: np.dtype(np.int64 if name in kept else precision) for name in reads(jobs)}
+    return {name: np.dtype(np.int32 if name not in counted and stored[name] == np.int32
+                           else np.int64) if name in stored else np.dtype(precision)
+            for name in reads(jobs)}
 
 
 def plan(path, spec, names, fields, *, precision="float64", order=0, weights=None,

@@ -93,6 +93,36 @@ def test_integer_fields_stay_integers_where_the_op_reduces_integers(batch_file, 
     np.testing.assert_allclose(got, expected, rtol=0 if keeps else 1e-6)
 
 
+@pytest.mark.parametrize("stored", [np.int32, np.int64, np.uint16])
+def test_labels_are_read_as_stored_when_int32_and_counted_beside_a_sum(tmp_path, stored):
+    """bincount's labels stay int32 as the file stores them, unless another job of the pass
+    reduces the field as integers (sum: int64, exactly); out-of-range labels are dropped."""
+    rng = np.random.default_rng(5)
+    n_atoms = rng.integers(0, 30, 70)
+    labels = rng.integers(-2, 9, int(n_atoms.sum())).astype(stored, casting="unsafe")
+    path = tmp_path / "labels.h5"
+    write_batch(path, n_atoms, {"z": labels}, {})
+    count = plan(path, "bincount", ["z"], params={"length": 6})
+    total = plan(path, "sum", ["z"])
+    wide = np.int32 if stored == np.int32 else np.int64
+    assert engine.field_dtypes([count]) == {"z": np.dtype(wide)}
+    assert engine.field_dtypes([count, total]) == {"z": np.dtype(np.int64)}
+    starts = np.concatenate([[0], np.cumsum(n_atoms)])
+    want = np.zeros((len(n_atoms), 6), np.int64)
+    for s in range(len(n_atoms)):
+        seen = labels[starts[s]:starts[s + 1]].astype(np.int64)
+        want[s] = np.bincount(seen[(seen >= 0) & (seen < 6)], minlength=6)
+    sums = np.add.reduceat(np.append(labels.astype(np.int64), 0), starts[:-1]) * (n_atoms > 0)
+    for jobs in ([count], [count, total]):
+        with open_batch(path) as batch:
+            parts = [outputs for _, outputs in engine.run(batch, jobs, DEVICE, chunk_atoms=64)]
+        np.testing.assert_array_equal(np.concatenate([p[0][""] for p in parts]), want)
+        if len(jobs) == 2:
+            got = np.concatenate([p[1][""] for p in parts])
+            assert got.dtype == np.int64
+            np.testing.assert_array_equal(got, sums)
+
+
 def test_params_flow_to_the_op(batch_file):
     path, n_atoms, data = batch_file
     got = run_all(path, plan(path, "bincount", ["z"], params={"length": 5, "other": 1}))[""]
