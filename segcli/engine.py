@@ -183,10 +183,11 @@ def field_dtypes(jobs):
                 stored[name] = info.dtype
                 if wanted.kind != "labels":
                     counted.add(name)
+    as_stored = {name for name, dtype in stored.items()
+                 if name not in counted and dtype == np.int32}
     precision = _precision(jobs)
-    return {name: np.dtype(np.int32 if name not in counted and stored[name] == np.int32
-                           else np.int64) if name in stored else np.dtype(precision)
-            for name in reads(jobs)}
+    return {name: np.dtype(np.int32 if name in as_stored else np.int64 if name in stored
+                           else precision) for name in reads(jobs)}
 
 
 def plan(path, spec, names, fields, *, precision="float64", order=0, weights=None,
