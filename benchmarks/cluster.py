@@ -1,4 +1,5 @@
-"""`segcli reduce FILE rms_norm forces` and `segcli stats FILE forces` on K processes against one:
+"""`segcli reduce FILE rms_norm forces`, `segcli stats FILE forces` and `segcli grad FILE sum
+forces` (results per atom) on K processes against one:
 K shard processes started together (then `segcli merge`, copying and --virtual), `--scheduler
 local:K` (which starts its cluster), and `--scheduler ADDRESS` of a LocalCluster of K worker
 processes already running (its workers warmed by one run first: the steady state of a
@@ -13,10 +14,10 @@ installation has it.
                                  [--jobs reduce,stats] [--before-checkout DIR]
                                  [--worker-threads N]
 
-With --before-checkout, each job also runs in one process, on `--scheduler local:K` and with
-a client of the running cluster from the segcli of another checkout (DIR on PYTHONPATH), in
-the same turns. Prints a Markdown
-table: median wall time, speed-up over one process and its share of the
+With --before-checkout, each job also runs in one process, on `--scheduler local:K` and on a
+second running cluster, all from the segcli of another checkout (DIR on PYTHONPATH: the
+client, and the workers of a cluster started in a process of its own), in the same turns.
+Prints a Markdown table: median wall time, speed-up over one process and its share of the
 ideal K×, and the peak RSS of each process (the client, and each shard process or worker).
 """
 
@@ -42,6 +43,16 @@ with h5py.File(sys.argv[1], "r", rdcc_nbytes=0) as f:
     forces = f["atoms/forces"]
     for start in range(lo, hi, step):
         forces[start:min(start + step, hi)]
+"""
+
+RUNNING_CLUSTER = """
+import ast, sys
+from distributed import LocalCluster
+with LocalCluster(n_workers=int(sys.argv[1]), threads_per_worker=1, processes=True,
+                  dashboard_address=":0", preload=["segcli.cluster"],
+                  env=ast.literal_eval(sys.argv[2])) as cluster:
+    print(cluster.scheduler_address, flush=True)
+    sys.stdin.read()
 """
 
 
@@ -115,7 +126,7 @@ def main():
     parser.add_argument("--running-only", action="store_true",
                         help="only the bare reads and the running cluster")
     parser.add_argument("--jobs", default="reduce,stats",
-                        help="the commands to run, of reduce and stats")
+                        help="the commands to run, of reduce, stats and grad")
     parser.add_argument("--before-checkout", metavar="DIR",
                         help="also run one process and local:K from this checkout's segcli")
     parser.add_argument("--worker-threads", type=int,
@@ -135,7 +146,7 @@ def main():
 
     load = os.getloadavg()
     root = tempfile.mkdtemp(prefix="segcli-cluster-bench-", dir=args.dir)
-    cluster = None
+    cluster = before_cluster = None
     try:
         path = os.path.join(root, "data.h5")
         structures = make_file(path, args.atoms, compression=args.compression)
@@ -151,6 +162,8 @@ def main():
             "reduce": (segcli + ["reduce", path, "rms_norm", "forces", "--device", args.device,
                                  "-q", "--force"], "r"),
             "stats": (segcli + ["stats", path, "forces", "-q", "--force"], "s"),
+            "grad": (segcli + ["grad", path, "sum", "forces", "--device", args.device, "-q",
+                               "--force"], "g"),
         }
         jobs = {job: jobs[job] for job in args.jobs.split(",")}
         step = 1 << 21
@@ -173,28 +186,34 @@ def main():
              [[sys.executable, "-c", READ, path, str(a), str(b), str(step)]
               for a, b in itertools.pairwise(cuts)]),
         ]
+        worker_env = {"SEGCLI_THREADS": str(args.worker_threads)} if args.worker_threads else None
         cluster = (_local_cluster(local) if args.gpus else
                    LocalCluster(n_workers=k, threads_per_worker=1, processes=True,
                                 dashboard_address=":0", preload=["segcli.cluster"],
-                                env={"SEGCLI_THREADS": str(args.worker_threads)}
-                                if args.worker_threads else None))
+                                env=worker_env))
         client = Client(cluster)
         address = cluster.scheduler_address
+        before_env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [os.path.abspath(args.before_checkout or "."), os.environ.get("PYTHONPATH", "")])}
+        if args.before_checkout:  # its workers import the other checkout's segcli
+            before_cluster = subprocess.Popen(
+                [sys.executable, "-c", RUNNING_CLUSTER, str(k), repr(worker_env)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=before_env)
+            before_address = before_cluster.stdout.readline().strip()
         if args.steady:
             cases.append((f"h5py read, {k} processes, first half", "read",
                           [[sys.executable, "-c", READ, path, str(a), str(b), str(step)]
                            for a, b in itertools.pairwise(half_cuts)]))
-        before = ["env", "PYTHONPATH=" + os.pathsep.join(
-            [os.path.abspath(args.before_checkout or "."), os.environ.get("PYTHONPATH", "")])]
-        clients = [("", [])] + ([(f", {args.before_checkout}", before)]
-                                if args.before_checkout else [])
+        before = ["env", "PYTHONPATH=" + before_env["PYTHONPATH"]]
+        clusters = [("", [], address)] + ([(f", {args.before_checkout}", before, before_address)]
+                                          if args.before_checkout else [])
         for job, (base, prefix) in jobs.items():
-            for tag, env in clients:  # the running cluster's client from either checkout
+            for tag, env, at in clusters:  # a running cluster and its client, either checkout
                 cases.append((f"{job}: --scheduler ADDRESS (running cluster){tag}", job,
-                              [env + base + ["-o", out, "--scheduler", address]]))
+                              [env + base + ["-o", out, "--scheduler", at]]))
                 if args.steady:
                     label = f"{job}: --scheduler ADDRESS (running cluster){tag}, first half"
-                    cases.append((label, job, [env + base + ["-o", out, "--scheduler", address,
+                    cases.append((label, job, [env + base + ["-o", out, "--scheduler", at,
                                                              "--structures",
                                                              f":{structures // 2}"]]))
             if args.running_only:
@@ -209,7 +228,7 @@ def main():
                  [segcli + ["merge", os.path.join(parts, f"{prefix}-*.h5"), "-o", out, "-q",
                             "--force"]]),
             ]
-            if job == "reduce":  # statistics parts merge into new moments, never virtually
+            if job != "stats":  # statistics parts merge into new moments, never virtually
                 cases.append((f"{job}: merge --virtual", "merge",
                               [segcli + ["merge", os.path.join(parts, f"{prefix}-*.h5"), "-o",
                                          out, "-q", "--force", "--virtual"]]))
@@ -225,7 +244,9 @@ def main():
         # warm the running cluster's workers (imports, Warp kernels, compilation) and time it
         first = {}
         for job, (base, _) in jobs.items():
-            first[job] = measure_together([base + ["-o", out, "--scheduler", address]])[0]
+            for tag, env, at in clusters:
+                first[job + tag] = measure_together([env + base + ["-o", out, "--scheduler",
+                                                                   at]])[0]
         results = {label: [] for label, _, _ in cases}
         for _ in range(args.runs):  # in turns, so that a slow moment hits each alike
             clear_parts()
@@ -239,6 +260,8 @@ def main():
         if cluster is not None:
             client.close()
             cluster.close()
+        if before_cluster is not None:
+            before_cluster.communicate("")
         shutil.rmtree(root, ignore_errors=True)
 
     median = {label: statistics.median(r[0] for r in runs) for label, runs in results.items()}
@@ -249,7 +272,7 @@ def main():
     print("| run | wall s | speed-up over 1 process | share of ideal K× | peak RSS MiB |")
     print("| --- | --- | --- | --- | --- |")
     base_of = {"read": median["h5py read of the forces, 1 process"],
-               "reduce": median.get("reduce: 1 process"), "stats": median.get("stats: 1 process")}
+               **{job: median.get(f"{job}: 1 process") for job in jobs}}
     for label, kind, commands in cases:
         wall = median[label]
         runs = results[label]
@@ -289,7 +312,7 @@ def main():
 
         read = steady(f"h5py read, {k} processes (1/{k} each)", f"h5py read, {k} processes, "
                       "first half")
-        for job, (tag, _) in itertools.product(jobs, clients):
+        for job, (tag, _, _) in itertools.product(jobs, clusters):
             label = f"{job}: --scheduler ADDRESS (running cluster){tag}"
             rate = steady(label, label + ", first half")
             print(f"\n{job} on the running cluster of {k} workers{tag}, steady state (the "
@@ -297,8 +320,8 @@ def main():
                   f"atoms/s against the {k}-process read's {read / 1e6:.1f} M atoms/s: "
                   f"{rate / read:.0%}")
     for job, seconds in first.items():
-        print(f"\n{job} --scheduler ADDRESS, first run on the fresh cluster (workers import JAX "
-              f"and Warp, load kernels): {seconds:.2f} s")
+        print(f"\n{job}: --scheduler ADDRESS, first run on the fresh cluster (workers import "
+              f"JAX and Warp, load kernels): {seconds:.2f} s")
 
 
 if __name__ == "__main__":

@@ -187,10 +187,12 @@ def test_where_on_a_cluster_equals_a_local_run(tmp_path, dask_cluster):
         remote = run(*job, *where, "--scheduler", address)
         assert alone.exit_code == remote.exit_code == 0, remote.output
         assert remote.stdout == alone.stdout != ""
-    local, remote = tmp_path / "local.h5", tmp_path / "remote.h5"
-    assert run("reduce", path, "count", *where, "-o", local).exit_code == 0
-    assert run("reduce", path, "count", *where, "-o", remote, "--scheduler", address).exit_code == 0
-    assert_identical(remote, local)
+    for job in (["count"], ["mul", "x", "w"]):  # NaN rows per structure, and per atom
+        local, remote = tmp_path / "local.h5", tmp_path / "remote.h5"
+        assert run("reduce", path, *job, *where, "-o", local, "--force").exit_code == 0
+        assert run("reduce", path, *job, *where, "-o", remote, "--force", "--scheduler",
+                   address).exit_code == 0
+        assert_identical(remote, local)
 
 
 @pytest.mark.slow

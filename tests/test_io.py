@@ -1,5 +1,6 @@
 """segcli.io against ase.io.read, h5py and NumPy, on files written fresh to tmp_path."""
 
+import contextlib
 import itertools
 import os
 import shutil
@@ -418,6 +419,91 @@ def test_result_writer_new_file(batch_h5, tmp_path):
     with ResultWriter(output_path=out, force=True) as w:
         w.set_n_atoms(n_atoms[:2])
     assert open_batch(out).n_structures == 2
+
+
+def _write_rows(into, blocks, values, limit=None):
+    """In a process of its own: the `blocks` ((name, lo, hi) of its rows) of `values` through
+    the RowsInto `into`, its files capped at `limit` bytes (RLIMIT_FSIZE) if given; the
+    DataError's message, or None."""
+    import resource
+
+    if limit is not None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+    try:
+        with into as w:
+            for name, array in values.items():
+                w.create(name, array.shape, array.dtype, {}, np.nan if name == "filled" else None)
+            for name, lo, hi in blocks:
+                w.write(name, lo, values[name][lo:hi])
+    except DataError as error:
+        return str(error)
+    return None
+
+
+def test_rows_written_by_other_processes_into_a_placed_result_equal_one_writer(tmp_path):
+    """Results created `placed` (ResultWriter.places) while their file stays open here, and
+    their rows written by three other processes (RowsInto), a shard each, in blocks out of
+    order, some rows of the NaN-filled result left out: the file then holds what one writer
+    writing every block would, and a process whose files are capped below its rows gets a
+    DataError naming the output, and the output is not made."""
+    import concurrent.futures
+    import multiprocessing
+
+    from segcli.io.writers import RowsInto
+
+    rng = np.random.default_rng(3)
+    sizes = {"filled": 900, "vector": 900, "atoms": 4000}  # per structure, and per atom
+    values = {"filled": rng.normal(size=900),
+              "vector": rng.normal(size=(900, 3)).astype(np.float32),
+              "atoms": rng.integers(-99, 99, (4000, 2))}
+    shards = {"filled": [0, 250, 250, 900], "vector": [0, 250, 250, 900],
+              "atoms": [0, 1000, 1000, 4000]}  # the middle shard empty
+    jobs, skipped = [[] for _ in range(3)], []  # skipped: blocks of "filled" left out
+    for name, cuts in shards.items():
+        for k, (a, b) in enumerate(itertools.pairwise(cuts)):
+            edges = np.unique(np.r_[a, rng.integers(a, b + 1, 5), b]) - a
+            blocks = [(name, int(lo), int(hi)) for lo, hi in itertools.pairwise(edges)]
+            if name == "filled":
+                skipped += [(a + lo, a + hi) for _, lo, hi in blocks[1::3]]
+                del blocks[1::3]
+            rng.shuffle(blocks)
+            jobs[k].append((name, blocks, values[name][a:b]))
+    context = multiprocessing.get_context("spawn")
+    for limit, out in ((None, tmp_path / "out.h5"), (50_000, tmp_path / "capped.h5")):
+        with pytest.raises(DataError) if limit else contextlib.nullcontext():
+            with ResultWriter(output_path=out) as w:
+                w.set_n_atoms(np.ones(900, np.int64))
+                for name, array in values.items():
+                    w.create(name, (sizes[name], *array.shape[1:]), array.dtype, {"per": name},
+                             np.nan if name == "filled" else None, placed=True)
+                places = w.places()
+                with concurrent.futures.ProcessPoolExecutor(3, mp_context=context) as pool:
+                    errors = list(pool.map(_write_rows, [
+                        RowsInto(w.temporary, str(out), {name: (places[name], shards[name][k])
+                                                         for name, _, _ in job})
+                        for k, job in enumerate(jobs)],
+                        [[(n, lo, hi) for n, blocks, _ in job for _, lo, hi in blocks]
+                         for job in jobs],
+                        [{n: v for n, _, v in job} for job in jobs],
+                        [limit] * 3))
+                for name, cuts in shards.items():
+                    for a, b in itertools.pairwise(cuts):
+                        w.written_elsewhere(name, a, b)
+                if limit:
+                    assert f"{out}: File too large" in [e for e in errors if e]
+                    raise DataError(errors[-1])
+            assert errors == [None] * 3
+    assert sorted(os.listdir(tmp_path)) == ["out.h5"]
+    with h5py.File(tmp_path / "out.h5") as h5:
+        expected = values["filled"].copy()
+        for lo, hi in skipped:
+            expected[lo:hi] = np.nan
+        assert skipped and np.isnan(expected).sum() > 0
+        assert np.array_equal(h5["results/filled"][()], expected, equal_nan=True)
+        for name in ("vector", "atoms"):
+            got = h5[f"results/{name}"]
+            assert got.dtype == values[name].dtype and np.array_equal(got[()], values[name])
+            assert dict(got.attrs)["per"] == name
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32", "int64"])

@@ -2,6 +2,7 @@
 and ops (the table of ops)."""
 
 import contextlib
+import functools
 import itertools
 import os
 import sys
@@ -256,9 +257,11 @@ class _Hdf5Sink:
     a row for each of the `n_atoms` structures from structure `first` (or for their atoms);
     with `selected`, NaN in the rows that no chunk writes (see _selected_outputs). A new file
     also says where its structures come from (`sources`: the input paths and the batch's
-    source_of, see ResultWriter.set_sources)."""
+    source_of, see ResultWriter.set_sources). With `placed`, its results' rows can be written
+    by other processes (see rows_of_shards)."""
 
-    def __init__(self, writer, outputs, n_atoms, attrs, sources=None, first=0, selected=False):
+    def __init__(self, writer, outputs, n_atoms, attrs, sources=None, first=0, selected=False,
+                 placed=False):
         import numpy as np
 
         from segcli.io.core import offsets_of
@@ -266,7 +269,7 @@ class _Hdf5Sink:
         self._writer, self._attrs, self._first = writer, attrs, first
         self._outputs = _selected_outputs(outputs) if selected else outputs
         self._fill = np.nan if selected else None
-        self._n_atoms, self._sources = n_atoms, sources
+        self._n_atoms, self._sources, self._placed = n_atoms, sources, placed
         per_atom = any(per == "atom" for per, _, _ in self._outputs.values())
         self._atom_offsets = offsets_of(n_atoms) if per_atom else None
 
@@ -281,7 +284,8 @@ class _Hdf5Sink:
             rows = {"atom": int(self._n_atoms.sum()), "structure": len(self._n_atoms)}
             for dataset, (per, shape, dtype) in self._outputs.items():
                 self._writer.create(dataset, (rows[per], *shape), dtype,
-                                    {**self._attrs[dataset], "per": per}, self._fill)
+                                    {**self._attrs[dataset], "per": per}, self._fill,
+                                    placed=self._placed)
         except BaseException:
             self._writer.__exit__(*sys.exc_info())
             raise
@@ -289,6 +293,11 @@ class _Hdf5Sink:
 
     def __exit__(self, *exc):
         return self._writer.__exit__(*exc)
+
+    def _rows(self, dataset, structure):
+        """The row of `dataset` where structure `first + structure` begins."""
+        atoms = self._atom_offsets if self._outputs[dataset][0] == "atom" else None
+        return structure if atoms is None else int(atoms[structure])
 
     def write(self, chunk, arrays):
         import numpy as np
@@ -304,6 +313,32 @@ class _Hdf5Sink:
                 span = np.arange(hi - lo + 1) if atoms is None else atoms[lo:hi + 1] - row
                 _, array = spread(array, numbers - lo, span, self._fill)
             self._writer.write(dataset, row, array)
+
+    def _row(self, dataset, structure):
+        """The row of `dataset` where structure `first + structure` begins."""
+        if self._outputs[dataset][0] == "structure":
+            return structure
+        return int(self._atom_offsets[structure])
+
+    def rows_of_shards(self, bounds):
+        """For each shard [a, b) of `bounds` (structures from `first`), a RowsInto of its rows
+        of every result, for a task to write them into this sink's file (made `placed`)."""
+        from segcli.io.writers import RowsInto
+
+        places = self._writer.places()
+        return [RowsInto(self._writer.temporary, self._writer.path,
+                         {d: (place, self._row(d, int(a))) for d, place in places.items()})
+                for a in bounds[:-1]]
+
+    def written_elsewhere(self, a, b):
+        """Structures [a, b) (from `first`) were written by a RowsInto: no fill there."""
+        for dataset in self._outputs:
+            self._writer.written_elsewhere(dataset, self._row(dataset, a), self._row(dataset, b))
+
+    def add_attrs(self, attrs):
+        """Set attributes of every result."""
+        for dataset in self._outputs:
+            self._writer.add_attrs(dataset, attrs)
 
 
 def _selected_outputs(outputs):
@@ -405,10 +440,12 @@ def _into_hdf5(output, in_place, fmt, **_):
     return bool(in_place or (output and not (fmt or file_format(output))))
 
 
-def open_sink(results, batch, lo, hi, *, output, in_place, file, fmt, force, attrs, keep=None):
+def open_sink(results, batch, lo, hi, *, output, in_place, file, fmt, force, attrs, keep=None,
+              placed=False):
     """Where the results (a Results) of structures [lo, hi) of `batch` go: a new file (-o),
     FILE itself (--in-place) or stdout (fmt); `keep` ((S,) bool), if given, marks the
-    structures computed (the others get NaN rows in HDF5, no rows elsewhere)."""
+    structures computed (the others get NaN rows in HDF5, no rows elsewhere); `placed`, for
+    HDF5, lets other processes write the rows (see _Hdf5Sink.rows_of_shards)."""
     from segcli.io import ResultWriter
 
     n_atoms = batch.n_atoms[lo:hi]
@@ -418,7 +455,7 @@ def open_sink(results, batch, lo, hi, *, output, in_place, file, fmt, force, att
                   else ResultWriter(in_place_of=file, force=force, names=results.datasets))
         sources = (batch.sources, batch.source_of) if output else None
         return _Hdf5Sink(writer, results.outputs, n_atoms, results.attrs(attrs), sources, lo,
-                         keep is not None)
+                         keep is not None, placed)
     if fmt == "npy":
         sink = _NpySink(results.outputs, results.columns,
                         n_atoms if keep is None else n_atoms[keep[lo:hi]])
@@ -466,24 +503,31 @@ def _plan(batch, path, ops, names, plan):
                     for spec, fields in ops], names)
 
 
-def _part(layout, ops, names, plan, device, chunk_atoms, where, lo, hi, path, attrs):
+def _part(layout, ops, names, plan, device, chunk_atoms, where, lo, hi, into, attrs):
     """One shard of a command run on a cluster: structures [lo, hi) of the batch `layout`
     describes (see segcli.io.open_inputs), those where the --where conditions `where` hold,
-    into the new file `path` (replaced whole if a retried task wrote it before); returns
-    `path`. `ops` are (op name, fields) pairs."""
-    from segcli.io import open_inputs
+    into the new part file `into` (replaced whole if a retried task wrote it before), or into
+    the output's own rows `into` (a RowsInto; rewritten alike). `ops` are (op name, fields)
+    pairs. Returns the label of the device it computed on."""
+    from segcli.io import ResultWriter, open_inputs
     from segcli.select import where_mask
 
     target = common.device(device)
+    label = common.device_label(target)
     with open_inputs(layout) as batch:
         results = _plan(batch, batch.path, [(OPS[op], fields) for op, fields in ops], names,
                         plan)
         keep = where_mask(batch, where, structures=slice(lo, hi)) if where else None
-        attrs = {**attrs, "structures": f"{lo}:{hi}", "device": common.device_label(target)}
-        sink = open_sink(results, batch, lo, hi, output=path, in_place=False, file=None,
-                         fmt=None, force=True, attrs=attrs, keep=keep)
+        if isinstance(into, str):
+            writer = ResultWriter(output_path=into, force=True)
+            sources = (batch.sources, batch.source_of)
+            attrs = {**attrs, "structures": f"{lo}:{hi}", "device": label}
+        else:
+            writer, sources = into, None
+        sink = _Hdf5Sink(writer, results.outputs, batch.n_atoms[lo:hi], results.attrs(attrs),
+                         sources, lo, keep is not None)
         compute_into(batch, results, sink, target, lo, hi, chunk_atoms, keep=keep)
-    return path
+    return label
 
 
 def _singular_matrices(batch, file, ops, lo, hi, strict, quiet, keep=None):
@@ -594,55 +638,74 @@ def _execute(file, ops, *, output, in_place, fmt, name, force, structures, chunk
 
 
 def _on_cluster(scheduler, label, batch, results, lo, hi, call, attrs, into):
-    """The job over structures [lo, hi) as shards on the dask cluster at `scheduler`: each
-    task writes its part into a temporary directory beside the output, and each part is
-    written out as it comes, while the others compute (in structure order where the output is
-    a stream), as one run writes them (`into`: the arguments of open_sink); a progress bar
-    `label`ed (None: none)."""
+    """The job over structures [lo, hi) as shards on the dask cluster at `scheduler`, as one
+    run writes it (`into`: the arguments of open_sink), with a progress bar `label`ed (None:
+    none). Into an HDF5 file, this process makes the output and each task writes its rows
+    straight into it; into a stream, each task writes a part file into a temporary directory
+    beside the output, passed on in structure order as it comes, while the others compute."""
     import os
 
-    from segcli.cluster import in_order, shard_count, shards_as_done, shared
-    from segcli.io.merge import check_cover, describe_part
+    from segcli.cluster import shard_count, shards_as_done, shared
     from segcli.io.writers import scratch_directory
     from segcli.shards import shard_bounds
 
     beside = into["output"] or (into["file"] if into["in_place"] else None)
-    with (scratch_directory(os.path.dirname(os.path.abspath(beside)) if beside
-                            else os.getcwd()) as parts_dir,
-          contextlib.ExitStack() as opened, on_cluster(scheduler) as client):
+    with contextlib.ExitStack() as opened:
+        if not _into_hdf5(**into):
+            parts_dir = opened.enter_context(scratch_directory(
+                os.path.dirname(os.path.abspath(beside)) if beside else os.getcwd()))
+        client = opened.enter_context(on_cluster(scheduler))
         n_atoms = batch.n_atoms[lo:hi]
-        bounds = [lo + b for b in shard_bounds(n_atoms, shard_count(client, len(n_atoms)))]
+        bounds = shard_bounds(n_atoms, shard_count(client, len(n_atoms)))
+        if _into_hdf5(**into):
+            sink = opened.enter_context(open_sink(results, batch, lo, hi, attrs=attrs,
+                                                  placed=True, **into))
+            places = sink.rows_of_shards(bounds)
+            receive = functools.partial(_rows_written, sink, bounds)
+        else:
+            places = [os.path.join(parts_dir, f"part-{k}.h5") for k in range(len(bounds) - 1)]
+            receive = functools.partial(_parts_passed_on, places, results, into["keep"],
+                                        lambda device: opened.enter_context(open_sink(
+                                            results, batch, lo, hi,
+                                            attrs={**attrs, "device": device}, **into)))
         call = (shared(client, call[0]), *call[1:])
-        calls = [(*call, int(a), int(b), os.path.join(parts_dir, f"part-{k}.h5"), attrs)
-                 for k, (a, b) in enumerate(itertools.pairwise(bounds))]
-        sink, first, parts = None, None, [None] * len(calls)
-        sizes = [b - a for a, b in itertools.pairwise(bounds)]
+        calls = [(*call, lo + int(a), lo + int(b), place, attrs)
+                 for (a, b), place in zip(itertools.pairwise(bounds), places)]
+        sizes = [int(b - a) for a, b in itertools.pairwise(bounds)]
         with (progress(label is not None, f"{label} (shards)", hi - lo) as bar,
               contextlib.closing(shards_as_done(client, _part, calls, bar, sizes)) as done):
-            # a file's rows go anywhere in it, a stream's in structure order
-            for k, path in done if _into_hdf5(**into) else in_order(done):
-                parts[k] = describe_part(path, like=first)
-                if sink is None:  # opened as the first part comes, written while others compute
-                    first = parts[k]
-                    device = first.datasets[next(iter(results.datasets))]["device"]
-                    sink = opened.enter_context(open_sink(
-                        results, batch, lo, hi, attrs={**attrs, "device": device}, **into))
-                _write_part(sink, parts[k], results, into["keep"])
-        check_cover(parts)
+            receive(done)
 
 
-def _write_part(sink, part, results, keep):
-    """The rows of the Part `part` written into `sink`, those of structures `keep` leaves out
-    dropped where the sink holds only the selected ones."""
+def _rows_written(sink, bounds, done):
+    """Each shard of `done` ((k, device label) as each ends) wrote its rows into the file of
+    `sink` (an _Hdf5Sink): they get no fill; the results' attribute `device` is the first's."""
+    for n, (k, device) in enumerate(done):
+        if n == 0:
+            sink.add_attrs({"device": device})
+        sink.written_elsewhere(int(bounds[k]), int(bounds[k + 1]))
+
+
+def _parts_passed_on(places, results, keep, open_stream, done):
+    """Each part file places[k] of `done` ((k, device label) as each ends), checked, written
+    in structure order into the stream `open_stream(device)` opens as the first comes, while
+    the others compute; the rows of structures `keep` leaves out dropped."""
+    from segcli.cluster import in_order
     from segcli.io.core import Chunk
-    from segcli.io.merge import part_rows
+    from segcli.io.merge import check_cover, describe_part, part_rows
 
-    for start, counts, rows in part_rows([part], list(results.datasets)):
-        chunk = Chunk(start, counts, {}, {})
-        if keep is not None and not isinstance(sink, _Hdf5Sink):
-            chunk, rows = _kept_rows(chunk, rows, results.outputs, keep)
-        if len(chunk.n_atoms):
-            sink.write(chunk, rows)
+    parts, stream = [None] * len(places), None
+    for k, device in in_order(done):
+        parts[k] = describe_part(places[k], like=parts[0])
+        if stream is None:
+            stream = open_stream(device)
+        for start, counts, rows in part_rows([parts[k]], list(results.datasets)):
+            chunk = Chunk(start, counts, {}, {})
+            if keep is not None:
+                chunk, rows = _kept_rows(chunk, rows, results.outputs, keep)
+            if len(chunk.n_atoms):
+                stream.write(chunk, rows)
+    check_cover(parts)
 
 
 def _kept_rows(chunk, rows, outputs, keep):

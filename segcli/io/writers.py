@@ -12,6 +12,7 @@ import tempfile
 from contextlib import ExitStack, contextmanager, suppress
 from datetime import datetime, timezone
 from types import MappingProxyType
+from typing import NamedTuple
 
 import numpy as np
 
@@ -308,7 +309,39 @@ def _existing_result(h5, name):
     return None
 
 
-class ResultWriter:
+class _BlockRows:
+    """Rows of /results/<name> datasets written a block at a time (`_write_block(ds, start_row,
+    array)`, `ds` having the dataset's shape, dtype and fillvalue); a result created with a
+    fill gets it, as the writer finishes, in the rows no block covered."""
+
+    def write(self, name, start_row, array):
+        """Write rows [start_row, start_row + len(array)) of /results/<name>, created by
+        `create`."""
+        ds = self._results[name]
+        array = np.ascontiguousarray(array)
+        if array.shape[1:] != ds.shape[1:]:
+            raise ValueError(f"rows of shape {array.shape[1:]} for /results/{name}, whose rows "
+                             f"are {ds.shape[1:]}")
+        if not len(array):
+            return
+        self._write_block(ds, start_row, array)
+        if name in self._written:
+            self._written[name].append((start_row, start_row + len(array)))
+
+    def _fill_unwritten(self, step=1 << 16):
+        """Write each result's fill value in the rows no block covered, `step` rows at a time."""
+        for name, written in self._written.items():
+            ds = self._results[name]
+            rows = ds.shape[0]
+            block = np.full((min(step, rows), *ds.shape[1:]), ds.fillvalue, ds.dtype)
+            row = 0
+            for start, stop in [*sorted(written), (rows, rows)]:
+                for at in range(row, start, step):
+                    self._write_block(ds, at, block[:min(step, start - at)])
+                row = max(row, stop)
+
+
+class ResultWriter(_BlockRows):
     """Writes /results/<name> datasets, either to a new file (`output_path`, which then also
     holds /structures/n_atoms) or into the segcli HDF5 file `in_place_of`.
 
@@ -327,6 +360,7 @@ class ResultWriter:
         self._n_atoms = None
         self._results = {}  # name -> its dataset, as created
         self._written = {}  # name -> the (start, stop) rows written, for a result with a fill
+        self._placed = set()  # the results created `placed`
 
     def _refuse(self, key):
         if not self.force:
@@ -401,19 +435,29 @@ class ResultWriter:
             for ds, values, dtype in ((source, block[0], np.int32), (index, block[1], np.int64)):
                 self._write_block(ds, at - start, np.ascontiguousarray(values, dtype))
 
-    def create(self, name, shape, dtype, attrs, fill=None):
+    def create(self, name, shape, dtype, attrs, fill=None, placed=False):
         """Create /results/<name>, `fill` (default 0) in the rows not written when the `with`
         block ends; a result already there (or a result where one of its groups would go) is
         replaced only with force. The rows are filled then, by this writer, not by HDF5 as
         the dataset's storage is allocated, which writes every row twice (10⁷ rows of 3
-        float64 in 147 ms against 94, benchmarks/RESULTS.md)."""
+        float64 in 147 ms against 94, benchmarks/RESULTS.md). With `placed`, its storage is
+        allocated in the file at once, so that other processes can write its rows there (see
+        `places`)."""
+        import h5py
+
         existing = _existing_result(self._h5, name)
         if existing is not None:
             self._refuse(existing)
             del self._h5[existing]
         ensure_room(self._h5, int(np.prod(shape)) * np.dtype(dtype).itemsize)
+        dcpl = None
+        if placed:
+            dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+            dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+            self._placed.add(name)
         ds = self._h5.create_dataset(f"results/{name}", shape=shape, dtype=dtype, fillvalue=fill,
-                                     fill_time=None if fill is None else "never")
+                                     fill_time=None if fill is None and not placed else "never",
+                                     dcpl=dcpl)
         if fill is not None:
             self._written[name] = []
         _set_attrs(ds, {"segcli_version": __version__,
@@ -421,40 +465,109 @@ class ResultWriter:
                         **attrs})
         self._results[name] = ds
 
-    def write(self, name, start_row, array):
-        """Write rows [start_row, start_row + len(array)) of /results/<name>, created by
-        `create`: by HDF5's own write of that block of rows, which h5py's slicing and the
-        lookup by name cost about as much again as a block of 64 Ki float64 rows
-        (benchmarks/RESULTS.md)."""
-        ds = self._results[name]
-        array = np.ascontiguousarray(array)
-        if array.shape[1:] != ds.shape[1:]:
-            raise ValueError(f"rows of shape {array.shape[1:]} for /results/{name}, whose rows "
-                             f"are {ds.shape[1:]}")
-        if not len(array):
-            return
-        self._write_block(ds, start_row, array)
+    @property
+    def temporary(self):
+        """The file being written, renamed to `path` (or over it) as the `with` block ends."""
+        return self._h5.filename
+
+    def places(self):
+        """{name: (the byte offset of its first row in the file, its shape, dtype and fill)}
+        of the results created `placed`, the file flushed: where RowsInto writes their rows
+        from other processes, which this writer then leaves alone (see `written_elsewhere`).
+        HDF5 keeps none of their bytes in memory here, as it never reads or writes them."""
+        self._h5.flush()
+        return {name: RowsPlace(ds.id.get_offset() or 0, ds.shape, ds.dtype.str,
+                                ds.fillvalue if name in self._written else None)
+                for name, ds in self._results.items() if name in self._placed}
+
+    def written_elsewhere(self, name, start, stop):
+        """Rows [start, stop) of /results/<name> were written by another process (RowsInto):
+        they get no fill here."""
         if name in self._written:
-            self._written[name].append((start_row, start_row + len(array)))
+            self._written[name].append((start, stop))
+
+    def add_attrs(self, name, attrs):
+        """Set attributes of /results/<name>."""
+        _set_attrs(self._results[name], attrs)
 
     @staticmethod
     def _write_block(ds, start_row, array):
+        """By HDF5's own write of that block of rows, which h5py's slicing and the lookup by
+        name cost about as much again as a block of 64 Ki float64 rows (benchmarks/RESULTS.md)."""
         from h5py import h5s
 
         rows = ds.id.get_space()
         rows.select_hyperslab((start_row,) + (0,) * (array.ndim - 1), array.shape)
         ds.id.write(h5s.create_simple(array.shape), rows, array)
 
-    def _fill_unwritten(self, step=1 << 16):
-        """Write each result's fill value in the rows no block covered, `step` rows at a time."""
-        for name, written in self._written.items():
-            ds = self._results[name]
-            block = np.full((min(step, len(ds)), *ds.shape[1:]), ds.fillvalue, ds.dtype)
-            row = 0
-            for start, stop in [*sorted(written), (len(ds), len(ds))]:
-                for at in range(row, start, step):
-                    self._write_block(ds, at, block[:min(step, start - at)])
-                row = max(row, stop)
+
+class RowsPlace(NamedTuple):
+    """Where the rows of a result lie in its file (see ResultWriter.places): the byte offset of
+    its first row, its shape, its dtype (NumPy's str) and fill value (None: no fill)."""
+    offset: int
+    shape: tuple
+    dtype: str
+    fillvalue: object
+
+
+class RowsInto(_BlockRows):
+    """Writes rows of /results/<name> datasets that another process created (allocated, see
+    ResultWriter.places) in the HDF5 file `path` and holds open: straight into their bytes
+    there, so that the tasks of a cluster write their shards' rows side by side into the
+    output, none through the client. Its rows of result `name` are rows places[name][1] on of
+    places[name][0] (see _Hdf5Sink.rows_of_shards); those that no block covers get their fill
+    as the writer finishes. Nothing else of the file is touched; `target` names the output in
+    errors."""
+
+    def __init__(self, path, target, places):
+        self.path, self.target, self._places = os.fspath(path), target, places
+        self._results = {}  # name -> its RowsPlace, the rows of this writer only
+        self._written = {}
+        self._fd = None
+
+    def __enter__(self):
+        try:
+            self._fd = os.open(self.path, os.O_WRONLY)
+        except OSError as err:
+            raise DataError(f"{self.target}: cannot write there ({err.strerror})") from err
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            if exc_type is None:
+                self._fill_unwritten()
+        finally:
+            os.close(self._fd)
+
+    def set_n_atoms(self, n_atoms):
+        """Nothing: the file's creator stores them."""
+
+    def create(self, name, shape, dtype, attrs, fill=None, placed=True):
+        """Take /results/<name>'s rows, `shape` its rows of the dataset the file has (`attrs`
+        and `placed` are its creator's)."""
+        (place, first), dtype = self._places[name], np.dtype(dtype)
+        if (shape[1:] != place.shape[1:] or first + shape[0] > place.shape[0]
+                or dtype != np.dtype(place.dtype) or (fill is None) != (place.fillvalue is None)):
+            raise ValueError(f"/results/{name}: rows {first}..+{shape} of {dtype} do not fit "
+                             f"the dataset {place}")
+        self._results[name] = place._replace(offset=place.offset + first * _row_bytes(place),
+                                             shape=tuple(shape))
+        if fill is not None:
+            self._written[name] = []
+
+    def _write_block(self, place, start_row, array):
+        data = memoryview(np.ascontiguousarray(array, place.dtype)).cast("B")
+        at = place.offset + start_row * _row_bytes(place)
+        try:
+            while len(data):
+                done = os.pwrite(self._fd, data, at)
+                data, at = data[done:], at + done
+        except OSError as err:
+            raise DataError(f"{self.target}: {err.strerror}") from err
+
+
+def _row_bytes(place):
+    return int(np.prod(place.shape[1:], dtype=np.int64)) * np.dtype(place.dtype).itemsize
 
 
 JOIN_HINT = ("; `--to-ase-units` converts each input to ASE's units, `--units NAME=UNIT` "
