@@ -2,10 +2,11 @@
 dask.distributed cluster: a job maps its shards to partial results and combines them once.
 
 Each task opens the input itself (on a filesystem the workers share) and returns what is
-small: statistics' leaves, or the path of the part file it wrote (results are written next to
-the output, never sent through the scheduler). The client combines the partial results in
-shard order, so a run gives the same result whichever worker ran which shard, and a task
-retried after its worker died is counted once (a part file is replaced whole). Dask is an
+small: statistics' leaves, or the device it computed on, having written its results into
+their rows of the output's file or into a part file beside the output (results never go
+through the scheduler). The client combines the partial results in shard order, so a run
+gives the same result whichever worker ran which shard, and a task retried after its worker
+died is counted once (it writes the same rows, or replaces its part file whole). Dask is an
 optional extra: `pip install 'segcli[cluster]'`.
 """
 
