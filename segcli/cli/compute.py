@@ -294,11 +294,6 @@ class _Hdf5Sink:
     def __exit__(self, *exc):
         return self._writer.__exit__(*exc)
 
-    def _rows(self, dataset, structure):
-        """The row of `dataset` where structure `first + structure` begins."""
-        atoms = self._atom_offsets if self._outputs[dataset][0] == "atom" else None
-        return structure if atoms is None else int(atoms[structure])
-
     def write(self, chunk, arrays):
         import numpy as np
 
@@ -643,21 +638,20 @@ def _on_cluster(scheduler, label, batch, results, lo, hi, call, attrs, into):
     none). Into an HDF5 file, this process makes the output and each task writes its rows
     straight into it; into a stream, each task writes a part file into a temporary directory
     beside the output, passed on in structure order as it comes, while the others compute."""
-    import os
-
     from segcli.cluster import shard_count, shards_as_done, shared
     from segcli.io.writers import scratch_directory
     from segcli.shards import shard_bounds
 
     beside = into["output"] or (into["file"] if into["in_place"] else None)
+    into_file = _into_hdf5(**into)
     with contextlib.ExitStack() as opened:
-        if not _into_hdf5(**into):
+        if not into_file:
             parts_dir = opened.enter_context(scratch_directory(
                 os.path.dirname(os.path.abspath(beside)) if beside else os.getcwd()))
         client = opened.enter_context(on_cluster(scheduler))
         n_atoms = batch.n_atoms[lo:hi]
         bounds = shard_bounds(n_atoms, shard_count(client, len(n_atoms)))
-        if _into_hdf5(**into):
+        if into_file:
             sink = opened.enter_context(open_sink(results, batch, lo, hi, attrs=attrs,
                                                   placed=True, **into))
             places = sink.rows_of_shards(bounds)
