@@ -11,7 +11,8 @@ installation has it.
 
     python benchmarks/cluster.py [--workers 2] [--atoms 10000000] [--runs 3] [--dir /tmp]
                                  [--device cpu|gpu] [--compression gzip] [--gpus]
-                                 [--jobs reduce,stats] [--before-checkout DIR]
+                                 [--jobs reduce,stats,grad] [--largest 63]
+                                 [--before-checkout DIR]
                                  [--worker-threads N]
 
 With --before-checkout, each job also runs in one process, on `--scheduler local:K` and on a
@@ -118,6 +119,9 @@ def main():
     parser.add_argument("--device", default="cpu", choices=["cpu", "gpu"],
                         help="where reduce computes (every process on the one GPU with gpu)")
     parser.add_argument("--compression", help="compress the forces (e.g. gzip)")
+    parser.add_argument("--largest", type=int, default=63,
+                        help="structures of 1 to LARGEST atoms (fewer: more structures, whose "
+                             "count is what a command's client pays for)")
     parser.add_argument("--gpus", action="store_true",
                         help="K = the visible GPUs: clusters of one worker per GPU (local:gpus)")
     parser.add_argument("--steady", action="store_true",
@@ -149,7 +153,8 @@ def main():
     cluster = before_cluster = None
     try:
         path = os.path.join(root, "data.h5")
-        structures = make_file(path, args.atoms, compression=args.compression)
+        structures = make_file(path, args.atoms, compression=args.compression,
+                               largest=args.largest)
         size = os.path.getsize(path) / 1e6
         with open(path, "rb") as f:  # warm the page cache
             while f.read(1 << 24):

@@ -39,11 +39,11 @@ with h5py.File(sys.argv[2], "w") as f:
 """
 
 
-def make_file(path, atoms, seed=0, compression=None):
-    """A segcli HDF5 file of `atoms` atoms in structures of 1 to 63 atoms, float64 forces
+def make_file(path, atoms, seed=0, compression=None, largest=63):
+    """A segcli HDF5 file of `atoms` atoms in structures of 1 to `largest` atoms, float64 forces
     (compressed in chunks of 64 Ki atoms with `compression`, e.g. "gzip")."""
     rng = np.random.default_rng(seed)
-    n_atoms = rng.integers(1, 64, atoms // 16)
+    n_atoms = rng.integers(1, largest + 1, atoms * 4 // (largest + 1) + 1)
     n_atoms = n_atoms[:np.searchsorted(np.cumsum(n_atoms), atoms)]
     n_atoms = np.append(n_atoms, atoms - n_atoms.sum())
     with h5py.File(path, "w") as f:
