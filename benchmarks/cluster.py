@@ -132,7 +132,8 @@ def main():
     parser.add_argument("--jobs", default="reduce,stats",
                         help="the commands to run, of reduce, stats and grad")
     parser.add_argument("--before-checkout", metavar="DIR",
-                        help="also run one process and local:K from this checkout's segcli")
+                        help="also run one process, local:K and a second running cluster "
+                             "(K plain workers, even with --gpus) from this checkout's segcli")
     parser.add_argument("--worker-threads", type=int,
                         help="SEGCLI_THREADS of the running cluster's workers (default: unset, "
                              "as `dask worker` leaves it: each takes the cores, at most 8)")
