@@ -504,7 +504,7 @@ def _part(layout, ops, names, plan, device, chunk_atoms, where, lo, hi, into, at
     into the new part file `into` (replaced whole if a retried task wrote it before), or into
     the output's own rows `into` (a RowsInto; rewritten alike). `ops` are (op name, fields)
     pairs. Returns the label of the device it computed on."""
-    from segcli.io import ResultWriter, open_inputs
+    from segcli.io import open_inputs
     from segcli.select import where_mask
 
     target = common.device(device)
@@ -514,13 +514,12 @@ def _part(layout, ops, names, plan, device, chunk_atoms, where, lo, hi, into, at
                         plan)
         keep = where_mask(batch, where, structures=slice(lo, hi)) if where else None
         if isinstance(into, str):
-            writer = ResultWriter(output_path=into, force=True)
-            sources = (batch.sources, batch.source_of)
-            attrs = {**attrs, "structures": f"{lo}:{hi}", "device": label}
-        else:
-            writer, sources = into, None
-        sink = _Hdf5Sink(writer, results.outputs, batch.n_atoms[lo:hi], results.attrs(attrs),
-                         sources, lo, keep is not None)
+            sink = open_sink(results, batch, lo, hi, output=into, in_place=False, file=None,
+                             fmt=None, force=True, keep=keep,
+                             attrs={**attrs, "structures": f"{lo}:{hi}", "device": label})
+        else:  # the client's file: n_atoms, sources and attributes are its own
+            sink = _Hdf5Sink(into, results.outputs, batch.n_atoms[lo:hi], results.attrs(attrs),
+                             None, lo, keep is not None)
         compute_into(batch, results, sink, target, lo, hi, chunk_atoms, keep=keep)
     return label
 
