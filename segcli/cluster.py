@@ -147,9 +147,22 @@ def shard_count(client, n_structures):
 
 
 def shared(client, value):
-    """`value` sent once to every worker of `client`'s cluster (a Future that tasks receive as
-    the value), for an argument of every task that is large, such as a batch's layout."""
-    return client.scatter(value, broadcast=True, hash=False)
+    """`value` as a Future on `client`'s cluster that tasks receive as the value, for an
+    argument of every task that is large, such as a batch's layout: sent once, and fetched
+    by each worker from the others. It is the result of a task that unpickles it, not
+    scattered data, so that the scheduler computes it again where the workers holding it
+    died (Dask keeps one replica of what no task waits for, and lost scattered data is lost
+    for good, with every task that needs it)."""
+    import pickle
+
+    import dask
+    from dask.utils import parse_bytes
+
+    blob = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    # the blob is sent once, whatever its size: Dask warns of large graphs for what else is
+    threshold = "distributed.admin.large-graph-warning-threshold"
+    with dask.config.set({threshold: parse_bytes(dask.config.get(threshold)) + len(blob)}):
+        return client.submit(pickle.loads, blob, pure=False)
 
 
 def map_shards(client, function, calls, progress=None, sizes=None):
@@ -180,10 +193,10 @@ def shards_as_done(client, function, calls, progress=None, sizes=None):
     index = {future.key: k for k, future in enumerate(futures)}
     try:
         for future in as_completed(futures):
-            value, error = future.result()  # a failed task raises its error here
+            k = index[future.key]
+            value, error = _outcome(future, f"shard {k + 1} of {len(calls)}")
             if error is not None:
                 raise error
-            k = index[future.key]
             if progress is not None:
                 progress.update(sizes[k])
             yield k, value
@@ -191,6 +204,26 @@ def shards_as_done(client, function, calls, progress=None, sizes=None):
         pending = [future for future in futures if not future.done()]
         if pending:
             client.cancel(pending)
+
+
+def _outcome(future, name):
+    """The (value, DataError or None) of a finished _task's `future`, or DataError where the
+    cluster lost the task `name`: its workers kept dying, or the scheduler cancelled it. A
+    task's own failure raises as it is."""
+    from concurrent.futures import CancelledError
+
+    from dask.distributed import KilledWorker
+
+    try:
+        return future.result()
+    except KilledWorker as lost:
+        raise DataError(f"{name} was not computed: its worker died on each of its "
+                        f"{lost.allowed_failures + 1} tries (the last at "
+                        f"{lost.last_worker.address}); the workers' logs say why") from None
+    except CancelledError as lost:
+        reason = getattr(lost, "reason", "unknown")
+        because = "" if reason == "unknown" else f" ({reason})"
+        raise DataError(f"{name} was not computed: the cluster cancelled it{because}") from None
 
 
 def in_order(done):

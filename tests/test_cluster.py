@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -221,6 +222,83 @@ def test_a_killed_worker_loses_no_reduce_shard(tmp_path):
     run_killing_a_worker("reduce", path, "rms_norm", "forces", "-o", tmp_path / "remote.h5",
                          "--chunk-atoms", "500")
     assert_identical(tmp_path / "remote.h5", tmp_path / "local.h5")
+
+
+def _shape_of(layout):
+    from segcli.io import open_inputs
+
+    with open_inputs(layout) as batch:
+        return batch.n_structures, int(batch.n_atoms.sum())
+
+
+def test_a_shared_layout_outlives_the_worker_that_held_it(tmp_path):
+    """Dask keeps one replica of what no task waits for (its active memory manager). The one
+    worker left holding a batch's shared layout is SIGKILLed, and tasks sent after it still
+    get the layout, computed again: scattered, it was lost and they were cancelled."""
+    from dask.distributed import Client, LocalCluster, futures_of
+
+    from segcli.cluster import shared
+    from segcli.io import open_batch
+
+    n_atoms = np.arange(1, 2001) % 37
+    path = write_batch(tmp_path / "f.h5", n_atoms, {"x": np.ones(int(n_atoms.sum()))})
+    with open_batch(str(path)) as batch:
+        expected, layout_value = (len(n_atoms), int(n_atoms.sum())), batch.layout
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        pids = client.run(os.getpid)
+        layout = shared(client, layout_value)
+        assert client.gather([client.submit(_shape_of, layout, workers=[address], pure=False)
+                              for address in pids]) == [expected] * 2
+
+        def holders():
+            return set().union(*client.who_has(futures_of(layout)).values())
+
+        assert len(holders()) == 2
+        client.amm.run_once()
+        while len(holders()) != 1:
+            time.sleep(0.01)
+        os.kill(pids[holders().pop()], signal.SIGKILL)
+        assert client.gather([client.submit(_shape_of, layout, pure=False)
+                              for _ in range(4)]) == [expected] * 4
+
+
+def _kill_own_worker():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _nap():
+    time.sleep(60)
+
+
+def test_a_shard_the_cluster_loses_is_one_line():
+    """A shard whose worker dies on every try (Dask's KilledWorker; one try allowed here), and
+    one that the scheduler cancels, are each a DataError of one line naming the shard."""
+    import dask
+    from dask.distributed import Client, Future, LocalCluster
+
+    from segcli.cluster import shards_as_done
+    from segcli.errors import DataError
+
+    with (dask.config.set({"distributed.scheduler.allowed-failures": 0}),
+          LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                       dashboard_address=":0") as cluster, Client(cluster) as client):
+        with pytest.raises(DataError, match=r"^shard 2 of 2 was not computed: its worker died on "
+                                            r"each of its 1 tries \(the last at tcp://[^)]+\); "
+                                            r"the workers' logs say why$"):
+            list(shards_as_done(client, lambda k: _kill_own_worker() if k else k, [(0,), (1,)]))
+
+        def cancel_the_running_task():
+            while not (keys := [key for keys in client.processing().values() for key in keys]):
+                time.sleep(0.01)
+            client.cancel([Future(key, client) for key in keys], force=True)
+
+        canceller = threading.Thread(target=cancel_the_running_task)
+        canceller.start()
+        with pytest.raises(DataError, match=r"^shard 1 of 1 was not computed: the cluster "
+                                            r"cancelled it$"):
+            list(shards_as_done(client, _nap, [()]))
+        canceller.join()
 
 
 def test_local_workers_start_loaded_and_keep_freed_blocks():
