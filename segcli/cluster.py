@@ -192,9 +192,10 @@ def shards_as_done(client, function, calls, progress=None, sizes=None):
     futures = [client.submit(_task, function, *call, pure=False) for call in calls]
     index = {future.key: k for k, future in enumerate(futures)}
     try:
-        for future in as_completed(futures):
+        # each result fetched by the client's own thread as its task ends, not one by one here
+        for future, outcome in as_completed(futures, with_results=True, raise_errors=False):
             k = index[future.key]
-            value, error = _outcome(future, f"shard {k + 1} of {len(calls)}")
+            value, error = _outcome(future, outcome, f"shard {k + 1} of {len(calls)}")
             if error is not None:
                 raise error
             if progress is not None:
@@ -206,24 +207,25 @@ def shards_as_done(client, function, calls, progress=None, sizes=None):
             client.cancel(pending)
 
 
-def _outcome(future, name):
-    """The (value, DataError or None) of a finished _task's `future`, or DataError where the
-    cluster lost the task `name`: its workers kept dying, or the scheduler cancelled it. A
-    task's own failure raises as it is."""
-    from concurrent.futures import CancelledError
-
+def _outcome(future, outcome, name):
+    """The (value, DataError or None) of a _task's ended `future` from its `outcome` (as
+    as_completed gives it without raising), or DataError where the cluster lost the task
+    `name`: its workers kept dying, or the scheduler cancelled it. A task's own failure
+    raises as it is."""
     from dask.distributed import KilledWorker
 
-    try:
-        return future.result()
-    except KilledWorker as lost:
+    if future.status == "finished":
+        return outcome
+    if future.status == "error":
+        _, error, traceback = outcome
+        if not isinstance(error, KilledWorker):
+            raise error.with_traceback(traceback)
         raise DataError(f"{name} was not computed: its worker died on each of its "
-                        f"{lost.allowed_failures + 1} tries (the last at "
-                        f"{lost.last_worker.address}); the workers' logs say why") from None
-    except CancelledError as lost:
-        reason = getattr(lost, "reason", "unknown")
-        because = "" if reason == "unknown" else f" ({reason})"
-        raise DataError(f"{name} was not computed: the cluster cancelled it{because}") from None
+                        f"{error.allowed_failures + 1} tries (the last at "
+                        f"{error.last_worker.address}); the workers' logs say why") from None
+    reason = getattr(outcome, "reason", "unknown")
+    because = "" if reason == "unknown" else f" ({reason})"
+    raise DataError(f"{name} was not computed: the cluster cancelled it{because}") from None
 
 
 def in_order(done):
