@@ -736,13 +736,22 @@ def launch(jobs, padded, device):
 
     read = reads(jobs)
     function = _compiled(tuple(job.program(read) for job in jobs), padded.device_checks_nan,
-                         None if device.platform == "cpu" else device)
+                         device if _takes_pinned_outputs(device) else None)
     with enable_x64(True):
         values, offsets = jax.device_put(
             (tuple(padded.arrays[name] for name in read), padded.offsets), device,
             may_alias=True)
         return jobs, padded, function(values, offsets, rows=padded.rows,
                                       num_segments=padded.segments)
+
+
+@functools.cache
+def _takes_pinned_outputs(device):
+    """Whether a chunk's program on `device` writes its outputs into pinned host memory (see
+    _compiled): on an accelerator whose runtime offers that memory; on CPUs the outputs are
+    in host memory already."""
+    return device.platform != "cpu" and "pinned_host" in {
+        memory.kind for memory in device.addressable_memories()}
 
 
 def finish(launched):

@@ -145,8 +145,8 @@ def test_one_compilation_per_run_however_the_chunks_vary(tmp_path):
     for chunk_atoms in (1500, 1400, 3000):
         assert_reduced(run_all(path, job, chunk_atoms=chunk_atoms)[""], "rms_norm", n_atoms, [x],
                        "float64")
-    on_gpu = DEVICE.platform != "cpu"
-    program = engine._compiled((job.program(job.read),), on_gpu, DEVICE if on_gpu else None)
+    program = engine._compiled((job.program(job.read),), DEVICE.platform != "cpu",
+                               DEVICE if engine._takes_pinned_outputs(DEVICE) else None)
     assert program._cache_size() == 2  # 2048 and 4096 rows
 
 
