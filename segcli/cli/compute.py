@@ -302,18 +302,21 @@ class _Hdf5Sink:
         numbers = chunk.structure_numbers - self._first
         lo, hi = int(numbers[0]), int(numbers[-1]) + 1
         for dataset, array in arrays.items():
-            atoms = self._atom_offsets if self._outputs[dataset][0] == "atom" else None
-            row = lo if atoms is None else int(atoms[lo])
-            if chunk.selected is not None:  # the rows of the structures between, filled
-                span = np.arange(hi - lo + 1) if atoms is None else atoms[lo:hi + 1] - row
-                _, array = spread(array, numbers - lo, span, self._fill)
+            if chunk.selected is None:
+                row = self._row(dataset, lo)
+            else:  # the rows of the structures between, filled
+                starts = self._row(dataset, np.arange(lo, hi + 1))
+                row = int(starts[0])
+                _, array = spread(array, numbers - lo, starts - row, self._fill)
             self._writer.write(dataset, row, array)
 
     def _row(self, dataset, structure):
-        """The row of `dataset` where structure `first + structure` begins."""
+        """The row of `dataset` where structure `first + structure` begins (an int), or where
+        each of the structures `first + structure` begin (an array of them)."""
         if self._outputs[dataset][0] == "structure":
             return structure
-        return int(self._atom_offsets[structure])
+        starts = self._atom_offsets[structure]
+        return int(starts) if isinstance(structure, int) else starts
 
     def rows_of_shards(self, bounds):
         """For each shard [a, b) of `bounds` (structures from `first`), a RowsInto of its rows
