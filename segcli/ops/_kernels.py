@@ -735,6 +735,31 @@ _SPAN_SUM = """
 """.replace("LANES8", _LANES8)  # its `lane` the vector's, where the thread's is 0
 
 
+# A kernel of groups of lanes is launched flat, (groups · lanes,), and splits its thread's index
+# itself: Warp's own (groups, lanes) launch unravels every index by a 64-bit division and
+# modulo. ncu on an H100 (max_norm_lanes, float32, N = 10⁷): 55.6 → 44.4 M instructions, 92 →
+# 78.5 µs (benchmarks/RESULTS.md).
+_LANE_SHIFT = """
+#if defined(__CUDA_ARCH__)
+    return __ffs(lanes) - 1;
+#else
+    return __builtin_ctz((unsigned int)lanes);
+#endif
+"""
+
+
+@wp.func_native(_LANE_SHIFT)
+def _lane_shift(lanes: int) -> int:
+    """log2 of `lanes`, a power of two."""
+    ...
+
+
+@wp.func
+def _lane_split(i: int, lanes: int):
+    # (group, lane) of thread i of a flat launch of groups of `lanes` threads
+    return i >> _lane_shift(lanes), i & (lanes - 1)
+
+
 @wp.func_native(_LANES_HERE)
 def _lanes_here(lanes: int) -> int:
     """The lanes of a group where the kernel runs: `lanes` on GPUs, 1 on CPUs."""
@@ -803,7 +828,7 @@ def _lanes_max(v: Any, lanes: int):
 
 def _span_reduction(finish):
     """A kernel over x (N, G, K), a and b the same shape flat, w (M, G) or no rows, launched
-    (M·G, lanes): where the ids are ordered, group t of lanes writes out[s, g] =
+    (M·G·lanes,): where the ids are ordered, group t of lanes writes out[s, g] =
     finish(x, lo, hi, g, Σ <a[i, g] · w[s, g], b[i, g]>) over the segment's rows lo:hi (w[s, g]
     = 1 where w has no rows); otherwise 0 (an atomic kernel then takes over)."""
 
@@ -817,7 +842,7 @@ def _span_reduction(finish):
         lanes: int,
         out: wp.array2d(dtype=Any),
     ):
-        t, lane = wp.tid()
+        t, lane = _lane_split(wp.tid(), lanes)
         lanes = _lanes_here(lanes)
         if lane >= lanes:
             return
@@ -1365,7 +1390,7 @@ _deferred(_atomic_pass(_shifted_exp), "shifted_exp_sums")
 
 
 def _segment_groups(body):
-    """A kernel over x, a, b (N, K) into out, launched (M, K, lanes), or (M + 1, K, lanes)
+    """A kernel over x, a, b (N, K) into out, launched (M·K·lanes,), or ((M + 1)·K·lanes,)
     where out has x's rows, where the ids are ordered (else nothing written): the group (s < M,
     p) runs body(x, a, b, s, p, lo, hi, lane, lanes, out) over segment s's rows lo:hi; thread
     (M, 0, 0) zeroes the rows in no segment."""
@@ -1373,7 +1398,9 @@ def _segment_groups(body):
     def kernel(x: wp.array2d(dtype=Any), a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any),
                offsets: wp.array(dtype=wp.int32), ordered: wp.array(dtype=wp.int32),
                lanes: int, out: wp.array2d(dtype=Any)):
-        s, p, lane = wp.tid()
+        group, lane = _lane_split(wp.tid(), lanes)
+        s = group // x.shape[1]
+        p = group - s * x.shape[1]
         lanes = _lanes_here(lanes)
         if ordered[0] == 0 or lane >= lanes:
             return
@@ -1632,7 +1659,7 @@ def _lanes_norm(x: wp.array3d(dtype=Any), entries: wp.array(dtype=Any), lo: int,
 def _rms_norm_rows(curvature):
     """rms_norm's cotangent of x (N, G, K) for a cotangent c (M, G) of its norms, or with
     `curvature` the JVP of that along rows (N, G, K) and dc (M, G), for ids whose offsets are
-    known, launched (M·G, lanes). Group t of lanes sums its segment's squares as rms_norm_span
+    known, launched (M·G·lanes,). Group t of lanes sums its segment's squares as rms_norm_span
     does (the same bits), takes ι, a power of two near 1/norm, and δ = count · norm · ι, and
     writes over the segment's rows (flat, as entries) out[i, g] = (x[i, g] · ι) · (c / δ), or
     (rows[i, g] · ι) · (c / δ) + (x[i, g] · ι) · ((dc - c · count · ι · S / δ²) / δ) with S =
@@ -1650,7 +1677,7 @@ def _rms_norm_rows(curvature):
         lanes: int,
         out: wp.array(dtype=Any),
     ):
-        t, lane = wp.tid()
+        t, lane = _lane_split(wp.tid(), lanes)
         lanes = _lanes_here(lanes)
         if lane >= lanes:
             return
@@ -2430,12 +2457,12 @@ def _max_norm_lanes_kernel(
     norms: wp.array2d(dtype=Any),
     out: wp.array2d(dtype=wp.int32),
 ):
-    # max_norm's ordered search on GPUs, a group of lanes a segment and group, launched (M·G,
-    # lanes): where the ids are ordered, out[s, g] becomes the first row of the largest norm
+    # max_norm's ordered search on GPUs, a group of lanes a segment and group, launched
+    # (M·G·lanes,): where the ids are ordered, out[s, g] becomes the first row of the largest norm
     # of the segment (_lanes_squares_search, else the one-thread search), N for an empty one,
     # and norms[s, g] (unless norms has no rows) that row's norm, 0 for an empty one; both
     # left as given otherwise.
-    t, lane = wp.tid()
+    t, lane = _lane_split(wp.tid(), lanes)
     lanes = _lanes_here(lanes)
     if lane >= lanes or ordered[0] == 0:
         return
@@ -2558,10 +2585,10 @@ def _bincount_kernel(
     lanes: int,
     out: wp.array2d(dtype=wp.int32),
 ):
-    # a group of lanes per segment s, launched (M, lanes): where the ids are ordered, out[s, c]
+    # a group of lanes per segment s, launched (M·lanes,): where the ids are ordered, out[s, c]
     # = the rows of s with label c, else 0 (bincount_atomic then adds the rows); asked for
     # one lane (CPUs), `out` comes as zeros and each row adds 1
-    s, lane = wp.tid()
+    s, lane = _lane_split(wp.tid(), lanes)
     asked = lanes
     lanes = _lanes_here(lanes)
     if lane >= lanes:
@@ -3047,6 +3074,11 @@ def _overload(name, kernel, dtype):
     return wp.overload(kernel, concrete)
 
 
+# Warp's options of a kernel beside its source. max_norm_lanes at most 40 registers a thread
+# (12 blocks of 128 an SM) where it took 48 (10 blocks): on an H100, flat launches, float64
+# 113 → 105 µs at N = 10⁷, float32 as fast (benchmarks/RESULTS.md).
+_KERNEL_OPTIONS = {"max_norm_lanes": {"launch_bounds": (_BLOCK_DIM, 12)}}
+
 _MADE = {}  # kernel name -> {dtype name: Warp kernel}, the kernels made so far
 _MAKING = threading.Lock()
 
@@ -3060,7 +3092,8 @@ def _kernels(name):
     ops launch."""
     with _MAKING:
         if name not in _MADE:
-            kernel = wp.kernel(_SOURCES[name], enable_backward=False, module=f"segcli_{name}")
+            kernel = wp.kernel(_SOURCES[name], enable_backward=False, module=f"segcli_{name}",
+                               **_KERNEL_OPTIONS.get(name, {}))
             dtypes = _DTYPES.get(name, _FLOATS)
             _MADE[name] = (dict.fromkeys(dtypes, kernel) if not kernel.is_generic else
                            {dtype: _overload(name, kernel, t) for dtype, t in dtypes.items()})

@@ -53,6 +53,7 @@ bincount's `length`.
 """
 
 import functools
+import math
 from dataclasses import dataclass
 
 import jax
@@ -488,7 +489,7 @@ def _dot(x, y, idx, offsets, *, num_segments, indices_are_sorted, gpu=False, w=N
     factors = jnp.zeros((0, x.shape[1]), x.dtype) if w is None else w
     lanes = LANES if gpu else 1
     out = launch("dot_span", x, x.reshape(-1), y.reshape(-1), factors, *layout, lanes,
-                 dims=(shape[0] * shape[1], lanes), out=shape)
+                 dims=(shape[0] * shape[1] * lanes,), out=shape)
     if known_sorted:
         return out
     threads = stride(gpu, idx.shape[0])
@@ -658,7 +659,7 @@ def _rms_norm(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     lanes = LANES if gpu else 1
     entries = x.reshape(-1)
     out = launch("rms_norm_span", x, entries, entries, jnp.zeros((0, groups), x.dtype), *layout,
-                 lanes, dims=(num_segments * groups, lanes), out=shape)
+                 lanes, dims=(num_segments * groups * lanes,), out=shape)
     if known_sorted:
         return out
     threads = stride(gpu, n)
@@ -721,7 +722,7 @@ def _rms_norm_rows(g, c, idx, offsets, *, num_segments, indices_are_sorted, gpu=
     rows, dc = (entries, c) if rows is None else (rows.reshape(-1), dc)  # (the former unread)
     lanes = LANES if gpu else 1
     out = launch(kernel, g, entries, rows, dc, c, offsets, lanes,
-                 dims=(num_segments * g.shape[1], lanes), out=(g.size,))
+                 dims=(num_segments * g.shape[1] * lanes,), out=(g.size,))
     return out.reshape(g.shape)
 
 
@@ -782,7 +783,7 @@ def _search(x, idx, offsets, num_segments, indices_are_sorted, kind, gpu, norms=
     # it. Each kernel returns at once when the flag says the other path applies.
     lanes = gpu and kind == "max_norm"
     if lanes:
-        search, dims = ("max_norm_lanes", x, offsets, ordered, LANES), (first.size, LANES)
+        search, dims = ("max_norm_lanes", x, offsets, ordered, LANES), (first.size * LANES,)
     elif gpu:
         search, dims = (f"{kind}_ordered", x, offsets, ordered), first.shape
     else:  # max and min: a thread per segment
@@ -996,7 +997,7 @@ def _by_segment_groups(kernel, operands, dims, shape, formula, idx, offsets, num
     µs); on CPUs those fusions are faster (benchmarks/RESULTS.md)."""
     if not gpu or _empty(shape, *operands):
         return formula()
-    return _ordered_or(kernel, operands, (*dims, LANES), shape, formula, idx, offsets,
+    return _ordered_or(kernel, operands, (math.prod(dims) * LANES,), shape, formula, idx, offsets,
                        num_segments, indices_are_sorted, gpu, (LANES,))
 
 
@@ -1356,7 +1357,7 @@ def _bincount(labels, idx, offsets, *, num_segments, indices_are_sorted, length,
     # segment adds them into zeros (faster there than zeroing its row)
     lanes = BINCOUNT_LANES if gpu else 1
     args = ("bincount", labels, offsets, ordered, lanes)
-    dims = (num_segments, lanes)
+    dims = (num_segments * lanes,)
     out = (launch(*args, dims=dims, out=shape, dtype=labels.dtype) if gpu else
            launch(*args, jnp.zeros(shape, jnp.int32), dims=dims, in_out=("out",),
                   dtype=labels.dtype))
