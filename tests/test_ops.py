@@ -670,6 +670,22 @@ def rows_before_a_guard_page(rows):
     return np.frombuffer(block, np.float64, rows * 3, data_pages * page - size).reshape(rows, 3)
 
 
+def test_flat_launches_of_lane_groups_stay_within_warps_int_thread_index():
+    """Groups of lanes are launched flat (groups · lanes threads); where that would pass
+    2³¹ - 1 threads a group takes fewer lanes, the most that fit."""
+    lanes_for = _kernels.lanes_for
+    assert lanes_for(312_501, gpu=True) == _kernels.LANES == 8
+    assert lanes_for(312_501, gpu=False) == 1
+    assert lanes_for(2**28 - 1, gpu=True) == 8
+    assert lanes_for(2**28, gpu=True) == 4
+    assert lanes_for(10**8, gpu=True, lanes=_kernels.BINCOUNT_LANES) == 16
+    for groups in (1, 2**26 + 1, 2**28 + 5, 2**29, 2**30 + 3):
+        for lanes in (8, 32):
+            got = lanes_for(groups, gpu=True, lanes=lanes)
+            assert groups * got < 2**31
+            assert got == lanes or groups * got * 2 >= 2**31
+
+
 def test_cpu_kernels_read_no_row_past_the_end_of_x():
     """sum, mean, rms_norm, max_norm, dot and the reductions together, on rows of 3 that end
     where a guarded page begins (given to XLA without a copy, as the engine's mapped rows

@@ -667,6 +667,15 @@ def _rms_norm_of_wide_squares_kernel(
 # language, ran slower.
 LANES = 8
 
+
+def lanes_for(groups, gpu, lanes=LANES):
+    """Threads a group of a flat launch of `groups` groups: `lanes` on GPUs (1 on CPUs), halved
+    while the launch would pass 2³¹ - 1 threads (Warp's thread index is an int)."""
+    lanes = lanes if gpu else 1
+    while lanes > 1 and groups * lanes >= 2**31:
+        lanes //= 2
+    return lanes
+
 _LANES_HERE = """
 #if defined(__CUDA_ARCH__)
     return lanes;

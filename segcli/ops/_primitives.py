@@ -64,11 +64,11 @@ from jax.interpreters import ad, batching, mlir
 
 from segcli.ops._kernels import (
     BINCOUNT_LANES,
-    LANES,
     PACKED_RUN,
     PLAIN_SQUARES,
     REDUCE_BITS,
     cpu_available,
+    lanes_for,
     launch,
     stride,
 )
@@ -487,7 +487,7 @@ def _dot(x, y, idx, offsets, *, num_segments, indices_are_sorted, gpu=False, w=N
     known_sorted = ids_known_sorted(offsets, indices_are_sorted)
     # the rows' products summed by lanes per segment (ordered ids), else by atomics
     factors = jnp.zeros((0, x.shape[1]), x.dtype) if w is None else w
-    lanes = LANES if gpu else 1
+    lanes = lanes_for(shape[0] * shape[1], gpu)
     out = launch("dot_span", x, x.reshape(-1), y.reshape(-1), factors, *layout, lanes,
                  dims=(shape[0] * shape[1] * lanes,), out=shape)
     if known_sorted:
@@ -656,7 +656,7 @@ def _rms_norm(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
                            idx, layout, (num_segments, groups * k), x.dtype, gpu, True)
         return launch("rms_norm_of_squares", x, *layout, features, dims=shape, out=shape)
     # the norms by lanes per segment where the ids are ordered, else Σ|x|² by atomics
-    lanes = LANES if gpu else 1
+    lanes = lanes_for(num_segments * groups, gpu)
     entries = x.reshape(-1)
     out = launch("rms_norm_span", x, entries, entries, jnp.zeros((0, groups), x.dtype), *layout,
                  lanes, dims=(num_segments * groups * lanes,), out=shape)
@@ -720,7 +720,7 @@ def _rms_norm_rows(g, c, idx, offsets, *, num_segments, indices_are_sorted, gpu=
     entries, c = g.reshape(-1), c.astype(g.dtype)
     kernel = "rms_norm_cotangent_span" if rows is None else "rms_norm_curvature_span"
     rows, dc = (entries, c) if rows is None else (rows.reshape(-1), dc)  # (the former unread)
-    lanes = LANES if gpu else 1
+    lanes = lanes_for(num_segments * g.shape[1], gpu)
     out = launch(kernel, g, entries, rows, dc, c, offsets, lanes,
                  dims=(num_segments * g.shape[1] * lanes,), out=(g.size,))
     return out.reshape(g.shape)
@@ -783,7 +783,8 @@ def _search(x, idx, offsets, num_segments, indices_are_sorted, kind, gpu, norms=
     # it. Each kernel returns at once when the flag says the other path applies.
     lanes = gpu and kind == "max_norm"
     if lanes:
-        search, dims = ("max_norm_lanes", x, offsets, ordered, LANES), (first.size * LANES,)
+        width = lanes_for(first.size, gpu)
+        search, dims = ("max_norm_lanes", x, offsets, ordered, width), (first.size * width,)
     elif gpu:
         search, dims = (f"{kind}_ordered", x, offsets, ordered), first.shape
     else:  # max and min: a thread per segment
@@ -988,8 +989,8 @@ it one)."""
 
 def _by_segment_groups(kernel, operands, dims, shape, formula, idx, offsets, num_segments,
                         indices_are_sorted, gpu):
-    """Kernel `kernel` (a group of LANES threads per segment and feature, given LANES) over
-    `operands`, `dims` groups, into `shape`, on GPUs where the ids are ordered (see
+    """Kernel `kernel` (a group of lanes_for threads per segment and feature, given their number)
+    over `operands`, `dims` groups, into `shape`, on GPUs where the ids are ordered (see
     _ordered_or); formula() elsewhere, and where an operand or the result has no entries. On an
     H100 these kernels beat XLA's fusions around a reduction's kernels (_deviations; softmax's
     exp_sums and sums) at N = 10⁴–10⁵, where a call waits on its launches, and, their rows read
@@ -997,8 +998,9 @@ def _by_segment_groups(kernel, operands, dims, shape, formula, idx, offsets, num
     µs); on CPUs those fusions are faster (benchmarks/RESULTS.md)."""
     if not gpu or _empty(shape, *operands):
         return formula()
-    return _ordered_or(kernel, operands, (math.prod(dims) * LANES,), shape, formula, idx, offsets,
-                       num_segments, indices_are_sorted, gpu, (LANES,))
+    lanes = lanes_for(math.prod(dims), gpu)
+    return _ordered_or(kernel, operands, (math.prod(dims) * lanes,), shape, formula, idx, offsets,
+                       num_segments, indices_are_sorted, gpu, (lanes,))
 
 
 def _deviations(x, idx, offsets, num_segments, indices_are_sorted, gpu):
@@ -1353,12 +1355,12 @@ def _bincount(labels, idx, offsets, *, num_segments, indices_are_sorted, length,
         return jnp.zeros(shape, jnp.int32)
     known_sorted = ids_known_sorted(offsets, indices_are_sorted)
     offsets, ordered = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
-    # on GPUs a warp per segment zeroes its row and adds its rows; on CPUs a thread per
-    # segment adds them into zeros (faster there than zeroing its row)
-    lanes = BINCOUNT_LANES if gpu else 1
+    # on GPUs a warp per segment zeroes its row and adds its rows; with one lane (CPUs) a
+    # thread per segment adds them into zeros (faster there than zeroing its row)
+    lanes = lanes_for(num_segments, gpu, BINCOUNT_LANES)
     args = ("bincount", labels, offsets, ordered, lanes)
     dims = (num_segments * lanes,)
-    out = (launch(*args, dims=dims, out=shape, dtype=labels.dtype) if gpu else
+    out = (launch(*args, dims=dims, out=shape, dtype=labels.dtype) if lanes > 1 else
            launch(*args, jnp.zeros(shape, jnp.int32), dims=dims, in_out=("out",),
                   dtype=labels.dtype))
     if known_sorted:
