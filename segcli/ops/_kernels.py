@@ -69,8 +69,9 @@ Shapes (rows first, then a group axis G that vmap folds into, then features):
                                                                 (max_norm, each norm scaled by a
                                                                 power of two: no overflow); N if
                                                                 none (max_norm_lanes: its ordered
-                                                                search on GPUs, a group of LANES
-                                                                threads per segment)
+                                                                search on GPUs, a group of
+                                                                MAX_NORM_LANES threads per
+                                                                segment)
     max_norm_packed  x (N, G, K) float32     -> keys (M, G, 2)  the uint64 atomic max of (bits of
                                                                 |x[i,g]|) << 32 | (2³² - 1 - i),
                                                                 as uint32 pairs (GPUs, ids not
@@ -666,6 +667,13 @@ def _rms_norm_of_wide_squares_kernel(
 # and feature (float32 keeps that: 66 against 78). 4, 16 and 32 lanes, and a loop in Warp's
 # language, ran slower.
 LANES = 8
+
+
+# Lanes of max_norm's search (max_norm_lanes) by dtype: a group takes 16 rows of 3 a pass (its
+# lanes' blocks of 4 float32 rows or 2 float64 rows). On an H100 at N = 10⁷, float32 by 4
+# lanes 70.6–71.7 µs against 77.8–84.1 by 8; float64 by 8 lanes 111.5 µs against 119.3 by 4
+# (benchmarks/RESULTS.md).
+MAX_NORM_LANES = {"float32": 4, "float64": 8}
 
 
 def lanes_for(groups, gpu, lanes=LANES):

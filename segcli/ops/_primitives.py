@@ -64,6 +64,7 @@ from jax.interpreters import ad, batching, mlir
 
 from segcli.ops._kernels import (
     BINCOUNT_LANES,
+    MAX_NORM_LANES,
     PACKED_RUN,
     PLAIN_SQUARES,
     REDUCE_BITS,
@@ -777,13 +778,13 @@ def _search(x, idx, offsets, num_segments, indices_are_sorted, kind, gpu, norms=
         return _first_of_packed_keys(x, idx, num_segments), None
     known_sorted = ids_known_sorted(offsets, indices_are_sorted)
     offsets, ordered = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
-    # Ordered ids: one pass per segment (max_norm's on GPUs by a group of LANES threads), which
-    # writes every segment's row (N where empty): ids known sorted need no `first` filled
-    # first. Otherwise: the atomic best of the keys, then the atomic min of the rows attaining
-    # it. Each kernel returns at once when the flag says the other path applies.
+    # Ordered ids: one pass per segment (max_norm's on GPUs by a group of MAX_NORM_LANES
+    # threads), which writes every segment's row (N where empty): ids known sorted need no
+    # `first` filled first. Otherwise: the atomic best of the keys, then the atomic min of the
+    # rows attaining it. Each kernel returns at once when the flag says the other path applies.
     lanes = gpu and kind == "max_norm"
     if lanes:
-        width = lanes_for(first.size, gpu)
+        width = lanes_for(first.size, gpu, MAX_NORM_LANES[jnp.dtype(x.dtype).name])
         search, dims = ("max_norm_lanes", x, offsets, ordered, width), (first.size * width,)
     elif gpu:
         search, dims = (f"{kind}_ordered", x, offsets, ordered), first.shape
