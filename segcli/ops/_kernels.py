@@ -668,7 +668,6 @@ def _rms_norm_of_wide_squares_kernel(
 # language, ran slower.
 LANES = 8
 
-
 # Lanes of max_norm's search (max_norm_lanes) by dtype: a group takes 16 rows of 3 a pass (its
 # lanes' blocks of 4 float32 rows or 2 float64 rows). On an H100 at N = 10⁷, float32 by 4
 # lanes 70.6–71.7 µs against 77.8–84.1 by 8; float64 by 8 lanes 111.5 µs against 119.3 by 4
@@ -683,6 +682,7 @@ def lanes_for(groups, gpu, lanes=LANES):
     while lanes > 1 and groups * lanes >= 2**31:
         lanes //= 2
     return lanes
+
 
 _LANES_HERE = """
 #if defined(__CUDA_ARCH__)
