@@ -673,7 +673,11 @@ def rows_before_a_guard_page(rows):
 def test_flat_launches_of_lane_groups_stay_within_warps_int_thread_index():
     """Groups of lanes are launched flat (groups · lanes threads); where that would pass
     2³¹ - 1 threads a group takes fewer lanes, the most that fit."""
-    lanes_for = _kernels.lanes_for
+    def lanes_for(groups, gpu, lanes=_kernels.LANES):
+        got, dims = _kernels.lane_grid(groups, gpu, lanes)
+        assert dims == (groups * got,)
+        return got
+
     assert lanes_for(312_501, gpu=True) == _kernels.LANES == 8
     assert lanes_for(312_501, gpu=False) == 1
     assert lanes_for(2**28 - 1, gpu=True) == 8

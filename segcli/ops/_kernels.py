@@ -675,13 +675,14 @@ LANES = 8
 MAX_NORM_LANES = {"float32": 4, "float64": 8}
 
 
-def lanes_for(groups, gpu, lanes=LANES):
-    """Threads a group of a flat launch of `groups` groups: `lanes` on GPUs (1 on CPUs), halved
-    while the launch would pass 2³¹ - 1 threads (Warp's thread index is an int)."""
+def lane_grid(groups, gpu, lanes=LANES):
+    """(threads a group, launch dims) of a flat launch of `groups` groups of lanes: `lanes` on
+    GPUs (1 on CPUs), halved while the launch would pass 2³¹ - 1 threads (Warp's thread index
+    is an int)."""
     lanes = lanes if gpu else 1
     while lanes > 1 and groups * lanes >= 2**31:
         lanes //= 2
-    return lanes
+    return lanes, (groups * lanes,)
 
 
 _LANES_HERE = """

@@ -69,7 +69,7 @@ from segcli.ops._kernels import (
     PLAIN_SQUARES,
     REDUCE_BITS,
     cpu_available,
-    lanes_for,
+    lane_grid,
     launch,
     stride,
 )
@@ -488,9 +488,9 @@ def _dot(x, y, idx, offsets, *, num_segments, indices_are_sorted, gpu=False, w=N
     known_sorted = ids_known_sorted(offsets, indices_are_sorted)
     # the rows' products summed by lanes per segment (ordered ids), else by atomics
     factors = jnp.zeros((0, x.shape[1]), x.dtype) if w is None else w
-    lanes = lanes_for(shape[0] * shape[1], gpu)
+    lanes, dims = lane_grid(shape[0] * shape[1], gpu)
     out = launch("dot_span", x, x.reshape(-1), y.reshape(-1), factors, *layout, lanes,
-                 dims=(shape[0] * shape[1] * lanes,), out=shape)
+                 dims=dims, out=shape)
     if known_sorted:
         return out
     threads = stride(gpu, idx.shape[0])
@@ -657,10 +657,10 @@ def _rms_norm(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
                            idx, layout, (num_segments, groups * k), x.dtype, gpu, True)
         return launch("rms_norm_of_squares", x, *layout, features, dims=shape, out=shape)
     # the norms by lanes per segment where the ids are ordered, else Σ|x|² by atomics
-    lanes = lanes_for(num_segments * groups, gpu)
+    lanes, dims = lane_grid(num_segments * groups, gpu)
     entries = x.reshape(-1)
     out = launch("rms_norm_span", x, entries, entries, jnp.zeros((0, groups), x.dtype), *layout,
-                 lanes, dims=(num_segments * groups * lanes,), out=shape)
+                 lanes, dims=dims, out=shape)
     if known_sorted:
         return out
     threads = stride(gpu, n)
@@ -721,9 +721,8 @@ def _rms_norm_rows(g, c, idx, offsets, *, num_segments, indices_are_sorted, gpu=
     entries, c = g.reshape(-1), c.astype(g.dtype)
     kernel = "rms_norm_cotangent_span" if rows is None else "rms_norm_curvature_span"
     rows, dc = (entries, c) if rows is None else (rows.reshape(-1), dc)  # (the former unread)
-    lanes = lanes_for(num_segments * g.shape[1], gpu)
-    out = launch(kernel, g, entries, rows, dc, c, offsets, lanes,
-                 dims=(num_segments * g.shape[1] * lanes,), out=(g.size,))
+    lanes, dims = lane_grid(num_segments * g.shape[1], gpu)
+    out = launch(kernel, g, entries, rows, dc, c, offsets, lanes, dims=dims, out=(g.size,))
     return out.reshape(g.shape)
 
 
@@ -784,8 +783,8 @@ def _search(x, idx, offsets, num_segments, indices_are_sorted, kind, gpu, norms=
     # rows attaining it. Each kernel returns at once when the flag says the other path applies.
     lanes = gpu and kind == "max_norm"
     if lanes:
-        width = lanes_for(first.size, gpu, MAX_NORM_LANES[jnp.dtype(x.dtype).name])
-        search, dims = ("max_norm_lanes", x, offsets, ordered, width), (first.size * width,)
+        width, dims = lane_grid(first.size, gpu, MAX_NORM_LANES[jnp.dtype(x.dtype).name])
+        search = ("max_norm_lanes", x, offsets, ordered, width)
     elif gpu:
         search, dims = (f"{kind}_ordered", x, offsets, ordered), first.shape
     else:  # max and min: a thread per segment
@@ -990,8 +989,8 @@ it one)."""
 
 def _by_segment_groups(kernel, operands, dims, shape, formula, idx, offsets, num_segments,
                         indices_are_sorted, gpu):
-    """Kernel `kernel` (a group of lanes_for threads per segment and feature, given their number)
-    over `operands`, `dims` groups, into `shape`, on GPUs where the ids are ordered (see
+    """Kernel `kernel` (a group of lane_grid threads per segment and feature, given their
+    number) over `operands`, `dims` groups, into `shape`, on GPUs where the ids are ordered (see
     _ordered_or); formula() elsewhere, and where an operand or the result has no entries. On an
     H100 these kernels beat XLA's fusions around a reduction's kernels (_deviations; softmax's
     exp_sums and sums) at N = 10⁴–10⁵, where a call waits on its launches, and, their rows read
@@ -999,9 +998,9 @@ def _by_segment_groups(kernel, operands, dims, shape, formula, idx, offsets, num
     µs); on CPUs those fusions are faster (benchmarks/RESULTS.md)."""
     if not gpu or _empty(shape, *operands):
         return formula()
-    lanes = lanes_for(math.prod(dims), gpu)
-    return _ordered_or(kernel, operands, (math.prod(dims) * lanes,), shape, formula, idx, offsets,
-                       num_segments, indices_are_sorted, gpu, (lanes,))
+    lanes, flat = lane_grid(math.prod(dims), gpu)
+    return _ordered_or(kernel, operands, flat, shape, formula, idx, offsets, num_segments,
+                       indices_are_sorted, gpu, (lanes,))
 
 
 def _deviations(x, idx, offsets, num_segments, indices_are_sorted, gpu):
@@ -1358,9 +1357,8 @@ def _bincount(labels, idx, offsets, *, num_segments, indices_are_sorted, length,
     offsets, ordered = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
     # on GPUs a warp per segment zeroes its row and adds its rows; with one lane (CPUs) a
     # thread per segment adds them into zeros (faster there than zeroing its row)
-    lanes = lanes_for(num_segments, gpu, BINCOUNT_LANES)
+    lanes, dims = lane_grid(num_segments, gpu, BINCOUNT_LANES)
     args = ("bincount", labels, offsets, ordered, lanes)
-    dims = (num_segments * lanes,)
     out = (launch(*args, dims=dims, out=shape, dtype=labels.dtype) if lanes > 1 else
            launch(*args, jnp.zeros(shape, jnp.int32), dims=dims, in_out=("out",),
                   dtype=labels.dtype))
