@@ -652,7 +652,7 @@ def _compiled(programs, on_device=False, host_outputs=None):
     segments of `offsets` (their ids expanded there, where a program reads them: XLA drops
     them where none does). With `on_device` the values are checked for NaN there; else the NaN
     flag says whether a value of a program that shows its inputs' NaN (Job.shows_nan) is
-    NaN. With `host_outputs` (a device that offers it, see _takes_pinned_outputs), the program
+    NaN. With `host_outputs` (a device that offers it, see _pinned_outputs), the program
     writes its outputs into that device's pinned host memory itself: on an H100, a chunk's
     three results of 65 Ki structures come back in 0.1 ms, against 1.7 ms copied one by one
     into pageable NumPy arrays (benchmarks/RESULTS.md)."""
@@ -736,7 +736,7 @@ def launch(jobs, padded, device):
 
     read = reads(jobs)
     function = _compiled(tuple(job.program(read) for job in jobs), padded.device_checks_nan,
-                         device if _takes_pinned_outputs(device) else None)
+                         _pinned_outputs(device))
     with enable_x64(True):
         values, offsets = jax.device_put(
             (tuple(padded.arrays[name] for name in read), padded.offsets), device,
@@ -746,12 +746,13 @@ def launch(jobs, padded, device):
 
 
 @functools.cache
-def _takes_pinned_outputs(device):
-    """Whether a chunk's program on `device` writes its outputs into pinned host memory (see
-    _compiled): on an accelerator whose runtime offers that memory; on CPUs the outputs are
-    in host memory already."""
-    return device.platform != "cpu" and "pinned_host" in {
+def _pinned_outputs(device):
+    """`device` where a chunk's program on it writes its outputs into its pinned host memory
+    (see _compiled's `host_outputs`): an accelerator whose runtime offers that memory; else
+    None (on CPUs the outputs are in host memory already)."""
+    takes = device.platform != "cpu" and "pinned_host" in {
         memory.kind for memory in device.addressable_memories()}
+    return device if takes else None
 
 
 def finish(launched):

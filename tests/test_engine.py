@@ -146,7 +146,7 @@ def test_one_compilation_per_run_however_the_chunks_vary(tmp_path):
         assert_reduced(run_all(path, job, chunk_atoms=chunk_atoms)[""], "rms_norm", n_atoms, [x],
                        "float64")
     program = engine._compiled((job.program(job.read),), DEVICE.platform != "cpu",
-                               DEVICE if engine._takes_pinned_outputs(DEVICE) else None)
+                               engine._pinned_outputs(DEVICE))
     assert program._cache_size() == 2  # 2048 and 4096 rows
 
 
