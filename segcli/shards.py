@@ -30,23 +30,42 @@ counts from SLURM_ARRAY_TASK_MIN)."""
 
 
 def even_cuts(n_atoms, parts):
-    """The parts + 1 boundaries cutting items of `n_atoms` atoms (structures, or leaves) where
-    the running count first reaches k·total/parts."""
+    """The parts + 1 boundaries cutting items of `n_atoms` atoms (structures, or leaves) into
+    contiguous runs of nearly equal atom counts (see _even_cuts)."""
     return _even_cuts(np.cumsum(n_atoms, dtype=np.int64), parts)
 
 
 def _even_cuts(running, parts):
-    """even_cuts, given the running counts."""
-    total = int(running[-1]) if len(running) else 0
-    targets = np.arange(1, parts, dtype=np.int64) * total // parts
-    cuts = np.searchsorted(running, targets, side="left") + 1
-    return np.array([0, *np.minimum(cuts, len(running)).tolist(), len(running)], np.int64)
+    """even_cuts, given the running counts: cut k at the item boundary nearest to k·total/parts
+    atoms (exactly, the earlier one on a tie), then, where there are at least as many items as
+    parts, moved on (near the end, back) just far enough that no run is empty. So a run holds
+    at most twice its share of atoms unless it is one item, and runs are empty only where the
+    items are fewer than the parts. Cheap: one search per part in the running counts."""
+    n, total = len(running), int(running[-1]) if len(running) else 0
+    if n == 0:
+        return np.zeros(parts + 1, np.int64)
+    k = np.arange(1, parts, dtype=np.int64)
+    # k·total/parts = whole + part/parts, without forming k·total
+    whole = k * (total // parts) + k * (total % parts) // parts
+    part = k * (total % parts) % parts
+    # the first boundary at or past the ideal cut (boundary b has running[b - 1] atoms before)
+    above = np.searchsorted(running, whole + (part > 0), side="left") + 1
+    above = np.minimum(above, n)
+    below_atoms = np.where(above > 1, running[np.maximum(above - 2, 0)], 0)
+    above_atoms = running[above - 1]
+    # nearer the boundary below when 2·ideal <= its atoms + the boundary above's atoms
+    nearer_below = 2 * whole - below_atoms - above_atoms <= -((2 * part + parts - 1) // parts)
+    cuts = np.concatenate([[0], above - nearer_below, [n]]).astype(np.int64)
+    if n >= parts:
+        steps = np.arange(parts + 1, dtype=np.int64)
+        cuts = steps + np.minimum(np.maximum.accumulate(cuts - steps), n - parts)
+    return cuts
 
 
 def leaf_bounds(n_atoms):
     """Boundaries of the leaves of a selection of structures with `n_atoms` atoms: one leaf per
-    structure up to LEAVES structures, else LEAVES runs of nearly equal atom counts (some
-    empty where one structure outweighs several leaves)."""
+    structure up to LEAVES structures, else LEAVES runs of nearly equal atom counts (see
+    even_cuts: none empty, none over twice its share unless one structure)."""
     return _leaves(np.cumsum(n_atoms, dtype=np.int64))
 
 
@@ -67,7 +86,7 @@ def _shard_leaves(running, leaves, shards):
 def shard_leaves(n_atoms, shards):
     """The shards + 1 leaf numbers splitting the leaves (see leaf_bounds) of structures of
     `n_atoms` atoms into contiguous ranges with nearly equal atom counts: range k ends at the
-    first leaf where the running count reaches (k + 1)·total/shards."""
+    leaf boundary nearest to (k + 1)·total/shards atoms (see even_cuts)."""
     running = np.cumsum(n_atoms, dtype=np.int64)
     return _shard_leaves(running, _leaves(running), shards)
 
@@ -75,8 +94,9 @@ def shard_leaves(n_atoms, shards):
 def shard_bounds(n_atoms, shards):
     """The shards + 1 structure boundaries splitting structures of `n_atoms` atoms into
     contiguous ranges of whole structures with nearly equal atom counts, at leaf boundaries
-    (see shard_leaves): the same split on every machine. More shards than structures leave
-    some empty. One array as long as the structures is made (their running counts)."""
+    (see shard_leaves): the same split on every machine. Only more shards than leaves (than
+    structures, or than LEAVES) leave some empty. One array as long as the structures is made
+    (their running counts)."""
     running = np.cumsum(n_atoms, dtype=np.int64)
     leaves = _leaves(running)
     return leaves[_shard_leaves(running, leaves, shards)].tolist()

@@ -5,6 +5,7 @@ run writes; gaps, overlaps and parts of other jobs are refused."""
 import itertools
 import os
 import shutil
+from fractions import Fraction
 
 import h5py
 import numpy as np
@@ -105,13 +106,24 @@ def test_shards_are_contiguous_whole_structures_on_leaf_boundaries(n_atoms, shar
 
 
 def reference_cuts(counts, parts):
-    """Where the running count of `counts` first reaches k·total/parts, by a loop."""
-    running, total, cuts = np.cumsum(counts), int(np.sum(counts)), [0]
+    """By loops: cut k at the boundary nearest to k·total/parts (exactly; the earlier one on a
+    tie), then, with at least as many items as parts, moved on (at the end, back) by as few
+    items as leave no part empty."""
+    running = [0, *itertools.accumulate(int(c) for c in counts)]
+    n, cuts = len(counts), [0]
     for k in range(1, parts):
-        target = k * total // parts
-        cuts.append(min(next((i + 1 for i, r in enumerate(running) if r >= target),
-                             len(counts)), len(counts)))
-    return [*cuts, len(counts)]
+        ideal = Fraction(k * running[-1], parts)
+        above = next(b for b, r in enumerate(running) if r >= ideal)
+        below = above - 1
+        nearer_below = above > 0 and ideal - running[below] <= running[above] - ideal
+        cuts.append(below if nearer_below else above)
+    cuts.append(n)
+    if n >= parts:
+        for k in range(1, parts):
+            cuts[k] = max(cuts[k], cuts[k - 1] + 1)
+        for k in range(parts - 1, 0, -1):
+            cuts[k] = min(cuts[k], cuts[k + 1] - 1)
+    return cuts
 
 
 @pytest.mark.parametrize("seed", range(6))
