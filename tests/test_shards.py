@@ -23,7 +23,7 @@ from segcli.io.core import (
     segment_bounds,
     segment_runs,
 )
-from segcli.shards import ENVIRONMENTS, leaf_bounds, shard_bounds
+from segcli.shards import LAUNCHER_VARIABLES, WORLDS, leaf_bounds, shard_bounds
 
 
 def run(*args, env=None):
@@ -233,11 +233,11 @@ def test_shard_auto_reads_slurm_open_mpi_and_pmi(even):
     path = even
     wanted = ok("reduce", path, "sum", "forces", "--shard", "2/5").stdout
     assert wanted.count("\n") > 1
-    bare = {name: None for pair in ENVIRONMENTS for name in pair} | {"SLURM_ARRAY_TASK_MIN": None}
-    for index, count in ENVIRONMENTS:
-        env = {**bare, index: "2", count: "5"}
-        if index == "SLURM_ARRAY_TASK_ID":
-            env.update(SLURM_ARRAY_TASK_ID="12", SLURM_ARRAY_TASK_MIN="10")
+    bare = dict.fromkeys(LAUNCHER_VARIABLES)
+    array = {"SLURM_ARRAY_TASK_ID": "12", "SLURM_ARRAY_TASK_MIN": "10",
+             "SLURM_ARRAY_TASK_COUNT": "5"}
+    for launcher in [array, *({index: "2", count: "5"} for index, count in WORLDS)]:
+        env = {**bare, **launcher}
         assert ok("reduce", path, "sum", "forces", "--shard", "auto", env=env).stdout == wanted
     result = run("reduce", path, "sum", "forces", "--shard", "auto", env=bare)
     assert result.exit_code == 2 and "SLURM_ARRAY_TASK_ID" in result.output
