@@ -1,7 +1,8 @@
 """--shard auto follows the launcher: every task or process a job array, srun, Open MPI or PMI
 starts gets a different shard of the same N, and together they do all N; what is malformed or
 contradictory is refused. And the split itself: whole structures, balanced by atoms however
-lopsided the sizes, the same in every task."""
+lopsided the sizes, the same in every task (that parts of more shards than structures, some
+empty, merge into one run is test_shards' test_merged_shards_equal_one_run_bit_for_bit)."""
 
 import bisect
 import itertools
@@ -9,9 +10,7 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
-from batch_reference import write_batch
 from click.testing import CliRunner
-from test_shards import assert_identical
 
 from segcli.cli import main
 from segcli.shards import LAUNCHER_VARIABLES, leaf_bounds, parse_shard, shard_bounds, shard_of
@@ -206,19 +205,3 @@ def test_one_giant_structure_leaves_no_shard_empty():
     n_atoms = np.array([1] * 1000 + [10**6] + [1] * 1000)
     bounds = brute_force_checks(n_atoms, 4)
     assert bounds == [0, 1000, 1001, 1002, 2001]
-
-
-def test_more_shards_than_structures_still_merge_to_one_run(tmp_path):
-    """Five shards of three structures: two parts hold none, and the merge is the one run."""
-    rng = np.random.default_rng(3)
-    path = tmp_path / "three.h5"
-    write_batch(path, np.array([2, 0, 40]), {"forces": rng.normal(size=(42, 3))})
-    runner = CliRunner()
-    for args in [["-o", tmp_path / "whole.h5"], *(["--shard", f"{i}/5", "-o",
-                                                   tmp_path / "p-{shard}.h5"] for i in range(5))]:
-        result = runner.invoke(main, [str(a) for a in ["reduce", path, "sum", "forces", *args]])
-        assert result.exit_code == 0, result.output
-    result = runner.invoke(main, ["merge", str(tmp_path / "p-*.h5"), "-o",
-                                  str(tmp_path / "merged.h5"), "-q"])
-    assert result.exit_code == 0, result.output
-    assert_identical(tmp_path / "merged.h5", tmp_path / "whole.h5")
