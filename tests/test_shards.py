@@ -5,6 +5,7 @@ run writes; gaps, overlaps and parts of other jobs are refused."""
 import itertools
 import os
 import shutil
+from fractions import Fraction
 
 import h5py
 import numpy as np
@@ -22,7 +23,7 @@ from segcli.io.core import (
     segment_bounds,
     segment_runs,
 )
-from segcli.shards import ENVIRONMENTS, leaf_bounds, shard_bounds
+from segcli.shards import LAUNCHER_VARIABLES, WORLDS, leaf_bounds, shard_bounds
 
 
 def run(*args, env=None):
@@ -105,13 +106,24 @@ def test_shards_are_contiguous_whole_structures_on_leaf_boundaries(n_atoms, shar
 
 
 def reference_cuts(counts, parts):
-    """Where the running count of `counts` first reaches k·total/parts, by a loop."""
-    running, total, cuts = np.cumsum(counts), int(np.sum(counts)), [0]
+    """By loops: cut k at the boundary nearest to k·total/parts (exactly; the earlier one on a
+    tie), then, with at least as many items as parts, moved on (at the end, back) by as few
+    items as leave no part empty."""
+    running = [0, *itertools.accumulate(int(c) for c in counts)]
+    n, cuts = len(counts), [0]
     for k in range(1, parts):
-        target = k * total // parts
-        cuts.append(min(next((i + 1 for i, r in enumerate(running) if r >= target),
-                             len(counts)), len(counts)))
-    return [*cuts, len(counts)]
+        ideal = Fraction(k * running[-1], parts)
+        above = next(b for b, r in enumerate(running) if r >= ideal)
+        below = above - 1
+        nearer_below = above > 0 and ideal - running[below] <= running[above] - ideal
+        cuts.append(below if nearer_below else above)
+    cuts.append(n)
+    if n >= parts:
+        for k in range(1, parts):
+            cuts[k] = max(cuts[k], cuts[k - 1] + 1)
+        for k in range(parts - 1, 0, -1):
+            cuts[k] = min(cuts[k], cuts[k + 1] - 1)
+    return cuts
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -221,11 +233,11 @@ def test_shard_auto_reads_slurm_open_mpi_and_pmi(even):
     path = even
     wanted = ok("reduce", path, "sum", "forces", "--shard", "2/5").stdout
     assert wanted.count("\n") > 1
-    bare = {name: None for pair in ENVIRONMENTS for name in pair} | {"SLURM_ARRAY_TASK_MIN": None}
-    for index, count in ENVIRONMENTS:
-        env = {**bare, index: "2", count: "5"}
-        if index == "SLURM_ARRAY_TASK_ID":
-            env.update(SLURM_ARRAY_TASK_ID="12", SLURM_ARRAY_TASK_MIN="10")
+    bare = dict.fromkeys(LAUNCHER_VARIABLES)
+    array = {"SLURM_ARRAY_TASK_ID": "12", "SLURM_ARRAY_TASK_MIN": "10",
+             "SLURM_ARRAY_TASK_COUNT": "5"}
+    for launcher in [array, *({index: "2", count: "5"} for index, count in WORLDS)]:
+        env = {**bare, **launcher}
         assert ok("reduce", path, "sum", "forces", "--shard", "auto", env=env).stdout == wanted
     result = run("reduce", path, "sum", "forces", "--shard", "auto", env=bare)
     assert result.exit_code == 2 and "SLURM_ARRAY_TASK_ID" in result.output

@@ -426,7 +426,7 @@ def progress(enabled, label, total=None, unit="structure"):
 
 
 def _shard(ctx, param, text):
-    """Click callback: (I, N) from --shard I/N or auto (from SLURM, Open MPI or PMI)."""
+    """Click callback: (I, N) from --shard I/N or auto (see segcli.shards.parse_shard)."""
     if text is None:
         return None
     from segcli.shards import parse_shard
@@ -497,8 +497,8 @@ def cluster_options(command):
     return click.option(
         "--shard", callback=_shard, metavar="I/N|auto",
         help="Do only range I of the N ranges of whole structures with nearly equal atom "
-             "counts (auto: from SLURM_ARRAY_TASK_ID/COUNT, SLURM_PROCID/NTASKS, Open MPI "
-             "or PMI); {shard} in -o becomes I. Join the parts with `segcli merge`.")(command)
+             "counts (auto: from a SLURM or SGE job array, srun, Open MPI or PMI); "
+             "{shard} in -o becomes I. Join the parts with `segcli merge`.")(command)
 
 
 def shard_output(output, shard):
