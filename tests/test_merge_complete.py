@@ -110,6 +110,9 @@ def test_a_part_given_twice_or_empty_is_refused(tmp_path, job):
     (folder / "r-9.h5").touch()  # a task that failed while its file was made
     refused(tmp_path, ["merge", folder], "r-9.h5: empty file (0 bytes)")
     refused(tmp_path, ["merge", folder / "*.h5"], "r-9.h5: empty file (0 bytes)")
+    os.remove(folder / "r-9.h5")
+    (folder / "slurm-9.out").write_text("killed\n")
+    refused(tmp_path, ["merge", folder], "slurm-9.out: not a part")
 
 
 def test_a_part_whose_rows_are_not_its_structures_is_refused(tmp_path, job):

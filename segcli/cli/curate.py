@@ -118,6 +118,7 @@ def stats(file, fields, per_element, per_atom, by, where, as_json, output, force
       segcli stats 'parts/stats-*.h5' forces
     """
     from segcli.io import expand_inputs
+    from segcli.io.coverage import refuse_skipped
     from segcli.io.statsfile import is_stats_file, write_stats
     from segcli.io.text import finite_json
 
@@ -125,7 +126,8 @@ def stats(file, fields, per_element, per_atom, by, where, as_json, output, force
     if by is not None and per_element:
         raise click.UsageError("--per-element groups by element and --by by a field: give one")
     output = shard_output(output, shard)
-    paths = input_paths(file)
+    skipped = []
+    paths = expand_inputs(file, skipped)
     refuse_output_among_inputs(output, paths, "stats writes a new file")
     if all(map(is_stats_file, paths)):
         given = [flag for flag, value in (("--per-element", per_element), ("--per-atom", per_atom),
@@ -135,8 +137,8 @@ def stats(file, fields, per_element, per_atom, by, where, as_json, output, force
         if given:
             raise click.UsageError(f"{file} holds statistics, computed already: {given[0]} "
                                    "applies to data")
-        result, summary, attrs = _merged_stats(expand_inputs(file, every_file=True), file,
-                                               fields, partial)
+        refuse_skipped(skipped)
+        result, summary, attrs = _merged_stats(paths, file, fields, partial)
         if "missing" in attrs and not quiet:
             note(f"{file}: lacks structures {attrs['missing']} of its input(s) (--partial)")
         parts = None

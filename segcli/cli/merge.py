@@ -42,10 +42,12 @@ def merge(parts, output, virtual, partial, force, quiet):
     """
     from segcli.cli.common import note, refuse_output_among_inputs
     from segcli.io import expand_inputs
-    from segcli.io.coverage import ranges_text
+    from segcli.io.coverage import ranges_text, refuse_skipped
     from segcli.io.merge import check_parts, lacking, merge_parts
 
-    paths = expand_inputs(parts, every_file=True)
+    skipped = []
+    paths = expand_inputs(parts, skipped)
+    refuse_skipped(skipped)
     refuse_output_among_inputs(output, paths, "merge writes a new file")
     checked = check_parts(paths, partial)
     merge_parts(checked, output, virtual=virtual, force=force)

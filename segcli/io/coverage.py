@@ -62,6 +62,15 @@ def refuse_empty(path):
         raise DataError(f"{path}: empty file (0 bytes), not a part")
 
 
+def refuse_skipped(skipped):
+    """DataError naming the first of the files `skipped` in a directory of parts (see
+    segcli.io.expand_inputs), where none may be left out."""
+    for path in skipped[:1]:
+        refuse_empty(path)
+        raise DataError(f"{path}: not a part (neither results nor statistics of segcli), in a "
+                        "directory of parts")
+
+
 def refuse_repeated(paths):
     """DataError when two of `paths` are the same file (given twice, or by two names)."""
     seen = {}

@@ -138,9 +138,9 @@ def _listed(spec):
     return paths
 
 
-def _directory(path, every_file=False):
-    """The regular, non-hidden files of a directory that segcli reads (or all of them, with
-    `every_file`), in sorted name order."""
+def _directory(path, skipped=None):
+    """The regular, non-hidden files of a directory that segcli reads, in sorted name order;
+    the others appended to the list `skipped`, if given."""
     from segcli.io import reads
 
     try:
@@ -153,8 +153,10 @@ def _directory(path, every_file=False):
         if name.startswith(".") or not os.path.isfile(member):
             continue
         _check_readable(member)
-        if every_file or reads(member):
+        if reads(member):
             members.append(member)
+        elif skipped is not None:
+            skipped.append(member)
     if not members:
         raise DataError(f"{path}: directory without a file that segcli reads")
     return members
@@ -231,12 +233,12 @@ def _seekable(path):
         return _spooled(stream, os.path.abspath(path))
 
 
-def _expand(spec, every_file):
+def _expand(spec, skipped):
     """The paths one FILE stands for (see expand_inputs)."""
     if spec == "-":
         return [_spooled_stdin()]
     if os.path.isdir(spec):
-        return _directory(spec, every_file)
+        return _directory(spec, skipped)
     if os.path.lexists(spec):
         return [_seekable(spec)]
     if spec.startswith("@"):
@@ -250,7 +252,7 @@ def _expand(spec, every_file):
     out = []
     for path in paths:
         if os.path.isdir(path):
-            out += _directory(path, every_file)
+            out += _directory(path, skipped)
         elif not os.path.lexists(path):
             raise DataError(f"{path}: no such file ({spec} names it)")
         else:
@@ -258,16 +260,16 @@ def _expand(spec, every_file):
     return out
 
 
-def expand_inputs(spec, every_file=False):
+def expand_inputs(spec, skipped=None):
     """The files that FILE `spec` (a str, or a sequence of them, each expanded) stands for, in
-    order: an existing file itself; a directory's regular, non-hidden files that segcli reads
-    (with `every_file`, all of them: parts, of which none may be skipped), in sorted name
-    order; a glob pattern's matches, sorted; @LIST's lines (`@-`: stdin's);
-    `-`: extxyz on stdin (spooled to a temporary file).
+    order: an existing file itself; a directory's regular, non-hidden files that segcli reads,
+    in sorted name order (the others appended to the list `skipped`, if given: where every
+    file must count, as parts do); a glob pattern's matches, sorted; @LIST's lines (`@-`:
+    stdin's); `-`: extxyz on stdin (spooled to a temporary file).
     A directory among a pattern's or list's paths stands for its files. DataError naming a
     member that is missing or unreadable, or a pattern, list or directory that names none."""
     specs = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
-    paths = [path for s in specs for path in _expand(os.fspath(s), every_file)]
+    paths = [path for s in specs for path in _expand(os.fspath(s), skipped)]
     if len(paths) > 1:
         for path in paths:
             _check_readable(path)
