@@ -11,6 +11,10 @@ import os
 from dataclasses import dataclass
 
 from segcli.errors import DataError
+from segcli.shards import MOST_SHARDS
+
+NAMED = 5
+"""The most lacking ranges or shards that a message names (the rest are counted)."""
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,8 @@ def span_of(path, attrs):
     if attrs.get("shard") is not None:
         shard = _pair(path, "shard", attrs["shard"], "/")
         selection = _pair(path, "selection", attrs.get("selection"), ":")
-        if not (shard[0] < shard[1] and selection[0] <= start and stop <= selection[1] <= total):
+        if not (shard[0] < shard[1] <= MOST_SHARDS and selection[0] <= start
+                and stop <= selection[1] <= total):
             raise DataError(f"{path}: shard {shard[0]}/{shard[1]} of structures "
                             f"{selection[0]}:{selection[1]} cannot hold {start}:{stop}")
     return Span(path, str(attrs["source_fingerprint"]), total, start, stop, shard, selection)
@@ -106,7 +111,8 @@ def _lacking(spans, partial):
             if twin is not span:
                 raise DataError(f"{span.path}: shard {span.shard[0]}/{span.shard[1]}, as is "
                                 f"{twin.path}: each part counts once")
-    for before, after in itertools.pairwise(spans):
+    filled = [s for s in spans if s.start < s.stop]  # an empty shard lies between others
+    for before, after in itertools.pairwise(filled):
         if after.start < before.stop:
             raise DataError(f"parts overlap on structures {after.start}:"
                             f"{min(before.stop, after.stop)} ({before.path} has {before.start}:"
@@ -114,20 +120,19 @@ def _lacking(spans, partial):
     jobs = {(s.shard and s.shard[1], s.selection) for s in spans}
     count, selection = jobs.pop() if len(jobs) == 1 else (None, None)
     first, last = selection or (0, spans[0].total)
-    ends = [first, *(e for s in spans for e in (s.start, s.stop)), last]
+    ends = [first, *(e for s in filled for e in (s.start, s.stop)), last]
     lacking = [(a, b) for a, b in zip(ends[::2], ends[1::2]) if a < b]
-    absent = ([i for i in range(count) if ((i, count), selection) not in shards]
-              if count else [])
+    absent = sorted(set(range(count or 0)) - {i for (i, n), _ in shards if n == count})
     if (lacking or absent) and not partial:
-        raise DataError(_lacking_message(spans, lacking, absent, count, first, last))
+        raise DataError(_lacking_message(filled, lacking, absent, count, first, last))
     return lacking
 
 
 def _lacking_message(spans, lacking, absent, count, first, last):
-    """The line refusing `spans` that lack the ranges `lacking` or the shards `absent` (of
-    `count`) of a job over structures first:last."""
-    shards = (f"shard{'s' * (len(absent) > 1)} {', '.join(map(str, absent))} of {count} "
-              "missing; " if absent else "")
+    """The line refusing `spans` (those holding structures) that lack the ranges `lacking` or
+    the shards `absent` (of `count`) of a job over structures first:last."""
+    shards = (f"shard{'s' * (len(absent) > 1)} {_some(map(str, absent), len(absent))} of "
+              f"{count} missing; " if absent else "")
     if not lacking:
         return (f"parts lack {shards.rstrip('; ')} (their structures, of {first}:{last}, are "
                 "none); --partial merges what there is")
@@ -135,8 +140,15 @@ def _lacking_message(spans, lacking, absent, count, first, last):
     before = next((s for s in reversed(spans) if s.stop <= a), None)
     after = next((s for s in spans if s.start >= b), None)
     where = ", ".join(f"{s.path} has {s.start}:{s.stop}" for s in (before, after) if s)
-    return (f"parts leave structures {', '.join(f'{a}:{b}' for a, b in lacking)} uncovered "
+    ranges = _some((f"{a}:{b}" for a, b in lacking), len(lacking))
+    return (f"parts leave structures {ranges} uncovered "
             f"({shards}{where}; the job covers {first}:{last}); --partial merges what there is")
+
+
+def _some(texts, count):
+    """The first NAMED of `count` texts, joined, and how many more there are."""
+    named = list(itertools.islice(texts, NAMED))
+    return ", ".join(named) + (f" and {count - NAMED} more" if count > NAMED else "")
 
 
 def ranges_text(ranges):
