@@ -216,9 +216,11 @@ def part_path(pattern, index, count):
 
 
 def fingerprint(paths, n_atoms):
-    """A short hash identifying the input: its files' real paths and sizes, and the atoms of
-    every structure (what parts of one input must share)."""
-    files = [(os.path.realpath(p), os.path.getsize(p)) for p in paths]
+    """A short hash identifying the input: its files' real paths, sizes and modification times
+    (in ns), and the atoms of every structure (what parts of one input must share). It changes
+    when a file is rewritten or touched; nothing but the structures' sizes is read."""
+    files = [(os.path.realpath(p), (info := os.stat(p)).st_size, info.st_mtime_ns)
+             for p in paths]
     digest = hashlib.sha256(json.dumps(files).encode())
     digest.update(np.ascontiguousarray(n_atoms, np.int64))  # its buffer, not a copy
     return digest.hexdigest()[:32]

@@ -245,11 +245,13 @@ def test_output_file_attributes_force_and_in_place(tmp_path, random_file, device
         attrs = {k: v.tolist() if isinstance(v, np.ndarray) else v
                  for k, v in f["results/dot_x_y"].attrs.items()}
     created = attrs.pop("created")
-    digest = hashlib.sha256(json.dumps([[os.path.realpath(path), os.path.getsize(path)]]).encode())
+    digest = hashlib.sha256(json.dumps([[os.path.realpath(path), os.path.getsize(path),
+                                         os.stat(path).st_mtime_ns]]).encode())
     digest.update(np.asarray(n_atoms, np.int64).tobytes())
     assert attrs == {"op": "dot", "fields": ["x", "y"], "per": "structure", "precision": "float64",
                      "device": device_label, "segcli_version": __version__, "structures": "3:9",
-                     "source_fingerprint": digest.hexdigest()[:32]}
+                     "source_fingerprint": digest.hexdigest()[:32],
+                     "source_structures": len(n_atoms)}
     assert abs(datetime.now(timezone.utc) - datetime.fromisoformat(created)) < timedelta(hours=1)
     before = out.read_bytes()
     assert_data_error(run("reduce", path, "dot", "x", "y", "-o", out), "already exists",

@@ -519,15 +519,17 @@ def shard_output(output, shard):
 def shard_selection(batch, file, structures, shard):
     """The leaf boundaries (see segcli.shards.shard_of) of the structures that --structures
     and --shard select in `batch`, and the attributes that tie the output to them: the range
-    `structures`, the input's `source_fingerprint` and, for a shard, `shard`."""
+    `structures`, the input's `source_fingerprint` and `source_structures` (its count) and, for
+    a shard, `shard` and `selection` (the range of all its shards)."""
     from segcli.shards import fingerprint, shard_of
 
     start, stop, _ = selection(batch, file, structures).indices(batch.n_structures)
     leaves = shard_of(batch.n_atoms[start:max(start, stop)], start, shard)
     attrs = {"structures": f"{leaves[0]}:{leaves[-1]}",
-             "source_fingerprint": fingerprint(batch.sources, batch.n_atoms)}
+             "source_fingerprint": fingerprint(batch.sources, batch.n_atoms),
+             "source_structures": batch.n_structures}
     if shard:
-        attrs["shard"] = f"{shard[0]}/{shard[1]}"
+        attrs.update(shard=f"{shard[0]}/{shard[1]}", selection=f"{start}:{max(start, stop)}")
     return leaves, attrs
 
 

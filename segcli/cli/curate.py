@@ -79,10 +79,13 @@ def _element(z):
               help="Write the statistics to a new HDF5 file instead (/stats/FIELD: count, "
                    "mean, m2, min, max, std, rms).")
 @click.option("--force", is_flag=True, help="Overwrite OUTPUT if it exists.")
+@click.option("--partial", is_flag=True,
+              help="Statistics files that lack structures of their inputs are merged anyway "
+                   "(the output's attribute `missing` names them).")
 @cluster_options
 @_streaming_options
-def stats(file, fields, per_element, per_atom, by, where, as_json, output, force, structures,
-          chunk_atoms, quiet, scheduler, shard):
+def stats(file, fields, per_element, per_atom, by, where, as_json, output, force, partial,
+          structures, chunk_atoms, quiet, scheduler, shard):
     """Count, mean, std, rms, min and max of each FIELD of FILE.
 
     A per-atom field is taken over all atoms, a per-structure field over all structures,
@@ -100,7 +103,9 @@ def stats(file, fields, per_element, per_atom, by, where, as_json, output, force
     FILE may also be statistics that `stats -o` wrote (several: a pattern, directory or
     @LIST): they are merged exactly (Chan's formulas), every FIELD by default, as if
     computed over all their data at once (up to rounding), whatever they were computed
-    over.
+    over. Each must count once: a file given twice, files of one input over overlapping
+    structures, and files that lack structures (or shards) of an input are refused;
+    --partial merges those that lack some on purpose.
 
     \b
     Example:
@@ -112,6 +117,8 @@ def stats(file, fields, per_element, per_atom, by, where, as_json, output, force
       segcli stats data.h5 forces --shard auto -o 'parts/stats-{shard}.h5'
       segcli stats 'parts/stats-*.h5' forces
     """
+    from segcli.io import expand_inputs
+    from segcli.io.coverage import refuse_skipped
     from segcli.io.statsfile import is_stats_file, write_stats
     from segcli.io.text import finite_json
 
@@ -119,7 +126,8 @@ def stats(file, fields, per_element, per_atom, by, where, as_json, output, force
     if by is not None and per_element:
         raise click.UsageError("--per-element groups by element and --by by a field: give one")
     output = shard_output(output, shard)
-    paths = input_paths(file)
+    skipped = []
+    paths = expand_inputs(file, skipped)
     refuse_output_among_inputs(output, paths, "stats writes a new file")
     if all(map(is_stats_file, paths)):
         given = [flag for flag, value in (("--per-element", per_element), ("--per-atom", per_atom),
@@ -129,9 +137,14 @@ def stats(file, fields, per_element, per_atom, by, where, as_json, output, force
         if given:
             raise click.UsageError(f"{file} holds statistics, computed already: {given[0]} "
                                    "applies to data")
-        result, summary, attrs = _merged_stats(paths, file, fields)
+        refuse_skipped(skipped)
+        result, summary, attrs = _merged_stats(paths, file, fields, partial)
+        if "missing" in attrs and not quiet:
+            note(f"{file}: lacks structures {attrs['missing']} of its input(s) (--partial)")
         parts = None
     else:
+        if partial:
+            raise click.UsageError("--partial merges statistics files; FILE holds data")
         if not fields:
             raise click.UsageError("give the FIELDs of FILE to compute statistics of")
         result, summary, parts, attrs = _field_stats(
@@ -163,18 +176,19 @@ def stats(file, fields, per_element, per_atom, by, where, as_json, output, force
     click.echo("\n".join(table(lines)))
 
 
-def _merged_stats(paths, file, fields):
+def _merged_stats(paths, file, fields, partial):
     """(name -> FieldStats, summary, the output's attributes) of FIELDs (default: all) of the
-    statistics files `paths` (FILE `file`) merged (segcli.io.statsfile.merge_stats_files)."""
+    statistics files `paths` (FILE `file`) merged (segcli.io.statsfile.merge_stats_files);
+    with `partial`, they may lack structures (the attribute `missing`)."""
     from segcli.io.statsfile import merge_stats_files
 
-    result, count = merge_stats_files(paths)
+    result, count, covered = merge_stats_files(paths, partial)
     missing = [name for name in fields if name not in result]
     if missing or not result:
         raise DataError(f"{file}: no statistics of {', '.join(missing) or 'any field'} in "
                         f"every file; they hold {', '.join(result) or 'none in common'}")
     summary = {"path": file, "structures": count, "files": len(paths)}
-    attrs = {"merged_from": [os.path.abspath(p) for p in paths]}
+    attrs = {"merged_from": [os.path.abspath(p) for p in paths], **covered}
     return {name: result[name] for name in fields or result}, summary, attrs
 
 

@@ -12,17 +12,23 @@ from segcli.cli.common import hdf5_output
 @click.option("--virtual", is_flag=True,
               help="Map the results onto the parts as HDF5 virtual datasets (by paths relative "
                    "to OUTPUT) instead of copying them.")
+@click.option("--partial", is_flag=True,
+              help="Join the parts there are, though structures or shards of the job lack: "
+                   "OUTPUT's root attribute `missing` names the lacking ranges.")
 @click.option("--force", is_flag=True, help="Overwrite OUTPUT if it exists.")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
-def merge(parts, output, virtual, force, quiet):
+def merge(parts, output, virtual, partial, force, quiet):
     """Join the parts of one job into the file one run writes.
 
     PARTs are outputs of `segcli reduce`, `grad` or `stats` with --shard (or of one input over
     disjoint --structures ranges), in any order; each may be a glob pattern ('parts/*.h5'),
-    a directory or @LIST. OUTPUT equals, dataset by dataset and bit for bit, what one run
-    over all their structures writes (but for the attribute `created`). Parts whose ranges
-    overlap or leave a gap, or that differ in op, fields, precision or input (its
-    fingerprint), are refused, naming them, before anything is written.
+    a directory or @LIST (every file in it a part). OUTPUT equals, dataset by dataset and
+    bit for bit, what one run over all their structures writes (but for the attribute
+    `created`). Parts are refused, naming them, before anything is written, when their ranges
+    overlap, when a part or shard is given twice, when they differ in op, fields, precision
+    or input (its fingerprint), and when they lack structures of the job: every shard I of N
+    must be there, and parts of other runs must cover all of the input. --partial joins an
+    incomplete set on purpose.
 
     With --virtual, OUTPUT holds no copy: its results are HDF5 virtual datasets reading the
     parts, found by their paths relative to OUTPUT; keep the parts beside it (moving them
@@ -34,13 +40,19 @@ def merge(parts, output, virtual, force, quiet):
       segcli reduce data.h5 rms_norm forces --shard 1/2 -o 'parts/r-{shard}.h5'
       segcli merge 'parts/r-*.h5' -o rms.h5
     """
-    from segcli.cli.common import input_paths, note, refuse_output_among_inputs
-    from segcli.io.merge import check_parts, merge_parts
+    from segcli.cli.common import note, refuse_output_among_inputs
+    from segcli.io import expand_inputs
+    from segcli.io.coverage import ranges_text, refuse_skipped
+    from segcli.io.merge import check_parts, lacking, merge_parts
 
-    paths = input_paths(parts)
+    skipped = []
+    paths = expand_inputs(parts, skipped)
+    refuse_skipped(skipped)
     refuse_output_among_inputs(output, paths, "merge writes a new file")
-    checked = check_parts(paths)
+    checked = check_parts(paths, partial)
     merge_parts(checked, output, virtual=virtual, force=force)
+    if not quiet and lacking(checked):
+        note(f"{output}: lacks structures {ranges_text(lacking(checked))} (--partial)")
     if not quiet:
         how = "virtual datasets over" if virtual else "copied from"
         note(f"{output}: structures {checked[0].start}:{checked[-1].stop}, {how} "

@@ -3,6 +3,7 @@ file that one run over all of them writes, by copy or as HDF5 virtual datasets.
 
     parts = check_parts(["r-0.h5", "r-1.h5"])   # DataError for gaps, overlaps, mismatches
     merge_parts(parts, "r.h5")
+    parts = check_parts(paths, partial=True)    # gaps allowed: the output names them (`missing`)
 """
 
 import itertools
@@ -14,6 +15,14 @@ import numpy as np
 
 from segcli.errors import DataError
 from segcli.io.core import FORMAT, offsets_of, plan_chunks
+from segcli.io.coverage import (
+    Span,
+    check_spans,
+    ranges_text,
+    refuse_empty,
+    refuse_repeated,
+    span_of,
+)
 from segcli.io.hdf5 import (
     ATTRIBUTE_BYTES,
     HDF5_ERRORS,
@@ -28,32 +37,30 @@ from segcli.io.statsfile import STATS_ATTRIBUTE_BYTES, STATS_FORMAT
 from segcli.io.writers import ensure_room, new_output
 
 BLOCK_BYTES = 8 << 20
-PART_ONLY = ("shard", "created", "structures")
+PART_ONLY = ("shard", "selection", "created", "structures")
 """Attributes that differ between parts of one job (and between a part and one run)."""
+SHARD_ONLY = ("shard", "selection")
+"""Attributes of a shard's part that the join of the parts does not have."""
 
 
 @dataclass
 class Part:
-    """One part file: its structures [start, stop), its results (name -> attrs) or statistics."""
+    """One part file: the structures it covers, its results (name -> attrs) or statistics."""
 
-    path: str
     kind: str  # FORMAT or STATS_FORMAT
-    start: int
-    stop: int
+    span: Span
     attrs: dict  # the root attributes
     datasets: dict  # name under /results or /stats -> the attributes that must agree
 
-
-def _range(path, text):
-    start, _, stop = str(text).partition(":")
-    if not (start.isdigit() and stop.isdigit()) or int(stop) < int(start):
-        raise DataError(f"{path}: attribute structures is {text!r}, not START:STOP")
-    return int(start), int(stop)
+    path = property(lambda self: self.span.path)
+    start = property(lambda self: self.span.start)
+    stop = property(lambda self: self.span.stop)
 
 
 def _describe(path):
     """The Part of the file `path`; DataError when it is not a result or statistics file of
-    a job over a known range of structures."""
+    a job over a known range of structures, or its results' rows are not those structures'."""
+    refuse_empty(path)
     with guarded(path) as h5:
         try:
             return _described(path, h5)
@@ -79,11 +86,13 @@ def _described(path, h5):
                         "dtype": str(h5["results"][n].dtype),
                         "shape": list(h5["results"][n].shape[1:])} for n in names}
         ranges = {d.get("structures") for d in datasets.values()}
+        recorded = next(iter(datasets.values()), {})
         what = "results"
     elif kind == STATS_FORMAT:
         datasets = {n: {k: plain(v) for k, v in g.attrs.items()}
                     for n, g in h5.get("stats", {}).items()}
         ranges = {attrs.get("structures")}
+        recorded = attrs
         what = "statistics"
     else:
         raise DataError(f"{path}: neither results (segcli reduce/grad -o) nor statistics "
@@ -93,27 +102,61 @@ def _described(path, h5):
     if None in ranges or len(ranges) != 1:
         raise DataError(f"{path}: its {what} carry no single `structures` range (written "
                         "by an older segcli?)")
-    start, stop = _range(path, ranges.pop())
-    if kind == FORMAT and len(h5["structures/n_atoms"]) != stop - start:
-        raise DataError(f"{path}: holds {len(h5['structures/n_atoms'])} structures, but "
-                        f"its results say structures {start}:{stop}")
-    return Part(path, kind, start, stop, attrs, datasets)
+    span = span_of(path, recorded)
+    if kind == FORMAT:
+        _check_rows(path, h5, span.stop - span.start, datasets)
+    return Part(kind, span, attrs, datasets)
+
+
+def _check_rows(path, h5, count, datasets):
+    """DataError unless the result file `h5` holds `count` structures: rows of /structures,
+    and of each result of `datasets` (name -> attrs) one per structure or per atom (`per`)."""
+    n_atoms = h5["structures/n_atoms"]
+    if len(n_atoms) != count:
+        raise DataError(f"{path}: holds {len(n_atoms)} structures, but its results say "
+                        f"structures {h5['results'][next(iter(datasets))].attrs['structures']}")
+    for name, ds in h5["structures"].items():
+        if len(ds) != count:
+            raise DataError(f"{path}: /structures/{name} has {len(ds)} rows for {count} "
+                            "structures")
+    atoms, step = 0, BLOCK_BYTES // 8
+    for lo in range(0, count, step):
+        block = read_rows(path, n_atoms, lo, min(lo + step, count)).astype(np.int64)
+        if (block < 0).any():
+            raise DataError(f"{path}: /structures/n_atoms holds a negative count")
+        atoms += int(block.sum())
+    for name, attrs in datasets.items():
+        rows = {"structure": count, "atom": atoms}.get(attrs.get("per"))
+        if rows is None:
+            raise DataError(f"{path}: /results/{name} has per={attrs.get('per')!r}, not "
+                            "'structure' or 'atom'")
+        if len(h5["results"][name]) != rows:
+            raise DataError(f"{path}: /results/{name} has {len(h5['results'][name])} rows, "
+                            f"but its {count} structures have {rows} {attrs['per']}s")
 
 
 def _agreeing(attrs):
     return {k: v for k, v in attrs.items() if k not in PART_ONLY}
 
 
-def check_parts(paths):
+def check_parts(paths, partial=False):
     """The Parts of the files `paths`, in structure order, checked to be of one job over
-    ranges that neither overlap nor leave a gap; DataError naming the files and ranges."""
+    ranges that neither overlap nor, unless `partial`, lack a structure or shard of the job
+    (see segcli.io.coverage.check_spans); DataError naming the files and ranges."""
     if not paths:
         raise DataError("no parts to merge")
-    parts = sorted((_describe(os.fspath(p)) for p in paths), key=lambda p: (p.start, p.stop))
+    paths = [os.fspath(p) for p in paths]
+    refuse_repeated(paths)
+    parts = sorted(map(_describe, paths), key=lambda p: (p.start, p.stop))
     for part in parts[1:]:
         _check_alike(part, parts[0])
-    check_cover(parts)
+    check_spans([p.span for p in parts], partial)
     return parts
+
+
+def lacking(parts):
+    """The ranges (start, stop) of structures of their job that checked `parts` lack."""
+    return check_spans([p.span for p in parts], partial=True)[parts[0].span.fingerprint]
 
 
 def describe_part(path, like=None):
@@ -149,24 +192,31 @@ def _check_alike(part, first):
 
 
 def check_cover(parts):
-    """DataError unless `parts` (in structure order) neither overlap nor leave a gap."""
-    for before, after in itertools.pairwise(parts):
-        if after.start > before.stop:
-            raise DataError(f"parts leave structures {before.stop}:{after.start} uncovered "
-                            f"({before.path} has {before.start}:{before.stop}, {after.path} "
-                            f"{after.start}:{after.stop})")
-        if after.start < before.stop:
-            raise DataError(f"parts overlap on structures {after.start}:"
-                            f"{min(before.stop, after.stop)} ({before.path} has {before.start}:"
-                            f"{before.stop}, {after.path} {after.start}:{after.stop})")
+    """DataError unless `parts` (of one input, in structure order) neither overlap nor leave
+    a gap between them."""
+    between = [(a, b) for a, b in lacking(parts) if parts[0].start <= a and b <= parts[-1].stop]
+    if between:
+        a, b = between[0]
+        before = next(p for p in reversed(parts) if p.stop <= a)
+        after = next(p for p in parts if p.start >= b)
+        raise DataError(f"parts leave structures {a}:{b} uncovered ({before.path} has "
+                        f"{before.start}:{before.stop}, {after.path} {after.start}:{after.stop})")
 
 
 def merged_attrs(parts, attrs):
     """The attributes of the join of `parts` from one part's: the whole range, no shard."""
-    out = {k: v for k, v in attrs.items() if k != "shard"}
+    out = {k: v for k, v in attrs.items() if k not in SHARD_ONLY}
     if "structures" in attrs:
         out["structures"] = f"{parts[0].start}:{parts[-1].stop}"
     return out
+
+
+def _root_attrs(parts):
+    """The root attributes of the join of `parts`: one part's, and `missing`, the ranges of
+    their job's structures that they lack, if any."""
+    missing = lacking(parts)
+    return {**merged_attrs(parts, parts[0].attrs),
+            **({"missing": ranges_text(missing)} if missing else {})}
 
 
 def merge_parts(parts, output, virtual=False, force=False):
@@ -185,7 +235,7 @@ def merge_parts(parts, output, virtual=False, force=False):
     files = [h5py.File(p.path, "r") for p in parts]
     try:
         with new_output(output, force) as tmp, h5py.File(tmp, "w") as h5:
-            h5.attrs.update(merged_attrs(parts, parts[0].attrs))
+            h5.attrs.update(_root_attrs(parts))
             names = [f"structures/{n}" for n in files[0]["structures"]]
             names += [f"results/{n}" for n in parts[0].datasets]
             for name in names:
@@ -242,7 +292,7 @@ def _merge_stats(parts, output, force):
     for part in parts:
         with h5py.File(part.path, "r") as h5:
             leaves.append(read_leaves(part.path, h5))
-    write_stats(output, merge_stats(leaves), merged_attrs(parts, parts[0].attrs), force=force)
+    write_stats(output, merge_stats(leaves), _root_attrs(parts), force=force)
 
 
 def part_rows(parts, names, atoms_per_block=1 << 20):

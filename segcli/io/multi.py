@@ -138,8 +138,9 @@ def _listed(spec):
     return paths
 
 
-def _directory(path):
-    """The regular, non-hidden files of a directory that segcli reads, in sorted name order."""
+def _directory(path, skipped=None):
+    """The regular, non-hidden files of a directory that segcli reads, in sorted name order;
+    the others appended to the list `skipped`, if given."""
     from segcli.io import reads
 
     try:
@@ -154,6 +155,8 @@ def _directory(path):
         _check_readable(member)
         if reads(member):
             members.append(member)
+        elif skipped is not None:
+            skipped.append(member)
     if not members:
         raise DataError(f"{path}: directory without a file that segcli reads")
     return members
@@ -230,12 +233,12 @@ def _seekable(path):
         return _spooled(stream, os.path.abspath(path))
 
 
-def _expand(spec):
+def _expand(spec, skipped):
     """The paths one FILE stands for (see expand_inputs)."""
     if spec == "-":
         return [_spooled_stdin()]
     if os.path.isdir(spec):
-        return _directory(spec)
+        return _directory(spec, skipped)
     if os.path.lexists(spec):
         return [_seekable(spec)]
     if spec.startswith("@"):
@@ -249,7 +252,7 @@ def _expand(spec):
     out = []
     for path in paths:
         if os.path.isdir(path):
-            out += _directory(path)
+            out += _directory(path, skipped)
         elif not os.path.lexists(path):
             raise DataError(f"{path}: no such file ({spec} names it)")
         else:
@@ -257,15 +260,16 @@ def _expand(spec):
     return out
 
 
-def expand_inputs(spec):
+def expand_inputs(spec, skipped=None):
     """The files that FILE `spec` (a str, or a sequence of them, each expanded) stands for, in
     order: an existing file itself; a directory's regular, non-hidden files that segcli reads,
-    in sorted name order; a glob pattern's matches, sorted; @LIST's lines (`@-`: stdin's);
-    `-`: extxyz on stdin (spooled to a temporary file).
+    in sorted name order (the others appended to the list `skipped`, if given: where every
+    file must count, as parts do); a glob pattern's matches, sorted; @LIST's lines (`@-`:
+    stdin's); `-`: extxyz on stdin (spooled to a temporary file).
     A directory among a pattern's or list's paths stands for its files. DataError naming a
     member that is missing or unreadable, or a pattern, list or directory that names none."""
     specs = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
-    paths = [path for s in specs for path in _expand(os.fspath(s))]
+    paths = [path for s in specs for path in _expand(os.fspath(s), skipped)]
     if len(paths) > 1:
         for path in paths:
             _check_readable(path)

@@ -98,13 +98,18 @@ def is_stats_file(path):
 
 
 def read_stats(path):
-    """(name -> FieldStats, its `structures` count or None) of the statistics file `path`
-    (`segcli stats -o`): each field's moments over all its groups (every element, or each
-    value of `groups`); DataError naming what is wrong."""
+    """(name -> FieldStats, its `structures` count or None, the Spans of the input it covers,
+    see segcli.io.coverage) of the statistics file `path` (`segcli stats -o`): each field's
+    moments over all its groups (every element, or each value of `groups`); DataError naming
+    what is wrong."""
+    from segcli.io.coverage import covers_of, refuse_empty, span_of
     from segcli.io.hdf5 import HDF5_ERRORS, check_metadata, damaged
     from segcli.io.heap import guarded
     from segcli.stats import N_ELEMENTS, FieldStats, Moments
 
+    refuse_empty(path)
+    if not is_stats_file(path):
+        raise DataError(f"{path}: not a statistics file (segcli stats -o), as the others are")
     out = {}
     with guarded(path) as h5:
         try:
@@ -128,26 +133,34 @@ def read_stats(path):
                 out[name] = FieldStats(name, attrs["per"], list(attrs["components"]),
                                        bool(attrs["by_element"]), bool(attrs["per_atom"]),
                                        moments, by, groups)
-            span = plain(h5.attrs.get("structures"))
+            attrs = {k: plain(v) for k, v in h5.attrs.items()}
         except (*HDF5_ERRORS, IndexError) as err:
             raise damaged(path, err) from err
-    start, _, stop = str(span).partition(":")
-    return out, int(stop) - int(start) if start.isdigit() and stop.isdigit() else None
+    spans = covers_of(path, attrs["covers"]) if "covers" in attrs else [span_of(path, attrs)]
+    start, _, stop = str(attrs.get("structures")).partition(":")
+    return out, int(stop) - int(start) if start.isdigit() and stop.isdigit() else None, spans
 
 
-def merge_stats_files(paths):
-    """(name -> FieldStats, structures or None) of the statistics files `paths` together: the
-    fields they all hold, grouped alike (groups of a field joined: the union of their values),
-    their moments merged in the order given (Chan's formulas); DataError when a field is
-    grouped, or its components are, differently in two files."""
-    merged, structures = {}, 0
+def merge_stats_files(paths, partial=False):
+    """(name -> FieldStats, structures or None, the attributes `covers` and `missing` of what
+    they cover, see segcli.io.coverage.coverage_attrs) of the statistics files `paths`
+    together: the fields they all hold, grouped alike (groups of a field joined: the union of
+    their values), their moments merged in the order given (Chan's formulas). DataError when
+    a field is grouped, or its components are, differently in two files, and when they do not
+    cover their inputs once (see segcli.io.coverage.check_spans; with `partial`, lacking
+    structures are allowed)."""
+    from segcli.io.coverage import check_spans, coverage_attrs, refuse_repeated
+
+    refuse_repeated(paths)
+    merged, structures, spans = {}, 0, []
     for path in paths:
-        stats, count = read_stats(path)
+        stats, count, covered = read_stats(path)
+        spans += covered
         structures = None if None in (structures, count) else structures + count
         common = stats.keys() if not merged else merged.keys() & stats.keys()
         merged = {name: _joined(path, merged.get(name), stats[name])
                   for name in sorted(common, key=list(stats).index)}
-    return merged, structures
+    return merged, structures, coverage_attrs(spans, check_spans(spans, partial))
 
 
 def _joined(path, total, s):
