@@ -200,7 +200,9 @@ def test_statistics_files_count_each_structure_once(tmp_path, job):
     listed = tmp_path / "overlap.txt"
     listed.write_text(f"{tmp_path / 'head.h5'}\n{tmp_path / 'tail.h5'}\n")
     refused(tmp_path, ["stats", f"@{listed}"], "parts overlap on structures 15:20")
-    refused(tmp_path, ["stats", tmp_path / "head.h5"], "parts leave structures 20:30 uncovered")
+    head_alone = tmp_path / "alone.h5"  # a range chosen with --structures, not a shard
+    assert "lacks" not in ok("stats", tmp_path / "head.h5", "-o", head_alone).stderr
+    assert_stats_of(head_alone, arrays["forces"][:int(n_atoms[:20].sum())])
     whole = tmp_path / "whole.h5"
     ok("stats", tmp_path / "[hr]e*.h5", "-o", whole, "-q")
     assert_stats_of(whole, arrays["forces"])
@@ -208,13 +210,19 @@ def test_statistics_files_count_each_structure_once(tmp_path, job):
     both = tmp_path / "both.txt"  # the merged file covers what head.h5 does
     both.write_text(f"{whole}\n{tmp_path / 'head.h5'}\n")
     refused(tmp_path, ["stats", f"@{both}"], "parts overlap on structures 0:20")
-    head = tmp_path / "head-only.h5"
-    result = ok("stats", tmp_path / "head.h5", "--partial", "-o", head)
-    assert "lacks structures 20:30" in result.stderr
-    assert_stats_of(head, arrays["forces"][:int(n_atoms[:20].sum())])
-    with h5py.File(head, "r") as f:
-        assert f.attrs["missing"] == "20:30"
     folder = tmp_path / "shards"
     shutil.copytree(here / "stats", folder)
+    last = sorted(folder.iterdir(), key=lambda p: int(p.stem.split("-")[1]))[-1]
+    with h5py.File(last, "r") as f:
+        start = int(f.attrs["structures"].split(":")[0])
+    last.rename(tmp_path / last.name)
+    refused(tmp_path, ["stats", folder], f"parts leave structures {start}:30 uncovered")
+    head = tmp_path / "head-only.h5"
+    result = ok("stats", folder, "--partial", "-o", head)
+    assert f"lacks structures {start}:30" in result.stderr
+    assert_stats_of(head, arrays["forces"][:int(n_atoms[:start].sum())])
+    with h5py.File(head, "r") as f:
+        assert f.attrs["missing"] == f"{start}:30"
+    (tmp_path / last.name).rename(last)
     (folder / "s-9.h5").touch()
     refused(tmp_path, ["stats", folder], "s-9.h5: empty file (0 bytes)")

@@ -90,19 +90,21 @@ def refuse_repeated(paths):
         seen[info.st_dev, info.st_ino] = path
 
 
-def check_spans(spans, partial=False):
+def check_spans(spans, partial=False, whole=True):
     """{fingerprint: the ranges (start, stop) of its structures that no span covers} of
     `spans`, grouped by input; DataError when two overlap or are the same shard, and, unless
     `partial`, when any structure of an input is lacking (from 0 to its count; from START to
-    STOP where all spans of an input are shards of one job over START:STOP) or a shard is."""
+    STOP where all spans of an input are shards of one job over START:STOP) or a shard is.
+    Not `whole`: an input none of whose spans is a shard may lack structures (ranges chosen
+    with --structures), and none are reported lacking."""
     inputs = {}
     for span in spans:
         inputs.setdefault(span.fingerprint, []).append(span)
-    return {fingerprint: _lacking(sorted(group, key=lambda s: (s.start, s.stop)), partial)
+    return {fingerprint: _lacking(sorted(group, key=lambda s: (s.start, s.stop)), partial, whole)
             for fingerprint, group in inputs.items()}
 
 
-def _lacking(spans, partial):
+def _lacking(spans, partial, whole):
     """The ranges that `spans` (of one input, in structure order) lack (see check_spans)."""
     shards = {}
     for span in spans:
@@ -123,6 +125,8 @@ def _lacking(spans, partial):
     ends = [first, *(e for s in filled for e in (s.start, s.stop)), last]
     lacking = [(a, b) for a, b in zip(ends[::2], ends[1::2]) if a < b]
     absent = sorted(set(range(count or 0)) - {i for (i, n), _ in shards if n == count})
+    if not (whole or shards):
+        return []
     if (lacking or absent) and not partial:
         raise DataError(_lacking_message(filled, lacking, absent, count, first, last))
     return lacking

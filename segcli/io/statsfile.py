@@ -147,8 +147,8 @@ def merge_stats_files(paths, partial=False):
     together: the fields they all hold, grouped alike (groups of a field joined: the union of
     their values), their moments merged in the order given (Chan's formulas). DataError when
     a field is grouped, or its components are, differently in two files, and when they do not
-    cover their inputs once (see segcli.io.coverage.check_spans; with `partial`, lacking
-    structures are allowed)."""
+    cover their inputs once (see segcli.io.coverage.check_spans: shards of a job must all be
+    there, unless `partial`; ranges of other runs must not overlap)."""
     from segcli.io.coverage import check_spans, coverage_attrs, refuse_repeated
 
     refuse_repeated(paths)
@@ -160,7 +160,7 @@ def merge_stats_files(paths, partial=False):
         common = stats.keys() if not merged else merged.keys() & stats.keys()
         merged = {name: _joined(path, merged.get(name), stats[name])
                   for name in sorted(common, key=list(stats).index)}
-    return merged, structures, coverage_attrs(spans, check_spans(spans, partial))
+    return merged, structures, coverage_attrs(spans, check_spans(spans, partial, whole=False))
 
 
 def _joined(path, total, s):
