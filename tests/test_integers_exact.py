@@ -1,0 +1,123 @@
+"""Integers are exact or refused: integer sums, maxima and minima near the ends of int64 and
+uint64 against Python's own integers, through `segcli reduce` (HDF5, csv, json) and the
+library; large integers in csv and json text; atomic numbers that are no integers, in every
+reader."""
+
+import json
+
+import h5py
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from batch_reference import write_batch
+from click.testing import CliRunner
+
+from segcli import ops
+from segcli.cli import main
+from segcli.io import text
+
+TOP = 2 ** 63
+# structures of values near the ends of each dtype whose sums fit (those of int64 wrap on the
+# way), and one whose sum does not (BAD)
+GOOD = {
+    np.int64: [[TOP - 1, 1, -1], [-TOP, 5, -5], [TOP - 1, -TOP], [], [TOP // 2, TOP // 2 - 1],
+               [-TOP // 2, -TOP // 2]],
+    np.uint64: [[2 * TOP - 1, 0], [TOP + 1, TOP - 2], [], [TOP, TOP - 1], [1, 2, 3]],
+    np.int32: [[2 ** 31 - 1] * 3, [-2 ** 31] * 3, [], [7, -9]],
+}
+BAD = {np.int64: [TOP - 1, 1], np.uint64: [TOP, TOP], np.int32: None}
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def integer_file(path, dtype, structures):
+    """A file whose per-atom field `k` holds `structures` (lists of Python ints) as `dtype`."""
+    values = np.array([v for s in structures for v in s], dtype)
+    return write_batch(path, [len(s) for s in structures], {"k": values})
+
+
+def from_text(fmt, body, column):
+    """The column's values as Python ints, read from csv or json lines."""
+    if fmt == "json":
+        return [json.loads(line)[column] for line in body.splitlines()]
+    header, *rows = body.splitlines()
+    at = header.split(",").index(column)
+    return [int(row.split(",")[at]) for row in rows]
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.uint64, np.int32], ids=lambda d: d.__name__)
+def test_integer_sums_are_exact_or_refused(tmp_path, dtype):
+    """sum, max, min of an integer field equal Python's integers (int32 summed in int64,
+    uint64 in uint64) in -o files, csv and json; a structure whose sum leaves the result's
+    range, among good ones and in a later chunk, is refused, named, with no output."""
+    good = GOOD[dtype]
+    path = integer_file(tmp_path / "good.h5", dtype, good)
+    result = np.uint64 if dtype == np.uint64 else np.int64
+    for op, python in (("sum", sum), ("max", max), ("min", min)):
+        want = [python(s) for s in good if s]
+        out = tmp_path / f"{op}.h5"
+        assert invoke("reduce", path, op, "k", "-o", out, "--chunk-atoms", 3).exit_code == 0
+        with h5py.File(out) as f:
+            got = f[f"results/{op}_k"][:]
+        assert got.dtype == result
+        assert [int(v) for v, s in zip(got, good) if s] == want
+        for fmt in ("csv", "json"):
+            run = invoke("reduce", path, op, "k", "--format", fmt)
+            assert run.exit_code == 0
+            texts = from_text(fmt, run.stdout, f"{op}_k")
+            assert [v for v, s in zip(texts, good) if s] == want
+    if BAD[dtype] is None:
+        return
+    bad = integer_file(tmp_path / "bad.h5", dtype, [*good, BAD[dtype], [1]])
+    out = tmp_path / "out.h5"
+    run = CliRunner().invoke(main, ["reduce", str(bad), "sum", "k", "-o", str(out),
+                                    "--chunk-atoms", "3"])
+    assert run.exit_code == 1 and not out.exists()
+    assert run.output.strip().splitlines() == [
+        f"Error: {bad}: the sum of field 'k' over structure {len(good)} does not fit in "
+        f"{np.dtype(result)} (it would wrap around)"]
+    chosen = invoke("reduce", bad, "sum", "k", "--structures", f"0:{len(good)}")
+    assert chosen.exit_code == 0  # the structures selected are summed, the bad one is not
+
+
+@pytest.mark.usefixtures("x64")
+def test_the_library_sums_integers_as_jax_does():
+    """segcli.ops reduces int64 in int64, wrapping as jax.ops.segment_sum (the commands
+    refuse instead, above); it takes no uint64."""
+    x = np.array([TOP - 1, 1, -TOP, -1, 3], np.int64)
+    ids = np.array([0, 0, 1, 1, 2], np.int32)
+    got = ops.segmented_sum(jnp.asarray(x), jnp.asarray(ids), 3)
+    want = jax.ops.segment_sum(jnp.asarray(x), jnp.asarray(ids), 3)
+    assert got.dtype == jnp.int64
+    assert np.array_equal(np.asarray(got), np.asarray(want))
+    assert [int(v) for v in got] == [-TOP, TOP - 1, 3]  # wrapped both ways
+    with pytest.raises(TypeError, match="uint64"):
+        ops.segmented_sum(jnp.asarray(x.view(np.uint64)), jnp.asarray(ids), 3)
+
+
+@pytest.mark.parametrize("native", ["1", "0"], ids=["C", "NumPy"])
+@pytest.mark.parametrize("fmt", ["csv", "json"])
+def test_large_integers_are_printed_exactly(monkeypatch, native, fmt):
+    """int64 and uint64 at their ends and past 2**53 are written as the integers they are,
+    the text made in C and without it, beside floats as Python writes them."""
+    monkeypatch.setenv("SEGCLI_NATIVE_TEXT", native)
+    text._native_text.cache_clear()
+    columns = {"structure": np.arange(3),
+               "u": np.array([2 * TOP - 1, TOP + 1, 0], np.uint64),
+               "i": np.array([[TOP - 1, -TOP], [2 ** 53 + 1, -2 ** 53 - 1], [-1, 0]], np.int64),
+               "f": np.array([0.1, np.nan, 1e-7])}
+    try:
+        body = b"".join(text.lines(fmt, columns)).decode()
+    finally:
+        text._native_text.cache_clear()
+    rows = [[r, u, *i, f] for r, u, i, f in zip(*(c.tolist() for c in columns.values()))]
+    if fmt == "json":
+        want = "".join(json.dumps({"structure": r, "u": u, "i": [i, j],
+                                   "f": None if f != f else f}) + "\n"
+                       for r, u, i, j, f in rows)
+    else:
+        want = "".join(",".join("" if v != v else repr(v) for v in row) + "\n" for row in rows)
+    assert body == want
