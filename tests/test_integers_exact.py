@@ -121,3 +121,68 @@ def test_large_integers_are_printed_exactly(monkeypatch, native, fmt):
     else:
         want = "".join(",".join("" if v != v else repr(v) for v in row) + "\n" for row in rows)
     assert body == want
+
+
+def segcli_numbers(path, numbers):
+    """A segcli HDF5 file holding the structures' atomic numbers as floats."""
+    return write_batch(path, [len(z) for z in numbers],
+                       {"numbers": np.array([z for s in numbers for z in s], float),
+                        "positions": np.zeros((sum(map(len, numbers)), 3))})
+
+
+def conformer_numbers(path, numbers):
+    """A conformer-layout file: a group per structure (one conformer each) holding its atomic
+    numbers as floats."""
+    with h5py.File(path, "w") as f:
+        for k, z in enumerate(numbers):
+            f[f"mol{k}/atomic_numbers"] = np.array(z, float)
+            f[f"mol{k}/coordinates"] = np.zeros((1, len(z), 3))
+    return path
+
+
+def database_numbers(path, numbers):
+    """An ASE JSON database (written by ASE) whose rows' numbers are then stored as floats."""
+    import ase
+    import ase.db
+
+    with ase.db.connect(path, append=False) as db:
+        for z in numbers:
+            db.write(ase.Atoms(numbers=[1] * len(z), positions=np.zeros((len(z), 3))))
+    rows = json.loads(path.read_text())
+    for k, z in enumerate(numbers):
+        rows[str(k + 1)]["numbers"] = {"__ndarray__": [[len(z)], "float64", z]}
+    path.write_text(json.dumps(rows))
+    return path
+
+
+def extxyz_numbers(path, numbers):
+    """An extxyz file whose atomic numbers are a float column."""
+    path.write_text("".join(f"{len(z)}\nProperties=Z:R:1:pos:R:3\n"
+                            + "".join(f"{v!r} {i} 0 0\n" for i, v in enumerate(z))
+                            for z in numbers))
+    return path
+
+
+@pytest.mark.parametrize("reader, suffix, where", [
+    (segcli_numbers, "h5", "/atoms/numbers: structure 1: atom 2"),
+    (conformer_numbers, "h5", "/mol1/atomic_numbers (every conformer of group /mol1): atom 2"),
+    (database_numbers, "json", "structure 1: atom 2"),
+    (extxyz_numbers, "extxyz", "structure 1: atom 2"),
+])
+def test_atomic_numbers_that_are_not_integers_are_refused_by_every_reader(tmp_path, reader,
+                                                                          suffix, where):
+    """Atomic numbers stored as floats are their integers where they are integers, and a 1.7
+    among them is refused in one line naming the file, the field and the structure, never cut
+    to 1."""
+    good = [[1.0, 8.0, 1.0], [6.0, 1.0, 7.0, 118.0], [0.0]]
+    path = reader(tmp_path / f"good.{suffix}", good)
+    run = invoke("reduce", path, "bincount", "numbers", "--format", "json")
+    assert run.exit_code == 0
+    counts = [json.loads(line)["bincount_numbers"] for line in run.stdout.splitlines()]
+    assert counts == [np.bincount(np.array(z, int), minlength=119).tolist() for z in good]
+    bad = reader(tmp_path / f"bad.{suffix}", [good[0], [6.0, 1.0, 1.7, 8.0], good[2]])
+    for command in (["reduce", bad, "sum", "numbers"], ["convert", bad, "-o", tmp_path / "o.h5"]):
+        run = CliRunner().invoke(main, [str(a) for a in command])
+        assert run.exit_code == 1 and not (tmp_path / "o.h5").exists()
+        assert run.output.strip().splitlines() == [
+            f"Error: {bad}: {where} has atomic number 1.7, not an integer"]

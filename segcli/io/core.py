@@ -28,6 +28,20 @@ def held(dtype):
 
 
 
+def integral_numbers(numbers, where):
+    """Atomic numbers read as floats, as int64; DataError naming the first that is not an
+    integer (none is cut: ASE would make 1.9 a 1), its message begun by `where(i)` for its
+    index i (e.g. "FILE: structure 3: atom 2")."""
+    numbers = np.asarray(numbers)
+    if numbers.dtype.kind in "iu":
+        return numbers.astype(np.int64, copy=False)
+    bad = np.flatnonzero(~np.isfinite(numbers) | (numbers != np.round(numbers)))
+    if len(bad):
+        raise DataError(f"{where(int(bad[0]))} has atomic number {float(numbers[bad[0]])!r}, "
+                        "not an integer")
+    return numbers.astype(np.int64)
+
+
 def path_text(path):
     """A file's path as text that HDF5 stores (UTF-8): bytes of the name that are not UTF-8
     as backslash escapes."""
