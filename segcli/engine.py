@@ -785,16 +785,49 @@ def _pinned_outputs(device):
     return device if takes else None
 
 
-def finish(launched):
+def finish(launched, numbers, kept=None):
     """(Each job's outputs (label -> NumPy array, see Job.outputs), whether an input holds
-    NaN) of a `launch`."""
+    NaN) of a `launch` of the structures `numbers`; DataError where an integer result that a
+    job gives as float64 (see Job.partial) is one that float64 does not hold exactly, in a
+    structure that `kept` marks (None: any)."""
     jobs, padded, (out, nan) = launched
     out = [[np.asarray(o) for o in outputs] for outputs in out]
     rows = {"atom": slice(padded.skip, padded.skip + padded.n_rows),
             "structure": slice(padded.n_structures)}
-    return tuple({label: array[rows[per]].astype(dtype, copy=False)
-                  for (label, (per, _, dtype)), array in zip(job.outputs.items(), arrays)}
-                 for job, arrays in zip(jobs, out)), bool(nan)
+    given = []
+    for job, arrays in zip(jobs, out):
+        given.append({})
+        for (label, (per, _, dtype)), array in zip(job.outputs.items(), arrays):
+            array = array[rows[per]]
+            if dtype.kind == "f" and per == "structure":
+                mask = slice(None) if kept is None else kept
+                check_float64(job.path, f"the {job.spec.name} of '{job.fields[0]}'",
+                              array[mask], numbers[mask])
+            given[-1][label] = array.astype(dtype, copy=False)
+    return tuple(given), bool(nan)
+
+
+def inexact_in_float64(integers):
+    """(rows,) bool: the rows of `integers` (rows, ...) holding a value that float64 does not
+    hold exactly (as 2**53 + 1 or 2**64 - 1)."""
+    flat = integers.reshape(len(integers), -1)
+    wide = flat.astype(np.float64)
+    inside = wide < float(np.iinfo(flat.dtype).max) + 1  # 2**63 rounds int64's max up to it
+    return (~inside | (np.where(inside, wide, 0).astype(flat.dtype) != flat)).any(axis=1)
+
+
+def check_float64(path, what, array, numbers):
+    """DataError naming the first of the structures `numbers` (one a row of `array`) whose
+    integer result `what` float64, the type of an integer result with NaN rows, does not hold
+    exactly; nothing for a float `array`."""
+    if array.dtype.kind not in "iu" or not array.size:
+        return
+    wrong = inexact_in_float64(array)
+    if wrong.any():
+        row = int(np.argmax(wrong))
+        raise DataError(f"{path}: {what} in structure {int(numbers[row])} is "
+                        f"{array[row].tolist()}, which a float64 result (NaN where a structure "
+                        "has no value) does not hold exactly")
 
 
 def run(batch, jobs, device, *, chunk_atoms=DEFAULT_CHUNK_ATOMS, structures=slice(None),
@@ -852,15 +885,15 @@ def _finished(jobs, chunk, launched, rest, keep=None):
     input would make so and the chunk holds one (not where ±inf made it). Of a chunk computed
     whole (see _whole_kept), the structures `keep` marks: their results, and the chunk of
     them without its per-atom fields (which no consumer of per-structure results reads)."""
-    outputs, nan = finish(launched)
+    kept = _whole_kept(chunk, keep)
+    for job in jobs:
+        _check_integer_sum(job, chunk, kept)
+    outputs, nan = finish(launched, chunk.structure_numbers, kept)
     read = reads(jobs)
     if nan and any(_nan_rows(chunk, name, True, keep) is not None for name in read):
         for _ in nan_checked(jobs[0].path, itertools.chain([chunk], rest), read,
                              where_present=True, keep=keep):  # counted and named, the rest too
             pass
-    kept = _whole_kept(chunk, keep)
-    for job in jobs:
-        _check_integer_sum(job, chunk, kept)
     outputs = tuple(_blank_absent(job, chunk, out) for job, out in zip(jobs, outputs))
     if kept is None or kept.all():
         return chunk, outputs

@@ -186,3 +186,28 @@ def test_atomic_numbers_that_are_not_integers_are_refused_by_every_reader(tmp_pa
         assert run.exit_code == 1 and not (tmp_path / "o.h5").exists()
         assert run.output.strip().splitlines() == [
             f"Error: {bad}: {where} has atomic number 1.7, not an integer"]
+
+
+def test_an_integer_result_beside_nan_rows_is_exact_or_refused(tmp_path):
+    """Where an integer result becomes float64 to hold NaN rows (a structure lacking the
+    field, or one --where leaves out of an -o file), its values come out exact, and one that
+    float64 does not hold (2**53 + 1) is refused, named, leaving no output."""
+    (tmp_path / "in").mkdir()
+    k = np.array([2 ** 53 + 1, 2 ** 60, 4], np.int64)
+    write_batch(tmp_path / "in/a.h5", [1, 1, 1], {"k": k}, {"e": np.array([1.0, 2.0, 3.0])})
+    write_batch(tmp_path / "in/b.h5", [2], {"x": np.zeros(2)})
+    out = tmp_path / "out.h5"
+    for args, want in (([tmp_path / "in", "sum", "k", "-o", out], [2 ** 60, 4, np.nan]),
+                       ([tmp_path / "in/a.h5", "sum", "k", "--where", "e < 2.5", "-o", out],
+                        [2 ** 60, np.nan])):
+        run = CliRunner().invoke(main, ["reduce", *map(str, args)])
+        assert run.exit_code == 1 and not out.exists()
+        assert run.output.strip().splitlines()[-1].endswith(
+            "in structure 0 is 9007199254740993, which a float64 result (NaN where a structure "
+            "has no value) does not hold exactly")
+        assert invoke("reduce", *args, "--structures", "1:").exit_code == 0
+        with h5py.File(out) as f:
+            got = f["results/sum_k"][:]
+        out.unlink()
+        assert got.dtype == np.float64  # 2**60 exactly: a power of two
+        np.testing.assert_array_equal(got, want)
