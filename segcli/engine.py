@@ -910,15 +910,15 @@ def _check_integer_sum(job, chunk, kept=None):
     sum's high word, their carry included, must fit the result's."""
     if job.order or job.spec.name != "sum" or job.fields[0] not in job.integers:
         return
+    filled = np.flatnonzero(chunk.n_atoms)
+    if not len(filled):
+        return
     name = job.fields[0]
     result = _integer_result(job.infos[0].dtype)
     n_rows = int(chunk.n_atoms.sum())
     values = np.asarray(chunk.atoms[name])[:n_rows].reshape(n_rows, -1)
     values = values.view(np.uint64) if result == np.uint64 else values.astype(np.int64)
     high, low = (values >> 32).astype(np.int64), (values & 0xFFFFFFFF).astype(np.int64)
-    filled = np.flatnonzero(chunk.n_atoms)
-    if not len(filled):
-        return
     starts = (np.cumsum(chunk.n_atoms) - chunk.n_atoms)[filled]
     top = np.add.reduceat(high, starts) + (np.add.reduceat(low, starts) >> 32)
     bound = 32 if result == np.uint64 else 31
