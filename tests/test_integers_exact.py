@@ -186,6 +186,11 @@ def test_atomic_numbers_that_are_not_integers_are_refused_by_every_reader(tmp_pa
         assert run.exit_code == 1 and not (tmp_path / "o.h5").exists()
         assert run.output.strip().splitlines() == [
             f"Error: {bad}: {where} has atomic number 1.7, not an integer"]
+    huge = reader(tmp_path / f"huge.{suffix}", [good[0], [6.0, 1.0, 1e20, 8.0], good[2]])
+    run = CliRunner().invoke(main, ["reduce", str(huge), "sum", "numbers"])
+    assert run.exit_code == 1
+    assert run.output.strip().splitlines() == [
+        f"Error: {huge}: {where} has atomic number 1e+20, beyond int64"]
 
 
 def test_an_integer_result_beside_nan_rows_is_exact_or_refused(tmp_path):
