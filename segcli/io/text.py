@@ -107,8 +107,8 @@ def lines(fmt, columns):
 
 
 def _exact_in_float64(ints):
-    """Whether float64 holds every integer of `ints` exactly (those of magnitude below 2**53
-    at least)."""
+    """Whether every integer of `ints` is of magnitude below 2**53, so that float64 holds it
+    exactly."""
     return bool(np.all((ints < _EXACT) & (ints > -_EXACT)))
 
 
