@@ -127,7 +127,8 @@ class Job:
         shape = spec.trailing_shape(self.infos[0].shape if self.infos else (), self.params)
         kept = bool(self.fields) and self.fields[0] in self.integers
         dtype = {"float": dtype, "count": np.dtype(np.int64),
-                 "input": np.dtype(np.int64) if kept else dtype}[spec.output_dtype]
+                 "input": _integer_result(self.infos[0].dtype) if kept else dtype
+                 }[spec.output_dtype]
         if self.partial:
             dtype = nan_dtype(dtype)
         return {"": (spec.output_per, shape, dtype)}
@@ -141,6 +142,12 @@ class Job:
                         tuple(n in self.integers for n in self.fields), self.precision,
                         self.order, tuple(where[n] for n in self.wrt), where.get(self.weights),
                         where.get(self.direction))
+
+
+def _integer_result(stored):
+    """The dtype an integer field stored as `stored` is reduced in and given as: uint64 as
+    itself, any other in int64 (which holds every value of them)."""
+    return np.dtype(np.uint64 if stored == np.uint64 else np.int64)
 
 
 def shows_nan(op, order):
@@ -175,7 +182,7 @@ def field_dtypes(jobs):
     """name -> the dtype every field some job of `jobs` reads is padded in: for the integer
     fields a job reduces as integers (see Job.integers), int32 where the file stores int32 and
     every such job takes the field as labels (read as stored: the kernels count int32 labels
-    as they are), else int64; the other fields in the jobs' precision."""
+    as they are), else as _integer_result says; the other fields in the jobs' precision."""
     stored, counted = {}, set()
     for job in jobs:
         for name, info, wanted in zip(job.fields, job.infos, job.spec.inputs):
@@ -186,8 +193,8 @@ def field_dtypes(jobs):
     as_stored = {name for name, dtype in stored.items()
                  if name not in counted and dtype == np.int32}
     precision = _precision(jobs)
-    return {name: np.dtype(np.int32 if name in as_stored else np.int64 if name in stored
-                           else precision) for name in reads(jobs)}
+    return {name: np.dtype(np.int32) if name in as_stored else _integer_result(stored[name])
+            if name in stored else np.dtype(precision) for name in reads(jobs)}
 
 
 def plan(path, spec, names, fields, *, precision="float64", order=0, weights=None,
@@ -666,11 +673,14 @@ def _compiled(programs, on_device=False, host_outputs=None):
 
         def value(moving):
             given = dict(zip(wrt, moving))
-            arrays = (given.get(k, values[k]) for k in inputs)
-            return spec.apply(*(a if kept else a.astype(precision)
-                                for a, kept in zip(arrays, integers)),
-                              idx=idx, num_segments=num_segments, indices_are_sorted=True,
-                              **dict(params))
+            arrays = [given.get(k, values[k]) for k in inputs]
+            unsigned = spec.integers and arrays[0].dtype == jnp.uint64
+            out = spec.apply(*(_signed(a, spec) if unsigned and not i else a if kept
+                               else a.astype(precision)
+                               for i, (a, kept) in enumerate(zip(arrays, integers))),
+                             idx=idx, num_segments=num_segments, indices_are_sorted=True,
+                             **dict(params))
+            return _unsigned(out, spec) if unsigned else out
 
         moving = tuple(values[k] for k in wrt)
         if order == 0:
@@ -702,6 +712,26 @@ def _compiled(programs, on_device=False, host_outputs=None):
     placed = {} if host_outputs is None else {"out_shardings": jax.sharding.SingleDeviceSharding(
         host_outputs, memory_kind="pinned_host")}
     return jax.jit(all_outputs, static_argnames=("rows", "num_segments"), **placed)
+
+
+_SIGN = -(2 ** 63)
+
+
+def _signed(x, op):
+    """uint64 `x` as the int64 that the op (sum, max or min: the library reduces signed
+    integers) reduces in its place: its bits for the sum (which wraps alike), its bits with
+    the sign bit flipped (the order kept) for the others; _unsigned undoes it."""
+    import jax
+
+    bits = jax.lax.bitcast_convert_type(x, np.int64)
+    return bits if op.name == "sum" else bits ^ _SIGN
+
+
+def _unsigned(out, op):
+    """The uint64 result of `op` over the uint64 values `_signed` gave it as int64."""
+    import jax
+
+    return jax.lax.bitcast_convert_type(out if op.name == "sum" else out ^ _SIGN, np.uint64)
 
 
 def _reduced_together(programs, values, idx, num_segments):
@@ -755,16 +785,49 @@ def _pinned_outputs(device):
     return device if takes else None
 
 
-def finish(launched):
+def finish(launched, numbers, kept=None):
     """(Each job's outputs (label -> NumPy array, see Job.outputs), whether an input holds
-    NaN) of a `launch`."""
+    NaN) of a `launch` of the structures `numbers`; DataError where an integer result that a
+    job gives as float64 (see Job.partial) is one that float64 does not hold exactly, in a
+    structure that `kept` marks (None: any)."""
     jobs, padded, (out, nan) = launched
     out = [[np.asarray(o) for o in outputs] for outputs in out]
     rows = {"atom": slice(padded.skip, padded.skip + padded.n_rows),
             "structure": slice(padded.n_structures)}
-    return tuple({label: array[rows[per]].astype(dtype, copy=False)
-                  for (label, (per, _, dtype)), array in zip(job.outputs.items(), arrays)}
-                 for job, arrays in zip(jobs, out)), bool(nan)
+    given = []
+    for job, arrays in zip(jobs, out):
+        given.append({})
+        for (label, (per, _, dtype)), array in zip(job.outputs.items(), arrays):
+            array = array[rows[per]]
+            if dtype.kind == "f" and per == "structure":
+                mask = slice(None) if kept is None else kept
+                check_float64(job.path, f"the {job.spec.name} of '{job.fields[0]}'",
+                              array[mask], numbers[mask])
+            given[-1][label] = array.astype(dtype, copy=False)
+    return tuple(given), bool(nan)
+
+
+def inexact_in_float64(integers):
+    """(rows,) bool: the rows of `integers` (rows, ...) holding a value that float64 does not
+    hold exactly (as 2**53 + 1 or 2**64 - 1)."""
+    flat = integers.reshape(len(integers), -1)
+    wide = flat.astype(np.float64)
+    inside = wide < float(np.iinfo(flat.dtype).max) + 1  # 2**63 rounds int64's max up to it
+    return (~inside | (np.where(inside, wide, 0).astype(flat.dtype) != flat)).any(axis=1)
+
+
+def check_float64(path, what, array, numbers):
+    """DataError naming the first of the structures `numbers` (one a row of `array`) whose
+    integer result `what` float64, the type of an integer result with NaN rows, does not hold
+    exactly; nothing for a float `array`."""
+    if array.dtype.kind not in "iu" or not array.size:
+        return
+    wrong = inexact_in_float64(array)
+    if wrong.any():
+        row = int(np.argmax(wrong))
+        raise DataError(f"{path}: {what} in structure {int(numbers[row])} is "
+                        f"{array[row].tolist()}, which a float64 result (NaN where a structure "
+                        "has no value) does not hold exactly")
 
 
 def run(batch, jobs, device, *, chunk_atoms=DEFAULT_CHUNK_ATOMS, structures=slice(None),
@@ -822,18 +885,51 @@ def _finished(jobs, chunk, launched, rest, keep=None):
     input would make so and the chunk holds one (not where ±inf made it). Of a chunk computed
     whole (see _whole_kept), the structures `keep` marks: their results, and the chunk of
     them without its per-atom fields (which no consumer of per-structure results reads)."""
-    outputs, nan = finish(launched)
+    kept = _whole_kept(chunk, keep)
+    for job in jobs:
+        _check_integer_sum(job, chunk, kept)
+    outputs, nan = finish(launched, chunk.structure_numbers, kept)
     read = reads(jobs)
     if nan and any(_nan_rows(chunk, name, True, keep) is not None for name in read):
         for _ in nan_checked(jobs[0].path, itertools.chain([chunk], rest), read,
                              where_present=True, keep=keep):  # counted and named, the rest too
             pass
     outputs = tuple(_blank_absent(job, chunk, out) for job, out in zip(jobs, outputs))
-    kept = _whole_kept(chunk, keep)
     if kept is None or kept.all():
         return chunk, outputs
     return (chunk._replace(atoms={}).take(kept),
             tuple({label: array[kept] for label, array in out.items()} for out in outputs))
+
+
+def _check_integer_sum(job, chunk, kept=None):
+    """DataError naming the first structure of the chunk (of those `kept` marks, None: all)
+    whose exact sum of the integer field that `job` sums leaves the range of its result
+    (int64, or uint64 for a uint64 field: see _integer_result), where the ops would wrap.
+    Exact: each value is split into its high and low 32 bits, whose sums over a structure
+    (of fewer than 2**31 rows, as a chunk's int32 offsets hold) int64 holds, and the
+    sum's high word, their carry included, must fit the result's."""
+    if job.order or job.spec.name != "sum" or job.fields[0] not in job.integers:
+        return
+    filled = np.flatnonzero(chunk.n_atoms)
+    if not len(filled):
+        return
+    name = job.fields[0]
+    result = _integer_result(job.infos[0].dtype)
+    n_rows = int(chunk.n_atoms.sum())
+    values = np.asarray(chunk.atoms[name])[:n_rows].reshape(n_rows, -1)
+    values = values.view(np.uint64) if result == np.uint64 else values.astype(np.int64)
+    high, low = (values >> 32).astype(np.int64), (values & 0xFFFFFFFF).astype(np.int64)
+    starts = (np.cumsum(chunk.n_atoms) - chunk.n_atoms)[filled]
+    top = np.add.reduceat(high, starts) + (np.add.reduceat(low, starts) >> 32)
+    bound = 32 if result == np.uint64 else 31
+    wrong = ((top < (0 if result == np.uint64 else -(1 << bound))) | (top >= 1 << bound)).any(1)
+    for mask in (kept, job_present(chunk.present.get, job)):
+        if mask is not None:
+            wrong &= mask[filled]
+    if wrong.any():
+        first = int(chunk.structure_numbers[filled[np.argmax(wrong)]])
+        raise DataError(f"{job.path}: the sum of field '{name}' over structure {first} does "
+                        f"not fit in {result} (it would wrap around)")
 
 
 def _blank_absent(job, chunk, outputs):

@@ -601,7 +601,7 @@ def test_results_are_right_however_late_the_device_reads_its_inputs(tmp_path, mo
     want = results(10_000)[0]
     launch, finish = engine.launch, engine.finish
     monkeypatch.setattr(engine, "launch", lambda jobs, padded, device: (jobs, padded, device))
-    monkeypatch.setattr(engine, "finish", lambda late: finish(launch(*late)))
+    monkeypatch.setattr(engine, "finish", lambda late, *rest: finish(launch(*late), *rest))
     for chunk_atoms in (1, 4, 9):
         got = results(chunk_atoms)
         for label in want:

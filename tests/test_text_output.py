@@ -151,9 +151,7 @@ def test_names_are_json_strings():
     assert b"".join(text.lines("json", columns)).decode() == per_row("json", columns)
 
 
-def test_refuses_what_it_cannot_write_exactly():
-    with pytest.raises(ValueError, match="2\\*\\*53"):
-        list(text.lines("csv", {"structure": np.array([2 ** 53])}))
+def test_refuses_columns_that_are_not_numbers():
     with pytest.raises(TypeError, match="not a number type"):
         list(text.lines("csv", {"structure": np.arange(2), "source": np.array(["a", "b"])}))
 

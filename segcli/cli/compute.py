@@ -297,11 +297,15 @@ class _Hdf5Sink:
     def write(self, chunk, arrays):
         import numpy as np
 
+        from segcli.engine import check_float64
         from segcli.io.core import spread
 
         numbers = chunk.structure_numbers - self._first
         lo, hi = int(numbers[0]), int(numbers[-1]) + 1
         for dataset, array in arrays.items():
+            if self._outputs[dataset][2].kind == "f" and self._outputs[dataset][0] == "structure":
+                check_float64(self._writer.path, f"result '{dataset}'", array,
+                              chunk.structure_numbers)
             if chunk.selected is None:
                 row = self._row(dataset, lo)
             else:  # the rows of the structures between, filled

@@ -100,7 +100,7 @@ static inline int put32(char *o, uint32_t v) {
     return n;
 }
 
-/* The digits of f < 10^18 at o, no leading zero; how many. */
+/* The digits of f (any, up to 20) at o, no leading zero; how many. */
 static inline int put_digits(char *o, uint64_t f) {
     if (f < 100000000) return put32(o, (uint32_t)f);
     uint64_t hi = f / 100000000;
@@ -176,16 +176,16 @@ static inline char *put_float(char *o, double v, int single, const uint64_t *pow
     return put_decimal(o, f, e);
 }
 
-/* The decimal digits of v (|v| < 10^18: segcli.io.text writes no integer of 2^53 or more) at
-   o; the end of them. */
-static inline char *put_integer(char *o, int64_t v) {
-    uint64_t u = v < 0 ? 0 - (uint64_t)v : (uint64_t)v;
-    if (v < 0) *o++ = '-';
+/* The decimal digits of v, signed, or with `unsigned_` the uint64 of its bits, at o; the end
+   of them. */
+static inline char *put_integer(char *o, int64_t v, int unsigned_) {
+    uint64_t u = unsigned_ || v >= 0 ? (uint64_t)v : 0 - (uint64_t)v;
+    if (!unsigned_ && v < 0) *o++ = '-';
     return o + put_digits(o, u);
 }
 
 /* Bytes written into out (at most `room`, else -1) for `rows` rows of `cells` numbers: cell
-   k an integer (the next of `ints`) where kind[k] is 1, else a float, the next of `floats`,
+   k an integer (the next of `ints`) where kind[k] is 1 (3: the uint64 of its bits), else a float, the next of `floats`,
    of float64 (kind 0) or float32 (kind 2) values. literals[offsets[j]..offsets[j + 1]) is,
    for j < cells, the text after cell j (the last: the row's end and the next row's start);
    for j = cells, the row's start; for j = cells + 1, + 2, + 3, the spelling of NaN, inf and
@@ -205,8 +205,8 @@ int64_t segcli_text(const double *floats, const int64_t *ints, int64_t rows, int
             int64_t after = offsets[k + 1] - offsets[k];
             if (r == rows - 1 && k == cells - 1) after -= start_len;  /* no row after */
             if (end - o < longest + after) return -1;
-            if (kind[k] == 1) {
-                o = put_integer(o, *ints++);
+            if (kind[k] & 1) {
+                o = put_integer(o, *ints++, kind[k] == 3);
             } else {
                 double v = *floats++;
                 if (isfinite(v)) {

@@ -32,7 +32,8 @@ ROW_ARRAYS = {"numbers": (int, ()), "positions": (float, (3,)), "initial_magmoms
               "initial_charges": (float, ()), "tags": (int, ()), "masses": (float, ()),
               "momenta": (float, (3,))}
 """The per-atom arrays a row may hold, with the dtype and trailing shape (None: as stored)
-ase.Atoms gives them."""
+ase.Atoms gives them; a row holding floats where ints belong (numbers of 1.7) keeps them as
+floats, which structure_piece refuses for atomic numbers, rather than cutting them."""
 
 SCALAR_RESULTS = {"energy", "free_energy", "magmom"}
 """The calculator results ASE's SinglePointCalculator keeps as they are (the others become float
@@ -50,7 +51,8 @@ def row_piece(path, index, row):
     for name, (dtype, shape) in ROW_ARRAYS.items():
         value = row.get(name)
         if value is not None:
-            value = np.array(value, dtype)
+            value = np.asarray(value)  # floats where ints belong kept, not cut (see ROW_ARRAYS)
+            value = value if dtype is int and value.dtype.kind == "f" else value.astype(dtype)
             arrays[name] = value if shape is None else value.reshape(-1, *shape)
     results = {name: row[name] if name in SCALAR_RESULTS else np.array(row[name], float)
                for name in all_properties if name in row and row[name] is not None}

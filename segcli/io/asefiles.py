@@ -10,7 +10,7 @@ from functools import cached_property
 import numpy as np
 
 from segcli.errors import DataError
-from segcli.io.core import NUMERIC_KINDS, STRING, Batch, Chunk, Schema, rechunk
+from segcli.io.core import NUMERIC_KINDS, STRING, Batch, Chunk, Schema, integral_numbers, rechunk
 
 DECOMPRESSION_ERRORS = (EOFError, OSError, zlib.error, lzma.LZMAError)
 """What reading gzip, bzip2 or xz data that is cut short or corrupt raises (see
@@ -79,8 +79,9 @@ def structure_piece(path, index, n, arrays, cell, pbc, info, results, data=None,
 
     per_atom = {k: v for k, v in arrays.items() if v.dtype.kind in NUMERIC_KINDS}
     per_atom.update(constraint_fields(n, constraints, per_atom.pop("move_mask", None)))
-    if "numbers" in per_atom and per_atom["numbers"].dtype.kind == "f":
-        per_atom["numbers"] = _atomic_numbers(path, index, per_atom["numbers"])
+    if "numbers" in per_atom:
+        per_atom["numbers"] = integral_numbers(
+            per_atom["numbers"], lambda atom: f"{path}: structure {index}: atom {atom}")
     per_structure = {"cell": cell[np.newaxis], "pbc": pbc[np.newaxis]}
     sources = {**dict.fromkeys(per_atom, "per-atom array"), "cell": "cell", "pbc": "pbc"}
 
@@ -128,16 +129,6 @@ def constraint_fields(n, constraints, move_mask=None):
             out.setdefault("fixed_cartesian", np.zeros((n, 3), bool))[constraint.index] |= \
                 np.asarray(constraint.mask, bool)
     return out
-
-
-def _atomic_numbers(path, index, numbers):
-    """Atomic numbers read as floats, as int64; DataError naming the first that is not an
-    integer (ASE would cut 1.9 to 1)."""
-    bad = np.flatnonzero(~np.isfinite(numbers) | (numbers != np.round(numbers)))
-    if len(bad):
-        raise DataError(f"{path}: structure {index}: atom {bad[0]} has atomic number "
-                        f"{float(numbers[bad[0]])!r}, not an integer")
-    return numbers.astype(np.int64)
 
 
 class StreamedBatch(Batch):

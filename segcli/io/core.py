@@ -28,6 +28,25 @@ def held(dtype):
 
 
 
+def integral_numbers(numbers, where):
+    """Atomic numbers read as floats, as int64; DataError naming the first that is not an
+    integer (none is cut: ASE would make 1.9 a 1) or is beyond int64, its message begun by
+    `where(i)` for its index i (e.g. "FILE: structure 3: atom 2")."""
+    numbers = np.asarray(numbers)
+    if numbers.dtype.kind in "iu":
+        bad = np.flatnonzero(numbers > np.iinfo(np.int64).max)  # of uint64
+    else:
+        with np.errstate(invalid="ignore"):
+            held = (numbers >= -2.0 ** 63) & (numbers < 2.0 ** 63)
+            bad = np.flatnonzero(~held | (numbers != np.round(numbers)))
+    if len(bad):
+        value = numbers[bad[0]].item()
+        fraction = isinstance(value, float) and (not math.isfinite(value) or value % 1)
+        raise DataError(f"{where(int(bad[0]))} has atomic number {value!r}, "
+                        f"{'not an integer' if fraction else 'beyond int64'}")
+    return numbers.astype(np.int64, copy=False)
+
+
 def path_text(path):
     """A file's path as text that HDF5 stores (UTF-8): bytes of the name that are not UTF-8
     as backslash escapes."""

@@ -23,6 +23,7 @@ from segcli.io.core import (
     Schema,
     Window,
     check_memory,
+    integral_numbers,
     offsets_of,
     plan_chunks,
 )
@@ -327,8 +328,9 @@ class SegcliBatch(Batch):
                 self._check_written(where, ds, self._absent_rows(groups["present"].get(name), per))
                 if name in self._stored:
                     raise DataError(f"{path}: '{name}' is both in /atoms and in /structures")
-                self._stored[name] = FieldInfo(name, per, ds.shape[1:],
-                                               STRING if is_string else ds.dtype,
+                dtype = STRING if is_string else np.dtype(np.int64) if \
+                    self._float_numbers(ds) else ds.dtype
+                self._stored[name] = FieldInfo(name, per, ds.shape[1:], dtype,
                                                units_of(path, ds))
                 self._datasets[name] = ds
         self._masks = {}
@@ -353,6 +355,12 @@ class SegcliBatch(Batch):
                 self._result_fields[name] = FieldInfo(name, per, ds.shape[1:], ds.dtype,
                                                       units_of(path, ds))
                 self._datasets[name] = ds
+
+    @staticmethod
+    def _float_numbers(ds):
+        """Whether ds is /atoms/numbers holding floats: atomic numbers, given as int64 where
+        each is an integer (see _numbers)."""
+        return ds.name == "/atoms/numbers" and ds.dtype.kind == "f"
 
     def _group(self, name):
         """Group /`name` of the file, or an empty dict where there is none; DataError for
@@ -505,7 +513,24 @@ class SegcliBatch(Batch):
                     data["structure"][name] = read_rows(self.path, ds, a, b, reader=self._reader)
                 if name in self._masks:
                     present[name] = read_rows(self.path, self._masks[name], a, b)
+                if self._float_numbers(ds):
+                    data["atom"][name] = self._numbers(data["atom"][name], a, b, present.get(name))
             yield Chunk(int(a), self.n_atoms[a:b], data["atom"], data["structure"], present)
+
+    def _numbers(self, numbers, a, b, have):
+        """Structures [a, b)'s atomic numbers stored as floats, as int64 (those of structures
+        that `have` marks lacking them, 0); DataError naming the first that is no integer."""
+        counts = self.n_atoms[a:b]
+        if have is not None:
+            numbers = np.where(np.repeat(have, counts), numbers, 0)
+        ends = np.cumsum(counts)
+
+        def where(row):
+            s = int(np.searchsorted(ends, row, side="right"))
+            return (f"{self.path}: /atoms/numbers: structure {a + s}: "
+                    f"atom {row - int(ends[s] - counts[s])}")
+
+        return integral_numbers(numbers, where)
 
 
 class Molecule:
@@ -531,7 +556,9 @@ class Molecule:
             except KeyError as err:
                 raise DataError(f"{path}: {dataset(key).name} holds {err}, not a chemical "
                                 "symbol") from err
-        self.numbers = np.asarray(numbers, np.int64)
+        self.numbers = integral_numbers(
+            numbers, lambda atom: f"{path}: {dataset(key).name} (every conformer of group "
+                                  f"{name}): atom {atom}")
         n = len(self.numbers)
         found = [k for k in POSITION_NAMES if k in links]
         if len(found) != 1:

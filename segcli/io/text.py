@@ -12,8 +12,9 @@ numbers None (see finite_json). How: in C (`_text.c`, built on first use by segc
 which finds each float's shortest round-trip digits itself and writes repr's notation, blocks
 of rows made by the threads of segcli.threads side by side (the C lets go of Python's lock).
 Where no C compiler builds it (or with SEGCLI_NATIVE_TEXT=0), the same bytes from orjson and
-NumPy passes: orjson writes a block's numbers, one flat float64 array (integers among them are
-exact, below 2**53), with the shortest round-trip digits; its text differs from repr only in
+NumPy passes: orjson writes a block's numbers, one flat float64 array (a block holding an
+integer of 2**53 or more, which float64 does not hold, goes by Python's repr of each number
+instead), with the shortest round-trip digits; its text differs from repr only in
 notation, fixed here: an integer's `12.0` loses `.0`; `null`, any non-finite value, becomes its
 spelling; a one-digit negative exponent gets its zero (`1e-7`, |x| in [1e-9, 1e-5), becomes
 `1e-07`) and |x| in [1e-5, 1e-4) goes from positional to scientific (`0.0000123` becomes
@@ -74,7 +75,7 @@ def header(shapes):
 def lines(fmt, columns):
     """Yield the rows of `columns` (name -> integer or float array, rows first, at least one
     number a row) as `fmt` ("csv" or "json") text, blocks of whole lines (bytes-like)."""
-    arrays = [_exact(name, np.asarray(a)) for name, a in columns.items()]
+    arrays = [_numbers(name, np.asarray(a)) for name, a in columns.items()]
     shapes = {name: a.shape[1:] for name, a in zip(columns, arrays)}
     literals = _csv_literals(shapes) if fmt == "csv" else _json_literals(shapes)
     rows = len(arrays[0])
@@ -83,10 +84,12 @@ def lines(fmt, columns):
     layout = _Layout(literals, is_int, _SPELLING[fmt])
     step = max(1, _BLOCK_CELLS // len(is_int))
     if _native_text() is not None:  # blocks made by the threads, side by side
-        ints = [a.astype(np.int64, copy=False) for a in flat if a.dtype.kind in "iu"]
+        ints = [a.view(np.int64) if a.dtype == np.uint64 else a.astype(np.int64, copy=False)
+                for a in flat if a.dtype.kind in "iu"]
         floats = [_widened(a) if a.dtype in _NATIVE_FLOATS else _float64(a)
                   for a in flat if a.dtype.kind == "f"]
-        kind = np.concatenate([np.full(a.shape[1], 1 if a.dtype.kind in "iu" else
+        kind = np.concatenate([np.full(a.shape[1], 3 if a.dtype == np.uint64 else 1
+                                       if a.dtype.kind in "iu" else
                                        2 if a.dtype == np.float32 else 0, np.uint8)
                                for a in flat])
         yield from threads.ordered(
@@ -95,9 +98,35 @@ def lines(fmt, columns):
                               _block(floats, lo, min(lo + step, rows), np.float64))
             for lo in range(0, rows, step))
         return
+    if any(a.dtype.kind in "iu" and a.size and not _exact_in_float64(a) for a in flat):
+        yield from _python_text(literals, _SPELLING[fmt], flat, step)
+        return
     flat = [_float64(a) for a in flat]
     for lo in range(0, rows, step):
         yield layout.text(np.concatenate([a[lo:lo + step] for a in flat], axis=1))
+
+
+def _exact_in_float64(ints):
+    """Whether every integer of `ints` is of magnitude below 2**53, so that float64 holds it
+    exactly."""
+    return bool(np.all((ints < _EXACT) & (ints > -_EXACT)))
+
+
+def _python_text(literals, spelling, flat, step):
+    """The rows of `flat` (each (rows, k)) as text, blocks of `step` rows, the same as the
+    other ways make it, by Python's repr of each number (an integer as itself, a float as the
+    float64 that _float64 gives): where float64 cannot carry some integer."""
+    names = dict(zip(("nan", "inf", "-inf"), (word.decode() for word in spelling)))
+    after = literals[1:]
+    for lo in range(0, len(flat[0]), step):
+        block = [a[lo:lo + step] for a in flat]
+        cells = [a.tolist() if a.dtype.kind in "iu" else _float64(a).tolist() for a in block]
+        lines = []
+        for row in zip(*cells):
+            numbers = [n for cell in row for n in cell]
+            texts = [names.get(t, t) for t in map(repr, numbers)]
+            lines.append(literals[0] + "".join(t + a for t, a in zip(texts, after)))
+        yield "".join(lines).encode()
 
 
 def _block(columns, lo, hi, dtype):
@@ -109,13 +138,10 @@ def _block(columns, lo, hi, dtype):
     return np.ascontiguousarray(np.concatenate([a[lo:hi] for a in columns], axis=1))
 
 
-def _exact(name, array):
-    """`array`, checked to be of floats or of integers that float64 holds exactly."""
+def _numbers(name, array):
+    """`array`, checked to be of numbers (floats or integers)."""
     if array.dtype.kind not in "iuf":
         raise TypeError(f"column {name!r}: {array.dtype} is not a number type")
-    if array.dtype.kind in "iu" and array.size and np.abs(array).max() >= _EXACT:
-        raise ValueError(f"column {name!r}: integers of magnitude 2**53 or more are not "
-                         "written (not exact as float64)")
     return array
 
 
