@@ -13,7 +13,13 @@ import click
 
 from segcli import __version__
 from segcli.cli.common import as_program, note
-from segcli.errors import DataError, Interrupted, interruptible, interrupting_signal
+from segcli.errors import (
+    DataError,
+    Interrupted,
+    for_user,
+    interruptible,
+    interrupting_signal,
+)
 
 
 def _silence_stdout():
@@ -86,6 +92,14 @@ class SegcliGroup(click.Group):
         except OSError as err:  # printing --help or --version failed
             _fail_on_stdout(err)
 
+    def parse_args(self, ctx, args):
+        """Parse, printing --help or --version on the way: a closed stdout there exits as it
+        does in a command (141 for a closed pipe), not as click's own handler would (1)."""
+        try:
+            return super().parse_args(ctx, args)
+        except OSError as err:
+            _fail_on_stdout(err)
+
     def invoke(self, ctx):
         with interruptible():
             try:
@@ -102,7 +116,7 @@ class SegcliGroup(click.Group):
                 if isinstance(err, OSError):
                     err = f"{err.filename}: {err.strerror}" if err.filename else err
                     _silence_stdout()
-                note(f"Error: {err}")
+                note(f"Error: {for_user(str(err))}")
                 sys.exit(1)
             except Exception:  # after a signal: a library's rendering of its Interrupted
                 if ctx.meta.get("segcli.debug") or interrupting_signal() is None:
