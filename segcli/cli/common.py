@@ -145,7 +145,9 @@ def where_selection(batch, file, where, structures, needed=False, quiet=False):
 def input_paths(file, in_place=False):
     """The files FILE stands for (see segcli.io.expand_inputs); UsageError when --in-place
     meets more than one, or a stream read through a temporary copy (results stored there would
-    be lost)."""
+    be lost); DataError when it meets a file this process may not write (it would fail only
+    on the copy that it writes)."""
+    from segcli.errors import DataError
     from segcli.io import expand_inputs
     from segcli.io.multi import is_stream
 
@@ -155,6 +157,9 @@ def input_paths(file, in_place=False):
     paths = expand_inputs(file)
     if in_place and len(paths) > 1:
         raise click.UsageError(f"--in-place adds to one file; {file} is {len(paths)} files")
+    if in_place and not os.access(paths[0], os.W_OK):
+        raise DataError(f"{paths[0]}: cannot store results in it (Permission denied: it is "
+                        "read-only to this user); use -o")
     return paths
 
 
@@ -285,11 +290,14 @@ def _is_open(fd):
 
 
 def note(message):
-    """Tell the user `message` on stderr; the command's work never depends on it: a closed or
-    full stderr (`2>&-`, `2>/dev/full`) loses the message, not the result."""
+    """Tell the user `message` on stderr (a stream's temporary copy named as the user named the
+    stream); the command's work never depends on it: a closed or full stderr (`2>&-`,
+    `2>/dev/full`) loses the message, not the result."""
+    from segcli.errors import for_user
+
     if sys.stderr is not None:
         with contextlib.suppress(OSError, ValueError):
-            click.echo(message, file=sys.stderr)
+            click.echo(for_user(message), file=sys.stderr)
 
 
 @contextlib.contextmanager

@@ -2,6 +2,7 @@
 
 import contextlib
 import ctypes
+import errno
 import functools
 import math
 import os
@@ -13,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from segcli.errors import DataError
+from segcli.errors import DataError, for_user
 
 FORMAT = "segcli-batch"
 VERSION = 1
@@ -30,8 +31,8 @@ def held(dtype):
 
 def path_text(path):
     """A file's path as text that HDF5 stores (UTF-8): bytes of the name that are not UTF-8
-    as backslash escapes."""
-    return os.fsencode(path).decode("utf-8", "backslashreplace")
+    as backslash escapes, a stream's temporary copy by the stream's name (see for_user)."""
+    return os.fsencode(for_user(os.fsdecode(path))).decode("utf-8", "backslashreplace")
 
 
 def available_memory():
@@ -63,6 +64,21 @@ def standard_input():
     if sys.stdin is None:
         raise DataError("stdin: closed, nothing to read")
     return sys.stdin
+
+
+def missing(path):
+    """Why `path`, which names no file, names none: no such file, a symbolic link to a missing
+    file, too many levels of symbolic links (a loop), permission denied (a directory on its
+    way that cannot be searched), ..."""
+    try:
+        os.stat(path)
+    except OSError as err:
+        if err.errno != errno.ENOENT:
+            return err.strerror[:1].lower() + err.strerror[1:]
+        if os.path.islink(path):
+            return f"a symbolic link to {os.readlink(path)}, which does not exist"
+    return "no such file"
+
 
 class FieldInfo(NamedTuple):
     """A field: per "atom" or "structure", its trailing shape and dtype, and its units where

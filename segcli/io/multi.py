@@ -14,7 +14,15 @@ from typing import NamedTuple
 import numpy as np
 
 from segcli.errors import DataError
-from segcli.io.core import Batch, Schema, file_stamp, fill_value, offsets_of, standard_input
+from segcli.io.core import (
+    Batch,
+    Schema,
+    file_stamp,
+    fill_value,
+    missing,
+    offsets_of,
+    standard_input,
+)
 
 
 class Layout(NamedTuple):
@@ -160,20 +168,22 @@ def _directory(path):
 
 
 def _check_readable(path):
+    if not os.path.exists(path):
+        raise DataError(f"{path}: {missing(path)}")
     if not os.access(path, os.R_OK):
         raise DataError(f"{path}: cannot read (permission denied)")
 
 
-def _spooled(source, name):
+def _spooled(source, name, shown):
     """The path of a temporary copy of binary stream `source`, at `name` (a relative or
     absolute path) under a new temporary directory that is removed at exit: what a stream as
-    FILE stands for, since readers need to seek; messages show `name` in it, and ASE sees its
-    file name."""
+    FILE stands for, since readers need to seek. Messages call the copy `shown` (see
+    segcli.errors.for_user), and ASE sees its file name."""
     import atexit
     import shutil
     import tempfile
 
-    from segcli.errors import hold_signals, release_signals
+    from segcli.errors import hold_signals, name_for_user, release_signals
 
     hold_signals()
     try:
@@ -183,6 +193,7 @@ def _spooled(source, name):
         release_signals()
     path = os.path.join(directory, name.lstrip(os.sep))
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    name_for_user(path, shown)
     with open(path, "wb") as spool:
         shutil.copyfileobj(source, spool, 1 << 20)
     return path
@@ -193,7 +204,7 @@ def _spooled_stdin():
     stands for. DataError for a terminal or nothing."""
     if standard_input().isatty():
         raise DataError("-: reads extxyz from stdin, which is a terminal (pipe a file into it)")
-    path = _spooled(standard_input().buffer, "stdin.extxyz")
+    path = _spooled(standard_input().buffer, "stdin.extxyz", "-")
     if not os.path.getsize(path):
         raise DataError("-: stdin holds no structure (it is empty)")
     return path
@@ -218,16 +229,43 @@ def is_stream(spec):
         return False
 
 
+WRITER_WAIT_S = 5.0
+"""How long a FIFO as FILE may wait for a process to open it for writing."""
+
+
+def _opened_stream(path):
+    """The stream `path` opened for reading, or None where it cannot be (open_batch then names
+    why). A FIFO waits at most WRITER_WAIT_S for a writer (DataError), never for ever."""
+    import select
+    import stat
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if stat.S_ISFIFO(os.fstat(fd).st_mode):
+            waiting = select.poll()
+            waiting.register(fd, select.POLLIN)
+            if not waiting.poll(WRITER_WAIT_S * 1000):
+                raise DataError(f"{path}: a FIFO that no process wrote to within "
+                                f"{WRITER_WAIT_S:g} s; start its writer first")
+        os.set_blocking(fd, True)
+        return open(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _seekable(path):
-    """`path`, or a temporary copy of it where it is a stream (see is_stream)."""
+    """`path`, or a temporary copy of it where it is a stream (see is_stream), read once."""
     if not is_stream(path):
         return path
-    try:
-        stream = open(path, "rb")  # noqa: SIM115 (closed below)
-    except OSError:
-        return path  # open_batch names what is wrong
+    stream = _opened_stream(path)
+    if stream is None:
+        return path
     with stream:
-        return _spooled(stream, os.path.abspath(path))
+        return _spooled(stream, os.path.abspath(path), path)
 
 
 def _expand(spec):
@@ -245,13 +283,13 @@ def _expand(spec):
         if not paths:
             raise DataError(f"{spec}: no file matches the pattern")
     else:
-        raise DataError(f"{spec}: no such file")
+        raise DataError(f"{spec}: {missing(spec)}")
     out = []
     for path in paths:
         if os.path.isdir(path):
             out += _directory(path)
         elif not os.path.lexists(path):
-            raise DataError(f"{path}: no such file ({spec} names it)")
+            raise DataError(f"{path}: {missing(path)} ({spec} names it)")
         else:
             out.append(_seekable(path))
     return out
@@ -284,7 +322,8 @@ def open_inputs(spec, name=None, input_format=None):
     if len(paths) == 1:
         return open_batch(paths[0], input_format)
     if name is None:
-        name = os.fspath(spec) if isinstance(spec, (str, os.PathLike)) else ", ".join(spec)
+        name = os.fspath(spec) if isinstance(spec, (str, os.PathLike)) else \
+            ", ".join(map(os.fspath, spec))
     return MultiBatch.scan(paths, name, input_format)
 
 
@@ -374,15 +413,26 @@ class MultiBatch(Batch):
             batch = self._layout.open(member)
             self._open.append(batch)
             try:
+                self._check_unchanged(member, batch)
                 inside = None if bounds is None else np.unique(np.clip(bounds, lo, hi)) - first
                 for piece in batch._pieces(int(lo - first), int(hi - first),
                                            [n for n in names if n in has], chunk_atoms, into,
                                            inside):
                     yield self._completed(member, piece, names)
+                self._check_unchanged(member, batch)
             finally:
                 if batch in self._open:
                     self._open.remove(batch)
                     batch.close()
+
+    def _check_unchanged(self, member, batch):
+        """DataError when member `member`, open as `batch`, is not the file this batch was
+        made of: its structures differ, or it was replaced or written to since `batch` opened
+        it (its device, inode, size or modification time differ)."""
+        if batch.stamp != file_stamp(batch.path) or \
+                not np.array_equal(batch.n_atoms, self._layout.n_atoms[member]):
+            raise DataError(f"{batch.path}: changed while this run read it (replaced or written "
+                            "to); run again once it stays as it is")
 
     def _completed(self, member, piece, names):
         """A member's piece numbered in the batch, with the fields that its file lacks filled

@@ -1,0 +1,196 @@
+"""Hostile paths: a FIFO as FILE, a symbolic link or FIFO planted where a lock file goes,
+--help and --version into a closed pipe, a member replaced while a many-file run reads it,
+and the messages for symbolic link loops, dangling links, stdin's temporary copy, read-only
+inputs of --in-place and the --rename or --cast at fault, with no NumPy warning on stderr."""
+
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import warnings
+
+import numpy as np
+import pytest
+from batch_reference import write_batch
+from click.testing import CliRunner
+
+from segcli.cli import main
+from segcli.errors import DataError
+from segcli.io import multi, open_inputs
+
+
+def run(*args, stdin=None):
+    """The command in this process, with every warning an error (none may reach stderr)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return CliRunner().invoke(main, [str(a) for a in args], input=stdin)
+
+
+def assert_one_line_error(result, *needles):
+    """Exit 1 with one line on stderr holding each needle, never a temporary copy's path."""
+    assert result.exit_code == 1, (result.output, result.exception)
+    assert isinstance(result.exception, SystemExit), result.exception
+    assert len(result.stderr.splitlines()) == 1 and result.stderr.startswith("Error: "), \
+        result.stderr
+    assert "segcli-spool" not in result.stderr and ".tmp" not in result.stderr, result.stderr
+    for needle in needles:
+        assert needle in result.stderr, (needle, result.stderr)
+
+
+@pytest.fixture
+def batch(tmp_path):
+    """in.h5: 3 structures, per-atom x (6, 3), per-structure e and s."""
+    x = np.random.default_rng(1).normal(size=(6, 3))
+    return write_batch(tmp_path / "in.h5", [2, 3, 1], {"x": x},
+                       {"e": [1.0, 2.0, 3.0], "s": [0.5, 1.0, np.nan]}), x
+
+
+def freed(fifo):
+    """Let go a writer blocked opening `fifo` (its reader never came): open it for reading and
+    close it at once."""
+    os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+
+
+@pytest.mark.parametrize("writer", [True, False])
+def test_a_fifo_as_file_is_read_once_or_refused_never_waited_on_for_ever(tmp_path, batch,
+                                                                         monkeypatch, writer):
+    source, x = batch
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    monkeypatch.setattr(multi, "WRITER_WAIT_S", 0.5)
+
+    def write():  # once: a second open by segcli would find no writer and fail
+        try:
+            with open(fifo, "wb") as stream:
+                stream.write(source.read_bytes())
+        except BrokenPipeError:
+            pass
+
+    writing = threading.Thread(target=write, daemon=True)
+    if writer:
+        writing.start()
+    started = time.monotonic()
+    result = run("stats", fifo, "x", "--json")
+    assert time.monotonic() - started < 5
+    if writer:
+        assert result.exit_code == 0, result.output
+        stats = json.loads(result.stdout)
+        assert stats["path"] == str(fifo) and stats["atoms"] == 6
+        assert np.isclose(stats["stats"][0]["mean"], x[:, 0].mean(), rtol=1e-12)
+        writing.join(5)
+        if writing.is_alive():
+            freed(fifo)
+        assert not writing.is_alive()
+    else:
+        assert_one_line_error(result, f"{fifo}: a FIFO that no process wrote to within 0.5 s")
+
+
+def digest(path):
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("planted, in_place", [("symlink", True), ("symlink", False),
+                                               ("fifo", False)])
+def test_what_is_planted_where_a_lock_file_goes_is_never_followed(tmp_path, batch, planted,
+                                                                  in_place):
+    source, _ = batch
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    target = source if in_place else tmp_path / "out.h5"
+    lock = tmp_path / f".{target.name}.lock"
+    if planted == "symlink":
+        lock.symlink_to(victim)
+    else:
+        os.mkfifo(lock)
+    before = digest(source)
+    if in_place:
+        result = run("reduce", source, "sum", "x", "--in-place")
+    else:
+        result = run("convert", source, "-o", target)
+    kind = "a symbolic link" if planted == "symlink" else "not a regular file"
+    assert_one_line_error(result, f"{target}: cannot lock it for writing: {lock} is {kind}")
+    assert digest(victim) == b"precious" and digest(source) == before
+    assert (lock.is_symlink() if planted == "symlink" else lock.is_fifo())
+    assert sorted(os.listdir(tmp_path)) == sorted(["in.h5", "victim", lock.name])
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--version"]])
+def test_help_and_version_into_a_closed_pipe_exit_141_quietly(args):
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        process = subprocess.run([sys.executable, "-m", "segcli", *args], stdout=write,
+                                 stderr=subprocess.PIPE, timeout=120)
+    finally:
+        os.close(write)
+    assert process.returncode == 141 and process.stderr == b""
+
+
+@pytest.mark.parametrize("change", ["replaced", "appended to"])
+def test_a_member_changed_while_a_many_file_run_reads_it_is_refused(tmp_path, change):
+    rng = np.random.default_rng(2)
+    a = write_batch(tmp_path / "a.h5", [2, 3, 1], {"x": rng.normal(size=(6, 3))})
+    b = write_batch(tmp_path / "b.h5", [1, 2], {"x": rng.normal(size=(3, 3))})
+    other = write_batch(tmp_path / "other.h5", [2, 3, 1], {"x": rng.normal(size=(6, 3))})
+    with open_inputs([a, b]) as batch:
+        chunks = batch.iter_chunks(["x"], chunk_atoms=2)
+        assert next(chunks).n_atoms.tolist() == [2]
+        if change == "replaced":
+            os.replace(other, a)
+        else:
+            with open(a, "ab") as member:
+                member.write(b"\0" * 64)
+        with pytest.raises(DataError, match=f"^{a}: changed while this run read it"):
+            list(chunks)
+
+
+def drop_privilege_over_files():
+    """In a child that runs as root: give up root's right to write any file (capabilities
+    DAC_OVERRIDE, DAC_READ_SEARCH and FOWNER, dropped from the bounding set that exec keeps)."""
+    if os.geteuid() == 0:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+        for capability in (1, 2, 3):
+            if prctl(24, capability, 0, 0, 0):  # PR_CAPBSET_DROP
+                raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+def test_a_read_only_input_of_in_place_is_named_not_its_temporary(batch):
+    source, _ = batch
+    before = digest(source)
+    source.chmod(0o444)
+    process = subprocess.run([sys.executable, "-m", "segcli", "reduce", source.name, "sum",
+                              "x", "--in-place"], cwd=source.parent, capture_output=True,
+                             text=True, preexec_fn=drop_privilege_over_files, timeout=120)
+    assert process.returncode == 1 and process.stderr.splitlines() == [
+        "Error: in.h5: cannot store results in it (Permission denied: it is read-only to this "
+        "user); use -o"]
+    assert digest(source) == before and os.listdir(source.parent) == ["in.h5"]
+
+
+def test_messages_name_the_real_cause_and_no_warning_comes_first(tmp_path, batch):
+    source, _ = batch
+    (tmp_path / "loop").symlink_to("loop")
+    (tmp_path / "dangling").symlink_to("gone.h5")
+    (tmp_path / "list").write_text(f"{source}\nloop\n")
+    out = tmp_path / "out.h5"
+    cases = [
+        (["info", tmp_path / "loop"], "loop: too many levels of symbolic links"),
+        (["info", tmp_path / "dangling"], "dangling: a symbolic link to gone.h5, which does "
+                                          "not exist"),
+        (["info", f"@{tmp_path / 'list'}"], "loop: too many levels of symbolic links"),
+        (["info", "-"], "Error: -: ASE cannot read structure 0 as extxyz"),
+        (["convert", source, "-o", out, "--rename", "e=t", "--rename", "s=t"],
+         "--rename e=t and --rename s=t: both name a field 't'"),
+        (["convert", source, "-o", out, "--rename", "x=e"],
+         "--rename x=e: structure 0 has a field 'e' already"),
+        (["convert", source, "-o", out, "--cast", "e=int64", "--cast", "s=int64"],
+         "--cast s=int64: field 's' of structures from 0 cannot be cast to int64"),
+        (["convert", source, "-o", out, "--cast", "x=float32", "--cast", "e=bool"],
+         "--cast x=float32: field 'x'"),
+    ]
+    for args, needle in cases:
+        assert_one_line_error(run(*args, stdin="garbage\n"), needle)
+        assert not out.exists()
