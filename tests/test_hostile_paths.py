@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 from segcli.cli import main
 from segcli.errors import DataError
-from segcli.io import multi, open_inputs
+from segcli.io import core, open_inputs
 
 
 def run(*args, stdin=None):
@@ -54,13 +54,17 @@ def freed(fifo):
     os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
 
 
-@pytest.mark.parametrize("writer", [True, False])
+@pytest.mark.parametrize("command, writer", [
+    (["stats", "{fifo}", "x", "--json"], True), (["stats", "{fifo}", "x", "--json"], False),
+    (["info", "@{fifo}"], False),
+    (["select", "{source}", "--structures-from", "{fifo}", "-o", "{out}"], False)])
 def test_a_fifo_as_file_is_read_once_or_refused_never_waited_on_for_ever(tmp_path, batch,
-                                                                         monkeypatch, writer):
+                                                                         monkeypatch, command,
+                                                                         writer):
     source, x = batch
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    monkeypatch.setattr(multi, "WRITER_WAIT_S", 0.5)
+    monkeypatch.setattr(core, "WRITER_WAIT_S", 0.5)
 
     def write():  # once: a second open by segcli would find no writer and fail
         try:
@@ -73,7 +77,8 @@ def test_a_fifo_as_file_is_read_once_or_refused_never_waited_on_for_ever(tmp_pat
     if writer:
         writing.start()
     started = time.monotonic()
-    result = run("stats", fifo, "x", "--json")
+    result = run(*(part.format(fifo=fifo, source=source, out=tmp_path / "out.h5")
+                   for part in command))
     assert time.monotonic() - started < 5
     if writer:
         assert result.exit_code == 0, result.output
@@ -86,6 +91,7 @@ def test_a_fifo_as_file_is_read_once_or_refused_never_waited_on_for_ever(tmp_pat
         assert not writing.is_alive()
     else:
         assert_one_line_error(result, f"{fifo}: a FIFO that no process wrote to within 0.5 s")
+        assert sorted(os.listdir(tmp_path)) == ["fifo", "in.h5"]
 
 
 def digest(path):

@@ -66,6 +66,31 @@ def standard_input():
     return sys.stdin
 
 
+WRITER_WAIT_S = 5.0
+"""How long a FIFO read as input may wait for a process to open it for writing."""
+
+
+def open_for_reading(path):
+    """The file `path` opened for reading (binary), or OSError. A FIFO waits at most
+    WRITER_WAIT_S for a writer (DataError), never for ever."""
+    import select
+    import stat
+
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if stat.S_ISFIFO(os.fstat(fd).st_mode):
+            waiting = select.poll()
+            waiting.register(fd, select.POLLIN)
+            if not waiting.poll(WRITER_WAIT_S * 1000):
+                raise DataError(f"{path}: a FIFO that no process wrote to within "
+                                f"{WRITER_WAIT_S:g} s; start its writer first")
+        os.set_blocking(fd, True)
+        return open(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def missing(path):
     """Why `path`, which names no file, names none: no such file, a symbolic link to a missing
     file, too many levels of symbolic links (a loop), permission denied (a directory on its

@@ -21,6 +21,7 @@ from segcli.io.core import (
     fill_value,
     missing,
     offsets_of,
+    open_for_reading,
     standard_input,
 )
 
@@ -133,8 +134,8 @@ def _listed(spec):
         lines, directory = standard_input().read().splitlines(), ""
     else:
         try:
-            with open(where, encoding="utf-8") as listing:
-                lines = listing.read().splitlines()
+            with open_for_reading(where) as listing:
+                lines = listing.read().decode("utf-8").splitlines()
         except (OSError, UnicodeDecodeError) as err:
             reason = getattr(err, "strerror", None) or "not a text file"
             raise DataError(f"{where}: cannot read the list of files ({reason})") from err
@@ -229,41 +230,14 @@ def is_stream(spec):
         return False
 
 
-WRITER_WAIT_S = 5.0
-"""How long a FIFO as FILE may wait for a process to open it for writing."""
-
-
-def _opened_stream(path):
-    """The stream `path` opened for reading, or None where it cannot be (open_batch then names
-    why). A FIFO waits at most WRITER_WAIT_S for a writer (DataError), never for ever."""
-    import select
-    import stat
-
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        if stat.S_ISFIFO(os.fstat(fd).st_mode):
-            waiting = select.poll()
-            waiting.register(fd, select.POLLIN)
-            if not waiting.poll(WRITER_WAIT_S * 1000):
-                raise DataError(f"{path}: a FIFO that no process wrote to within "
-                                f"{WRITER_WAIT_S:g} s; start its writer first")
-        os.set_blocking(fd, True)
-        return open(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
-
-
 def _seekable(path):
     """`path`, or a temporary copy of it where it is a stream (see is_stream), read once."""
     if not is_stream(path):
         return path
-    stream = _opened_stream(path)
-    if stream is None:
-        return path
+    try:
+        stream = open_for_reading(path)
+    except OSError:
+        return path  # open_batch names what is wrong
     with stream:
         return _spooled(stream, os.path.abspath(path), path)
 
