@@ -181,6 +181,7 @@ def test_messages_name_the_real_cause_and_no_warning_comes_first(tmp_path, batch
     (tmp_path / "loop").symlink_to("loop")
     (tmp_path / "dangling").symlink_to("gone.h5")
     (tmp_path / "list").write_text(f"{source}\nloop\n")
+    (tmp_path / "two\nlines.h5").write_bytes(b"junk\0")
     out = tmp_path / "out.h5"
     cases = [
         (["info", tmp_path / "loop"], "loop: too many levels of symbolic links"),
@@ -188,6 +189,7 @@ def test_messages_name_the_real_cause_and_no_warning_comes_first(tmp_path, batch
                                           "not exist"),
         (["info", f"@{tmp_path / 'list'}"], "loop: too many levels of symbolic links"),
         (["info", "-"], "Error: -: ASE cannot read structure 0 as extxyz"),
+        (["info", tmp_path / "two\nlines.h5"], "two\\nlines.h5: neither HDF5 nor"),
         (["convert", source, "-o", out, "--rename", "e=t", "--rename", "s=t"],
          "--rename e=t and --rename s=t: both name a field 't'"),
         (["convert", source, "-o", out, "--rename", "x=e"],

@@ -72,6 +72,14 @@ def _fail_on_stdout(err):
     sys.exit(1)
 
 
+_CONTROLS = {code: f"\\x{code:02x}" for code in range(32)} | {10: "\\n", 13: "\\r", 9: "\\t"}
+
+
+def _one_line(text):
+    """`text` with its control characters (a newline in a file name) escaped: one line."""
+    return text.translate(_CONTROLS)
+
+
 def _interrupted(err):
     """Exit 128 + the signal's number, saying which (the cleanup has run as the error unwound)."""
     note(f"Interrupted ({err})")
@@ -116,7 +124,7 @@ class SegcliGroup(click.Group):
                 if isinstance(err, OSError):
                     err = f"{err.filename}: {err.strerror}" if err.filename else err
                     _silence_stdout()
-                note(f"Error: {for_user(str(err))}")
+                note(f"Error: {_one_line(for_user(str(err)))}")
                 sys.exit(1)
             except Exception:  # after a signal: a library's rendering of its Interrupted
                 if ctx.meta.get("segcli.debug") or interrupting_signal() is None:
