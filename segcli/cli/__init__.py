@@ -23,8 +23,13 @@ from segcli.errors import (
 
 
 def _silence_stdout():
-    """Point stdout at /dev/null, so that nothing left in its buffer fails again at exit."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    """Point stdout at /dev/null, so that nothing left in its buffer fails again at exit (a
+    caller's stand-in for stdout, without a file descriptor, is left as it is)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return
+    os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
 
 
 class _Stdout(io.RawIOBase):

@@ -97,7 +97,8 @@ def check_output_place(output):
         return
     directory = os.path.dirname(os.path.abspath(output))
     if not os.path.isdir(directory):
-        raise DataError(f"{output}: cannot write there (No such file or directory)")
+        reason = "Not a directory" if os.path.exists(directory) else "No such file or directory"
+        raise DataError(f"{output}: cannot write there ({reason})")
     if not os.access(directory, os.W_OK | os.X_OK):
         raise DataError(f"{output}: cannot write there (Permission denied)")
 
@@ -225,7 +226,9 @@ def table(rows):
 
 
 def refuse_output_among_inputs(output, inputs, hint):
-    """UsageError when the file -o names is one of the inputs (`hint` says what to do)."""
+    """UsageError when the file -o names is one of the inputs (`hint` says what to do);
+    DataError when it cannot be written where it is (see check_output_place)."""
+    check_output_place(output)
     for path in inputs:
         if output and os.path.exists(output) and os.path.exists(path) and \
                 os.path.samefile(output, path):

@@ -244,6 +244,8 @@ def _seekable(path):
 
 def _expand(spec):
     """The paths one FILE stands for (see expand_inputs)."""
+    if not spec:
+        raise DataError("'': an empty name names no file")
     if spec == "-":
         return [_spooled_stdin()]
     if os.path.isdir(spec):

@@ -290,7 +290,9 @@ def _open_lock(path, lock):
         if err.errno == errno.ELOOP:
             raise DataError(f"{path}: {why}: {lock} is a symbolic link, which segcli's lock "
                             "file never is; remove it") from err
-        raise DataError(f"{path}: {why} ({err.strerror})") from err
+        if os.path.lexists(lock):
+            raise DataError(f"{path}: {why} ({lock}: {err.strerror})") from err
+        raise DataError(f"{path}: cannot write there ({err.strerror})") from err
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise DataError(f"{path}: {why}: {lock} is not a regular file, which segcli's lock "
