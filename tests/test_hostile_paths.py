@@ -176,7 +176,7 @@ def test_a_read_only_input_of_in_place_is_named_not_its_temporary(batch):
     assert digest(source) == before and os.listdir(source.parent) == ["in.h5"]
 
 
-def test_messages_name_the_real_cause_and_no_warning_comes_first(tmp_path, batch):
+def test_messages_name_the_real_cause_and_no_warning_comes_first(tmp_path, batch, monkeypatch):
     source, _ = batch
     (tmp_path / "loop").symlink_to("loop")
     (tmp_path / "dangling").symlink_to("gone.h5")
@@ -191,6 +191,7 @@ def test_messages_name_the_real_cause_and_no_warning_comes_first(tmp_path, batch
         (["info", "-"], "Error: -: ASE cannot read structure 0 as extxyz"),
         (["info", tmp_path / "two\nlines.h5"], "two\\nlines.h5: neither HDF5 nor"),
         (["info", ""], "'': an empty name names no file"),
+        (["convert", "-", "@-", "-o", out], "-: stdin is given more than once"),
         (["stats", source, "e", "-o", tmp_path / "no" / "out.h5"],
          "out.h5: cannot write there (No such file or directory)"),
         (["stats", source, "e", "-o", source / "out.h5"],
@@ -207,3 +208,7 @@ def test_messages_name_the_real_cause_and_no_warning_comes_first(tmp_path, batch
     for args, needle in cases:
         assert_one_line_error(run(*args, stdin="garbage\n"), needle)
         assert not out.exists()
+    monkeypatch.chdir(tmp_path)
+    result = run("stats", source, "e", "-o", "-")
+    assert result.exit_code == 2 and "'-' names no file" in result.stderr, result.output
+    assert not os.path.lexists("-")

@@ -21,9 +21,13 @@ def result_name(ctx, param, name):
 
 
 def output_name(ctx, param, output):
-    """Click callback: an -o that names a file (not an empty name, nor a directory's)."""
+    """Click callback: an -o that names a file (not an empty name, nor a directory's, nor `-`,
+    which would make a file that `-` as FILE never reads)."""
     if output is not None and (not output or output.endswith(os.sep)):
         raise click.BadParameter(f"{output!r} names no file")
+    if output == "-":
+        raise click.BadParameter("'-' names no file (leave -o out to print; ./- names a file "
+                                 "called -)")
     return output
 
 

@@ -279,6 +279,8 @@ def expand_inputs(spec):
     A directory among a pattern's or list's paths stands for its files. DataError naming a
     member that is missing or unreadable, or a pattern, list or directory that names none."""
     specs = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
+    if sum(os.fspath(s) in ("-", "@-") for s in specs) > 1:
+        raise DataError("-: stdin is given more than once (as - or @-); it can be read once")
     paths = [path for s in specs for path in _expand(os.fspath(s))]
     if len(paths) > 1:
         for path in paths:
