@@ -1,7 +1,8 @@
-"""Hostile paths: a FIFO as FILE, a symbolic link or FIFO planted where a lock file goes,
---help and --version into a closed pipe, a member replaced while a many-file run reads it,
-and the messages for symbolic link loops, dangling links, stdin's temporary copy, read-only
-inputs of --in-place and the --rename or --cast at fault, with no NumPy warning on stderr."""
+"""Hostile paths: a FIFO as FILE, @LIST or --structures-from, a symbolic link or FIFO planted
+where a lock file goes, --help and --version into a closed pipe, a member changed while a
+many-file run reads it, a read-only --in-place input, and messages that name the real cause
+(symbolic link loops, dangling links, stdin, names with newlines, empty names, outputs with
+no place to go, the --rename, --cast or --to-ase-units at fault), with no NumPy warning."""
 
 import ctypes
 import json
@@ -12,6 +13,7 @@ import threading
 import time
 import warnings
 
+import h5py
 import numpy as np
 import pytest
 from batch_reference import write_batch
@@ -64,7 +66,7 @@ def test_a_fifo_as_file_is_read_once_or_refused_never_waited_on_for_ever(tmp_pat
     source, x = batch
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    monkeypatch.setattr(core, "WRITER_WAIT_S", 0.5)
+    monkeypatch.setattr(core, "WRITER_WAIT_S", 0.2)
 
     def write():  # once: a second open by segcli would find no writer and fail
         try:
@@ -90,7 +92,7 @@ def test_a_fifo_as_file_is_read_once_or_refused_never_waited_on_for_ever(tmp_pat
             freed(fifo)
         assert not writing.is_alive()
     else:
-        assert_one_line_error(result, f"{fifo}: a FIFO that no process wrote to within 0.5 s")
+        assert_one_line_error(result, f"{fifo}: a FIFO that no process wrote to within 0.2 s")
         assert sorted(os.listdir(tmp_path)) == ["fifo", "in.h5"]
 
 
@@ -182,6 +184,9 @@ def test_messages_name_the_real_cause_and_no_warning_comes_first(tmp_path, batch
     (tmp_path / "dangling").symlink_to("gone.h5")
     (tmp_path / "list").write_text(f"{source}\nloop\n")
     (tmp_path / "two\nlines.h5").write_bytes(b"junk\0")
+    hartree = write_batch(tmp_path / "hartree.h5", [1, 1], {}, {"e": [-1.0, 1e307]})
+    with h5py.File(hartree, "a") as h5:
+        h5["structures/e"].attrs["units"] = "Hartree"
     out = tmp_path / "out.h5"
     cases = [
         (["info", tmp_path / "loop"], "loop: too many levels of symbolic links"),
@@ -191,6 +196,8 @@ def test_messages_name_the_real_cause_and_no_warning_comes_first(tmp_path, batch
         (["info", "-"], "Error: -: ASE cannot read structure 0 as extxyz"),
         (["info", tmp_path / "two\nlines.h5"], "two\\nlines.h5: neither HDF5 nor"),
         (["info", ""], "'': an empty name names no file"),
+        (["convert", hartree, "-o", out, "--to-ase-units"],
+         "field 'e' of structure 1 holds a value too large for float64 once converted"),
         (["convert", "-", "@-", "-o", out], "-: stdin is given more than once"),
         (["stats", source, "e", "-o", tmp_path / "no" / "out.h5"],
          "out.h5: cannot write there (No such file or directory)"),
