@@ -137,13 +137,14 @@ def test_help_and_version_into_a_closed_pipe_exit_141_quietly(args):
     assert process.returncode == 141 and process.stderr == b""
 
 
-@pytest.mark.parametrize("change", ["replaced", "appended to"])
-def test_a_member_changed_while_a_many_file_run_reads_it_is_refused(tmp_path, change):
+@pytest.mark.parametrize("change, members", [("replaced", 2), ("appended to", 2),
+                                             ("replaced", 1)])
+def test_a_file_changed_while_a_run_reads_it_is_refused(tmp_path, change, members):
     rng = np.random.default_rng(2)
     a = write_batch(tmp_path / "a.h5", [2, 3, 1], {"x": rng.normal(size=(6, 3))})
     b = write_batch(tmp_path / "b.h5", [1, 2], {"x": rng.normal(size=(3, 3))})
     other = write_batch(tmp_path / "other.h5", [2, 3, 1], {"x": rng.normal(size=(6, 3))})
-    with open_inputs([a, b]) as batch:
+    with open_inputs([a, b][:members]) as batch:
         chunks = batch.iter_chunks(["x"], chunk_atoms=2)
         assert next(chunks).n_atoms.tolist() == [2]
         if change == "replaced":

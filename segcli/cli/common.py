@@ -230,9 +230,7 @@ def table(rows):
 
 
 def refuse_output_among_inputs(output, inputs, hint):
-    """UsageError when the file -o names is one of the inputs (`hint` says what to do);
-    DataError when it cannot be written where it is (see check_output_place)."""
-    check_output_place(output)
+    """UsageError when the file -o names is one of the inputs (`hint` says what to do)."""
     for path in inputs:
         if output and os.path.exists(output) and os.path.exists(path) and \
                 os.path.samefile(output, path):

@@ -589,6 +589,7 @@ def _execute(file, ops, *, output, in_place, fmt, name, force, structures, chunk
     output = shard_output(output, shard)
     paths = common.input_paths(file, in_place)
     refuse_output_among_inputs(output, paths, "use --in-place to add to it")
+    common.check_output_place(output)
     names = [name] if name else ["_".join((spec.name, *fields)) for spec, fields in ops]
     plan = {"precision": precision, "order": order, "weights": weights, "direction": direction,
             "params": params}

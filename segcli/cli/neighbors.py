@@ -136,6 +136,7 @@ def neighbors(file, cutoffs, per_atom, histogram_bins, output, in_place, fmt, fo
     check_output_usage(output, in_place, fmt, structures)
     paths = common.input_paths(file, in_place)
     common.refuse_output_among_inputs(output, paths, "use --in-place to add to it")
+    common.check_output_place(output)
     table = not (output or in_place) or file_format(output) is not None
     with common.read_inputs(paths, file, in_place) as batch:
         batch.check_fields(["positions"])

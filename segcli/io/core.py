@@ -603,6 +603,14 @@ class Batch:
     def __exit__(self, *exc):
         self.close()
 
+    def unchanged(self, pieces):
+        """`pieces` read from the file, then DataError if it was replaced or written to since
+        it was opened (its stamp differs): what was read may mix two versions of it."""
+        yield from pieces
+        if self.stamp is not None and file_stamp(self.path) != self.stamp:
+            raise DataError(f"{self.path}: changed while this run read it (replaced or written "
+                            "to); run again once it stays as it is")
+
     def close(self):
         """Release the file."""
 
@@ -717,7 +725,8 @@ class Batch:
         if len(breaks):
             bounds = start + segment_runs(self.n_atoms[start:stop],
                                           np.asarray(breaks, np.int64) - start, chunk_atoms)
-        chunks = self._chunks(self._pieces(start, stop, list(read), chunk_atoms, into, bounds),
+        chunks = self._chunks(self.unchanged(self._pieces(start, stop, list(read), chunk_atoms,
+                                                          into, bounds)),
                               chunk_atoms, read, sources, bounds)
         if keep is None:
             yield from chunks
@@ -753,7 +762,7 @@ class Batch:
         results = [n for n in self.streamed_results if keep is None or keep(n)]
         if results:
             names = (list(self._stored) if names is None else names) + results
-        return rechunk(self._pieces(0, None, names, chunk_atoms), chunk_atoms)
+        return rechunk(self.unchanged(self._pieces(0, None, names, chunk_atoms)), chunk_atoms)
 
     @property
     def streamed_results(self):

@@ -317,6 +317,7 @@ class MultiBatch(Batch):
 
     def __init__(self, layout):
         super().__init__(layout.name)
+        self.stamp = None  # its files have theirs (see _pieces); `name` may be a directory's
         self._layout = layout
         counts = [len(n) for n in layout.n_atoms]
         self._first = offsets_of(counts)
@@ -391,26 +392,18 @@ class MultiBatch(Batch):
             batch = self._layout.open(member)
             self._open.append(batch)
             try:
-                self._check_unchanged(member, batch)
+                if not np.array_equal(batch.n_atoms, self._layout.n_atoms[member]):
+                    raise DataError(f"{batch.path}: changed while this run read it (its "
+                                    "structures differ); run again once it stays as it is")
                 inside = None if bounds is None else np.unique(np.clip(bounds, lo, hi)) - first
-                for piece in batch._pieces(int(lo - first), int(hi - first),
-                                           [n for n in names if n in has], chunk_atoms, into,
-                                           inside):
+                for piece in batch.unchanged(batch._pieces(
+                        int(lo - first), int(hi - first), [n for n in names if n in has],
+                        chunk_atoms, into, inside)):
                     yield self._completed(member, piece, names)
-                self._check_unchanged(member, batch)
             finally:
                 if batch in self._open:
                     self._open.remove(batch)
                     batch.close()
-
-    def _check_unchanged(self, member, batch):
-        """DataError when member `member`, open as `batch`, is not the file this batch was
-        made of: its structures differ, or it was replaced or written to since `batch` opened
-        it (its device, inode, size or modification time differ)."""
-        if batch.stamp != file_stamp(batch.path) or \
-                not np.array_equal(batch.n_atoms, self._layout.n_atoms[member]):
-            raise DataError(f"{batch.path}: changed while this run read it (replaced or written "
-                            "to); run again once it stays as it is")
 
     def _completed(self, member, piece, names):
         """A member's piece numbered in the batch, with the fields that its file lacks filled

@@ -42,7 +42,7 @@ def refuse_overwrite(path, force):
     `force` and it is a regular file (the only kind of file an output replaces)."""
     try:
         mode = os.stat(path).st_mode
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # the writer names where it cannot write
         return
     if not force:
         raise DataError(f"{path}: already exists; use --force to overwrite it")
