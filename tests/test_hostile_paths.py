@@ -23,6 +23,8 @@ from segcli.cli import main
 from segcli.errors import DataError
 from segcli.io import core, open_inputs
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def run(*args, stdin=None):
     """The command in this process, with every warning an error (none may reach stderr)."""
@@ -131,7 +133,8 @@ def test_help_and_version_into_a_closed_pipe_exit_141_quietly(args):
     os.close(read)
     try:
         process = subprocess.run([sys.executable, "-m", "segcli", *args], stdout=write,
-                                 stderr=subprocess.PIPE, timeout=120)
+                                 stderr=subprocess.PIPE, timeout=120,
+                                 env={**os.environ, "PYTHONPATH": ROOT})
     finally:
         os.close(write)
     assert process.returncode == 141 and process.stderr == b""
@@ -157,8 +160,9 @@ def test_a_file_changed_while_a_run_reads_it_is_refused(tmp_path, change, member
 
 
 def drop_privilege_over_files():
-    """In a child that runs as root: give up root's right to write any file (capabilities
-    DAC_OVERRIDE, DAC_READ_SEARCH and FOWNER, dropped from the bounding set that exec keeps)."""
+    """In a child that runs as root: give up root's right to read and write any file
+    (capabilities DAC_OVERRIDE, DAC_READ_SEARCH and FOWNER, dropped from the bounding set that
+    exec keeps), so that file modes hold for it as for any user."""
     if os.geteuid() == 0:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
         for capability in (1, 2, 3):
@@ -166,17 +170,48 @@ def drop_privilege_over_files():
                 raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
 
 
-def test_a_read_only_input_of_in_place_is_named_not_its_temporary(batch):
+RUN_EACH = """
+import json, sys
+from click.testing import CliRunner
+from segcli.cli import main
+results = [CliRunner().invoke(main, args) for args in json.loads(sys.argv[1])]
+print(json.dumps([[r.exit_code, r.stderr] for r in results]))
+"""
+
+
+def test_what_this_user_may_not_read_or_write_is_named_not_a_temporary(tmp_path, batch):
     source, _ = batch
     before = digest(source)
-    source.chmod(0o444)
-    process = subprocess.run([sys.executable, "-m", "segcli", "reduce", source.name, "sum",
-                              "x", "--in-place"], cwd=source.parent, capture_output=True,
-                             text=True, preexec_fn=drop_privilege_over_files, timeout=120)
-    assert process.returncode == 1 and process.stderr.splitlines() == [
-        "Error: in.h5: cannot store results in it (Permission denied: it is read-only to this "
-        "user); use -o"]
-    assert digest(source) == before and os.listdir(source.parent) == ["in.h5"]
+    (tmp_path / "noread.h5").write_bytes(before)
+    (tmp_path / "shut").mkdir()
+    (tmp_path / "shut" / "a.h5").write_bytes(before)
+    (tmp_path / "rodir").mkdir()
+    (tmp_path / "rodir" / "w.h5").write_bytes(before)
+    for path, mode in (("in.h5", 0o444), ("noread.h5", 0), ("shut", 0o600), ("rodir", 0o555)):
+        (tmp_path / path).chmod(mode)
+    cases = [(["reduce", "in.h5", "sum", "x", "--in-place"],
+              "in.h5: cannot store results in it (Permission denied: it is read-only"),
+             (["info", "noread.h5"], "noread.h5: cannot read (Permission denied)"),
+             (["info", "shut"], "shut: cannot list the directory (Permission denied)"),
+             (["convert", "in.h5", "-o", "rodir/out.h5"],
+              "rodir/out.h5: cannot write there (Permission denied)"),
+             (["reduce", "rodir/w.h5", "sum", "x", "--in-place"],
+              "rodir/w.h5: cannot write there (Permission denied)")]
+    try:
+        process = subprocess.run(
+            [sys.executable, "-c", RUN_EACH, json.dumps([args for args, _ in cases])],
+            cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT},
+            preexec_fn=drop_privilege_over_files, timeout=120)
+        assert process.returncode == 0, process.stderr
+        for (code, stderr), (args, needle) in zip(json.loads(process.stdout), cases):
+            assert code == 1 and stderr.startswith("Error: ") and needle in stderr, (args, stderr)
+            assert len(stderr.splitlines()) == 1 and ".tmp" not in stderr, stderr
+    finally:
+        for path in ("shut", "rodir"):
+            (tmp_path / path).chmod(0o755)
+    assert digest(source) == before and digest(tmp_path / "rodir" / "w.h5") == before
+    assert sorted(os.listdir(tmp_path)) == ["in.h5", "noread.h5", "rodir", "shut"]
+    assert os.listdir(tmp_path / "rodir") == ["w.h5"]
 
 
 def test_messages_name_the_real_cause_and_no_warning_comes_first(tmp_path, batch, monkeypatch):

@@ -91,6 +91,15 @@ def open_for_reading(path):
         raise
 
 
+def check_readable(path):
+    """DataError naming why `path` cannot be read: it names no file (see missing), or this user
+    may not read it."""
+    if not os.path.exists(path):
+        raise DataError(f"{path}: {missing(path)}")
+    if not os.access(path, os.R_OK):
+        raise DataError(f"{path}: cannot read (Permission denied)")
+
+
 def missing(path):
     """Why `path`, which names no file, names none: no such file, a symbolic link to a missing
     file, too many levels of symbolic links (a loop), permission denied (a directory on its

@@ -17,6 +17,7 @@ from segcli.errors import DataError
 from segcli.io.core import (
     Batch,
     Schema,
+    check_readable,
     file_stamp,
     fill_value,
     missing,
@@ -155,12 +156,14 @@ def _directory(path):
         names = sorted(os.listdir(path))
     except OSError as err:
         raise DataError(f"{path}: cannot list the directory ({err.strerror})") from err
+    if not os.access(path, os.X_OK):  # its files cannot be reached
+        raise DataError(f"{path}: cannot list the directory (Permission denied)")
     members = []
     for name in names:
         member = os.path.join(path, name)
         if name.startswith(".") or not os.path.isfile(member):
             continue
-        _check_readable(member)
+        check_readable(member)
         if reads(member):
             members.append(member)
     if not members:
@@ -168,11 +171,6 @@ def _directory(path):
     return members
 
 
-def _check_readable(path):
-    if not os.path.exists(path):
-        raise DataError(f"{path}: {missing(path)}")
-    if not os.access(path, os.R_OK):
-        raise DataError(f"{path}: cannot read (permission denied)")
 
 
 def _spooled(source, name, shown):
@@ -284,7 +282,7 @@ def expand_inputs(spec):
     paths = [path for s in specs for path in _expand(os.fspath(s))]
     if len(paths) > 1:
         for path in paths:
-            _check_readable(path)
+            check_readable(path)
     return paths
 
 
