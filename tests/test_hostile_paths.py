@@ -255,3 +255,22 @@ def test_messages_name_the_real_cause_and_no_warning_comes_first(tmp_path, batch
     result = run("stats", source, "e", "-o", "-")
     assert result.exit_code == 2 and "'-' names no file" in result.stderr, result.output
     assert not os.path.lexists("-")
+
+
+def test_extreme_coordinates_are_answered_or_refused_without_a_warning(tmp_path):
+    """Atoms 1e200 Å apart (a close pair among them) and a cell 1e-200 Å thin: the pairs as
+    NumPy counts them, and one line; no crash, no NumPy warning."""
+    positions = np.array([[0.0, 0, 0], [1e200, 0, 0], [1e200, 1.5, 0]])
+    far = write_batch(tmp_path / "far.h5", [3], {"positions": positions, "numbers": [1, 1, 1]},
+                      {"cell": np.zeros((1, 3, 3)), "pbc": np.zeros((1, 3), bool)})
+    result = run("neighbors", far, "--cutoff", 2, "--format", "json")
+    assert result.exit_code == 0, result.output
+    row = json.loads(result.stdout)
+    apart = np.hypot.reduce(positions[:, None] - positions[None], axis=2)
+    close = (apart < 2) & ~np.eye(3, dtype=bool)
+    assert row["n_pairs"] == close.sum() == 2 and row["min_distance"] == apart[close].min()
+    thin = write_batch(tmp_path / "thin.h5", [2], {"positions": np.zeros((2, 3)),
+                                                   "numbers": [1, 1]},
+                       {"cell": np.eye(3)[None] * 1e-200, "pbc": np.ones((1, 3), bool)})
+    assert_one_line_error(run("neighbors", thin, "--cutoff", 2),
+                          "its cell is 1e-200 Å thin, and a cutoff of 2 Å would visit inf")
