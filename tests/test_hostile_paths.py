@@ -4,9 +4,10 @@ many-file run reads it, a read-only --in-place input, and messages that name the
 (symbolic link loops, dangling links, stdin, names with newlines, empty names, outputs with
 no place to go, the --rename, --cast or --to-ase-units at fault), with no NumPy warning."""
 
-import ctypes
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -159,15 +160,13 @@ def test_a_file_changed_while_a_run_reads_it_is_refused(tmp_path, change, member
             list(chunks)
 
 
-def drop_privilege_over_files():
-    """In a child that runs as root: give up root's right to read and write any file
-    (capabilities DAC_OVERRIDE, DAC_READ_SEARCH and FOWNER, dropped from the bounding set that
-    exec keeps), so that file modes hold for it as for any user."""
-    if os.geteuid() == 0:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-        for capability in (1, 2, 3):
-            if prctl(24, capability, 0, 0, 0):  # PR_CAPBSET_DROP
-                raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+def as_a_plain_user():
+    """The command prefix that runs a command without root's right to read and write any file
+    (capabilities DAC_OVERRIDE, DAC_READ_SEARCH and FOWNER dropped by util-linux's setpriv),
+    so that file modes hold for it as for any user; none for a user that has no such right."""
+    if os.geteuid():
+        return []
+    return [shutil.which("setpriv"), "--bounding-set=-dac_override,-dac_read_search,-fowner"]
 
 
 RUN_EACH = """
@@ -199,9 +198,10 @@ def test_what_this_user_may_not_read_or_write_is_named_not_a_temporary(tmp_path,
               "rodir/w.h5: cannot write there (Permission denied)")]
     try:
         process = subprocess.run(
-            [sys.executable, "-c", RUN_EACH, json.dumps([args for args, _ in cases])],
+            [*as_a_plain_user(), sys.executable, "-c", RUN_EACH,
+             json.dumps([args for args, _ in cases])],
             cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT},
-            preexec_fn=drop_privilege_over_files, timeout=120)
+            timeout=120)
         assert process.returncode == 0, process.stderr
         for (code, stderr), (args, needle) in zip(json.loads(process.stdout), cases):
             assert code == 1 and stderr.startswith("Error: ") and needle in stderr, (args, stderr)
@@ -274,3 +274,18 @@ def test_extreme_coordinates_are_answered_or_refused_without_a_warning(tmp_path)
                        {"cell": np.eye(3)[None] * 1e-200, "pbc": np.ones((1, 3), bool)})
     assert_one_line_error(run("neighbors", thin, "--cutoff", 2),
                           "its cell is 1e-200 Å thin, and a cutoff of 2 Å would visit inf")
+
+
+def test_a_stream_that_cannot_be_copied_is_named_with_where_and_why(tmp_path):
+    """stdin larger than the file-size limit (RLIMIT_FSIZE) allows its temporary copy."""
+    text = b"".join(b"2\nProperties=species:S:1:pos:R:3\nH 0 0 0\nH 0 0 0.74\n" for _ in range(99))
+    process = subprocess.run(
+        [shutil.which("prlimit"), "--fsize=1000", sys.executable, "-m", "segcli", "info", "-"],
+        input=text, capture_output=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": ROOT, "TMPDIR": str(tmp_path)})
+    assert process.returncode == 1 and process.stdout == b""
+    where = re.escape(str(tmp_path))
+    assert re.fullmatch(f"Error: -: cannot copy it to a temporary file in {where}"
+                        r"/segcli-spool-\w+, which a stream is read through \(File too large; "
+                        r"TMPDIR chooses where\)\n", process.stderr.decode()), process.stderr
+    assert os.listdir(tmp_path) == []

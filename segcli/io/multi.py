@@ -193,8 +193,12 @@ def _spooled(source, name, shown):
     path = os.path.join(directory, name.lstrip(os.sep))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     name_for_user(path, shown)
-    with open(path, "wb") as spool:
-        shutil.copyfileobj(source, spool, 1 << 20)
+    try:
+        with open(path, "wb") as spool:
+            shutil.copyfileobj(source, spool, 1 << 20)
+    except OSError as err:
+        raise DataError(f"{shown}: cannot copy it to a temporary file in {directory}, which a "
+                        f"stream is read through ({err.strerror}; TMPDIR chooses where)") from err
     return path
 
 
