@@ -171,8 +171,6 @@ def _directory(path):
     return members
 
 
-
-
 def _spooled(source, name, shown):
     """The path of a temporary copy of binary stream `source`, at `name` (a relative or
     absolute path) under a new temporary directory that is removed at exit: what a stream as
