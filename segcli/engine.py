@@ -329,7 +329,8 @@ def nan_checked(path, chunks, names, where_present=False, keep=None):
                 first = (chunk.structure_of(first) if name in chunk.atoms
                          else int(chunk.structure_numbers[first]))
                 bad = [name, 0, first]
-            bad[1] += int(np.count_nonzero(np.isnan(array[rows])))
+            if name == bad[0]:  # not another field's NaN in the same chunk
+                bad[1] += int(np.count_nonzero(np.isnan(array[rows])))
         if bad is None:
             yield chunk
     if bad is not None:

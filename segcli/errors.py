@@ -6,11 +6,30 @@ import sys
 import threading
 from contextlib import contextmanager
 
+_user_names = {}
+"""A temporary copy's path -> what the user called the stream it copies (see for_user)."""
+
+
+def name_for_user(path, name):
+    """Have messages call the temporary copy `path` by `name` (`-` for stdin, a FIFO's path)."""
+    _user_names[path] = name
+
+
+def for_user(text):
+    """`text` with each temporary copy's path replaced by the name the user gave its stream."""
+    for path, name in _user_names.items():
+        text = text.replace(path, name)
+    return text
+
 
 class DataError(Exception):
-    """The data is wrong: a bad file, a missing field, bad values. Exit code 1."""
+    """The data is wrong: a bad file, a missing field, bad values. Exit code 1. Its message
+    names a stream copied to a temporary file as the user did (see for_user)."""
 
     exit_code = 1
+
+    def __init__(self, *args):
+        super().__init__(*(for_user(arg) if isinstance(arg, str) else arg for arg in args))
 
 
 class Interrupted(BaseException):

@@ -289,6 +289,11 @@ def _unavailable_rows(function, order, names, note):
                 f"no derivative available: {note}") for name in names]
 
 
+_NONFINITE_NOTED = {"invalid": "ignore", "over": "ignore", "divide": "ignore"}
+"""Products that meet inf or NaN are no NumPy warning: their rows say so (see
+_nonfinite_note)."""
+
+
 def check_gradients(f, args, *, order=2, eps=None, rtol=None, atol=None, seed=0, argnames=None,
                     name=None):
     """Check the derivatives of `f(*args)` up to `order` against central finite differences.
@@ -323,7 +328,7 @@ def check_gradients(f, args, *, order=2, eps=None, rtol=None, atol=None, seed=0,
     """
     if order < 1:
         raise ValueError(f"order must be at least 1, got {order}")
-    with enable_x64(True):
+    with enable_x64(True), np.errstate(**_NONFINITE_NOTED):
         problem = _Problem(f, args, argnames)
         if not problem.xs:
             raise ValueError("f has no floating-point argument to differentiate")
@@ -419,7 +424,7 @@ def compare_functions(f, reference, args, *, order=2, rtol=None, atol=None, seed
     direction scaled to |x|), which bounds the roundoff of sums that cancel (e.g. the total
     force of a structure).
     """
-    with enable_x64(True):
+    with enable_x64(True), np.errstate(**_NONFINITE_NOTED):
         candidate = _Problem(f, args, argnames)
         expected = _Problem(reference, args, argnames)
         function = name or getattr(f, "__name__", "f")

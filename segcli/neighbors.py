@@ -115,17 +115,21 @@ def geometry(path, numbers, cells, pbc):
     with lattice vectors `cells` (S, 3, 3) (rows), periodic along `pbc` (S, 3) bool; DataError
     for a cell singular along its periodic axes."""
     periodic = np.asarray(pbc, bool)
-    with np.errstate(invalid="ignore", divide="ignore"):  # a zero periodic vector: refused
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):  # refused below
         basis = _basis(np.asarray(cells, np.float64), periodic)
-        volume = np.abs(np.linalg.det(basis))
-        singular = ~(volume > 1e-9 * np.linalg.norm(basis, axis=2).prod(axis=1))
-    if singular.any():
-        s = int(np.argmax(singular))
-        raise DataError(f"{path}: structure {numbers[s]}: its cell is singular along its "
-                        f"periodic axes (pbc {periodic[s].tolist()}, cell "
-                        f"{np.asarray(cells[s]).tolist()})")
+        scaled = basis / np.abs(basis).max(axis=2, keepdims=True)  # no overflow in det
+        singular = ~(np.abs(np.linalg.det(scaled)) >
+                     1e-9 * np.linalg.norm(scaled, axis=2).prod(axis=1))
+    infinite = ~np.isfinite(np.where(periodic[:, :, None], cells, 0.0)).all(axis=(1, 2))
+    if (singular | infinite).any():
+        s = int(np.argmax(singular | infinite))
+        why = "is not finite" if infinite[s] else "is singular along its periodic axes"
+        raise DataError(f"{path}: structure {numbers[s]}: its cell {why} (pbc "
+                        f"{periodic[s].tolist()}, cell {np.asarray(cells[s]).tolist()})")
     inverse = np.linalg.inv(basis)
-    return Geometry(basis, inverse, 1 / np.linalg.norm(inverse, axis=1), periodic)
+    most = np.abs(inverse).max(axis=1)  # the norm scaled, not underflowing for a huge cell
+    return Geometry(basis, inverse, 1 / (most * np.linalg.norm(inverse / most[:, None], axis=1)),
+                    periodic)
 
 
 class Grid(NamedTuple):
@@ -149,8 +153,9 @@ def grid(path, numbers, geometry, low, high, n_atoms, cutoff):
     span = np.where(periodic, 1.0, np.maximum(high - low, 0.0))
     extent = span * geometry.spacing
     reach_of = cutoff * (1 + SLACK)
-    bins = np.maximum(1, np.floor(extent * BINS_PER_CUTOFF / reach_of)).astype(np.int64)
     most = np.maximum(1, n_atoms)
+    bins = np.clip(np.floor(extent * BINS_PER_CUTOFF / reach_of), 1,  # never more than atoms
+                   most[:, None]).astype(np.int64)
     for _ in range(64):
         over = bins.prod(axis=1) > most
         if not over.any():
@@ -160,11 +165,12 @@ def grid(path, numbers, geometry, low, high, n_atoms, cutoff):
     with np.errstate(divide="ignore", invalid="ignore"):
         reach = np.ceil(reach_of * bins / extent)
     reach = np.where(periodic, reach, np.minimum(bins - 1, np.nan_to_num(reach)))
-    images = np.prod(2 * reach + 1, axis=1)
+    with np.errstate(over="ignore"):  # inf for a cell 1e-200 thin: refused next
+        images = np.prod(2 * reach + 1, axis=1)
     if (images > MAX_IMAGES).any():
         s = int(np.argmax(images))
         raise DataError(f"{path}: structure {numbers[s]}: its cell is {extent[s].min():.3g} Å "
-                        f"thin, and a cutoff of {cutoff:g} Å would visit {int(images[s])} "
+                        f"thin, and a cutoff of {cutoff:g} Å would visit {images[s]:.6g} "
                         f"periodic images of its bins for each atom")
     first_bin = np.zeros(len(bins) + 1, np.int64)
     np.cumsum(bins.prod(axis=1), out=first_bin[1:])

@@ -13,12 +13,23 @@ import click
 
 from segcli import __version__
 from segcli.cli.common import as_program, note
-from segcli.errors import DataError, Interrupted, interruptible, interrupting_signal
+from segcli.errors import (
+    DataError,
+    Interrupted,
+    for_user,
+    interruptible,
+    interrupting_signal,
+)
 
 
 def _silence_stdout():
-    """Point stdout at /dev/null, so that nothing left in its buffer fails again at exit."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    """Point stdout at /dev/null, so that nothing left in its buffer fails again at exit (a
+    caller's stand-in for stdout, without a file descriptor, is left as it is)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return
+    os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
 
 
 class _Stdout(io.RawIOBase):
@@ -66,6 +77,14 @@ def _fail_on_stdout(err):
     sys.exit(1)
 
 
+_CONTROLS = {code: f"\\x{code:02x}" for code in range(32)} | {10: "\\n", 13: "\\r", 9: "\\t"}
+
+
+def _one_line(text):
+    """`text` with its control characters (a newline in a file name) escaped: one line."""
+    return text.translate(_CONTROLS)
+
+
 def _interrupted(err):
     """Exit 128 + the signal's number, saying which (the cleanup has run as the error unwound)."""
     note(f"Interrupted ({err})")
@@ -86,6 +105,14 @@ class SegcliGroup(click.Group):
         except OSError as err:  # printing --help or --version failed
             _fail_on_stdout(err)
 
+    def parse_args(self, ctx, args):
+        """Parse, printing --help or --version on the way: a closed stdout there exits as it
+        does in a command (141 for a closed pipe), not as click's own handler would (1)."""
+        try:
+            return super().parse_args(ctx, args)
+        except OSError as err:
+            _fail_on_stdout(err)
+
     def invoke(self, ctx):
         with interruptible():
             try:
@@ -102,7 +129,7 @@ class SegcliGroup(click.Group):
                 if isinstance(err, OSError):
                     err = f"{err.filename}: {err.strerror}" if err.filename else err
                     _silence_stdout()
-                note(f"Error: {err}")
+                note(f"Error: {_one_line(for_user(str(err)))}")
                 sys.exit(1)
             except Exception:  # after a signal: a library's rendering of its Interrupted
                 if ctx.meta.get("segcli.debug") or interrupting_signal() is None:

@@ -21,9 +21,13 @@ def result_name(ctx, param, name):
 
 
 def output_name(ctx, param, output):
-    """Click callback: an -o that names a file (not an empty name, nor a directory's)."""
+    """Click callback: an -o that names a file (not an empty name, nor a directory's, nor `-`,
+    which would make a file that `-` as FILE never reads)."""
     if output is not None and (not output or output.endswith(os.sep)):
         raise click.BadParameter(f"{output!r} names no file")
+    if output == "-":
+        raise click.BadParameter("'-' names no file (leave -o out to print; ./- names a file "
+                                 "called -)")
     return output
 
 
@@ -97,7 +101,8 @@ def check_output_place(output):
         return
     directory = os.path.dirname(os.path.abspath(output))
     if not os.path.isdir(directory):
-        raise DataError(f"{output}: cannot write there (No such file or directory)")
+        reason = "Not a directory" if os.path.exists(directory) else "No such file or directory"
+        raise DataError(f"{output}: cannot write there ({reason})")
     if not os.access(directory, os.W_OK | os.X_OK):
         raise DataError(f"{output}: cannot write there (Permission denied)")
 
@@ -145,7 +150,9 @@ def where_selection(batch, file, where, structures, needed=False, quiet=False):
 def input_paths(file, in_place=False):
     """The files FILE stands for (see segcli.io.expand_inputs); UsageError when --in-place
     meets more than one, or a stream read through a temporary copy (results stored there would
-    be lost)."""
+    be lost); DataError when it meets a file this process may not write (it would fail only
+    on the copy that it writes)."""
+    from segcli.errors import DataError
     from segcli.io import expand_inputs
     from segcli.io.multi import is_stream
 
@@ -155,6 +162,9 @@ def input_paths(file, in_place=False):
     paths = expand_inputs(file)
     if in_place and len(paths) > 1:
         raise click.UsageError(f"--in-place adds to one file; {file} is {len(paths)} files")
+    if in_place and not os.access(paths[0], os.W_OK):
+        raise DataError(f"{paths[0]}: cannot store results in it (Permission denied: it is "
+                        "read-only to this user); use -o")
     return paths
 
 
@@ -285,11 +295,14 @@ def _is_open(fd):
 
 
 def note(message):
-    """Tell the user `message` on stderr; the command's work never depends on it: a closed or
-    full stderr (`2>&-`, `2>/dev/full`) loses the message, not the result."""
+    """Tell the user `message` on stderr (a stream's temporary copy named as the user named the
+    stream); the command's work never depends on it: a closed or full stderr (`2>&-`,
+    `2>/dev/full`) loses the message, not the result."""
+    from segcli.errors import for_user
+
     if sys.stderr is not None:
         with contextlib.suppress(OSError, ValueError):
-            click.echo(message, file=sys.stderr)
+            click.echo(for_user(message), file=sys.stderr)
 
 
 @contextlib.contextmanager

@@ -25,6 +25,7 @@ def describe(batch):
     """What `info` prints, as one JSON-friendly dict (a NaN fill_value as the string "nan")."""
     import math
 
+    from segcli.errors import for_user
     from segcli.stats import census
 
     def field(f):
@@ -41,13 +42,15 @@ def describe(batch):
 
     fields = sorted(batch.fields.values(), key=lambda f: f.per != "atom")
     elements, strings = census(batch)
+    members = [{**m, "path": for_user(m["path"])} for m in batch.members] \
+        if batch.format == "multi" else None
     return {
-        "path": batch.path,
+        "path": for_user(batch.path),
         "format": batch.format,
         "structures": batch.n_structures,
         "atoms": int(batch.n_atoms.sum()),
-        "sources": batch.sources,
-        **({"members": batch.members} if batch.format == "multi" else {}),
+        "sources": [for_user(source) for source in batch.sources],
+        **({"members": members} if members else {}),
         "fields": {f.name: field(f) for f in fields},
         "conflicts": dict(batch.fields.conflicts),
         "results": batch.results,

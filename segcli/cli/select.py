@@ -19,13 +19,13 @@ from segcli.cli.common import (
 def _listed(path, n_structures):
     """The --structures-from mask, read from the file `path` or stdin (`-`)."""
     from segcli.errors import DataError
-    from segcli.io.core import standard_input
+    from segcli.io.core import open_for_reading, standard_input
     from segcli.select import listed_mask
 
     if path == "-":
         return listed_mask(standard_input().buffer, "stdin", n_structures)
     try:
-        with open(path, "rb") as lines:
+        with open_for_reading(path) as lines:
             return listed_mask(lines, path, n_structures)
     except OSError as err:
         raise DataError(f"{path}: cannot read ({err.strerror})") from err

@@ -9,7 +9,7 @@ and many files as one batch (a directory, a glob pattern, an @LIST: see open_inp
 import os
 
 from segcli.errors import DataError
-from segcli.io.core import Batch, Chunk, FieldInfo
+from segcli.io.core import Batch, Chunk, FieldInfo, check_readable
 from segcli.io.multi import Layout, MultiBatch, expand_inputs, open_inputs
 from segcli.io.writers import ResultWriter, convert
 
@@ -29,8 +29,7 @@ def open_batch(path, input_format=None, counts=None):
     from segcli.io.formats import detect, named
 
     path = os.fspath(path)
-    if not os.path.exists(path):
-        raise DataError(f"{path}: no such file")
+    check_readable(path)
     if os.path.isdir(path):
         raise DataError(f"{path}: is a directory, not a file")
     if not os.path.isfile(path):

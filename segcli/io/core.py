@@ -2,6 +2,7 @@
 
 import contextlib
 import ctypes
+import errno
 import functools
 import math
 import os
@@ -13,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from segcli.errors import DataError
+from segcli.errors import DataError, for_user
 
 FORMAT = "segcli-batch"
 VERSION = 1
@@ -49,8 +50,8 @@ def integral_numbers(numbers, where):
 
 def path_text(path):
     """A file's path as text that HDF5 stores (UTF-8): bytes of the name that are not UTF-8
-    as backslash escapes."""
-    return os.fsencode(path).decode("utf-8", "backslashreplace")
+    as backslash escapes, a stream's temporary copy by the stream's name (see for_user)."""
+    return os.fsencode(for_user(os.fsdecode(path))).decode("utf-8", "backslashreplace")
 
 
 def available_memory():
@@ -82,6 +83,55 @@ def standard_input():
     if sys.stdin is None:
         raise DataError("stdin: closed, nothing to read")
     return sys.stdin
+
+
+WRITER_WAIT_S = 5.0
+"""How long a FIFO read as input may wait for a process to open it for writing."""
+
+
+def open_for_reading(path):
+    """The file `path` opened for reading (binary), or OSError. A FIFO waits at most
+    WRITER_WAIT_S for a writer (DataError), never for ever."""
+    import select
+    import stat
+
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if stat.S_ISFIFO(os.fstat(fd).st_mode):
+            waiting = select.poll()
+            waiting.register(fd, select.POLLIN)
+            if not waiting.poll(WRITER_WAIT_S * 1000):
+                raise DataError(f"{path}: a FIFO that no process wrote to within "
+                                f"{WRITER_WAIT_S:g} s; start its writer first")
+        os.set_blocking(fd, True)
+        return open(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def check_readable(path):
+    """DataError naming why `path` cannot be read: it names no file (see missing), or this user
+    may not read it."""
+    if not os.path.exists(path):
+        raise DataError(f"{path}: {missing(path)}")
+    if not os.access(path, os.R_OK):
+        raise DataError(f"{path}: cannot read (Permission denied)")
+
+
+def missing(path):
+    """Why `path`, which names no file, names none: no such file, a symbolic link to a missing
+    file, too many levels of symbolic links (a loop), permission denied (a directory on its
+    way that cannot be searched), ..."""
+    try:
+        os.stat(path)
+    except OSError as err:
+        if err.errno != errno.ENOENT:
+            return err.strerror[:1].lower() + err.strerror[1:]
+        if os.path.islink(path):
+            return f"a symbolic link to {os.readlink(path)}, which does not exist"
+    return "no such file"
+
 
 class FieldInfo(NamedTuple):
     """A field: per "atom" or "structure", its trailing shape and dtype, and its units where
@@ -581,6 +631,14 @@ class Batch:
     def __exit__(self, *exc):
         self.close()
 
+    def unchanged(self, pieces):
+        """`pieces` read from the file, then DataError if it was replaced or written to since
+        it was opened (its stamp differs): what was read may mix two versions of it."""
+        yield from pieces
+        if self.stamp is not None and file_stamp(self.path) != self.stamp:
+            raise DataError(f"{self.path}: changed while this run read it (replaced or written "
+                            "to); run again once it stays as it is")
+
     def close(self):
         """Release the file."""
 
@@ -695,7 +753,8 @@ class Batch:
         if len(breaks):
             bounds = start + segment_runs(self.n_atoms[start:stop],
                                           np.asarray(breaks, np.int64) - start, chunk_atoms)
-        chunks = self._chunks(self._pieces(start, stop, list(read), chunk_atoms, into, bounds),
+        chunks = self._chunks(self.unchanged(self._pieces(start, stop, list(read), chunk_atoms,
+                                                          into, bounds)),
                               chunk_atoms, read, sources, bounds)
         if keep is None:
             yield from chunks
@@ -731,7 +790,7 @@ class Batch:
         results = [n for n in self.streamed_results if keep is None or keep(n)]
         if results:
             names = (list(self._stored) if names is None else names) + results
-        return rechunk(self._pieces(0, None, names, chunk_atoms), chunk_atoms)
+        return rechunk(self.unchanged(self._pieces(0, None, names, chunk_atoms)), chunk_atoms)
 
     @property
     def streamed_results(self):

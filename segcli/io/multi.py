@@ -14,7 +14,17 @@ from typing import NamedTuple
 import numpy as np
 
 from segcli.errors import DataError
-from segcli.io.core import Batch, Schema, file_stamp, fill_value, offsets_of, standard_input
+from segcli.io.core import (
+    Batch,
+    Schema,
+    check_readable,
+    file_stamp,
+    fill_value,
+    missing,
+    offsets_of,
+    open_for_reading,
+    standard_input,
+)
 
 
 class Layout(NamedTuple):
@@ -125,8 +135,8 @@ def _listed(spec):
         lines, directory = standard_input().read().splitlines(), ""
     else:
         try:
-            with open(where, encoding="utf-8") as listing:
-                lines = listing.read().splitlines()
+            with open_for_reading(where) as listing:
+                lines = listing.read().decode("utf-8").splitlines()
         except (OSError, UnicodeDecodeError) as err:
             reason = getattr(err, "strerror", None) or "not a text file"
             raise DataError(f"{where}: cannot read the list of files ({reason})") from err
@@ -147,12 +157,14 @@ def _directory(path, skipped=None):
         names = sorted(os.listdir(path))
     except OSError as err:
         raise DataError(f"{path}: cannot list the directory ({err.strerror})") from err
+    if not os.access(path, os.X_OK):  # its files cannot be reached
+        raise DataError(f"{path}: cannot list the directory (Permission denied)")
     members = []
     for name in names:
         member = os.path.join(path, name)
         if name.startswith(".") or not os.path.isfile(member):
             continue
-        _check_readable(member)
+        check_readable(member)
         if reads(member):
             members.append(member)
         elif skipped is not None:
@@ -162,21 +174,16 @@ def _directory(path, skipped=None):
     return members
 
 
-def _check_readable(path):
-    if not os.access(path, os.R_OK):
-        raise DataError(f"{path}: cannot read (permission denied)")
-
-
-def _spooled(source, name):
+def _spooled(source, name, shown):
     """The path of a temporary copy of binary stream `source`, at `name` (a relative or
     absolute path) under a new temporary directory that is removed at exit: what a stream as
-    FILE stands for, since readers need to seek; messages show `name` in it, and ASE sees its
-    file name."""
+    FILE stands for, since readers need to seek. Messages call the copy `shown` (see
+    segcli.errors.for_user), and ASE sees its file name."""
     import atexit
     import shutil
     import tempfile
 
-    from segcli.errors import hold_signals, release_signals
+    from segcli.errors import hold_signals, name_for_user, release_signals
 
     hold_signals()
     try:
@@ -186,8 +193,13 @@ def _spooled(source, name):
         release_signals()
     path = os.path.join(directory, name.lstrip(os.sep))
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "wb") as spool:
-        shutil.copyfileobj(source, spool, 1 << 20)
+    name_for_user(path, shown)
+    try:
+        with open(path, "wb") as spool:
+            shutil.copyfileobj(source, spool, 1 << 20)
+    except OSError as err:
+        raise DataError(f"{shown}: cannot copy it to a temporary file in {directory}, which a "
+                        f"stream is read through ({err.strerror}; TMPDIR chooses where)") from err
     return path
 
 
@@ -196,7 +208,7 @@ def _spooled_stdin():
     stands for. DataError for a terminal or nothing."""
     if standard_input().isatty():
         raise DataError("-: reads extxyz from stdin, which is a terminal (pipe a file into it)")
-    path = _spooled(standard_input().buffer, "stdin.extxyz")
+    path = _spooled(standard_input().buffer, "stdin.extxyz", "-")
     if not os.path.getsize(path):
         raise DataError("-: stdin holds no structure (it is empty)")
     return path
@@ -222,19 +234,21 @@ def is_stream(spec):
 
 
 def _seekable(path):
-    """`path`, or a temporary copy of it where it is a stream (see is_stream)."""
+    """`path`, or a temporary copy of it where it is a stream (see is_stream), read once."""
     if not is_stream(path):
         return path
     try:
-        stream = open(path, "rb")  # noqa: SIM115 (closed below)
+        stream = open_for_reading(path)
     except OSError:
         return path  # open_batch names what is wrong
     with stream:
-        return _spooled(stream, os.path.abspath(path))
+        return _spooled(stream, os.path.abspath(path), path)
 
 
 def _expand(spec, skipped):
     """The paths one FILE stands for (see expand_inputs)."""
+    if not spec:
+        raise DataError("'': an empty name names no file")
     if spec == "-":
         return [_spooled_stdin()]
     if os.path.isdir(spec):
@@ -248,13 +262,13 @@ def _expand(spec, skipped):
         if not paths:
             raise DataError(f"{spec}: no file matches the pattern")
     else:
-        raise DataError(f"{spec}: no such file")
+        raise DataError(f"{spec}: {missing(spec)}")
     out = []
     for path in paths:
         if os.path.isdir(path):
             out += _directory(path, skipped)
         elif not os.path.lexists(path):
-            raise DataError(f"{path}: no such file ({spec} names it)")
+            raise DataError(f"{path}: {missing(path)} ({spec} names it)")
         else:
             out.append(_seekable(path))
     return out
@@ -269,10 +283,12 @@ def expand_inputs(spec, skipped=None):
     A directory among a pattern's or list's paths stands for its files. DataError naming a
     member that is missing or unreadable, or a pattern, list or directory that names none."""
     specs = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
+    if sum(os.fspath(s) in ("-", "@-") for s in specs) > 1:
+        raise DataError("-: stdin is given more than once (as - or @-); it can be read once")
     paths = [path for s in specs for path in _expand(os.fspath(s), skipped)]
     if len(paths) > 1:
         for path in paths:
-            _check_readable(path)
+            check_readable(path)
     return paths
 
 
@@ -288,7 +304,8 @@ def open_inputs(spec, name=None, input_format=None):
     if len(paths) == 1:
         return open_batch(paths[0], input_format)
     if name is None:
-        name = os.fspath(spec) if isinstance(spec, (str, os.PathLike)) else ", ".join(spec)
+        name = os.fspath(spec) if isinstance(spec, (str, os.PathLike)) else \
+            ", ".join(map(os.fspath, spec))
     return MultiBatch.scan(paths, name, input_format)
 
 
@@ -304,6 +321,7 @@ class MultiBatch(Batch):
 
     def __init__(self, layout):
         super().__init__(layout.name)
+        self.stamp = None  # its files have theirs (see _pieces); `name` may be a directory's
         self._layout = layout
         counts = [len(n) for n in layout.n_atoms]
         self._first = offsets_of(counts)
@@ -378,10 +396,13 @@ class MultiBatch(Batch):
             batch = self._layout.open(member)
             self._open.append(batch)
             try:
+                if not np.array_equal(batch.n_atoms, self._layout.n_atoms[member]):
+                    raise DataError(f"{batch.path}: changed while this run read it (its "
+                                    "structures differ); run again once it stays as it is")
                 inside = None if bounds is None else np.unique(np.clip(bounds, lo, hi)) - first
-                for piece in batch._pieces(int(lo - first), int(hi - first),
-                                           [n for n in names if n in has], chunk_atoms, into,
-                                           inside):
+                for piece in batch.unchanged(batch._pieces(
+                        int(lo - first), int(hi - first), [n for n in names if n in has],
+                        chunk_atoms, into, inside)):
                     yield self._completed(member, piece, names)
             finally:
                 if batch in self._open:

@@ -5,6 +5,8 @@ import fnmatch
 import functools
 import re
 
+import numpy as np
+
 from segcli.errors import DataError
 from segcli.io.core import held
 
@@ -111,10 +113,26 @@ def to_ase(path, piece, units, left):
                     raise DataError(f"{path}: --to-ase-units turns '{name}' into '{new}', "
                                     f"which structure {piece.start} has already")
                 names[name] = new
-            converted[new] = values * factor if factor != 1 else values
+            converted[new] = _scaled(path, piece, name, values, factor) if factor != 1 \
+                else values
         out.append(converted)
     present = {names.get(n, n): mask for n, mask in piece.present.items()}
     return piece._replace(atoms=out[0], structures=out[1], present=present)
+
+
+def _scaled(path, piece, name, values, factor):
+    """`values` of field `name` (in `piece` of the file `path`) times `factor`; DataError naming
+    the first structure where a finite value becomes too large for its dtype."""
+    with np.errstate(over="ignore"):  # checked next
+        scaled = values * factor
+    overflow = np.isinf(scaled) & np.isfinite(values)
+    if overflow.any():
+        row = int(np.argmax(overflow.reshape(len(values), -1).any(axis=1)))
+        first = piece.structure_of(row) if name in piece.atoms else \
+            int(piece.structure_numbers[row])
+        raise DataError(f"{path}: field '{name}' of structure {first} holds a value too large "
+                        f"for {scaled.dtype} once converted by --to-ase-units (times {factor:g})")
+    return scaled
 
 
 def _in_ase_units(name, unit):

@@ -1,6 +1,7 @@
 """Writing segcli HDF5 files safely: a temporary file beside the target, renamed over it only
 when all went well, so that a failure or a kill leaves no partial output and an intact input."""
 
+import errno
 import fcntl
 import hashlib
 import os
@@ -41,7 +42,7 @@ def refuse_overwrite(path, force):
     `force` and it is a regular file (the only kind of file an output replaces)."""
     try:
         mode = os.stat(path).st_mode
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # the writer names where it cannot write
         return
     if not force:
         raise DataError(f"{path}: already exists; use --force to overwrite it")
@@ -253,15 +254,15 @@ def locked(path):
     while True:
         hold_signals()  # until the `try` that closes the file is entered
         try:
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
-        except OSError as err:
+            fd = _open_lock(path, lock)
+        except DataError:
             release_signals(pending=False)
-            raise DataError(f"{path}: cannot lock it for writing ({err.strerror})") from err
+            raise
         try:
             release_signals()
             fcntl.flock(fd, fcntl.LOCK_EX)
             with suppress(FileNotFoundError):
-                if os.fstat(fd).st_ino == os.stat(lock).st_ino:
+                if os.fstat(fd).st_ino == os.lstat(lock).st_ino:
                     break
         except BaseException:
             _abandon(fd, lock)
@@ -277,12 +278,34 @@ def locked(path):
         os.close(fd)
 
 
+def _open_lock(path, lock):
+    """The lock file `lock` of `path` opened (made if missing), never through a symbolic link
+    nor as anything but a regular file: one planted there is refused (DataError), not
+    followed."""
+    why = "cannot lock it for writing"
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     0o666)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise DataError(f"{path}: {why}: {lock} is a symbolic link, which segcli's lock "
+                            "file never is; remove it") from err
+        if os.path.lexists(lock):
+            raise DataError(f"{path}: {why} ({lock}: {err.strerror})") from err
+        raise DataError(f"{path}: cannot write there ({err.strerror})") from err
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise DataError(f"{path}: {why}: {lock} is not a regular file, which segcli's lock "
+                        "file always is; remove it")
+    return fd
+
+
 def _abandon(fd, lock):
     """Close the lock file `lock` (open as `fd`) that a waiter gives up, removing it if no
     other run holds it (so that a waiter interrupted after making it leaves nothing)."""
     with suppress(OSError):
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        if os.fstat(fd).st_ino == os.stat(lock).st_ino:
+        if os.fstat(fd).st_ino == os.lstat(lock).st_ino:
             os.unlink(lock)
     os.close(fd)
 
@@ -770,13 +793,14 @@ def _cast(path, index, name, array, dtype):
                             "value per row can be cast to str")
         return np.array([str(v) for v in array.tolist()], STRING)
     try:
-        cast = np.asarray(array.tolist() if array.dtype == STRING else array).astype(dtype)
+        with np.errstate(invalid="ignore", over="ignore"):  # NaN, inf, too large: compared next
+            cast = np.asarray(array.tolist() if array.dtype == STRING else array).astype(dtype)
         same = array.dtype == STRING or np.array_equal(cast, array, equal_nan=True)
     except (ValueError, TypeError, OverflowError):
         same = False
     if not same:
-        raise DataError(f"{path}: field '{name}' of structures from {index} cannot be cast to "
-                        f"{dtype} without changing its values")
+        raise DataError(f"{path}: --cast {name}={dtype}: field '{name}' of structures from "
+                        f"{index} cannot be cast to {dtype} without changing its values")
     return cast
 
 
@@ -841,18 +865,22 @@ class FieldChoice:
         return pieces
 
     def _renamed(self, path, piece):
-        rename, out = self._rename, []
-        for data in (piece.atoms, piece.structures):
-            names = [rename.get(k, k) for k in data]
-            if len(set(names)) < len(names):
-                new = next(n for n in names if names.count(n) > 1)
-                old = next(o for o, n in rename.items() if n == new)
-                raise DataError(f"{path}: --rename {old}={new}: structure {piece.start} has a "
-                                f"field '{new}' already")
-            out.append({n: _cast(path, piece.start, n, v, self._cast[n]) if n in self._cast
-                        else v for n, v in zip(names, data.values())})
+        rename = self._rename
+        fields = [*piece.atoms, *piece.structures]
+        names = [rename.get(k, k) for k in fields]
+        if len(set(names)) < len(names):  # per atom and per structure alike
+            new = next(n for n in names if names.count(n) > 1)
+            olds = [k for k in fields if k != new and rename.get(k) == new]
+            why = f"both name a field '{new}'" if len(olds) > 1 else \
+                f"structure {piece.start} has a field '{new}' already"
+            raise DataError(f"{path}: {' and '.join(f'--rename {o}={new}' for o in olds)}: "
+                            f"{why}")
+        atoms, structures = ({n: _cast(path, piece.start, n, v, self._cast[n])
+                              if n in self._cast else v
+                              for n, v in zip((rename.get(k, k) for k in data), data.values())}
+                             for data in (piece.atoms, piece.structures))
         present = {rename.get(k, k): v for k, v in piece.present.items()}
-        return piece._replace(atoms=out[0], structures=out[1], present=present)
+        return piece._replace(atoms=atoms, structures=structures, present=present)
 
     def renamed(self, attrs):
         """`attrs` (name -> attributes) with the names renamed."""
