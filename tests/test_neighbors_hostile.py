@@ -173,14 +173,16 @@ def test_results_of_close_cutoffs_have_names_of_their_own(tmp_path):
 @pytest.mark.parametrize(("frames", "cutoff", "needle"), [
     ([_atoms([[0, 0, 0], [1e292, 0, 0]], np.eye(3) * 1e300, True)], 5, None),
     ([_atoms([[0, 0, 0], [1e-150, 0, 0]])], 1e-149, None),
+    ([_atoms([[0, 0, 0], [3e-300, 4e-300, 0], [1, 1, 1]])], 3, None),
     ([_atoms([[-1.7e308, 0, 0], [1.7e308, 0, 0], [1, 0, 0], [1.5, 0, 0]])], 3, None),
     ([_atoms(np.zeros((2, 3)), np.eye(3) * 1e-300, True)], 3, "would visit inf periodic"),
     ([_atoms(np.random.default_rng(0).uniform(0, 20, (6000, 3)) * [0.0005, 1, 1],
              np.diag([0.01, 20, 20]), [True, False, False])], 3, "would visit about 5.4"),
 ])
 def test_extreme_cells_get_ase_answers_or_one_line(tmp_path, frames, cutoff, needle):
-    """A 1e300 Å cell, distances of 1e-150 Å, a span that overflows; a 1e-300 Å cell and a
-    thin cell of 6000 atoms that would take minutes are refused."""
+    """A 1e300 Å cell, distances of 1e-150 Å and of 5e-300 Å (whose square underflows: the
+    reference is hypot's), a span that overflows; a 1e-300 Å cell and a thin cell of 6000
+    atoms that would take minutes are refused."""
     path = write_frames(tmp_path / "b.h5", frames)
     result = run("neighbors", path, "--cutoff", cutoff, "--per-atom", "-o", tmp_path / "o.h5")
     if needle:
@@ -188,10 +190,11 @@ def test_extreme_cells_get_ase_answers_or_one_line(tmp_path, frames, cutoff, nee
         return
     assert result.exit_code == 0, result.output
     got = results(tmp_path / "o.h5")
-    i, _, d = neighbor_list("ijd", frames[0], cutoff)
+    i, vectors = neighbor_list("iD", frames[0], cutoff)
     assert got["n_pairs"][0] == len(i)
     np.testing.assert_array_equal(got["n_neighbors"], np.bincount(i, minlength=len(frames[0])))
-    assert got["min_distance"][0] == (d.min() if len(d) else np.inf)
+    nearest = np.hypot(np.hypot(vectors[:, 0], vectors[:, 1]), vectors[:, 2]).min(initial=np.inf)
+    assert got["min_distance"][0] == pytest.approx(nearest, rel=1e-15, abs=0)
 
 
 _ACROSS = [[1, 1, 1], [1e9 - 0.5, 1, 1], [2, 1, 1], [5e8, 5e8, 5e8]]

@@ -3036,7 +3036,12 @@ def _neighbors_kernel(
                     if same and q == p:
                         continue
                     # (x_j - x_i) + shift is exactly minus the pair j, i: ties are exact
-                    distance = wp.length((positions[q] - xi) + shift)
+                    v = (positions[q] - xi) + shift
+                    distance = wp.length(v)
+                    if distance < wp.float64(1e-150):  # its square may have underflowed
+                        scale = wp.max(wp.max(wp.abs(v[0]), wp.abs(v[1])), wp.abs(v[2]))
+                        if scale > wp.float64(0.0):
+                            distance = scale * wp.length(v / scale)
                     if distance < top:
                         for c in range(cutoffs.shape[0]):
                             if distance < cutoffs[c]:
