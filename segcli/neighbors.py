@@ -30,9 +30,11 @@ BINS_PER_CUTOFF = 1
 own. Two (5³ bins of width R/2, 2.7 times less volume) took as long on the CPU and 20 % longer
 on an H200 (benchmarks/RESULTS.md)."""
 
-MAX_IMAGES = 1_000_000
-"""The most bins (bins × periodic images) one atom may have to visit: a cell far thinner than
-the cutoff is refused rather than left to run for hours."""
+MAX_VISITS = 1_000_000
+"""The most bins (bins × periodic images) one atom may have to visit, and the most atoms (as
+many per bin as its structure has on average, at least one): a cell far thinner than the
+cutoff, or holding many atoms in a cell thinner than it, is refused rather than left to run
+for hours."""
 
 FAR_CELLS = 2.0**20
 """The most cell lengths an atom may lie outside its cell along a periodic axis: wrapping it
@@ -43,12 +45,6 @@ FAULTS = {1: "its positions are not finite",
           2: f"an atom lies more than {FAR_CELLS:.0f} cell lengths outside its periodic cell, "
              "too far to wrap it back precisely"}
 """What is wrong with a structure whose positions cannot be searched, by fault code."""
-
-MAX_VISITS = 2**31 - 1
-"""The most atoms the atoms of one structure may visit in all (as many as it has per bin, at
-least one, times the bins each visits): a cell thinner than the cutoff holding many atoms is
-refused rather than left to run for hours. It also bounds any atom's neighbours (at most its
-structure's atoms in each image it visits) below int32's range."""
 
 class Output(NamedTuple):
     """A statistic: per structure or per atom, its dtype, and whether it is one per cutoff."""
@@ -219,7 +215,7 @@ def grid(path, numbers, geometry, low, high, n_atoms, cutoff):
     vacuum costs nothing); one bin where the span is not finite. In floats until bounded, so
     that no structure's numbers overflow into another's bins.
     DataError for a cell so much thinner than the cutoff that each atom would visit more than
-    MAX_IMAGES bins, or its atoms more than MAX_VISITS atoms in all."""
+    MAX_VISITS bins or atoms."""
     periodic = geometry.periodic
     n_atoms = np.asarray(n_atoms, np.float64)
     most = np.maximum(1.0, n_atoms)
@@ -240,11 +236,12 @@ def grid(path, numbers, geometry, low, high, n_atoms, cutoff):
         reach = np.ceil(reach_of * bins / extent)
         reach = np.where(periodic, reach, np.minimum(bins - 1, np.nan_to_num(reach)))
         images = np.prod(2 * reach + 1, axis=1)
-        visits = n_atoms * images * np.maximum(1.0, n_atoms / bins.prod(axis=1))
-    for too_many, why in ((images > MAX_IMAGES, lambda s: f"{images[s]:.3g} periodic images "
-                           "of its bins for each atom"),
-                          (visits > MAX_VISITS, lambda s: f"about {visits[s]:.3g} atoms for "
-                           f"its {int(n_atoms[s])} atoms")):
+        visits = images * np.maximum(1.0, n_atoms / bins.prod(axis=1))
+    for too_many, why in (
+            (images > MAX_VISITS, lambda s: f"{images[s]:.3g} periodic images of its bins for "
+             "each atom"),
+            (visits > MAX_VISITS, lambda s: f"about {visits[s]:.3g} atoms for each of its "
+             f"{int(n_atoms[s])} atoms")):
         if too_many.any():
             s = int(np.argmax(too_many))
             raise DataError(f"{path}: structure {numbers[s]}: its cell is "
@@ -320,10 +317,9 @@ def _pairs_program(n_cutoffs, rows, segments, n_bins, histogram_bins):
             "neighbors", wrapped[order], order, jnp.where(real, ids, -1)[order],
             bin_xyz[order], bin_start.astype(jnp.int32), lattice, bins, reach,
             periodic.astype(jnp.int32), first_bin, offsets[:-1], cutoffs, scale,
-            jnp.zeros((rows, n_cutoffs), jnp.int32), jnp.zeros(rows, jnp.float64),
+            jnp.zeros((rows, n_cutoffs), jnp.int64), jnp.zeros(rows, jnp.float64),
             jnp.zeros(rows, jnp.int32), jnp.zeros(histogram_bins, jnp.int32),
             dims=rows, in_out=("counts", "nearest", "partner", "histogram"))
-        counts = counts.astype(jnp.int64)
         pairs = ops.segmented_sum(counts, idx, segments, indices_are_sorted=True)
         least = ops.segmented_min(nearest, idx, segments, indices_are_sorted=True)
         atom = jnp.arange(rows) - offsets[at]

@@ -2993,7 +2993,7 @@ def _neighbors_kernel(
     first_row: wp.array(dtype=wp.int32),
     cutoffs: wp.array(dtype=wp.float64),
     histogram_scale: wp.array(dtype=wp.float64),
-    counts: wp.array2d(dtype=wp.int32),
+    counts: wp.array2d(dtype=wp.int64),
     nearest: wp.array(dtype=wp.float64),
     partner: wp.array(dtype=wp.int32),
     histogram: wp.array(dtype=wp.int32),
@@ -3045,7 +3045,7 @@ def _neighbors_kernel(
                     if distance < top:
                         for c in range(cutoffs.shape[0]):
                             if distance < cutoffs[c]:
-                                counts[i, c] = counts[i, c] + 1
+                                counts[i, c] = counts[i, c] + wp.int64(1)
                         j = row[q] - first_row[s]
                         if distance < best or (distance == best and j < best_j):
                             best = distance
