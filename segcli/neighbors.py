@@ -154,7 +154,7 @@ def _basis(cells, periodic):
         out = basis[where]
         out[:, on] = cell[:, on]
         if len(on) == 2:
-            out[:, 3 - on.sum()] = _unit(np.cross(cell[:, on[0]], cell[:, on[1]]))
+            out[:, 3 - on.sum()] = _unit(np.cross(_unit(cell[:, on[0]]), _unit(cell[:, on[1]])))
         elif len(on) == 1:
             a = cell[:, on[0]]
             helper = np.eye(3)[np.argmin(np.abs(_unit(a)), axis=1)]
