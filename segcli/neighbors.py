@@ -30,9 +30,21 @@ BINS_PER_CUTOFF = 1
 own. Two (5³ bins of width R/2, 2.7 times less volume) took as long on the CPU and 20 % longer
 on an H200 (benchmarks/RESULTS.md)."""
 
-MAX_IMAGES = 1_000_000
-"""The most bins (bins × periodic images) one atom may have to visit: a cell far thinner than
-the cutoff is refused rather than left to run for hours."""
+MAX_VISITS = 1_000_000
+"""The most bins (bins × periodic images) one atom may have to visit, and the most atoms (as
+many per bin as its structure has on average, at least one): a cell far thinner than the
+cutoff, or holding many atoms in a cell thinner than it, is refused rather than left to run
+for hours."""
+
+FAR_CELLS = 2.0**20
+"""The most cell lengths an atom may lie outside its cell along a periodic axis: wrapping it
+back keeps its position to 2^-32 of the cell. Farther (10⁹ Å from a cell of a few Å), its
+wrapped position would be rounding noise, and the structure is refused."""
+
+FAULTS = {1: "its positions are not finite",
+          2: f"an atom lies more than {FAR_CELLS:.0f} cell lengths outside its periodic cell, "
+             "too far to wrap it back precisely"}
+"""What is wrong with a structure whose positions cannot be searched, by fault code."""
 
 class Output(NamedTuple):
     """A statistic: per structure or per atom, its dtype, and whether it is one per cutoff."""
@@ -53,26 +65,79 @@ OUTPUTS = {
 """Each statistic of a run (see compute); the nearest pair is over the largest cutoff."""
 
 
+MAX_CUTOFF = 1e6
+"""The largest cutoff in Å: far beyond any interaction, and whose grid stays countable."""
+
+MIN_CUTOFF = float(np.sqrt(np.finfo(np.float64).tiny))
+"""The smallest cutoff in Å: distances are compared through their squares, which must not
+underflow."""
+
+
+def cutoff_label(cutoff):
+    """The shortest text that reads back as exactly `cutoff` (Python's repr), without a
+    trailing ".0": 5, 2.5, 2.5000001, 1e-05. Distinct cutoffs have distinct labels."""
+    text = repr(float(cutoff))
+    return text[:-2] if text.endswith(".0") else text
+
+
+def cutoff_problem(cutoff):
+    """What is wrong with `cutoff` (Å) as a cutoff, or None."""
+    if np.isnan(cutoff):
+        return "is not a number"
+    if cutoff <= 0:
+        return "must be positive"
+    if np.isinf(cutoff) or cutoff > MAX_CUTOFF:
+        return f"is above the largest cutoff, {cutoff_label(MAX_CUTOFF)} Å"
+    if cutoff < MIN_CUTOFF:
+        return (f"is below the smallest cutoff, {MIN_CUTOFF:.3g} Å (the square of a "
+                "distance that small underflows)")
+    return None
+
+
+def checked_cutoffs(cutoffs):
+    """The `cutoffs` ascending as float64; ValueError naming the first that cutoff_problem
+    refuses, or one given twice."""
+    values = [float(c) for c in cutoffs]
+    if not values:
+        raise ValueError("no cutoff given")
+    for cutoff in values:
+        problem = cutoff_problem(cutoff)
+        if problem:
+            raise ValueError(f"cutoff {cutoff_label(cutoff)} {problem}")
+    twice = sorted({c for c in values if values.count(c) > 1})
+    if twice:
+        raise ValueError(f"cutoff {cutoff_label(twice[0])} is given twice (results of "
+                         "several cutoffs are named by each)")
+    return np.array(sorted(values), np.float64)
+
+
 def result_names(cutoffs, per_atom):
     """The results of a run: name -> (statistic (a key of OUTPUTS), per, dtype, the index of
     the cutoff it is of, or None for the nearest pair, taken over the largest cutoff). One
     cutoff: the names of OUTPUTS; several: n_pairs_R, mean_neighbors_R (and n_neighbors_R)
-    for each cutoff R."""
+    for each cutoff R (its cutoff_label)."""
     names = {}
     for base, (per, dtype, per_cutoff) in OUTPUTS.items():
         if per == "atom" and not per_atom:
             continue
         if per_cutoff:
             for k, cutoff in enumerate(cutoffs):
-                name = base if len(cutoffs) == 1 else f"{base}_{cutoff:g}"
+                name = base if len(cutoffs) == 1 else f"{base}_{cutoff_label(cutoff)}"
                 names[name] = (base, per, dtype, k)
         else:
             names[base] = (base, per, dtype, None)
     return names
 
 
+def _norm(v):
+    """The lengths of the rows of `v` (..., 3), without overflow or underflow in the squares."""
+    scale = np.abs(v).max(axis=-1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return scale * np.linalg.norm(v / scale[..., None], axis=-1)
+
+
 def _unit(v):
-    return v / np.linalg.norm(v, axis=-1, keepdims=True)
+    return v / _norm(v)[..., None]
 
 
 def _basis(cells, periodic):
@@ -89,7 +154,7 @@ def _basis(cells, periodic):
         out = basis[where]
         out[:, on] = cell[:, on]
         if len(on) == 2:
-            out[:, 3 - on.sum()] = _unit(np.cross(cell[:, on[0]], cell[:, on[1]]))
+            out[:, 3 - on.sum()] = _unit(np.cross(_unit(cell[:, on[0]]), _unit(cell[:, on[1]])))
         elif len(on) == 1:
             a = cell[:, on[0]]
             helper = np.eye(3)[np.argmin(np.abs(_unit(a)), axis=1)]
@@ -113,23 +178,24 @@ class Geometry(NamedTuple):
 def geometry(path, numbers, cells, pbc):
     """The Geometry of structures numbered `numbers` in the file `path` (as errors name them)
     with lattice vectors `cells` (S, 3, 3) (rows), periodic along `pbc` (S, 3) bool; DataError
-    for a cell singular along its periodic axes."""
+    for a cell that is not finite or singular along its periodic axes."""
     periodic = np.asarray(pbc, bool)
-    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):  # refused below
-        basis = _basis(np.asarray(cells, np.float64), periodic)
-        scaled = basis / np.abs(basis).max(axis=2, keepdims=True)  # no overflow in det
-        singular = ~(np.abs(np.linalg.det(scaled)) >
-                     1e-9 * np.linalg.norm(scaled, axis=2).prod(axis=1))
+    cells = np.asarray(cells, np.float64)
     infinite = ~np.isfinite(np.where(periodic[:, :, None], cells, 0.0)).all(axis=(1, 2))
-    if (singular | infinite).any():
-        s = int(np.argmax(singular | infinite))
-        why = "is not finite" if infinite[s] else "is singular along its periodic axes"
-        raise DataError(f"{path}: structure {numbers[s]}: its cell {why} (pbc "
-                        f"{periodic[s].tolist()}, cell {np.asarray(cells[s]).tolist()})")
+    if infinite.any():
+        s = int(np.argmax(infinite))
+        raise DataError(f"{path}: structure {numbers[s]}: its cell is not finite along its "
+                        f"periodic axes (pbc {periodic[s].tolist()}, cell {cells[s].tolist()})")
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):  # refused below
+        basis = _basis(cells, periodic)
+        # the volume of the basis' unit vectors: independent of the cell's scale
+        singular = ~(np.abs(np.linalg.det(_unit(basis))) > 1e-9)
+    if singular.any():
+        s = int(np.argmax(singular))
+        raise DataError(f"{path}: structure {numbers[s]}: its cell is singular along its "
+                        f"periodic axes (pbc {periodic[s].tolist()}, cell {cells[s].tolist()})")
     inverse = np.linalg.inv(basis)
-    most = np.abs(inverse).max(axis=1)  # the norm scaled, not underflowing for a huge cell
-    return Geometry(basis, inverse, 1 / (most * np.linalg.norm(inverse / most[:, None], axis=1)),
-                    periodic)
+    return Geometry(basis, inverse, 1 / _norm(inverse.transpose(0, 2, 1)), periodic)
 
 
 class Grid(NamedTuple):
@@ -146,34 +212,43 @@ def grid(path, numbers, geometry, low, high, n_atoms, cutoff):
     """The Grid of structures (see `geometry`) whose atoms span fractional coordinates
     [low, high] (S, 3) along their non-periodic axes, for pairs closer than `cutoff`: bins at
     least a BINS_PER_CUTOFF-th of the cutoff wide (at most one per atom, so that a cell of
-    vacuum costs nothing);
+    vacuum costs nothing); one bin where the span is not finite. In floats until bounded, so
+    that no structure's numbers overflow into another's bins.
     DataError for a cell so much thinner than the cutoff that each atom would visit more than
-    MAX_IMAGES bins."""
+    MAX_VISITS bins or atoms."""
     periodic = geometry.periodic
-    span = np.where(periodic, 1.0, np.maximum(high - low, 0.0))
-    extent = span * geometry.spacing
-    reach_of = cutoff * (1 + SLACK)
-    most = np.maximum(1, n_atoms)
-    bins = np.clip(np.floor(extent * BINS_PER_CUTOFF / reach_of), 1,  # never more than atoms
-                   most[:, None]).astype(np.int64)
-    for _ in range(64):
+    n_atoms = np.asarray(n_atoms, np.float64)
+    most = np.maximum(1.0, n_atoms)
+    with np.errstate(invalid="ignore", over="ignore"):
+        span = np.where(periodic, 1.0, np.maximum(high - low, 0.0))
+        extent = span * geometry.spacing
+        reach_of = cutoff * (1 + SLACK)
+        # one bin where the span is not finite (it overflows, or a position is not)
+        bins = np.where(np.isfinite(extent), np.minimum(np.maximum(
+            1.0, np.floor(extent * BINS_PER_CUTOFF / reach_of)), most[:, None]), 1.0)
+    over = bins.prod(axis=1) > most
+    while over.any():  # at most 3 log2(most) rounds: each halves an axis
+        largest = np.argmax(bins[over], axis=1)
+        rows = np.flatnonzero(over)
+        bins[rows, largest] = np.maximum(1.0, np.floor(bins[rows, largest] / 2))
         over = bins.prod(axis=1) > most
-        if not over.any():
-            break
-        largest = np.argmax(bins, axis=1)
-        bins[over, largest[over]] = np.maximum(1, bins[over, largest[over]] // 2)
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         reach = np.ceil(reach_of * bins / extent)
-    reach = np.where(periodic, reach, np.minimum(bins - 1, np.nan_to_num(reach)))
-    with np.errstate(over="ignore"):  # inf for a cell 1e-200 thin: refused next
+        reach = np.where(periodic, reach, np.minimum(bins - 1, np.nan_to_num(reach)))
         images = np.prod(2 * reach + 1, axis=1)
-    if (images > MAX_IMAGES).any():
-        s = int(np.argmax(images))
-        raise DataError(f"{path}: structure {numbers[s]}: its cell is {extent[s].min():.3g} Å "
-                        f"thin, and a cutoff of {cutoff:g} Å would visit {images[s]:.6g} "
-                        f"periodic images of its bins for each atom")
+        visits = images * np.maximum(1.0, n_atoms / bins.prod(axis=1))
+    for too_many, why in (
+            (images > MAX_VISITS, lambda s: f"{images[s]:.3g} periodic images of its bins for "
+             "each atom"),
+            (visits > MAX_VISITS, lambda s: f"about {visits[s]:.3g} atoms for each of its "
+             f"{int(n_atoms[s])} atoms")):
+        if too_many.any():
+            s = int(np.argmax(too_many))
+            raise DataError(f"{path}: structure {numbers[s]}: its cell is "
+                            f"{extent[s].min():.3g} Å thin, and a cutoff of "
+                            f"{cutoff_label(cutoff)} Å would visit {why(s)}")
     first_bin = np.zeros(len(bins) + 1, np.int64)
-    np.cumsum(bins.prod(axis=1), out=first_bin[1:])
+    np.cumsum(bins.prod(axis=1).astype(np.int64), out=first_bin[1:])
     if first_bin[-1] >= 2**31 - 1:
         raise DataError(f"{path}: structures {numbers[0]}..{numbers[-1]} need "
                         f"{first_bin[-1]} bins; use a smaller --chunk-atoms")
@@ -185,7 +260,8 @@ def grid(path, numbers, geometry, low, high, n_atoms, cutoff):
 def _fractional_program(rows, segments):
     """A jitted function of a padded chunk (positions, offsets, basis, inverse, periodic) ->
     (positions wrapped into the cell along periodic axes, their fractional coordinates in the
-    basis, each structure's smallest and largest fractional coordinates)."""
+    basis, each structure's smallest and largest fractional coordinates before the wrap, and
+    its fault (see FAULTS))."""
     import jax
     import jax.numpy as jnp
 
@@ -195,12 +271,15 @@ def _fractional_program(rows, segments):
         idx = ops.segments_of_offsets(offsets, rows)
         at = jnp.minimum(idx.ids, segments - 1)
         fractional = jnp.einsum("ni,nij->nj", positions, inverse[at])
+        low = ops.segmented_min(fractional, idx, segments, indices_are_sorted=True)
+        high = ops.segmented_max(fractional, idx, segments, indices_are_sorted=True)
+        has_atoms = offsets[1:] > offsets[:-1]
+        finite = (jnp.isfinite(low) & jnp.isfinite(high)).all(axis=1)
+        far = (periodic & (jnp.maximum(-low, high) > FAR_CELLS)).any(axis=1)
+        fault = jnp.where(has_atoms & ~finite, 1, jnp.where(has_atoms & far, 2, 0))
         image = jnp.where(periodic[at], jnp.floor(fractional), 0.0)
         wrapped = positions - jnp.einsum("ni,nij->nj", image, basis[at])
-        fractional = fractional - image
-        return (wrapped, fractional,
-                ops.segmented_min(fractional, idx, segments, indices_are_sorted=True),
-                ops.segmented_max(fractional, idx, segments, indices_are_sorted=True))
+        return wrapped, fractional - image, low, high, fault.astype(jnp.int32)
 
     return jax.jit(program)
 
@@ -227,7 +306,8 @@ def _pairs_program(n_cutoffs, rows, segments, n_bins, histogram_bins):
         span = jnp.where(high > low, high - low, 1.0)
         scaled = (fractional - jnp.where(periodic, 0.0, low)[at]) / jnp.where(
             periodic, 1.0, span)[at] * bins[at]
-        bin_xyz = jnp.clip(jnp.floor(scaled), 0, bins[at] - 1).astype(jnp.int32)
+        # NaN where a span overflows (one bin there, see grid) or a position is not finite
+        bin_xyz = jnp.clip(jnp.floor(jnp.nan_to_num(scaled)), 0, bins[at] - 1).astype(jnp.int32)
         key = first_bin[at] + (bin_xyz[:, 0] * bins[at, 1] + bin_xyz[:, 1]) * bins[at, 2] \
             + bin_xyz[:, 2]
         key = jnp.where(real, key, n_bins)
@@ -237,10 +317,9 @@ def _pairs_program(n_cutoffs, rows, segments, n_bins, histogram_bins):
             "neighbors", wrapped[order], order, jnp.where(real, ids, -1)[order],
             bin_xyz[order], bin_start.astype(jnp.int32), lattice, bins, reach,
             periodic.astype(jnp.int32), first_bin, offsets[:-1], cutoffs, scale,
-            jnp.zeros((rows, n_cutoffs), jnp.int32), jnp.zeros(rows, jnp.float64),
+            jnp.zeros((rows, n_cutoffs), jnp.int64), jnp.zeros(rows, jnp.float64),
             jnp.zeros(rows, jnp.int32), jnp.zeros(histogram_bins, jnp.int32),
             dims=rows, in_out=("counts", "nearest", "partner", "histogram"))
-        counts = counts.astype(jnp.int64)
         pairs = ops.segmented_sum(counts, idx, segments, indices_are_sorted=True)
         least = ops.segmented_min(nearest, idx, segments, indices_are_sorted=True)
         atom = jnp.arange(rows) - offsets[at]
@@ -324,11 +403,12 @@ def compute(prepared, cutoffs, device, histogram_bins=0, per_atom=True):
     structure n_pairs and mean_neighbors (S, K), min_distance, min_pair_i, min_pair_j (S,);
     with `per_atom`,
     per atom n_neighbors (N, K); for the chunk max_neighbors (K,) and the histogram of pair
-    distances below the largest cutoff (histogram_bins,)."""
+    distances below the largest cutoff (histogram_bins,); per structure its fault (0 if none,
+    else a key of FAULTS), whose rows are NaN and whose atoms count nowhere."""
     import jax
 
+    from segcli import engine
     from segcli._jax import enable_x64
-    from segcli.engine import bucket
 
     p = prepared
     s, n = len(p.n_atoms), int(p.n_atoms.sum())
@@ -339,7 +419,7 @@ def compute(prepared, cutoffs, device, histogram_bins=0, per_atom=True):
         positions, offsets, basis, inverse, periodic = jax.device_put(
             (p.positions, p.offsets, p.geometry.basis, p.geometry.inverse,
              p.geometry.periodic), device)
-        wrapped, fractional, low, high = _fractional_program(rows, segments)(
+        wrapped, fractional, low, high, fault = _fractional_program(rows, segments)(
             positions, offsets, basis, inverse, periodic)
         # the grid needs the atoms' span only along non-periodic axes: no round trip for
         # chunks of periodic cells
@@ -347,16 +427,19 @@ def compute(prepared, cutoffs, device, histogram_bins=0, per_atom=True):
                  else (np.zeros((s, 3)), np.ones((s, 3))))
         cells = grid(p.path, p.numbers, Geometry(*(a[:s] for a in p.geometry)), *spans,
                      p.n_atoms, float(cutoffs[-1]))
-        n_bins = bucket(cells.n_bins)
+        n_bins = engine.bucket(cells.n_bins)
         lattice = np.where(p.geometry.periodic[:, :, None], p.geometry.basis, 0.0)
         program = _pairs_program(len(cutoffs), rows, segments, n_bins, max(1, histogram_bins))
         present, *grid_arrays = jax.device_put(
             (p.present, _pad(cells.bins, segments, 1), _pad(cells.reach, segments), periodic,
              _pad(cells.first_bin, segments), lattice, cutoffs, scale), device)
-        out = program(wrapped, fractional, offsets, present, low, high, *grid_arrays)
+        # a faulty structure's atoms are in no bin: no other structure's answer can change
+        out = program(wrapped, fractional, offsets, present & (fault == 0), low, high,
+                      *grid_arrays)
         pairs, least, first_i, first_j, counts, most, histogram = out
         statistics = {"n_pairs": pairs, "min_distance": least, "min_pair_i": first_i,
-                      "min_pair_j": first_j, "max_neighbors": most, "histogram": histogram}
+                      "min_pair_j": first_j, "max_neighbors": most, "histogram": histogram,
+                      "fault": fault}
         if per_atom:
             statistics["n_neighbors"] = counts
         statistics = {name: np.asarray(a) for name, a in statistics.items()}
@@ -365,7 +448,9 @@ def compute(prepared, cutoffs, device, histogram_bins=0, per_atom=True):
     statistics["histogram"] = statistics["histogram"].astype(np.int64)
     with np.errstate(divide="ignore", invalid="ignore"):  # NaN for a structure without atoms
         statistics["mean_neighbors"] = statistics["n_pairs"] / p.n_atoms[:, None].astype(float)
-    return statistics
+    fine = statistics["fault"] == 0
+    return statistics if fine.all() else engine.blanked(
+        statistics, {name: o.per for name, o in OUTPUTS.items()}, fine, p.n_atoms)
 
 
 def lattices(chunk, length_factor=1.0):
@@ -392,11 +477,12 @@ def run(batch, cutoffs, device, *, chunk_atoms=1 << 21, structures=slice(None), 
     marks, if given): see `compute`, for the ascending `cutoffs` in Å; the next chunk read (in
     place, into reused host buffers, pinned for a GPU) and prepared in a background thread
     while this one is computed on `device`. Positions stated in other units (bohr, nm) are
-    converted; DataError for positions holding NaN."""
+    converted; DataError for positions holding NaN, or a structure with a fault (see
+    compute); ValueError for cutoffs that checked_cutoffs refuses."""
     from segcli import engine
     from segcli.io import units
 
-    cutoffs = np.asarray(cutoffs, np.float64)
+    cutoffs = checked_cutoffs(cutoffs)
     fields = batch.fields
     names = ["positions"] + [n for n in ("cell", "pbc") if n in fields]
     unit = batch.units.get("positions")
@@ -419,10 +505,20 @@ def run(batch, cutoffs, device, *, chunk_atoms=1 << 21, structures=slice(None), 
         with contextlib.closing(items):
             for chunk, ready in items:
                 statistics = compute(ready, cutoffs, device, histogram_bins, per_atom)
+                refuse_faults(batch.path, chunk, statistics.pop("fault"))
                 have = chunk.present.get("positions")  # none: NaN rows, not in the Summary
                 yield chunk, statistics if have is None else engine.blanked(
                     statistics, {name: o.per for name, o in OUTPUTS.items()}, have,
                     chunk.n_atoms)
+
+
+def refuse_faults(path, chunk, fault):
+    """DataError naming the first structure of `chunk` (of the file `path`) with a fault (see
+    compute), and what it is."""
+    if fault.any():
+        s = int(np.flatnonzero(fault)[0])
+        raise DataError(f"{path}: structure {chunk.structure_numbers[s]}: "
+                        f"{FAULTS[int(fault[s])]}")
 
 
 class Summary:

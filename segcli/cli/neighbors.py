@@ -49,15 +49,17 @@ def _results(cutoffs, per_atom, table, partial):
 
 def _summary_lines(summary, file):
     """A neighbors.Summary as lines of text."""
+    from segcli.neighbors import cutoff_label
+
     values = summary.as_dict()
     lines = []
     for cutoff, pairs, mean, most in zip(values["cutoffs"], values["pairs"],
                                          values["mean_neighbors"], values["max_neighbors"]):
         per_atom = "no atoms" if mean is None else f"{mean:.6g} per atom on average"
-        lines.append(f"{file}: within {cutoff:g} Å, {pairs} ordered pairs over "
+        lines.append(f"{file}: within {cutoff_label(cutoff)} Å, {pairs} ordered pairs over "
                      f"{values['atoms']} atoms: {per_atom}, at most {most}")
     if values["min_pair"] is None:
-        lines.append(f"{file}: no pair within {values['cutoffs'][-1]:g} Å")
+        lines.append(f"{file}: no pair within {cutoff_label(values['cutoffs'][-1])} Å")
     else:
         pair = values["min_pair"]
         lines.append(f"{file}: nearest pair {values['min_distance']:.6g} Å, atoms "
@@ -87,13 +89,24 @@ def _runner(cutoffs, names, summary, histogram_bins):
     return run
 
 
+def _checked_cutoffs(ctx, param, cutoffs):
+    """The --cutoff values ascending (see neighbors.checked_cutoffs), or a usage error."""
+    from segcli.neighbors import checked_cutoffs
+
+    try:
+        return checked_cutoffs(cutoffs).tolist()
+    except ValueError as err:
+        raise click.BadParameter(str(err), ctx, param) from None
+
+
 @click.command(short_help="Neighbour statistics at cutoffs, per structure.")
 @click.argument("file")
 @common.input_format_option("--input-format")
-@click.option("--cutoff", "cutoffs", multiple=True, required=True, metavar="R",
-              type=click.FloatRange(min=0, min_open=True, max=1e6),
-              help="Distance in Å below which two atoms are neighbours; repeat it for several "
-                   "cutoffs (results then named NAME_R: n_pairs_5, mean_neighbors_4.5).")
+@click.option("--cutoff", "cutoffs", multiple=True, required=True, metavar="R", type=float,
+              callback=_checked_cutoffs,
+              help="Distance in Å below which two atoms are neighbours (at most 1e6); repeat "
+                   "it for several cutoffs (results then named NAME_R, R as exactly as it "
+                   "reads back: n_pairs_5, mean_neighbors_4.5).")
 @click.option("--per-atom", is_flag=True,
               help="Also each atom's number of neighbours (n_neighbors): alone on stdout, "
                    "beside the per-structure results with -o OUT.h5 or --in-place.")
@@ -131,7 +144,6 @@ def neighbors(file, cutoffs, per_atom, histogram_bins, output, in_place, fmt, fo
 
     from segcli.neighbors import Summary
 
-    cutoffs = sorted(set(cutoffs))
     histogram_bins = histogram_bins or 0
     check_output_usage(output, in_place, fmt, structures)
     paths = common.input_paths(file, in_place)

@@ -548,20 +548,27 @@ def derive(path, name, chunk):
     try:
         return scaled_positions(atoms["positions"], chunk.structures["cell"], chunk.n_atoms)
     except np.linalg.LinAlgError as err:
-        last = chunk.start + len(chunk.n_atoms) - 1
-        raise DataError(f"{path}: structures {chunk.start} to {last}: a cell that cannot be "
-                        f"inverted ({err}): scaled_positions need cells of finite, independent "
-                        "vectors") from None
+        numbers = chunk.structure_numbers
+        s = int(np.argmax(np.linalg.slogdet(_completed(chunk.structures["cell"]))[0] == 0))
+        raise DataError(f"{path}: structures {numbers[0]} to {numbers[-1]}: a cell that cannot "
+                        f"be inverted (structure {numbers[s]}'s: {err}): scaled_positions need "
+                        "cells of finite, independent vectors") from None
 
 
-def scaled_positions(positions, cells, n_atoms):
-    """Positions in the basis of each structure's cell (zero cell vectors completed as ASE does);
-    structures of equal size are solved together."""
+def _completed(cells):
+    """The cells (S, 3, 3) as float64, zero cell vectors completed as ASE does."""
     from ase.geometry.cell import complete_cell
 
     cells = np.array(cells, dtype=np.float64)
     for s in np.flatnonzero((~cells.any(axis=2)).any(axis=1)):
         cells[s] = complete_cell(cells[s])
+    return cells
+
+
+def scaled_positions(positions, cells, n_atoms):
+    """Positions in the basis of each structure's cell (zero cell vectors completed as ASE does);
+    structures of equal size are solved together."""
+    cells = _completed(cells)
     offsets = offsets_of(n_atoms)
     out = np.empty(positions.shape, np.float64)
     for n in np.unique(n_atoms):

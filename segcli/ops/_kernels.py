@@ -2993,7 +2993,7 @@ def _neighbors_kernel(
     first_row: wp.array(dtype=wp.int32),
     cutoffs: wp.array(dtype=wp.float64),
     histogram_scale: wp.array(dtype=wp.float64),
-    counts: wp.array2d(dtype=wp.int32),
+    counts: wp.array2d(dtype=wp.int64),
     nearest: wp.array(dtype=wp.float64),
     partner: wp.array(dtype=wp.int32),
     histogram: wp.array(dtype=wp.int32),
@@ -3036,11 +3036,16 @@ def _neighbors_kernel(
                     if same and q == p:
                         continue
                     # (x_j - x_i) + shift is exactly minus the pair j, i: ties are exact
-                    distance = wp.length((positions[q] - xi) + shift)
+                    v = (positions[q] - xi) + shift
+                    distance = wp.length(v)
+                    if distance < wp.float64(1e-150):  # its square may have underflowed
+                        scale = wp.max(wp.max(wp.abs(v[0]), wp.abs(v[1])), wp.abs(v[2]))
+                        if scale > wp.float64(0.0):
+                            distance = scale * wp.length(v / scale)
                     if distance < top:
                         for c in range(cutoffs.shape[0]):
                             if distance < cutoffs[c]:
-                                counts[i, c] = counts[i, c] + 1
+                                counts[i, c] = counts[i, c] + wp.int64(1)
                         j = row[q] - first_row[s]
                         if distance < best or (distance == best and j < best_j):
                             best = distance
