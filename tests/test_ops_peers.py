@@ -187,3 +187,25 @@ def test_peer_cases_of_empty_segments_dropped_ids_and_integers(code_paths):
     value, grad = jax.value_and_grad(lambda v: jnp.sum(ops.segmented_sum(v, np.array([2, 3]), 2)))(
         np.zeros(2, np.float32))
     assert float(value) == 0 and np.all(np.asarray(grad) == 0)
+
+
+def test_unsigned_32_bit_integers_with_and_without_x64(code_paths):
+    """uint32 above 2³¹ (JAX's segment tests draw them): max and min in uint32's own order,
+    empty segments 0 and 2³² - 1, sums wrapping as uint32's do, with JAX's 64-bit mode on and
+    off (where no int64 can hold them)."""
+    x = np.array([3_000_000_000, 5, 7, 0, 2**32 - 1, 2**31], np.uint32)
+    idx = np.array([0, 0, 1, 3, 3, 3])
+    top = 2**32 - 1
+    expected = {ops.segmented_max: [3_000_000_000, 7, 0, top],
+                ops.segmented_min: [5, 7, top, 0],
+                ops.segmented_sum: [3_000_000_005, 7, 0, (top + 2**31) % 2**32]}
+    try:
+        for x64 in (False, True):
+            jax.config.update("jax_enable_x64", x64)
+            for op, values in expected.items():
+                for promised in (False, True):
+                    got = op(x, idx, 4, indices_are_sorted=promised)
+                    assert got.dtype == np.uint32
+                    np.testing.assert_array_equal(np.asarray(got), values)
+    finally:
+        jax.config.update("jax_enable_x64", True)

@@ -140,7 +140,10 @@ def _floats(name, x, rows=None, integers=False):
     if integers and jnp.issubdtype(x.dtype, jnp.integer) and x.dtype != jnp.uint64:
         if x.ndim == 0:
             raise ValueError(f"{name} must have a leading axis of rows, got a scalar")
-        return x.astype(_WIDENED.get(x.dtype.name, x.dtype)), x.dtype
+        wide = _WIDENED.get(x.dtype.name, x.dtype)
+        if wide == jnp.int64 and not jax.config.jax_enable_x64:  # int32 wraps as uint32 would
+            return jax.lax.bitcast_convert_type(x, jnp.int32), x.dtype
+        return x.astype(wide), x.dtype
     if not jnp.issubdtype(x.dtype, jnp.floating):
         allowed = ("real floating-point or int8..int64/uint8..uint32 or bool" if integers
                    else "real floating-point")
@@ -542,7 +545,14 @@ def _extreme_values(kind, rows, seg, params, dtype):
     return jnp.where(first == rows.shape[0], _lowest(dtype, kind), taken)
 
 
+_SIGN_BIT = np.uint32(2**31)
+
+
 def _extreme(kind, x, idx, num_segments, indices_are_sorted):
+    if x.dtype == jnp.uint32:  # ordered as int32 with the sign bit flipped (no int64 needed)
+        flipped = jax.lax.bitcast_convert_type(x ^ _SIGN_BIT, jnp.int32)
+        out = _extreme(kind, flipped, idx, num_segments, indices_are_sorted)
+        return jax.lax.bitcast_convert_type(out, jnp.uint32) ^ _SIGN_BIT
     x, seg, m, dtype = _common("x", x, idx, num_segments, integers=True)
     out = _extreme_values(kind, _rows(x), seg, _params(m, indices_are_sorted), dtype)
     return out.reshape(m, *x.shape[1:]).astype(dtype)
