@@ -319,7 +319,7 @@ def _segment_reduction(term, rows=None, mean=False, ordered_path=True):
                     for i in range(lo, hi):
                         acc += term(a, b, out, i, t, p)
                     if wp.static(mean):
-                        acc = _mean_of_sum(a, b, out, lo, hi, p, acc)
+                        acc = _mean_of_sum(a, out, lo, hi, p, acc)
                 out[t, p] = acc
         elif t < stride:
             for i in range(t, idx.shape[0], stride):
@@ -331,8 +331,8 @@ def _segment_reduction(term, rows=None, mean=False, ordered_path=True):
 
 
 @wp.func
-def _mean_of_sum(a: wp.array2d(dtype=Any), b: wp.array2d(dtype=Any), out: wp.array2d(dtype=Any),
-                 lo: int, hi: int, p: int, total: Any):
+def _mean_of_sum(a: wp.array2d(dtype=Any), out: wp.array2d(dtype=Any), lo: int, hi: int, p: int,
+                 total: Any):
     # the mean of a[lo:hi, p] from its plain sum `total`: total / count where finite, else
     # Σ a · (1/count), no partial sum of which overflows
     count = out.dtype(wp.max(hi - lo, 1))
