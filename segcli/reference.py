@@ -220,5 +220,6 @@ def segmented_softmax(x, idx, num_segments, *, indices_are_sorted=False):
 def segmented_bincount(labels, idx, num_segments, length, *, indices_are_sorted=False):
     """How many rows of each segment have each label in [0, length), (M, length) int32; other
     labels are dropped."""
-    one_hot = (labels.reshape(-1, 1) == jnp.arange(length)).astype(jnp.int32)
+    one_hot = (labels.reshape(-1, 1) == jnp.arange(length, dtype=labels.dtype)[None]).astype(
+        jnp.int32)
     return jax.ops.segment_sum(one_hot, idx, num_segments, indices_are_sorted=indices_are_sorted)

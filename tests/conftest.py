@@ -143,6 +143,16 @@ def x64():
     jax.config.update("jax_enable_x64", previous)
 
 
+@pytest.fixture
+def strict_numpy():
+    """JAX's strict NumPy rules for the test, as JAX's own tests set them: no implicit rank
+    promotion (broadcasting (M, G) with (G,) raises) and no implicit dtype promotion."""
+    import jax
+
+    with jax.numpy_rank_promotion("raise"), jax.numpy_dtype_promotion("strict"):
+        yield
+
+
 @pytest.fixture(scope="module")
 def dask_cluster():
     """A Dask LocalCluster of 2 single-threaded worker processes, shared by a module's tests

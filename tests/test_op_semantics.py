@@ -10,7 +10,7 @@ from segcli import ops
 from segcli.ops import _primitives
 from segcli.registry import OPS
 
-pytestmark = pytest.mark.usefixtures("x64")
+pytestmark = pytest.mark.usefixtures("x64", "strict_numpy")
 
 
 def _ids(request):

@@ -17,7 +17,7 @@ from segcli import cache_directory, ops, reference
 from segcli.ops import _kernels, _primitives
 from segcli.registry import OPS
 
-pytestmark = pytest.mark.usefixtures("x64")
+pytestmark = pytest.mark.usefixtures("x64", "strict_numpy")
 
 
 NAMES = [name for name, op in OPS.items() if op.differentiable]

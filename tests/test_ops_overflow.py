@@ -11,7 +11,7 @@ import pytest
 from segcli import ops, reference
 from segcli.ops import _primitives
 
-pytestmark = pytest.mark.usefixtures("x64")
+pytestmark = pytest.mark.usefixtures("x64", "strict_numpy")
 
 LONG = np.longdouble
 OPS = {

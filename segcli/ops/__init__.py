@@ -17,8 +17,11 @@ Semantics shared by all functions:
   reduced in a fixed order, so results are bitwise repeatable; other ids use atomics.
 * float32 and float64 compute natively; float16 and bfloat16 accumulate in float32 and are
   returned in their own dtype.
-* Empty segments give 0. `segmented_rms_norm` and `segmented_max_norm` have gradient 0 where
-  the norm is 0, and `segmented_max_norm` sends its gradient to the first row attaining the max.
+* An empty segment gives 0 in sum, mean, dot, var, std, rms_norm, max_norm, count and
+  bincount; -inf in max and logsumexp and +inf in min (for integers: their dtype's smallest
+  and largest values), as ``jax.ops.segment_max``/``segment_min`` give.
+* `segmented_rms_norm` and `segmented_max_norm` have gradient 0 where the norm is 0, and
+  `segmented_max_norm` sends its gradient to the first row attaining the max.
 * `segmented_mean`, `segmented_rms_norm` and `segmented_max_norm` are finite wherever their
   exact values are, up to the float max (no sum or square on the way overflows), and so are
   their derivatives.
@@ -128,14 +131,21 @@ _WIDENED = {"int8": jnp.int32, "int16": jnp.int32, "uint8": jnp.int32, "uint16":
 
 
 def _floats(name, x, rows=None, integers=False):
-    """x as an array computed in float32/float64 (or, with `integers`, int32/int64), and the
-    dtype to return."""
+    """x as an array computed in float32/float64 (or, with `integers`, int32/int64: booleans
+    as 0 and 1, so that their sum and max are `any` and their min `all` once cast back), and
+    the dtype to return."""
+    if integers and x.dtype == jnp.bool_:
+        x = x.astype(jnp.int32)
+        return _floats(name, x, rows, integers)[0], jnp.dtype(jnp.bool_)
     if integers and jnp.issubdtype(x.dtype, jnp.integer) and x.dtype != jnp.uint64:
         if x.ndim == 0:
             raise ValueError(f"{name} must have a leading axis of rows, got a scalar")
-        return x.astype(_WIDENED.get(x.dtype.name, x.dtype)), x.dtype
+        wide = _WIDENED.get(x.dtype.name, x.dtype)
+        if wide == jnp.int64 and not jax.config.jax_enable_x64:  # int32 wraps as uint32 would
+            return jax.lax.bitcast_convert_type(x, jnp.int32), x.dtype
+        return x.astype(wide), x.dtype
     if not jnp.issubdtype(x.dtype, jnp.floating):
-        allowed = ("real floating-point or int8..int64/uint8..uint32" if integers
+        allowed = ("real floating-point or int8..int64/uint8..uint32 or bool" if integers
                    else "real floating-point")
         raise TypeError(f"{name} must be a {allowed} array, got dtype {x.dtype}"
                         + ("" if integers else " (integer data: segmented_sum, _max, _min)"))
@@ -289,7 +299,7 @@ def segmented_sum(x, idx, num_segments, *, indices_are_sorted=False):
 
     Args:
       x: (N, *F) floats or integers (integers are summed in their own dtype, wrapping on
-        overflow as ``jax.ops.segment_sum`` does).
+        overflow as ``jax.ops.segment_sum`` does; booleans give their `any`).
       {segment args}
 
     Returns:
@@ -330,8 +340,9 @@ def segmented_mean(x, idx, num_segments, *, indices_are_sorted=False):
       {segment args}
 
     Returns:
-      (M, *F): Σ_{idx[i]=s} x[i] / count, summed as Σ x[i] · (1/count): finite wherever the
-      mean is, up to the float max; 0 for an empty segment.
+      (M, *F): Σ_{idx[i]=s} x[i] / count, the sum divided once by the count (so [1., 6., 7.]
+      gives 14/3 rounded); where that sum overflows, Σ x[i] · (1/count): finite wherever the
+      mean is, up to the float max. 0 for an empty segment.
 
     Example::
 
@@ -515,7 +526,10 @@ _rms_norm_curvature_p = P.custom_transposed(
 
 
 def _lowest(dtype, kind):
-    """The value of an empty segment's max (kind "max") or min: ∓inf, or the integer bound."""
+    """The value of an empty segment's max (kind "max") or min: ∓inf, the integer bound, or
+    for booleans (reduced as 0 and 1) False and True, as 0 and 1."""
+    if dtype == jnp.bool_:
+        return int(kind == "min")
     if jnp.issubdtype(dtype, jnp.integer):
         info = jnp.iinfo(dtype)
         return info.min if kind == "max" else info.max
@@ -531,7 +545,14 @@ def _extreme_values(kind, rows, seg, params, dtype):
     return jnp.where(first == rows.shape[0], _lowest(dtype, kind), taken)
 
 
+_SIGN_BIT = np.uint32(2**31)
+
+
 def _extreme(kind, x, idx, num_segments, indices_are_sorted):
+    if x.dtype == jnp.uint32:  # ordered as int32 with the sign bit flipped (no int64 needed)
+        flipped = jax.lax.bitcast_convert_type(x ^ _SIGN_BIT, jnp.int32)
+        out = _extreme(kind, flipped, idx, num_segments, indices_are_sorted)
+        return jax.lax.bitcast_convert_type(out, jnp.uint32) ^ _SIGN_BIT
     x, seg, m, dtype = _common("x", x, idx, num_segments, integers=True)
     out = _extreme_values(kind, _rows(x), seg, _params(m, indices_are_sorted), dtype)
     return out.reshape(m, *x.shape[1:]).astype(dtype)
@@ -546,10 +567,10 @@ def segmented_max(x, idx, num_segments, *, indices_are_sorted=False):
       {segment args}
 
     Returns:
-      (M, *F) in x's dtype; -inf (integers: their smallest value) for an empty segment, as
-      ``jax.ops.segment_max``; NaN where a segment's component holds one. The derivative of
-      each component flows to the first row (in row order) attaining it, so ties split
-      nothing.
+      (M, *F) in x's dtype; -inf (integers: their smallest value; booleans: False) for an
+      empty segment, as ``jax.ops.segment_max``; NaN where a segment's component holds one.
+      The derivative of each component flows to the first row (in row order) attaining it,
+      so ties split nothing.
 
     Example::
 
@@ -567,9 +588,9 @@ def segmented_min(x, idx, num_segments, *, indices_are_sorted=False):
       {segment args}
 
     Returns:
-      (M, *F) in x's dtype; +inf (integers: their largest value) for an empty segment; NaN
-      where a segment's component holds one. The derivative of each component flows to the
-      first row attaining it.
+      (M, *F) in x's dtype; +inf (integers: their largest value; booleans: True) for an
+      empty segment, as ``jax.ops.segment_min``; NaN where a segment's component holds one.
+      The derivative of each component flows to the first row attaining it.
 
     Example::
 

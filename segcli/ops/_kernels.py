@@ -12,11 +12,14 @@ Shapes (rows first, then a group axis G that vmap folds into, then features):
                                                                 (a thread per run of one id)
     count       idx as a (N, 1)              -> (M, 1)          out[s] = #{i : idx[i]=s}
     sum         x (N, K)                     -> (M, K)          out[s] = Σ_{idx[i]=s} x[i]
-    mean        x (N, K), w (M, 1)           -> (M, K)          out[s] = Σ_{idx[i]=s} x[i] w[s]
-                                                                (w = 1/count: no partial sum
-                                                                exceeds the largest |x|; on the
-                                                                ordered path 1/count from the
-                                                                offsets, w not read)
+    mean        x (N, K)                     -> (M, K)          out[s] = Σ_{idx[i]=s} x[i] / count
+                                                                for ordered ids (Σ x[i] · (1/count)
+                                                                where Σ x[i] is not finite: no
+                                                                partial sum overflows), else the
+                                                                sum as `sum`; mean_rescued then
+                                                                sums x[i] · w[s] (w = 1/count)
+                                                                where that sum is not finite, and
+                                                                mean_of_sums divides the others
     rms_norm_span  x (N, G, K)               -> (M, G)          out[s,g] = sqrt(Σ_{idx[i]=s}
                                                                 |x[i,g]|² / count) for ordered
                                                                 ids (a group of LANES threads
@@ -284,21 +287,16 @@ def _segment_ids_kernel(offsets: wp.array(dtype=wp.int32), out: wp.array(dtype=w
 
 def _segment_reduction(term, rows=None, mean=False, ordered_path=True):
     """A kernel adding term(a, b, out, i, s, p) over the rows i of each segment s into
-    out[s, p]; with `mean`, each term times 1/count of its segment (b[s, 0] on the atomic
-    path, where b holds those weights; on the ordered path the same quotient, taken from
-    the segment's range, and b not read). Without `ordered_path`, the kernel returns at once
-    for ordered ids (another kernel reduces those).
+    out[s, p]; with `mean`, on the ordered path that sum divided by the segment's count
+    (rounded once) where it is finite, else the sum of each term times 1/count (no partial sum
+    of which overflows), and on the atomic path the plain sum, which the caller finishes.
+    Without `ordered_path`, the kernel returns at once for ordered ids (another kernel
+    reduces those).
 
     Launched over (max(M, stride), P) threads: with ordered ids, thread (s, p) adds its
     segment's rows in index order (bitwise repeatable), or with `rows` (a function of a, lo,
-    hi and `mean`) takes that sum of rows lo:hi from it; otherwise threads t < stride walk the
-    rows t, t + stride, ... and add atomically into a zero-initialised `out`."""
-
-    @wp.func
-    def weighted(v: Any, w: Any):
-        if wp.static(mean):
-            return v * w
-        return v
+    hi and `mean`) takes that sum (or mean) of rows lo:hi from it; otherwise threads t < stride
+    walk the rows t, t + stride, ... and add atomically into a zero-initialised `out`."""
 
     def kernel(
         a: wp.array2d(dtype=Any),
@@ -314,26 +312,37 @@ def _segment_reduction(term, rows=None, mean=False, ordered_path=True):
         if ordered[0] != 0:  # (the ids then unread, perhaps not passed: a's rows are N)
             if wp.static(ordered_path) and t < m:
                 lo, hi = _segment_range(offsets, t, a.shape[0])
-                w = b.dtype(1.0)
-                if wp.static(mean):
-                    w = b.dtype(1.0) / b.dtype(wp.max(hi - lo, 1))
                 acc = out.dtype(0)
                 if wp.static(rows is not None):
                     acc = rows(a, lo, hi, wp.static(int(mean)))
                 else:
                     for i in range(lo, hi):
-                        acc += weighted(term(a, b, out, i, t, p), w)
+                        acc += term(a, b, out, i, t, p)
+                    if wp.static(mean):
+                        acc = _mean_of_sum(a, out, lo, hi, p, acc)
                 out[t, p] = acc
         elif t < stride:
             for i in range(t, idx.shape[0], stride):
                 s = idx[i]
                 if s >= 0 and s < m:
-                    w = b.dtype(1.0)
-                    if wp.static(mean):
-                        w = b[s, 0]
-                    wp.atomic_add(out, s, p, weighted(term(a, b, out, i, s, p), w))
+                    wp.atomic_add(out, s, p, term(a, b, out, i, s, p))
 
     return kernel
+
+
+@wp.func
+def _mean_of_sum(a: wp.array2d(dtype=Any), out: wp.array2d(dtype=Any), lo: int, hi: int, p: int,
+                 total: Any):
+    # the mean of a[lo:hi, p] from its plain sum `total`: total / count where finite, else
+    # Σ a · (1/count), no partial sum of which overflows
+    count = out.dtype(wp.max(hi - lo, 1))
+    if wp.isfinite(total):
+        return total / count
+    w = out.dtype(1.0) / count
+    scaled = out.dtype(0)
+    for i in range(lo, hi):
+        scaled += a[i, p] * w
+    return scaled
 
 
 @wp.func
@@ -400,20 +409,42 @@ _ROWS8 = """
     };
 """
 
-# Σ of rows lo:hi of 3 entries (each times 1/count with `mean`), by one thread (CPUs): 8
-# rows (24 entries) at a time into three vectors of partial sums, the entries past hi
-# masked (no scalar tail, no branch on the segment's length), added by sum24
+# C for rows lo:hi of 3 entries of `rows` (n rows), with _LANES8 and _ROWS8: sum3(w), their Σ
+# each times w, by one thread (CPUs): 8 rows (24 entries) at a time into three vectors of
+# partial sums, the entries past hi masked (no scalar tail, no branch on the segment's
+# length), added by sum24; mean3(total), their mean from their plain sum `total`: total /
+# count, rounded once, in each entry where the sum is finite, else Σ v · (1/count), no partial
+# sum of which overflows (summed again only where some entry needs it).
+_SUM3_MEAN3 = """
+    auto sum3 = [&](float w) {
+        lanes8 sums[3] = {};
+        for (int i = lo; i < hi; i += 8) {
+            lanes8 v[3];
+            rows8(rows, n, i, &v[0], &v[1], &v[2]);
+            for (int k = 0; k < 3; k++)
+                sums[k] = lane + 8 * k < 3 * (hi - i) ? sums[k] + v[k] * w : sums[k];
+        }
+        return wp::vec_t<3, float>(sum24(sums, 0), sum24(sums, 1), sum24(sums, 2));
+    };
+    auto mean3 = [&](wp::vec_t<3, float> total) {
+        const float count = (float)(hi - lo > 1 ? hi - lo : 1);
+        const bool finite = __builtin_isfinite(total[0]) && __builtin_isfinite(total[1]) &&
+                            __builtin_isfinite(total[2]);
+        const wp::vec_t<3, float> scaled = finite ? total : sum3((float)1 / count);
+        wp::vec_t<3, float> out;
+        for (int d = 0; d < 3; d++)
+            out[d] = __builtin_isfinite(total[d]) ? total[d] / count : scaled[d];
+        return out;
+    };
+"""
+
+# Σ of rows lo:hi of 3 entries of a, or with `mean` their mean (see _SUM3_MEAN3)
 _ROWS3_SUM = _LANES8 + _ROWS8 + """
-    const float* p = (const float*)a.data;
-    const float w = mean ? (float)1 / (float)(hi - lo > 1 ? hi - lo : 1) : (float)1;
-    lanes8 sums[3] = {};
-    for (int i = lo; i < hi; i += 8) {
-        lanes8 v[3];
-        rows8(p, a.shape[0], i, &v[0], &v[1], &v[2]);
-        for (int k = 0; k < 3; k++)
-            sums[k] = lane + 8 * k < 3 * (hi - i) ? sums[k] + v[k] * w : sums[k];
-    }
-    return wp::vec_t<3, float>(sum24(sums, 0), sum24(sums, 1), sum24(sums, 2));
+    const float* rows = (const float*)a.data;
+    const int n = a.shape[0];
+""" + _SUM3_MEAN3 + """
+    const wp::vec_t<3, float> total = sum3(1);
+    return mean ? mean3(total) : total;
 """
 
 
@@ -428,7 +459,8 @@ def _rows3_sum(a: wp.array2d(dtype=wp.vec3d), lo: int, hi: int, mean: int) -> wp
 
 
 # The reductions; sum3 and mean3 (CPUs only) sum rows of vec3 by _rows3_sum.
-# mean: each entry times 1/count, so that no partial sum exceeds the largest |a|.
+# mean: on the ordered path the sum / count where finite, else Σ a · (1/count) (no partial sum
+# overflows); on the atomic path the plain sum (_mean finishes it).
 for _name, _term in (("count", _one), ("sum", _entry), ("sum3", _entry), ("outer", _outer_entry),
                      ("mean", _entry), ("mean3", _entry),
                      ("sum_squares", _squared_entry)):
@@ -1808,18 +1840,23 @@ def _largest_entry_of(x: wp.array3d(dtype=Any), i: int, g: int, factor: Any):
     return _largest_entry(x, i, g)
 
 
-def _overflow_rescue(term, accumulate):
-    """A kernel for unordered ids whose atomic Σ|x|² (`squares`) overflowed or underflowed
-    somewhere (else it returns at once, its flag `overflowed` 0): accumulate(out, s, g,
-    term(x, i, g, factors[s, g])) over the rows of each segment whose squares are not plain
-    (see _plain_square)."""
+@wp.func
+def _not_plain(squares: Any):
+    return not _plain_square(squares)
+
+
+def _overflow_rescue(term, accumulate, redo=_not_plain):
+    """A kernel for unordered ids whose atomic sum (`sums`: by default Σ|x|²) went wrong
+    somewhere (else it returns at once, its flag `overflowed` 0): accumulate(out, s, g, term(x,
+    i, g, factors[s, g])) over the rows of each segment where redo(its sum) holds (by default:
+    the squares are not plain, see _plain_square)."""
 
     def kernel(
         x: wp.array3d(dtype=Any),
         idx: wp.array(dtype=wp.int32),
         overflowed: wp.array(dtype=wp.int32),
         stride: int,
-        squares: wp.array2d(dtype=Any),
+        sums: wp.array2d(dtype=Any),
         factors: wp.array2d(dtype=Any),
         out: wp.array2d(dtype=Any),
     ):
@@ -1827,8 +1864,8 @@ def _overflow_rescue(term, accumulate):
         if overflowed[0] != 0:
             for i in range(t, x.shape[0], stride):
                 s = idx[i]
-                if s >= 0 and s < out.shape[0]:  # noqa: SIM102  (squares[s, g] only in range)
-                    if not _plain_square(squares[s, g]):
+                if s >= 0 and s < out.shape[0]:  # noqa: SIM102  (sums[s, g] only in range)
+                    if redo(sums[s, g]):
                         accumulate(out, s, g, term(x, i, g, factors[s, g]))
 
     return kernel
@@ -1838,6 +1875,41 @@ def _overflow_rescue(term, accumulate):
 # |x[i, g, k]| (its factors unused), then the atomic sum of |x[i, g] * inverse[s, g]|².
 _deferred(_overflow_rescue(_largest_entry_of, _atomic_above), "rms_norm_top")
 _deferred(_overflow_rescue(_scaled_squared_norm, _atomic_sum), "rms_norm_rescaled")
+
+
+@wp.func
+def _weighted_entry(x: wp.array3d(dtype=Any), i: int, g: int, factor: Any):
+    return x[i, g, 0] * factor
+
+
+@wp.func
+def _not_finite(total: Any):
+    return not wp.isfinite(total)
+
+
+# mean of unordered ids whose plain sum is not finite: Σ x[i] · (1/count) over those segments
+# (x (N, K, 1), factors 1/count (M, K)), no partial sum of which overflows
+_deferred(_overflow_rescue(_weighted_entry, _atomic_sum, _not_finite), "mean_rescued")
+
+
+@_deferred
+def _mean_of_sums_kernel(
+    sums: wp.array2d(dtype=Any),
+    counts: wp.array(dtype=wp.int32),
+    ordered: wp.array(dtype=wp.int32),
+    rescued: wp.array2d(dtype=Any),
+    out: wp.array2d(dtype=Any),
+):
+    # the means of unordered ids from their atomic sums (M, K): each sum divided by its count,
+    # rounded once (XLA would multiply by the reciprocal), or where the sum is not finite
+    # mean_rescued's; the sums as they are where the ids were ordered (the mean kernel's means)
+    s, p = wp.tid()
+    total = sums[s, p]
+    if ordered[0] == 0 and wp.isfinite(total):
+        total = total / sums.dtype(wp.max(counts[s], 1))
+    elif ordered[0] == 0:
+        total = rescued[s, p]
+    out[s, p] = total
 
 
 def _ordered_search(key, better, screen=None, unroll=True):
@@ -2506,23 +2578,22 @@ _WANT_LARGEST = wp.constant(REDUCE_BITS["max_norm"])
 
 # Several reductions of the rows lo:hi of x (N, 1, 3) by one thread, each block of 8 rows
 # (24 entries) read once for all those `want` asks (the bits of REDUCE_BITS):
-# the sum and the mean into sums[s] and means[s] as _ROWS3_SUM adds them, Σ|x|² into rms[s]
+# the sum and the mean into sums[s] and means[s] as _ROWS3_SUM gives them, Σ|x|² into rms[s]
 # as _SPAN_SUM adds it (one lane, factor 1), max_norm's search as _PLAIN_SQUARES_SEARCH (its
 # answer returned, else 0) and, where it found the row, that row's norm into largest[s]:
 # every bit as those give it. CPUs only.
-_REDUCTIONS3 = _SQUARES_LANES + """
+_REDUCTIONS3 = _SQUARES_LANES + _SUM3_MEAN3 + """
     const bool sum = want & {sum}, mean = want & {mean}, rms = want & {rms_norm};
     const bool largest = want & {max_norm};
 """.format(**REDUCE_BITS) + """
-    const float w = (float)1 / (float)(hi - lo > 1 ? hi - lo : 1), f = 1;
-    lanes8 sum3[3] = {}, mean3[3] = {}, squares = {};
+    const float f = 1;
+    lanes8 plain[3] = {}, squares = {};
     auto block = [&](int i, int rows_left) {  /* whole blocks unmasked once inlined */
         lanes8 v[3];
         rows8(rows, n, i, &v[0], &v[1], &v[2]);
         for (int k = 0; k < 3; k++) {
             const mask8 inside = lane + 8 * k < 3 * rows_left;
-            if (sum) sum3[k] = inside ? sum3[k] + v[k] * f : sum3[k];
-            if (mean) mean3[k] = inside ? mean3[k] + v[k] * w : mean3[k];
+            if (sum || mean) plain[k] = inside ? plain[k] + v[k] * f : plain[k];
             if (rms) squares = inside ? squares + v[k] * f * v[k] : squares;
         }
         if (largest) take(i, squares8(rows_left, v[0], v[1], v[2]));
@@ -2530,8 +2601,10 @@ _REDUCTIONS3 = _SQUARES_LANES + """
     int i = lo;
     for (; i + 8 <= hi; i += 8) block(i, 8);
     if (i < hi) block(i, hi - i);
-    for (int d = 0; d < 3 && sum; d++) ((float*)sums.data)[3LL * s + d] = sum24(sum3, d);
-    for (int d = 0; d < 3 && mean; d++) ((float*)means.data)[3LL * s + d] = sum24(mean3, d);
+    const wp::vec_t<3, float> total(sum24(plain, 0), sum24(plain, 1), sum24(plain, 2));
+    const wp::vec_t<3, float> average = mean ? mean3(total) : total;
+    for (int d = 0; d < 3 && sum; d++) ((float*)sums.data)[3LL * s + d] = total[d];
+    for (int d = 0; d < 3 && mean; d++) ((float*)means.data)[3LL * s + d] = average[d];
     if (rms) ((float*)rms_out.data)[s] = sum8(squares);
     if (!largest) return 0;
     const int winner = found();  /* its norm the root of its plain square, as _norm takes it */
@@ -3062,7 +3135,7 @@ def _neighbors_kernel(
 _ELEMENTS = {
     "count": {"a": "int32", "b": "int32", "out": "int32"},
     "sum3": {"a": "vec3", "b": "vec3", "out": "vec3"},
-    "mean3": {"a": "vec3", "out": "vec3"},
+    "mean3": {"a": "vec3", "b": "vec3", "out": "vec3"},
     "reductions3": {"sums": "vec3", "means": "vec3"},
     **{name: {"y": "vec3", "out": "vec3"} for name in ("gather3", "gather3_ordered")},
     "put3": {"ct": "vec3", "out": "vec3"},

@@ -460,19 +460,31 @@ def _mean(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
         return jnp.zeros(shape, x.dtype)
     layout = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
     known_sorted = ids_known_sorted(offsets, indices_are_sorted)
-    # The kernel weighs each row by 1/count: taken from the offsets on the ordered path, from
-    # `weights` on the atomic one, which ids known sorted never take (x stands in, unread).
-    weights = x if known_sorted else (
-        1 / jnp.maximum(_row_counts(idx, layout, False, gpu), 1).astype(x.dtype))[:, None]
-    return _reduce_rows("mean", x, weights, idx, layout, num_segments, gpu, known_sorted)
+    out = _reduce_rows("mean", x, None, idx, layout, num_segments, gpu, known_sorted)
+    if known_sorted:
+        return out
+    # Ids found ordered at run time: `out` holds the means. Otherwise it holds the sums (by
+    # atomics), each divided by its count by mean_of_sums; the segments whose sum is not
+    # finite are summed again as Σ x[i] · (1/count) by a kernel that returns at once (its flag
+    # 0) where none is.
+    ordered = layout[1]
+    counts = _row_counts(idx, layout, False, gpu)
+    rescue = ((ordered[0] == 0) & ~jnp.all(jnp.isfinite(out))).astype(jnp.int32).reshape(1)
+    n, k = x.shape
+    threads = stride(gpu, n)
+    weights = jnp.broadcast_to(1 / jnp.maximum(counts, 1).astype(x.dtype)[:, None], shape)
+    rescued = launch("mean_rescued", x.reshape(n, k, 1), idx, rescue, threads, out, weights,
+                     jnp.zeros(shape, x.dtype), dims=(threads, k), in_out=("out",))
+    return launch("mean_of_sums", out, counts, ordered, rescued, dims=shape, out=shape)
 
 
 mean_p = _multilinear(_Rule(
     "mean", _mean, lambda x, idx, offsets, *, num_segments, **_: (num_segments, x.shape[1]), 1,
     transposes=(lambda ct, seg, p: gather_p.bind(
         ct / jnp.maximum(count(*seg, **p), 1).astype(ct.dtype)[:, None], *seg, **p),)))
-"""Σ x[i] / count over each segment of x (N, K), as Σ x[i] · (1/count) (no partial sum
-exceeds the largest |x[i]|); 0 for an empty segment."""
+"""Σ x[i] / count over each segment of x (N, K): the sum divided by the count (rounded once),
+or where that sum is not finite Σ x[i] · (1/count) (no partial sum exceeds the largest
+|x[i]|); 0 for an empty segment."""
 
 
 gather_p = _multilinear(_Rule(
@@ -887,7 +899,7 @@ def _flat_index(first, n):
     is n (int64 where n·G does not fit int32)."""
     groups = first.shape[1]
     dtype = jnp.int32 if n * groups < 2**31 else jnp.int64
-    return first.astype(dtype) * groups + jnp.arange(groups, dtype=dtype)
+    return first.astype(dtype) * groups + jnp.arange(groups, dtype=dtype)[None]
 
 
 put_p = _multilinear(_Rule(
