@@ -2,11 +2,13 @@
 time: the inverse of reading one (see segcli.io.asefiles.structure_piece)."""
 
 import os
-from contextlib import ExitStack
+import shutil
+import warnings
+from contextlib import ExitStack, contextmanager, suppress
 
 import numpy as np
 
-from segcli.errors import DataError
+from segcli.errors import DataError, raise_if_interrupted
 from segcli.io.writers import FieldChoice, new_output
 
 HDF5_SUFFIXES = (".h5", ".hdf5")
@@ -14,6 +16,19 @@ _COMPRESSED = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma"}
 _DATABASES = ("db", "json")
 """Formats written through ase.db, a row per structure (ASE's own writers of these need a
 file name that says the format, which a temporary's does not)."""
+_STREAMED = frozenset({"extxyz", "xyz", "traj", "cif", "eon", "castep-geom", "castep-md", "py",
+                       "runnerdata", "vasp-xdatcar"})
+"""Formats of several structures whose ASE writers take them one at a time (the others are
+given a list, held in memory)."""
+_UNWRITABLE = {"pov": "ASE writes it as several files (.pov, .ini)",
+               "xtd": "ASE writes it as two files (.xtd, .arc)",
+               "mustem": "ASE's writer needs the microscope's keV, which segcli does not take",
+               "espresso-in": "ASE's writer needs pseudopotentials, which segcli does not take"}
+_NEEDS_CELL = frozenset({"abinit-in", "cfg", "crystal", "dftb", "dmol-incoor", "elk-in", "jsv",
+                         "lammps-data", "onetep-in", "prismatic", "res", "rmc6f", "struct",
+                         "v-sim", "vasp"})
+"""Formats that hold only structures with a cell of three vectors (ASE's writers of some
+invent one, others fail)."""
 
 
 def export_format(path):
@@ -33,7 +48,20 @@ def export_format(path):
     if fmt not in ioformats or not ioformats[fmt].can_write:
         raise DataError(f"{name}: no format to write by that name; name a segcli HDF5 file "
                         "(.h5, .hdf5) or a file ASE writes (.extxyz, .traj, .db, .xyz, ...)")
+    io = ioformats[fmt]
+    reason = _UNWRITABLE.get(fmt)
+    if reason is None and not (io.single or io.acceptsfd or fmt in _DATABASES):
+        reason = "ASE writes it only as a directory, an animation or to a server"
+    if reason is None and fmt == "db" and _compression(name):
+        reason = "ASE reads no compressed database; name it .db"
+    if reason is not None:
+        raise DataError(f"{name}: segcli cannot export to the format {fmt}: {reason}")
     return fmt
+
+
+def _compression(output):
+    """The module (gzip, bz2, lzma) compressing the file `output` as its suffix says, or None."""
+    return _COMPRESSED.get(os.path.splitext(output)[1].lower())
 
 
 def export(inputs, output, fmt, *, chunk_atoms=100_000, fields=None, drop=None, rename=None,
@@ -69,16 +97,60 @@ def export(inputs, output, fmt, *, chunk_atoms=100_000, fields=None, drop=None, 
         tmp = stack.enter_context(new_output(output, force))
         if progress is not None and None not in (b.counted for b in batches):
             progress.reset(sum(b.counted for b in batches))
-        images = _images(batches, stated, choice, chunk_atoms, keep, counts, progress)
-        if fmt in _DATABASES:
-            _write_database(tmp, fmt, images)
-        elif ioformats[fmt].single:
-            write(tmp, _only_one(output, fmt, images), format=fmt)
-        else:
-            with _open(tmp, output, ioformats[fmt].isbinary) as fd:
-                write(fd, images, format=fmt)
+        images = _read_as_usual(_images(batches, stated, choice, chunk_atoms, keep, counts,
+                                        progress))
+        io = ioformats[fmt]
+        if io.single:
+            images = iter([_only_one(output, fmt, images)])
+        if fmt in _NEEDS_CELL:
+            images = _with_cells(output, fmt, images)
+        with _written_by_ase(output, fmt):
+            if fmt in _DATABASES:
+                with _plain(tmp, output) as plain:
+                    _write_database(plain, fmt, images)
+            elif io.single and not io.acceptsfd:
+                with _plain(tmp, output) as plain:
+                    write(plain, next(images), format=fmt)
+            else:
+                images = next(images) if io.single else (
+                    images if fmt in _STREAMED else list(images))
+                with _open(tmp, output, io.isbinary) as fd:
+                    write(fd, images, format=fmt)
         choice.check(inputs)
     return tuple(counts)
+
+
+@contextmanager
+def _written_by_ase(output, fmt):
+    """Run the block, in which ASE writes `output` in the format `fmt`, with its failures as
+    one DataError naming both: an exception of ASE's writer, or a float operation that gives
+    NaN or infinity (a cell of zeros inverted); ASE's warnings are not shown. DataError,
+    OSError and signals pass as they are (those of reading the inputs among them)."""
+    try:
+        with warnings.catch_warnings(), np.errstate(divide="raise", over="raise",
+                                                    invalid="raise"):
+            warnings.simplefilter("ignore")
+            yield
+    except (DataError, OSError):
+        raise
+    except Exception as err:
+        raise_if_interrupted()
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise DataError(f"{output}: ASE cannot write the format {fmt}: "
+                        f"{type(err).__name__}{': ' if reason else ''}{reason}") from err
+
+
+def _read_as_usual(images):
+    """The structures `images`, each read under NumPy's float error handling of now (not the
+    stricter one of _written_by_ase, which is for ASE's writer)."""
+    errors = np.geterr()
+    iterator = iter(images)
+    while True:
+        with np.errstate(**errors):
+            atoms = next(iterator, None)
+        if atoms is None:
+            return
+        yield atoms
 
 
 def _open(tmp, output, binary):
@@ -86,9 +158,37 @@ def _open(tmp, output, binary):
     module of that compression: gzip, bz2 or lzma)."""
     import importlib
 
-    module = _COMPRESSED.get(os.path.splitext(output)[1].lower())
+    module = _compression(output)
     opener = importlib.import_module(module).open if module else open
     return opener(tmp, "wb" if binary else "wt")
+
+
+@contextmanager
+def _plain(tmp, output):
+    """A path for a writer that takes only a file's name: `tmp` itself, or, where `output`'s
+    suffix asks for compression, a scratch file beside it (removed however the block ends)
+    that is compressed into `tmp` when the block ends cleanly."""
+    if _compression(output) is None:
+        yield tmp
+        return
+    scratch = f"{tmp[:-len('.tmp')]}.plain.tmp"  # removed as tmp is after a kill
+    try:
+        yield scratch
+        with open(scratch, "rb") as source, _open(tmp, output, binary=True) as target:
+            shutil.copyfileobj(source, target, 1 << 20)
+    finally:
+        with suppress(FileNotFoundError):
+            os.unlink(scratch)
+
+
+def _with_cells(output, fmt, images):
+    """The structures `images`, DataError for one without a cell of three vectors."""
+    for number, atoms in enumerate(images):
+        if atoms.cell.rank < 3:
+            raise DataError(f"{output}: the format {fmt} holds only structures with a cell of "
+                            f"three vectors; structure {number} (counting those written) has "
+                            f"{atoms.cell.rank}")
+        yield atoms
 
 
 def _only_one(output, fmt, images):
