@@ -13,7 +13,13 @@ import click
 
 from segcli import __version__
 from segcli.cli.common import as_program, note
-from segcli.errors import DataError, Interrupted, interruptible, interrupting_signal
+from segcli.errors import (
+    DataError,
+    Interrupted,
+    interruptible,
+    interrupting_signal,
+    memory_shortage,
+)
 
 
 def _silence_stdout():
@@ -75,7 +81,7 @@ def _interrupted(err):
 class SegcliGroup(click.Group):
     """Every command's errors as one line on stderr and an exit code (a traceback only with
     --debug): 1 for bad data and for what the system refuses (a full disk, a missing
-    permission), 128 + N for signal N (SIGINT, SIGTERM, or a closed stdout: 141, quietly)."""
+    permission, too little memory), 128 + N for signal N (SIGINT, SIGTERM, or a closed stdout: 141, quietly)."""
 
     def main(self, args=None, **kwargs):
         if args is None:  # arguments from sys.argv: run as the program, not by a caller
@@ -104,10 +110,16 @@ class SegcliGroup(click.Group):
                     _silence_stdout()
                 note(f"Error: {err}")
                 sys.exit(1)
-            except Exception:  # after a signal: a library's rendering of its Interrupted
-                if ctx.meta.get("segcli.debug") or interrupting_signal() is None:
+            except Exception as err:  # after a signal: a library's rendering of its Interrupted
+                if ctx.meta.get("segcli.debug"):
                     raise
-                _interrupted(Interrupted(interrupting_signal()))
+                if interrupting_signal() is not None:
+                    _interrupted(Interrupted(interrupting_signal()))
+                if memory_shortage(err) is None:
+                    raise
+                _silence_stdout()
+                note(f"Error: {memory_shortage(err)}")
+                sys.exit(1)
 
 
 @click.group(cls=SegcliGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -36,12 +36,22 @@ def path_text(path):
 
 def available_memory():
     """Bytes of memory this process can still take: the kernel's MemAvailable (Linux), else the
-    machine's physical memory."""
+    machine's physical memory; at most what the limit on its address space (RLIMIT_AS, ulimit
+    -v) leaves."""
+    import resource
+
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     with contextlib.suppress(OSError, ValueError, StopIteration):
         with open("/proc/meminfo") as meminfo:
             line = next(line for line in meminfo if line.startswith("MemAvailable:"))
-        return int(line.split()[1]) * 1024
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        have = int(line.split()[1]) * 1024
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        if limit != resource.RLIM_INFINITY:
+            with open("/proc/self/status") as status:
+                line = next(line for line in status if line.startswith("VmSize:"))
+            have = min(have, max(limit - int(line.split()[1]) * 1024, 0))
+    return have
 
 
 def check_memory(path, n_atoms, first, row_bytes):
