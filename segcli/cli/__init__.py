@@ -81,7 +81,8 @@ def _interrupted(err):
 class SegcliGroup(click.Group):
     """Every command's errors as one line on stderr and an exit code (a traceback only with
     --debug): 1 for bad data and for what the system refuses (a full disk, a missing
-    permission, too little memory), 128 + N for signal N (SIGINT, SIGTERM, or a closed stdout: 141, quietly)."""
+    permission, too little memory), 128 + N for signal N (SIGINT, SIGTERM, or a closed
+    stdout: 141, quietly)."""
 
     def main(self, args=None, **kwargs):
         if args is None:  # arguments from sys.argv: run as the program, not by a caller
