@@ -104,7 +104,7 @@ def export(inputs, output, fmt, *, chunk_atoms=100_000, fields=None, drop=None, 
             images = iter([_only_one(output, fmt, images)])
         if fmt in _NEEDS_CELL:
             images = _with_cells(output, fmt, images)
-        with _written_by_ase(output, fmt):
+        with _written_by_ase(output, fmt, tmp):
             if fmt in _DATABASES:
                 with _plain(tmp, output) as plain:
                     _write_database(plain, fmt, images)
@@ -121,23 +121,67 @@ def export(inputs, output, fmt, *, chunk_atoms=100_000, fields=None, drop=None, 
 
 
 @contextmanager
-def _written_by_ase(output, fmt):
-    """Run the block, in which ASE writes `output` in the format `fmt`, with its failures as
-    one DataError naming both: an exception of ASE's writer, or a float operation that gives
-    NaN or infinity (a cell of zeros inverted); ASE's warnings are not shown. DataError,
-    OSError and signals pass as they are (those of reading the inputs among them)."""
+def _written_by_ase(output, fmt, tmp):
+    """Run the block, in which ASE writes `output` in the format `fmt` into the temporary
+    `tmp` (and files beside it named tmp...), with its failures as one DataError naming both:
+    a file that reached the file-size limit or filled its disk, an exception of ASE's writer, a
+    float operation that gives NaN or infinity (a cell of zeros inverted); ASE's warnings are
+    not shown. DataError, and OSError naming a file, pass as they are (those of reading the
+    inputs among them); what the writer left beside `tmp` is removed."""
     try:
         with warnings.catch_warnings(), np.errstate(divide="raise", over="raise",
                                                     invalid="raise"):
             warnings.simplefilter("ignore")
             yield
-    except (DataError, OSError):
+    except DataError:
         raise
     except Exception as err:
         raise_if_interrupted()
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise DataError(f"{output}: ASE cannot write the format {fmt}: "
-                        f"{type(err).__name__}{': ' if reason else ''}{reason}") from err
+        if isinstance(err, OSError) and err.filename is not None:
+            raise
+        reason = _out_of_room(tmp)
+        if reason is None and isinstance(err, OSError) and err.strerror:
+            reason = err.strerror
+        if reason is None:
+            text = str(err).strip()
+            reason = (f"ASE cannot write the format {fmt}: {type(err).__name__}"
+                      f"{': ' if text else ''}{text.splitlines()[0] if text else ''}")
+        raise DataError(f"{output}: {reason}") from err
+    finally:
+        for left in _beside(tmp):
+            with suppress(FileNotFoundError):
+                os.unlink(left)
+
+
+def _beside(tmp):
+    """The files named tmp... (an SQLite journal, a scratch file) that writers made beside the
+    temporary `tmp`, not `tmp` itself."""
+    directory, name = os.path.split(tmp)
+    with suppress(OSError):
+        return [os.path.join(directory, n) for n in os.listdir(directory or ".")
+                if n.startswith(name[:-len(".tmp")]) and n != name]
+    return []
+
+
+_ROOM = 1 << 16
+"""Bytes within which a file counts as having reached the file-size limit, or its disk as full."""
+
+
+def _out_of_room(tmp):
+    """Why the temporary `tmp`, or a file beside it, could not grow: it reached the file-size
+    limit (RLIMIT_FSIZE), or its disk is full; None if neither."""
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    for path in [tmp, *_beside(tmp)]:
+        with suppress(OSError):
+            if limit != resource.RLIM_INFINITY and os.path.getsize(path) + _ROOM >= limit:
+                return f"File too large: it reached the file size limit ({limit} bytes, ulimit -f)"
+    with suppress(OSError):
+        disk = os.statvfs(tmp)
+        if disk.f_bavail * disk.f_frsize < _ROOM:
+            return "No space left on device"
+    return None
 
 
 def _read_as_usual(images):
@@ -166,19 +210,15 @@ def _open(tmp, output, binary):
 @contextmanager
 def _plain(tmp, output):
     """A path for a writer that takes only a file's name: `tmp` itself, or, where `output`'s
-    suffix asks for compression, a scratch file beside it (removed however the block ends)
-    that is compressed into `tmp` when the block ends cleanly."""
+    suffix asks for compression, a scratch file beside it (see _beside) that is compressed
+    into `tmp` when the block ends cleanly."""
     if _compression(output) is None:
         yield tmp
         return
     scratch = f"{tmp[:-len('.tmp')]}.plain.tmp"  # removed as tmp is after a kill
-    try:
-        yield scratch
-        with open(scratch, "rb") as source, _open(tmp, output, binary=True) as target:
-            shutil.copyfileobj(source, target, 1 << 20)
-    finally:
-        with suppress(FileNotFoundError):
-            os.unlink(scratch)
+    yield scratch
+    with open(scratch, "rb") as source, _open(tmp, output, binary=True) as target:
+        shutil.copyfileobj(source, target, 1 << 20)
 
 
 def _with_cells(output, fmt, images):
