@@ -118,7 +118,6 @@ class SegcliGroup(click.Group):
                     _interrupted(Interrupted(interrupting_signal()))
                 if memory_shortage(err) is None:
                     raise
-                _silence_stdout()
                 note(f"Error: {memory_shortage(err)}")
                 sys.exit(1)
 

@@ -52,8 +52,9 @@ def export_format(path):
     reason = _UNWRITABLE.get(fmt)
     if reason is None and not (io.single or io.acceptsfd or fmt in _DATABASES):
         reason = "ASE writes it only as a directory, an animation or to a server"
-    if reason is None and fmt == "db" and _compression(name):
-        reason = "ASE reads no compressed database; name it .db"
+    if reason is None and _compression(name) and (fmt == "db" or not io.acceptsfd):
+        reason = ("ASE reads it only from a file of its own, not compressed; leave out "
+                  f"{os.path.splitext(name)[1]}")
     if reason is not None:
         raise DataError(f"{name}: segcli cannot export to the format {fmt}: {reason}")
     return fmt
