@@ -296,3 +296,25 @@ def test_a_molecule_to_a_crystal_format_names_the_reason(tmp_path, structures):
     assert run("convert", tmp_path / "one.extxyz", "-o", tmp_path / "one.cfg",
                "--quiet").exit_code == 0
     np.testing.assert_allclose(ase.io.read(tmp_path / "one.cfg").cell[:], one.cell[:])
+
+
+def test_a_json_database_is_written_in_linear_time_as_ase_reads_it(tmp_path):
+    """ASE's JSON database writer rewrites the whole file per row (400 rows: about 25 s);
+    the export streams the rows in ASE's layout."""
+    import time
+
+    import ase.db
+
+    rng = np.random.default_rng(1)
+    frames = [Atoms("H2O", positions=rng.normal(size=(3, 3)), info={"k": float(i), "tag": "m"})
+              for i in range(400)]
+    ase.io.write(tmp_path / "in.extxyz", frames)
+    start = time.monotonic()
+    result = run("convert", tmp_path / "in.extxyz", "-o", tmp_path / "out.json", "--quiet")
+    assert result.exit_code == 0, result.stderr
+    assert time.monotonic() - start < 10
+    rows = list(ase.db.connect(tmp_path / "out.json").select())
+    assert [row.id for row in rows] == list(range(1, 401))
+    for row, atoms in zip(rows, frames):
+        np.testing.assert_allclose(row.positions, atoms.positions, atol=1e-8)  # as extxyz
+        assert row.key_value_pairs == atoms.info

@@ -240,21 +240,53 @@ def _only_one(output, fmt, images):
     return first
 
 
-def _write_database(tmp, fmt, images):
+def _write_database(path, fmt, images):
+    """The structures `images` as the rows of a new ASE database `path` of the type `fmt`."""
     import ase.db
+
+    if fmt == "json":
+        _write_json(path, _rows(images))
+        return
+    with ase.db.connect(path, type=fmt, serial=True, append=False) as db:
+        for atoms, pairs, data in _rows(images):
+            db.write(atoms, key_value_pairs=pairs, data=data)
+
+
+def _rows(images):
+    """(atoms, key-value pairs, data) of each structure as a database row holds it: its info's
+    scalars under names a database allows as key-value pairs, the rest of its info as data."""
     from ase.db.core import reserved_keys
 
-    with ase.db.connect(tmp, type=fmt, serial=True, append=False) as db:
-        for atoms in images:
-            pairs, data = {}, {}
-            for key, value in atoms.info.items():
-                scalar = isinstance(value, (str, bool, int, float, np.generic))
-                if scalar and key not in reserved_keys and key.isidentifier():
-                    pairs[key] = value.item() if isinstance(value, np.generic) else value
-                else:
-                    data[key] = value
-            atoms.info = {}
-            db.write(atoms, key_value_pairs=pairs, data=data)
+    for atoms in images:
+        pairs, data = {}, {}
+        for key, value in atoms.info.items():
+            scalar = isinstance(value, (str, bool, int, float, np.generic))
+            if scalar and key not in reserved_keys and key.isidentifier():
+                pairs[key] = value.item() if isinstance(value, np.generic) else value
+            else:
+                data[key] = value
+        atoms.info = {}
+        yield atoms, pairs, data
+
+
+def _write_json(path, rows):
+    """The rows as ASE's JSON database `path`, written one after another (ASE's own writer
+    reads and rewrites the whole file for each row: time quadratic in the rows), each as ASE
+    encodes it."""
+    import io
+
+    from ase.db.jsondb import JSONDatabase
+
+    count = 0
+    with open(path, "w") as out:
+        out.write("{")
+        for atoms, pairs, data in rows:
+            alone = io.StringIO()  # ASE's file of this one row: {"1": {...},\n"ids": ...}
+            JSONDatabase(alone, serial=True).write(atoms, key_value_pairs=pairs, data=data)
+            text = alone.getvalue()
+            count += 1
+            out.write(f'"{count}": ' + text[len('{"1": '):text.rindex('"ids": ')])
+        out.write(f'"ids": {list(range(1, count + 1))},\n"nextid": {count + 1}}}\n')
 
 
 def _images(batches, stated, choice, chunk_atoms, keep, counts, progress):
