@@ -318,3 +318,19 @@ def test_a_json_database_is_written_in_linear_time_as_ase_reads_it(tmp_path):
     for row, atoms in zip(rows, frames):
         np.testing.assert_allclose(row.positions, atoms.positions, atol=1e-8)  # as extxyz
         assert row.key_value_pairs == atoms.info
+
+
+def test_too_many_open_files_is_said_so_not_a_damaged_file(tmp_path):
+    """RLIMIT_NOFILE reached while an export opens its inputs: the system's refusal, named."""
+    for i in range(12):
+        write_batch(tmp_path / f"part-{i:02d}.h5", [1], {"numbers": np.array([1])})
+    open_now = len(os.listdir("/proc/self/fd"))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (open_now + 6, hard))
+    try:
+        result = run("convert", tmp_path, "-o", tmp_path / "all.extxyz")
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    line = one_line_error(result, "part-", "Too many open files")
+    assert "damaged" not in line
+    assert not (tmp_path / "all.extxyz").exists()

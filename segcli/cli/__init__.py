@@ -4,6 +4,7 @@ Command modules import only click at start-up; jax, warp, h5py and ase are impor
 the commands, so `segcli --help` stays fast.
 """
 
+import contextlib
 import errno
 import io
 import os
@@ -24,7 +25,8 @@ from segcli.errors import (
 
 def _silence_stdout():
     """Point stdout at /dev/null, so that nothing left in its buffer fails again at exit."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    with contextlib.suppress(OSError, ValueError):  # a caller's stdout without a descriptor
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 class _Stdout(io.RawIOBase):
