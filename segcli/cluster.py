@@ -180,7 +180,7 @@ def _check_scheduler(address, seconds):
 
     thread = threading.Thread(target=ask, name="segcli-scheduler-check", daemon=True)
     thread.start()
-    thread.join(2 * seconds + 1)
+    thread.join(2 * seconds + 0.5)
     if thread.is_alive():
         raise DataError(f"{address}: no dask scheduler answers there within {seconds:g} s")
     if "error" in outcome:

@@ -477,7 +477,7 @@ def _structure_bytes(jobs):
                for per, shape, dtype in job.outputs.values() if per == "structure")
 
 
-def check_output_memory(jobs, structures):
+def _check_output_memory(jobs, structures):
     """DataError when the per-structure outputs of `jobs` for a chunk of `structures`
     (padded) cannot fit in the memory available, naming the op's params that make them wide
     (bincount's --length)."""
@@ -530,7 +530,7 @@ def _padded_chunks(batch, jobs, chunk_atoms, structures, buffers, on_device=Fals
         if fields[name].per == "atom"))
     check_memory(jobs[0].path, batch.n_atoms[structures], structures.start or 0, row_bytes)
     least = padded_size(batch.n_atoms[structures], chunk_atoms, _structure_bytes(jobs))
-    check_output_memory(jobs, least[1])
+    _check_output_memory(jobs, least[1])
     # a CPU computes from the file's pages as they are, where they can be mapped: no copy
     windows = not on_device and not buffers.pinned
     chunks = batch.iter_chunks(list(read), chunk_atoms=chunk_atoms, structures=structures,

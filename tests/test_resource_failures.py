@@ -259,11 +259,12 @@ def test_the_file_size_limit_reached_by_sqlite_leaves_no_journal(tmp_path, large
 
 
 @pytest.mark.filterwarnings("ignore:os.fork")
-def test_out_of_memory_is_one_line(tmp_path):
-    """RLIMIT_AS too small for the libraries a command loads: one line, exit 1, no output."""
+def test_too_little_address_space_is_one_line_not_an_abort(tmp_path):
+    """RLIMIT_AS below what JAX and Warp take: refused before XLA starts (which would abort
+    the process when it cannot create its threads), one line, exit 1, no output."""
     path = write_batch(tmp_path / "f.h5", [2, 1], {"forces": np.ones((3, 3))})
     cases = [["reduce", str(path), "sum", "forces", "-o", "r.h5"],
-             ["convert", str(path), "-o", "x.extxyz"]]
+             ["grad", str(path), "sum", "forces", "-o", "g.h5"]]
     for code, stderr in _driver(cases, resource.RLIMIT_AS, 700 << 20, tmp_path):
         lines = stderr.strip().splitlines()
         assert code == 1 and len(lines) == 1, stderr
@@ -271,13 +272,25 @@ def test_out_of_memory_is_one_line(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["f.h5"]
 
 
-@pytest.mark.parametrize("args", [["forces"], ["energy", "--json"]])
-def test_stdout_on_a_full_disk_is_one_line(tmp_path, args):
-    """csv and json to stdout redirected to /dev/full."""
+def test_a_memory_error_is_one_line():
+    from segcli.errors import memory_shortage
+
+    with pytest.raises(MemoryError) as raised:
+        np.empty(1 << 58, np.uint8)
+    assert memory_shortage(RuntimeError("a library's failure")) is None
+    wrapped = RuntimeError("failed to load")
+    wrapped.__cause__ = raised.value
+    line = memory_shortage(wrapped)
+    assert line.startswith("out of memory (Unable to allocate") and "\n" not in line
+
+
+def test_json_to_stdout_on_a_full_disk_is_one_line(tmp_path):
+    """json lines to stdout redirected to /dev/full (test_reliability has csv)."""
     path = write_batch(tmp_path / "f.h5", [2, 1], {"forces": np.ones((3, 3))},
                        {"energy": np.array([1.0, 2.0])})
     with open("/dev/full", "w") as full:
-        done = subprocess.run([sys.executable, "-m", "segcli", "stats", str(path), *args],
+        done = subprocess.run([sys.executable, "-m", "segcli", "stats", str(path), "energy",
+                               "--json"],
                               stdout=full, stderr=subprocess.PIPE, text=True, timeout=120,
                               check=False,
                               env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})

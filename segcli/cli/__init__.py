@@ -113,7 +113,7 @@ class SegcliGroup(click.Group):
                     _silence_stdout()
                 note(f"Error: {err}")
                 sys.exit(1)
-            except Exception as err:  # after a signal: a library's rendering of its Interrupted
+            except Exception as err:  # a library's rendering of an Interrupted, or of no memory
                 if ctx.meta.get("segcli.debug"):
                     raise
                 if interrupting_signal() is not None:

@@ -8,7 +8,7 @@ from contextlib import ExitStack, contextmanager, suppress
 
 import numpy as np
 
-from segcli.errors import DataError, raise_if_interrupted
+from segcli.errors import DataError, memory_shortage, raise_if_interrupted
 from segcli.io.writers import FieldChoice, new_output
 
 HDF5_SUFFIXES = (".h5", ".hdf5")
@@ -127,8 +127,8 @@ def _written_by_ase(output, fmt, tmp):
     `tmp` (and files beside it named tmp...), with its failures as one DataError naming both:
     a file that reached the file-size limit or filled its disk, an exception of ASE's writer, a
     float operation that gives NaN or infinity (a cell of zeros inverted); ASE's warnings are
-    not shown. DataError, and OSError naming a file, pass as they are (those of reading the
-    inputs among them); what the writer left beside `tmp` is removed."""
+    not shown. DataError, OSError naming a file and running out of memory pass as they are
+    (those of reading the inputs among them); what the writer left beside `tmp` is removed."""
     try:
         with warnings.catch_warnings(), np.errstate(divide="raise", over="raise",
                                                     invalid="raise"):
@@ -138,7 +138,7 @@ def _written_by_ase(output, fmt, tmp):
         raise
     except Exception as err:
         raise_if_interrupted()
-        if isinstance(err, OSError) and err.filename is not None:
+        if (isinstance(err, OSError) and err.filename is not None) or memory_shortage(err):
             raise
         reason = _out_of_room(tmp)
         if reason is None and isinstance(err, OSError) and err.strerror:
