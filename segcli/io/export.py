@@ -198,14 +198,30 @@ def _read_as_usual(images):
         yield atoms
 
 
+@contextmanager
 def _open(tmp, output, binary):
-    """The temporary `tmp` opened for writing, compressed as `output`'s suffix says (by the
-    module of that compression: gzip, bz2 or lzma)."""
+    """The temporary `tmp` opened for writing (text as UTF-8 unless `binary`), compressed as
+    `output`'s suffix says (by the module of that compression: gzip, bz2 or lzma); a gzip
+    stream names the file it holds as `output`'s, not the temporary's."""
     import importlib
+    import io
 
     module = _compression(output)
-    opener = importlib.import_module(module).open if module else open
-    return opener(tmp, "wb" if binary else "wt")
+    with open(tmp, "wb") as raw:
+        if module == "gzip":
+            import gzip
+
+            stream = gzip.GzipFile(os.path.basename(output)[:-len(".gz")], "wb", fileobj=raw)
+        elif module is not None:
+            stream = importlib.import_module(module).open(raw, "wb")
+        else:
+            stream = raw
+        with stream:
+            if binary:
+                yield stream
+            else:
+                with io.TextIOWrapper(stream, encoding="utf-8", write_through=True) as text:
+                    yield text
 
 
 @contextmanager
