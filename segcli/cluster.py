@@ -21,6 +21,9 @@ import numpy as np
 from segcli.errors import DataError
 
 SHARDS_PER_WORKER = 4
+CONNECT_SECONDS = 10
+"""The longest a scheduler is waited for (less where Dask's distributed.comm.timeouts.connect
+says so): a server that is no Dask scheduler may never answer."""
 WORKER_MODULES = ("segcli.engine", "segcli.io.direct", "segcli.io.hdf5", "segcli.select",
                   "segcli.shards", "segcli.stats")
 """What tasks import (with numpy and h5py): loaded once in the server that forks a local
@@ -132,12 +135,63 @@ def cluster_client(address):
         with _forked_workers(), _local_cluster(address) as cluster, Client(cluster) as client:
             yield client
     else:
+        seconds = _connect_seconds()
+        _check_scheduler(address, seconds)
         try:
-            client = Client(address)
+            client = Client(address, timeout=seconds)
         except (OSError, TimeoutError) as err:
             raise DataError(f"the dask scheduler at {address} cannot be reached ({err})") from err
         with client:
             yield client
+
+
+def _connect_seconds():
+    import dask
+    from dask.utils import parse_timedelta
+
+    return min(CONNECT_SECONDS, parse_timedelta(dask.config.get(
+        "distributed.comm.timeouts.connect"), default="seconds"))
+
+
+def _check_scheduler(address, seconds):
+    """DataError unless a dask scheduler answers at `address` within about `seconds` (the Client
+    would wait for ever for a server that accepts and then says nothing, and so may Dask's
+    handshake: it is asked in a thread left behind if it does not end in time)."""
+    import asyncio
+    import threading
+
+    from distributed.comm import connect
+
+    async def identity():
+        comm = await connect(address, timeout=seconds)
+        try:
+            await asyncio.wait_for(comm.write({"op": "identity", "reply": True}), seconds)
+            return await asyncio.wait_for(comm.read(), seconds)
+        finally:
+            comm.abort()
+
+    outcome = {}
+
+    def ask():
+        try:
+            outcome["reply"] = asyncio.run(identity())
+        except Exception as err:  # noqa: BLE001  (refused, reset, timed out, a bad address)
+            outcome["error"] = err
+
+    thread = threading.Thread(target=ask, name="segcli-scheduler-check", daemon=True)
+    thread.start()
+    thread.join(2 * seconds + 0.5)
+    if thread.is_alive():
+        raise DataError(f"{address}: no dask scheduler answers there within {seconds:g} s")
+    if "error" in outcome:
+        err = outcome["error"]
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if address.startswith("inproc://"):
+            reason = "an inproc address names a scheduler in this same process, and none is there"
+        raise DataError(f"the dask scheduler at {address} cannot be reached ({reason})") from err
+    reply = outcome["reply"]
+    if not (isinstance(reply, dict) and reply.get("type") == "Scheduler"):
+        raise DataError(f"{address}: answers, but is no dask scheduler")
 
 
 def shard_count(client, n_structures):

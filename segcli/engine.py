@@ -456,14 +456,50 @@ def _pad(dtypes, chunk, least, buffers, device_checks_nan=False):
                    device_checks_nan)
 
 
-def padded_size(n_atoms, chunk_atoms):
+PADDING_BYTES = 1 << 26
+"""Bytes of per-structure outputs beyond which a chunk's structures are padded to no more than
+the largest chunk's count (not to its bucket), so that padding never multiplies a wide output
+(bincount's rows of --length counts)."""
+
+
+def padded_size(n_atoms, chunk_atoms, structure_bytes=0):
     """(rows, structures) every chunk of structures with `n_atoms` atoms is padded to: the
-    buckets of the largest chunk, so that a whole run compiles once."""
+    buckets of the largest chunk, so that a whole run compiles once; the structures only to the
+    largest chunk's count where, at `structure_bytes` of outputs each, the bucket would take
+    more than PADDING_BYTES."""
     from segcli.io.core import plan_chunks
 
     bounds = np.array(plan_chunks(n_atoms, chunk_atoms))
     atoms = np.diff(np.concatenate([[0], np.cumsum(n_atoms)])[bounds])
-    return bucket(int(atoms.max(initial=0))), bucket(int(np.diff(bounds).max(initial=0)))
+    structures = int(np.diff(bounds).max(initial=0))
+    padded = bucket(structures)
+    if padded * structure_bytes > PADDING_BYTES:
+        padded = max(structures, 1)
+    return bucket(int(atoms.max(initial=0))), padded
+
+
+def _structure_bytes(jobs):
+    """Bytes that one structure's per-structure outputs of `jobs` take on the device and on the
+    host together."""
+    return sum(2 * dtype.itemsize * math.prod(shape) for job in jobs
+               for per, shape, dtype in job.outputs.values() if per == "structure")
+
+
+def _check_output_memory(jobs, structures):
+    """DataError when the per-structure outputs of `jobs` for a chunk of `structures`
+    (padded) cannot fit in the memory available, naming the op's params that make them wide
+    (bincount's --length)."""
+    from segcli.io.core import available_memory
+
+    need, have = structures * _structure_bytes(jobs), available_memory()
+    if need <= have:
+        return
+    widest = max(jobs, key=lambda job: _structure_bytes((job,)))
+    params = ", ".join(f"--{name} {value}" for name, value in widest.params.items())
+    raise DataError(f"{widest.path}: {widest.spec.name}{f' with {params}' if params else ''} "
+                    f"needs {need} bytes for the outputs of a chunk of {structures} structures, "
+                    f"more than the {have} bytes of memory available"
+                    + (f"; give a smaller {params.split()[0]}" if params else ""))
 
 
 def lending(buffers, dtypes, fields, least_rows, windows=False):
@@ -501,7 +537,8 @@ def _padded_chunks(batch, jobs, chunk_atoms, structures, buffers, on_device=Fals
         dtype.itemsize * math.prod(fields[name].shape) for name, dtype in dtypes.items()
         if fields[name].per == "atom"))
     check_memory(jobs[0].path, batch.n_atoms[structures], structures.start or 0, row_bytes)
-    least = padded_size(batch.n_atoms[structures], chunk_atoms)
+    least = padded_size(batch.n_atoms[structures], chunk_atoms, _structure_bytes(jobs))
+    _check_output_memory(jobs, least[1])
     # a CPU computes from the file's pages as they are, where they can be mapped: no copy
     windows = not on_device and not buffers.pinned
     chunks = batch.iter_chunks(list(read), chunk_atoms=chunk_atoms, structures=structures,

@@ -135,6 +135,29 @@ def interrupting_signal():
     return _received[0] if _received else None
 
 
+_SHORTAGE_SIGNS = ("RESOURCE_EXHAUSTED", "failed to map segment", "Cannot allocate memory",
+                   "cannot allocate memory")
+
+
+def memory_shortage(err):
+    """One line saying that memory ran out, if the exception `err` (or one it comes from) says
+    so: a MemoryError, an allocation XLA could not make, a library that could not be loaded
+    under a limit on memory; else None."""
+    import resource
+
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        if isinstance(err, MemoryError) or any(sign in text for sign in _SHORTAGE_SIGNS):
+            limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+            where = (f"the limit on memory ({limit} bytes, ulimit -v)"
+                     if limit != resource.RLIM_INFINITY else "the memory free")
+            return f"out of memory{f' ({text})' if text else ''}: the work needs more than {where}"
+        err = err.__cause__ or err.__context__
+    return None
+
+
 def raise_if_interrupted():
     """Raise Interrupted if a signal arrived, even one whose exception a C library's callback
     swallowed: called before a result is committed."""

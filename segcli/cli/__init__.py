@@ -4,6 +4,7 @@ Command modules import only click at start-up; jax, warp, h5py and ase are impor
 the commands, so `segcli --help` stays fast.
 """
 
+import contextlib
 import errno
 import io
 import os
@@ -19,6 +20,7 @@ from segcli.errors import (
     for_user,
     interruptible,
     interrupting_signal,
+    memory_shortage,
 )
 
 
@@ -94,7 +96,8 @@ def _interrupted(err):
 class SegcliGroup(click.Group):
     """Every command's errors as one line on stderr and an exit code (a traceback only with
     --debug): 1 for bad data and for what the system refuses (a full disk, a missing
-    permission), 128 + N for signal N (SIGINT, SIGTERM, or a closed stdout: 141, quietly)."""
+    permission, too little memory), 128 + N for signal N (SIGINT, SIGTERM, or a closed
+    stdout: 141, quietly)."""
 
     def main(self, args=None, **kwargs):
         if args is None:  # arguments from sys.argv: run as the program, not by a caller
@@ -131,10 +134,15 @@ class SegcliGroup(click.Group):
                     _silence_stdout()
                 note(f"Error: {_one_line(for_user(str(err)))}")
                 sys.exit(1)
-            except Exception:  # after a signal: a library's rendering of its Interrupted
-                if ctx.meta.get("segcli.debug") or interrupting_signal() is None:
+            except Exception as err:  # a library's rendering of an Interrupted, or of no memory
+                if ctx.meta.get("segcli.debug"):
                     raise
-                _interrupted(Interrupted(interrupting_signal()))
+                if interrupting_signal() is not None:
+                    _interrupted(Interrupted(interrupting_signal()))
+                if memory_shortage(err) is None:
+                    raise
+                note(f"Error: {memory_shortage(err)}")
+                sys.exit(1)
 
 
 @click.group(cls=SegcliGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -356,6 +356,23 @@ def _start_gpu_backend(jax):
     starting.join()
 
 
+BACKEND_ADDRESS_SPACE = 1_800_000_000
+"""Bytes of address space that JAX and Warp take as they start (1.65 GB on a 2-core CPU
+machine): under a tighter limit (ulimit -v) XLA aborts the process when it cannot create its
+threads, rather than raise."""
+
+
+def _check_address_space():
+    """DataError when the limit on address space leaves too little for JAX and Warp."""
+    from segcli.errors import DataError
+    from segcli.io.core import address_space_left
+
+    left = address_space_left()
+    if left is not None and left < BACKEND_ADDRESS_SPACE:
+        raise DataError(f"out of memory: JAX and Warp need about {BACKEND_ADDRESS_SPACE} bytes "
+                        f"of address space, and the limit on memory (ulimit -v) leaves {left}")
+
+
 def device(choice):
     """The JAX device for --device auto|cpu|gpu (auto: a GPU when JAX sees one).
 
@@ -374,6 +391,7 @@ def device(choice):
     if _program and "xla_force_host_platform_device_count" not in flags:
         flags += f" --xla_force_host_platform_device_count={min(threads.count(), HOST_DEVICES)}"
     os.environ["XLA_FLAGS"] = flags.strip()
+    _check_address_space()
     with _loading():
         import jax
     if _program:

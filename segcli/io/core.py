@@ -56,12 +56,30 @@ def path_text(path):
 
 def available_memory():
     """Bytes of memory this process can still take: the kernel's MemAvailable (Linux), else the
-    machine's physical memory."""
+    machine's physical memory; at most what the limit on its address space leaves (see
+    address_space_left)."""
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     with contextlib.suppress(OSError, ValueError, StopIteration):
         with open("/proc/meminfo") as meminfo:
             line = next(line for line in meminfo if line.startswith("MemAvailable:"))
-        return int(line.split()[1]) * 1024
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        have = int(line.split()[1]) * 1024
+    left = address_space_left()
+    return have if left is None else min(have, left)
+
+
+def address_space_left():
+    """Bytes of address space that the limit on it (RLIMIT_AS, ulimit -v) leaves this process,
+    or None where there is no limit (or the process's size cannot be read)."""
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit == resource.RLIM_INFINITY:
+        return None
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        with open("/proc/self/status") as status:
+            line = next(line for line in status if line.startswith("VmSize:"))
+        return max(limit - int(line.split()[1]) * 1024, 0)
+    return None
 
 
 def check_memory(path, n_atoms, first, row_bytes):

@@ -2,11 +2,13 @@
 time: the inverse of reading one (see segcli.io.asefiles.structure_piece)."""
 
 import os
-from contextlib import ExitStack
+import shutil
+import warnings
+from contextlib import ExitStack, contextmanager, suppress
 
 import numpy as np
 
-from segcli.errors import DataError
+from segcli.errors import DataError, memory_shortage, raise_if_interrupted
 from segcli.io.writers import FieldChoice, new_output
 
 HDF5_SUFFIXES = (".h5", ".hdf5")
@@ -14,6 +16,19 @@ _COMPRESSED = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma"}
 _DATABASES = ("db", "json")
 """Formats written through ase.db, a row per structure (ASE's own writers of these need a
 file name that says the format, which a temporary's does not)."""
+_STREAMED = frozenset({"extxyz", "xyz", "traj", "cif", "eon", "castep-geom", "castep-md", "py",
+                       "runnerdata", "vasp-xdatcar"})
+"""Formats of several structures whose ASE writers take them one at a time (the others are
+given a list, held in memory)."""
+_UNWRITABLE = {"pov": "ASE writes it as several files (.pov, .ini)",
+               "xtd": "ASE writes it as two files (.xtd, .arc)",
+               "mustem": "ASE's writer needs the microscope's keV, which segcli does not take",
+               "espresso-in": "ASE's writer needs pseudopotentials, which segcli does not take"}
+_NEEDS_CELL = frozenset({"abinit-in", "cfg", "crystal", "dftb", "dmol-incoor", "elk-in", "jsv",
+                         "lammps-data", "onetep-in", "prismatic", "res", "rmc6f", "struct",
+                         "v-sim", "vasp"})
+"""Formats that hold only structures with a cell of three vectors (ASE's writers of some
+invent one, others fail)."""
 
 
 def export_format(path):
@@ -33,7 +48,21 @@ def export_format(path):
     if fmt not in ioformats or not ioformats[fmt].can_write:
         raise DataError(f"{name}: no format to write by that name; name a segcli HDF5 file "
                         "(.h5, .hdf5) or a file ASE writes (.extxyz, .traj, .db, .xyz, ...)")
+    io = ioformats[fmt]
+    reason = _UNWRITABLE.get(fmt)
+    if reason is None and not (io.single or io.acceptsfd or fmt in _DATABASES):
+        reason = "ASE writes it only as a directory, an animation or to a server"
+    if reason is None and _compression(name) and (fmt == "db" or not io.acceptsfd):
+        reason = ("ASE reads it only from a file of its own, not compressed; leave out "
+                  f"{os.path.splitext(name)[1]}")
+    if reason is not None:
+        raise DataError(f"{name}: segcli cannot export to the format {fmt}: {reason}")
     return fmt
+
+
+def _compression(output):
+    """The module (gzip, bz2, lzma) compressing the file `output` as its suffix says, or None."""
+    return _COMPRESSED.get(os.path.splitext(output)[1].lower())
 
 
 def export(inputs, output, fmt, *, chunk_atoms=100_000, fields=None, drop=None, rename=None,
@@ -69,26 +98,154 @@ def export(inputs, output, fmt, *, chunk_atoms=100_000, fields=None, drop=None, 
         tmp = stack.enter_context(new_output(output, force))
         if progress is not None and None not in (b.counted for b in batches):
             progress.reset(sum(b.counted for b in batches))
-        images = _images(batches, stated, choice, chunk_atoms, keep, counts, progress)
-        if fmt in _DATABASES:
-            _write_database(tmp, fmt, images)
-        elif ioformats[fmt].single:
-            write(tmp, _only_one(output, fmt, images), format=fmt)
-        else:
-            with _open(tmp, output, ioformats[fmt].isbinary) as fd:
-                write(fd, images, format=fmt)
+        images = _read_as_usual(_images(batches, stated, choice, chunk_atoms, keep, counts,
+                                        progress))
+        io = ioformats[fmt]
+        if io.single:
+            images = iter([_only_one(output, fmt, images)])
+        if fmt in _NEEDS_CELL:
+            images = _with_cells(output, fmt, images)
+        with _written_by_ase(output, fmt, tmp):
+            if fmt in _DATABASES:
+                with _plain(tmp, output) as plain:
+                    _write_database(plain, fmt, images)
+            elif io.single and not io.acceptsfd:
+                with _plain(tmp, output) as plain:
+                    write(plain, next(images), format=fmt)
+            else:
+                images = next(images) if io.single else (
+                    images if fmt in _STREAMED else list(images))
+                with _open(tmp, output, io.isbinary) as fd:
+                    write(fd, images, format=fmt)
         choice.check(inputs)
     return tuple(counts)
 
 
-def _open(tmp, output, binary):
-    """The temporary `tmp` opened for writing, compressed as `output`'s suffix says (by the
-    module of that compression: gzip, bz2 or lzma)."""
-    import importlib
+@contextmanager
+def _written_by_ase(output, fmt, tmp):
+    """Run the block, in which ASE writes `output` in the format `fmt` into the temporary
+    `tmp` (and files beside it named tmp...), with its failures as one DataError naming both:
+    a file that reached the file-size limit or filled its disk, an exception of ASE's writer, a
+    float operation that gives NaN or infinity (a cell of zeros inverted); ASE's warnings are
+    not shown. DataError, OSError naming a file and running out of memory pass as they are
+    (those of reading the inputs among them); what the writer left beside `tmp` is removed."""
+    try:
+        with warnings.catch_warnings(), np.errstate(divide="raise", over="raise",
+                                                    invalid="raise"):
+            warnings.simplefilter("ignore")
+            yield
+    except DataError:
+        raise
+    except Exception as err:
+        raise_if_interrupted()
+        if (isinstance(err, OSError) and err.filename is not None) or memory_shortage(err):
+            raise
+        reason = _out_of_room(tmp)
+        if reason is None and isinstance(err, OSError) and err.strerror:
+            reason = err.strerror
+        if reason is None:
+            text = str(err).strip()
+            reason = (f"ASE cannot write the format {fmt}: {type(err).__name__}"
+                      f"{': ' if text else ''}{text.splitlines()[0] if text else ''}")
+        raise DataError(f"{output}: {reason}") from err
+    finally:
+        for left in _beside(tmp):
+            with suppress(FileNotFoundError):
+                os.unlink(left)
 
-    module = _COMPRESSED.get(os.path.splitext(output)[1].lower())
-    opener = importlib.import_module(module).open if module else open
-    return opener(tmp, "wb" if binary else "wt")
+
+def _beside(tmp):
+    """The files named tmp... (an SQLite journal, a scratch file) that writers made beside the
+    temporary `tmp`, not `tmp` itself."""
+    directory, name = os.path.split(tmp)
+    with suppress(OSError):
+        return [os.path.join(directory, n) for n in os.listdir(directory or ".")
+                if n.startswith(name[:-len(".tmp")]) and n != name]
+    return []
+
+
+_ROOM = 1 << 16
+"""Bytes within which a file counts as having reached the file-size limit, or its disk as full."""
+
+
+def _out_of_room(tmp):
+    """Why the temporary `tmp`, or a file beside it, could not grow: it reached the file-size
+    limit (RLIMIT_FSIZE), or its disk is full; None if neither."""
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    for path in [tmp, *_beside(tmp)]:
+        with suppress(OSError):
+            if limit != resource.RLIM_INFINITY and os.path.getsize(path) + _ROOM >= limit:
+                return f"File too large: it reached the file size limit ({limit} bytes, ulimit -f)"
+    with suppress(OSError):
+        disk = os.statvfs(tmp)
+        if disk.f_bavail * disk.f_frsize < _ROOM:
+            return "No space left on device"
+    return None
+
+
+def _read_as_usual(images):
+    """The structures `images`, each read under NumPy's float error handling of now (not the
+    stricter one of _written_by_ase, which is for ASE's writer)."""
+    errors = np.geterr()
+    iterator = iter(images)
+    while True:
+        with np.errstate(**errors):
+            atoms = next(iterator, None)
+        if atoms is None:
+            return
+        yield atoms
+
+
+@contextmanager
+def _open(tmp, output, binary):
+    """The temporary `tmp` opened for writing (text as UTF-8 unless `binary`), compressed as
+    `output`'s suffix says (by the module of that compression: gzip, bz2 or lzma); a gzip
+    stream names the file it holds as `output`'s, not the temporary's."""
+    import importlib
+    import io
+
+    module = _compression(output)
+    with open(tmp, "wb") as raw:
+        if module == "gzip":
+            import gzip
+
+            stream = gzip.GzipFile(os.path.basename(output)[:-len(".gz")], "wb", fileobj=raw)
+        elif module is not None:
+            stream = importlib.import_module(module).open(raw, "wb")
+        else:
+            stream = raw
+        with stream:
+            if binary:
+                yield stream
+            else:
+                with io.TextIOWrapper(stream, encoding="utf-8", write_through=True) as text:
+                    yield text
+
+
+@contextmanager
+def _plain(tmp, output):
+    """A path for a writer that takes only a file's name: `tmp` itself, or, where `output`'s
+    suffix asks for compression, a scratch file beside it (see _beside) that is compressed
+    into `tmp` when the block ends cleanly."""
+    if _compression(output) is None:
+        yield tmp
+        return
+    scratch = f"{tmp[:-len('.tmp')]}.plain.tmp"  # removed as tmp is after a kill
+    yield scratch
+    with open(scratch, "rb") as source, _open(tmp, output, binary=True) as target:
+        shutil.copyfileobj(source, target, 1 << 20)
+
+
+def _with_cells(output, fmt, images):
+    """The structures `images`, DataError for one without a cell of three vectors."""
+    for number, atoms in enumerate(images):
+        if atoms.cell.rank < 3:
+            raise DataError(f"{output}: the format {fmt} holds only structures with a cell of "
+                            f"three vectors; structure {number} (counting those written) has "
+                            f"{atoms.cell.rank}")
+        yield atoms
 
 
 def _only_one(output, fmt, images):
@@ -99,21 +256,53 @@ def _only_one(output, fmt, images):
     return first
 
 
-def _write_database(tmp, fmt, images):
+def _write_database(path, fmt, images):
+    """The structures `images` as the rows of a new ASE database `path` of the type `fmt`."""
     import ase.db
+
+    if fmt == "json":
+        _write_json(path, _rows(images))
+        return
+    with ase.db.connect(path, type=fmt, serial=True, append=False) as db:
+        for atoms, pairs, data in _rows(images):
+            db.write(atoms, key_value_pairs=pairs, data=data)
+
+
+def _rows(images):
+    """(atoms, key-value pairs, data) of each structure as a database row holds it: its info's
+    scalars under names a database allows as key-value pairs, the rest of its info as data."""
     from ase.db.core import reserved_keys
 
-    with ase.db.connect(tmp, type=fmt, serial=True, append=False) as db:
-        for atoms in images:
-            pairs, data = {}, {}
-            for key, value in atoms.info.items():
-                scalar = isinstance(value, (str, bool, int, float, np.generic))
-                if scalar and key not in reserved_keys and key.isidentifier():
-                    pairs[key] = value.item() if isinstance(value, np.generic) else value
-                else:
-                    data[key] = value
-            atoms.info = {}
-            db.write(atoms, key_value_pairs=pairs, data=data)
+    for atoms in images:
+        pairs, data = {}, {}
+        for key, value in atoms.info.items():
+            scalar = isinstance(value, (str, bool, int, float, np.generic))
+            if scalar and key not in reserved_keys and key.isidentifier():
+                pairs[key] = value.item() if isinstance(value, np.generic) else value
+            else:
+                data[key] = value
+        atoms.info = {}
+        yield atoms, pairs, data
+
+
+def _write_json(path, rows):
+    """The rows as ASE's JSON database `path`, written one after another (ASE's own writer
+    reads and rewrites the whole file for each row: time quadratic in the rows), each as ASE
+    encodes it."""
+    import io
+
+    from ase.db.jsondb import JSONDatabase
+
+    count = 0
+    with open(path, "w") as out:
+        out.write("{")
+        for atoms, pairs, data in rows:
+            alone = io.StringIO()  # ASE's file of this one row: {"1": {...},\n"ids": ...}
+            JSONDatabase(alone, serial=True).write(atoms, key_value_pairs=pairs, data=data)
+            text = alone.getvalue()
+            count += 1
+            out.write(f'"{count}": ' + text[len('{"1": '):text.rindex('"ids": ')])
+        out.write(f'"ids": {list(range(1, count + 1))},\n"nextid": {count + 1}}}\n')
 
 
 def _images(batches, stated, choice, chunk_atoms, keep, counts, progress):

@@ -2,6 +2,7 @@
 Transition1x, read in place."""
 
 import contextlib
+import errno
 import functools
 import itertools
 import math
@@ -40,8 +41,15 @@ HDF5_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError)
 """What h5py raises for damaged metadata or data."""
 
 
+_REFUSALS = (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EACCES, errno.EPERM)
+"""Errors of opening a file that say what the system refuses, not what the file holds."""
+
+
 def damaged(path, err):
-    """The DataError for an HDF5 file that h5py cannot read (`err`: what it raised)."""
+    """The DataError for an HDF5 file that h5py cannot read (`err`: what it raised), or cannot
+    open for a reason of the system's (too many open files, too little memory, permission)."""
+    if isinstance(err, OSError) and err.errno in _REFUSALS:
+        return DataError(f"{path}: cannot open it ({os.strerror(err.errno)})")
     return DataError(f"{path}: damaged HDF5 file ({type(err).__name__}: {err})")
 
 
