@@ -4,7 +4,6 @@ Command modules import only click at start-up; jax, warp, h5py and ase are impor
 the commands, so `segcli --help` stays fast.
 """
 
-import contextlib
 import errno
 import io
 import os
