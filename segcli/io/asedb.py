@@ -1,7 +1,12 @@
 """ASE databases (SQLite `.db`, JSON, and LMDB `.aselmdb` as OMat24 and OMol25 ship them) read
 row by row, never all at once."""
 
+import contextlib
 import operator
+import os
+import sqlite3
+import struct
+import urllib.parse
 
 import numpy as np
 
@@ -9,14 +14,25 @@ from segcli.errors import DataError
 from segcli.io.asefiles import StreamedBatch, structure_piece
 
 PAGE_ROWS = 100
-CONNECT_OPTIONS = {"aselmdb": {"readonly": True}, "db": {"serial": True},
-                   "json": {"serial": True}}
-"""ase.db.connect's options per database type: read only, no locks, no parallel scheme."""
+CONNECT_OPTIONS = {"aselmdb": {"readonly": True}, "db": {}, "json": {}}
+"""ase.db.connect's options per database type besides serial=True and use_lock_file=False (no
+parallel scheme, no lock file): LMDB read only and lock-free."""
+
+SQLITE_VERSIONS = slice(18, 20)  # the header's write and read versions: 2 and 2 in WAL mode
+SQLITE_WAL = b"\x02\x02"
+LMDB_MAGICS = (b"\xde\xc0\xef\xbe", b"\xbe\xef\xc0\xde")  # 0xBEEFC0DE, either byte order
+LMDB_MAGIC_OFFSET = 16  # after the page header of LMDB's first meta page
+LMDB_MAGIC = 0xBEEFC0DE
+LMDB_META = struct.Struct("=IIQQI44x48xQQ")
+"""An LMDB meta page after its 16-byte page header (64-bit build, native byte order): magic,
+version, address, map size, the free-page tree (whose first field holds the page size, then
+the rest of it and the main tree), the last page used, the transaction id."""
 
 
 def connect(path, kind):
-    """A read-only connection to the ASE database `path` of type `kind`; DataError (naming the
-    extra to install) when its backend is missing."""
+    """A read-only connection to the ASE database `path` of type `kind`, which never writes to
+    the file or beside it; DataError (naming the extra to install) when its backend is missing,
+    when an SQLite file is not ASE's, or when an LMDB file is shorter than its header says."""
     import ase.db
 
     if kind == "aselmdb":
@@ -25,7 +41,70 @@ def connect(path, kind):
         except ImportError as err:
             raise DataError(f"{path}: reading .aselmdb files needs the ase-db-backends and lmdb "
                             f"packages: pip install 'segcli[lmdb]' ({err})") from err
-    return ase.db.connect(path, type=kind, **CONNECT_OPTIONS[kind])
+        check_lmdb_length(path)
+    if kind == "db":
+        return read_only_sqlite(path)
+    return ase.db.connect(path, type=kind, serial=True, use_lock_file=False,
+                          **CONNECT_OPTIONS[kind])
+
+
+def read_only_sqlite(path):
+    """ASE's SQLite database `path` over read-only connections (ASE's own would add its tables
+    to any SQLite file, and may leave a journal beside it); DataError when the file is an SQLite
+    database without ASE's `systems` table, or SQLite cannot read it."""
+    from ase.db.sqlite import SQLite3Database
+
+    uri = read_only_uri(path)
+    try:
+        with contextlib.closing(sqlite3.connect(uri, uri=True)) as con:
+            tables = {name for (name,) in con.execute(
+                "SELECT name FROM sqlite_master WHERE type='table'")}
+    except sqlite3.Error as err:
+        raise DataError(f"{path}: SQLite cannot read it ({err})") from None
+    if "systems" not in tables:
+        raise DataError(f"{path}: an SQLite database, but not ASE's (no 'systems' table)")
+    db = SQLite3Database(path, serial=True)
+    db._connect = lambda: sqlite3.connect(uri, uri=True, timeout=20)  # each one ASE opens
+    return db
+
+
+def read_only_uri(path):
+    """The URI that opens the SQLite file `path` read-only; also immutable where the file is in
+    WAL mode with no WAL file beside it, for which SQLite would otherwise create an empty one
+    and its index."""
+    with open(path, "rb") as f:
+        versions = f.read(SQLITE_VERSIONS.stop)[SQLITE_VERSIONS]
+    immutable = versions == SQLITE_WAL and not os.path.exists(f"{path}-wal")
+    return (f"file:{urllib.parse.quote(os.path.abspath(path))}?mode=ro"
+            f"{'&immutable=1' if immutable else ''}")
+
+
+def check_lmdb_length(path):
+    """DataError unless the LMDB file `path` holds every page its newest meta page counts (LMDB
+    maps the file, and a page past its end is a SIGBUS, not an error). A file whose magic is
+    not this machine's byte order is left to LMDB, which refuses it."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        first = f.read(LMDB_MAGIC_OFFSET + LMDB_META.size)
+        if len(first) < LMDB_MAGIC_OFFSET + LMDB_META.size:
+            raise DataError(f"{path}: an LMDB file of {size} bytes, shorter than its header")
+        meta = LMDB_META.unpack_from(first, LMDB_MAGIC_OFFSET)
+        if meta[0] != LMDB_MAGIC:
+            return
+        page = meta[4]
+        if page < 512 or page & (page - 1):
+            raise DataError(f"{path}: LMDB header gives a page size of {page} bytes")
+        f.seek(page)
+        second = f.read(LMDB_MAGIC_OFFSET + LMDB_META.size)
+    if len(second) < LMDB_MAGIC_OFFSET + LMDB_META.size:
+        raise DataError(f"{path}: an LMDB file of {size} bytes, shorter than its two header "
+                        f"pages of {page} bytes: truncated")
+    metas = [meta, LMDB_META.unpack_from(second, LMDB_MAGIC_OFFSET)]
+    last_page = max(metas, key=lambda m: m[-1])[-2]
+    if size < (last_page + 1) * page:
+        raise DataError(f"{path}: truncated: {size} bytes, where its LMDB header counts "
+                        f"{last_page + 1} pages of {page} bytes ({(last_page + 1) * page} "
+                        "bytes)")
 
 
 ROW_ARRAYS = {"numbers": (int, ()), "positions": (float, (3,)), "initial_magmoms": (float, None),
