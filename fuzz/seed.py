@@ -183,19 +183,21 @@ def _format_files():
     }
 
 
-def _database_bytes(images, kind, **pairs):
+def _database_bytes(images, kind, spectrum=7, **pairs):
     """An ASE database of type `kind` ("db": its SQLite pages made 512 bytes, the smallest, and
     "aselmdb": copied compacted, so the seeds stay small) holding `images`, each row with
-    key-value `pairs` and a `data` array."""
+    key-value `pairs` and a `data` array of `spectrum` random numbers (1000: past half an LMDB
+    page, so LMDB keeps the row in overflow pages)."""
     import sqlite3
 
     import ase.db
 
+    rng = np.random.default_rng(4)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, f"file.{kind}")
         with ase.db.connect(path, type=kind) as db:
             for atoms in images:
-                db.write(atoms, data={"spectrum": np.linspace(0, 1, 7)}, **pairs)
+                db.write(atoms, data={"spectrum": rng.random(spectrum)}, **pairs)
         if kind == "db":
             con = sqlite3.connect(path)
             con.execute("PRAGMA page_size=512")
@@ -228,7 +230,8 @@ def _asedb_files():
 
 def _aselmdb_files():
     return {"two.aselmdb": _database_bytes(_structures(2), "aselmdb", config="x"),
-            "empty.aselmdb": _database_bytes([], "aselmdb")}
+            "empty.aselmdb": _database_bytes([], "aselmdb"),
+            "overflow.aselmdb": _database_bytes(_structures(1), "aselmdb", spectrum=1000)}
 
 
 def _cli_outputs(*commands):

@@ -4,8 +4,10 @@ is not an ASE database is refused untouched; a truncated LMDB file is refused be
 mapped (a page past its end would be a SIGBUS)."""
 
 import hashlib
+import mmap
 import os
 import sqlite3
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -107,6 +109,7 @@ def run(*args):
     return CliRunner().invoke(main, [str(a) for a in args])
 
 
+PAGE = mmap.PAGESIZE  # LMDB's page size: the memory page size of the machine that wrote the file
 KINDS = ["segcli-hdf5", "conformers", "extxyz", "traj", "db", "json", "aselmdb",
          "foreign-sqlite", "foreign-sqlite-wal", "directory"]
 
@@ -131,23 +134,44 @@ def test_reading_leaves_the_input_and_its_directory_unchanged(tmp_path, kind):
     np.testing.assert_allclose(rows[:, -3:], expected, rtol=1e-6, atol=1e-6)
 
 
-def test_a_truncated_lmdb_file_is_refused_before_it_is_mapped(tmp_path):
-    """Cut at a page boundary, the file lacks pages its header counts: LMDB would map them and
-    the first read of one would kill the process with SIGBUS."""
+def truncated(data):
+    """Cut at a page boundary: the file lacks pages its header counts."""
+    return data[:len(data) // 2 // PAGE * PAGE], "truncated: "
+
+
+def overflow_node_claiming_16_mb(data):
+    """The root leaf's node whose row lies in overflow pages, its size made 16 MB more: LMDB
+    would copy the row from past the file's end."""
+    data = bytearray(data)
+    metas = [struct.unpack_from("=QQQ", data, number * PAGE + 128) for number in (0, 1)]
+    root = max(metas, key=lambda meta: meta[2])[0]
+    lower = struct.unpack_from("=H", data, root * PAGE + 12)[0]
+    for index in range((lower - 16) // 2):
+        node = root * PAGE + struct.unpack_from("=H", data, root * PAGE + 16 + 2 * index)[0]
+        if struct.unpack_from("=H", data, node + 4)[0] & 1:  # F_BIGDATA
+            struct.pack_into("=H", data, node + 2, 0x100)
+            return bytes(data), "damaged LMDB file: page "
+    raise AssertionError("no row in overflow pages")
+
+
+@pytest.mark.parametrize("damage", [truncated, overflow_node_claiming_16_mb])
+def test_an_lmdb_file_read_past_its_end_is_refused_before_it_is_mapped(tmp_path, damage):
+    """LMDB maps the file and trusts its header and nodes: a page read past the end of the file
+    would kill the process with SIGBUS."""
     whole = tmp_path / "whole.aselmdb"
+    rows = np.random.default_rng(0).random((12, 1000))  # each row past half a page: overflow
     with ase.db.connect(whole, type="aselmdb") as db:
-        for atoms in structures(12):
-            db.write(atoms, data={"spectrum": np.random.default_rng(0).random(1000)})
-    page = 4096
+        for atoms, spectrum in zip(structures(12), rows):
+            db.write(atoms, data={"spectrum": spectrum})
     cut = tmp_path / "cut.aselmdb"
-    cut.write_bytes(whole.read_bytes()[:whole.stat().st_size // 2 // page * page])
+    data, message = damage(whole.read_bytes())
+    cut.write_bytes(data)
     child = subprocess.run([sys.executable, "-m", "segcli", "info", cut], capture_output=True,
                            text=True, timeout=120, cwd=Path(__file__).parents[1])
     assert child.returncode == 1, (child.returncode, child.stderr)
-    pages = whole.stat().st_size // page
-    assert child.stderr.splitlines() == [
-        f"Error: {cut}: truncated: {cut.stat().st_size} bytes, where its LMDB header counts "
-        f"{pages} pages of {page} bytes ({pages * page} bytes)"]
+    assert len(child.stderr.splitlines()) == 1, child.stderr
+    assert child.stderr.startswith(f"Error: {cut}: {message}"), child.stderr
+    assert child.stdout == ""
     assert sorted(os.listdir(tmp_path)) == ["cut.aselmdb", "whole.aselmdb", "whole.aselmdb-lock"]
 
 
