@@ -8,7 +8,6 @@ import operator
 import os
 import sqlite3
 import struct
-import sys
 import urllib.parse
 
 import numpy as np
@@ -18,9 +17,9 @@ from segcli.io.asefiles import StreamedBatch, structure_piece
 from segcli.io.core import file_stamp
 
 PAGE_ROWS = 100
-CONNECT_OPTIONS = {"aselmdb": {"readonly": True}, "db": {}, "json": {}}
-"""ase.db.connect's options per database type besides serial=True and use_lock_file=False (no
-parallel scheme, no lock file): LMDB read only and lock-free."""
+CONNECT_OPTIONS = {"aselmdb": {"readonly": True}, "json": {}}
+"""ase.db.connect's options for JSON and LMDB databases besides serial=True and
+use_lock_file=False (no parallel scheme, no lock file): LMDB read only and lock-free."""
 
 SQLITE_VERSIONS = slice(18, 20)  # the header's write and read versions: 2 and 2 in WAL mode
 SQLITE_WAL = b"\x02\x02"
@@ -40,6 +39,8 @@ the low and high half)."""
 LMDB_NODE = struct.Struct("=HHHH")
 """A node: its data size (a branch node: child page) low and high half, flags (a branch node:
 the child page's bits 32 to 47), key size; the key and data follow."""
+LMDB_INDEX = struct.Struct("=H")  # a node's offset in its page, from the page's node table
+LMDB_PAGE_NUMBER = struct.Struct("=Q")
 LMDB_BRANCH, LMDB_LEAF, LMDB_OVERFLOW, LMDB_DIRTY = 0x01, 0x02, 0x04, 0x10
 LMDB_BIGDATA = 0x01  # a node whose data is in overflow pages, the first one's number inline
 
@@ -47,7 +48,7 @@ LMDB_BIGDATA = 0x01  # a node whose data is in overflow pages, the first one's n
 def connect(path, kind):
     """A read-only connection to the ASE database `path` of type `kind`, which never writes to
     the file or beside it; DataError (naming the extra to install) when its backend is missing,
-    when an SQLite file is not ASE's, or when an LMDB file is shorter than its header says."""
+    when an SQLite file is not ASE's, or when LMDB would read an LMDB file past its end."""
     import ase.db
 
     if kind == "aselmdb":
@@ -155,31 +156,30 @@ def _walk_lmdb(path, data, page, root, last_page):
             raise damaged(number, f"has flags {flags:#x}, nodes from {lower} to {upper}: not a "
                                   "page of a tree of .aselmdb rows")
         for index in range((lower - LMDB_PAGE_HEADER) // 2):
-            node = int.from_bytes(data[at + LMDB_PAGE_HEADER + 2 * index:][:2], sys.byteorder)
-            low, high, node_flags, key = LMDB_NODE.unpack_from(data, at + node) if (
-                node + LMDB_NODE.size <= page) else (0, 0, 0, page)
+            node = LMDB_INDEX.unpack_from(data, at + LMDB_PAGE_HEADER + 2 * index)[0]
+            if node + LMDB_NODE.size > page:
+                raise damaged(number, f"node {index} starts past the page")
+            low, high, node_flags, key = LMDB_NODE.unpack_from(data, at + node)
             end = node + LMDB_NODE.size + key
             if flags & LMDB_BRANCH:
                 pending.append(low | high << 16 | node_flags << 32)
-                continue
-            size = low | high << 16
-            if node_flags & ~LMDB_BIGDATA:
+            elif node_flags & ~LMDB_BIGDATA:
                 raise damaged(number, f"node {index} has flags {node_flags:#x}: a named or "
                                       "duplicate-key database, which .aselmdb files never hold")
-            if node_flags & LMDB_BIGDATA:
-                end += 8
+            elif node_flags & LMDB_BIGDATA:
+                end += LMDB_PAGE_NUMBER.size
                 if end <= page:
-                    first = int.from_bytes(data[at + end - 8:][:8], sys.byteorder)
-                    _check_overflow(path, data, page, first, size, last_page, damaged)
+                    first = LMDB_PAGE_NUMBER.unpack_from(data, at + end - LMDB_PAGE_NUMBER.size)[0]
+                    _check_overflow(data, page, first, low | high << 16, last_page, damaged)
             else:
-                end += size
+                end += low | high << 16
             if end > page:
                 raise damaged(number, f"node {index} ends past the page ({end} of {page} "
                                       "bytes)")
 
 
-def _check_overflow(path, data, page, first, size, last_page, damaged):
-    """DataError unless the overflow pages from `first` hold `size` bytes inside the file."""
+def _check_overflow(data, page, first, size, last_page, damaged):
+    """`damaged(...)` unless the overflow pages from `first` hold `size` bytes in the file."""
     if not 2 <= first <= last_page:
         raise damaged(first, f"(an overflow page) is not among pages 2 to {last_page}")
     flags, lower, upper = LMDB_PAGE.unpack_from(data, first * page)
