@@ -23,6 +23,7 @@ import segcli.io.formats
 import segcli.io.hdf5
 import segcli.io.merge
 import segcli.io.statsfile
+from segcli.errors import DataError
 
 CHUNK_ATOMS = 7  # small chunks: every field is streamed through several chunk boundaries
 NAMES = ("data.extxyz", "data.xyz", "data.h5", "data.hdf5", "data.db", "data.json",
@@ -48,12 +49,16 @@ def no_printed_tracebacks(function):
         reports = []
         previous, sys.unraisablehook = sys.unraisablehook, reports.append
         try:
-            return function(data)
+            try:
+                return function(data)
+            except DataError as err:  # let go of here, with the frames its traceback holds, so
+                refusal = DataError(*err.args)  # that their objects' destructors run now
         finally:
             sys.unraisablehook = previous
             if reports:
                 raise WrongResult(f"traceback printed from {reports[0].object!r}: "
                                   f"{reports[0].exc_type.__name__}: {reports[0].exc_value}")
+        raise refusal
 
     return checked
 

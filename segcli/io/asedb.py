@@ -104,10 +104,22 @@ def check_lmdb(path):
 
 @functools.lru_cache(maxsize=256)
 def _check_lmdb(path, stamp):
-    """The file `path` is as long as its newest meta page says, and every page that its main
-    tree reaches, and every node on them, lies inside it (see _walk_lmdb). A file whose magic
-    is not this machine's byte order is left to LMDB, which refuses it."""
-    size = stamp[2]
+    """See check_lmdb; then LMDB opens the file here, not first in ase_db_backends, whose
+    destructor would open it again and print that error's traceback."""
+    import lmdb
+
+    _check_pages(path, stamp[2])
+    try:
+        lmdb.open(path, subdir=False, readonly=True, lock=False).close()
+    except lmdb.Error as err:
+        reason = str(err).removeprefix(f"{path}: ")
+        raise DataError(f"{path}: LMDB cannot open it ({reason})") from None
+
+
+def _check_pages(path, size):
+    """The file `path` of `size` bytes is as long as its newest meta page says, and every page
+    that its main tree reaches, and every node on them, lies inside it (see _walk_lmdb). A
+    file whose magic is not this machine's byte order is left to LMDB, which refuses it."""
     header = LMDB_MAGIC_OFFSET + LMDB_META.size
     with open(path, "rb") as f:
         first = f.read(header)
