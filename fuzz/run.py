@@ -82,7 +82,8 @@ def worker(target, argv):
     import atheris
 
     with atheris.instrument_imports(include=["segcli", "fuzz", "ase.io.extxyz",
-                                             "ase.io.formats", "h5py"]):
+                                             "ase.io.formats", "ase.db", "ase_db_backends",
+                                             "h5py"]):
         from fuzz.targets import TARGETS
 
     spec = TARGETS[target]

@@ -183,13 +183,99 @@ def _format_files():
     }
 
 
+def _database_bytes(images, kind, spectrum=7, **pairs):
+    """An ASE database of type `kind` ("db": its SQLite pages made 512 bytes, the smallest, and
+    "aselmdb": copied compacted, so the seeds stay small) holding `images`, each row with
+    key-value `pairs` and a `data` array of `spectrum` random numbers (1000: past half an LMDB
+    page, so LMDB keeps the row in overflow pages)."""
+    import sqlite3
+
+    import ase.db
+
+    rng = np.random.default_rng(4)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, f"file.{kind}")
+        with ase.db.connect(path, type=kind) as db:
+            for atoms in images:
+                db.write(atoms, data={"spectrum": rng.random(spectrum)}, **pairs)
+        if kind == "db":
+            con = sqlite3.connect(path)
+            con.execute("PRAGMA page_size=512")
+            con.execute("VACUUM")
+            con.close()
+            return Path(path).read_bytes()
+        import lmdb
+
+        compact = os.path.join(tmp, "compact.aselmdb")
+        with lmdb.open(path, subdir=False, readonly=True, lock=False) as env:
+            env.copy(compact, compact=True)
+        return Path(compact).read_bytes()
+
+
+def _asedb_files():
+    import sqlite3
+
+    with tempfile.TemporaryDirectory() as tmp:
+        foreign = os.path.join(tmp, "foreign.db")
+        con = sqlite3.connect(foreign)
+        con.execute("PRAGMA page_size=512")
+        con.execute("CREATE TABLE systems (id INTEGER)")
+        con.commit()
+        con.close()
+        foreign_bytes = Path(foreign).read_bytes()
+    return {"two.db": _database_bytes(_structures(2), "db", config="x", weight=1.5),
+            "no-tables.db": _database_bytes([], "db"),
+            "systems-only.db": foreign_bytes}
+
+
+def _aselmdb_files():
+    return {"two.aselmdb": _database_bytes(_structures(2), "aselmdb", config="x"),
+            "empty.aselmdb": _database_bytes([], "aselmdb"),
+            "overflow.aselmdb": _database_bytes(_structures(1), "aselmdb", spectrum=1000)}
+
+
+def _cli_outputs(*commands):
+    """{output name: bytes} of segcli commands (lists of arguments, `IN` for an extxyz file of
+    five structures) each writing the output named last."""
+    from click.testing import CliRunner
+
+    from segcli.cli import main
+
+    with tempfile.TemporaryDirectory() as tmp:
+        source = os.path.join(tmp, "in.extxyz")
+        Path(source).write_bytes(_ase_bytes(_structures(5), "extxyz"))
+        out = {}
+        for command in commands:
+            args = [source if a == "IN" else os.path.join(tmp, a) if a.endswith(".h5") else a
+                    for a in command]
+            result = CliRunner().invoke(main, args)
+            assert result.exit_code == 0, result.output
+            out[command[-1]] = Path(args[-1]).read_bytes()
+        return out
+
+
+def _merge_files():
+    return _cli_outputs(
+        ["reduce", "IN", "sum", "forces", "--shard", "1/2", "-o", "reduce-part.h5"],
+        ["grad", "IN", "sum", "positions", "--shard", "0/2", "-o", "grad-part.h5"],
+        ["stats", "IN", "energy", "--shard", "0/2", "-o",
+         "stats-part.h5"])
+
+
+def _stats_files():
+    return _cli_outputs(["stats", "IN", "forces", "energy", "-o", "plain.h5"],
+                        ["stats", "IN", "forces", "--per-element", "-o", "by-element.h5"],
+                        ["stats", "IN", "energy", "--by", "label", "-o", "by-label.h5"])
+
+
 COMMITTED = {"extxyz": _extxyz_texts, "hdf5": _hdf5_files, "conformers": _conformer_files,
-             "formats": _format_files}
+             "formats": _format_files, "asedb": _asedb_files, "aselmdb": _aselmdb_files,
+             "merge": _merge_files, "statsfile": _stats_files}
 """target -> a function returning {file name: bytes} of its committed corpus."""
 
 
 def _large_files(target):
-    """Bigger seeds, never committed: many structures, an ASE database, an ASE trajectory."""
+    """Bigger seeds, never committed: many structures, ASE databases, an ASE trajectory."""
     import ase.db
 
     images = _structures(40, seed=3)
@@ -200,6 +286,10 @@ def _large_files(target):
     if target == "conformers":
         return {"many.h5": _h5_bytes(lambda h5: [_conformer_layout(h5.create_group(f"g{i}"))
                                                  for i in range(8)])}
+    if target in ("asedb", "aselmdb"):
+        return {"many": _database_bytes(images, {"asedb": "db"}.get(target, target))}
+    if target in ("merge", "statsfile"):
+        return {}  # the committed seeds are of a few structures and fields already
     out = {"traj": _named("data.traj", _ase_bytes(images[:3], "traj"))}
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "file.db")

@@ -16,9 +16,14 @@ import numpy as np
 
 import segcli.cli.data
 import segcli.io
+import segcli.io.asedb
 import segcli.io.asefiles
+import segcli.io.core
 import segcli.io.formats
 import segcli.io.hdf5
+import segcli.io.merge
+import segcli.io.statsfile
+from segcli.errors import DataError
 
 CHUNK_ATOMS = 7  # small chunks: every field is streamed through several chunk boundaries
 NAMES = ("data.extxyz", "data.xyz", "data.h5", "data.hdf5", "data.db", "data.json",
@@ -44,12 +49,16 @@ def no_printed_tracebacks(function):
         reports = []
         previous, sys.unraisablehook = sys.unraisablehook, reports.append
         try:
-            return function(data)
+            try:
+                return function(data)
+            except DataError as err:  # let go of here, with the frames its traceback holds, so
+                refusal = DataError(*err.args)  # that their objects' destructors run now
         finally:
             sys.unraisablehook = previous
             if reports:
                 raise WrongResult(f"traceback printed from {reports[0].object!r}: "
                                   f"{reports[0].exc_type.__name__}: {reports[0].exc_value}")
+        raise refusal
 
     return checked
 
@@ -147,6 +156,76 @@ def formats(data):
         raise WrongResult(f"{path}: reads() disagrees with recognised()")
 
 
+def _unchanged(name):
+    """A target `function(path)` given the fuzzed bytes as the file `name`, alone in a
+    directory of its own; WrongResult when reading changed the file or added one beside it."""
+
+    def decorate(function):
+        @functools.wraps(function)
+        def checked(data):
+            directory = os.path.join(_scratch, f"alone-{name}")
+            shutil.rmtree(directory, ignore_errors=True)
+            os.mkdir(directory)
+            path = os.path.join(directory, name)
+            with open(path, "wb") as f:
+                f.write(data)
+            try:
+                return function(path)
+            finally:
+                after = sorted(os.listdir(directory))
+                if after != [name]:
+                    raise WrongResult(f"reading {name} left {after} in its directory")
+                with open(path, "rb") as f:
+                    if f.read() != data:
+                        raise WrongResult(f"reading {name} changed it")
+
+        return checked
+
+    return decorate
+
+
+@no_printed_tracebacks
+@_unchanged("data.db")
+def asedb(path):
+    """segcli's reader of ASE SQLite databases: info and every field; the file unchanged, no
+    journal beside it."""
+    with segcli.io.asedb.DatabaseBatch(path, "db") as batch:
+        read_through(batch)
+
+
+@no_printed_tracebacks
+@_unchanged("data.aselmdb")
+def aselmdb(path):
+    """segcli's reader of LMDB `.aselmdb` databases: info and every field; the file unchanged,
+    no lock file beside it."""
+    with segcli.io.asedb.DatabaseBatch(path, "aselmdb") as batch:
+        read_through(batch)
+
+
+@no_printed_tracebacks
+def merge(data):
+    """A part of a sharded job (results or statistics) checked as `segcli merge` checks it,
+    merged alone into a new file, and its results read back as `reduce --scheduler` does."""
+    path = _file("part.h5", data)
+    parts = segcli.io.merge.check_parts([path])
+    segcli.io.merge.merge_parts(parts, os.path.join(_scratch, "merged.h5"), force=True)
+    if parts[0].kind == segcli.io.core.FORMAT:
+        for _ in segcli.io.merge.part_rows(parts, list(parts[0].datasets), atoms_per_block=5):
+            pass
+
+
+@no_printed_tracebacks
+def statsfile(data):
+    """A statistics file (`segcli stats -o`) recognised, read, and merged with itself as
+    `segcli stats FILE FILE` does; then every row it prints."""
+    path = _file("stats.h5", data)
+    segcli.io.statsfile.is_stats_file(path)
+    stats, _ = segcli.io.statsfile.read_stats(path)
+    merged, _ = segcli.io.statsfile.merge_stats_files([path, path])
+    for s in [*stats.values(), *merged.values()]:
+        s.rows()
+
+
 class Target(NamedTuple):
     """A target: its function, and whether its input is a binary file whose offsets matter
     (HDF5: mutated mostly in place) rather than text."""
@@ -156,4 +235,6 @@ class Target(NamedTuple):
 
 
 TARGETS = {"extxyz": Target(extxyz, False), "hdf5": Target(hdf5, True),
-           "conformers": Target(conformers, True), "formats": Target(formats, False)}
+           "conformers": Target(conformers, True), "formats": Target(formats, False),
+           "asedb": Target(asedb, True), "aselmdb": Target(aselmdb, True),
+           "merge": Target(merge, True), "statsfile": Target(statsfile, True)}

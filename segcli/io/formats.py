@@ -11,7 +11,7 @@ from functools import partial
 from typing import NamedTuple
 
 from segcli.errors import DataError
-from segcli.io.asedb import DatabaseBatch
+from segcli.io.asedb import LMDB_MAGIC_OFFSET, LMDB_MAGICS, DatabaseBatch
 from segcli.io.asefiles import (
     DECOMPRESSION_ERRORS,
     AseBatch,
@@ -23,8 +23,6 @@ from segcli.io.core import EmptyBatch
 
 HEAD_BYTES = 2048  # what content detection reads of a file (decompressed, as ASE reads it)
 SQLITE_MAGIC = b"SQLite format 3\x00"
-LMDB_MAGICS = (b"\xde\xc0\xef\xbe", b"\xbe\xef\xc0\xde")  # 0xBEEFC0DE, either byte order
-LMDB_MAGIC_OFFSET = 16  # after the page header of LMDB's first meta page
 
 
 class Format(NamedTuple):

@@ -13,6 +13,7 @@ Once each is walked, the file reads safely through any handle.
 """
 
 import contextlib
+import errno
 import io
 import math
 import os
@@ -35,6 +36,14 @@ class HeapGuard(io.FileIO):
         super().__init__(path, "rb")
         self.path = path
         self.length_size = 8  # bytes of a length, from the superblock
+
+    def seek(self, offset, whence=os.SEEK_SET):
+        """FileIO's seek, where an offset past what any file holds (a damaged address that
+        HDF5 reads at) is an OSError, as HDF5 reports one it cannot read, not OverflowError."""
+        try:
+            return super().seek(offset, whence)
+        except OverflowError:
+            raise OSError(errno.EINVAL, f"no byte {offset} in a file") from None
 
     def readinto(self, buffer):
         start = self.tell()

@@ -6,6 +6,7 @@ file that one run over all of them writes, by copy or as HDF5 virtual datasets.
     parts = check_parts(paths, partial=True)    # gaps allowed: the output names them (`missing`)
 """
 
+import contextlib
 import itertools
 import os
 from dataclasses import dataclass
@@ -57,15 +58,23 @@ class Part:
     stop = property(lambda self: self.span.stop)
 
 
+@contextlib.contextmanager
+def _reading(path):
+    """The part file `path` open read-only (see guarded), what h5py raises while it is read
+    (damaged metadata or data) a DataError naming it."""
+    with guarded(path) as h5:
+        try:
+            yield h5
+        except HDF5_ERRORS as err:
+            raise damaged(path, err) from err
+
+
 def _describe(path):
     """The Part of the file `path`; DataError when it is not a result or statistics file of
     a job over a known range of structures, or its results' rows are not those structures'."""
     refuse_empty(path)
-    with guarded(path) as h5:
-        try:
-            return _described(path, h5)
-        except HDF5_ERRORS as err:
-            raise damaged(path, err) from err
+    with _reading(path) as h5:
+        return _described(path, h5)
 
 
 def _described(path, h5):
@@ -283,14 +292,12 @@ def _join(h5, name, parts, files, virtual_of):
 
 def _merge_stats(parts, output, force):
     """The statistics of the joined leaves of stats parts, as one run writes them."""
-    import h5py
-
     from segcli.io.statsfile import read_leaves, write_stats
     from segcli.stats import merge_stats
 
     leaves = []
     for part in parts:
-        with h5py.File(part.path, "r") as h5:
+        with _reading(part.path) as h5:
             leaves.append(read_leaves(part.path, h5))
     write_stats(output, merge_stats(leaves), _root_attrs(parts), force=force)
 
@@ -300,10 +307,8 @@ def part_rows(parts, names, atoms_per_block=1 << 20):
     results `names` (per structure or per atom), in structure order: to print or store them.
     A block holds at most `atoms_per_block` atoms where a result is per atom, else as many
     structures."""
-    import h5py
-
     for part in parts:
-        with h5py.File(part.path, "r") as h5:
+        with _reading(part.path) as h5:
             n_atoms = read_rows(part.path, h5["structures/n_atoms"], 0,
                                 part.stop - part.start).astype(np.int64, copy=False)
             datasets = {name: h5[f"results/{name}"] for name in names}
