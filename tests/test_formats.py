@@ -287,3 +287,29 @@ def test_rows_of_a_database_with_gaps_in_id_order(tmp_path, kind):
         got = [row.id for row in rows(path, kind, start, stop)]
         assert got == ids[start:stop], (start, stop)
         assert [row.step for row in rows(path, kind, start, stop)] == [i - 1 for i in got]
+
+
+@pytest.mark.parametrize("array", ["numbers", "positions", "forces"])
+def test_a_row_whose_arrays_disagree_on_its_atoms_is_refused_not_shifted(tmp_path, array):
+    """A database row whose atomic numbers, positions or per-atom results have different
+    lengths (edited by another program) is refused, naming the structure: its extra or missing
+    rows would otherwise be taken from, or given to, the structures after it."""
+    import sqlite3
+
+    path = tmp_path / "x.db"
+    rng = np.random.default_rng(3)
+    with ase.db.connect(path) as db:
+        for n in (2, 1, 3):
+            atoms = Atoms(numbers=[1] * n, positions=rng.normal(size=(n, 3)))
+            atoms.calc = SinglePointCalculator(atoms, energy=1.0, forces=rng.normal(size=(n, 3)))
+            db.write(atoms)
+    column = {"numbers": np.array([1, 1], np.int32), "positions": np.zeros((2, 3)),
+              "forces": np.zeros((2, 3))}[array]
+    with sqlite3.connect(path) as sql:  # structure 1 (one atom) made to hold two rows of `array`
+        sql.execute(f"update systems set {array} = ? where id = 2", (column.tobytes(),))
+    sql.close()
+    result = CliRunner().invoke(main, ["reduce", str(path), "sum", "forces"])
+    assert result.exit_code == 1, result.output
+    assert result.output.count("\n") == 1
+    assert f"{path}: structure 1: " in result.output
+    assert "rows, but the structure has" in result.output

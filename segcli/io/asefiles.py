@@ -78,6 +78,8 @@ def structure_piece(path, index, n, arrays, cell, pbc, info, results, data=None,
     from ase.outputs import all_outputs
 
     per_atom = {k: v for k, v in arrays.items() if v.dtype.kind in NUMERIC_KINDS}
+    for key, values in per_atom.items():
+        _check_atoms(path, index, n, key, values, "per-atom array")
     per_atom.update(constraint_fields(n, constraints, per_atom.pop("move_mask", None)))
     if "numbers" in per_atom:
         per_atom["numbers"] = integral_numbers(
@@ -108,8 +110,19 @@ def structure_piece(path, index, n, arrays, cell, pbc, info, results, data=None,
             if array is not None:
                 prop = all_outputs.get(key)
                 atom = prop.shapespec[:1] == ("natoms",) if prop else array.shape[:1] == (n,)
+                if atom:
+                    _check_atoms(path, index, n, key, array, source)
                 add(key, array, atom, source)
     return Chunk(index, np.array([n], np.int64), per_atom, per_structure)
+
+
+def _check_atoms(path, index, n, key, values, source):
+    """DataError unless the per-atom `values` have a row for each of a structure's n atoms (as
+    many as its atomic numbers), so that no row is taken for another structure's."""
+    if values.shape[:1] != (n,):
+        raise DataError(f"{path}: structure {index}: {source} '{key}' has "
+                        f"{values.shape[0] if values.ndim else 'no'} rows, but the structure has "
+                        f"{n} atoms (its atomic numbers)")
 
 
 def constraint_fields(n, constraints, move_mask=None):
