@@ -111,6 +111,34 @@ def test_a_database_export_keeps_info_as_key_value_pairs(tmp_path):
         assert not row.toatoms().get_tags().any()
 
 
+@pytest.mark.parametrize("suffix", [".db", ".aselmdb", ".json"])
+def test_a_database_read_exports_to_a_database_again(tmp_path, suffix):
+    """A database written from a database (the rows' own `id` and `unique_id` left to the new
+    one) holds the same structures; `.aselmdb` is LMDB, as ase-db-backends reads it."""
+    frames = mixed_frames()
+    first, second = tmp_path / f"a{suffix}", tmp_path / f"b{suffix}"
+    import ase_db_backends.aselmdb  # noqa: F401  (ASE's type aselmdb)
+
+    with ase.db.connect(first) as db:
+        for atoms in frames:
+            db.write(atoms)
+    result = run("convert", first, "-o", second, "--quiet")
+    assert result.exit_code == 0, result.output
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(("b", "."))
+                and p != second]  # no temporary, lock or journal left
+    if suffix == ".aselmdb":
+        assert not second.read_bytes().startswith(b"SQLite format 3")
+    with ase.db.connect(second) as db:
+        rows = list(db.select())
+    assert [row.id for row in rows] == list(range(1, len(frames) + 1))
+    for row, atoms in zip(rows, frames):
+        np.testing.assert_array_equal(row.numbers, atoms.numbers)
+        np.testing.assert_allclose(row.positions, atoms.positions, rtol=1e-12)
+        np.testing.assert_allclose(row.forces, atoms.calc.results["forces"], rtol=1e-12)
+        assert row.energy == pytest.approx(atoms.get_potential_energy(), rel=1e-12)
+        assert "id" not in row.data and "unique_id" not in row.data
+
+
 def test_stored_results_are_exported_as_info_and_arrays(tmp_path):
     path = write_batch(tmp_path / "d.h5", [2, 1], {"numbers": [1, 8, 6],
                                                    "positions": np.arange(9.).reshape(3, 3)},

@@ -52,16 +52,22 @@ def connect(path, kind):
     import ase.db
 
     if kind == "aselmdb":
-        try:
-            import ase_db_backends.aselmdb  # noqa: F401
-        except ImportError as err:
-            raise DataError(f"{path}: reading .aselmdb files needs the ase-db-backends and lmdb "
-                            f"packages: pip install 'segcli[lmdb]' ({err})") from err
+        lmdb_backend(path)
         check_lmdb(path)
     if kind == "db":
         return read_only_sqlite(path)
     return ase.db.connect(path, type=kind, serial=True, use_lock_file=False,
                           **CONNECT_OPTIONS[kind])
+
+
+def lmdb_backend(path):
+    """Load ase-db-backends, which gives ase.db the type aselmdb; DataError naming the extra to
+    install where it is missing (`path`, the file to read or write)."""
+    try:
+        import ase_db_backends.aselmdb  # noqa: F401
+    except ImportError as err:
+        raise DataError(f"{path}: .aselmdb files need the ase-db-backends and lmdb packages: "
+                        f"pip install 'segcli[lmdb]' ({err})") from err
 
 
 def read_only_sqlite(path):

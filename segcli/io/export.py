@@ -13,9 +13,10 @@ from segcli.io.writers import FieldChoice, new_output
 
 HDF5_SUFFIXES = (".h5", ".hdf5")
 _COMPRESSED = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma"}
-_DATABASES = ("db", "json")
+_DATABASES = ("db", "json", "aselmdb")
 """Formats written through ase.db, a row per structure (ASE's own writers of these need a
-file name that says the format, which a temporary's does not)."""
+file name that says the format, which a temporary's does not); aselmdb (LMDB, through
+ase-db-backends) is named by its suffix alone."""
 _STREAMED = frozenset({"extxyz", "xyz", "traj", "cif", "eon", "castep-geom", "castep-md", "py",
                        "runnerdata", "vasp-xdatcar"})
 """Formats of several structures whose ASE writers take them one at a time (the others are
@@ -39,6 +40,8 @@ def export_format(path):
     suffix = os.path.splitext(os.path.basename(name))[1].lower()
     if suffix in ("", *HDF5_SUFFIXES):
         return None  # (ASE, whose ase.io imports SciPy, left unloaded: 0.45 s)
+    if suffix == ".aselmdb":
+        return "aselmdb"
     from ase.io.formats import UnknownFileTypeError, filetype, ioformats
 
     try:
@@ -100,7 +103,7 @@ def export(inputs, output, fmt, *, chunk_atoms=100_000, fields=None, drop=None, 
             progress.reset(sum(b.counted for b in batches))
         images = _read_as_usual(_images(batches, stated, choice, chunk_atoms, keep, counts,
                                         progress))
-        io = ioformats[fmt]
+        io = ioformats["db" if fmt == "aselmdb" else fmt]  # both through ase.db
         if io.single:
             images = iter([_only_one(output, fmt, images)])
         if fmt in _NEEDS_CELL:
@@ -263,22 +266,33 @@ def _write_database(path, fmt, images):
     if fmt == "json":
         _write_json(path, _rows(images))
         return
-    with ase.db.connect(path, type=fmt, serial=True, append=False) as db:
+    options = {"serial": True}
+    if fmt == "aselmdb":
+        from segcli.io.asedb import lmdb_backend
+
+        lmdb_backend(path)
+        options = {}
+    with ase.db.connect(path, type=fmt, append=False, **options) as db:
         for atoms, pairs, data in _rows(images):
             db.write(atoms, key_value_pairs=pairs, data=data)
 
 
 def _rows(images):
     """(atoms, key-value pairs, data) of each structure as a database row holds it: its info's
-    scalars under names a database allows as key-value pairs, the rest of its info as data."""
+    scalars under names a database allows as key-value pairs, the rest of its info as data;
+    `id` and `unique_id` (a database's own, of the rows read) left out: the new database
+    numbers its rows itself."""
     from ase.db.core import reserved_keys
 
     for atoms in images:
         pairs, data = {}, {}
         for key, value in atoms.info.items():
-            scalar = isinstance(value, (str, bool, int, float, np.generic))
+            if key in ("id", "unique_id"):
+                continue
+            value = value.item() if isinstance(value, np.generic) else value
+            scalar = isinstance(value, (str, bool, int, float))
             if scalar and key not in reserved_keys and key.isidentifier():
-                pairs[key] = value.item() if isinstance(value, np.generic) else value
+                pairs[key] = value
             else:
                 data[key] = value
         atoms.info = {}
