@@ -882,7 +882,7 @@ def test_check_segments_names_first_bad_position():
         (lambda: ops.segmented_sum(jnp.ones((3, 2), jnp.complex64), jnp.zeros(3, jnp.int32), 2),
          TypeError, "complex64"),
         (lambda: ops.segmented_sum(jnp.ones((3, 2)), jnp.zeros(4, jnp.int32), 2),
-         ValueError, r"idx has length 4 but x has 3 rows"),
+         ValueError, r"idx has length 4 but x has 3 rows \(shape of idx: \(4,\), of x: \(3, 2\)\)"),
         (lambda: ops.segmented_sum(jnp.ones((3, 2)), jnp.zeros((3, 1), jnp.int32), 2),
          ValueError, r"one-dimensional.*\(3, 1\)"),
         (lambda: ops.segmented_sum(jnp.ones((3, 2)), jnp.zeros(3), 2),

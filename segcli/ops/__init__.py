@@ -113,15 +113,17 @@ def _taken_ids(idx, m):
     return _array(idx)
 
 
-def _ids(idx, n, m, name="idx"):
-    """Ids as int32 (`_int32`: order kept, out-of-range ids still out of range)."""
+def _ids(idx, rows, m, name="idx"):
+    """Ids as int32 (`_int32`: order kept, out-of-range ids still out of range), one for each
+    row of `rows` (the name and shape of the operand they label), if given."""
     if not jnp.issubdtype(idx.dtype, jnp.integer):
         raise TypeError(f"{name} must hold integers, got dtype {idx.dtype}")
     if idx.ndim != 1:
         raise ValueError(f"{name} must be one-dimensional (N,), got shape {idx.shape}")
-    if n is not None and idx.shape[0] != n:
-        raise ValueError(f"{name} has length {idx.shape[0]} but x has {n} rows "
-                         f"(shape of {name}: {idx.shape})")
+    if rows is not None and idx.shape[:1] != rows[1][:1]:
+        operand, shape = rows
+        raise ValueError(f"{name} has length {idx.shape[0]} but {operand} has {shape[0]} rows "
+                         f"(shape of {name}: {idx.shape}, of {operand}: {shape})")
     return _int32(idx, m)
 
 
@@ -198,21 +200,21 @@ def segments_of_offsets(offsets, rows):
     return Segments(P.segment_ids_of(offsets, int(rows)), offsets)
 
 
-def _segments(idx, n, m):
+def _segments(idx, rows, m):
     """(ids, offsets) for the primitives from ids (offsets then empty: the reductions find
-    them) or a Segments."""
+    them) or a Segments; `rows`: (name, shape) of the operand they label, or None."""
     if not isinstance(idx, Segments):
-        return _ids(idx, n, m), jnp.zeros((0,), jnp.int32)
+        return _ids(idx, rows, m), jnp.zeros((0,), jnp.int32)
     offsets = idx.offsets
     if offsets.shape != (m + 1,) or not jnp.issubdtype(offsets.dtype, jnp.integer):
         raise ValueError(f"Segments.offsets must be (num_segments + 1,) = ({m + 1},) integers, "
                          f"got shape {offsets.shape} and dtype {offsets.dtype}")
-    return _ids(idx.ids, n, m, "Segments.ids"), offsets.astype(jnp.int32)
+    return _ids(idx.ids, rows, m, "Segments.ids"), offsets.astype(jnp.int32)
 
 
 def _common(name, x, idx, m, integers=False):
     x, dtype = _floats(name, x, integers=integers)
-    return x, _segments(idx, x.shape[0], m), m, dtype
+    return x, _segments(idx, (name, x.shape), m), m, dtype
 
 
 def _params(m, indices_are_sorted):
@@ -865,7 +867,7 @@ def segmented_bincount(labels, idx, num_segments, length, *, indices_are_sorted=
                         f"{labels.dtype}")
     if labels.dtype not in (jnp.int32, jnp.int64):  # the kernels' two label types
         labels = _int32(labels, length)
-    seg = _segments(idx, labels.shape[0], num_segments)
+    seg = _segments(idx, ("labels", labels.shape), num_segments)
     return P.bincount_p.bind(labels, *seg, **_params(num_segments, indices_are_sorted),
                              length=length)
 
