@@ -3,6 +3,7 @@ a quiet exit 141 when stdout closes early."""
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -26,3 +27,15 @@ def test_closed_stdout_exits_141_quietly(command):
               f"{' '.join(command[1:])} | true; echo ${{PIPESTATUS[0]}}")
     result = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
     assert result.stdout.strip() == "141" and result.stderr == "", result
+
+
+@pytest.mark.parametrize("variable, value, option", [("SEGCLI_THREADS", "abc", "--threads"),
+                                                     ("DASK_SCHEDULER_ADDRESS", "local:x",
+                                                      "--scheduler")])
+def test_a_bad_value_from_the_environment_names_the_variable(variable, value, option):
+    sample = str(Path(__file__).parent.parent / "sample_data" / "metals.h5")
+    result = CliRunner().invoke(main, ["reduce", sample, "rms_norm", "forces"],
+                                env={variable: value})
+    assert result.exit_code == 2
+    assert f"Invalid value for {variable} (the environment's {option})" in result.output
+    assert repr(value) in result.output

@@ -510,16 +510,32 @@ def _threads(ctx, param, value):
     return value
 
 
+class EnvironmentOption(click.Option):
+    """An option that may come from an environment variable, whose bad value is named as that
+    variable's when it came from there (not as the option, which was not given)."""
+
+    def process_value(self, ctx, value):
+        try:
+            return super().process_value(ctx, value)
+        except click.BadParameter as err:
+            if ctx.get_parameter_source(self.name) is not click.core.ParameterSource.ENVIRONMENT:
+                raise
+            raise click.BadParameter(err.message, ctx, param_hint=f"{self.envvar} "
+                                     f"(the environment's {self.opts[0]})") from None
+
+
 def cluster_options(command):
     """--shard, --scheduler (SPEC §3b) and --threads, for reduce, grad and stats."""
     command = click.option(
-        "--threads", type=click.IntRange(1), envvar="SEGCLI_THREADS", callback=_threads,
+        "--threads", cls=EnvironmentOption, type=click.IntRange(1), envvar="SEGCLI_THREADS",
+        callback=_threads,
         expose_value=False, metavar="K",
         help="Threads that read (and inflate) an HDF5 file's chunks at once (default: the "
              "cores, at most 8; a local cluster's worker: its share). Also SEGCLI_THREADS.")(
         command)
     command = click.option(
-        "--scheduler", envvar="DASK_SCHEDULER_ADDRESS", metavar="ADDRESS|local:K|local:gpus",
+        "--scheduler", cls=EnvironmentOption, envvar="DASK_SCHEDULER_ADDRESS",
+        metavar="ADDRESS|local:K|local:gpus",
         callback=_scheduler,
         help="Run the job as shards on a dask.distributed cluster: its scheduler's address, "
              "local:K to start K worker processes here, or local:gpus for one worker per "
