@@ -927,6 +927,8 @@ def _finished(jobs, chunk, launched, rest, keep=None):
     for job in jobs:
         _check_integer_sum(job, chunk, kept)
     outputs, nan = finish(launched, chunk.structure_numbers, kept)
+    for job, out in zip(jobs, outputs):
+        _check_overflow(job, chunk, out, kept)
     read = reads(jobs)
     if nan and any(_nan_rows(chunk, name, True, keep) is not None for name in read):
         for _ in nan_checked(jobs[0].path, itertools.chain([chunk], rest), read,
@@ -968,6 +970,51 @@ def _check_integer_sum(job, chunk, kept=None):
         first = int(chunk.structure_numbers[filled[np.argmax(wrong)]])
         raise DataError(f"{job.path}: the sum of field '{name}' over structure {first} does "
                         f"not fit in {result} (it would wrap around)")
+
+
+def _check_overflow(job, chunk, outputs, kept=None):
+    """DataError naming the first structure (of at least one atom, holding the job's fields,
+    and of those `kept` marks, None: all) whose per-structure float value is not finite though
+    every value it reads is: a value past its dtype's range (the var of 1e308 and -1e308, a sum
+    of 1e308s), refused rather than given as inf or NaN."""
+    if job.order:
+        return
+    bad = np.zeros(len(chunk.n_atoms), bool)
+    for label, array in outputs.items():
+        per, _, dtype = job.outputs[label]
+        if per == "structure" and dtype.kind == "f":
+            bad |= ~np.isfinite(array.reshape(len(array), -1)).all(axis=1)
+    bad &= chunk.n_atoms > 0
+    for mask in (kept, job_present(chunk.present.get, job)):
+        if mask is not None:
+            bad &= mask
+    if bad.any():
+        bad &= _finite_inputs(job, chunk)
+    if bad.any():
+        first = int(np.argmax(bad))
+        raise DataError(f"{job.path}: the {job.spec.name} of '{job.fields[0]}' over structure "
+                        f"{int(chunk.structure_numbers[first])} overflows {job.precision} "
+                        "(its values are finite, the result is not)")
+
+
+def _finite_inputs(job, chunk):
+    """(S_c,) bool: True for the chunk's structures whose values of every float field that
+    `job` reads are finite."""
+    finite = np.ones(len(chunk.n_atoms), bool)
+    n_rows = int(chunk.n_atoms.sum())
+    filled = chunk.n_atoms > 0
+    starts = (np.cumsum(chunk.n_atoms) - chunk.n_atoms)[filled]
+    for name in job.read:
+        if name in chunk.atoms and n_rows:
+            values = np.asarray(chunk.atoms[name])[:n_rows].reshape(n_rows, -1)
+            if values.dtype.kind == "f":
+                rows = np.isfinite(values).all(axis=1)
+                finite[filled] &= np.logical_and.reduceat(rows, starts)
+        elif name in chunk.structures:
+            values = np.asarray(chunk.structures[name])
+            if values.dtype.kind == "f":
+                finite &= np.isfinite(values.reshape(len(values), -1)).all(axis=1)
+    return finite
 
 
 def _blank_absent(job, chunk, outputs):

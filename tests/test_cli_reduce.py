@@ -448,3 +448,29 @@ def test_matvec_on_structures_without_a_cell_warns_once_or_refuses(tmp_path):
     assert not out.exists()
     grad = run("grad", path, "matvec", "scaled_positions", "cell", "--strict")
     assert_data_error(grad, "singular or zero")
+
+
+@pytest.mark.parametrize("op, precision", [("var", "float64"), ("std", "float64"),
+                                           ("sum", "float64"), ("dot", "float32")])
+def test_a_value_that_overflows_its_precision_is_refused_not_inf(tmp_path, op, precision):
+    """Finite values whose result leaves the precision's range (in the structure between
+    others) are refused naming that structure; the same op over the others is exact."""
+    big = np.finfo(precision).max / 2
+    forces = np.array([[1.0, 2, 3], [big, big, 0], [big, -big, 0], [big, big, 0], [4, 5, 6]])
+    n_atoms = np.array([1, 3, 1])
+    path = write_batch(tmp_path / "b.h5", n_atoms, {"forces": forces})
+    fields = ["forces", "forces"] if op == "dot" else ["forces"]
+    result = CliRunner().invoke(main, ["reduce", str(path), op, *fields,
+                                       "--precision", precision])
+    assert result.exit_code == 1, result.output
+    assert result.output == (f"Error: {path}: the {op} of 'forces' over structure 1 overflows "
+                             f"{precision} (its values are finite, the result is not)\n")
+    result = CliRunner().invoke(main, ["reduce", str(path), op, *fields, "--structures", "2:",
+                                       "--precision", precision, "--format", "json"])
+    assert result.exit_code == 0, result.output
+    (row,) = [json.loads(line) for line in result.stdout.splitlines()]
+    last = forces[-1].astype(np.float64)
+    expected = {"var": [0, 0, 0], "std": [0, 0, 0], "sum": last, "dot": [last @ last]}[op]
+    got = [v for k, v in row.items() if k != "structure"]
+    assert row["structure"] == 2
+    np.testing.assert_allclose(np.ravel(got), expected, rtol=1e-6)
