@@ -226,3 +226,24 @@ def test_statistics_files_count_each_structure_once(tmp_path, job):
     (tmp_path / last.name).rename(last)
     (folder / "s-9.h5").touch()
     refused(tmp_path, ["stats", folder], "s-9.h5: empty file (0 bytes)")
+
+
+def test_a_virtual_merge_is_read_to_the_end_and_not_merged_again(tmp_path, job):
+    """A file of virtual datasets (merge --virtual) is read by a whole segcli process, which
+    ends with exit 0, not a signal at its exit; merged again, it is refused (its rows lie in
+    its parts: merge them)."""
+    import subprocess
+    import sys
+
+    here, n_atoms, _ = job
+    virtual = here / "virtual.h5"
+    if not virtual.exists():
+        ok("merge", here / "parts", "-o", virtual, "--virtual", "-q")
+    out = tmp_path / "kept.h5"
+    child = subprocess.run([sys.executable, "-m", "segcli", "select", virtual, "--where",
+                            "rms_norm_forces > 0", "-o", out, "-q"], capture_output=True,
+                           text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert child.returncode == 0, child.stderr
+    with h5py.File(out) as f:
+        np.testing.assert_array_equal(f["structures/n_atoms"][()], n_atoms[n_atoms > 0])
+    refused(tmp_path, ["merge", virtual], "is a virtual dataset (of merge --virtual)")

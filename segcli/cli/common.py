@@ -265,7 +265,7 @@ def as_program():
     """Mark this process as the segcli program: it then keeps compiled programs across runs
     (see `device`) and freed blocks of memory for reuse (segcli.keep_freed_buffers), and at
     exit the cyclic garbage collector leaves what remains to the operating system instead of
-    traversing it (0.25 s once JAX and Warp are loaded). A closed stdin, stdout or stderr
+    traversing it (0.25 s once JAX and Warp are loaded; see _leave_to_the_system). A closed stdin, stdout or stderr
     (`<&-`, `>&-`, `2>&-`) is given /dev/null opened the wrong way for stdin and stdout
     (reading or writing them fails as on a closed one) and the right way for stderr
     (messages are lost, see `note`): no file the command opens takes the place of one and
@@ -275,7 +275,7 @@ def as_program():
     global _program
     _program = True
     keep_freed_buffers()
-    atexit.register(gc.freeze)
+    atexit.register(_leave_to_the_system)
     if sys.stdout is not None and sys.stdout.errors == "strict":
         sys.stdout.reconfigure(errors="surrogateescape")
     for fd, mode in ((0, os.O_WRONLY), (1, os.O_RDONLY), (2, os.O_WRONLY)):
@@ -284,6 +284,17 @@ def as_program():
             if null != fd:
                 os.dup2(null, fd)
                 os.close(null)
+
+
+def _leave_to_the_system():
+    """At exit, leave what remains to the operating system (gc.freeze), once the cycles are
+    collected where a virtual HDF5 dataset was read: HDF5's own exit handler would close what
+    such cycles hold (a virtual layout's property lists) through callbacks into a finalized
+    Python (SIGSEGV)."""
+    hdf5 = sys.modules.get("segcli.io.hdf5")
+    if hdf5 is not None and hdf5.VIRTUAL_READ:
+        gc.collect()
+    gc.freeze()
 
 
 def _is_open(fd):

@@ -264,6 +264,11 @@ def units_of(path, ds, default=None):
     return stated(units)
 
 
+VIRTUAL_READ = set()
+"""The files whose virtual datasets this process reads: h5py objects of theirs left in
+reference cycles are collected before the segcli program exits (cli.common.as_program)."""
+
+
 def open_file(path, batch_class, **options):
     """An HDF5 file opened as `batch_class` (SegcliBatch or ConformerBatch, given `options`);
     DataError when HDF5 cannot read it."""
@@ -445,6 +450,7 @@ class SegcliBatch(Batch):
         """DataError unless the virtual dataset `ds` (at `where`) maps every element to a
         dataset of a file that exists: HDF5 reads zeros for a missing file or dataset, and
         for elements that no source maps."""
+        VIRTUAL_READ.add(self.path)
         here = os.path.dirname(os.path.abspath(self.path))
         mapped = 0
         for source in ds.virtual_sources():

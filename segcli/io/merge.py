@@ -86,6 +86,12 @@ def _described(path, h5):
     attrs = {k: plain(v) for k, v in h5.attrs.items()}
     kind = attrs.get("format")
     check_metadata(path, h5, h5, STATS_ATTRIBUTE_BYTES if kind == STATS_FORMAT else ATTRIBUTE_BYTES)
+    virtual = []
+    h5.visititems(lambda n, obj: virtual.append(n) if isinstance(obj, h5py.Dataset)
+                  and obj.is_virtual else None)
+    if virtual:  # its rows lie in other files, which the guarded file object cannot open
+        raise DataError(f"{path}: /{virtual[0]} is a virtual dataset (of merge --virtual): "
+                        "merge the parts it reads instead")
     if kind == FORMAT:
         names = []
         if isinstance(h5.get("results"), h5py.Group):
