@@ -203,3 +203,17 @@ def test_fix_atoms_and_fix_cartesian_survive_convert_and_export(tmp_path, suffix
     assert run("convert", h5, "-o", out, "--quiet").exit_code == 0
     np.testing.assert_array_equal([cartesian_masks(a) for a in ase.io.read(out, ":")],
                                   [cartesian_masks(a) for a in frames])
+
+
+@pytest.mark.parametrize("bad", [-1, -3, 119, 200, 2**40])
+@pytest.mark.parametrize("suffix", [".extxyz", ".traj"])
+def test_a_number_that_is_no_element_is_refused_not_exported_as_another(tmp_path, bad, suffix):
+    numbers = np.array([1, 8, 1, bad, 1, 1])
+    path = write_batch(tmp_path / "in.h5", np.array([2, 2, 2]),
+                       {"numbers": numbers, "positions": np.zeros((6, 3))})
+    out = tmp_path / f"out{suffix}"
+    result = run("convert", path, "-o", out)
+    assert result.exit_code == 1
+    assert result.output == (f"Error: {path}: field 'numbers' holds {bad} in structure 1, not "
+                             "an atomic number (0 to 118)\n")
+    assert not out.exists()

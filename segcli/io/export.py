@@ -325,9 +325,11 @@ def _images(batches, stated, choice, chunk_atoms, keep, counts, progress):
     (structures, atoms); `progress` counts every structure read."""
     index = 0
     for batch, units in zip(batches, stated):
+        first = index
         for group in batch.stream(chunk_atoms, choice.keep):
             for atoms, structure, n in _each_structure(choice.apply(batch.path, group, units)):
                 if keep is None or keep[index]:
+                    _check_elements(batch.path, index - first, atoms.get("numbers"))
                     yield _atoms(atoms, structure, n)
                     counts[0] += 1
                     counts[1] += n
@@ -362,6 +364,21 @@ def _constraints(per_atom):
         constraints.extend(FixCartesian(np.flatnonzero((fixed == mask).all(axis=1)), mask)
                            for mask in np.unique(fixed[fixed.any(axis=1)], axis=0))
     return constraints
+
+
+def _check_elements(path, number, numbers):
+    """DataError unless the atomic numbers `numbers` (of structure `number` of `path`; None:
+    none) are those of elements ASE knows, 0 to 118 (a negative one would index its table of
+    symbols from the end)."""
+    from ase.data import chemical_symbols
+
+    if numbers is None or not len(numbers):
+        return
+    valid = (numbers >= 0) & (numbers < len(chemical_symbols))
+    if not valid.all():
+        raise DataError(f"{path}: field 'numbers' holds {numbers[np.argmin(valid)]} in "
+                        f"structure {number}, not an atomic number (0 to "
+                        f"{len(chemical_symbols) - 1})")
 
 
 def _atoms(per_atom, per_structure, n):
