@@ -107,3 +107,25 @@ def test_data_files_still_need_fields(tmp_path, args):
     paths, _, _ = data_files(tmp_path, count=1)
     assert_one_line_error(run("stats", paths[0], *args), 2,
                           "give the FIELDs of FILE to compute statistics of")
+
+
+@pytest.mark.parametrize("key, value, needle", [
+    ("count", -5, "count holds -5, not a count of values"),
+    ("m2", np.nan, "m2 holds a value that is not finite"),
+    ("mean", np.inf, "mean holds a value that is not finite"),
+    ("m2", -1.0, "holds a negative m2 or a min above its max"),
+    ("min", 1e300, "holds a negative m2 or a min above its max")])
+@pytest.mark.parametrize("shard", [False, True])
+def test_a_statistics_file_holding_what_no_values_give_is_refused(tmp_path, key, value, needle,
+                                                                  shard):
+    paths, _, _ = data_files(tmp_path, count=1)
+    out = tmp_path / "s.h5"
+    assert run("stats", paths[0], "forces", "-o", out, *(["--shard", "0/1"] if shard else [])
+               ).exit_code == 0
+    where = "stats/forces/leaves" if shard else "stats/forces"
+    with h5py.File(out, "r+") as f:
+        values = f[f"{where}/{key}"][()]
+        values.flat[0] = value
+        f[f"{where}/{key}"][...] = values
+    target = ["merge", out, "-o", tmp_path / "m.h5"] if shard else ["stats", out]
+    assert_one_line_error(run(*target), 1, f"{out}: /{where}", needle)

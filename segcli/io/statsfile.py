@@ -72,13 +72,40 @@ def read_leaves(path, h5):
                             "`segcli stats --shard` can be merged")
         attrs = {k: plain(group.attrs[k]) for k in ("per", "components", "by_element",
                                                     "per_atom")}
-        moments = Moments(*(group["leaves"][key][()] for key in LEAF_MOMENTS))
+        moments = _checked(path, f"/stats/{name}/leaves",
+                           Moments(*(group["leaves"][key][()] for key in LEAF_MOMENTS)))
         by = plain(group.attrs["by"]) if "by" in group.attrs else None
         groups = None if by is None else plain(group.attrs["groups"])
         out[name] = FieldStats(name, attrs["per"], list(attrs["components"]),
                                bool(attrs["by_element"]), bool(attrs["per_atom"]), moments,
                                by, groups)
     return out
+
+
+def _checked(path, where, moments):
+    """`moments` as read from `where` in the file `path`; DataError naming the first dataset
+    that no values could give: counts that are not whole and non-negative, and, where a group
+    counts values, a mean, M2, min or max that is not finite, a negative M2 or a min above
+    the max."""
+    count = np.asarray(moments.count)
+    shape = (*count.shape, np.shape(moments.mean)[-1] if np.ndim(moments.mean) else 0)
+    if count.dtype.kind not in "iu" or (count < 0).any():
+        first = count.ravel()[np.argmin(count.ravel() >= 0)] if count.size else count.dtype
+        raise DataError(f"{path}: {where}/count holds {first}, not a count of values (a whole "
+                        "number, 0 or more)")
+    counted = (count > 0)[..., np.newaxis]
+    for key in LEAF_MOMENTS[1:]:
+        values = np.asarray(getattr(moments, key))
+        if values.shape != shape or values.dtype.kind != "f":
+            raise DataError(f"{path}: {where}/{key} has shape {values.shape} and dtype "
+                            f"{values.dtype}, not {shape} floats as its count says")
+        if not np.isfinite(values[np.broadcast_to(counted, shape)]).all():
+            raise DataError(f"{path}: {where}/{key} holds a value that is not finite where "
+                            "values were counted")
+    if (np.asarray(moments.m2) < 0).any() or (counted & (moments.min > moments.max)).any():
+        raise DataError(f"{path}: {where} holds a negative m2 or a min above its max, which "
+                        "no values give")
+    return moments
 
 
 def is_stats_file(path):
@@ -119,7 +146,8 @@ def read_stats(path):
                                                             "per_atom")}
                 by = plain(group.attrs["by"]) if "by" in group.attrs else None
                 groups = None if by is None else list(plain(group.attrs["groups"]))
-                stored = Moments(*(group[key][()] for key in LEAF_MOMENTS))
+                stored = _checked(path, f"/stats/{name}",
+                                  Moments(*(group[key][()] for key in LEAF_MOMENTS)))
                 if attrs["by_element"]:
                     rows = group["element"][()]
                 elif by is not None:
