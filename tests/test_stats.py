@@ -604,6 +604,7 @@ def test_fit_e0_leaves_out_structures_without_energy(tmp_path, e0_data):
     (["--energy", "nope"], 1, ["no field 'nope'"]),
     (["--fixed", "Xx=1"], 2, ["'Xx=1': 'Xx' is not an element's symbol"]),
     (["--fixed", "X=1"], 2, ["'X=1': 'X' is not an element's symbol"]),
+    (["--fixed", "Cu=1", "--fixed", "cu=2"], 2, ["'cu=2': Cu is fixed twice"]),
     (["--fixed", "H=abc"], 2, ["SYMBOL=VALUE"]),
     (["--fixed", "H=nan"], 2, ["'H=nan': the energy must be finite"]),
     (["--name", "r"], 2, ["--in-place"]),

@@ -253,6 +253,8 @@ def _fixed(ctx, param, values):
             raise click.BadParameter(f"{text!r}: {symbol!r} is not an element's symbol")
         if not math.isfinite(energy):
             raise click.BadParameter(f"{text!r}: the energy must be finite")
+        if atomic_numbers[symbol] in out:
+            raise click.BadParameter(f"{text!r}: {symbol} is fixed twice")
         out[atomic_numbers[symbol]] = energy
     return out
 
