@@ -37,5 +37,5 @@ def test_a_bad_value_from_the_environment_names_the_variable(variable, value, op
     result = CliRunner().invoke(main, ["reduce", sample, "rms_norm", "forces"],
                                 env={variable: value})
     assert result.exit_code == 2
-    assert f"Invalid value for {variable} (the environment's {option})" in result.output
+    assert f"Invalid value for '{option}' (from {variable})" in result.output
     assert repr(value) in result.output

@@ -531,8 +531,8 @@ class EnvironmentOption(click.Option):
         except click.BadParameter as err:
             if ctx.get_parameter_source(self.name) is not click.core.ParameterSource.ENVIRONMENT:
                 raise
-            raise click.BadParameter(err.message, ctx, param_hint=f"{self.envvar} "
-                                     f"(the environment's {self.opts[0]})") from None
+            raise click.BadParameter(err.message, ctx, param_hint=f"'{self.opts[0]}' (from "
+                                     f"{self.envvar})") from None
 
 
 def cluster_options(command):
