@@ -768,9 +768,6 @@ def solve_e0(batch, energy="energy", *, fixed=None, chunk_atoms=1 << 21,
                 counts = composition(numbers[bounds[lo]:bounds[hi]], chunk.n_atoms[lo:hi])
                 fit.add(counts[use], np.asarray(energies[lo:hi], float)[use])
     e0 = fit.solve(batch.path)
-    if not (e0 or fixed):
-        raise DataError(f"{batch.path}: no structure chosen has atoms and an '{energy}': "
-                        "no element to fit")
     if not np.isfinite(list(e0.values())).all():
         raise _overflow(batch.path, energy, "a fit")
     return e0, fit.structures

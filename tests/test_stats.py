@@ -700,11 +700,3 @@ def test_leaf_runs_of_structures_follow_the_last_bound_at_or_below_each():
         assert (np.diff(starts) >= 0).all()
         for j, (a, b) in enumerate(itertools.pairwise(starts)):
             assert (leaf[a:b] == first + j).all()
-
-
-def test_fit_e0_over_structures_without_atoms_is_refused(tmp_path):
-    path = write_batch(tmp_path / "empty.h5", np.zeros(3, int),
-                       {"numbers": np.zeros(0, int), "positions": np.zeros((0, 3))},
-                       {"energy": np.array([1.0, 2.0, 3.0])})
-    assert_one_line_error(run("fit-e0", path), 1,
-                          f"{path}: no structure chosen has atoms and an 'energy'")
