@@ -23,11 +23,9 @@ import numpy as np
 
 from segcli import threads
 from segcli.errors import DataError
-from segcli.io.core import Window, held, plan_chunks
+from segcli.io.core import N_ELEMENTS, Window, are_elements, held, not_an_element, plan_chunks
 from segcli.shards import even_cuts
 
-N_ELEMENTS = 119
-"""Atomic numbers 0 (ASE's placeholder X) to 118."""
 BLOCK_STRUCTURES = 1 << 15
 """Structures whose composition rows are built at a time (bounds memory for tiny structures)."""
 MAX_GROUPS = 256
@@ -238,27 +236,17 @@ def _numeric(path, name, info, role):
                         "real numbers")
 
 
-def _atomic_numbers(numbers):
-    """Whether every entry of `numbers` (a non-empty array) is 0 to N_ELEMENTS - 1: for
-    integers in one pass, the largest as unsigned (where a negative one is larger still)."""
-    if numbers.dtype.kind in "iu" and numbers.dtype.isnative:
-        return int(numbers.view(f"u{numbers.dtype.itemsize}").max()) < N_ELEMENTS
-    return bool(numbers.min() >= 0 and numbers.max() < N_ELEMENTS)  # False for NaN
-
-
 def _check_numbers(path, numbers, chunk):
     """DataError naming the first atom of `chunk`, in a structure that has numbers, whose
     number (of `numbers`) is not an atomic number."""
-    if len(numbers) and not _atomic_numbers(numbers):
+    if len(numbers) and not are_elements(numbers):
         valid = (numbers >= 0) & (numbers < N_ELEMENTS)
         if "numbers" in chunk.present:
             valid |= ~np.repeat(chunk.present["numbers"], chunk.n_atoms)
         if valid.all():
             return
         bad = int(np.argmin(valid))
-        raise DataError(f"{path}: field 'numbers' holds {numbers[bad]} in structure "
-                        f"{chunk.structure_of(bad)}, not an atomic number (0 to "
-                        f"{N_ELEMENTS - 1})")
+        raise not_an_element(path, numbers[bad], chunk.structure_of(bad))
 
 
 def _first_non_finite(chunk, name):

@@ -29,6 +29,24 @@ def held(dtype):
 
 
 
+N_ELEMENTS = 119
+"""Atomic numbers are 0 (ASE's X) to N_ELEMENTS - 1."""
+
+
+def are_elements(numbers):
+    """Whether every entry of `numbers` (a non-empty array) is 0 to N_ELEMENTS - 1: for
+    integers in one pass, the largest as unsigned (where a negative one is larger still)."""
+    if numbers.dtype.kind in "iu" and numbers.dtype.isnative:
+        return int(numbers.view(f"u{numbers.dtype.itemsize}").max()) < N_ELEMENTS
+    return bool(numbers.min() >= 0 and numbers.max() < N_ELEMENTS)  # False for NaN
+
+
+def not_an_element(path, value, structure):
+    """The DataError for an atomic number `value` outside 0 to N_ELEMENTS - 1."""
+    return DataError(f"{path}: field 'numbers' holds {value} in structure {structure}, not an "
+                     f"atomic number (0 to {N_ELEMENTS - 1})")
+
+
 def integral_numbers(numbers, where):
     """Atomic numbers read as floats, as int64; DataError naming the first that is not an
     integer (none is cut: ASE would make 1.9 a 1) or is beyond int64, its message begun by

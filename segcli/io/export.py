@@ -9,6 +9,7 @@ from contextlib import ExitStack, contextmanager, suppress
 import numpy as np
 
 from segcli.errors import DataError, memory_shortage, raise_if_interrupted
+from segcli.io.core import N_ELEMENTS, are_elements, not_an_element
 from segcli.io.writers import FieldChoice, new_output
 
 HDF5_SUFFIXES = (".h5", ".hdf5")
@@ -368,17 +369,10 @@ def _constraints(per_atom):
 
 def _check_elements(path, number, numbers):
     """DataError unless the atomic numbers `numbers` (of structure `number` of `path`; None:
-    none) are those of elements ASE knows, 0 to 118 (a negative one would index its table of
-    symbols from the end)."""
-    from ase.data import chemical_symbols
-
-    if numbers is None or not len(numbers):
-        return
-    valid = (numbers >= 0) & (numbers < len(chemical_symbols))
-    if not valid.all():
-        raise DataError(f"{path}: field 'numbers' holds {numbers[np.argmin(valid)]} in "
-                        f"structure {number}, not an atomic number (0 to "
-                        f"{len(chemical_symbols) - 1})")
+    none) are those of elements (a negative one would index ASE's symbols from the end)."""
+    if numbers is not None and len(numbers) and not are_elements(numbers):
+        raise not_an_element(path, numbers[np.argmin((numbers >= 0) & (numbers < N_ELEMENTS))],
+                             number)
 
 
 def _atoms(per_atom, per_structure, n):
