@@ -2,6 +2,8 @@
 unmapped data, oversized attributes and damaged bytes each get one line naming the file and
 the object from every command that reads the file, and leave no output."""
 
+import re
+import resource
 import subprocess
 import sys
 
@@ -374,3 +376,27 @@ def test_a_cell_that_cannot_be_inverted_is_named_by_scaled_positions(tmp_path, c
     assert result.exit_code == 1 and result.stdout == ""
     assert result.stderr.startswith(f"Error: {path}: structures 0 to 1: a cell that cannot be "
                                     "inverted (")
+
+
+@pytest.mark.parametrize("owner", ["/", "/structures/n_atoms"])
+def test_an_attribute_whose_heap_id_claims_gigabytes_is_refused_before_hdf5_allocates(
+        tmp_path, owner):
+    """An attribute's heap ID lies in its object header: the text claiming 3.75 GiB is read
+    with the address space capped, so HDF5's allocation fails at once, and the other
+    attributes, and every later allocation, are as before."""
+    path = batch(tmp_path / "batch.h5")
+    text = "a text of 31 bytes, said once.."
+    with h5py.File(path, "a") as f:
+        f[owner].attrs["note"] = text
+    data = bytearray(path.read_bytes())
+    collections = [m.start() for m in re.finditer(b"GCOL", data)]
+    heap_id, = (m.start() for m in re.finditer(len(text).to_bytes(4, "little") + b"(.{8})", data,
+                                                re.S)
+                if int.from_bytes(m.group(1), "little") in collections)
+    data[heap_id:heap_id + 4] = (0xF0000000).to_bytes(4, "little")
+    path.write_bytes(data)
+    assert_refused(path, f"attribute note of {owner} claims more text than")
+    limits = resource.getrlimit(resource.RLIMIT_AS)
+    with h5py.File(path) as f:
+        assert f["structures/n_atoms"][:].tolist() == N_ATOMS
+    assert resource.getrlimit(resource.RLIMIT_AS) == limits

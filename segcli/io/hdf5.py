@@ -29,7 +29,7 @@ from segcli.io.core import (
     plan_chunks,
 )
 from segcli.io.direct import Reader
-from segcli.io.heap import TextHeaps, guarded
+from segcli.io.heap import TextHeaps, address_space_capped, guarded
 from segcli.io.units import convention, stated
 
 POSITION_NAMES = ("coordinates", "conformations", "positions")
@@ -37,6 +37,8 @@ NUMBER_NAMES = ("atomic_numbers", "species")
 ATTRIBUTE_BYTES = 1 << 20
 """The most an attribute of an input file may take in the file (a damaged one can claim
 gigabytes, which HDF5 would allocate before segcli could refuse them)."""
+TEXT_READ_SLACK = 512 << 20
+"""Memory left free for other threads while an attribute's text is read (address_space_capped)."""
 HDF5_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError)
 """What h5py raises for damaged metadata or data."""
 
@@ -99,12 +101,28 @@ def check_attributes(path, obj, where, limit=ATTRIBUTE_BYTES):
         if not (string or attr.dtype.kind in NUMERIC_KINDS):
             raise DataError(f"{path}: {what} holds {_kind(attr.dtype)}, not numbers or text")
         if string:  # variable-length text lies outside the attribute: its size is known once read
-            texts = np.ravel(np.asarray(obj.attrs[name], dtype=object))
+            texts = _attribute_text(path, obj, name, what, limit)
             size = sum(len(text) for text in texts)
             if size > limit:
                 raise DataError(f"{path}: {what} holds {size} bytes of text, more than the "
                                 f"{limit} that segcli reads of an attribute")
             _check_text(path, texts, what)
+
+
+def _attribute_text(path, obj, name, what, limit):
+    """The text of attribute `name` of `obj`, read with room for a few times `limit` bytes:
+    DataError where its heap IDs claim more (HDF5 would allocate what they claim, gigabytes
+    in a damaged file, before finding the collection's strings shorter)."""
+    room = 4 * limit + TEXT_READ_SLACK
+    try:
+        with address_space_capped(room):
+            return np.ravel(np.asarray(obj.attrs[name], dtype=object))
+    except (OSError, MemoryError) as err:
+        if "alloc" not in str(err) and not isinstance(err, MemoryError):
+            raise
+        raise DataError(f"{path}: {what} claims more text than {room} bytes of memory hold "
+                        "(a damaged heap ID?); segcli reads at most "
+                        f"{limit} bytes of an attribute") from None
 
 
 def _kind(dtype):
