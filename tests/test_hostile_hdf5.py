@@ -287,6 +287,47 @@ def test_a_part_whose_global_heap_loops_is_refused_by_merge(tmp_path):
     assert not (tmp_path / "m.h5").exists()
 
 
+def test_a_global_heap_collection_that_hdf5_reads_in_two_parts_is_walked_whole(tmp_path):
+    """A collection claiming more than HDF5's first read of it (4 KiB) is read by HDF5 in two
+    parts (fuzz finding 25): segcli walks it whole, from the file, and refuses the object
+    past the first part that would have HDF5 loop."""
+    path = batch(tmp_path / "batch.h5")
+    with h5py.File(path, "a") as f:
+        f["atoms/forces"].attrs["units"] = "units-of-forces"
+    data = bytearray(path.read_bytes())
+    start = data.rfind(b"GCOL", 0, data.find(b"units-of-forces"))
+    size = int.from_bytes(data[start + 8:start + 16], "little")
+    assert (size, start + size) == (4096, len(data))  # the last, 4 KiB long
+    data[start + 8:start + 16] = (2 * size).to_bytes(8, "little")  # then zeros: objects of 0
+    path.write_bytes(data + bytes(size))
+    message = refused_without_looping(path, "info")
+    assert message == f"Error: {path}: damaged HDF5 file (in the global heap collection at " \
+                      f"byte {start}, object 0 at byte {start + size} claims 0 bytes of the " \
+                      f"{size} left)\n"
+
+
+@pytest.mark.parametrize("group", ["/", "/structures", "/atoms"])
+def test_a_group_whose_local_heap_free_list_loops_is_refused(tmp_path, group):
+    """A group's link names lie in a local heap, whose list of free blocks HDF5 follows,
+    allocating a node a step, until it ends (fuzz finding 25: one that loops ran to 10 GB):
+    segcli follows it first, and refuses it."""
+    path = batch(tmp_path / "batch.h5")
+    data = bytearray(path.read_bytes())
+    with h5py.File(path) as f:
+        names = [name.encode() for name in f[group]]
+    for start in (m.start() for m in re.finditer(b"HEAP", data)):
+        size, head, segment = (int.from_bytes(data[start + at:start + at + 8], "little")
+                               for at in (8, 16, 24))
+        if all(name + b"\0" in data[segment:segment + size] for name in names):
+            break
+    assert head + 16 <= size
+    data[segment + head:segment + head + 8] = head.to_bytes(8, "little")  # the next is itself
+    path.write_bytes(data)
+    message = refused_without_looping(path, "info")
+    assert message == f"Error: {path}: damaged HDF5 file (the free list of the local heap at " \
+                      f"byte {start} loops)\n"
+
+
 def test_text_in_every_storage_is_read_back(tmp_path):
     """Strings stored compact, contiguous, chunked with deflate (read for their heap IDs) or
     with lzf (read through HDF5), after a user block, an empty string among them, pass the

@@ -186,9 +186,10 @@ def check_metadata(path, h5, text, limit=ATTRIBUTE_BYTES):
     Objects are read no further than their headers, but attributes are read through `text`
     (the same file open with heap.guarded) and each global heap collection of text that
     datasets hold is walked (heap.check_strings), so that any read of the file after is
-    safe from HDF5's loop over a damaged one. Returns the Contents it read."""
+    safe from HDF5's loop over a damaged one; links are visited through `text` too, for its
+    check of local heaps. Returns the Contents it read."""
     links = []  # (name, type, address of a hard link's object) of each link
-    h5.id.links.visit(lambda raw, info: links.append((raw, info.type, info.u)), info=True)
+    text.id.links.visit(lambda raw, info: links.append((raw, info.type, info.u)), info=True)
     for raw, _, _ in links:
         _utf8(path, raw, "an object")
     check_attributes(path, text, "/", limit)

@@ -32,6 +32,8 @@ from segcli.errors import DataError
 
 SIGNATURE = b"\x89HDF\r\n\x1a\n"
 COLLECTION = b"GCOL"
+LOCAL_HEAP = b"HEAP"
+FREE_LIST_END = 1  # HDF5's H5HL_FREE_NULL
 
 
 _CAP = threading.Lock()
@@ -68,7 +70,8 @@ class HeapGuard(io.FileIO):
     def __init__(self, path):
         super().__init__(path, "rb")
         self.path = path
-        self.length_size = 8  # bytes of a length, from the superblock
+        self.address_size = self.length_size = 8  # bytes of an address and a length, and
+        self.base = 0  # the offset of address 0, from the superblock
 
     def seek(self, offset, whence=os.SEEK_SET):
         """FileIO's seek, where an offset past what any file holds (a damaged address that
@@ -83,10 +86,46 @@ class HeapGuard(io.FileIO):
         count = super().readinto(buffer)
         view = memoryview(buffer)[:count]
         if view[:8] == SIGNATURE and count > 14:
-            self.length_size = view[14] if view[8] < 2 else view[10]
-        elif view[:4] == COLLECTION:
-            check_collection(self.path, view, start, self.length_size)
+            self.address_size, self.length_size = view[13:15] if view[8] < 2 else view[9:11]
+            self.base = start  # where addresses count from: the superblock, after a user block
+        elif view[:4] == COLLECTION and \
+                check_collection(self.path, view, start, self.length_size) is None:
+            self._check_whole(view, start)  # HDF5 reads the rest, on its own
+        elif view[:4] == LOCAL_HEAP:
+            self._check_free_list(view, start)
         return count
+
+    def _check_free_list(self, view, start):
+        """DataError unless the free list of the local heap (a group's link names) whose
+        prefix is `view`, read at byte `start`, ends: HDF5 follows it, allocating a node a
+        step, until it ends, and follows a list that loops until memory runs out."""
+        length, address = self.length_size, self.address_size
+        if len(view) < 8 + 2 * length + address:
+            return
+        size, head, data = (int.from_bytes(view[at:at + width], "little") for at, width in
+                            ((8, length), (8 + length, length), (8 + 2 * length, address)))
+        data += self.base
+        if data + size > os.fstat(self.fileno()).st_size:
+            return  # HDF5 cannot read it, and says so
+        block = os.pread(self.fileno(), size, data)
+        seen, offset = set(), head
+        while offset != FREE_LIST_END and offset not in seen and offset + 2 * length <= size:
+            seen.add(offset)
+            offset = int.from_bytes(block[offset:offset + length], "little")
+        if offset != FREE_LIST_END:
+            raise DataError(f"{self.path}: damaged HDF5 file (the free list of the local heap "
+                            f"at byte {start} {'loops' if offset in seen else 'runs past it'})")
+
+    def _check_whole(self, view, start):
+        """check_collection on the whole collection whose first bytes are `view`, read from
+        the file here, where it lies in it."""
+        header = 8 + self.length_size
+        if len(view) < header:
+            return
+        size = int.from_bytes(view[8:header], "little")
+        if start + size <= os.fstat(self.fileno()).st_size:
+            check_collection(self.path, memoryview(os.pread(self.fileno(), size, start)), start,
+                             self.length_size)
 
 
 def check_collection(path, view, start, length_size=8):
