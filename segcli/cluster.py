@@ -79,7 +79,7 @@ def dask_setup(worker):
     """Run as a worker that preloads this module starts (those of --scheduler local:..., or
     `dask worker --preload segcli.cluster`): it keeps freed host blocks for reuse, as the
     segcli program does (see segcli.keep_freed_buffers). Without, a worker's tasks
-    fault in fresh pages for every chunk (benchmarks/RESULTS.md, Clusters)."""
+    fault in fresh pages for every chunk (benchmarks/RESULTS.md, cluster.py)."""
     from segcli import keep_freed_buffers
 
     keep_freed_buffers()

@@ -1,7 +1,8 @@
-"""Every fenced `segcli …` line of the README runs, in order, in a temporary directory holding
-sample_data/ and the files the README names as the reader's own (made here: data.h5, batch.h5,
-mixed.extxyz, mixed.traj, omat24/*.aselmdb), the cluster address it gives being a
-LocalCluster's and each task of its SLURM array job run with that task's variables."""
+"""Every fenced `segcli …` line of the README and of each page of docs/ runs, in order, in a
+temporary directory of its own holding sample_data/ and the files the pages name as the
+reader's own (made here: data.h5, batch.h5, mixed.extxyz, mixed.traj, omat24/*.aselmdb), the
+cluster address they give being a LocalCluster's and each task of a SLURM array job run with
+that task's variables."""
 
 import os
 import re
@@ -21,34 +22,62 @@ from click.testing import CliRunner
 from segcli.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-RUN = {"segcli", "cp", "export"}  # the README's other lines install, submit or comment
+RUN = {"segcli", "cp", "export"}  # the pages' other lines install, submit or comment
+CLUSTER_ADDRESS = "tcp://10.0.0.5:8786"
+PAGES = ["README.md"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md"))
+# What each page's examples write (each file non-empty).
+WRITTEN = {
+    "README.md": ["metals.h5", "forces.h5", "grad.h5", "low.h5", "neighbors.h5", "rms.h5"],
+    "docs/clusters.md": ["rms-array.h5", "rms-local.h5", "rms-cluster.h5", "grad-cluster.h5"],
+    "docs/commands/convert.md": ["metals.h5", "mixed.h5", "metals-export.extxyz",
+                                 "conformers.h5"],
+    "docs/commands/grad.md": ["grad.h5", "g.npy", "hot.h5"],
+    "docs/commands/merge.md": ["rms.h5", "rms-virtual.h5"],
+    "docs/commands/neighbors.md": ["close.h5", "crowded.h5"],
+    "docs/commands/reduce.md": ["positions.h5", "forces.h5", "metals.h5", "calm.h5"],
+    "docs/commands/select.md": ["low.h5", "quiet.h5"],
+    "docs/commands/stats.md": ["stats-a.h5", "stats-b.h5"],
+}
+# Pages whose examples compile for seconds and repeat the README's: run with -m slow.
+SLOW = {"docs/commands/gradcheck.md"}
 
 
 def fenced_lines(text):
-    """(block, line) of each shell line of the README's ```sh blocks, continuations joined."""
+    """(block, line) of each shell line of a page's ```sh blocks, continuations joined."""
     for block in re.findall(r"```sh\n(.*?)```", text, re.S):
         for line in block.replace("\\\n", " ").splitlines():
             yield block, line.strip()
 
 
-def readers_files(tmp_path):
-    """The files the README's examples take to be the reader's."""
+def runnable_lines(page):
+    """(block, line) of the lines of a page that run: segcli, cp and export."""
+    return [(block, line) for block, line in fenced_lines((ROOT / page).read_text())
+            if line.split(" ")[0] in RUN]
+
+
+def readers_files(tmp_path, lines):
+    """The files a page's examples (lines) take to be the reader's."""
     os.symlink(ROOT / "sample_data", tmp_path / "sample_data")
+    named = " ".join(lines)
     for name in ("data.h5", "batch.h5"):
-        shutil.copy(ROOT / "sample_data" / "metals.h5", tmp_path / name)
+        if name in named:
+            shutil.copy(ROOT / "sample_data" / "metals.h5", tmp_path / name)
     frames = ase.io.read(ROOT / "sample_data" / "metals.extxyz", ":6")
-    ase.io.write(tmp_path / "mixed.extxyz", frames[:3])
-    rng = np.random.default_rng(0)
-    molecules = [molecule(name) for name in ("H2O", "CH4", "NH3")]
-    for atoms in molecules:
-        atoms.calc = SinglePointCalculator(atoms, energy=rng.normal(),
-                                           forces=rng.normal(size=(len(atoms), 3)))
-    ase.io.write(tmp_path / "mixed.traj", molecules)
-    (tmp_path / "omat24").mkdir()
-    for k in range(2):
-        with ase.db.connect(tmp_path / "omat24" / f"part{k}.aselmdb", type="aselmdb") as db:
-            for atoms in frames[3 * k:3 * k + 3]:
-                db.write(atoms)
+    if "mixed.extxyz" in named:
+        ase.io.write(tmp_path / "mixed.extxyz", frames[:3])
+    if "mixed.traj" in named:
+        rng = np.random.default_rng(0)
+        molecules = [molecule(name) for name in ("H2O", "CH4", "NH3")]
+        for atoms in molecules:
+            atoms.calc = SinglePointCalculator(atoms, energy=rng.normal(),
+                                               forces=rng.normal(size=(len(atoms), 3)))
+        ase.io.write(tmp_path / "mixed.traj", molecules)
+    if "omat24/" in named:
+        (tmp_path / "omat24").mkdir()
+        for k in range(2):
+            with ase.db.connect(tmp_path / "omat24" / f"part{k}.aselmdb", type="aselmdb") as db:
+                for atoms in frames[3 * k:3 * k + 3]:
+                    db.write(atoms)
 
 
 def stages(line):
@@ -68,7 +97,7 @@ def stages(line):
 
 
 def run_line(line, env):
-    """Run one README line as a shell would; segcli in this process. Returns its stdout."""
+    """Run one line as a shell would; segcli in this process. Returns its stdout."""
     commands, redirect = stages(line)
     data = b""
     for command in commands:
@@ -88,16 +117,31 @@ def run_line(line, env):
     return data
 
 
+def test_the_pages_show_every_command_and_name_what_they_write():
+    lines = [line for page in PAGES for _, line in runnable_lines(page)]
+    assert sum(line.startswith("segcli ") for line in lines) >= 30
+    commands = {line.split()[1] for line in lines if line.startswith("segcli ")}
+    assert commands == set(main.commands)
+    readme = {line.split()[1] for _, line in runnable_lines("README.md")
+              if line.startswith("segcli ")}
+    assert readme == set(main.commands)
+    assert set(WRITTEN) <= {page for page in PAGES if runnable_lines(page)}
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-def test_every_fenced_segcli_line_of_the_readme_runs(tmp_path, monkeypatch, dask_cluster):
-    readers_files(tmp_path)
+@pytest.mark.parametrize("page", [pytest.param(page, marks=[pytest.mark.slow] * (page in SLOW))
+                                  for page in PAGES if runnable_lines(page)])
+def test_every_fenced_segcli_line_runs(page, tmp_path, monkeypatch, request):
+    lines = runnable_lines(page)
+    readers_files(tmp_path, [line for _, line in lines])
     monkeypatch.chdir(tmp_path)
-    lines = [(block, line) for block, line in fenced_lines((ROOT / "README.md").read_text())
-             if line.split(" ")[0] in RUN]
-    assert sum(line.startswith("segcli ") for _, line in lines) >= 30
+    address = None
+    if any(CLUSTER_ADDRESS in line for _, line in lines):
+        address = request.getfixturevalue("dask_cluster").scheduler_address
     env = {}
     for block, line in lines:
-        line = line.replace("tcp://10.0.0.5:8786", dask_cluster.scheduler_address)
+        if address:
+            line = line.replace(CLUSTER_ADDRESS, address)
         array = re.search(r"#SBATCH --array=(\d+)-(\d+)", block)
         if not array:
             run_line(line, env)
@@ -107,9 +151,8 @@ def test_every_fenced_segcli_line_of_the_readme_runs(tmp_path, monkeypatch, dask
             run_line(line, {**env, "SLURM_ARRAY_TASK_ID": str(task),
                             "SLURM_ARRAY_TASK_MIN": str(first),
                             "SLURM_ARRAY_TASK_COUNT": str(last - first + 1)})
-    for written in ("metals.h5", "mixed.h5", "positions.h5", "forces.h5", "grad.h5", "g.npy",
-                    "calm.h5", "rms.h5", "rms-virtual.h5", "low.h5", "quiet.h5", "rms-array.h5",
-                    "rms-local.h5", "rms-cluster.h5", "grad-cluster.h5"):
+    for written in WRITTEN.get(page, []):
         assert (tmp_path / written).stat().st_size > 0, written
-    assert sorted(p.name for p in (tmp_path / "parts").glob("r-*.h5")) == \
-        [f"r-{k:02d}.h5" for k in range(16)]
+    if page == "docs/clusters.md":
+        assert sorted(p.name for p in (tmp_path / "parts").glob("r-*.h5")) == \
+            [f"r-{k:02d}.h5" for k in range(16)]

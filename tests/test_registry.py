@@ -1,5 +1,5 @@
 """The registry is the one list of ops: every op has its function and reference, and every
-listing (segcli ops, reduce's help, the README) shows exactly its ops."""
+listing (segcli ops, reduce's help, the op table of the README or docs/) shows exactly its ops."""
 
 import inspect
 import re
@@ -11,7 +11,9 @@ from click.testing import CliRunner
 from segcli.cli import main
 from segcli.registry import OPS
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+OP_TABLE = "| OP | fields | result |\n| --- | --- | --- |\n"
 
 
 def leading_parameters(function):
@@ -43,8 +45,10 @@ def test_reduce_help_lists_every_op():
 
 
 def test_readme_lists_every_op():
-    text = README.read_text()
-    table = text.split("| OP | fields | result |\n| --- | --- | --- |\n")[1].split("\n\n")[0]
-    listed = [name for row in table.splitlines()
-              for name in re.findall(r"`(\w+)`", row.split("|")[1])]
-    assert listed == list(OPS)
+    tables = [text.split(OP_TABLE)[1].split("\n\n")[0]
+              for text in (page.read_text() for page in PAGES) if OP_TABLE in text]
+    assert tables
+    for table in tables:
+        listed = [name for row in table.splitlines()
+                  for name in re.findall(r"`(\w+)`", row.split("|")[1])]
+        assert listed == list(OPS)
