@@ -15,12 +15,13 @@ import contextlib
 import ctypes
 import functools
 import itertools
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from segcli import threads
+from segcli import _api_function, threads
 from segcli.errors import DataError
 from segcli.io.core import N_ELEMENTS, Window, are_elements, held, not_an_element, plan_chunks
 from segcli.moments import (  # noqa: F401  (the statistics' types, for users of this module)
@@ -617,3 +618,6 @@ def residual_errors(batch, energy, e0, *, chunk_atoms=1 << 21, structures=slice(
     if not np.isfinite([rmse, mae]).all():
         raise _overflow(batch.path, energy, "the residual's errors")
     return rmse, mae
+
+
+_api_function(sys.modules[__name__])  # segcli.stats(...) is segcli.api.curate.stats(...)
