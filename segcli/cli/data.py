@@ -64,14 +64,20 @@ def info(file, fmt, as_json):
       segcli info 'shards/*.h5'
     """
     from segcli.api.data import describe
-    from segcli.io.formats import DESCRIPTIONS
     from segcli.io.text import finite_json
 
-    descriptions = {**DESCRIPTIONS, "multi": "files read as one batch"}
     summary = describe(file, format=input_format())
     if as_json or fmt == "json":
         click.echo(finite_json(summary))
         return
+    _print_summary(summary)
+
+
+def _print_summary(summary):
+    """Print what `describe` found, as `info`'s text."""
+    from segcli.io.formats import DESCRIPTIONS
+
+    descriptions = {**DESCRIPTIONS, "multi": "files read as one batch"}
     click.echo(f"{summary['path']}: {descriptions[summary['format']]}")
     if "members" in summary:
         click.echo(f"files: {len(summary['members'])}")
