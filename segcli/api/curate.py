@@ -364,9 +364,7 @@ def fit_e0(inputs, *, energy="energy", fixed=None, where=None, structures=None,
     fixed = fixed_numbers(fixed)
     if name is not None and not in_place:
         raise ArgumentError("{name} names the result that {in_place} stores")
-    if in_place and structures:
-        raise ArgumentError("{in_place} stores a result for every structure; {structures} "
-                            "cannot be used with it")
+    refuse_structures_in_place(in_place, structures)
     paths = in_place_paths(inputs, in_place)
     file, name = inputs_name(inputs), name or f"residual_{energy}"
     with contextlib.ExitStack() as stack:
@@ -404,6 +402,13 @@ def fit_e0(inputs, *, energy="energy", fixed=None, where=None, structures=None,
             **options)
     return E0({_symbol(z): everything[z] for z in sorted(everything)}, residuals, rmse, mae,
               used, sorted(_symbol(z) for z in fixed))
+
+
+def refuse_structures_in_place(in_place, structures):
+    """ArgumentError when `in_place` (a result for every structure) meets `structures`."""
+    if in_place and structures:
+        raise ArgumentError("{in_place} stores a result for every structure; {structures} "
+                            "cannot be used with it")
 
 
 def in_place_paths(inputs, in_place=False):
@@ -505,7 +510,10 @@ def _chosen(structures, n_structures):
 def selected(inputs, output, *, where=None, structures=None, structures_from=None,
              to_ase_units=False, allow_empty=False, force=False, input_format=None,
              progress=False):
-    """`select`, returning what it wrote (Selected: structures, atoms, total)."""
+    """`select`, returning what it wrote (Selected: structures, atoms, total).
+
+        selected("data.h5", "low.h5", where="energy < 0").atoms
+    """
     from segcli.io import open_inputs
     from segcli.io.core import path_text
     from segcli.io.export import export, export_format

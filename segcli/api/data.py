@@ -239,7 +239,10 @@ def convert(inputs, output, **options):
 def converted(inputs, output, *, compression=None, chunk_atoms=100_000, fill_missing=None,
               fields=None, drop=None, rename=None, cast=None, units=None, to_ase_units=False,
               force=False, input_format=None, progress=False):
-    """`convert`, returning what it wrote (Converted: structures, atoms, fields)."""
+    """`convert`, returning what it wrote (Converted: structures, atoms, fields).
+
+        converted("data.extxyz", "data.h5").fields  # the fields written
+    """
     from segcli.io import convert as convert_files
     from segcli.io import expand_inputs
     from segcli.io.export import export, export_format
@@ -302,7 +305,10 @@ class Merged(NamedTuple):
 
 
 def merged(parts, output, *, virtual=False, partial=False, force=False):
-    """`merge`, returning what it wrote (Merged: path, start, stop, parts)."""
+    """`merge`, returning what it wrote (Merged: path, start, stop, parts).
+
+        merged("parts/r-*.h5", "rms.h5").parts  # how many parts were joined
+    """
     from segcli.io import expand_inputs
     from segcli.io.coverage import ranges_text, refuse_skipped
     from segcli.io.merge import check_parts, lacking, merge_parts

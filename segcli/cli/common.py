@@ -33,10 +33,11 @@ def output_name(ctx, param, output):
 
 
 def names_hdf5(output):
-    """Whether the file name `output` (None: none) is a segcli HDF5 file's: .h5, .hdf5 or no
-    suffix."""
-    return os.path.splitext(os.path.basename(output or ""))[1].lower() in ("", ".h5", ".hdf5")
+    """Whether the file name `output` (None: none) is a segcli HDF5 file's (see
+    segcli.api.curate.names_hdf5)."""
+    from segcli.api.curate import names_hdf5 as hdf5
 
+    return hdf5(output)
 
 def hdf5_output(ctx, param, output):
     """Click callback: an -o that names a segcli HDF5 file (see names_hdf5)."""
@@ -153,25 +154,12 @@ def notes(quiet=False):
 
 
 def input_paths(file, in_place=False):
-    """The files FILE stands for (see segcli.io.expand_inputs); UsageError when --in-place
-    meets more than one, or a stream read through a temporary copy (results stored there would
-    be lost); DataError when it meets a file this process may not write (it would fail only
-    on the copy that it writes)."""
-    from segcli.errors import DataError
-    from segcli.io import expand_inputs
-    from segcli.io.multi import is_stream
+    """The files FILE stands for (segcli.api.curate.in_place_paths: a usage error where
+    --in-place cannot store results)."""
+    from segcli.api.curate import in_place_paths
 
-    if in_place and is_stream(file):
-        raise click.UsageError(f"--in-place stores results in FILE itself; {file} is a stream "
-                               "(stdin, a pipe or a /proc file), whose copy is read: use -o")
-    paths = expand_inputs(file)
-    if in_place and len(paths) > 1:
-        raise click.UsageError(f"--in-place adds to one file; {file} is {len(paths)} files")
-    if in_place and not os.access(paths[0], os.W_OK):
-        raise DataError(f"{paths[0]}: cannot store results in it (Permission denied: it is "
-                        "read-only to this user); use -o")
-    return paths
-
+    with usage_errors():
+        return in_place_paths(file, in_place)
 
 def _remember_format(ctx, param, name):
     from segcli.errors import DataError
@@ -246,45 +234,32 @@ to_ase_units_option = click.option(
 """The option of the commands that write fields (convert, select)."""
 
 
-def note_units_left(output, left):
-    """Name on stderr the fields (name -> units) that --to-ase-units left as they are."""
-    for name, unit in left.items():
-        note(f"{output}: --to-ase-units left field '{name}' as it is: its units, {unit!r}, are "
-             "not ones segcli knows")
-
-
 def input_format():
     """The input format the running command was given (see input_format_option), or None."""
     ctx = click.get_current_context(silent=True)
     return None if ctx is None else ctx.meta.get("segcli.input_format")
 
 
-@contextlib.contextmanager
 def read_inputs(paths, file, in_place=False):
-    """The batch of `paths` (segcli.io.open_inputs, FILE named `file`, in the format
-    input_format forces); with --in-place, read under the lock of the file the results go
-    into, so that no other writer replaces it between this read and that write."""
-    from segcli.io import open_inputs as open_batches
-    from segcli.io.writers import locked
+    """The batch of `paths` in the format input_format forces (segcli.api.curate.read_inputs:
+    with --in-place, read under the lock of the file the results go into)."""
+    from segcli.api.curate import read_inputs as read
 
-    with (locked(paths[0]) if in_place else contextlib.nullcontext(),
-          open_batches(paths, name=file, input_format=input_format()) as batch):
-        yield batch
-
+    return read(paths, file, in_place, input_format())
 
 def refuse_output_among_inputs(output, inputs, hint):
     """UsageError when the file -o names is one of the inputs (`hint` says what to do)."""
-    for path in inputs:
-        if output and os.path.exists(output) and os.path.exists(path) and \
-                os.path.samefile(output, path):
-            raise click.UsageError(f"-o {output} is FILE itself ({path}); {hint}")
+    from segcli.api.curate import refuse_output_among_inputs as refuse
 
+    with usage_errors():
+        refuse(output, inputs, hint)
 
 def refuse_structures_in_place(in_place, structures):
     """UsageError when --in-place (a result for every structure) meets --structures."""
-    if in_place and structures:
-        raise click.UsageError("--in-place stores a result for every structure; "
-                               "--structures cannot be used with it")
+    from segcli.api.curate import refuse_structures_in_place as refuse
+
+    with usage_errors():
+        refuse(in_place, structures)
 
 
 # Whether this process is the segcli program, which exits after one command (see as_program),
@@ -572,19 +547,11 @@ def cluster_options(command):
 
 
 def shard_output(output, shard):
-    """-o for shard (I, N): {shard} replaced (see segcli.shards.part_path), its directory made
-    if missing (the tasks of an array job race to make it)."""
-    if output and "{shard}" in output and not shard:
-        raise click.UsageError(f"-o {output} has {{shard}} in it, which --shard I/N fills; "
-                               "give --shard or another name")
-    if not (shard and output):
-        return output
-    from segcli.shards import part_path
+    """-o for shard (I, N) (see segcli.api.curate.shard_output)."""
+    from segcli.api.curate import shard_output as part
 
-    output = part_path(output, *shard)
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    return output
-
+    with usage_errors():
+        return part(output, shard)
 
 def selection(batch, file, structures):
     """segcli.select.selection, for the commands that import it from here."""
@@ -602,29 +569,20 @@ def shard_selection(batch, file, structures, shard):
 
 def check_cluster_usage(shard, scheduler, in_place):
     """UsageError for --shard with --scheduler or --in-place."""
-    if shard and scheduler:
-        raise click.UsageError("--shard runs one shard here; --scheduler runs them all on a "
-                               "cluster: give one of them")
-    if shard and in_place:
-        raise click.UsageError("--shard writes a part of the result; --in-place stores a "
-                               "result for every structure: use -o 'part-{shard}.h5' and "
-                               "segcli merge")
+    from segcli.api.curate import check_cluster_usage as check
+
+    with usage_errors():
+        check(shard, scheduler, in_place)
 
 
 @contextlib.contextmanager
 def on_cluster(scheduler):
-    """A dask.distributed Client for --scheduler (None without it), closed afterwards; a
-    missing cluster extra is a usage error."""
-    if not scheduler:
-        yield None
-        return
-    import importlib.util
+    """A dask.distributed Client for --scheduler (None without it; see
+    segcli.api.curate.on_cluster), closed afterwards; a missing cluster extra is a usage
+    error."""
+    from segcli.api.curate import on_cluster as cluster
 
-    if importlib.util.find_spec("distributed") is None:
-        raise click.UsageError("--scheduler needs dask.distributed: pip install "
-                               "'segcli[cluster]'")
-    from segcli.cluster import cluster_client
-
-    with cluster_client(scheduler) as client:
+    with contextlib.ExitStack() as stack:
+        with usage_errors():
+            client = stack.enter_context(cluster(scheduler))
         yield client
-
