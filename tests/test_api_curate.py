@@ -151,10 +151,15 @@ def test_open_reads_what_ase_reads(dataset):
         np.testing.assert_array_equal(batch.n_atoms, [len(a) for a in frames])
         assert {"positions", "numbers", "forces", "energy", "config_type"} <= set(batch.fields)
         assert batch.fields["forces"].per == "atom" and batch.fields["forces"].shape == (3,)
-        chunks = list(batch.chunks(["forces", "energy"], chunk_atoms=10))
-        assert all(chunk.n_atoms.sum() <= 10 or len(chunk.n_atoms) == 1 for chunk in chunks)
-        np.testing.assert_array_equal(np.concatenate([c.atoms["forces"] for c in chunks]),
+        chunks = list(batch.chunks(10, ["forces", "energy"]))
+        assert all(chunk["n_atoms"].sum() <= 10 or len(chunk.n_atoms) == 1 for chunk in chunks)
+        assert sorted(chunks[0]) == ["energy", "forces", "n_atoms"]
+        np.testing.assert_array_equal(np.concatenate([c["forces"] for c in chunks]),
                                       np.concatenate([a.get_forces() for a in frames]))
+        np.testing.assert_array_equal(np.concatenate([c["energy"] for c in chunks]),
+                                      [a.get_potential_energy() for a in frames])
+        assert [c.start for c in chunks] == np.cumsum([0] + [len(c.n_atoms) for c in
+                                                             chunks[:-1]]).tolist()
         for i in (0, 5, -1):
             atoms, expected = batch.atoms(i), frames[i]
             np.testing.assert_array_equal(atoms.numbers, expected.numbers)

@@ -33,7 +33,7 @@ def inputs_name(inputs):
     return ", ".join(map(os.fspath, inputs))
 
 
-def _literal(text):
+def literal(text):
     """`text` safe in an ArgumentError's template."""
     return str(text).replace("{", "{{").replace("}", "}}")
 
@@ -51,7 +51,7 @@ def _shard(shard):
     try:
         return parse_shard(shard)
     except ValueError as err:
-        raise ArgumentError(f"{{shard}} {_literal(err)}") from None
+        raise ArgumentError(f"{{shard}} {literal(err)}") from None
 
 
 def names_hdf5(output):
@@ -64,7 +64,7 @@ def shard_output(output, shard):
     """`output` for shard (I, N): {shard} replaced (see segcli.shards.part_path), its directory
     made if missing (the tasks of an array job race to make it)."""
     if output and "{shard}" in output and not shard:
-        raise ArgumentError(f"{{output}} {_literal(output)} has {{{{shard}}}} in it, which "
+        raise ArgumentError(f"{{output}} {literal(output)} has {{{{shard}}}} in it, which "
                             "{shard} I/N fills; give {shard} or another name", COMMAND_NAMES)
     if not (shard and output):
         return output
@@ -81,8 +81,8 @@ def refuse_output_among_inputs(output, inputs, hint):
     for path in inputs:
         if output and os.path.exists(output) and os.path.exists(path) and \
                 os.path.samefile(output, path):
-            raise ArgumentError(f"{{output}} {_literal(output)} is {{inputs}} itself "
-                                f"({_literal(path)}); {hint}", COMMAND_NAMES)
+            raise ArgumentError(f"{{output}} {literal(output)} is {{inputs}} itself "
+                                f"({literal(path)}); {hint}", COMMAND_NAMES)
 
 
 def check_cluster_usage(shard, scheduler, in_place=False):
@@ -203,7 +203,7 @@ def stats(inputs, *fields, per_element=False, per_atom=False, by=None, where=Non
     if output is not None:
         output = os.fspath(output)
         if not names_hdf5(output):
-            raise ArgumentError(f"{{output}} {_literal(output)}: stats writes segcli HDF5; "
+            raise ArgumentError(f"{{output}} {literal(output)}: stats writes segcli HDF5; "
                                 "name it .h5 or .hdf5", COMMAND_NAMES)
     output = shard_output(output, shard)
     file = inputs_name(inputs)
@@ -216,12 +216,12 @@ def stats(inputs, *fields, per_element=False, per_atom=False, by=None, where=Non
                                           ("structures", structures), ("shard", shard),
                                           ("scheduler", scheduler)) if value]
         if given:
-            raise ArgumentError(f"{_literal(file)} holds statistics, computed already: "
+            raise ArgumentError(f"{literal(file)} holds statistics, computed already: "
                                 f"{{{given[0]}}} applies to data")
         refuse_skipped(skipped)
         result, summary, attrs = _merged_stats(paths, file, fields, partial)
         if "missing" in attrs:
-            _note(f"{file}: lacks structures {attrs['missing']} of its input(s) (--partial)")
+            tell(f"{file}: lacks structures {attrs['missing']} of its input(s) (--partial)")
         parts = None
     else:
         if partial:
@@ -241,7 +241,8 @@ def stats(inputs, *fields, per_element=False, per_atom=False, by=None, where=Non
     return Statistics(result, summary, attrs, by, output)
 
 
-def _note(message):
+def tell(message):
+    """`message` as a segcli.errors.Note: what the command tells on stderr."""
     import warnings
 
     warnings.warn(message, Note, stacklevel=3)
@@ -303,7 +304,7 @@ def _check_grouping(batch, fields, per_element, per_atom):
                              ("per_atom", per_atom, "structure")):
         if given and pers and per not in pers:
             raise ArgumentError(f"{{{name}}} applies to per-{per} fields; "
-                                f"{_literal(', '.join(fields))} "
+                                f"{literal(', '.join(fields))} "
                                 f"{'is' if len(fields) == 1 else 'are'} not")
 
 
@@ -332,10 +333,10 @@ def fixed_numbers(fixed):
     for key, value in fixed.items():
         z = key if isinstance(key, int) else atomic_numbers.get(str(key).strip().capitalize())
         if z is None or not 0 < z < len(chemical_symbols):
-            raise ArgumentError(f"{{fixed}} {_literal(repr(key))} is not an element's symbol")
+            raise ArgumentError(f"{{fixed}} {literal(repr(key))} is not an element's symbol")
         if not isinstance(value, (int, float, np.number)) or not math.isfinite(value):
-            raise ArgumentError(f"{{fixed}} {_literal(repr(key))}: the energy must be a finite "
-                                f"number, got {_literal(repr(value))}")
+            raise ArgumentError(f"{{fixed}} {literal(repr(key))}: the energy must be a finite "
+                                f"number, got {literal(repr(value))}")
         if z in out:
             raise ArgumentError(f"{{fixed}} {chemical_symbols[z]} is fixed twice")
         out[z] = float(value)
@@ -420,11 +421,11 @@ def in_place_paths(inputs, in_place=False):
 
     if in_place and isinstance(inputs, (str, os.PathLike)) and is_stream(os.fspath(inputs)):
         raise ArgumentError(f"{{in_place}} stores results in {{inputs}} itself; "
-                            f"{_literal(inputs_name(inputs))} is a stream (stdin, a pipe or a "
+                            f"{literal(inputs_name(inputs))} is a stream (stdin, a pipe or a "
                             "/proc file), whose copy is read: use {output}", COMMAND_NAMES)
     paths = expand_inputs(inputs)
     if in_place and len(paths) > 1:
-        raise ArgumentError(f"{{in_place}} adds to one file; {_literal(inputs_name(inputs))} "
+        raise ArgumentError(f"{{in_place}} adds to one file; {literal(inputs_name(inputs))} "
                             f"is {len(paths)} files")
     if in_place and not os.access(paths[0], os.W_OK):
         raise DataError(f"{paths[0]}: cannot store results in it (Permission denied: it is "
@@ -536,7 +537,7 @@ def selected(inputs, output, *, where=None, structures=None, structures_from=Non
         if where:
             keep &= where_mask(batch, where)
         if not keep.any() and not allow_empty:
-            _note(f"{file}: no structure of {len(keep)} is selected; {output} is not written "
+            tell(f"{file}: no structure of {len(keep)} is selected; {output} is not written "
                   "(--allow-empty writes an empty file)")
             return Selected(0, 0, len(keep))
         left = {}
@@ -557,5 +558,5 @@ def selected(inputs, output, *, where=None, structures=None, structures_from=Non
 def units_left(output, left):
     """A Note for each field (name -> units) that to_ase_units left as it is."""
     for name, unit in left.items():
-        _note(f"{output}: --to-ase-units left field '{name}' as it is: its units, {unit!r}, "
+        tell(f"{output}: --to-ase-units left field '{name}' as it is: its units, {unit!r}, "
               "are not ones segcli knows")

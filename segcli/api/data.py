@@ -10,20 +10,22 @@ options, results and refusals of the commands of the same names.
 
 import math
 import os
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import numpy as np
 
 from segcli.api.curate import (
     COMMAND_NAMES,
-    _literal,
-    _note,
+    literal,
     names_hdf5,
     refuse_output_among_inputs,
+    tell,
     units_left,
 )
 from segcli.api.progress import reporting
 from segcli.errors import ArgumentError, DataError
+from segcli.select import structure_slice
 
 MOST_COMMON = 20
 """The values of a string field that `describe` lists (the most common)."""
@@ -35,8 +37,8 @@ class Batch:
     arrays and `atoms(i)` as ase.Atoms. Close it (or use `with`) to release its files.
 
         with segcli.open("data.h5") as batch:
-            for chunk in batch.chunks(["forces"], chunk_atoms=100_000):
-                chunk.atoms["forces"]  # (atoms of the chunk's structures, 3)
+            for chunk in batch.chunks(100_000, ["forces"]):
+                chunk["forces"]  # (atoms of the chunk's structures, 3)
     """
 
     def __init__(self, batch):
@@ -82,18 +84,19 @@ class Batch:
         """(S,) bool: the structures that have field `name` (None: all have it)."""
         return self._batch.present(name)
 
-    def chunks(self, fields=None, *, chunk_atoms=1_000_000, structures=slice(None)):
-        """segcli.io.Chunk after Chunk of whole structures (at most `chunk_atoms` atoms, a
-        bigger structure alone) holding `fields` (default: all): `.atoms` and `.structures`
-        map names to NumPy arrays of the chunk's atoms and structures, `.n_atoms`, `.start`
-        (the first structure's number) and `.present` (name -> (S_c,) bool, for fields only
-        some structures have)."""
+    def chunks(self, chunk_atoms=1_000_000, fields=None, *, structures=slice(None)):
+        """Chunk after Chunk of whole structures (at most `chunk_atoms` atoms, a bigger
+        structure alone, of the slice `structures`) holding `fields` (default: all): each maps
+        a field's name (and "n_atoms") to a NumPy array of the chunk's atoms or structures."""
         names = list(self.fields) if fields is None else [fields] if isinstance(
             fields, str) else list(fields)
         if not isinstance(chunk_atoms, (int, np.integer)) or chunk_atoms < 1:
             raise ArgumentError(f"{{chunk_atoms}} must be a positive integer, got "
-                                f"{_literal(repr(chunk_atoms))}")
-        return self._batch.iter_chunks(names, chunk_atoms=chunk_atoms, structures=structures)
+                                f"{literal(repr(chunk_atoms))}")
+        structures = structure_slice(structures) or slice(None)
+        for chunk in self._batch.iter_chunks(names, chunk_atoms=int(chunk_atoms),
+                                             structures=structures):
+            yield Chunk(chunk)
 
     def atoms(self, index):
         """Structure `index` (negative counts from the end) as an ase.Atoms: positions,
@@ -109,6 +112,39 @@ class Batch:
         stored = [n for n in self.fields if n not in self._batch.derived]
         (chunk,) = self._batch.iter_chunks(stored, structures=slice(index, index + 1))
         return structure_atoms(self._batch.path, index, chunk)
+
+
+class Chunk(Mapping):
+    """Consecutive whole structures of a Batch: field name (or "n_atoms") -> NumPy array, a
+    per-atom field's rows those of the chunk's atoms, a per-structure field's (and n_atoms)
+    one per structure; `.atoms` and `.structures` hold each kind, `.start` is the number of
+    the first structure, `.structure_numbers` those of all, and `.present` maps a field that
+    only some structures have to (S_c,) bool, True where one has it.
+
+        chunk["forces"][:chunk["n_atoms"][0]]  # the forces of the chunk's first structure
+    """
+
+    def __init__(self, chunk):
+        self._chunk = chunk
+        self.start, self.n_atoms, self.present = chunk.start, chunk.n_atoms, chunk.present
+        self.atoms, self.structures = chunk.atoms, chunk.structures
+
+    @property
+    def structure_numbers(self):
+        return self._chunk.structure_numbers
+
+    def __getitem__(self, name):
+        if name == "n_atoms":
+            return self.n_atoms
+        return self.atoms[name] if name in self.atoms else self.structures[name]
+
+    def __iter__(self):
+        yield from self.atoms
+        yield from self.structures
+        yield "n_atoms"
+
+    def __len__(self):
+        return len(self.atoms) + len(self.structures) + 1
 
 
 def open(inputs, *, format=None):
@@ -127,7 +163,7 @@ def open(inputs, *, format=None):
         try:
             named(format)
         except DataError as err:
-            raise ArgumentError(f"{{format}} {_literal(str(err).removeprefix('--format '))}") \
+            raise ArgumentError(f"{{format}} {literal(str(err).removeprefix('--format '))}") \
                 from None
     return Batch(open_inputs(inputs, input_format=format))
 
@@ -196,7 +232,7 @@ def checked_casts(casts):
     """`casts` (name -> dtype name), each dtype one of CASTS."""
     for dtype in (casts or {}).values():
         if dtype not in CASTS:
-            raise ArgumentError(f"{{cast}} {_literal(repr(dtype))} is not one of "
+            raise ArgumentError(f"{{cast}} {literal(repr(dtype))} is not one of "
                                 f"{', '.join(CASTS)}")
     return casts
 
@@ -208,7 +244,7 @@ def checked_units(units):
     out = {}
     for name, unit in (units or {}).items():
         if canonical(unit) is None:
-            raise ArgumentError(f"{{units}} {_literal(repr(unit))} is not a unit segcli knows: "
+            raise ArgumentError(f"{{units}} {literal(repr(unit))} is not a unit segcli knows: "
                                 f"{', '.join(known())}")
         out[name] = canonical(unit)
     return out
@@ -251,11 +287,11 @@ def converted(inputs, output, *, compression=None, chunk_atoms=100_000, fill_mis
         raise ArgumentError("{fields} and {drop} cannot be used together",
                             {"fields": "--fields"})
     if compression not in (None, "gzip", "lzf"):
-        raise ArgumentError(f"{{compression}} is gzip or lzf, got {_literal(repr(compression))}")
+        raise ArgumentError(f"{{compression}} is gzip or lzf, got {literal(repr(compression))}")
     if fill_missing is not None and not (fill_missing == "nan" or (isinstance(
             fill_missing, float) and math.isnan(fill_missing))):
         raise ArgumentError(f"{{fill_missing}} is 'nan' or None, got "
-                            f"{_literal(repr(fill_missing))}")
+                            f"{literal(repr(fill_missing))}")
     if drop is not None and "n_atoms" in drop:
         raise ArgumentError("{drop} n_atoms is always kept")
     output = os.fspath(output)
@@ -315,7 +351,7 @@ def merged(parts, output, *, virtual=False, partial=False, force=False):
 
     output = os.fspath(output)
     if not names_hdf5(output):
-        raise ArgumentError(f"{{output}} {_literal(output)}: merge writes segcli HDF5; name it "
+        raise ArgumentError(f"{{output}} {literal(output)}: merge writes segcli HDF5; name it "
                             ".h5 or .hdf5", COMMAND_NAMES)
     skipped = []
     paths = expand_inputs(parts, skipped)
@@ -324,5 +360,5 @@ def merged(parts, output, *, virtual=False, partial=False, force=False):
     checked = check_parts(paths, partial)
     merge_parts(checked, output, virtual=virtual, force=force)
     if lacking(checked):
-        _note(f"{output}: lacks structures {ranges_text(lacking(checked))} (--partial)")
+        tell(f"{output}: lacks structures {ranges_text(lacking(checked))} (--partial)")
     return Merged(output, checked[0].start, checked[-1].stop, len(checked))
