@@ -9,6 +9,7 @@ refusals of the commands of the same names.
 """
 
 import contextlib
+import functools
 import io
 import math
 import os
@@ -119,7 +120,8 @@ def _symbol(z):
     return chemical_symbols[z]
 
 
-def _number(value):
+def number_text(value):
+    """A statistic as the commands print it: 7 significant digits, `-` for none or NaN."""
     return "-" if value is None or math.isnan(value) else f"{value:.7g}"
 
 
@@ -168,7 +170,7 @@ class Statistics:
         lines = [header] + [
             (row["field"], *((str(row.get("group", row.get("symbol", ""))),) if group else ()),
              row["component"] or "-", str(row["count"]),
-             *(_number(row[c]) for c in STAT_COLUMNS[1:]))
+             *(number_text(row[c]) for c in STAT_COLUMNS[1:]))
             for row in self.rows]
         return "\n".join(table(lines))
 
@@ -311,13 +313,19 @@ def _check_grouping(batch, fields, per_element, per_atom):
 class E0(dict):
     """Element symbol -> reference energy E0 (fitted and fixed), what `segcli fit-e0` prints,
     with `residuals` (S,) (E − Σ c·E0 of each structure of the inputs; NaN for those not
-    fitted), `rmse_per_atom` and `mae_per_atom` of the residual per atom, `structures` (the
-    number fitted) and `fixed` (the symbols held)."""
+    fitted; computed in one more pass when first asked for), `rmse_per_atom` and
+    `mae_per_atom` of the residual per atom, `structures` (the number fitted) and `fixed`
+    (the symbols held)."""
 
-    def __init__(self, e0, residuals, rmse, mae, structures, fixed):
+    def __init__(self, e0, residuals_of, rmse, mae, structures, fixed):
         super().__init__(e0)
-        self.residuals, self.rmse_per_atom, self.mae_per_atom = residuals, rmse, mae
+        self._residuals_of = residuals_of
+        self.rmse_per_atom, self.mae_per_atom = rmse, mae
         self.structures, self.fixed = structures, fixed
+
+    @functools.cached_property
+    def residuals(self):
+        return self._residuals_of()
 
 
 def fixed_numbers(fixed):
@@ -335,8 +343,8 @@ def fixed_numbers(fixed):
         if z is None or not 0 < z < len(chemical_symbols):
             raise ArgumentError(f"{{fixed}} {literal(repr(key))} is not an element's symbol")
         if not isinstance(value, (int, float, np.number)) or not math.isfinite(value):
-            raise ArgumentError(f"{{fixed}} {literal(repr(key))}: the energy must be a finite "
-                                f"number, got {literal(repr(value))}")
+            raise ArgumentError(f"{{fixed}} the energy must be finite, got "
+                                f"{literal(repr(value))} for {literal(repr(key))}")
         if z in out:
             raise ArgumentError(f"{{fixed}} {chemical_symbols[z]} is fixed twice")
         out[z] = float(value)
@@ -380,14 +388,7 @@ def fit_e0(inputs, *, energy="energy", fixed=None, where=None, structures=None,
                    "progress": bar}
         e0, used = solve_e0(batch, energy, fixed=fixed, **options)
         everything = {**e0, **fixed}
-        residuals = np.full(batch.n_structures, np.nan)
         rows = np.arange(batch.n_structures + 1)
-
-        def kept(chunk, values, write=None):
-            residuals[chunk.structure_numbers] = values
-            if write:
-                write(name, *spread(values, chunk.structure_numbers, rows, np.nan))
-
         if in_place:
             writer = stack.enter_context(ResultWriter(in_place_of=paths[0], force=force,
                                                       names=[name]))
@@ -399,8 +400,22 @@ def fit_e0(inputs, *, energy="energy", fixed=None, where=None, structures=None,
                 **({"where": [c.text for c in where]} if where else {})}, np.nan)
         rmse, mae = residual_errors(
             batch, energy, everything,
-            on_chunk=lambda chunk, values: kept(chunk, values, in_place and writer.write),
+            on_chunk=in_place and (lambda chunk, values: writer.write(
+                name, *spread(values, chunk.structure_numbers, rows, np.nan))),
             **options)
+
+    def residuals():
+        with (read_inputs(paths, file, False, input_format) as batch,
+              np.errstate(over="ignore", invalid="ignore")):
+            out = np.full(batch.n_structures, np.nan)
+
+            def store(chunk, values):
+                out[chunk.structure_numbers] = values
+
+            residual_errors(batch, energy, everything, on_chunk=store,
+                            **{**options, "progress": None})
+        return out
+
     return E0({_symbol(z): everything[z] for z in sorted(everything)}, residuals, rmse, mae,
               used, sorted(_symbol(z) for z in fixed))
 

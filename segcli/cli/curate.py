@@ -1,8 +1,6 @@
 """Commands: stats (count, mean, std, rms, min and max of fields) and fit-e0 (per-element
 reference energies), streamed over files of any size."""
 
-import math
-
 import click
 
 from segcli.cli.common import (
@@ -35,10 +33,6 @@ def _streaming_options(command):
     ):
         command = option(command)
     return command
-
-
-def _number(value):
-    return "-" if value is None or math.isnan(value) else f"{value:.7g}"
 
 
 @click.command(short_help="Count, mean, std, rms, min, max of fields.")
@@ -119,25 +113,25 @@ def stats(file, fields, per_element, per_atom, by, where, fmt, as_json, output, 
 
 
 def _fixed(ctx, param, values):
-    """{Z: E0} from --fixed SYMBOL=VALUE options (the symbol in any case: cu, CU, Cu)."""
-    from ase.data import atomic_numbers
+    """{Z: E0} from --fixed SYMBOL=VALUE options (the symbol in any case: cu, CU, Cu; see
+    segcli.api.curate.fixed_numbers)."""
+    from ase.data import chemical_symbols
+
+    from segcli.api.curate import fixed_numbers
+    from segcli.errors import ArgumentError
 
     out = {}
     for text in values:
         symbol, _, value = text.partition("=")
-        symbol = symbol.strip().capitalize()
         try:
-            energy = float(value)
-        except ValueError:
-            raise click.BadParameter(
-                f"expected SYMBOL=VALUE (e.g. H=-13.6), got {text!r}") from None
-        if symbol not in atomic_numbers or symbol == "X":
-            raise click.BadParameter(f"{text!r}: {symbol!r} is not an element's symbol")
-        if not math.isfinite(energy):
-            raise click.BadParameter(f"{text!r}: the energy must be finite")
-        if atomic_numbers[symbol] in out:
-            raise click.BadParameter(f"{text!r}: {symbol} is fixed twice")
-        out[atomic_numbers[symbol]] = energy
+            (z, energy), = fixed_numbers({symbol: float(value)}).items()
+        except ValueError as err:
+            reason = err.for_command().removeprefix("--fixed ") \
+                if isinstance(err, ArgumentError) else "expected SYMBOL=VALUE (e.g. H=-13.6)"
+            raise click.BadParameter(f"{text!r}: {reason}") from None
+        if z in out:
+            raise click.BadParameter(f"{text!r}: {chemical_symbols[z]} is fixed twice")
+        out[z] = energy
     return out
 
 
@@ -180,6 +174,7 @@ def fit_e0(file, energy, fixed, fmt, as_json, in_place, name, force, where, stru
     from ase.data import atomic_numbers
 
     from segcli.api.curate import fit_e0 as fitted
+    from segcli.api.curate import number_text
     from segcli.io.text import finite_json
 
     with usage_errors(), notes(quiet):
@@ -198,7 +193,7 @@ def fit_e0(file, energy, fixed, fmt, as_json, in_place, name, force, where, stru
             for e in elements]
         click.echo("\n".join(table(lines)))
         click.echo(f"structures: {e0.structures}; residual per atom: RMSE "
-                   f"{_number(e0.rmse_per_atom)}, MAE {_number(e0.mae_per_atom)}")
+                   f"{number_text(e0.rmse_per_atom)}, MAE {number_text(e0.mae_per_atom)}")
     if in_place and not quiet:
         note(f"{file}: /results/{name or f'residual_{energy}'} ({len(e0.residuals)} "
              "structures)")
