@@ -58,9 +58,18 @@ def _api_function(module):
 
     class Callable(types.ModuleType):
         def __call__(self, *args, **kwargs):
+            return self._function()(*args, **kwargs)
+
+        @property
+        def __signature__(self):
+            import inspect
+
+            return inspect.signature(self._function())
+
+        def _function(self):
             import importlib
 
             name = self.__name__.rpartition(".")[2]
-            return getattr(importlib.import_module(_CURATION[name]), name)(*args, **kwargs)
+            return getattr(importlib.import_module(_CURATION[name]), name)
 
     module.__class__ = Callable

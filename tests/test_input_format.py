@@ -1,4 +1,4 @@
-"""`--format NAME` (`--input-format` on reduce and grad, whose --format is their output's):
+"""`--input-format NAME` (every command's; --format is what a command writes or prints):
 files whose content no reader recognises are read as the format named, by every command,
 one file or many, against ASE's own reading of them."""
 

@@ -163,7 +163,7 @@ def open(inputs, *, format=None):
         try:
             named(format)
         except DataError as err:
-            raise ArgumentError(f"{{format}} {literal(str(err).removeprefix('--format '))}") \
+            raise ArgumentError(f"{{format}} {literal(str(err).removeprefix('--input-format '))}") \
                 from None
     return Batch(open_inputs(inputs, input_format=format))
 

@@ -169,7 +169,7 @@ def _remember_format(ctx, param, name):
         try:
             named(name)
         except DataError as err:
-            raise click.BadParameter(str(err).removeprefix("--format ")) from None
+            raise click.BadParameter(str(err).removeprefix("--input-format ")) from None
         ctx.meta["segcli.input_format"] = name
 
 
