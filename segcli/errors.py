@@ -163,3 +163,40 @@ def raise_if_interrupted():
     swallowed: called before a result is committed."""
     if _received:
         raise Interrupted(_received[0])
+
+
+class ArgumentError(ValueError):
+    """A bad argument of a segcli function or command (the CLI's exit 2). The message names the
+    arguments as a Python caller spells them (`per_element=`); `for_command` as the command
+    line does (`--per-element`). `template` holds `{name}` for each argument it names."""
+
+    def __init__(self, template, commands=None):
+        self.template = template
+        self.commands = commands or {}
+        super().__init__(template.format_map(_Spelled(
+            lambda name: name if name in _POSITIONAL else f"{name}=")))
+
+    def for_command(self):
+        """The message as the command line says it: `{per_element}` as --per-element, or as
+        `commands` (given to the constructor) spells it."""
+        return self.template.format_map(_Spelled(
+            lambda name: self.commands.get(name, f"--{name.replace('_', '-')}")))
+
+
+_POSITIONAL = ("inputs", "fields", "output", "parts")
+"""Arguments that segcli's functions take by position: named without `=`."""
+
+
+class _Spelled(dict):
+    def __init__(self, spell):
+        super().__init__()
+        self.spell = spell
+
+    def __missing__(self, name):
+        return self.spell(name)
+
+
+class Note(UserWarning):
+    """Something worth telling that is no error (a condition that selects no structure of a
+    shard, statistics merged though some lack): a warning to a Python caller, a line on
+    stderr from the command line (none with --quiet)."""

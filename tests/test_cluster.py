@@ -92,9 +92,9 @@ def test_an_unreachable_scheduler_is_one_line(tmp_path):
 
 
 def test_workers_read_the_format_forced_on_the_inputs(tmp_path, dask_cluster):
-    """--format travels with the inputs' layout to each worker, which opens its files so."""
+    """--input-format travels with the inputs' layout to each worker, which opens its files so."""
     _, frames = poscars(tmp_path)
-    args = [tmp_path / "cell*.dat", "positions", "--format", "vasp"]
+    args = [tmp_path / "cell*.dat", "positions", "--input-format", "vasp"]
     remote = stats_json(*args, "--scheduler", dask_cluster.scheduler_address)
     assert remote["stats"] == stats_json(*args)["stats"]
     assert_rows_match(remote["stats"], reference_rows(

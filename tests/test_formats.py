@@ -235,7 +235,7 @@ def test_text_files_are_not_structures(tmp_path, extxyz):
     result = run("info", not_hdf5)
     assert result.exit_code == 1 and result.stdout == ""
     assert result.stderr.strip() == (f"Error: {not_hdf5}: neither HDF5 nor a file format that "
-                                     "ASE can read (`--format NAME` names its format)")
+                                     "ASE can read (`--input-format NAME` names its format)")
     with pytest.raises(DataError, match="neither HDF5 nor a file format that ASE can read"):
         open_batch(notes)
 

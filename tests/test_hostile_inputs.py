@@ -296,7 +296,7 @@ def test_streams_are_read_through_a_temporary_that_is_removed(tmp_path):
                             capture_output=True, text=True, env={**os.environ, "TMPDIR": spool})
     assert result.returncode == 1
     assert result.stderr == ("Error: /proc/self/status: neither HDF5 nor a file format that "
-                             "ASE can read (`--format NAME` names its format)\n")
+                             "ASE can read (`--input-format NAME` names its format)\n")
     assert os.listdir(spool) == [] and not (tmp_path / "new.h5").exists()
 
 

@@ -1,4 +1,4 @@
-"""`--format NAME` (`--input-format` on reduce and grad, whose --format is their output's):
+"""`--input-format NAME` (every command's; --format is what a command writes or prints):
 files whose content no reader recognises are read as the format named, by every command,
 one file or many, against ASE's own reading of them."""
 
@@ -37,7 +37,7 @@ def test_a_file_no_reader_recognises_is_read_as_the_format_named(tmp_path):
     refused = run("info", paths[0])  # ASE guesses GAMESS-US from the name
     assert refused.exit_code == 1
     assert f"{paths[0]}: ASE cannot read structure 0 as gamess-us-punch" in refused.stderr
-    for option in ("--format", "--input-format"):
+    for option in ("--input-format",):
         result = run("info", "--json", option, "vasp", paths[0])
         assert result.exit_code == 0, result.output
         assert json.loads(result.stdout)["structures"] == 1
@@ -61,7 +61,7 @@ def test_many_files_are_read_as_the_format_named(tmp_path, command):
         np.testing.assert_allclose(
             rows[:, -1], [np.linalg.norm(a.positions, axis=1).max() for a in frames], rtol=1e-14)
     elif command == "stats":
-        result = run("stats", pattern, "positions", "--json", "--format", "vasp")
+        result = run("stats", pattern, "positions", "--json", "--input-format", "vasp")
         assert result.exit_code == 0, result.output
         rows = json.loads(result.stdout)["stats"]
         means = [row["mean"] for row in rows if row["component"] in "012"]
@@ -70,7 +70,7 @@ def test_many_files_are_read_as_the_format_named(tmp_path, command):
         (tmp_path / "second.txt").write_text("1\n")
         inputs, kept = (([pattern, "--structures-from", tmp_path / "second.txt"], frames[1:])
                         if command == "select" else (paths, frames))
-        result = run(command, *inputs, "-o", out, "--format", "vasp")
+        result = run(command, *inputs, "-o", out, "--input-format", "vasp")
         assert result.exit_code == 0, result.output
         read = run("reduce", out, "sum", "positions", "--format", "json")
         expected = [a.positions.sum(axis=0) for a in kept]
@@ -81,14 +81,13 @@ def test_many_files_are_read_as_the_format_named(tmp_path, command):
 @pytest.mark.parametrize("command", [["info"], ["reduce", "sum", "positions"]])
 def test_an_unknown_format_is_a_usage_error(tmp_path, command):
     paths, _ = poscars(tmp_path, 1)
-    option = "--input-format" if command[0] == "reduce" else "--format"
-    result = run(command[0], paths[0], *command[1:], option, "poscarx")
+    result = run(command[0], paths[0], *command[1:], "--input-format", "poscarx")
     assert result.exit_code == 2
     assert "poscarx: no such input format; segcli's are segcli, conformers" in result.stderr
 
 
 def test_a_file_of_another_format_says_what_it_was_read_as(tmp_path):
     paths, _ = poscars(tmp_path, 1)
-    result = run("info", "--format", "traj", paths[0])
+    result = run("info", "--input-format", "traj", paths[0])
     assert result.exit_code == 1
     assert result.stderr.startswith(f"Error: {paths[0]}: ASE cannot read structure 0 as traj")

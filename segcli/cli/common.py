@@ -9,6 +9,7 @@ import sys
 import click
 
 from segcli import cache_directory, keep_freed_buffers
+from segcli.tables import table  # noqa: F401  (the commands' tables)
 
 
 def result_name(ctx, param, name):
@@ -32,10 +33,11 @@ def output_name(ctx, param, output):
 
 
 def names_hdf5(output):
-    """Whether the file name `output` (None: none) is a segcli HDF5 file's: .h5, .hdf5 or no
-    suffix."""
-    return os.path.splitext(os.path.basename(output or ""))[1].lower() in ("", ".h5", ".hdf5")
+    """Whether the file name `output` (None: none) is a segcli HDF5 file's (see
+    segcli.api.curate.names_hdf5)."""
+    from segcli.api.curate import names_hdf5 as hdf5
 
+    return hdf5(output)
 
 def hdf5_output(ctx, param, output):
     """Click callback: an -o that names a segcli HDF5 file (see names_hdf5)."""
@@ -87,11 +89,6 @@ def structure_range(ctx, param, text):
     return slice(start, stop)
 
 
-def described(structures):
-    """--structures as given: START:STOP of a slice, blanks where left out."""
-    return ":".join("" if v is None else str(v) for v in (structures.start, structures.stop))
-
-
 def check_output_place(output):
     """DataError, before any computation, when -o names a file in a directory that is missing
     or not writable (the writer would find it only at the end of the setup)."""
@@ -127,46 +124,42 @@ def where_option(command):
 
 
 def where_selection(batch, file, where, structures, needed=False, quiet=False):
-    """(S,) bool: the structures of `batch` in the slice `structures` where every --where
-    condition holds (None without conditions). When none does: DataError if they are
-    `needed`, else one line on stderr (unless `quiet`)."""
-    from segcli.errors import DataError
-    from segcli.select import where_mask
+    """segcli.select.where_selection, its note on stderr (unless `quiet`)."""
+    from segcli.select import where_selection as selected
 
-    if not where:
-        return None
-    keep = where_mask(batch, where, structures=structures)
-    if not keep.any():
-        start, stop, _ = structures.indices(batch.n_structures)
-        message = (f"{file}: --where {' --where '.join(repr(c.text) for c in where)} selects "
-                   f"none of the {max(stop - start, 0)} structure(s)")
-        if needed:
-            raise DataError(f"{message}; nothing to compute")
-        if not quiet:
-            note(message)
-    return keep
+    with notes(quiet):
+        return selected(batch, file, where, structures, needed)
+
+
+@contextlib.contextmanager
+def notes(quiet=False):
+    """The segcli.errors.Note warnings of the block told on stderr as they come (see `note`),
+    none with `quiet`; other warnings as Python shows them."""
+    import warnings
+
+    from segcli.errors import Note
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", Note)
+        shown = warnings.showwarning
+
+        def show(message, category, *args, **kwargs):
+            if not issubclass(category, Note):
+                shown(message, category, *args, **kwargs)
+            elif not quiet:
+                note(str(message))
+
+        warnings.showwarning = show
+        yield
 
 
 def input_paths(file, in_place=False):
-    """The files FILE stands for (see segcli.io.expand_inputs); UsageError when --in-place
-    meets more than one, or a stream read through a temporary copy (results stored there would
-    be lost); DataError when it meets a file this process may not write (it would fail only
-    on the copy that it writes)."""
-    from segcli.errors import DataError
-    from segcli.io import expand_inputs
-    from segcli.io.multi import is_stream
+    """The files FILE stands for (segcli.api.curate.in_place_paths: a usage error where
+    --in-place cannot store results)."""
+    from segcli.api.curate import in_place_paths
 
-    if in_place and is_stream(file):
-        raise click.UsageError(f"--in-place stores results in FILE itself; {file} is a stream "
-                               "(stdin, a pipe or a /proc file), whose copy is read: use -o")
-    paths = expand_inputs(file)
-    if in_place and len(paths) > 1:
-        raise click.UsageError(f"--in-place adds to one file; {file} is {len(paths)} files")
-    if in_place and not os.access(paths[0], os.W_OK):
-        raise DataError(f"{paths[0]}: cannot store results in it (Permission denied: it is "
-                        "read-only to this user); use -o")
-    return paths
-
+    with usage_errors():
+        return in_place_paths(file, in_place)
 
 def _remember_format(ctx, param, name):
     from segcli.errors import DataError
@@ -176,18 +169,62 @@ def _remember_format(ctx, param, name):
         try:
             named(name)
         except DataError as err:
-            raise click.BadParameter(str(err).removeprefix("--format ")) from None
+            raise click.BadParameter(str(err).removeprefix("--input-format ")) from None
         ctx.meta["segcli.input_format"] = name
 
 
 def input_format_option(*names):
-    """The option (`--format`, or `names` where a command's --format says what it writes) that
-    forces the format of every input file, whatever its content (see input_format)."""
-    return click.option(*(names or ("--format", "--input-format")), metavar="NAME",
+    """--input-format NAME (or `names`), which forces the format of every input file, whatever
+    its content (see input_format)."""
+    return click.option(*(names or ("--input-format",)), metavar="NAME",
                         expose_value=False, callback=_remember_format,
                         help="Read every input as format NAME, whatever its content: segcli, "
                              "conformers, extxyz, db, json, aselmdb, or any format ASE reads "
                              "(vasp-out, lammps-data, ...).")
+
+
+class _OutputFormat(click.Choice):
+    """--format's choices; a name of an input format is told to go to --input-format."""
+
+    def convert(self, value, param, ctx):
+        from segcli.errors import DataError
+        from segcli.io.formats import named
+
+        try:
+            return super().convert(value, param, ctx)
+        except click.BadParameter as err:
+            try:
+                named(value)
+            except DataError:
+                raise err from None
+            self.fail(f"{value!r} is not one of {', '.join(self.choices)}: --format is what the "
+                      f"command prints; to read the input as {value}, give --input-format "
+                      f"{value}", param, ctx)
+
+
+def output_format_options(*choices):
+    """--format CHOICE (default the first), what the command prints, and --json, the same as
+    --format json; the command takes them as `fmt` and `as_json`."""
+    def decorate(command):
+        command = click.option("--json", "as_json", is_flag=True,
+                               help="The same as --format json.")(command)
+        return click.option("--format", "fmt", type=_OutputFormat(choices), default=choices[0],
+                            show_default=True,
+                            help=f"What to print: {' or '.join(choices)} (one JSON object).")(
+            command)
+    return decorate
+
+
+@contextlib.contextmanager
+def usage_errors():
+    """The block's segcli.errors.ArgumentError as click's usage error (exit 2), its message
+    naming the options as the command line spells them."""
+    from segcli.errors import ArgumentError
+
+    try:
+        yield
+    except ArgumentError as err:
+        raise click.UsageError(err.for_command()) from None
 
 
 to_ase_units_option = click.option(
@@ -197,63 +234,32 @@ to_ase_units_option = click.option(
 """The option of the commands that write fields (convert, select)."""
 
 
-def note_units_left(output, left):
-    """Name on stderr the fields (name -> units) that --to-ase-units left as they are."""
-    for name, unit in left.items():
-        note(f"{output}: --to-ase-units left field '{name}' as it is: its units, {unit!r}, are "
-             "not ones segcli knows")
-
-
 def input_format():
     """The input format the running command was given (see input_format_option), or None."""
     ctx = click.get_current_context(silent=True)
     return None if ctx is None else ctx.meta.get("segcli.input_format")
 
 
-@contextlib.contextmanager
 def read_inputs(paths, file, in_place=False):
-    """The batch of `paths` (segcli.io.open_inputs, FILE named `file`, in the format
-    input_format forces); with --in-place, read under the lock of the file the results go
-    into, so that no other writer replaces it between this read and that write."""
-    from segcli.io import open_inputs as open_batches
-    from segcli.io.writers import locked
+    """The batch of `paths` in the format input_format forces (segcli.api.curate.read_inputs:
+    with --in-place, read under the lock of the file the results go into)."""
+    from segcli.api.curate import read_inputs as read
 
-    with (locked(paths[0]) if in_place else contextlib.nullcontext(),
-          open_batches(paths, name=file, input_format=input_format()) as batch):
-        yield batch
-
-
-def table(rows):
-    """Lines of text for rows of strings: left-aligned columns two spaces apart."""
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
-
+    return read(paths, file, in_place, input_format())
 
 def refuse_output_among_inputs(output, inputs, hint):
     """UsageError when the file -o names is one of the inputs (`hint` says what to do)."""
-    for path in inputs:
-        if output and os.path.exists(output) and os.path.exists(path) and \
-                os.path.samefile(output, path):
-            raise click.UsageError(f"-o {output} is FILE itself ({path}); {hint}")
+    from segcli.api.curate import refuse_output_among_inputs as refuse
 
+    with usage_errors():
+        refuse(output, inputs, hint)
 
 def refuse_structures_in_place(in_place, structures):
     """UsageError when --in-place (a result for every structure) meets --structures."""
-    if in_place and structures:
-        raise click.UsageError("--in-place stores a result for every structure; "
-                               "--structures cannot be used with it")
+    from segcli.api.curate import refuse_structures_in_place as refuse
 
-
-def selection(batch, file, structures):
-    """The slice of `batch`'s structures that --structures (a slice) selects, or all, with
-    non-negative bounds; DataError when it selects none of a file that has some."""
-    from segcli.errors import DataError
-
-    start, stop, _ = (structures or slice(None)).indices(batch.n_structures)
-    if structures and start >= stop:
-        raise DataError(f"{file}: --structures {described(structures)} selects no structure "
-                        f"(the file has {batch.n_structures})")
-    return slice(start, max(start, stop))
+    with usage_errors():
+        refuse(in_place, structures)
 
 
 # Whether this process is the segcli program, which exits after one command (see as_program),
@@ -434,37 +440,18 @@ def device_label(device):
 
 
 def stderr_is_terminal():
-    """Whether stderr is open and a terminal (closed stderr, `2>&-`, is None in Python)."""
-    try:
-        return sys.stderr is not None and sys.stderr.isatty()
-    except (OSError, ValueError):
-        return False
+    """Whether stderr is open and a terminal (see segcli.api.progress)."""
+    from segcli.api.progress import stderr_is_terminal as is_terminal
+
+    return is_terminal()
 
 
-@contextlib.contextmanager
 def progress(enabled, label, total=None, unit="structure"):
-    """A tqdm bar on stderr (done of `total`, rate and ETA; a count and rate while `total` is
-    None) when `enabled` and stderr is a terminal, else None. The bar stays when the block
-    succeeds and is cleared when it raises. Library functions take it as `progress` and call
-    its `update(n)` (and `reset(total)` once they know the total)."""
-    if not enabled or not stderr_is_terminal():
-        yield None
-        return
-    from tqdm import tqdm
+    """segcli.api.progress.bar: the command's progress bar on stderr (when `enabled` and stderr
+    is a terminal), else None."""
+    from segcli.api.progress import bar
 
-    try:  # follow the terminal's width, unless it reports none (a bare pseudo-terminal)
-        sized = os.get_terminal_size(sys.stderr.fileno()).columns > 0
-    except (OSError, ValueError):
-        sized = False
-    bar = tqdm(total=total, desc=label, unit=unit, file=sys.stderr, dynamic_ncols=sized,
-               **({} if sized else {"ncols": 80, "nrows": 24}))
-    try:
-        yield bar
-    except BaseException:
-        bar.leave = False
-        raise
-    finally:
-        bar.close()
+    return bar(enabled, label, total, unit)
 
 
 def _shard(ctx, param, text):
@@ -560,62 +547,42 @@ def cluster_options(command):
 
 
 def shard_output(output, shard):
-    """-o for shard (I, N): {shard} replaced (see segcli.shards.part_path), its directory made
-    if missing (the tasks of an array job race to make it)."""
-    if output and "{shard}" in output and not shard:
-        raise click.UsageError(f"-o {output} has {{shard}} in it, which --shard I/N fills; "
-                               "give --shard or another name")
-    if not (shard and output):
-        return output
-    from segcli.shards import part_path
+    """-o for shard (I, N) (see segcli.api.curate.shard_output)."""
+    from segcli.api.curate import shard_output as part
 
-    output = part_path(output, *shard)
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    return output
+    with usage_errors():
+        return part(output, shard)
+
+def selection(batch, file, structures):
+    """segcli.select.selection, for the commands that import it from here."""
+    from segcli.select import selection as selected
+
+    return selected(batch, file, structures)
 
 
 def shard_selection(batch, file, structures, shard):
-    """The leaf boundaries (see segcli.shards.shard_of) of the structures that --structures
-    and --shard select in `batch`, and the attributes that tie the output to them: the range
-    `structures`, the input's `source_fingerprint` and `source_structures` (its count) and, for
-    a shard, `shard` and `selection` (the range of all its shards)."""
-    from segcli.shards import fingerprint, shard_of
+    """segcli.select.shard_selection, for the commands that import it from here."""
+    from segcli.select import shard_selection as selected
 
-    start, stop, _ = selection(batch, file, structures).indices(batch.n_structures)
-    leaves = shard_of(batch.n_atoms[start:max(start, stop)], start, shard)
-    attrs = {"structures": f"{leaves[0]}:{leaves[-1]}",
-             "source_fingerprint": fingerprint(batch.sources, batch.n_atoms),
-             "source_structures": batch.n_structures}
-    if shard:
-        attrs.update(shard=f"{shard[0]}/{shard[1]}", selection=f"{start}:{max(start, stop)}")
-    return leaves, attrs
+    return selected(batch, file, structures, shard)
 
 
 def check_cluster_usage(shard, scheduler, in_place):
     """UsageError for --shard with --scheduler or --in-place."""
-    if shard and scheduler:
-        raise click.UsageError("--shard runs one shard here; --scheduler runs them all on a "
-                               "cluster: give one of them")
-    if shard and in_place:
-        raise click.UsageError("--shard writes a part of the result; --in-place stores a "
-                               "result for every structure: use -o 'part-{shard}.h5' and "
-                               "segcli merge")
+    from segcli.api.curate import check_cluster_usage as check
+
+    with usage_errors():
+        check(shard, scheduler, in_place)
 
 
 @contextlib.contextmanager
 def on_cluster(scheduler):
-    """A dask.distributed Client for --scheduler (None without it), closed afterwards; a
-    missing cluster extra is a usage error."""
-    if not scheduler:
-        yield None
-        return
-    import importlib.util
+    """A dask.distributed Client for --scheduler (None without it; see
+    segcli.api.curate.on_cluster), closed afterwards; a missing cluster extra is a usage
+    error."""
+    from segcli.api.curate import on_cluster as cluster
 
-    if importlib.util.find_spec("distributed") is None:
-        raise click.UsageError("--scheduler needs dask.distributed: pip install "
-                               "'segcli[cluster]'")
-    from segcli.cluster import cluster_client
-
-    with cluster_client(scheduler) as client:
+    with contextlib.ExitStack() as stack:
+        with usage_errors():
+            client = stack.enter_context(cluster(scheduler))
         yield client
-

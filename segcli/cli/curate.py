@@ -1,38 +1,23 @@
 """Commands: stats (count, mean, std, rms, min and max of fields) and fit-e0 (per-element
 reference energies), streamed over files of any size."""
 
-import contextlib
-import math
-import os
-
 import click
 
 from segcli.cli.common import (
     CHUNK_ATOMS,
-    check_cluster_usage,
     cluster_options,
     hdf5_output,
     input_format,
     input_format_option,
-    input_paths,
     note,
-    on_cluster,
-    progress,
-    read_inputs,
-    refuse_output_among_inputs,
-    refuse_structures_in_place,
+    notes,
+    output_format_options,
     result_name,
-    selection,
-    shard_output,
-    shard_selection,
     structure_range,
     table,
+    usage_errors,
     where_option,
-    where_selection,
 )
-from segcli.errors import DataError
-
-STAT_COLUMNS = ("count", "mean", "std", "rms", "min", "max")
 
 
 def _streaming_options(command):
@@ -50,16 +35,6 @@ def _streaming_options(command):
     return command
 
 
-def _number(value):
-    return "-" if value is None or math.isnan(value) else f"{value:.7g}"
-
-
-def _element(z):
-    from ase.data import chemical_symbols
-
-    return chemical_symbols[z]
-
-
 @click.command(short_help="Count, mean, std, rms, min, max of fields.")
 @click.argument("file")
 @input_format_option()
@@ -74,7 +49,7 @@ def _element(z):
               help="Every field grouped by the value of FIELD, a per-structure integer or "
                    "string field such as config_type (structures without it are left out).")
 @where_option
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+@output_format_options("table", "json")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), callback=hdf5_output,
               help="Write the statistics to a new HDF5 file instead (/stats/FIELD: count, "
                    "mean, m2, min, max, std, rms).")
@@ -84,7 +59,7 @@ def _element(z):
                    "(the output's attribute `missing` names them).")
 @cluster_options
 @_streaming_options
-def stats(file, fields, per_element, per_atom, by, where, as_json, output, force, partial,
+def stats(file, fields, per_element, per_atom, by, where, fmt, as_json, output, force, partial,
           structures, chunk_atoms, quiet, scheduler, shard):
     """Count, mean, std, rms, min and max of each FIELD of FILE.
 
@@ -117,145 +92,46 @@ def stats(file, fields, per_element, per_atom, by, where, as_json, output, force
       segcli stats data.h5 forces --shard auto -o 'parts/stats-{shard}.h5'
       segcli stats 'parts/stats-*.h5' forces
     """
-    from segcli.io import expand_inputs
-    from segcli.io.coverage import refuse_skipped
-    from segcli.io.statsfile import is_stats_file, write_stats
+    from segcli.api.curate import stats as statistics
     from segcli.io.text import finite_json
 
-    check_cluster_usage(shard, scheduler, False)
-    if by is not None and per_element:
-        raise click.UsageError("--per-element groups by element and --by by a field: give one")
-    output = shard_output(output, shard)
-    skipped = []
-    paths = expand_inputs(file, skipped)
-    refuse_output_among_inputs(output, paths, "stats writes a new file")
-    if all(map(is_stats_file, paths)):
-        given = [flag for flag, value in (("--per-element", per_element), ("--per-atom", per_atom),
-                                          ("--by", by), ("--where", where),
-                                          ("--structures", structures), ("--shard", shard),
-                                          ("--scheduler", scheduler)) if value]
-        if given:
-            raise click.UsageError(f"{file} holds statistics, computed already: {given[0]} "
-                                   "applies to data")
-        refuse_skipped(skipped)
-        result, summary, attrs = _merged_stats(paths, file, fields, partial)
-        if "missing" in attrs and not quiet:
-            note(f"{file}: lacks structures {attrs['missing']} of its input(s) (--partial)")
-        parts = None
-    else:
-        if partial:
-            raise click.UsageError("--partial merges statistics files; FILE holds data")
-        if not fields:
-            raise click.UsageError("give the FIELDs of FILE to compute statistics of")
-        result, summary, parts, attrs = _field_stats(
-            paths, file, fields, per_element, per_atom, by, where, structures, shard, scheduler,
-            chunk_atoms, quiet)
-        attrs.update(source=os.path.abspath(file), per_element=per_element, per_atom=per_atom)
-        if where:
-            attrs["where"] = [condition.text for condition in where]
-    rows = [row for s in result.values() for row in s.rows()]
-    for row in rows:
-        if "element" in row:
-            row["symbol"] = _element(row["element"])
+    with usage_errors(), notes(quiet):
+        result = statistics(file, *fields, per_element=per_element, per_atom=per_atom, by=by,
+                            where=where, structures=structures, output=output, force=force,
+                            partial=partial, shard=shard, scheduler=scheduler,
+                            chunk_atoms=chunk_atoms, input_format=input_format(),
+                            progress=not quiet)
     if output:
-        write_stats(output, result, attrs, force=force, leaves=parts if shard else None)
         if not quiet:
+            summary = result.summary
             counts = (f"{summary['files']} files" if "files" in summary else
                       f"{summary['structures']} structures, {summary['atoms']} atoms")
-            note(f"{output}: statistics of {', '.join(result)} ({counts})")
+            note(f"{result.output}: statistics of {', '.join(result.fields)} "
+                 f"({counts})")
         return
-    if as_json:
-        click.echo(finite_json({**summary, **({"by": by} if by else {}), "stats": rows}))
-        return
-    group = by or ("element" if any("element" in row for row in rows) else None)
-    header = ("field", *((group,) if group else ()), "component", *STAT_COLUMNS)
-    lines = [header] + [
-        (row["field"], *((str(row.get("group", row.get("symbol", ""))),) if group else ()),
-         row["component"] or "-", str(row["count"]), *(_number(row[c]) for c in STAT_COLUMNS[1:]))
-        for row in rows]
-    click.echo("\n".join(table(lines)))
-
-
-def _merged_stats(paths, file, fields, partial):
-    """(name -> FieldStats, summary, the output's attributes) of FIELDs (default: all) of the
-    statistics files `paths` (FILE `file`) merged (segcli.io.statsfile.merge_stats_files);
-    with `partial`, they may lack structures (the attribute `missing`)."""
-    from segcli.io.statsfile import merge_stats_files
-
-    result, count, covered = merge_stats_files(paths, partial)
-    missing = [name for name in fields if name not in result]
-    if missing or not result:
-        raise DataError(f"{file}: no statistics of {', '.join(missing) or 'any field'} in "
-                        f"every file; they hold {', '.join(result) or 'none in common'}")
-    summary = {"path": file, "structures": count, "files": len(paths)}
-    attrs = {"merged_from": [os.path.abspath(p) for p in paths], **covered}
-    return {name: result[name] for name in fields or result}, summary, attrs
-
-
-def _field_stats(paths, file, fields, per_element, per_atom, by, where, structures, shard,
-                 scheduler, chunk_atoms, quiet):
-    """(name -> FieldStats, summary, the leaves' statistics, the output's attributes) of the
-    FIELDs of the data files `paths` (FILE `file`), as `segcli stats` computes them."""
-    import numpy as np
-
-    from segcli.cluster import leaf_stats_sharded
-    from segcli.io import open_inputs
-    from segcli.stats import group_values, merge_stats, refuse_overflow
-
-    options = {"per_element": per_element, "per_atom": per_atom, "chunk_atoms": chunk_atoms}
-    with (open_inputs(paths, name=file, input_format=input_format()) as batch,
-          np.errstate(over="ignore", invalid="ignore")):
-        _check_grouping(batch, fields, per_element, per_atom)
-        leaves, attrs = shard_selection(batch, file, structures, shard)
-        chosen = slice(int(leaves[0]), int(leaves[-1]))
-        keep = where_selection(batch, file, where, chosen, needed=not shard, quiet=quiet)
-        if by is not None:  # the groups of the whole selection: the same in every shard
-            options.update(by=by, groups=group_values(batch, by, selection(batch, file,
-                                                                           structures)))
-        counted = np.ones(chosen.stop - chosen.start, bool) if keep is None else keep[chosen]
-        summary = {"path": file, "structures": int(counted.sum()),
-                   "atoms": int(batch.n_atoms[chosen][counted].sum())}
-        label = f"statistics of {file}" + " (shards)" * bool(scheduler)
-        with on_cluster(scheduler) as client, \
-                progress(not quiet, label, summary["structures"]) as bar:
-            parts = leaf_stats_sharded(client, batch, fields, leaves, progress=bar, where=where,
-                                       keep=keep, **options)
-        result = merge_stats([parts])
-        refuse_overflow(file, result)
-    return result, summary, parts, attrs
-
-
-def _check_grouping(batch, fields, per_element, per_atom):
-    """UsageError when --per-element or --per-atom applies to none of `fields` (those of
-    `batch` only: an unknown one is named later)."""
-    pers = {batch.fields[name].per for name in fields if name in batch.fields}
-    for flag, given, per in (("--per-element", per_element, "atom"),
-                             ("--per-atom", per_atom, "structure")):
-        if given and pers and per not in pers:
-            raise click.UsageError(f"{flag} applies to per-{per} fields; {', '.join(fields)} "
-                                   f"{'is' if len(fields) == 1 else 'are'} not")
+    click.echo(finite_json(result.to_dict()) if as_json or fmt == "json" else str(result))
 
 
 def _fixed(ctx, param, values):
-    """{Z: E0} from --fixed SYMBOL=VALUE options (the symbol in any case: cu, CU, Cu)."""
-    from ase.data import atomic_numbers
+    """{Z: E0} from --fixed SYMBOL=VALUE options (the symbol in any case: cu, CU, Cu; see
+    segcli.api.curate.fixed_numbers)."""
+    from ase.data import chemical_symbols
+
+    from segcli.api.curate import fixed_numbers
+    from segcli.errors import ArgumentError
 
     out = {}
     for text in values:
         symbol, _, value = text.partition("=")
-        symbol = symbol.strip().capitalize()
         try:
-            energy = float(value)
-        except ValueError:
-            raise click.BadParameter(
-                f"expected SYMBOL=VALUE (e.g. H=-13.6), got {text!r}") from None
-        if symbol not in atomic_numbers or symbol == "X":
-            raise click.BadParameter(f"{text!r}: {symbol!r} is not an element's symbol")
-        if not math.isfinite(energy):
-            raise click.BadParameter(f"{text!r}: the energy must be finite")
-        if atomic_numbers[symbol] in out:
-            raise click.BadParameter(f"{text!r}: {symbol} is fixed twice")
-        out[atomic_numbers[symbol]] = energy
+            (z, energy), = fixed_numbers({symbol: float(value)}).items()
+        except ValueError as err:
+            reason = err.for_command().removeprefix("--fixed ") \
+                if isinstance(err, ArgumentError) else "expected SYMBOL=VALUE (e.g. H=-13.6)"
+            raise click.BadParameter(f"{text!r}: {reason}") from None
+        if z in out:
+            raise click.BadParameter(f"{text!r}: {chemical_symbols[z]} is fixed twice")
+        out[z] = energy
     return out
 
 
@@ -266,7 +142,7 @@ def _fixed(ctx, param, values):
               help="Per-structure energy field (or result) to fit.")
 @click.option("--fixed", multiple=True, callback=_fixed, metavar="SYMBOL=VALUE",
               help="Hold an element's reference energy at VALUE (repeatable).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+@output_format_options("table", "json")
 @click.option("--in-place", is_flag=True,
               help="Store the residual energies E - Σ c·E0 in FILE as a per-structure result.")
 @click.option("--name", callback=result_name,
@@ -274,8 +150,8 @@ def _fixed(ctx, param, values):
 @click.option("--force", is_flag=True, help="Replace an existing result of that name.")
 @where_option
 @_streaming_options
-def fit_e0(file, energy, fixed, as_json, in_place, name, force, where, structures, chunk_atoms,
-           quiet):
+def fit_e0(file, energy, fixed, fmt, as_json, in_place, name, force, where, structures,
+           chunk_atoms, quiet):
     """Per-element reference energies E0 of FILE by least squares.
 
     Finds the E0 minimising Σ_s (E_s − Σ_Z c_sZ E0_Z)² over the structures, c_sZ being how
@@ -295,62 +171,32 @@ def fit_e0(file, energy, fixed, as_json, in_place, name, force, where, structure
       segcli fit-e0 data.h5 --where 'config_type == bulk'
       segcli fit-e0 data.h5 --in-place --name interaction_energy
     """
-    import numpy as np
-    from ase.data import chemical_symbols
+    from ase.data import atomic_numbers
 
-    from segcli.io import ResultWriter
-    from segcli.io.core import spread
+    from segcli.api.curate import fit_e0 as fitted
+    from segcli.api.curate import number_text
     from segcli.io.text import finite_json
-    from segcli.stats import residual_errors, solve_e0
 
-    if name is not None and not in_place:
-        raise click.UsageError("--name names the result that --in-place stores")
-    refuse_structures_in_place(in_place, structures)
-    paths = input_paths(file, in_place)
-    name = name or f"residual_{energy}"
-    with contextlib.ExitStack() as stack:
-        batch = stack.enter_context(read_inputs(paths, file, in_place))
-        stack.enter_context(np.errstate(over="ignore", invalid="ignore"))  # overflow: DataError
-        chosen = selection(batch, file, structures)
-        keep = where_selection(batch, file, where, chosen, needed=True)
-        total = chosen.stop - chosen.start if keep is None else int(keep.sum())
-        bar = stack.enter_context(progress(not quiet, f"fitting E0 of {file} (2 passes)",
-                                           2 * total))
-        options = {"chunk_atoms": chunk_atoms, "structures": chosen, "keep": keep,
-                   "progress": bar}
-        e0, used = solve_e0(batch, energy, fixed=fixed, **options)
-        everything = {**e0, **fixed}
-        if in_place:
-            writer = ResultWriter(in_place_of=paths[0], force=force, names=[name])
-            with writer:
-                writer.set_n_atoms(batch.n_atoms)
-                writer.create(name, (batch.n_structures,), "float64", {
-                    "op": "fit-e0", "fields": [energy, "numbers"], "per": "structure",
-                    "elements": sorted(everything),
-                    "e0": [everything[z] for z in sorted(everything)],
-                    **({"where": [c.text for c in where]} if where else {})}, np.nan)
-                rows = np.arange(batch.n_structures + 1)
-                rmse, mae = residual_errors(
-                    batch, energy, everything,
-                    on_chunk=lambda chunk, values: writer.write(
-                        name, *spread(values, chunk.structure_numbers, rows, np.nan)),
-                    **options)
-        else:
-            rmse, mae = residual_errors(batch, energy, everything, **options)
-    elements = [{"element": chemical_symbols[z], "number": z, "e0": everything[z],
-                 "fixed": z in fixed} for z in sorted(everything)]
-    if as_json:
-        click.echo(finite_json({"path": file, "energy": energy, "structures": used,
-                                "e0": elements, "rmse_per_atom": rmse, "mae_per_atom": mae}))
+    with usage_errors(), notes(quiet):
+        e0 = fitted(file, energy=energy, fixed=fixed, where=where, structures=structures,
+                    in_place=in_place, name=name, force=force, chunk_atoms=chunk_atoms,
+                    input_format=input_format(), progress=not quiet)
+    elements = [{"element": symbol, "number": atomic_numbers[symbol], "e0": value,
+                 "fixed": symbol in e0.fixed} for symbol, value in e0.items()]
+    if as_json or fmt == "json":
+        click.echo(finite_json({"path": file, "energy": energy, "structures": e0.structures,
+                                "e0": elements, "rmse_per_atom": e0.rmse_per_atom,
+                                "mae_per_atom": e0.mae_per_atom}))
     else:
         lines = [("element", "Z", "E0", "")] + [
             (e["element"], str(e["number"]), f"{e['e0']:.10g}", "fixed" if e["fixed"] else "")
             for e in elements]
         click.echo("\n".join(table(lines)))
-        click.echo(f"structures: {used}; residual per atom: RMSE {_number(rmse)}, "
-                   f"MAE {_number(mae)}")
+        click.echo(f"structures: {e0.structures}; residual per atom: RMSE "
+                   f"{number_text(e0.rmse_per_atom)}, MAE {number_text(e0.mae_per_atom)}")
     if in_place and not quiet:
-        note(f"{file}: /results/{name} ({batch.n_structures} structures)")
+        note(f"{file}: /results/{name or f'residual_{energy}'} ({len(e0.residuals)} "
+             "structures)")
 
 
 COMMANDS = [stats, fit_e0]

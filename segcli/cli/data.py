@@ -9,65 +9,13 @@ from segcli.cli.common import (
     input_format,
     input_format_option,
     note,
-    note_units_left,
+    notes,
+    output_format_options,
     output_name,
-    progress,
-    refuse_output_among_inputs,
     table,
     to_ase_units_option,
+    usage_errors,
 )
-
-MOST_COMMON = 20
-"""The values of a string field that `info` lists (the most common)."""
-
-
-def describe(batch):
-    """What `info` prints, as one JSON-friendly dict (a NaN fill_value as the string "nan")."""
-    import math
-
-    from segcli.errors import for_user
-    from segcli.stats import census
-
-    def field(f):
-        present = batch.present(f.name)
-        out = {"per": f.per, "shape": list(f.shape),
-               "dtype": "str" if f.dtype == object else str(f.dtype), "units": f.units,
-               "derived": f.name in batch.derived, "result": f.name in batch.result_fields,
-               "present": batch.n_structures if present is None else int(present.sum())}
-        fill = batch.fill_value(f.name) if present is not None else None
-        if fill is not None:
-            fill = fill.item() if hasattr(fill, "item") else fill  # a NumPy scalar as Python's
-            out["fill_value"] = "nan" if isinstance(fill, float) and math.isnan(fill) else fill
-        return out
-
-    fields = sorted(batch.fields.values(), key=lambda f: f.per != "atom")
-    elements, strings = census(batch)
-    members = [{**m, "path": for_user(m["path"])} for m in batch.members] \
-        if batch.format == "multi" else None
-    return {
-        "path": for_user(batch.path),
-        "format": batch.format,
-        "structures": batch.n_structures,
-        "atoms": int(batch.n_atoms.sum()),
-        "sources": [for_user(source) for source in batch.sources],
-        **({"members": members} if members else {}),
-        "fields": {f.name: field(f) for f in fields},
-        "conflicts": dict(batch.fields.conflicts),
-        "results": batch.results,
-        "elements": None if elements is None else _elements(elements),
-        "values": {name: {"distinct": len(counts), "most_common": dict(
-            sorted(counts.items(), key=lambda item: (-item[1], item[0]))[:MOST_COMMON])}
-                   for name, counts in strings.items()},
-    }
-
-
-def _elements(counts):
-    """Each element present: its symbol, atomic number, atoms and structures holding it, from
-    `counts` (see segcli.stats.census)."""
-    from ase.data import chemical_symbols
-
-    return [{"symbol": chemical_symbols[z], "number": int(z), "atoms": int(counts[0, z]),
-             "structures": int(counts[1, z])} for z in counts[0].nonzero()[0]]
 
 
 def _notes(summary, f):
@@ -84,8 +32,8 @@ def _notes(summary, f):
 @click.command()
 @click.argument("file")
 @input_format_option()
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
-def info(file, as_json):
+@output_format_options("table", "json")
+def info(file, fmt, as_json):
     """Show what a file holds.
 
     The structures, atoms, fields (per atom or per structure, shape, dtype, units where the
@@ -115,17 +63,21 @@ def info(file, as_json):
       segcli info --json sample_data/metals.extxyz
       segcli info 'shards/*.h5'
     """
-    from segcli.io import open_inputs
-    from segcli.io.formats import DESCRIPTIONS
+    from segcli.api.data import describe
     from segcli.io.text import finite_json
 
-    descriptions = {**DESCRIPTIONS, "multi": "files read as one batch"}
-
-    with open_inputs(file, input_format=input_format()) as batch:
-        summary = describe(batch)
-    if as_json:
+    summary = describe(file, format=input_format())
+    if as_json or fmt == "json":
         click.echo(finite_json(summary))
         return
+    _print_summary(summary)
+
+
+def _print_summary(summary):
+    """Print what `describe` found, as `info`'s text."""
+    from segcli.io.formats import DESCRIPTIONS
+
+    descriptions = {**DESCRIPTIONS, "multi": "files read as one batch"}
     click.echo(f"{summary['path']}: {descriptions[summary['format']]}")
     if "members" in summary:
         click.echo(f"files: {len(summary['members'])}")
@@ -182,10 +134,6 @@ def _names(ctx, param, text):
     return names
 
 
-CASTS = ("float64", "float32", "int64", "int32", "int16", "int8", "uint8", "bool", "str")
-"""The dtypes --cast takes."""
-
-
 def _pairs(ctx, param, texts):
     """Click callback: {A: B} from repeated "A=B" (a name given twice is a usage error)."""
     pairs = {}
@@ -195,16 +143,16 @@ def _pairs(ctx, param, texts):
             raise click.BadParameter(f"expected {param.metavar}, got {text!r}")
         if key in pairs:
             raise click.BadParameter(f"{key} is given twice")
-        if param.name == "casts" and value not in CASTS:
-            raise click.BadParameter(f"{value!r} is not one of {', '.join(CASTS)}")
-        if param.name == "units":
-            from segcli.io.units import canonical, known
-
-            if canonical(value) is None:
-                raise click.BadParameter(f"{value!r} is not a unit segcli knows: "
-                                         f"{', '.join(known())}")
-            value = canonical(value)
         pairs[key] = value
+    if param.name in ("casts", "units"):
+        from segcli.api.data import checked_casts, checked_units
+        from segcli.errors import ArgumentError
+
+        try:
+            return (checked_casts if param.name == "casts" else checked_units)(pairs)
+        except ArgumentError as err:
+            raise click.BadParameter(err.for_command().removeprefix(f"{param.opts[0]} ")) \
+                from None
     return pairs
 
 
@@ -228,7 +176,8 @@ def _pairs(ctx, param, texts):
 @click.option("--rename", "renames", multiple=True, callback=_pairs, metavar="OLD=NEW",
               help="Write field OLD (as read) as NEW. Repeatable.")
 @click.option("--cast", "casts", multiple=True, callback=_pairs, metavar="NAME=DTYPE",
-              help=f"Write field NAME (as renamed) as DTYPE, one of {', '.join(CASTS)}; a value "
+              help="Write field NAME (as renamed) as DTYPE: float64, float32, int64, int32, "
+                   "int16, int8, uint8, bool or str; a value "
                    "that would change (1.5 as int64, text that is no number) is an error. "
                    "Repeatable.")
 @click.option("--units", "units", multiple=True, callback=_pairs, metavar="NAME=UNIT",
@@ -276,37 +225,19 @@ def convert(inputs, output, compression, chunk_atoms, fill_missing, fields, drop
       segcli convert sample_data/metals.h5 -o metals-again.extxyz
       segcli convert spice.hdf5 -o spice.h5 --to-ase-units
     """
-    import numpy as np
-
-    from segcli.io import convert as convert_files
-    from segcli.io import expand_inputs
-    from segcli.io.export import export, export_format
+    from segcli.api.data import converted
 
     if fields is not None and drop is not None:
         raise click.UsageError("--fields and --drop cannot be used together")
-    fmt = export_format(output)
-    if fmt is not None and (compression or fill_missing):
-        option = "--compression" if compression else "--fill-missing"
-        raise click.UsageError(f"{option} applies to a segcli HDF5 output, not to {fmt}")
-    paths = expand_inputs(inputs)
-    refuse_output_among_inputs(output, paths, "convert writes a new file")
-    left = {}
-    choice = {"fields": fields, "drop": drop, "rename": renames, "cast": casts, "units": units,
-              "to_ase_units": to_ase_units, "left": left}
-    with progress(not quiet, f"converting to {output}") as bar:
-        if fmt is not None:
-            structures, atoms = export(paths, output, fmt, chunk_atoms=chunk_atoms, force=force,
-                                       progress=bar, input_format=input_format(), **choice)
-            written = None
-        else:
-            structures, atoms, written = convert_files(
-                paths, output, compression=compression, chunk_atoms=chunk_atoms,
-                fill_missing=np.nan if fill_missing else None, force=force, progress=bar,
-                input_format=input_format(), **choice)
+    with usage_errors(), notes(quiet):
+        written = converted(inputs, output, compression=compression, chunk_atoms=chunk_atoms,
+                            fill_missing=fill_missing, fields=fields, drop=drop, rename=renames,
+                            cast=casts, units=units, to_ase_units=to_ase_units, force=force,
+                            input_format=input_format(), progress=not quiet)
     if not quiet:
-        note_units_left(output, left)
-        what = f", fields: {', '.join(written) or 'none'}" if written is not None else ""
-        note(f"{output}: {structures} structures, {atoms} atoms{what}")
+        what = f", fields: {', '.join(written.fields) or 'none'}" \
+            if written.fields is not None else ""
+        note(f"{output}: {written.structures} structures, {written.atoms} atoms{what}")
 
 
 COMMANDS = [info, convert]

@@ -2,7 +2,7 @@
 
 import click
 
-from segcli.cli.common import hdf5_output
+from segcli.cli.common import hdf5_output, note, notes, usage_errors
 
 
 @click.command(short_help="Join shard outputs into one file.")
@@ -40,23 +40,14 @@ def merge(parts, output, virtual, partial, force, quiet):
       segcli reduce data.h5 rms_norm forces --shard 1/2 -o 'parts/r-{shard}.h5'
       segcli merge 'parts/r-*.h5' -o rms.h5
     """
-    from segcli.cli.common import note, refuse_output_among_inputs
-    from segcli.io import expand_inputs
-    from segcli.io.coverage import ranges_text, refuse_skipped
-    from segcli.io.merge import check_parts, lacking, merge_parts
+    from segcli.api.data import merged
 
-    skipped = []
-    paths = expand_inputs(parts, skipped)
-    refuse_skipped(skipped)
-    refuse_output_among_inputs(output, paths, "merge writes a new file")
-    checked = check_parts(paths, partial)
-    merge_parts(checked, output, virtual=virtual, force=force)
-    if not quiet and lacking(checked):
-        note(f"{output}: lacks structures {ranges_text(lacking(checked))} (--partial)")
+    with usage_errors(), notes(quiet):
+        written = merged(parts, output, virtual=virtual, partial=partial, force=force)
     if not quiet:
         how = "virtual datasets over" if virtual else "copied from"
-        note(f"{output}: structures {checked[0].start}:{checked[-1].stop}, {how} "
-             f"{len(checked)} part(s)")
+        note(f"{output}: structures {written.start}:{written.stop}, {how} {written.parts} "
+             "part(s)")
 
 
 COMMANDS = [merge]

@@ -7,28 +7,12 @@ from segcli.cli.common import (
     input_format,
     input_format_option,
     note,
-    note_units_left,
+    notes,
     output_name,
-    progress,
-    refuse_output_among_inputs,
     to_ase_units_option,
+    usage_errors,
     where_conditions,
 )
-
-
-def _listed(path, n_structures):
-    """The --structures-from mask, read from the file `path` or stdin (`-`)."""
-    from segcli.errors import DataError
-    from segcli.io.core import open_for_reading, standard_input
-    from segcli.select import listed_mask
-
-    if path == "-":
-        return listed_mask(standard_input().buffer, "stdin", n_structures)
-    try:
-        with open_for_reading(path) as lines:
-            return listed_mask(lines, path, n_structures)
-    except OSError as err:
-        raise DataError(f"{path}: cannot read ({err.strerror})") from err
 
 
 @click.command()
@@ -77,46 +61,15 @@ def select(file, output, conditions, structures_from, to_ase_units, allow_empty,
       segcli reduce batch.h5 max_norm forces | awk -F, 'NR>1 && $2 < 10 {print $1}' \\
         | segcli select batch.h5 --structures-from - -o clean.h5
     """
-    import numpy as np
+    from segcli.api.curate import selected
 
-    from segcli.cli.common import input_paths
-    from segcli.io import open_inputs
-    from segcli.io.core import path_text
-    from segcli.io.export import export, export_format
-    from segcli.io.subset import write_subset
-    from segcli.io.writers import FieldChoice, refuse_overwrite
-    from segcli.select import where_mask
-
-    if not conditions and structures_from is None:
-        raise click.UsageError("give --where 'NAME OP VALUE' or --structures-from LIST (or both)")
-    fmt = export_format(output)
-    paths = input_paths(file)
-    refuse_output_among_inputs(output, paths, "select writes a new file")
-    refuse_overwrite(output, force)
-    with open_inputs(paths, name=file, input_format=input_format()) as batch:
-        keep = np.ones(batch.n_structures, bool)
-        if structures_from is not None:
-            keep &= _listed(structures_from, batch.n_structures)
-        if conditions:
-            keep &= where_mask(batch, conditions)
-        if not keep.any() and not allow_empty:
-            note(f"{file}: no structure of {len(keep)} is selected; {output} is not written "
-                 "(--allow-empty writes an empty file)")
-            return
-        left = {}
-        with progress(not quiet, f"writing {output}", len(keep)) as bar:
-            if fmt is None:
-                choice = FieldChoice(to_ase_units=True, left=left) if to_ase_units else None
-                kept, atoms = write_subset(batch, keep, output,
-                                           {"selected_from": path_text(file)}, bar, force,
-                                           choice)
-            else:
-                kept, atoms = export(paths, output, fmt, keep=keep, force=force, progress=bar,
-                                     input_format=input_format(), to_ase_units=to_ase_units,
-                                     left=left)
-    if not quiet:
-        note_units_left(output, left)
-        note(f"{output}: {kept} of {len(keep)} structures, {atoms} atoms")
+    with usage_errors(), notes(quiet):
+        written = selected(file, output, where=conditions, structures_from=structures_from,
+                           to_ase_units=to_ase_units, allow_empty=allow_empty, force=force,
+                           input_format=input_format(), progress=not quiet)
+    if not quiet and (written.structures or allow_empty):
+        note(f"{output}: {written.structures} of {written.total} structures, {written.atoms} "
+             "atoms")
 
 
 COMMANDS = [select]

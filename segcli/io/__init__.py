@@ -37,8 +37,8 @@ def open_batch(path, input_format=None, counts=None):
                         "files it can seek in: save the stream to a file first")
     fmt = detect(path) if input_format is None else named(input_format)
     if fmt is None:
-        raise DataError(f"{path}: neither HDF5 nor a file format that ASE can read (`--format "
-                        "NAME` names its format)")
+        raise DataError(f"{path}: neither HDF5 nor a file format that ASE can read "
+                        "(`--input-format NAME` names its format)")
     batch = fmt.open(path) if counts is None or not fmt.takes_counts else \
         fmt.open(path, counts=counts)
     batch.input_format = input_format

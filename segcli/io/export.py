@@ -350,6 +350,14 @@ def _each_structure(chunks):
                    {k: v[s] for k, v in chunk.structures.items() if k not in absent}, n)
 
 
+def structure_atoms(path, number, chunk):
+    """The first structure of `chunk` (structure `number` of `path`) as an ase.Atoms, as an
+    export writes it."""
+    per_atom, per_structure, n = next(_each_structure([chunk]))
+    _check_elements(path, number, per_atom.get("numbers"))
+    return _atoms(per_atom, per_structure, n)
+
+
 def _constraints(per_atom):
     """The ASE constraints that boolean `fixed` and `fixed_cartesian` fields (see
     asefiles.constraint_fields) hold, popped from `per_atom`."""

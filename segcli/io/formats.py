@@ -166,7 +166,7 @@ def detect(path):
 
 
 def named(name):
-    """The Format that `--format NAME` forces: a reader of FORMATS by its name, or ASE's
+    """The Format that `--input-format NAME` forces: a reader of FORMATS by its name, or ASE's
     reader of any format ASE reads by its name (`ase.io.formats.ioformats`); DataError listing
     the names when it is neither."""
     from ase.io.formats import ioformats
@@ -176,7 +176,7 @@ def named(name):
         return own[name]
     if name in ioformats and ioformats[name].can_read:
         return FORMATS[-1]._replace(name=name, open=partial(AseBatch, ase_format=name))
-    raise DataError(f"--format {name}: no such input format; segcli's are {', '.join(own)}, "
+    raise DataError(f"--input-format {name}: no such input format; segcli's are {', '.join(own)}, "
                     "and any that ASE reads (`python -m ase info --formats` lists them)")
 
 

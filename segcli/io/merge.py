@@ -36,6 +36,7 @@ from segcli.io.hdf5 import (
 from segcli.io.heap import guarded
 from segcli.io.statsfile import STATS_ATTRIBUTE_BYTES, STATS_FORMAT
 from segcli.io.writers import ensure_room, new_output
+from segcli.moments import merge_stats
 
 BLOCK_BYTES = 8 << 20
 PART_ONLY = ("shard", "selection", "created", "structures")
@@ -299,7 +300,6 @@ def _join(h5, name, parts, files, virtual_of):
 def _merge_stats(parts, output, force):
     """The statistics of the joined leaves of stats parts, as one run writes them."""
     from segcli.io.statsfile import read_leaves, write_stats
-    from segcli.stats import merge_stats
 
     leaves = []
     for part in parts:

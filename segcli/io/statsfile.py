@@ -5,8 +5,10 @@ import os
 import numpy as np
 
 from segcli.errors import DataError
+from segcli.io.core import N_ELEMENTS
 from segcli.io.hdf5 import plain
 from segcli.io.writers import new_output
+from segcli.moments import FieldStats, Moments
 
 STATS_FORMAT = "segcli-stats"
 MOMENTS = ("count", "mean", "m2", "min", "max", "std", "rms")
@@ -17,7 +19,7 @@ each component of a field (millions for a large per-atom tensor)."""
 
 
 def write_stats(path, stats, attrs, force=False, leaves=None):
-    """Write `stats` (name -> segcli.stats.FieldStats) to a new HDF5 file: root attributes
+    """Write `stats` (name -> segcli.moments.FieldStats) to a new HDF5 file: root attributes
     format, version and `attrs`; a group /stats/<name> per field holding count (G,) and mean,
     m2, min, max, std, rms (G, K) for its G groups (those with values: atomic numbers in
     `element` when grouped by element, the values of the field that the attribute `by` names
@@ -63,7 +65,6 @@ def _storable(values):
 def read_leaves(path, h5):
     """name -> FieldStats stacked by leaf, from the open stats part `h5` (at `path`);
     DataError when it holds no leaves (a file not written with --shard)."""
-    from segcli.stats import FieldStats, Moments
 
     out = {}
     for name, group in h5.get("stats", {}).items():
@@ -132,7 +133,6 @@ def read_stats(path):
     from segcli.io.coverage import covers_of, refuse_empty, span_of
     from segcli.io.hdf5 import HDF5_ERRORS, check_metadata, damaged
     from segcli.io.heap import guarded
-    from segcli.stats import N_ELEMENTS, FieldStats, Moments
 
     refuse_empty(path)
     if not is_stats_file(path):
@@ -210,7 +210,6 @@ def _joined(path, total, s):
 
 def _regrouped(s, groups):
     """The moments of `s` (grouped by a field) laid out over `groups`, a superset of its own."""
-    from segcli.stats import Moments
 
     out = Moments.empty(len(groups), len(s.components))
     rows = [groups.index(g) for g in s.groups]
