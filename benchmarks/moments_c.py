@@ -14,8 +14,8 @@ import time
 
 import numpy as np
 
-from segcli import stats
-from segcli.stats import Moments, _Buffers
+from segcli.curate import statistics as stats
+from segcli.curate.statistics import Moments, _Buffers
 
 
 def main():

@@ -25,7 +25,8 @@ import h5py
 from reduce import make_file
 from stats import add_fields
 
-from segcli import keep_freed_buffers, stats
+from segcli import keep_freed_buffers
+from segcli.curate import statistics as stats
 from segcli.io import open_batch
 
 STEP = 1 << 21

@@ -29,47 +29,19 @@ def keep_freed_buffers():
     mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
 
 
-
-_CURATION = {"stats": "segcli.api.curate", "fit_e0": "segcli.api.curate",
+_API = {"stats": "segcli.api.curate", "fit_e0": "segcli.api.curate",
              "select": "segcli.api.curate", "Statistics": "segcli.api.curate",
              "convert": "segcli.api.data", "merge": "segcli.api.data",
              "open": "segcli.api.data", "Batch": "segcli.api.data",
              "DataError": "segcli.errors", "ArgumentError": "segcli.errors"}
-"""The curation functions of the Python API (segcli.api), imported when first used, so that
-`import segcli` stays light."""
-_COMMAND_MODULES = ("stats", "select")
-"""Modules whose names the API's functions share: each is callable as its function."""
+"""The Python API's names (segcli.api), each imported from its module when first used, so
+that `import segcli` stays light."""
 
 
 def __getattr__(name):
     import importlib
 
-    if name in _COMMAND_MODULES:
-        return importlib.import_module(f"segcli.{name}")
-    if name in _CURATION:
-        return getattr(importlib.import_module(_CURATION[name]), name)
+    if name in _API:
+        return getattr(importlib.import_module(_API[name]), name)
     raise AttributeError(f"module 'segcli' has no attribute {name!r}")
 
-
-def _api_function(module):
-    """The module `module` (segcli.stats or segcli.select), made callable as the function of
-    the same name: segcli.stats(...) is segcli.api.curate.stats(...)."""
-    import types
-
-    class Callable(types.ModuleType):
-        def __call__(self, *args, **kwargs):
-            return self._function()(*args, **kwargs)
-
-        @property
-        def __signature__(self):
-            import inspect
-
-            return inspect.signature(self._function())
-
-        def _function(self):
-            import importlib
-
-            name = self.__name__.rpartition(".")[2]
-            return getattr(importlib.import_module(_CURATION[name]), name)
-
-    module.__class__ = Callable

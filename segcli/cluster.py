@@ -24,8 +24,8 @@ SHARDS_PER_WORKER = 4
 CONNECT_SECONDS = 10
 """The longest a scheduler is waited for (less where Dask's distributed.comm.timeouts.connect
 says so): a server that is no Dask scheduler may never answer."""
-WORKER_MODULES = ("segcli.engine", "segcli.io.direct", "segcli.io.hdf5", "segcli.select",
-                  "segcli.shards", "segcli.stats")
+WORKER_MODULES = ("segcli.engine", "segcli.io.direct", "segcli.io.hdf5", "segcli.curate.selection",
+                  "segcli.shards", "segcli.curate.statistics")
 """What tasks import (with numpy and h5py): loaded once in the server that forks a local
 cluster's workers. Not segcli.ops, whose import starts threads that a fork would not carry
 over, nor JAX and Warp, which `stats` would wait for (each worker of `reduce` imports them)."""
@@ -303,12 +303,12 @@ def _task(function, *args):
 
 
 def stats_part(layout, names, leaves, where, options):
-    """The leaf statistics (segcli.stats.leaf_stats) of the batch `layout` describes (see
-    segcli.io.open_inputs) over the structures between `leaves` where the --where conditions
-    `where` hold: one task."""
+    """The leaf statistics (segcli.curate.statistics.leaf_stats) of the batch `layout`
+    describes (see segcli.io.open_inputs) over the structures between `leaves` where the
+    --where conditions `where` hold: one task."""
+    from segcli.curate.selection import where_mask
+    from segcli.curate.statistics import leaf_stats
     from segcli.io import open_inputs
-    from segcli.select import where_mask
-    from segcli.stats import leaf_stats
 
     with open_inputs(layout) as batch:
         keep = where_mask(batch, where, structures=slice(leaves[0], leaves[-1])) if where \
@@ -318,15 +318,15 @@ def stats_part(layout, names, leaves, where, options):
 
 def leaf_stats_sharded(client, batch, names, leaves, progress=None, where=(), keep=None,
                        **options):
-    """segcli.stats.leaf_stats of `batch` over the structures between `leaves` (leaf
-    boundaries, see segcli.shards.leaf_bounds) where the --where conditions `where` hold
-    (`keep`: where they do, see segcli.select.where_mask): here in one piece (`client` None),
-    or as shards on `client`'s cluster, whose tasks open the file themselves (and evaluate
-    `where` over their structures); joined in leaf order. `progress.update(n)` is called as n
-    more structures are done."""
+    """segcli.curate.statistics.leaf_stats of `batch` over the structures between `leaves`
+    (leaf boundaries, see segcli.shards.leaf_bounds) where the --where conditions `where` hold
+    (`keep`: where they do, see segcli.curate.selection.where_mask): here in one piece
+    (`client` None), or as shards on `client`'s cluster, whose tasks open the file themselves
+    (and evaluate `where` over their structures); joined in leaf order. `progress.update(n)`
+    is called as n more structures are done."""
+    from segcli.curate.statistics import join_leaves, leaf_stats
     from segcli.io.core import offsets_of
     from segcli.shards import even_cuts
-    from segcli.stats import join_leaves, leaf_stats
 
     leaves = np.asarray(leaves, np.int64)
     if client is None:

@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 from batch_reference import write_batch
 
-from segcli import native, stats
-from segcli.stats import MOMENT_NAMES, Moments
+from segcli import native
+from segcli.curate import statistics as stats
+from segcli.curate.statistics import MOMENT_NAMES, Moments
 
-SOURCE = Path(stats.__file__).with_name("_moments.c")
+SOURCE = Path(native.__file__).with_name("_moments.c")
 
 pytestmark = pytest.mark.skipif(stats._native_moments() is None,
                                 reason="no C compiler: stats take the NumPy path")

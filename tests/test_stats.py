@@ -10,10 +10,11 @@ import pytest
 from batch_reference import write_batch
 from click.testing import CliRunner
 
-from segcli import shards, stats
+from segcli import shards
 from segcli.cli import main
+from segcli.curate import statistics as stats
+from segcli.curate.statistics import MOMENT_NAMES, Moments, field_stats, leaf_stats, merge_stats
 from segcli.io import open_batch
-from segcli.stats import MOMENT_NAMES, Moments, field_stats, leaf_stats, merge_stats
 
 REL = 1e-12
 

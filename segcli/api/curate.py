@@ -18,8 +18,8 @@ from typing import NamedTuple
 import numpy as np
 
 from segcli.api.progress import reporting
+from segcli.curate.selection import conditions, selection, shard_selection, structure_slice
 from segcli.errors import ArgumentError, DataError, Note
-from segcli.select import conditions, selection, shard_selection, structure_slice
 
 STAT_COLUMNS = ("count", "mean", "std", "rms", "min", "max")
 """The statistics of each row of a Statistics (and columns of `segcli stats`'s table)."""
@@ -271,9 +271,9 @@ def _field_stats(paths, file, fields, per_element, per_atom, by, where, structur
     """(name -> FieldStats, summary, the leaves' statistics, the output's attributes) of the
     `fields` of the data files `paths` (named `file`), as `segcli stats` computes them."""
     from segcli.cluster import leaf_stats_sharded
+    from segcli.curate.selection import where_selection
+    from segcli.curate.statistics import group_values, merge_stats, refuse_overflow
     from segcli.io import open_inputs
-    from segcli.select import where_selection
-    from segcli.stats import group_values, merge_stats, refuse_overflow
 
     options = {"per_element": per_element, "per_atom": per_atom, "chunk_atoms": chunk_atoms}
     with (open_inputs(paths, name=file, input_format=input_format) as batch,
@@ -364,10 +364,10 @@ def fit_e0(inputs, *, energy="energy", fixed=None, where=None, structures=None,
         e0["Cu"], e0.rmse_per_atom, e0.residuals[:3]
         segcli.fit_e0("data.h5", fixed={"H": -13.6}, where="config_type == bulk")
     """
+    from segcli.curate.selection import where_selection
+    from segcli.curate.statistics import residual_errors, solve_e0
     from segcli.io import ResultWriter
     from segcli.io.core import spread
-    from segcli.select import where_selection
-    from segcli.stats import residual_errors, solve_e0
 
     where, structures = conditions(where), structure_slice(structures)
     fixed = fixed_numbers(fixed)
@@ -490,8 +490,8 @@ def select(inputs, output, *, where=None, structures=None, structures_from=None,
 
 def _listed(path, n_structures):
     """The structures_from mask, read from the file `path` or stdin (`-`)."""
+    from segcli.curate.selection import listed_mask
     from segcli.io.core import open_for_reading, standard_input
-    from segcli.select import listed_mask
 
     if path == "-":
         return listed_mask(standard_input().buffer, "stdin", n_structures)
@@ -505,7 +505,7 @@ def _listed(path, n_structures):
 def _chosen(structures, n_structures):
     """(S,) bool of the structures `structures` chooses: a slice, an index, structure numbers
     (as --structures-from reads them) or a bool mask."""
-    from segcli.select import listed_mask
+    from segcli.curate.selection import listed_mask
 
     if structures is None or isinstance(structures, (slice, int, np.integer)):
         keep = np.zeros(n_structures, bool)
@@ -530,12 +530,12 @@ def selected(inputs, output, *, where=None, structures=None, structures_from=Non
 
         selected("data.h5", "low.h5", where="energy < 0").atoms
     """
+    from segcli.curate.selection import where_mask
     from segcli.io import open_inputs
     from segcli.io.core import path_text
     from segcli.io.export import export, export_format
     from segcli.io.subset import write_subset
     from segcli.io.writers import FieldChoice, refuse_overwrite
-    from segcli.select import where_mask
 
     where = conditions(where)
     if not where and structures is None and structures_from is None:

@@ -24,8 +24,8 @@ from segcli.api.curate import (
     units_left,
 )
 from segcli.api.progress import reporting
+from segcli.curate.selection import structure_slice
 from segcli.errors import ArgumentError, DataError
-from segcli.select import structure_slice
 
 MOST_COMMON = 20
 """The values of a string field that `describe` lists (the most common)."""
@@ -175,8 +175,8 @@ def describe(inputs, *, format=None):
 
         segcli.api.data.describe("sample_data/metals.h5")["fields"]["forces"]["shape"]
     """
+    from segcli.curate.statistics import census
     from segcli.errors import for_user
-    from segcli.stats import census
 
     with open(inputs, format=format) as opened:
         batch = opened._batch
@@ -217,7 +217,7 @@ def describe(inputs, *, format=None):
 
 def _elements(counts):
     """Each element present: its symbol, atomic number, atoms and structures holding it, from
-    `counts` (see segcli.stats.census)."""
+    `counts` (see segcli.curate.statistics.census)."""
     from ase.data import chemical_symbols
 
     return [{"symbol": chemical_symbols[z], "number": int(z), "atoms": int(counts[0, z]),

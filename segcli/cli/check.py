@@ -172,7 +172,7 @@ def _smooth_structures(spec, arrays, n_atoms):
     """Which structures the op is differentiable at, by its kink rule (all without one)."""
     import numpy as np
 
-    from segcli.stats import as_rows
+    from segcli.curate.statistics import as_rows
 
     keep = np.ones(len(n_atoms), bool)
     if spec.kinks is None:
@@ -190,7 +190,7 @@ def _finite_structures(spec, arrays, n_atoms):
     import numpy as np
 
     from segcli._jax import enable_x64
-    from segcli.stats import as_rows
+    from segcli.curate.statistics import as_rows
 
     with enable_x64(True):
         out = np.asarray(_bound(spec, n_atoms)[1](*arrays))

@@ -105,8 +105,8 @@ def check_output_place(output):
 
 
 def where_conditions(ctx, param, texts):
-    """Click callback: the segcli.select.Condition of each --where 'NAME OP VALUE'."""
-    from segcli.select import parse_condition
+    """Click callback: the segcli.curate.selection.Condition of each --where 'NAME OP VALUE'."""
+    from segcli.curate.selection import parse_condition
 
     try:
         return tuple(parse_condition(text) for text in texts)
@@ -124,8 +124,8 @@ def where_option(command):
 
 
 def where_selection(batch, file, where, structures, needed=False, quiet=False):
-    """segcli.select.where_selection, its note on stderr (unless `quiet`)."""
-    from segcli.select import where_selection as selected
+    """segcli.curate.selection.where_selection, its note on stderr (unless `quiet`)."""
+    from segcli.curate.selection import where_selection as selected
 
     with notes(quiet):
         return selected(batch, file, where, structures, needed)
@@ -554,15 +554,15 @@ def shard_output(output, shard):
         return part(output, shard)
 
 def selection(batch, file, structures):
-    """segcli.select.selection, for the commands that import it from here."""
-    from segcli.select import selection as selected
+    """segcli.curate.selection.selection, for the commands that import it from here."""
+    from segcli.curate.selection import selection as selected
 
     return selected(batch, file, structures)
 
 
 def shard_selection(batch, file, structures, shard):
-    """segcli.select.shard_selection, for the commands that import it from here."""
-    from segcli.select import shard_selection as selected
+    """segcli.curate.selection.shard_selection, for the commands that import it from here."""
+    from segcli.curate.selection import shard_selection as selected
 
     return selected(batch, file, structures, shard)
 

@@ -511,8 +511,8 @@ def _part(layout, ops, names, plan, device, chunk_atoms, where, lo, hi, into, at
     into the new part file `into` (replaced whole if a retried task wrote it before), or into
     the output's own rows `into` (a RowsInto; rewritten alike). `ops` are (op name, fields)
     pairs. Returns the label of the device it computed on."""
+    from segcli.curate.selection import where_mask
     from segcli.io import open_inputs
-    from segcli.select import where_mask
 
     target = common.device(device)
     label = common.device_label(target)

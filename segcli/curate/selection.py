@@ -14,14 +14,12 @@ String fields compare with == and != only.
 import math
 import operator
 import re
-import sys
 import warnings
 from decimal import Decimal, InvalidOperation
 from typing import NamedTuple
 
 import numpy as np
 
-from segcli import _api_function
 from segcli.errors import ArgumentError, DataError, Note
 from segcli.shards import fingerprint, shard_of
 
@@ -256,5 +254,3 @@ def shard_selection(batch, file, structures, shard):
         attrs.update(shard=f"{shard[0]}/{shard[1]}", selection=f"{start}:{max(start, stop)}")
     return leaves, attrs
 
-
-_api_function(sys.modules[__name__])  # segcli.select(...) is segcli.api.curate.select(...)

@@ -15,13 +15,12 @@ import contextlib
 import ctypes
 import functools
 import itertools
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from segcli import _api_function, threads
+from segcli import threads
 from segcli.errors import DataError
 from segcli.io.core import N_ELEMENTS, Window, are_elements, held, not_an_element, plan_chunks
 from segcli.moments import (  # noqa: F401  (the statistics' types, for users of this module)
@@ -338,7 +337,7 @@ def _native_moments():
     gives the same bits in any split into shards."""
     from segcli.native import library
 
-    lib = library(Path(__file__).with_name("_moments.c"), MOMENTS_FLAGS, ["-lm"],
+    lib = library(Path(__file__).parents[1] / "_moments.c", MOMENTS_FLAGS, ["-lm"],
                   "SEGCLI_NATIVE_STATS")
     if lib is None:
         return None
@@ -619,5 +618,3 @@ def residual_errors(batch, energy, e0, *, chunk_atoms=1 << 21, structures=slice(
         raise _overflow(batch.path, energy, "the residual's errors")
     return rmse, mae
 
-
-_api_function(sys.modules[__name__])  # segcli.stats(...) is segcli.api.curate.stats(...)
