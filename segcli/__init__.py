@@ -2,6 +2,31 @@
 
 __version__ = "0.1.0"
 
+_LAZY = {
+    "reduce": "segcli.api",
+    "grad": "segcli.api",
+    "neighbors": "segcli.api",
+    "Results": "segcli.api",
+    "DataError": "segcli.errors",
+    "ArgumentError": "segcli.errors",
+}
+"""The names `segcli.NAME` gives, each imported from its module when first asked for, so that
+`import segcli` (and the command line's start) stays light."""
+
+
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'segcli' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted([*globals(), *_LAZY])
+
 
 def cache_directory():
     """segcli's directory of kept files (compiled programs, the launch handler):

@@ -32,6 +32,26 @@ class DataError(Exception):
         super().__init__(*(for_user(arg) if isinstance(arg, str) else arg for arg in args))
 
 
+class ArgumentError(ValueError):
+    """A function of segcli was called wrongly: the command line's usage error (exit 2). Its
+    message names each argument it is about by its Python name (`output`); `spelled`
+    names them as another caller does (the command line: `-o/--output`)."""
+
+    def __init__(self, template, *arguments):
+        self.template, self.arguments = template, arguments
+        super().__init__(self.spelled({}))
+
+    def spelled(self, names):
+        """The message, each argument named as `names` (argument -> its name there) says, or
+        by its own name."""
+        return self.template.format(*(names.get(a, a) for a in self.arguments))
+
+
+def literal(text):
+    """`text` (a path, a value) as it stands in an ArgumentError's template."""
+    return str(text).replace("{", "{{").replace("}", "}}")
+
+
 class Interrupted(BaseException):
     """SIGINT or SIGTERM arrived: unwind, cleaning up, and exit with 128 + the signal number."""
 

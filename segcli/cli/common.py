@@ -8,15 +8,22 @@ import sys
 
 import click
 
-from segcli import cache_directory, keep_freed_buffers
+from segcli import keep_freed_buffers
+from segcli.devices import device_label, mark_program  # noqa: F401  (the commands' too)
+from segcli.errors import ArgumentError
+from segcli.progress import progress  # noqa: F401  (the commands' progress bar)
 
 
 def result_name(ctx, param, name):
-    """Click callback: a result name, NAME or GROUP/NAME, none of its parts empty, `.`, `..`
-    or holding a NUL."""
-    if name is not None and (not name or any(part in ("", ".", "..") or "\0" in part
-                                             for part in name.split("/"))):
-        raise click.BadParameter(f"{name!r} is not a result name (NAME or GROUP/NAME)")
+    """Click callback: a result name (see segcli.api.common.check_result_name)."""
+    from segcli.api import common
+
+    if name is not None:
+        try:
+            common.check_result_name(name)
+        except ArgumentError as err:
+            raise click.BadParameter(err.spelled({"name": "--name"}).removeprefix("--name: ")) \
+                from None
     return name
 
 
@@ -87,24 +94,11 @@ def structure_range(ctx, param, text):
     return slice(start, stop)
 
 
-def described(structures):
-    """--structures as given: START:STOP of a slice, blanks where left out."""
-    return ":".join("" if v is None else str(v) for v in (structures.start, structures.stop))
-
-
 def check_output_place(output):
-    """DataError, before any computation, when -o names a file in a directory that is missing
-    or not writable (the writer would find it only at the end of the setup)."""
-    from segcli.errors import DataError
+    """See segcli.api.common.check_output_place."""
+    from segcli.api import common
 
-    if output is None:
-        return
-    directory = os.path.dirname(os.path.abspath(output))
-    if not os.path.isdir(directory):
-        reason = "Not a directory" if os.path.exists(directory) else "No such file or directory"
-        raise DataError(f"{output}: cannot write there ({reason})")
-    if not os.access(directory, os.W_OK | os.X_OK):
-        raise DataError(f"{output}: cannot write there (Permission denied)")
+    common.check_output_place(output)
 
 
 def where_conditions(ctx, param, texts):
@@ -127,45 +121,20 @@ def where_option(command):
 
 
 def where_selection(batch, file, where, structures, needed=False, quiet=False):
-    """(S,) bool: the structures of `batch` in the slice `structures` where every --where
-    condition holds (None without conditions). When none does: DataError if they are
-    `needed`, else one line on stderr (unless `quiet`)."""
-    from segcli.errors import DataError
-    from segcli.select import where_mask
+    """See segcli.api.common.where_selection: what it is told goes to stderr (unless
+    `quiet`)."""
+    from segcli.api import common
 
-    if not where:
-        return None
-    keep = where_mask(batch, where, structures=structures)
-    if not keep.any():
-        start, stop, _ = structures.indices(batch.n_structures)
-        message = (f"{file}: --where {' --where '.join(repr(c.text) for c in where)} selects "
-                   f"none of the {max(stop - start, 0)} structure(s)")
-        if needed:
-            raise DataError(f"{message}; nothing to compute")
-        if not quiet:
-            note(message)
-    return keep
+    return common.where_selection(batch, file, where, structures, needed,
+                                  None if quiet else note)
 
 
 def input_paths(file, in_place=False):
-    """The files FILE stands for (see segcli.io.expand_inputs); UsageError when --in-place
-    meets more than one, or a stream read through a temporary copy (results stored there would
-    be lost); DataError when it meets a file this process may not write (it would fail only
-    on the copy that it writes)."""
-    from segcli.errors import DataError
-    from segcli.io import expand_inputs
-    from segcli.io.multi import is_stream
+    """The files FILE stands for (see segcli.api.common.input_paths)."""
+    from segcli.api import common
 
-    if in_place and is_stream(file):
-        raise click.UsageError(f"--in-place stores results in FILE itself; {file} is a stream "
-                               "(stdin, a pipe or a /proc file), whose copy is read: use -o")
-    paths = expand_inputs(file)
-    if in_place and len(paths) > 1:
-        raise click.UsageError(f"--in-place adds to one file; {file} is {len(paths)} files")
-    if in_place and not os.access(paths[0], os.W_OK):
-        raise DataError(f"{paths[0]}: cannot store results in it (Permission denied: it is "
-                        "read-only to this user); use -o")
-    return paths
+    with usage_errors():
+        return common.input_paths(file, in_place)
 
 
 def _remember_format(ctx, param, name):
@@ -210,17 +179,12 @@ def input_format():
     return None if ctx is None else ctx.meta.get("segcli.input_format")
 
 
-@contextlib.contextmanager
 def read_inputs(paths, file, in_place=False):
-    """The batch of `paths` (segcli.io.open_inputs, FILE named `file`, in the format
-    input_format forces); with --in-place, read under the lock of the file the results go
-    into, so that no other writer replaces it between this read and that write."""
-    from segcli.io import open_inputs as open_batches
-    from segcli.io.writers import locked
+    """The batch of `paths` (see segcli.api.common.read_inputs), in the format input_format
+    forces."""
+    from segcli.api import common
 
-    with (locked(paths[0]) if in_place else contextlib.nullcontext(),
-          open_batches(paths, name=file, input_format=input_format()) as batch):
-        yield batch
+    return common.read_inputs(paths, file, in_place, input_format())
 
 
 def table(rows):
@@ -231,34 +195,25 @@ def table(rows):
 
 def refuse_output_among_inputs(output, inputs, hint):
     """UsageError when the file -o names is one of the inputs (`hint` says what to do)."""
-    for path in inputs:
-        if output and os.path.exists(output) and os.path.exists(path) and \
-                os.path.samefile(output, path):
-            raise click.UsageError(f"-o {output} is FILE itself ({path}); {hint}")
+    from segcli.api import common
+
+    with usage_errors():
+        common.refuse_output_among_inputs(output, inputs, hint)
 
 
 def refuse_structures_in_place(in_place, structures):
     """UsageError when --in-place (a result for every structure) meets --structures."""
-    if in_place and structures:
-        raise click.UsageError("--in-place stores a result for every structure; "
-                               "--structures cannot be used with it")
+    from segcli.api import common
+
+    with usage_errors():
+        common.refuse_structures_in_place(in_place, structures)
 
 
 def selection(batch, file, structures):
-    """The slice of `batch`'s structures that --structures (a slice) selects, or all, with
-    non-negative bounds; DataError when it selects none of a file that has some."""
-    from segcli.errors import DataError
+    """See segcli.api.common.selection."""
+    from segcli.api import common
 
-    start, stop, _ = (structures or slice(None)).indices(batch.n_structures)
-    if structures and start >= stop:
-        raise DataError(f"{file}: --structures {described(structures)} selects no structure "
-                        f"(the file has {batch.n_structures})")
-    return slice(start, max(start, stop))
-
-
-# Whether this process is the segcli program, which exits after one command (see as_program),
-# rather than a caller of the commands such as a test runner.
-_program = False
+    return common.selection(batch, file, structures)
 
 
 def as_program():
@@ -272,8 +227,7 @@ def as_program():
     receives what was meant for it. A file name that is not UTF-8 (its bytes held
     as surrogates) prints as its own bytes on stdout, even where stdout's encoding was made
     strict (PYTHONIOENCODING=utf-8)."""
-    global _program
-    _program = True
+    mark_program()
     keep_freed_buffers()
     atexit.register(_leave_to_the_system)
     if sys.stdout is not None and sys.stdout.errors == "strict":
@@ -316,155 +270,17 @@ def note(message):
             click.echo(for_user(message), file=sys.stderr)
 
 
-@contextlib.contextmanager
-def _loading():
-    """In the program, no cyclic garbage collection while the block imports, and what it made
-    kept out of later collections: the modules of JAX and Warp stay for the whole run, and
-    full collections traversing their objects take 0.1 s of start-up."""
-    if not _program:
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.freeze()
-        gc.enable()
-
-
-def _use_compilation_cache(jax):
-    """Keep every compiled program, however small, in $SEGCLI_COMPILATION_CACHE (by default
-    $XDG_CACHE_HOME/segcli/jax, that is ~/.cache/segcli/jax; `off`: nowhere), so that a later
-    run skips XLA's compilation; unless JAX was given a cache of its own
-    (JAX_COMPILATION_CACHE_DIR), and silently not where the directory cannot be written."""
-    path = os.environ.get("SEGCLI_COMPILATION_CACHE") or os.path.join(cache_directory(), "jax")
-    if path == "off" or jax.config.jax_compilation_cache_dir is not None:
-        return
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError:
-        return
-    if os.access(path, os.W_OK | os.X_OK):
-        jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-
-
-def _start_gpu_backend(jax):
-    """Start JAX's GPU backend (where there is one) while Warp imports: the backend's start
-    waits on the CUDA driver, not on Python, so the two overlap (on an H200 VM, 0.5 s and
-    1.0 s, which took 1.5 s one after the other)."""
-    import threading
-
-    def start():
-        with contextlib.suppress(Exception):  # no GPU: the caller asks again and is told
-            jax.devices("gpu")
-
-    starting = threading.Thread(target=start, name="segcli-gpu-start", daemon=True)
-    starting.start()
-    with _loading():
-        import warp  # noqa: F401  (what the kernels need next)
-    starting.join()
-
-
-BACKEND_ADDRESS_SPACE = 1_800_000_000
-"""Bytes of address space that JAX and Warp take as they start (1.65 GB on a 2-core CPU
-machine): under a tighter limit (ulimit -v) XLA aborts the process when it cannot create its
-threads, rather than raise."""
-
-
-def _check_address_space():
-    """DataError when the limit on address space leaves too little for JAX and Warp."""
-    from segcli.errors import DataError
-    from segcli.io.core import address_space_left
-
-    left = address_space_left()
-    if left is not None and left < BACKEND_ADDRESS_SPACE:
-        raise DataError(f"out of memory: JAX and Warp need about {BACKEND_ADDRESS_SPACE} bytes "
-                        f"of address space, and the limit on memory (ulimit -v) leaves {left}")
-
-
 def device(choice):
-    """The JAX device for --device auto|cpu|gpu (auto: a GPU when JAX sees one).
+    """The JAX device for --device (see segcli.devices.device); a usage error where there is
+    none such."""
+    from segcli.devices import device as chosen
 
-    Called before JAX starts, it leaves GPU memory to Warp's own allocations (no
-    preallocation) and lets XLA capture even a small program, such as one chunk's kernels,
-    into one CUDA graph; in the program (see `as_program`), compiled programs are kept across
-    runs, and XLA has a CPU device for each thread segcli uses (threads.count(): the cores,
-    or SEGCLI_THREADS; up to engine.HOST_DEVICES), which a run's chunks take turns at."""
-    from segcli import threads
-    from segcli.engine import HOST_DEVICES, runs_on
-
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_gpu_graph_min_graph_size" not in flags:
-        flags = f"{flags} --xla_gpu_graph_min_graph_size=1"
-    if _program and "xla_force_host_platform_device_count" not in flags:
-        flags += f" --xla_force_host_platform_device_count={min(threads.count(), HOST_DEVICES)}"
-    os.environ["XLA_FLAGS"] = flags.strip()
-    _check_address_space()
-    with _loading():
-        import jax
-    if _program:
-        _use_compilation_cache(jax)
-    if choice != "cpu":
-        _start_gpu_backend(jax)
-    if choice == "cpu":
-        target = jax.devices("cpu")[0]
-    else:
-        try:
-            target = jax.devices("gpu")[0]
-        except RuntimeError:
-            if choice == "gpu":
-                raise click.BadParameter("no GPU is visible to JAX", param_hint="--device") from None
-            target = jax.devices("cpu")[0]
-    if not runs_on(target):
-        raise click.BadParameter("this Warp installation has no CPU backend (warp-clang), so its "
-                                 "kernels run on a GPU only; choose --device gpu",
-                                 param_hint="--device")
-    return target
-
-
-def device_label(device):
-    """How every command names a JAX device, in --device's words: `cpu`, or e.g.
-    `gpu:0 (NVIDIA H200)`."""
-    if device.platform == "cpu":
-        return "cpu"
-    return f"{device.platform}:{device.id} ({device.device_kind})"
-
-
-def stderr_is_terminal():
-    """Whether stderr is open and a terminal (closed stderr, `2>&-`, is None in Python)."""
     try:
-        return sys.stderr is not None and sys.stderr.isatty()
-    except (OSError, ValueError):
-        return False
+        return chosen(choice)
+    except ArgumentError as err:
+        raise click.BadParameter(err.spelled({"device": "--device"}).removeprefix("--device: "),
+                                 param_hint="--device") from None
 
-
-@contextlib.contextmanager
-def progress(enabled, label, total=None, unit="structure"):
-    """A tqdm bar on stderr (done of `total`, rate and ETA; a count and rate while `total` is
-    None) when `enabled` and stderr is a terminal, else None. The bar stays when the block
-    succeeds and is cleared when it raises. Library functions take it as `progress` and call
-    its `update(n)` (and `reset(total)` once they know the total)."""
-    if not enabled or not stderr_is_terminal():
-        yield None
-        return
-    from tqdm import tqdm
-
-    try:  # follow the terminal's width, unless it reports none (a bare pseudo-terminal)
-        sized = os.get_terminal_size(sys.stderr.fileno()).columns > 0
-    except (OSError, ValueError):
-        sized = False
-    bar = tqdm(total=total, desc=label, unit=unit, file=sys.stderr, dynamic_ncols=sized,
-               **({} if sized else {"ncols": 80, "nrows": 24}))
-    try:
-        yield bar
-    except BaseException:
-        bar.leave = False
-        raise
-    finally:
-        bar.close()
 
 
 def _shard(ctx, param, text):
@@ -560,62 +376,51 @@ def cluster_options(command):
 
 
 def shard_output(output, shard):
-    """-o for shard (I, N): {shard} replaced (see segcli.shards.part_path), its directory made
-    if missing (the tasks of an array job race to make it)."""
-    if output and "{shard}" in output and not shard:
-        raise click.UsageError(f"-o {output} has {{shard}} in it, which --shard I/N fills; "
-                               "give --shard or another name")
-    if not (shard and output):
-        return output
-    from segcli.shards import part_path
+    """-o for shard (I, N) (see segcli.api.common.shard_output)."""
+    from segcli.api import common
 
-    output = part_path(output, *shard)
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    return output
+    with usage_errors():
+        return common.shard_output(output, shard)
 
 
 def shard_selection(batch, file, structures, shard):
-    """The leaf boundaries (see segcli.shards.shard_of) of the structures that --structures
-    and --shard select in `batch`, and the attributes that tie the output to them: the range
-    `structures`, the input's `source_fingerprint` and `source_structures` (its count) and, for
-    a shard, `shard` and `selection` (the range of all its shards)."""
-    from segcli.shards import fingerprint, shard_of
+    """See segcli.api.common.shard_selection."""
+    from segcli.api import common
 
-    start, stop, _ = selection(batch, file, structures).indices(batch.n_structures)
-    leaves = shard_of(batch.n_atoms[start:max(start, stop)], start, shard)
-    attrs = {"structures": f"{leaves[0]}:{leaves[-1]}",
-             "source_fingerprint": fingerprint(batch.sources, batch.n_atoms),
-             "source_structures": batch.n_structures}
-    if shard:
-        attrs.update(shard=f"{shard[0]}/{shard[1]}", selection=f"{start}:{max(start, stop)}")
-    return leaves, attrs
+    return common.shard_selection(batch, file, structures, shard)
 
 
 def check_cluster_usage(shard, scheduler, in_place):
     """UsageError for --shard with --scheduler or --in-place."""
-    if shard and scheduler:
-        raise click.UsageError("--shard runs one shard here; --scheduler runs them all on a "
-                               "cluster: give one of them")
-    if shard and in_place:
-        raise click.UsageError("--shard writes a part of the result; --in-place stores a "
-                               "result for every structure: use -o 'part-{shard}.h5' and "
-                               "segcli merge")
+    from segcli.api import common
+
+    with usage_errors():
+        common.check_cluster_usage(shard, scheduler, in_place)
 
 
 @contextlib.contextmanager
 def on_cluster(scheduler):
-    """A dask.distributed Client for --scheduler (None without it), closed afterwards; a
-    missing cluster extra is a usage error."""
-    if not scheduler:
-        yield None
-        return
-    import importlib.util
+    """A dask.distributed Client for --scheduler (see segcli.api.common.on_cluster)."""
+    from segcli.api import common
 
-    if importlib.util.find_spec("distributed") is None:
-        raise click.UsageError("--scheduler needs dask.distributed: pip install "
-                               "'segcli[cluster]'")
-    from segcli.cluster import cluster_client
-
-    with cluster_client(scheduler) as client:
+    with usage_errors(), common.on_cluster(scheduler) as client:
         yield client
 
+
+OPTIONS = {"output": "-o", "in_place": "--in-place", "inputs": "FILE", "name": "--name",
+           "structures": "--structures", "shard": "--shard", "scheduler": "--scheduler",
+           "where": "--where", "device": "--device", "precision": "--precision",
+           "chunk_atoms": "--chunk-atoms", "format": "--format", "order": "--order",
+           "direction": "--direction", "weights": "--weights", "op": "OP", "fields": "FIELD",
+           "cutoff": "--cutoff", "histogram": "--histogram", "per_atom": "--per-atom"}
+"""How the command line names the arguments of segcli's functions (see ArgumentError)."""
+
+
+@contextlib.contextmanager
+def usage_errors(**names):
+    """The block's ArgumentError as a usage error (exit 2), naming each argument as OPTIONS
+    (and `names`, argument -> option, for a command's own) does."""
+    try:
+        yield
+    except ArgumentError as err:
+        raise click.UsageError(err.spelled({**OPTIONS, **names})) from None
