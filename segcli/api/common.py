@@ -171,7 +171,7 @@ def shard_output(output, shard):
     """`output` for `shard` (I, N): {shard} replaced (see segcli.shards.part_path), its
     directory made if missing (the tasks of an array job race to make it)."""
     if output and "{shard}" in output and not shard:
-        raise ArgumentError(f"{{0}} {literal(output)} has {{{{shard}}}} in it, which {{1}} "
+        raise ArgumentError(f"{{0}} {literal(output)} has {{{{shard}}}} in it, which {{1}} I/N "
                             "fills; give {1} or another name", "output", "shard")
     if not (shard and output):
         return output
