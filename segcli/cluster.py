@@ -357,7 +357,7 @@ def run_on_cluster(client, progress, batch, computation, target, lo, hi, task, r
     from segcli.io.writers import scratch_directory
     from segcli.shards import shard_bounds
 
-    into_file = target.sink.name in ("hdf5", "in_place")
+    into_file = target.sink.hdf5
     opened_streams = []
     with contextlib.ExitStack() as opened:
         if not into_file:

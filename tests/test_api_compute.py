@@ -5,6 +5,8 @@ import csv
 import io
 import itertools
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import ase.io
@@ -181,3 +183,17 @@ def test_progress_is_told_done_and_total(batch):
     assert len(calls) > 2 and calls[-1] == (len(n_atoms), len(n_atoms))
     done = [d for d, _ in calls]
     assert done == sorted(done) and {t for _, t in calls} == {len(n_atoms)}
+
+
+def test_import_segcli_loads_the_functions_only_when_asked_for():
+    code = """
+import sys
+import segcli
+assert "numpy" not in sys.modules and "segcli.api" not in sys.modules
+import segcli.neighborlist
+print(segcli.neighbors.__module__, segcli.Results.__name__, segcli.DataError.__name__)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["segcli.api.compute", "Results", "DataError"]

@@ -18,7 +18,6 @@ from segcli import devices, engine, neighborlist
 from segcli.api import common
 from segcli.errors import ArgumentError, DataError, literal
 from segcli.io import sinks
-from segcli.io.core import offsets_of
 from segcli.progress import tracked
 from segcli.registry import OPS
 
@@ -171,7 +170,9 @@ class Results(Mapping):
         if self._stream is not None:
             raise ValueError(f"result {name!r} was written to a stream, not kept: give output= "
                              "a file, or leave it out")
-        return _read_back(self, name, self._outputs[name])
+        return sinks.SINKS[self.format].reads(self.path, name, self.columns[name],
+                                              self._outputs[name], self.structures,
+                                              self.selection.start)
 
     def __iter__(self):
         return iter(self._outputs)
@@ -182,52 +183,6 @@ class Results(Mapping):
     def __repr__(self):
         return (f"Results({', '.join(self._outputs)}; {len(self.structures)} structures"
                 f"{'' if self.path is None else f', in {self.path}'})")
-
-
-def _read_back(results, name, output):
-    """The rows of result `name` ((per, shape, dtype)) of the selected structures, read from
-    the file `results` was written to."""
-    per, shape, dtype = output
-    column = results.columns[name]
-    if results.format in ("hdf5", "in_place"):
-        import h5py
-
-        first = 0 if results.format == "in_place" else results.selection.start
-        rows = results.structures - first
-        with h5py.File(results.path, "r") as h5:
-            dataset = h5["results"][name]
-            if per == "atom":
-                offsets = offsets_of(h5["structures"]["n_atoms"][:])
-                rows = np.concatenate([np.arange(offsets[s], offsets[s + 1]) for s in rows]
-                                      or [np.zeros(0, np.int64)])
-            if not len(rows):
-                return np.empty((0, *shape), dataset.dtype)
-            return dataset[rows[0]:rows[-1] + 1][rows - rows[0]]
-    if results.format == "npy":
-        array = np.load(results.path)
-        return array if array.dtype.names is None else array[column]
-    return _read_table(results.path, results.format, column, shape, dtype)
-
-
-def _read_table(path, fmt, column, shape, dtype):
-    """The column `column` (trailing `shape`) of a csv or json lines file, as `dtype` (an empty
-    cell or null: NaN)."""
-    import csv
-    import json
-
-    with open(path, newline="") as file:
-        if fmt == "csv":
-            reader = csv.reader(file)
-            header = next(reader)
-            names = [column if not shape else f"{column}_{'_'.join(map(str, i))}"
-                     for i in np.ndindex(*shape)]
-            where = [header.index(n) for n in names]
-            rows = [[float(row[i]) if row[i] else np.nan for i in where] for row in reader]
-        else:
-            rows = [np.ravel(np.array(json.loads(line)[column], dtype=float)).tolist()
-                    for line in file]
-    values = np.array(rows, np.float64).reshape(len(rows), *shape)
-    return values if dtype.kind == "f" else values.astype(dtype)
 
 
 def _absent(batch, name, computation, selected, lo, hi, keep=None):

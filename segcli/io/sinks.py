@@ -250,13 +250,18 @@ class Target(NamedTuple):
 class Sink(NamedTuple):
     """An entry of SINKS: its name (a --format), the suffixes of files it writes, whether it
     writes a table (rows of one kind, per structure or per atom, of the structures computed
-    only) and how it opens: `opens(target, results, batch, lo, hi, attrs, keep, placed)`
-    (see open_sink) -> a sink."""
+    only) or a segcli HDF5 file's /results (whose rows other processes may write, see
+    Hdf5Sink.rows_of_shards); how it opens: `opens(target, results, batch, lo, hi, attrs,
+    keep, placed)` (see open_sink) -> a sink; and how a result is read back from its file:
+    `reads(path, dataset, column, (per, shape, dtype), structures, start)` -> the rows of
+    the `structures` (numbers in the input) of a run over the structures from `start`."""
 
     name: str
     suffixes: tuple
     table: bool
+    hdf5: bool
     opens: Callable
+    reads: Callable | None = None
 
 
 def _hdf5(target, results, batch, lo, hi, attrs, keep, placed):
@@ -288,15 +293,64 @@ def _text(fmt):
         batch.source_of if len(batch.sources) > 1 else None, out))
 
 
+def _hdf5_rows(in_place):
+    """`reads` of an HDF5 sink: a new file's rows begin at the run's first structure, the
+    input's at its structure 0."""
+    def reads(path, dataset, column, output, structures, start):
+        import h5py
+
+        rows = structures - (0 if in_place else start)
+        with h5py.File(path, "r") as h5:
+            data = h5["results"][dataset]
+            if output[0] == "atom":
+                offsets = offsets_of(h5["structures"]["n_atoms"][:])
+                rows = np.concatenate([np.arange(offsets[s], offsets[s + 1]) for s in rows]
+                                      or [np.zeros(0, np.int64)])
+            if not len(rows):
+                return np.empty((0, *output[1]), data.dtype)
+            return data[rows[0]:rows[-1] + 1][rows - rows[0]]
+
+    return reads
+
+
+def _npy_rows(path, dataset, column, output, structures, start):
+    array = np.load(path)
+    return array if array.dtype.names is None else array[column]
+
+
+def _text_rows(fmt):
+    """`reads` of a csv or json lines table: a column, an empty cell or null NaN."""
+    def reads(path, dataset, column, output, structures, start):
+        import csv
+        import json
+
+        _, shape, dtype = output
+        with open(path, newline="") as file:
+            if fmt == "csv":
+                reader = csv.reader(file)
+                header = next(reader)
+                where = [header.index(column if not shape else
+                                      f"{column}_{'_'.join(map(str, i))}")
+                         for i in np.ndindex(*shape)]
+                rows = [[float(row[i]) if row[i] else np.nan for i in where] for row in reader]
+            else:
+                rows = [np.ravel(np.array(json.loads(line)[column], dtype=float)).tolist()
+                        for line in file]
+        values = np.array(rows, np.float64).reshape(len(rows), *shape)
+        return values if dtype.kind == "f" else values.astype(dtype)
+
+    return reads
+
+
 SINKS = {sink.name: sink for sink in [
-    Sink("hdf5", (".h5", ".hdf5", ""), False, _hdf5),
-    Sink("in_place", (), False, _in_place),
-    Sink("csv", (".csv",), True, _text("csv")),
-    Sink("json", (".json", ".jsonl"), True, _text("json")),
-    Sink("npy", (".npy",), True, _table(
+    Sink("hdf5", (".h5", ".hdf5", ""), False, True, _hdf5, _hdf5_rows(in_place=False)),
+    Sink("in_place", (), False, True, _in_place, _hdf5_rows(in_place=True)),
+    Sink("csv", (".csv",), True, False, _text("csv"), _text_rows("csv")),
+    Sink("json", (".json", ".jsonl"), True, False, _text("json"), _text_rows("json")),
+    Sink("npy", (".npy",), True, False, _table(
         lambda results, batch, n_atoms, out: NpySink(results.outputs, results.columns, n_atoms,
-                                                     out))),
-    Sink("memory", (), False, lambda target, results, *_: Collect(results.outputs)),
+                                                     out)), _npy_rows),
+    Sink("memory", (), False, False, lambda target, results, *_: Collect(results.outputs)),
 ]}
 """Every sink, by name."""
 
