@@ -9,6 +9,7 @@ through segcli.engine, neighbour statistics through segcli.neighborlist.
 
 import contextlib
 import itertools
+import os
 import warnings
 from collections.abc import Mapping
 
@@ -373,16 +374,7 @@ def _run_ops(inputs, op, fields, *, order, weights, direction, output, in_place,
     where = common.where_conditions(where)
     common.refuse_structures_in_place(in_place, structures)
     common.check_cluster_usage(shard, scheduler, in_place)
-    output = output if sinks.is_stream(output) or output is None else common.shard_output(
-        str(output), shard)
-    target = sinks.choose(output, in_place, format, force)
-    paths = common.input_paths(inputs, in_place)
-    label = common.input_name(inputs)
-    if in_place:
-        target = target._replace(path=paths[0])
-    elif target.path is not None:
-        common.refuse_output_among_inputs(target.path, paths, "use --in-place to add to it")
-        common.check_output_place(target.path)
+    target, paths, label = _destination(inputs, output, in_place, format, force, shard)
     names = [name] if name else ["_".join((spec.name, *fields)) for spec, fields in ops]
     plan = {"precision": precision, "order": order, "weights": weights, "direction": direction,
             "params": op_params}
@@ -402,7 +394,6 @@ def _run_ops(inputs, op, fields, *, order, weights, direction, output, in_place,
         if order:
             attrs.update(order=order, weights=weights, direction=direction)
         verb = "reducing" if not order else "differentiating"
-        total = hi - lo if keep is None else int(keep[lo:hi].sum())
         if scheduler:
             from segcli.cluster import run_on_cluster
 
@@ -416,14 +407,41 @@ def _run_ops(inputs, op, fields, *, order, weights, direction, output, in_place,
                                                 run_shard, recipe, attrs, keep)
             return Results(computation, target, batch, slice(lo, hi), keep,
                            {**attrs, "device": ran_on}, arrays)
-        placed = devices.device(device)  # JAX loads only now
-        attrs = {**attrs, "device": devices.device_label(placed)}
-        sink = sinks.open_sink(target, computation, batch, lo, hi, attrs, keep)
-        with tracked(progress, f"{verb} {label}", total) as bar:
-            compute_into(batch, computation, sink, placed, lo, hi, chunk_atoms, bar, notes,
-                         keep, notify)
-        return Results(computation, target, batch, slice(lo, hi), keep, attrs,
-                       sink.arrays() if isinstance(sink, sinks.Collect) else None)
+        return _run_here(batch, computation, target, slice(lo, hi), keep, attrs, device,
+                         chunk_atoms, (progress, f"{verb} {label}"), notes, notify)
+
+
+def _destination(inputs, output, in_place, format, force, shard=None):
+    """(the sinks.Target of the results, the input files, how messages name them), checked:
+    `output` with {shard} filled in, not one of the inputs, in a directory that takes it."""
+    if output is not None and not sinks.is_stream(output):
+        output = common.shard_output(os.fspath(output), shard)
+    target = sinks.choose(output, in_place, format, force)
+    paths = common.input_paths(inputs, in_place)
+    if in_place:
+        target = target._replace(path=paths[0])
+    elif target.path is not None:
+        common.refuse_output_among_inputs(target.path, paths, "use --in-place to add to it")
+        common.check_output_place(target.path)
+    return target, paths, common.input_name(inputs)
+
+
+def _run_here(batch, computation, target, selected, keep, attrs, device, chunk_atoms, progress,
+              notes, notify):
+    """Results of `computation` over the structures `selected` (a slice; those `keep` marks,
+    if given) of `batch`, computed in this process on `device` (a --device choice) into
+    `target`, their datasets' attributes `attrs` and the device's label; progress (how,
+    label) as `tracked` takes them."""
+    lo, hi = selected.start, selected.stop
+    placed = devices.device(device)  # JAX loads only now
+    attrs = {**attrs, "device": devices.device_label(placed)}
+    sink = sinks.open_sink(target, computation, batch, lo, hi, attrs, keep)
+    total = hi - lo if keep is None else int(keep[lo:hi].sum())
+    with tracked(*progress, total) as bar:
+        compute_into(batch, computation, sink, placed, lo, hi, chunk_atoms, bar, notes, keep,
+                     notify)
+    return Results(computation, target, batch, selected, keep, attrs,
+                   sink.arrays() if isinstance(sink, sinks.Collect) else None)
 
 
 def plan_ops(batch, name, ops, names, plan):
@@ -483,29 +501,16 @@ def neighbors(inputs, cutoff, *, per_atom=False, histogram=None, output=None, in
     structures = common.structure_slice(structures)
     where = common.where_conditions(where)
     common.refuse_structures_in_place(in_place, structures)
-    target = sinks.choose(output, in_place, format, force)
-    paths = common.input_paths(inputs, in_place)
-    label = common.input_name(inputs)
-    if in_place:
-        target = target._replace(path=paths[0])
-    elif target.path is not None:
-        common.refuse_output_among_inputs(target.path, paths, "use --in-place to add to it")
-        common.check_output_place(target.path)
+    target, paths, label = _destination(inputs, output, in_place, format, force)
     notify = _notifier(notify)
     with common.read_inputs(paths, label, in_place, input_format) as batch:
         batch.check_fields(["positions"])
         computation = Neighbors(cutoffs, per_atom, target.sink.table,
                                 batch.present("positions") is not None, histogram or 0)
         selected = common.selection(batch, label, structures)
-        lo, hi = selected.start, selected.stop
         keep = common.where_selection(batch, label, where, selected, notify=notify)
-        placed = devices.device(device)
-        attrs = {"cutoffs": cutoffs, "device": devices.device_label(placed)}
+        attrs = {"cutoffs": cutoffs}
         if where:
             attrs["where"] = [condition.text for condition in where]
-        sink = sinks.open_sink(target, computation, batch, lo, hi, attrs, keep)
-        total = hi - lo if keep is None else int(keep[lo:hi].sum())
-        with tracked(progress, f"neighbours of {label}", total) as bar:
-            compute_into(batch, computation, sink, placed, lo, hi, chunk_atoms, bar, keep=keep)
-        return Results(computation, target, batch, selected, keep, attrs,
-                       sink.arrays() if isinstance(sink, sinks.Collect) else None)
+        return _run_here(batch, computation, target, selected, keep, attrs, device, chunk_atoms,
+                         (progress, f"neighbours of {label}"), (), notify)

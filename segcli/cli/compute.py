@@ -123,14 +123,12 @@ def check_output_usage(output, in_place, fmt):
 def run(function, file, *args, output, in_place, fmt, quiet, **options):
     """`function` (a function of segcli.api) on FILE with the command's options, its results
     printed on stdout unless -o or --in-place says where; UsageError for a bad argument."""
-    from segcli.cli.common import input_format
-
     check_output_usage(output, in_place, fmt)
     into = output if output or in_place else sys.stdout.buffer
     with common.usage_errors(**{name: f"--{name}" for name in _PARAMS}):
         return function(file, *args, output=into, in_place=in_place, format=fmt,
                         progress=not quiet, notify=(lambda _: None) if quiet else note,
-                        input_format=input_format(), **options)
+                        input_format=common.input_format(), **options)
 
 
 def report(results, file, where):
