@@ -8,7 +8,7 @@ and, where it imports and a GPU is there, nvalchemiops' batched cell list.
 The first case: rattled fcc Cu supercells of 4·size³ atoms (500 for size 5), in memory,
 every library given the same structures; segcli runs them as one chunk (its cell list on the
 host, then the kernel) on --device. The second (--atoms N): a segcli HDF5 file of such cells
-(generated in a temporary directory) streamed by `segcli.neighbors.run` in chunks of 2 Mi
+(generated in a temporary directory) streamed by `segcli.neighborlist.run` in chunks of 2 Mi
 atoms (read, bin, kernel, reduce), against vesin over the first 10⁶ atoms of it in memory.
 Each library's total pair count is printed beside its time: they must agree. Medians of
 --runs after a first run (imports, compilation).
@@ -49,7 +49,7 @@ def median_time(function, runs):
 
 
 def segcli_pairs(frames, cutoff, device):
-    from segcli import neighbors
+    from segcli import neighborlist as neighbors
     from segcli.io.core import Chunk
 
     n_atoms = np.array([len(a) for a in frames])
@@ -157,7 +157,7 @@ def table(runs, atoms, n_runs, runs_of):
 def streamed(args, device):
     import h5py
 
-    from segcli import neighbors
+    from segcli import neighborlist as neighbors
     from segcli.io import open_batch
 
     per_cell = 4 * args.size ** 3
@@ -208,7 +208,7 @@ def streamed(args, device):
         print("| library | atoms | seconds | M atoms/s | pairs | speed over vesin |")
         print("| --- | ---: | ---: | ---: | ---: | ---: |")
         rate, vesin_rate = atoms / seconds, vesin_atoms / vesin_seconds
-        print(f"| segcli neighbors.run | {atoms} | {seconds:.3f} | {rate / 1e6:.3f} | {pairs} | "
+        print(f"| segcli neighborlist.run | {atoms} | {seconds:.3f} | {rate / 1e6:.3f} | {pairs} | "
               f"{rate / vesin_rate:.1f} |")
         print(f"| vesin, one core | {vesin_atoms} | {vesin_seconds:.3f} | "
               f"{vesin_rate / 1e6:.3f} | {vesin_pairs} | 1.0 |")

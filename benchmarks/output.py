@@ -4,12 +4,12 @@
     python benchmarks/output.py [--rows 2000000] [--atom-rows 10000000] [--runs 3]
                                 [--before per-row|numpy] [--before-checkout DIR]
 
-The sinks of segcli.cli.compute (csv, json and npy on stdout, `-o OUT.h5`), in this process,
+The sinks of segcli.io.sinks (csv, json and npy on stdout, `-o OUT.h5`), in this process,
 are given the chunks that engine.run gives (2 Mi atoms, 32 atoms a structure, standard normal
 float64 values) of three outputs: a scalar and a 3-vector per structure (--rows structures) and
 a 3-vector per atom (--atom-rows atoms). stdout is a new file in --workdir, as is OUT.h5.
 Beside each, in the same run and alternating with it: before, the per-row text of the former
-_TextSink (copied below) and the former npy sink (which copied each chunk with tobytes), or
+TextSink (copied below) and the former npy sink (which copied each chunk with tobytes), or
 with `--before numpy` the text made by segcli.io.text's NumPy passes (SEGCLI_NATIVE_TEXT=0,
 what runs where no C compiler builds `_text.c`), or with `--before-checkout DIR` the text
 sink of the segcli checkout DIR (another commit, in a child process of its own); the floors of
@@ -35,9 +35,9 @@ import numpy as np
 import orjson
 
 from segcli import keep_freed_buffers
-from segcli.cli.compute import _Hdf5Sink, _NpySink, _TextSink
 from segcli.io import ResultWriter, text
 from segcli.io.core import Chunk
+from segcli.io.sinks import Hdf5Sink, NpySink, TextSink
 
 ATOMS = 32
 CHUNK_ATOMS = 2 ** 21
@@ -55,7 +55,7 @@ class PerRowTextSink:
     """Before: the text sink as it was before segcli.io.text, which formatted each row in
     Python (repr, json.dumps)."""
 
-    def __init__(self, fmt, outputs, columns, source_of=None):
+    def __init__(self, fmt, outputs, columns, source_of=None, out=None):
         self._fmt, self._outputs, self._columns = fmt, outputs, columns
         self._per = next(iter(outputs.values()))[0]
         self._source_of = source_of
@@ -99,7 +99,7 @@ class PerRowTextSink:
             self._out.write("\n".join(lines) + "\n")
 
 
-class CopyingNpySink(_NpySink):
+class CopyingNpySink(NpySink):
     """The former npy sink: each chunk copied to bytes (tobytes) before it was written."""
 
     def write(self, chunk, arrays):
@@ -121,7 +121,7 @@ def chunks(per, rows, width, rng):
     return out
 
 
-class NumpyTextSink(_TextSink):
+class NumpyTextSink(TextSink):
     """The text sink with segcli.io.text's NumPy passes in place of `_text.c`."""
 
     def __enter__(self):
@@ -140,13 +140,13 @@ def candidates(outputs, n_atoms, h5, before="per-row"):
     columns = {"value": "value"}
     text_before = PerRowTextSink if before == "per-row" else NumpyTextSink
     return {
-        "csv": (lambda: text_before("csv", outputs, columns),
-                lambda: _TextSink("csv", outputs, columns)),
-        "json": (lambda: text_before("json", outputs, columns),
-                 lambda: _TextSink("json", outputs, columns)),
-        "npy": (lambda: CopyingNpySink(outputs, columns, n_atoms),
-                lambda: _NpySink(outputs, columns, n_atoms)),
-        "-o OUT.h5": (None, lambda: _Hdf5Sink(ResultWriter(output_path=h5, force=True), outputs,
+        "csv": (lambda: text_before("csv", outputs, columns, out=sys.stdout.buffer),
+                lambda: TextSink("csv", outputs, columns, out=sys.stdout.buffer)),
+        "json": (lambda: text_before("json", outputs, columns, out=sys.stdout.buffer),
+                 lambda: TextSink("json", outputs, columns, out=sys.stdout.buffer)),
+        "npy": (lambda: CopyingNpySink(outputs, columns, n_atoms, out=sys.stdout.buffer),
+                lambda: NpySink(outputs, columns, n_atoms, out=sys.stdout.buffer)),
+        "-o OUT.h5": (None, lambda: Hdf5Sink(ResultWriter(output_path=h5, force=True), outputs,
                                               n_atoms, {"value": {}})),
     }
 

@@ -2,6 +2,39 @@
 
 __version__ = "0.1.0"
 
+_LAZY = {
+    "reduce": "segcli.api",
+    "grad": "segcli.api",
+    "neighbors": "segcli.api",
+    "Results": "segcli.api",
+    "stats": "segcli.api",
+    "fit_e0": "segcli.api",
+    "select": "segcli.api",
+    "Statistics": "segcli.api",
+    "convert": "segcli.api",
+    "merge": "segcli.api",
+    "open": "segcli.api",
+    "Batch": "segcli.api",
+    "DataError": "segcli.errors",
+    "ArgumentError": "segcli.errors",
+}
+"""The names `segcli.NAME` gives, each imported from its module when first asked for, so that
+`import segcli` (and the command line's start) stays light."""
+
+
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'segcli' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted([*globals(), *_LAZY])
+
 
 def cache_directory():
     """segcli's directory of kept files (compiled programs, the launch handler):
@@ -27,21 +60,3 @@ def keep_freed_buffers():
         return
     mallopt(-3, 256 << 20)  # M_MMAP_THRESHOLD
     mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
-
-
-_API = {"stats": "segcli.api.curate", "fit_e0": "segcli.api.curate",
-             "select": "segcli.api.curate", "Statistics": "segcli.api.curate",
-             "convert": "segcli.api.data", "merge": "segcli.api.data",
-             "open": "segcli.api.data", "Batch": "segcli.api.data",
-             "DataError": "segcli.errors", "ArgumentError": "segcli.errors"}
-"""The Python API's names (segcli.api), each imported from its module when first used, so
-that `import segcli` stays light."""
-
-
-def __getattr__(name):
-    import importlib
-
-    if name in _API:
-        return getattr(importlib.import_module(_API[name]), name)
-    raise AttributeError(f"module 'segcli' has no attribute {name!r}")
-

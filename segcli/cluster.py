@@ -24,8 +24,8 @@ SHARDS_PER_WORKER = 4
 CONNECT_SECONDS = 10
 """The longest a scheduler is waited for (less where Dask's distributed.comm.timeouts.connect
 says so): a server that is no Dask scheduler may never answer."""
-WORKER_MODULES = ("segcli.engine", "segcli.io.direct", "segcli.io.hdf5", "segcli.curate.selection",
-                  "segcli.shards", "segcli.curate.statistics")
+WORKER_MODULES = ("segcli.api.compute", "segcli.engine", "segcli.io.direct", "segcli.io.hdf5",
+                  "segcli.curate.selection", "segcli.shards", "segcli.curate.statistics")
 """What tasks import (with numpy and h5py): loaded once in the server that forks a local
 cluster's workers. Not segcli.ops, whose import starts threads that a fork would not carry
 over, nor JAX and Warp, which `stats` would wait for (each worker of `reduce` imports them)."""
@@ -341,3 +341,93 @@ def leaf_stats_sharded(client, batch, names, leaves, progress=None, where=(), ke
     sizes = [int(leaves[b] - leaves[a]) if keep is None else int(keep[leaves[a]:leaves[b]].sum())
              for a, b in itertools.pairwise(cuts)]
     return join_leaves(map_shards(client, stats_part, calls, progress, sizes))
+
+
+def run_on_cluster(client, progress, batch, computation, target, lo, hi, task, recipe, attrs,
+                   keep=None):
+    """A computation (segcli.api.compute.Computation) over structures [lo, hi) of `batch` as
+    shards on `client`'s cluster, into `target` (a segcli.io.sinks.Target) as one run writes
+    it: each shard a task `task(*recipe, lo, hi, place, attrs)` that opens the input itself
+    (recipe[0], its layout, is sent once) and returns the label of its device. Into an HDF5
+    file, this process makes the output and each task writes its rows straight into it; into
+    a stream (or memory), each task writes a part file into a temporary directory beside the
+    output, passed on in structure order as it comes, while the others compute. Returns (the
+    first shard's device label, the arrays a memory target kept, else None)."""
+    from segcli.io import sinks
+    from segcli.io.writers import scratch_directory
+    from segcli.shards import shard_bounds
+
+    into_file = target.sink.hdf5
+    opened_streams = []
+    with contextlib.ExitStack() as opened:
+        if not into_file:
+            parts_dir = opened.enter_context(scratch_directory(
+                os.path.dirname(os.path.abspath(target.path)) if target.path else os.getcwd()))
+        n_atoms = batch.n_atoms[lo:hi]
+        bounds = shard_bounds(n_atoms, shard_count(client, len(n_atoms)))
+        if into_file:
+            sink = opened.enter_context(sinks.open_sink(target, computation, batch, lo, hi,
+                                                        attrs, keep, placed=True))
+            places = sink.rows_of_shards(bounds)
+        else:
+            places = [os.path.join(parts_dir, f"part-{k}.h5") for k in range(len(bounds) - 1)]
+
+            def open_stream(device):
+                opened_streams.append(opened.enter_context(sinks.open_sink(
+                    target, computation, batch, lo, hi, {**attrs, "device": device}, keep)))
+                return opened_streams[0]
+
+        recipe = (shared(client, recipe[0]), *recipe[1:])
+        calls = [(*recipe, lo + int(a), lo + int(b), place, attrs)
+                 for (a, b), place in zip(itertools.pairwise(bounds), places)]
+        sizes = [int(b - a) for a, b in itertools.pairwise(bounds)]
+        with contextlib.closing(shards_as_done(client, task, calls, progress, sizes)) as done:
+            device = (_rows_written(sink, bounds, done) if into_file else
+                      _parts_passed_on(places, computation.outputs, keep, open_stream, done))
+    kept = opened_streams[0] if opened_streams else None
+    return device, kept.arrays() if isinstance(kept, sinks.Collect) else None
+
+
+def _rows_written(sink, bounds, done):
+    """Each shard of `done` ((k, device label) as each ends) wrote its rows into the file of
+    `sink` (an Hdf5Sink): they get no fill; the results' attribute `device` is the first's,
+    which is returned."""
+    first = None
+    for n, (k, device) in enumerate(done):
+        if n == 0:
+            sink.add_attrs({"device": device})
+            first = device
+        sink.written_elsewhere(int(bounds[k]), int(bounds[k + 1]))
+    return first
+
+
+def _parts_passed_on(places, outputs, keep, open_stream, done):
+    """Each part file places[k] of `done` ((k, device label) as each ends), checked, written
+    in structure order into the stream `open_stream(device)` opens as the first comes, while
+    the others compute; the rows of structures `keep` leaves out dropped. Returns the first's
+    device label."""
+    from segcli.io.core import Chunk
+    from segcli.io.merge import check_cover, describe_part, part_rows
+
+    parts, stream, first = [None] * len(places), None, None
+    for k, device in in_order(done):
+        parts[k] = describe_part(places[k], like=parts[0])
+        if stream is None:
+            stream, first = open_stream(device), device
+        for start, counts, rows in part_rows([parts[k]], list(outputs)):
+            chunk = Chunk(start, counts, {}, {})
+            if keep is not None:
+                chunk, rows = _kept_rows(chunk, rows, outputs, keep)
+            if len(chunk.n_atoms):
+                stream.write(chunk, rows)
+    check_cover(parts)
+    return first
+
+
+def _kept_rows(chunk, rows, outputs, keep):
+    """(the chunk's structures that `keep` ((S,) bool) marks, their rows of each dataset of
+    `rows`, in its dtype of `outputs`): a part's NaN rows of structures not selected left out."""
+    mask = keep[chunk.start:chunk.start + len(chunk.n_atoms)]
+    atoms = np.repeat(mask, chunk.n_atoms)
+    return chunk.take(mask), {d: r[mask if outputs[d][0] == "structure" else atoms].astype(
+        outputs[d][2], copy=False) for d, r in rows.items()}

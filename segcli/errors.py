@@ -2,6 +2,7 @@
 
 import builtins
 import signal
+import string
 import sys
 import threading
 from contextlib import contextmanager
@@ -30,6 +31,11 @@ class DataError(Exception):
 
     def __init__(self, *args):
         super().__init__(*(for_user(arg) if isinstance(arg, str) else arg for arg in args))
+
+
+def literal(text):
+    """`text` (a path, a value) as it stands in an ArgumentError's template."""
+    return str(text).replace("{", "{{").replace("}", "}}")
 
 
 class Interrupted(BaseException):
@@ -166,21 +172,26 @@ def raise_if_interrupted():
 
 
 class ArgumentError(ValueError):
-    """A bad argument of a segcli function or command (the CLI's exit 2). The message names the
-    arguments as a Python caller spells them (`per_element=`); `for_command` as the command
-    line does (`--per-element`). `template` holds `{name}` for each argument it names."""
+    """A bad argument of a segcli function or command (the CLI's exit 2). `template` holds
+    `{name}` for each argument it names (or `{0}`, `{1}`, ... for `arguments`, names too). The
+    message names them as a Python caller spells them (`per_element=`, and the positional
+    ones and those of `arguments` bare); `for_command` as the command line does."""
 
-    def __init__(self, template, commands=None):
-        self.template = template
-        self.commands = commands or {}
-        super().__init__(template.format_map(_Spelled(
-            lambda name: name if name in _POSITIONAL else f"{name}=")))
+    def __init__(self, template, *arguments, commands=None):
+        self.template, self.arguments, self.commands = template, arguments, commands or {}
+        super().__init__(self._spelled(
+            lambda name: name if name in _POSITIONAL or name in arguments else f"{name}="))
 
-    def for_command(self):
-        """The message as the command line says it: `{per_element}` as --per-element, or as
-        `commands` (given to the constructor) spells it."""
-        return self.template.format_map(_Spelled(
-            lambda name: self.commands.get(name, f"--{name.replace('_', '-')}")))
+    def for_command(self, names=None):
+        """The message as the command line says it: each argument as `commands` (given to
+        the constructor), else `names` (argument -> option), spells it, else as its option
+        (`per_element` as --per-element)."""
+        names = {**(names or {}), **self.commands}
+        return self._spelled(lambda name: names.get(name, f"--{name.replace('_', '-')}"))
+
+    def _spelled(self, spell):
+        return string.Formatter().vformat(self.template, [spell(a) for a in self.arguments],
+                                          _Spelled(spell))
 
 
 _POSITIONAL = ("inputs", "fields", "output", "parts")

@@ -16,7 +16,7 @@ from ase.neighborlist import neighbor_list
 from test_cli_data import assert_data_error, run
 from test_neighbors import expected, results, write_frames
 
-from segcli import neighbors
+from segcli import neighborlist as neighbors
 from segcli.io.core import Chunk
 
 # ASE's own overflow at 1e300 Å, where its answers are still exact

@@ -1,6 +1,9 @@
-"""segcli's Python API over datasets: every command is a function first (SPEC §1c)."""
+"""segcli's commands as Python functions (docs/api.md): each takes what the command takes,
+under the same names, and returns what it computed."""
 
+from segcli.api.compute import Results, grad, neighbors, reduce
 from segcli.api.curate import Statistics, fit_e0, select, stats
 from segcli.api.data import Batch, convert, merge, open
 
-__all__ = ["Batch", "Statistics", "convert", "fit_e0", "merge", "open", "select", "stats"]
+__all__ = ["Batch", "Results", "Statistics", "convert", "fit_e0", "grad", "merge", "neighbors",
+           "open", "reduce", "select", "stats"]

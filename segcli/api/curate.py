@@ -17,9 +17,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from segcli.api.progress import reporting
 from segcli.curate.selection import conditions, selection, shard_selection, structure_slice
 from segcli.errors import ArgumentError, DataError, Note
+from segcli.progress import tracked
 
 STAT_COLUMNS = ("count", "mean", "std", "rms", "min", "max")
 """The statistics of each row of a Statistics (and columns of `segcli stats`'s table)."""
@@ -66,7 +66,8 @@ def shard_output(output, shard):
     made if missing (the tasks of an array job race to make it)."""
     if output and "{shard}" in output and not shard:
         raise ArgumentError(f"{{output}} {literal(output)} has {{{{shard}}}} in it, which "
-                            "{shard} I/N fills; give {shard} or another name", COMMAND_NAMES)
+                            "{shard} I/N fills; give {shard} or another name",
+                            commands=COMMAND_NAMES)
     if not (shard and output):
         return output
     from segcli.shards import part_path
@@ -83,7 +84,7 @@ def refuse_output_among_inputs(output, inputs, hint):
         if output and os.path.exists(output) and os.path.exists(path) and \
                 os.path.samefile(output, path):
             raise ArgumentError(f"{{output}} {literal(output)} is {{inputs}} itself "
-                                f"({literal(path)}); {hint}", COMMAND_NAMES)
+                                f"({literal(path)}); {hint}", commands=COMMAND_NAMES)
 
 
 def check_cluster_usage(shard, scheduler, in_place=False):
@@ -94,7 +95,7 @@ def check_cluster_usage(shard, scheduler, in_place=False):
     if shard and in_place:
         raise ArgumentError("{shard} writes a part of the result; {in_place} stores a result "
                             "for every structure: use {output} 'part-{{shard}}.h5' and segcli "
-                            "merge", COMMAND_NAMES)
+                            "merge", commands=COMMAND_NAMES)
 
 
 @contextlib.contextmanager
@@ -206,7 +207,7 @@ def stats(inputs, *fields, per_element=False, per_atom=False, by=None, where=Non
         output = os.fspath(output)
         if not names_hdf5(output):
             raise ArgumentError(f"{{output}} {literal(output)}: stats writes segcli HDF5; "
-                                "name it .h5 or .hdf5", COMMAND_NAMES)
+                                "name it .h5 or .hdf5", commands=COMMAND_NAMES)
     output = shard_output(output, shard)
     file = inputs_name(inputs)
     skipped = []
@@ -228,10 +229,10 @@ def stats(inputs, *fields, per_element=False, per_atom=False, by=None, where=Non
     else:
         if partial:
             raise ArgumentError("{partial} merges statistics files; {inputs} holds data",
-                                COMMAND_NAMES)
+                                commands=COMMAND_NAMES)
         if not fields:
             raise ArgumentError("give the {fields} of {inputs} to compute statistics of",
-                                COMMAND_NAMES)
+                                commands=COMMAND_NAMES)
         result, summary, parts, attrs = _field_stats(
             paths, file, fields, per_element, per_atom, by, where, structures, shard, scheduler,
             chunk_atoms, input_format, progress)
@@ -290,7 +291,7 @@ def _field_stats(paths, file, fields, per_element, per_atom, by, where, structur
                    "atoms": int(batch.n_atoms[chosen][counted].sum())}
         label = f"statistics of {file}" + " (shards)" * bool(scheduler)
         with on_cluster(scheduler) as client, \
-                reporting(progress, label, summary["structures"]) as bar:
+                tracked(progress, label, summary["structures"]) as bar:
             parts = leaf_stats_sharded(client, batch, fields, leaves, progress=bar, where=where,
                                        keep=keep, **options)
         result = merge_stats([parts])
@@ -382,7 +383,7 @@ def fit_e0(inputs, *, energy="energy", fixed=None, where=None, structures=None,
         chosen = selection(batch, file, structures)
         keep = where_selection(batch, file, where, chosen, needed=True)
         total = chosen.stop - chosen.start if keep is None else int(keep.sum())
-        bar = stack.enter_context(reporting(progress, f"fitting E0 of {file} (2 passes)",
+        bar = stack.enter_context(tracked(progress, f"fitting E0 of {file} (2 passes)",
                                             2 * total))
         options = {"chunk_atoms": chunk_atoms, "structures": chosen, "keep": keep,
                    "progress": bar}
@@ -437,7 +438,7 @@ def in_place_paths(inputs, in_place=False):
     if in_place and isinstance(inputs, (str, os.PathLike)) and is_stream(os.fspath(inputs)):
         raise ArgumentError(f"{{in_place}} stores results in {{inputs}} itself; "
                             f"{literal(inputs_name(inputs))} is a stream (stdin, a pipe or a "
-                            "/proc file), whose copy is read: use {output}", COMMAND_NAMES)
+                            "/proc file), whose copy is read: use {output}", commands=COMMAND_NAMES)
     paths = expand_inputs(inputs)
     if in_place and len(paths) > 1:
         raise ArgumentError(f"{{in_place}} adds to one file; {literal(inputs_name(inputs))} "
@@ -556,7 +557,7 @@ def selected(inputs, output, *, where=None, structures=None, structures_from=Non
                   "(--allow-empty writes an empty file)")
             return Selected(0, 0, len(keep))
         left = {}
-        with reporting(progress, f"writing {output}", len(keep)) as bar:
+        with tracked(progress, f"writing {output}", len(keep)) as bar:
             if fmt is None:
                 choice = FieldChoice(to_ase_units=True, left=left) if to_ase_units else None
                 kept, atoms = write_subset(batch, keep, output,

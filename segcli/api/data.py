@@ -23,9 +23,9 @@ from segcli.api.curate import (
     tell,
     units_left,
 )
-from segcli.api.progress import reporting
 from segcli.curate.selection import structure_slice
 from segcli.errors import ArgumentError, DataError
+from segcli.progress import tracked
 
 MOST_COMMON = 20
 """The values of a string field that `describe` lists (the most common)."""
@@ -285,7 +285,7 @@ def converted(inputs, output, *, compression=None, chunk_atoms=100_000, fill_mis
 
     if fields is not None and drop is not None:
         raise ArgumentError("{fields} and {drop} cannot be used together",
-                            {"fields": "--fields"})
+                            commands={"fields": "--fields"})
     if compression not in (None, "gzip", "lzf"):
         raise ArgumentError(f"{{compression}} is gzip or lzf, got {literal(repr(compression))}")
     if fill_missing is not None and not (fill_missing == "nan" or (isinstance(
@@ -305,7 +305,7 @@ def converted(inputs, output, *, compression=None, chunk_atoms=100_000, fill_mis
     choice = {"fields": fields, "drop": drop, "rename": dict(rename or {}),
               "cast": checked_casts(dict(cast or {})), "units": checked_units(units),
               "to_ase_units": to_ase_units, "left": left}
-    with reporting(progress, f"converting to {output}") as bar:
+    with tracked(progress, f"converting to {output}") as bar:
         if fmt is not None:
             structures, atoms = export(paths, output, fmt, chunk_atoms=chunk_atoms, force=force,
                                        progress=bar, input_format=input_format, **choice)
@@ -352,7 +352,7 @@ def merged(parts, output, *, virtual=False, partial=False, force=False):
     output = os.fspath(output)
     if not names_hdf5(output):
         raise ArgumentError(f"{{output}} {literal(output)}: merge writes segcli HDF5; name it "
-                            ".h5 or .hdf5", COMMAND_NAMES)
+                            ".h5 or .hdf5", commands=COMMAND_NAMES)
     skipped = []
     paths = expand_inputs(parts, skipped)
     refuse_skipped(skipped)

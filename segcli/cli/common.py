@@ -8,16 +8,23 @@ import sys
 
 import click
 
-from segcli import cache_directory, keep_freed_buffers
+from segcli import keep_freed_buffers
+from segcli.devices import device_label, mark_program  # noqa: F401  (the commands' too)
+from segcli.errors import ArgumentError
+from segcli.progress import progress, stderr_is_terminal  # noqa: F401  (the commands' too)
 from segcli.tables import table  # noqa: F401  (the commands' tables)
 
 
 def result_name(ctx, param, name):
-    """Click callback: a result name, NAME or GROUP/NAME, none of its parts empty, `.`, `..`
-    or holding a NUL."""
-    if name is not None and (not name or any(part in ("", ".", "..") or "\0" in part
-                                             for part in name.split("/"))):
-        raise click.BadParameter(f"{name!r} is not a result name (NAME or GROUP/NAME)")
+    """Click callback: a result name (see segcli.api.common.check_result_name)."""
+    from segcli.api import common
+
+    if name is not None:
+        try:
+            common.check_result_name(name)
+        except ArgumentError as err:
+            raise click.BadParameter(err.for_command({"name": "--name"}).removeprefix("--name: ")) \
+                from None
     return name
 
 
@@ -33,11 +40,10 @@ def output_name(ctx, param, output):
 
 
 def names_hdf5(output):
-    """Whether the file name `output` (None: none) is a segcli HDF5 file's (see
-    segcli.api.curate.names_hdf5)."""
-    from segcli.api.curate import names_hdf5 as hdf5
+    """Whether the file name `output` (None: none) is a segcli HDF5 file's: .h5, .hdf5 or no
+    suffix."""
+    return os.path.splitext(os.path.basename(output or ""))[1].lower() in ("", ".h5", ".hdf5")
 
-    return hdf5(output)
 
 def hdf5_output(ctx, param, output):
     """Click callback: an -o that names a segcli HDF5 file (see names_hdf5)."""
@@ -90,18 +96,10 @@ def structure_range(ctx, param, text):
 
 
 def check_output_place(output):
-    """DataError, before any computation, when -o names a file in a directory that is missing
-    or not writable (the writer would find it only at the end of the setup)."""
-    from segcli.errors import DataError
+    """See segcli.api.common.check_output_place."""
+    from segcli.api import common
 
-    if output is None:
-        return
-    directory = os.path.dirname(os.path.abspath(output))
-    if not os.path.isdir(directory):
-        reason = "Not a directory" if os.path.exists(directory) else "No such file or directory"
-        raise DataError(f"{output}: cannot write there ({reason})")
-    if not os.access(directory, os.W_OK | os.X_OK):
-        raise DataError(f"{output}: cannot write there (Permission denied)")
+    common.check_output_place(output)
 
 
 def where_conditions(ctx, param, texts):
@@ -124,11 +122,12 @@ def where_option(command):
 
 
 def where_selection(batch, file, where, structures, needed=False, quiet=False):
-    """segcli.curate.selection.where_selection, its note on stderr (unless `quiet`)."""
-    from segcli.curate.selection import where_selection as selected
+    """See segcli.api.common.where_selection: what it is told goes to stderr (unless
+    `quiet`)."""
+    from segcli.api import common
 
-    with notes(quiet):
-        return selected(batch, file, where, structures, needed)
+    return common.where_selection(batch, file, where, structures, needed,
+                                  None if quiet else note)
 
 
 @contextlib.contextmanager
@@ -154,12 +153,12 @@ def notes(quiet=False):
 
 
 def input_paths(file, in_place=False):
-    """The files FILE stands for (segcli.api.curate.in_place_paths: a usage error where
-    --in-place cannot store results)."""
-    from segcli.api.curate import in_place_paths
+    """The files FILE stands for (see segcli.api.common.input_paths)."""
+    from segcli.api import common
 
     with usage_errors():
-        return in_place_paths(file, in_place)
+        return common.input_paths(file, in_place)
+
 
 def _remember_format(ctx, param, name):
     from segcli.errors import DataError
@@ -215,23 +214,18 @@ def output_format_options(*choices):
     return decorate
 
 
-@contextlib.contextmanager
-def usage_errors():
-    """The block's segcli.errors.ArgumentError as click's usage error (exit 2), its message
-    naming the options as the command line spells them."""
-    from segcli.errors import ArgumentError
-
-    try:
-        yield
-    except ArgumentError as err:
-        raise click.UsageError(err.for_command()) from None
-
-
 to_ase_units_option = click.option(
     "--to-ase-units", is_flag=True,
     help="Convert every field of known units to ASE's (eV, Ang, eV/Ang, eV/Ang^3), and a "
          "gradient field (dft_total_gradient) into forces, its negative.")
 """The option of the commands that write fields (convert, select)."""
+
+
+def note_units_left(output, left):
+    """Name on stderr the fields (name -> units) that --to-ase-units left as they are."""
+    for name, unit in left.items():
+        note(f"{output}: --to-ase-units left field '{name}' as it is: its units, {unit!r}, are "
+             "not ones segcli knows")
 
 
 def input_format():
@@ -241,30 +235,34 @@ def input_format():
 
 
 def read_inputs(paths, file, in_place=False):
-    """The batch of `paths` in the format input_format forces (segcli.api.curate.read_inputs:
-    with --in-place, read under the lock of the file the results go into)."""
-    from segcli.api.curate import read_inputs as read
+    """The batch of `paths` (see segcli.api.common.read_inputs), in the format input_format
+    forces."""
+    from segcli.api import common
 
-    return read(paths, file, in_place, input_format())
+    return common.read_inputs(paths, file, in_place, input_format())
+
 
 def refuse_output_among_inputs(output, inputs, hint):
     """UsageError when the file -o names is one of the inputs (`hint` says what to do)."""
-    from segcli.api.curate import refuse_output_among_inputs as refuse
+    from segcli.api import common
 
     with usage_errors():
-        refuse(output, inputs, hint)
+        common.refuse_output_among_inputs(output, inputs, hint)
+
 
 def refuse_structures_in_place(in_place, structures):
     """UsageError when --in-place (a result for every structure) meets --structures."""
-    from segcli.api.curate import refuse_structures_in_place as refuse
+    from segcli.api import common
 
     with usage_errors():
-        refuse(in_place, structures)
+        common.refuse_structures_in_place(in_place, structures)
 
 
-# Whether this process is the segcli program, which exits after one command (see as_program),
-# rather than a caller of the commands such as a test runner.
-_program = False
+def selection(batch, file, structures):
+    """See segcli.api.common.selection."""
+    from segcli.api import common
+
+    return common.selection(batch, file, structures)
 
 
 def as_program():
@@ -278,8 +276,7 @@ def as_program():
     receives what was meant for it. A file name that is not UTF-8 (its bytes held
     as surrogates) prints as its own bytes on stdout, even where stdout's encoding was made
     strict (PYTHONIOENCODING=utf-8)."""
-    global _program
-    _program = True
+    mark_program()
     keep_freed_buffers()
     atexit.register(_leave_to_the_system)
     if sys.stdout is not None and sys.stdout.errors == "strict":
@@ -322,136 +319,17 @@ def note(message):
             click.echo(for_user(message), file=sys.stderr)
 
 
-@contextlib.contextmanager
-def _loading():
-    """In the program, no cyclic garbage collection while the block imports, and what it made
-    kept out of later collections: the modules of JAX and Warp stay for the whole run, and
-    full collections traversing their objects take 0.1 s of start-up."""
-    if not _program:
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.freeze()
-        gc.enable()
-
-
-def _use_compilation_cache(jax):
-    """Keep every compiled program, however small, in $SEGCLI_COMPILATION_CACHE (by default
-    $XDG_CACHE_HOME/segcli/jax, that is ~/.cache/segcli/jax; `off`: nowhere), so that a later
-    run skips XLA's compilation; unless JAX was given a cache of its own
-    (JAX_COMPILATION_CACHE_DIR), and silently not where the directory cannot be written."""
-    path = os.environ.get("SEGCLI_COMPILATION_CACHE") or os.path.join(cache_directory(), "jax")
-    if path == "off" or jax.config.jax_compilation_cache_dir is not None:
-        return
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError:
-        return
-    if os.access(path, os.W_OK | os.X_OK):
-        jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-
-
-def _start_gpu_backend(jax):
-    """Start JAX's GPU backend (where there is one) while Warp imports: the backend's start
-    waits on the CUDA driver, not on Python, so the two overlap (on an H200 VM, 0.5 s and
-    1.0 s, which took 1.5 s one after the other)."""
-    import threading
-
-    def start():
-        with contextlib.suppress(Exception):  # no GPU: the caller asks again and is told
-            jax.devices("gpu")
-
-    starting = threading.Thread(target=start, name="segcli-gpu-start", daemon=True)
-    starting.start()
-    with _loading():
-        import warp  # noqa: F401  (what the kernels need next)
-    starting.join()
-
-
-BACKEND_ADDRESS_SPACE = 1_800_000_000
-"""Bytes of address space that JAX and Warp take as they start (1.65 GB on a 2-core CPU
-machine): under a tighter limit (ulimit -v) XLA aborts the process when it cannot create its
-threads, rather than raise."""
-
-
-def _check_address_space():
-    """DataError when the limit on address space leaves too little for JAX and Warp."""
-    from segcli.errors import DataError
-    from segcli.io.core import address_space_left
-
-    left = address_space_left()
-    if left is not None and left < BACKEND_ADDRESS_SPACE:
-        raise DataError(f"out of memory: JAX and Warp need about {BACKEND_ADDRESS_SPACE} bytes "
-                        f"of address space, and the limit on memory (ulimit -v) leaves {left}")
-
-
 def device(choice):
-    """The JAX device for --device auto|cpu|gpu (auto: a GPU when JAX sees one).
+    """The JAX device for --device (see segcli.devices.device); a usage error where there is
+    none such."""
+    from segcli.devices import device as chosen
 
-    Called before JAX starts, it leaves GPU memory to Warp's own allocations (no
-    preallocation) and lets XLA capture even a small program, such as one chunk's kernels,
-    into one CUDA graph; in the program (see `as_program`), compiled programs are kept across
-    runs, and XLA has a CPU device for each thread segcli uses (threads.count(): the cores,
-    or SEGCLI_THREADS; up to engine.HOST_DEVICES), which a run's chunks take turns at."""
-    from segcli import threads
-    from segcli.engine import HOST_DEVICES, runs_on
+    try:
+        return chosen(choice)
+    except ArgumentError as err:
+        raise click.BadParameter(err.for_command({"device": "--device"}).removeprefix("--device: "),
+                                 param_hint="--device") from None
 
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_gpu_graph_min_graph_size" not in flags:
-        flags = f"{flags} --xla_gpu_graph_min_graph_size=1"
-    if _program and "xla_force_host_platform_device_count" not in flags:
-        flags += f" --xla_force_host_platform_device_count={min(threads.count(), HOST_DEVICES)}"
-    os.environ["XLA_FLAGS"] = flags.strip()
-    _check_address_space()
-    with _loading():
-        import jax
-    if _program:
-        _use_compilation_cache(jax)
-    if choice != "cpu":
-        _start_gpu_backend(jax)
-    if choice == "cpu":
-        target = jax.devices("cpu")[0]
-    else:
-        try:
-            target = jax.devices("gpu")[0]
-        except RuntimeError:
-            if choice == "gpu":
-                raise click.BadParameter("no GPU is visible to JAX", param_hint="--device") from None
-            target = jax.devices("cpu")[0]
-    if not runs_on(target):
-        raise click.BadParameter("this Warp installation has no CPU backend (warp-clang), so its "
-                                 "kernels run on a GPU only; choose --device gpu",
-                                 param_hint="--device")
-    return target
-
-
-def device_label(device):
-    """How every command names a JAX device, in --device's words: `cpu`, or e.g.
-    `gpu:0 (NVIDIA H200)`."""
-    if device.platform == "cpu":
-        return "cpu"
-    return f"{device.platform}:{device.id} ({device.device_kind})"
-
-
-def stderr_is_terminal():
-    """Whether stderr is open and a terminal (see segcli.api.progress)."""
-    from segcli.api.progress import stderr_is_terminal as is_terminal
-
-    return is_terminal()
-
-
-def progress(enabled, label, total=None, unit="structure"):
-    """segcli.api.progress.bar: the command's progress bar on stderr (when `enabled` and stderr
-    is a terminal), else None."""
-    from segcli.api.progress import bar
-
-    return bar(enabled, label, total, unit)
 
 
 def _shard(ctx, param, text):
@@ -547,42 +425,51 @@ def cluster_options(command):
 
 
 def shard_output(output, shard):
-    """-o for shard (I, N) (see segcli.api.curate.shard_output)."""
-    from segcli.api.curate import shard_output as part
+    """-o for shard (I, N) (see segcli.api.common.shard_output)."""
+    from segcli.api import common
 
     with usage_errors():
-        return part(output, shard)
-
-def selection(batch, file, structures):
-    """segcli.curate.selection.selection, for the commands that import it from here."""
-    from segcli.curate.selection import selection as selected
-
-    return selected(batch, file, structures)
+        return common.shard_output(output, shard)
 
 
 def shard_selection(batch, file, structures, shard):
-    """segcli.curate.selection.shard_selection, for the commands that import it from here."""
-    from segcli.curate.selection import shard_selection as selected
+    """See segcli.api.common.shard_selection."""
+    from segcli.api import common
 
-    return selected(batch, file, structures, shard)
+    return common.shard_selection(batch, file, structures, shard)
 
 
 def check_cluster_usage(shard, scheduler, in_place):
     """UsageError for --shard with --scheduler or --in-place."""
-    from segcli.api.curate import check_cluster_usage as check
+    from segcli.api import common
 
     with usage_errors():
-        check(shard, scheduler, in_place)
+        common.check_cluster_usage(shard, scheduler, in_place)
 
 
 @contextlib.contextmanager
 def on_cluster(scheduler):
-    """A dask.distributed Client for --scheduler (None without it; see
-    segcli.api.curate.on_cluster), closed afterwards; a missing cluster extra is a usage
-    error."""
-    from segcli.api.curate import on_cluster as cluster
+    """A dask.distributed Client for --scheduler (see segcli.api.common.on_cluster)."""
+    from segcli.api import common
 
-    with contextlib.ExitStack() as stack:
-        with usage_errors():
-            client = stack.enter_context(cluster(scheduler))
+    with usage_errors(), common.on_cluster(scheduler) as client:
         yield client
+
+
+OPTIONS = {"output": "-o", "in_place": "--in-place", "inputs": "FILE", "name": "--name",
+           "structures": "--structures", "shard": "--shard", "scheduler": "--scheduler",
+           "where": "--where", "device": "--device", "precision": "--precision",
+           "chunk_atoms": "--chunk-atoms", "format": "--format", "order": "--order",
+           "direction": "--direction", "weights": "--weights", "op": "OP", "fields": "FIELD",
+           "cutoff": "--cutoff", "histogram": "--histogram", "per_atom": "--per-atom"}
+"""How the command line names the arguments of segcli's functions (see ArgumentError)."""
+
+
+@contextlib.contextmanager
+def usage_errors(**names):
+    """The block's ArgumentError as a usage error (exit 2), naming each argument as OPTIONS
+    (and `names`, argument -> option, for a command's own) does."""
+    try:
+        yield
+    except ArgumentError as err:
+        raise click.UsageError(err.for_command({**OPTIONS, **names})) from None

@@ -1,57 +1,16 @@
 """Command: neighbors (per-structure neighbour statistics at cutoffs)."""
 
-import types
-from typing import NamedTuple
-
 import click
 
 from segcli.cli import common
-from segcli.cli.common import note, progress, where_option, where_selection
-from segcli.cli.compute import (
-    Results,
-    check_output_usage,
-    compute_into,
-    file_format,
-    open_sink,
-    output_options,
-)
-
-_NEIGHBORS = types.SimpleNamespace(name="neighbors")
+from segcli.cli.common import note, where_option
+from segcli.cli.compute import output_options, report, run
 
 
-class _Statistic(NamedTuple):
-    """One result of `neighbors`, as compute.Results takes a job: label -> (per, shape,
-    dtype), the op and the fields that made it."""
+def _summary_lines(values, file):
+    """A neighbour summary (Results.summary) as lines of text."""
+    from segcli.neighborlist import cutoff_label
 
-    outputs: dict
-    spec: object = _NEIGHBORS
-    fields: tuple = ("positions",)
-
-
-def _results(cutoffs, per_atom, table, partial):
-    """(Results, names (see neighbors.result_names)): the per-structure statistics,
-    and with `per_atom` each atom's neighbours; only the latter on a table (stdout, csv, json,
-    npy) with `per_atom`, whose rows are atoms. `partial`: some structures lack positions, so
-    integer results are float64 (NaN there)."""
-    import numpy as np
-
-    from segcli import neighbors
-    from segcli.engine import nan_dtype
-
-    names = neighbors.result_names(cutoffs, per_atom)
-    if per_atom and table:
-        names = {n: v for n, v in names.items() if v[1] == "atom"}
-    statistics = [_Statistic({"": (per, (), nan_dtype(np.dtype(dtype)) if partial
-                                   else np.dtype(dtype))})
-                  for _, per, dtype, _ in names.values()]
-    return Results(statistics, list(names)), names
-
-
-def _summary_lines(summary, file):
-    """A neighbors.Summary as lines of text."""
-    from segcli.neighbors import cutoff_label
-
-    values = summary.as_dict()
     lines = []
     for cutoff, pairs, mean, most in zip(values["cutoffs"], values["pairs"],
                                          values["mean_neighbors"], values["max_neighbors"]):
@@ -71,27 +30,9 @@ def _summary_lines(summary, file):
     return lines
 
 
-def _runner(cutoffs, names, summary, histogram_bins):
-    """A run for compute.compute_into: each chunk's results (one dict per result of `names`)
-    from segcli.neighbors.run, its statistics added to `summary`."""
-    from segcli import neighbors
-
-    def run(batch, jobs, device, *, structures, chunk_atoms, keep):
-        per_atom = any(per == "atom" for _, per, _, _ in names.values())
-        for chunk, statistics in neighbors.run(batch, cutoffs, device, chunk_atoms=chunk_atoms,
-                                               structures=structures, keep=keep,
-                                               histogram_bins=histogram_bins,
-                                               per_atom=per_atom):
-            summary.add(chunk, statistics)
-            yield chunk, tuple({"": statistics[base] if k is None else statistics[base][:, k]}
-                               for base, _, _, k in names.values())
-
-    return run
-
-
 def _checked_cutoffs(ctx, param, cutoffs):
     """The --cutoff values ascending (see neighbors.checked_cutoffs), or a usage error."""
-    from segcli.neighbors import checked_cutoffs
+    from segcli.neighborlist import checked_cutoffs
 
     try:
         return checked_cutoffs(cutoffs).tolist()
@@ -142,43 +83,19 @@ def neighbors(file, cutoffs, per_atom, histogram_bins, output, in_place, fmt, fo
     """
     import json
 
-    from segcli.neighbors import Summary
+    from segcli import api
 
-    histogram_bins = histogram_bins or 0
-    check_output_usage(output, in_place, fmt, structures)
-    paths = common.input_paths(file, in_place)
-    common.refuse_output_among_inputs(output, paths, "use --in-place to add to it")
-    common.check_output_place(output)
-    table = not (output or in_place) or file_format(output) is not None
-    with common.read_inputs(paths, file, in_place) as batch:
-        batch.check_fields(["positions"])
-        results, names = _results(cutoffs, per_atom, table,
-                                  batch.present("positions") is not None)
-        selected = common.selection(batch, file, structures)
-        lo, hi = selected.start, selected.stop
-        keep = where_selection(batch, file, where, selected, quiet=quiet)
-        target = common.device(device)
-        attrs = {"cutoffs": cutoffs, "device": common.device_label(target)}
-        if where:
-            attrs["where"] = [condition.text for condition in where]
-        sink = open_sink(results, batch, lo, hi, output=output, in_place=in_place, file=paths[0],
-                         fmt=fmt, force=force, attrs=attrs, keep=keep)
-        summary = Summary(cutoffs, histogram_bins)
-        total = hi - lo if keep is None else int(keep[lo:hi].sum())
-        with progress(not quiet, f"neighbours of {file}", total) as bar:
-            compute_into(batch, results, sink, target, lo, hi, chunk_atoms, bar, keep=keep,
-                         run=_runner(cutoffs, names, summary, histogram_bins))
+    results = run(api.neighbors, file, cutoffs, per_atom=per_atom, histogram=histogram_bins,
+                  output=output, in_place=in_place, fmt=fmt, quiet=quiet, force=force,
+                  structures=structures, chunk_atoms=chunk_atoms, device=device, where=where)
     if quiet:
         return
     if fmt == "json":
-        note(json.dumps(summary.as_dict()))
+        note(json.dumps(results.summary))
         return
-    for line in _summary_lines(summary, file):
+    for line in _summary_lines(results.summary, file):
         note(line)
-    if output or in_place:
-        written = (results.columns.values() if file_format(output)
-                   else (f"/results/{d}" for d in results.datasets))
-        note(f"{output or file}: {', '.join(written)}")
+    report(results, file, None)
 
 
 COMMANDS = [neighbors]

@@ -1,4 +1,4 @@
-"""Progress of long work: the command line's bar on stderr, or a caller's function."""
+"""Progress of long work: a bar on stderr, or a caller's function told (done, total)."""
 
 import contextlib
 import os
@@ -14,7 +14,7 @@ def stderr_is_terminal():
 
 
 @contextlib.contextmanager
-def bar(enabled, label, total=None, unit="structure"):
+def progress(enabled, label, total=None, unit="structure"):
     """A tqdm bar on stderr (done of `total`, rate and ETA; a count and rate while `total` is
     None) when `enabled` and stderr is a terminal, else None. The bar stays when the block
     succeeds and is cleared when it raises. Library functions take it as `progress` and call
@@ -28,45 +28,45 @@ def bar(enabled, label, total=None, unit="structure"):
         sized = os.get_terminal_size(sys.stderr.fileno()).columns > 0
     except (OSError, ValueError):
         sized = False
-    shown = tqdm(total=total, desc=label, unit=unit, file=sys.stderr, dynamic_ncols=sized,
+    bar = tqdm(total=total, desc=label, unit=unit, file=sys.stderr, dynamic_ncols=sized,
                **({} if sized else {"ncols": 80, "nrows": 24}))
     try:
-        yield shown
+        yield bar
     except BaseException:
-        shown.leave = False
+        bar.leave = False
         raise
     finally:
-        shown.close()
+        bar.close()
 
 
 class _Calls:
-    """Progress as calls of `report(done, total)`, in the interface of a bar."""
+    """A progress object (`update(n)`, `reset(total)`) that calls `report(done, total)`."""
 
     def __init__(self, report, total):
-        self.report, self.total, self.done = report, total, 0
+        self._report, self.total, self.done = report, total, 0
 
     def update(self, n=1):
-        self.done += n
-        self.report(self.done, self.total)
+        self.done += int(n)
+        self._report(self.done, self.total)
 
     def reset(self, total=None):
         self.total, self.done = total, 0
 
 
 @contextlib.contextmanager
-def reporting(progress, label, total=None, unit="structure"):
-    """What library functions take as `progress` for a caller's `progress` argument: False
-    (None: nothing), True (the command's bar, see `bar`) or a function called as
-    `progress(done, total)` (total None while unknown).
+def tracked(how, label, total=None, unit="structure"):
+    """What a library function's `progress=` asks for: False or None, nothing (None); True,
+    the bar of `progress`; a function, an object that calls it with (done, total) as work is
+    done (total None while unknown).
 
-        with reporting(lambda done, total: print(done, total), "reading", 10) as p:
+        with tracked(lambda done, total: print(done, total), "reading", 10) as p:
             p.update(4)  # prints 4 10
     """
-    if callable(progress):
-        yield _Calls(progress, total)
-    elif progress in (True, False, None):
-        with bar(bool(progress), label, total, unit) as shown:
-            yield shown
+    if callable(how):
+        yield _Calls(how, total)
+    elif how in (True, False, None):
+        with progress(bool(how), label, total, unit) as bar:
+            yield bar
     else:
         raise TypeError(f"progress= takes True, False or a function (done, total), got "
-                        f"{type(progress).__name__}")
+                        f"{type(how).__name__}")
