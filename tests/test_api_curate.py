@@ -183,8 +183,8 @@ def test_bad_data_raises_the_commands_error(dataset, tmp_path):
 @pytest.mark.parametrize("call, argument", [
     (lambda h5: segcli.stats(h5, "forces", per_element=True, by="config_type"), "per_element="),
     (lambda h5: segcli.stats(h5, per_atom=True), "fields"),
-    (lambda h5: segcli.stats(h5, "forces", shard="3/2"), "shard="),
-    (lambda h5: segcli.stats(h5, "forces", where="energy <"), "where="),
+    (lambda h5: segcli.stats(h5, "forces", shard="3/2"), "^shard: "),
+    (lambda h5: segcli.stats(h5, "forces", where="energy <"), "^where: "),
     (lambda h5: segcli.fit_e0(h5, fixed={"Xx": 1.0}), "fixed="),
     (lambda h5: segcli.fit_e0(h5, name="r"), "name="),
     (lambda h5: segcli.select(h5, h5.with_name("o.h5")), "where="),

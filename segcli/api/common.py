@@ -5,6 +5,8 @@ refuse a call (ArgumentError) or bad data (DataError) before any work."""
 import contextlib
 import os
 
+import numpy as np
+
 from segcli.errors import ArgumentError, DataError, literal
 
 
@@ -83,12 +85,12 @@ def refuse_structures_in_place(in_place, structures):
 def structure_slice(structures):
     """`structures` (None, an index, a slice or a range of step 1) as a slice; ArgumentError
     for anything else."""
-    if structures is None or isinstance(structures, slice):
+    if structures is None or (isinstance(structures, slice) and structures.step in (None, 1)):
         return structures
     if isinstance(structures, range) and structures.step == 1:
         return slice(structures.start, structures.stop)
-    if isinstance(structures, int) and not isinstance(structures, bool):
-        return slice(structures, structures + 1 or None)
+    if isinstance(structures, (int, np.integer)) and not isinstance(structures, bool):
+        return slice(int(structures), int(structures) + 1 or None)
     raise ArgumentError(f"{{0}} must be an index, a slice or a range, not "
                         f"{literal(repr(structures))}", "structures")
 
@@ -102,6 +104,13 @@ def selection(batch, name, structures):
         raise DataError(f"{name}: --structures {given} selects no structure "
                         f"(the file has {batch.n_structures})")
     return slice(start, max(start, stop))
+
+
+def names_hdf5(output):
+    """Whether the file name `output` (None: none) is a segcli HDF5 file's: .h5, .hdf5 or no
+    suffix."""
+    return os.path.splitext(os.path.basename(os.fspath(output or "")))[1].lower() in \
+        ("", ".h5", ".hdf5")
 
 
 def check_output_place(output):
@@ -125,6 +134,9 @@ def where_conditions(where):
     if not where:
         return ()
     texts = [where] if isinstance(where, (str, Condition)) else list(where)
+    for text in texts:
+        if not isinstance(text, (str, Condition)):
+            raise TypeError(f"where= takes 'NAME OP VALUE' strings, got {type(text).__name__}")
     try:
         return tuple(t if isinstance(t, Condition) else parse_condition(t) for t in texts)
     except ValueError as err:
@@ -161,8 +173,10 @@ def shard_pair(shard):
             raise ArgumentError(f"{{0}} must be (I, N) with 0 <= I < N, not {literal(shard)}",
                                 "shard")
         return shard
+    if not isinstance(shard, str):
+        raise TypeError(f"shard= takes 'I/N', 'auto' or (I, N), got {type(shard).__name__}")
     try:
-        return parse_shard(str(shard))
+        return parse_shard(shard)
     except ValueError as err:
         raise ArgumentError(f"{{0}}: {literal(err)}", "shard") from None
 

@@ -17,102 +17,30 @@ from typing import NamedTuple
 
 import numpy as np
 
-from segcli.curate.selection import conditions, selection, shard_selection, structure_slice
-from segcli.errors import ArgumentError, DataError, Note
+from segcli.api.common import (
+    check_cluster_usage,
+    input_name,
+    input_paths,
+    names_hdf5,
+    on_cluster,
+    read_inputs,
+    refuse_output_among_inputs,
+    refuse_structures_in_place,
+    selection,
+    shard_output,
+    shard_pair,
+    shard_selection,
+    structure_slice,
+    where_conditions,
+    where_selection,
+)
+from segcli.errors import ArgumentError, DataError, Note, literal
 from segcli.progress import tracked
 
 STAT_COLUMNS = ("count", "mean", "std", "rms", "min", "max")
 """The statistics of each row of a Statistics (and columns of `segcli stats`'s table)."""
 COMMAND_NAMES = {"inputs": "FILE", "fields": "FIELDs", "output": "-o"}
 """How the command line names the arguments it takes by position or by a short option."""
-
-
-def inputs_name(inputs):
-    """What messages call `inputs` (FILE as given): its path, or the paths of a list."""
-    if isinstance(inputs, (str, os.PathLike)):
-        return os.fspath(inputs)
-    return ", ".join(map(os.fspath, inputs))
-
-
-def literal(text):
-    """`text` safe in an ArgumentError's template."""
-    return str(text).replace("{", "{{").replace("}", "}}")
-
-
-def _shard(shard):
-    """(I, N) from `shard`: None, "I/N", "auto" or a pair."""
-    from segcli.shards import parse_shard
-
-    if shard is None or (isinstance(shard, tuple) and len(shard) == 2):
-        if shard is not None and not 0 <= shard[0] < shard[1]:
-            raise ArgumentError(f"{{shard}} expected (I, N) with 0 <= I < N, got {shard}")
-        return shard
-    if not isinstance(shard, str):
-        raise TypeError(f"shard= takes 'I/N', 'auto' or (I, N), got {type(shard).__name__}")
-    try:
-        return parse_shard(shard)
-    except ValueError as err:
-        raise ArgumentError(f"{{shard}} {literal(err)}") from None
-
-
-def names_hdf5(output):
-    """Whether the file name `output` (None: none) is a segcli HDF5 file's: .h5, .hdf5 or no
-    suffix."""
-    return os.path.splitext(os.path.basename(output or ""))[1].lower() in ("", ".h5", ".hdf5")
-
-
-def shard_output(output, shard):
-    """`output` for shard (I, N): {shard} replaced (see segcli.shards.part_path), its directory
-    made if missing (the tasks of an array job race to make it)."""
-    if output and "{shard}" in output and not shard:
-        raise ArgumentError(f"{{output}} {literal(output)} has {{{{shard}}}} in it, which "
-                            "{shard} I/N fills; give {shard} or another name",
-                            commands=COMMAND_NAMES)
-    if not (shard and output):
-        return output
-    from segcli.shards import part_path
-
-    output = part_path(output, *shard)
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    return output
-
-
-def refuse_output_among_inputs(output, inputs, hint):
-    """ArgumentError when the file `output` is one of the files `inputs` (`hint` says what to
-    do)."""
-    for path in inputs:
-        if output and os.path.exists(output) and os.path.exists(path) and \
-                os.path.samefile(output, path):
-            raise ArgumentError(f"{{output}} {literal(output)} is {{inputs}} itself "
-                                f"({literal(path)}); {hint}", commands=COMMAND_NAMES)
-
-
-def check_cluster_usage(shard, scheduler, in_place=False):
-    """ArgumentError for a shard with a scheduler or in place."""
-    if shard and scheduler:
-        raise ArgumentError("{shard} runs one shard here; {scheduler} runs them all on a "
-                            "cluster: give one of them")
-    if shard and in_place:
-        raise ArgumentError("{shard} writes a part of the result; {in_place} stores a result "
-                            "for every structure: use {output} 'part-{{shard}}.h5' and segcli "
-                            "merge", commands=COMMAND_NAMES)
-
-
-@contextlib.contextmanager
-def on_cluster(scheduler):
-    """A dask.distributed Client for `scheduler` (None without it), closed afterwards; a
-    missing cluster extra is an ArgumentError."""
-    if not scheduler:
-        yield None
-        return
-    import importlib.util
-
-    if importlib.util.find_spec("distributed") is None:
-        raise ArgumentError("{scheduler} needs dask.distributed: pip install 'segcli[cluster]'")
-    from segcli.cluster import cluster_client
-
-    with cluster_client(scheduler) as client:
-        yield client
 
 
 def _symbol(z):
@@ -199,8 +127,9 @@ def stats(inputs, *fields, per_element=False, per_atom=False, by=None, where=Non
     from segcli.io.coverage import refuse_skipped
     from segcli.io.statsfile import is_stats_file, write_stats
 
-    where, structures, shard = conditions(where), structure_slice(structures), _shard(shard)
-    check_cluster_usage(shard, scheduler)
+    where, structures = where_conditions(where), structure_slice(structures)
+    shard = shard_pair(shard)
+    check_cluster_usage(shard, scheduler, False)
     if by is not None and per_element:
         raise ArgumentError("{per_element} groups by element and {by} by a field: give one")
     if output is not None:
@@ -209,7 +138,7 @@ def stats(inputs, *fields, per_element=False, per_atom=False, by=None, where=Non
             raise ArgumentError(f"{{output}} {literal(output)}: stats writes segcli HDF5; "
                                 "name it .h5 or .hdf5", commands=COMMAND_NAMES)
     output = shard_output(output, shard)
-    file = inputs_name(inputs)
+    file = input_name(inputs)
     skipped = []
     paths = expand_inputs(inputs, skipped)
     refuse_output_among_inputs(output, paths, "stats writes a new file")
@@ -272,7 +201,6 @@ def _field_stats(paths, file, fields, per_element, per_atom, by, where, structur
     """(name -> FieldStats, summary, the leaves' statistics, the output's attributes) of the
     `fields` of the data files `paths` (named `file`), as `segcli stats` computes them."""
     from segcli.cluster import leaf_stats_sharded
-    from segcli.curate.selection import where_selection
     from segcli.curate.statistics import group_values, merge_stats, refuse_overflow
     from segcli.io import open_inputs
 
@@ -282,7 +210,7 @@ def _field_stats(paths, file, fields, per_element, per_atom, by, where, structur
         _check_grouping(batch, fields, per_element, per_atom)
         leaves, attrs = shard_selection(batch, file, structures, shard)
         chosen = slice(int(leaves[0]), int(leaves[-1]))
-        keep = where_selection(batch, file, where, chosen, needed=not shard)
+        keep = where_selection(batch, file, where, chosen, needed=not shard, notify=tell)
         if by is not None:  # the groups of the whole selection: the same in every shard
             options.update(by=by, groups=group_values(batch, by, selection(batch, file,
                                                                            structures)))
@@ -365,23 +293,22 @@ def fit_e0(inputs, *, energy="energy", fixed=None, where=None, structures=None,
         e0["Cu"], e0.rmse_per_atom, e0.residuals[:3]
         segcli.fit_e0("data.h5", fixed={"H": -13.6}, where="config_type == bulk")
     """
-    from segcli.curate.selection import where_selection
     from segcli.curate.statistics import residual_errors, solve_e0
     from segcli.io import ResultWriter
     from segcli.io.core import spread
 
-    where, structures = conditions(where), structure_slice(structures)
+    where, structures = where_conditions(where), structure_slice(structures)
     fixed = fixed_numbers(fixed)
     if name is not None and not in_place:
         raise ArgumentError("{name} names the result that {in_place} stores")
     refuse_structures_in_place(in_place, structures)
-    paths = in_place_paths(inputs, in_place)
-    file, name = inputs_name(inputs), name or f"residual_{energy}"
+    paths = input_paths(inputs, in_place)
+    file, name = input_name(inputs), name or f"residual_{energy}"
     with contextlib.ExitStack() as stack:
         batch = stack.enter_context(read_inputs(paths, file, in_place, input_format))
         stack.enter_context(np.errstate(over="ignore", invalid="ignore"))  # overflow: DataError
         chosen = selection(batch, file, structures)
-        keep = where_selection(batch, file, where, chosen, needed=True)
+        keep = where_selection(batch, file, where, chosen, needed=True, notify=tell)
         total = chosen.stop - chosen.start if keep is None else int(keep.sum())
         bar = stack.enter_context(tracked(progress, f"fitting E0 of {file} (2 passes)",
                                             2 * total))
@@ -419,47 +346,6 @@ def fit_e0(inputs, *, energy="energy", fixed=None, where=None, structures=None,
 
     return E0({_symbol(z): everything[z] for z in sorted(everything)}, residuals, rmse, mae,
               used, sorted(_symbol(z) for z in fixed))
-
-
-def refuse_structures_in_place(in_place, structures):
-    """ArgumentError when `in_place` (a result for every structure) meets `structures`."""
-    if in_place and structures:
-        raise ArgumentError("{in_place} stores a result for every structure; {structures} "
-                            "cannot be used with it")
-
-
-def in_place_paths(inputs, in_place=False):
-    """The files `inputs` stands for (see segcli.io.expand_inputs); ArgumentError when
-    `in_place` meets more than one, or a stream read through a temporary copy (results stored
-    there would be lost); DataError when it meets a file this process may not write."""
-    from segcli.io import expand_inputs
-    from segcli.io.multi import is_stream
-
-    if in_place and isinstance(inputs, (str, os.PathLike)) and is_stream(os.fspath(inputs)):
-        raise ArgumentError(f"{{in_place}} stores results in {{inputs}} itself; "
-                            f"{literal(inputs_name(inputs))} is a stream (stdin, a pipe or a "
-                            "/proc file), whose copy is read: use {output}", commands=COMMAND_NAMES)
-    paths = expand_inputs(inputs)
-    if in_place and len(paths) > 1:
-        raise ArgumentError(f"{{in_place}} adds to one file; {literal(inputs_name(inputs))} "
-                            f"is {len(paths)} files")
-    if in_place and not os.access(paths[0], os.W_OK):
-        raise DataError(f"{paths[0]}: cannot store results in it (Permission denied: it is "
-                        "read-only to this user); use -o")
-    return paths
-
-
-@contextlib.contextmanager
-def read_inputs(paths, file, in_place=False, input_format=None):
-    """The batch of `paths` (segcli.io.open_inputs, named `file`, in `input_format` if
-    given); with `in_place`, read under the lock of the file the results go into, so that no
-    other writer replaces it between this read and that write."""
-    from segcli.io import open_inputs
-    from segcli.io.writers import locked
-
-    with (locked(paths[0]) if in_place else contextlib.nullcontext(),
-          open_inputs(paths, name=file, input_format=input_format) as batch):
-        yield batch
 
 
 class Selected(NamedTuple):
@@ -538,12 +424,12 @@ def selected(inputs, output, *, where=None, structures=None, structures_from=Non
     from segcli.io.subset import write_subset
     from segcli.io.writers import FieldChoice, refuse_overwrite
 
-    where = conditions(where)
+    where = where_conditions(where)
     if not where and structures is None and structures_from is None:
         raise ArgumentError("give {where} 'NAME OP VALUE' or {structures_from} LIST (or both)")
-    output, file = os.fspath(output), inputs_name(inputs)
+    output, file = os.fspath(output), input_name(inputs)
     fmt = export_format(output)
-    paths = in_place_paths(inputs)
+    paths = input_paths(inputs)
     refuse_output_among_inputs(output, paths, "select writes a new file")
     refuse_overwrite(output, force)
     with open_inputs(paths, name=file, input_format=input_format) as batch:

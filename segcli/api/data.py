@@ -15,16 +15,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from segcli.api.curate import (
-    COMMAND_NAMES,
-    literal,
-    names_hdf5,
-    refuse_output_among_inputs,
-    tell,
-    units_left,
-)
-from segcli.curate.selection import structure_slice
-from segcli.errors import ArgumentError, DataError
+from segcli.api.common import names_hdf5, refuse_output_among_inputs, structure_slice
+from segcli.api.curate import COMMAND_NAMES, tell, units_left
+from segcli.errors import ArgumentError, DataError, literal
 from segcli.progress import tracked
 
 MOST_COMMON = 20

@@ -39,15 +39,11 @@ def output_name(ctx, param, output):
     return output
 
 
-def names_hdf5(output):
-    """Whether the file name `output` (None: none) is a segcli HDF5 file's: .h5, .hdf5 or no
-    suffix."""
-    return os.path.splitext(os.path.basename(output or ""))[1].lower() in ("", ".h5", ".hdf5")
-
-
 def hdf5_output(ctx, param, output):
     """Click callback: an -o that names a segcli HDF5 file (see names_hdf5)."""
     output = output_name(ctx, param, output)
+    from segcli.api.common import names_hdf5
+
     if not names_hdf5(output):
         raise click.BadParameter(f"{output}: {ctx.command.name} writes segcli HDF5; name it "
                                  ".h5 or .hdf5")

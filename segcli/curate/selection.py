@@ -14,14 +14,12 @@ String fields compare with == and != only.
 import math
 import operator
 import re
-import warnings
 from decimal import Decimal, InvalidOperation
 from typing import NamedTuple
 
 import numpy as np
 
-from segcli.errors import ArgumentError, DataError, Note
-from segcli.shards import fingerprint, shard_of
+from segcli.errors import DataError
 
 COMPARE = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge,
            "==": operator.eq, "!=": operator.ne}
@@ -174,83 +172,3 @@ def listed_mask(stream, source, n_structures):
                             f"file has {n_structures} structures: {held})")
         keep[index] = True
     return keep
-
-
-def conditions(where):
-    """The Conditions of `where`: None, one condition ('energy < 0' or a Condition) or a list
-    of them; ArgumentError naming `where` for one that does not parse."""
-    if where is None:
-        return ()
-    if isinstance(where, (str, Condition)):
-        where = [where]
-    out = []
-    for item in where:
-        if isinstance(item, Condition):
-            out.append(item)
-        elif isinstance(item, str):
-            try:
-                out.append(parse_condition(item))
-            except ValueError as err:
-                raise ArgumentError(f"{{where}} {item!r}: {err}") from None
-        else:
-            raise TypeError(f"where= takes 'NAME OP VALUE' strings, got {type(item).__name__}")
-    return tuple(out)
-
-
-def structure_slice(structures):
-    """`structures` (None: all, an index, or a slice of step 1) as a slice."""
-    if structures is None or isinstance(structures, slice):
-        if structures is not None and structures.step not in (None, 1):
-            raise ArgumentError(f"{{structures}} must be a slice of step 1, got {structures}")
-        return structures
-    if isinstance(structures, (int, np.integer)) and not isinstance(structures, bool):
-        return slice(int(structures), int(structures) + 1 or None)
-    raise TypeError(f"structures= takes a slice or an index, got {type(structures).__name__}")
-
-
-def described(structures):
-    """--structures as given: START:STOP of a slice, blanks where left out."""
-    return ":".join("" if v is None else str(v) for v in (structures.start, structures.stop))
-
-
-def selection(batch, file, structures):
-    """The slice of `batch`'s structures that --structures (a slice) selects, or all, with
-    non-negative bounds; DataError when it selects none of a file that has some."""
-    start, stop, _ = (structures or slice(None)).indices(batch.n_structures)
-    if structures and start >= stop:
-        raise DataError(f"{file}: --structures {described(structures)} selects no structure "
-                        f"(the file has {batch.n_structures})")
-    return slice(start, max(start, stop))
-
-
-def where_selection(batch, file, where, structures, needed=False):
-    """(S,) bool: the structures of `batch` in the slice `structures` where every --where
-    condition holds (None without conditions). When none does: DataError if they are
-    `needed`, else a segcli.errors.Note."""
-    if not where:
-        return None
-    keep = where_mask(batch, where, structures=structures)
-    if not keep.any():
-        start, stop, _ = structures.indices(batch.n_structures)
-        message = (f"{file}: --where {' --where '.join(repr(c.text) for c in where)} selects "
-                   f"none of the {max(stop - start, 0)} structure(s)")
-        if needed:
-            raise DataError(f"{message}; nothing to compute")
-        warnings.warn(message, Note, stacklevel=2)
-    return keep
-
-
-def shard_selection(batch, file, structures, shard):
-    """The leaf boundaries (see segcli.shards.shard_of) of the structures that --structures
-    and --shard select in `batch`, and the attributes that tie the output to them: the range
-    `structures`, the input's `source_fingerprint` and `source_structures` (its count) and, for
-    a shard, `shard` and `selection` (the range of all its shards)."""
-    start, stop, _ = selection(batch, file, structures).indices(batch.n_structures)
-    leaves = shard_of(batch.n_atoms[start:max(start, stop)], start, shard)
-    attrs = {"structures": f"{leaves[0]}:{leaves[-1]}",
-             "source_fingerprint": fingerprint(batch.sources, batch.n_atoms),
-             "source_structures": batch.n_structures}
-    if shard:
-        attrs.update(shard=f"{shard[0]}/{shard[1]}", selection=f"{start}:{max(start, stop)}")
-    return leaves, attrs
-
