@@ -17,7 +17,6 @@ import ctypes
 import functools
 import itertools
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import numpy as np
 
@@ -492,10 +491,9 @@ def _native_moments():
     blocks merged by Chan's formulas. None where it cannot be built (see segcli.native) or
     with SEGCLI_NATIVE_STATS=0: the NumPy passes then, which differ in the last bits. Either
     gives the same bits in any split into shards."""
-    from segcli.native import library
+    from segcli.native import MOMENTS, library
 
-    lib = library(Path(__file__).with_name("_moments.c"), MOMENTS_FLAGS, ["-lm"],
-                  "SEGCLI_NATIVE_STATS")
+    lib = library(MOMENTS)
     if lib is None:
         return None
     moments_library(lib)
@@ -555,10 +553,6 @@ def moments_library(lib):
                                    ctypes.c_int64, *[ctypes.c_void_p] * 6]
     return lib
 
-
-MOMENTS_FLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off"]
-"""How `_moments.c` is built: no operation fused (the same bits on every machine), `sqrt`
-inlined."""
 
 
 def _by_group(rows, labels, count, n_groups, buffers):
