@@ -45,7 +45,7 @@ class Part(NamedTuple):
 
 MOMENTS = Part("segcli._moments", ("-O3", "-fno-math-errno", "-ffp-contract=off"), ("m",),
                "SEGCLI_NATIVE_STATS", "C moments",
-               "statistics take their NumPy twin (the same bits, several times slower)")
+               "statistics take their NumPy twin (the same bits, slower)")
 """The moments of `segcli stats`: no operation fused (the same bits on every machine), `sqrt`
 inlined."""
 ROWS = Part("segcli.io._rows", ("-O2",), (), "SEGCLI_NATIVE_ROWS", "C row copies",

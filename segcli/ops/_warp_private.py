@@ -73,8 +73,17 @@ def _leading(kind, found):
 def changed():
     """What the installed Warp lacks or changed of PRIVATE: a line per name, none if all is
     as expected."""
+    return check(PRIVATE)
+
+
+def check(expected):
+    """What the installed Warp lacks or changed of `expected` (as PRIVATE): a line per name.
+
+    >>> check({"warp._src.types.no_such_name": ("function", ())})
+    ['warp._src.types.no_such_name is missing']
+    """
     problems = []
-    for path, (kind, parameters) in PRIVATE.items():
+    for path, (kind, parameters) in expected.items():
         try:
             found = _find(path)
         except (ImportError, AttributeError):
