@@ -4,7 +4,7 @@ __version__ = "0.1.0"
 
 
 def cache_directory():
-    """segcli's directory of kept files (compiled programs, the launch handler):
+    """segcli's directory of kept files (JAX's compiled programs):
     $XDG_CACHE_HOME/segcli, that is ~/.cache/segcli by default."""
     import os
 

@@ -50,13 +50,13 @@ def moments(rows, with_norm, count, labels, out, block):
     key, columns = key[order], columns[order]
     starts = np.flatnonzero(np.diff(key, prepend=-1))
     size = np.diff(starts, append=len(key))
-    first = (starts[:, None] + [0, 1]).ravel()  # chain j of segment s: 2s + j
-    length = ((size[:, None] - [0, 1] + 1) // 2).ravel()
+    place = np.arange(len(key)) - np.repeat(starts, size)
+    chain, step = 2 * np.repeat(np.arange(len(starts)), size) + place % 2, place // 2
 
-    sums, low, high, first_zero = _chains(columns, first, length, True)
+    sums, low, high, first_zero = _chains(columns, chain, step, 2 * len(starts), True)
     mean = (sums[0::2] + sums[1::2]) / size[:, None]
     deviations = columns - np.repeat(mean, size, axis=0)
-    m2_chains = _chains(deviations * deviations, first, length, False)[0]
+    m2_chains = _chains(deviations * deviations, chain, step, 2 * len(starts), False)[0]
     m2 = m2_chains[0::2] + m2_chains[1::2]
 
     block_of = key[starts] // (len(count) * n_groups)
@@ -96,29 +96,33 @@ def _columns(values, with_norm):
     return columns
 
 
-def _chains(values, first, length, extremes):
-    """For chains of `values` (n, K), chain c the rows first[c], first[c] + 2, ... (length[c]
-    of them): each chain's sum from zero in order (C, K), and where `extremes`, its min, max
-    and first zero (NaN where none; its sign is what the C's min and max keep of ±0). A step
-    of every chain at a time, the longest chains first."""
+def _chains(values, chain, step, n_chains, extremes):
+    """For the values (n, K) of `n_chains` chains, value i at `step[i]` of chain `chain[i]`:
+    each chain's sum from zero in order (n_chains, K), and where `extremes`, its min, max and
+    first zero (NaN where none; its sign is what the C's min and max keep of ±0). A step of
+    every chain at a time, the values laid out step by step, the longest chains first."""
+    length = np.bincount(chain, minlength=n_chains)
     order = np.argsort(-length, kind="stable")
-    start, longest = first[order], np.sort(length)
-    active = len(length) - np.searchsorted(longest, np.arange(longest[-1] if len(longest)
-                                                              else 0), side="right")
-    shape = (len(length), values.shape[1])
+    rank = np.empty_like(order)
+    rank[order] = np.arange(n_chains)
+    ascending = length[order][::-1]
+    active = n_chains - np.searchsorted(ascending, np.arange(ascending[-1] if n_chains else 0),
+                                        side="right")
+    offset = np.concatenate([[0], np.cumsum(active)])
+    laid = np.empty_like(values)
+    laid[offset[step] + rank[chain]] = values
+    shape = (n_chains, values.shape[1])
     sums = np.zeros(shape)
     low, high, first_zero = np.full(shape, np.inf), np.full(shape, -np.inf), np.full(shape, np.nan)
-    for step, n in enumerate(active):
-        value = values[start[:n] + 2 * step]
+    for i, n in enumerate(active):
+        value = laid[offset[i]:offset[i + 1]]
         sums[:n] += value
         if extremes:
             np.minimum(low[:n], value, out=low[:n])
             np.maximum(high[:n], value, out=high[:n])
             zero = first_zero[:n]
             np.copyto(zero, value, where=(value == 0) & np.isnan(zero))
-    back = np.empty_like(order)
-    back[order] = np.arange(len(order))
-    return sums[back], low[back], high[back], first_zero[back]
+    return sums[rank], low[rank], high[rank], first_zero[rank]
 
 
 def _chain_extreme(start, extreme, first_zero, better):

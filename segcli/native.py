@@ -72,7 +72,7 @@ def load(part):
     try:
         return ctypes.CDLL(str(part.path))
     except OSError as err:
-        announce(part, "no C compiler at install")
+        announce(part, "not built at install: no C compiler?")
         raise Unavailable(f"{part.path.name} was not built with segcli: {err}") from None
 
 

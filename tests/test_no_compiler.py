@@ -109,5 +109,6 @@ def test_a_part_not_built_is_said_once(capfd):
             native.load(absent)
         assert native.library(absent) is None
     err = capfd.readouterr().err
-    assert err == ("segcli: note: running without its C moments (no C compiler at install); "
+    assert err == ("segcli: note: running without its C moments (not built at install: no C "
+                   "compiler?); "
                    "statistics take their NumPy twin (the same bits, slower)\n")
