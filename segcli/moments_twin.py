@@ -59,18 +59,16 @@ def moments(rows, with_norm, count, labels, out, block):
     m2_chains = _chains(deviations * deviations, chain, step, 2 * len(starts), False)[0]
     m2 = m2_chains[0::2] + m2_chains[1::2]
 
-    block_of = key[starts] // (len(count) * n_groups)
-    where = key[starts] % (len(count) * n_groups)
-    cells = (where // n_groups, where % n_groups)
-    for b in np.unique(block_of):  # block b of each leaf, in order: merged after block b - 1
-        s = np.flatnonzero(block_of == b)
-        cell = (cells[0][s], cells[1][s])
-        for extreme, better, pick in ((out.min, np.less, 0), (out.max, np.greater, 1)):
-            extremes = (low, high)[pick]
+    cells = len(count) * n_groups
+    block_of, where = np.divmod(key[starts], cells)
+    bounds = np.flatnonzero(np.diff(block_of, append=-1)) + 1  # block_of increases
+    for s in np.split(np.arange(len(starts)), bounds[:-1]):  # a block of each leaf, in order
+        cell = (where[s] // n_groups, where[s] % n_groups)
+        for extreme, better, chains in ((out.min, np.less, low), (out.max, np.greater, high)):
             start = 0.0 + extreme[cell]  # the leaf's so far, in every chain (+0.0 for ±0)
-            chains = [_chain_extreme(start, extremes[2 * s + j], first_zero[2 * s + j],
-                                     better) for j in (0, 1)]
-            extreme[cell] = np.where(better(chains[1], chains[0]), chains[1], chains[0])
+            kept = [_chain_extreme(start, chains[2 * s + j], first_zero[2 * s + j], better)
+                    for j in (0, 1)]
+            extreme[cell] = np.where(better(kept[1], kept[0]), kept[1], kept[0])
         before = out.count[cell].astype(np.float64)[:, None]
         added = size[s].astype(np.float64)[:, None]
         total = before + added

@@ -12,7 +12,7 @@ import pytest
 from batch_reference import write_batch
 from click.testing import CliRunner
 
-from segcli import cache_directory, native, stats
+from segcli import cache_directory, moments_twin, native, stats
 from segcli.cli import main
 
 COMPILERS = {"cc", "gcc", "clang", "c++", "g++", "clang++", "ld", "as", "false"}
@@ -86,6 +86,38 @@ def test_stats_without_a_compiler_give_the_bits_of_the_built_moments(batch, no_c
     built, twin = (stats_json(batch, monkeypatch, switch) for switch in ("1", "0"))
     assert json.dumps(built) == json.dumps(twin)
     assert any(row["component"] == "norm" for row in built["stats"])
+
+
+def test_the_twin_gives_the_bits_of_the_c_moments(monkeypatch):
+    """Random chunks in sequence into the same leaves (float64 and float32 rows, ±0 values,
+    1 to 20 000 components, integer groups of every width, blocks of 1 to 4096 rows): the
+    moments in C and their NumPy twin, bit for bit (signs of zeros too)."""
+    kernel = stats._native_moments()
+    assert kernel is not None
+    rng = np.random.default_rng(11)
+    cases = [(rng.integers(1, 6), rng.integers(1, 5), rng.integers(1, 6), rng.integers(1, 9),
+              dtype, labels) for dtype in (np.float64, np.float32)
+             for labels in (np.uint8, np.uint16, np.int32, np.int64) for _ in range(3)]
+    cases += [(1, 20000, 2, 4096, np.float64, np.uint8), (8, 3, 3, 64, np.float32, np.uint8)]
+    for groups, k, leaves, block, dtype, labels_dtype in cases:
+        monkeypatch.setattr(stats, "NATIVE_BLOCK_ROWS", int(block))
+        ours, twin = (stats.Moments.empty(groups, k + 1, leaves=leaves) for _ in range(2))
+        for _ in range(3):
+            n = int(rng.integers(0, 400 // k + 2))
+            rows = rng.normal(0.5, 2.0, (n, k)).astype(dtype)
+            rows[rng.random(rows.shape) < 0.2] = 0.0
+            rows[rng.random(rows.shape) < 0.2] = -0.0
+            count = np.diff(np.concatenate([[0], np.sort(rng.integers(0, n + 1, leaves - 1)),
+                                            [n]]))
+            labels = rng.integers(0, groups, n).astype(labels_dtype) if groups > 1 else None
+            assert kernel(rows, True, count, labels, ours, stats._Buffers())
+            assert moments_twin.moments(rows, True, count, labels, twin, int(block))
+        for key in stats.MOMENT_NAMES:
+            a, b = getattr(ours, key), getattr(twin, key)
+            assert np.array_equal(a, b) and np.array_equal(np.signbit(a), np.signbit(b)), key
+    bad = np.array([0, 1, 7, 1], np.int64)  # 7 is no group of 4
+    assert not moments_twin.moments(np.ones((4, 3)), True, np.array([4]), bad,
+                                    stats.Moments.empty(4, 4, leaves=1), 4096)
 
 
 def test_the_c_parts_are_the_built_ones(batch, no_compiler):
