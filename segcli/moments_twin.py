@@ -30,24 +30,26 @@ def moments(rows, with_norm, count, labels, out, block):
     True
     """
     n_groups, n_columns = out.mean.shape[1:]
-    if labels is None:
-        labels = np.zeros(len(rows), np.uint8)
-    elif labels.dtype.kind not in "iu":
-        labels = labels.astype(np.uint8)
-    else:  # a negative integer's bits are a large one, as the C reads them
-        labels = np.ascontiguousarray(labels, labels.dtype.newbyteorder("="))
-        labels = labels.view(f"u{labels.itemsize}")
-    if len(labels) and labels.max() >= n_groups:
-        return False
+    if labels is not None:
+        if labels.dtype.kind not in "iu":
+            labels = labels.astype(np.uint8)
+        else:  # a negative integer's bits are a large one, as the C reads them
+            labels = np.ascontiguousarray(labels, labels.dtype.newbyteorder("="))
+            labels = labels.view(f"u{labels.itemsize}")
+        if len(labels) and labels.max() >= n_groups:
+            return False
     columns = _columns(np.asarray(rows, np.float64), with_norm)
     rows_per_block = min(block, max(BLOCK_VALUES // n_columns, 1))
 
-    # the rows by block (the b-th of every leaf), leaf and group, stably: runs of segments
-    leaf = np.repeat(np.arange(len(count)), count)
+    # each block of each leaf, in order, its rows by group (stably): runs of segments
+    blocks = -(-count // rows_per_block)
+    first_block = np.cumsum(blocks) - blocks
     position = np.arange(len(columns)) - np.repeat(np.cumsum(count) - count, count)
-    key = ((position // rows_per_block) * len(count) + leaf) * n_groups + labels.astype(np.int64)
-    order = np.argsort(key, kind="stable")
-    key, columns = key[order], columns[order]
+    key = (np.repeat(first_block, count) + position // rows_per_block) * n_groups
+    if labels is not None and n_groups > 1:
+        key += labels.astype(np.int64)
+        order = np.argsort(key, kind="stable")
+        key, columns = key[order], columns[order]
     starts = np.flatnonzero(np.diff(key, prepend=-1))
     size = np.diff(starts, append=len(key))
     place = np.arange(len(key)) - np.repeat(starts, size)
@@ -59,11 +61,12 @@ def moments(rows, with_norm, count, labels, out, block):
     m2_chains = _chains(deviations * deviations, chain, step, 2 * len(starts), False)[0]
     m2 = m2_chains[0::2] + m2_chains[1::2]
 
-    cells = len(count) * n_groups
-    block_of, where = np.divmod(key[starts], cells)
-    bounds = np.flatnonzero(np.diff(block_of, append=-1)) + 1  # block_of increases
-    for s in np.split(np.arange(len(starts)), bounds[:-1]):  # a block of each leaf, in order
-        cell = (where[s] // n_groups, where[s] % n_groups)
+    block, group = np.divmod(key[starts], n_groups)
+    leaf = np.repeat(np.arange(len(count)), blocks)[block]
+    nth = block - first_block[leaf]  # the block's place in its leaf
+    by_nth = np.argsort(nth, kind="stable")
+    for s in np.split(by_nth, np.flatnonzero(np.diff(nth[by_nth])) + 1):  # merged in order
+        cell = (leaf[s], group[s])
         for extreme, better, chains in ((out.min, np.less, low), (out.max, np.greater, high)):
             start = 0.0 + extreme[cell]  # the leaf's so far, in every chain (+0.0 for ±0)
             kept = [_chain_extreme(start, chains[2 * s + j], first_zero[2 * s + j], better)
