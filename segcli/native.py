@@ -49,7 +49,7 @@ MOMENTS = Part("segcli._moments", ("-O3", "-fno-math-errno", "-ffp-contract=off"
 """The moments of `segcli stats`: no operation fused (the same bits on every machine), `sqrt`
 inlined."""
 ROWS = Part("segcli.io._rows", ("-O2",), (), "SEGCLI_NATIVE_ROWS", "C row copies",
-            "selections copy rows by NumPy's indexing (slower)")
+            "selections copy rows by NumPy's indexing (the same rows, slower)")
 TEXT = Part("segcli.io._text", ("-O2",), ("m",), "SEGCLI_NATIVE_TEXT", "C text writer",
             "CSV and JSON lines are made by orjson and NumPy passes (the same bytes, slower)")
 LAUNCH = Part("segcli.ops._launch", ("-O2",), ("pthread",), "SEGCLI_NATIVE_LAUNCH",
