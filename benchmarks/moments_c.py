@@ -25,7 +25,7 @@ def main():
     args = parser.parse_args()
     moments = stats._native_moments()
     if moments is None:
-        raise SystemExit("the moments in C are not available here (no C compiler?)")
+        raise SystemExit("the moments in C are not available here (not built at install?)")
     rng = np.random.default_rng(0)
     n, leaves = args.rows, 100
     x = rng.normal(size=(n, 3))

@@ -11,7 +11,7 @@ a 3-vector per atom (--atom-rows atoms). stdout is a new file in --workdir, as i
 Beside each, in the same run and alternating with it: before, the per-row text of the former
 TextSink (copied below) and the former npy sink (which copied each chunk with tobytes), or
 with `--before numpy` the text made by segcli.io.text's NumPy passes (SEGCLI_NATIVE_TEXT=0,
-what runs where no C compiler builds `_text.c`), or with `--before-checkout DIR` the text
+what runs where `_text.c` was not built), or with `--before-checkout DIR` the text
 sink of the segcli checkout DIR (another commit, in a child process of its own); the floors of
 npy and HDF5, the same bytes (the values) copied into a new buffer and written to a new file a
 chunk at a time; beside csv and json, orjson alone over the float cells of each block of rows

@@ -1,8 +1,8 @@
 """Steady-state throughput of `segcli stats FILE forces` (and `--per-element`) against a bare
 chunked h5py read of the same datasets, in one process: passes after a first one (imports,
 page cache and allocator warm; freed blocks kept for reuse, as in the segcli program), in
-turns, medians; the moments in C (segcli/_moments.c) and, beside them, by NumPy's passes
-(SEGCLI_NATIVE_STATS=0, the path taken where no C compiler builds the kernel). With
+turns, medians; the moments in C (segcli/_moments.c) and, beside them, by their NumPy twin
+(SEGCLI_NATIVE_STATS=0, the path taken where the C was not built at install). With
 --before REV, also the statistics of `segcli/stats.py` as it was at git revision REV (loaded
 as a module of its own). On a shared machine, a pass during which other processes kept more
 than a tenth of a core busy (Linux /proc/stat) is left out and made again.
@@ -100,7 +100,7 @@ def main():
         make_file(path, args.atoms)
         add_fields(path)
         versions = {"segcli stats": (stats, "1"),
-                    "segcli stats, NumPy passes": (stats, "0")}
+                    "segcli stats, NumPy twin": (stats, "0")}
         if args.before:
             versions[f"segcli stats at {args.before}"] = (module_at(args.before, directory),
                                                          None)

@@ -37,7 +37,7 @@ def __dir__():
 
 
 def cache_directory():
-    """segcli's directory of kept files (compiled programs, the launch handler):
+    """segcli's directory of kept files (JAX's compiled programs):
     $XDG_CACHE_HOME/segcli, that is ~/.cache/segcli by default."""
     import os
 

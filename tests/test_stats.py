@@ -317,10 +317,8 @@ def per_element_rows(name, values, numbers):
 
 @pytest.fixture
 def many_leaves(monkeypatch):
-    """Few leaves of many structures each, and blocks of a few rows: leaves of many blocks,
-    blocks of many leaves."""
+    """Few leaves of many structures each, and blocks of a few rows: leaves of many blocks."""
     monkeypatch.setattr(shards, "LEAVES", 6)
-    monkeypatch.setattr(stats, "BLOCK_ROWS", 17)
     monkeypatch.setattr(stats, "NATIVE_BLOCK_ROWS", 5)
 
 
@@ -358,8 +356,7 @@ def test_leaves_give_the_same_bits_in_any_split_and_blocking(random_file, monkey
     leaves = shards.leaf_bounds(n_atoms)
     with open_batch(path) as batch:
         whole = moments_of(merge_stats([leaf_stats(batch, names, leaves, **options)]))
-        for cuts, block_rows in [([0, 1, 5, 9], 1 << 16), ([0, 4, 9], 3), ([0, 9], 1)]:
-            monkeypatch.setattr(stats, "BLOCK_ROWS", block_rows)
+        for cuts in [[0, 1, 5, 9], [0, 4, 9], [0, 9]]:
             parts = [leaf_stats(batch, names, leaves[a:b + 1], **options)
                      for a, b in itertools.pairwise(cuts)]
             split = moments_of(merge_stats(parts))

@@ -16,13 +16,12 @@ import ctypes
 import functools
 import itertools
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
-from segcli import threads
+from segcli import moments_twin, threads
 from segcli.errors import DataError
-from segcli.io.core import N_ELEMENTS, Window, are_elements, held, not_an_element, plan_chunks
+from segcli.io.core import N_ELEMENTS, Window, are_elements, held, not_an_element
 from segcli.moments import (  # noqa: F401  (the statistics' types, for users of this module)
     MOMENT_NAMES,
     FieldStats,
@@ -39,23 +38,9 @@ BLOCK_STRUCTURES = 1 << 15
 MAX_GROUPS = 256
 """The most distinct values a field that `--by` groups by may have (each group's moments are
 kept for every leaf)."""
-BLOCK_ROWS = 1 << 16
-"""Rows of a field reduced at a time by NumPy (whole leaves, a bigger leaf alone), so that the
-passes over them stay in the cache."""
 NATIVE_BLOCK_ROWS = 1 << 12
-"""Rows of a leaf reduced at a time in C (see _native_moments), merged in order: with the
-leaves, what fixes the bits."""
-
-
-def _columns(rows, shape, out):
-    """Into out (K, n): the float64 components of `rows` (n, k), then, for a vector field
-    (K = k + 1), the norm of each row."""
-    k = rows.shape[1]
-    np.copyto(out[:k], rows.T)
-    if shape:
-        np.einsum("ij,ij->j", out[:k], out[:k], out=out[k])
-        np.sqrt(out[k], out=out[k])
-    return out
+"""Rows of a leaf reduced at a time (see _native_moments), merged in order: with the leaves,
+what fixes the bits."""
 
 
 class _Buffers:
@@ -192,8 +177,9 @@ def leaf_stats(batch, names, leaves, *, per_element=False, per_atom=False, by=No
                groups=None, keep=None, chunk_atoms=1 << 21, progress=None):
     """FieldStats of each field of `names`, its moments stacked by leaf: one entry for each run
     of structures between consecutive structure numbers `leaves`, computed from that run alone
-    (chunks of at most `chunk_atoms` atoms and blocks of BLOCK_ROWS rows hold whole leaves; a
-    bigger leaf is chunked from its start), so the same in any shard. Per-atom fields go over
+    (chunks of at most `chunk_atoms` atoms hold whole leaves, a bigger leaf is chunked from its
+    start, each leaf reduced in blocks of NATIVE_BLOCK_ROWS rows from its first), so the same
+    in any shard. Per-atom fields go over
     all atoms (grouped by `numbers` with `per_element`), per-structure fields over all
     structures (divided by each structure's atom count with `per_atom`, empty structures left
     out). With `by`, every field is grouped by the value of that per-structure field, one
@@ -228,15 +214,13 @@ def leaf_stats(batch, names, leaves, *, per_element=False, per_atom=False, by=No
     buffers = _Buffers()
     chunks = prefetch(batch.iter_chunks(read, chunk_atoms=chunk_atoms, structures=structures,
                                         breaks=leaves[1:-1], keep=keep, into=_in_place))
-    native = _native_moments() is not None
     with contextlib.closing(chunks):  # its reader stopped however the loop is left
         for chunk in chunks:
-            labels = {}  # per: the group of each row (uint8, or integers the moments in C check)
+            labels = {}  # per: the group of each row (uint8, or integers the moments check)
             if by_element:
                 numbers = chunk.atoms["numbers"]
-                if native and not chunk.present and numbers.dtype.kind in "iu" \
-                        and numbers.dtype.isnative:
-                    labels["atom"] = numbers  # checked by the moments in C, as they read them
+                if not chunk.present and numbers.dtype.kind in "iu" and numbers.dtype.isnative:
+                    labels["atom"] = numbers  # checked by the moments, as they read them
                 else:
                     _check_numbers(batch.path, numbers, chunk)
                     labels["atom"] = numbers.astype(np.uint8)
@@ -278,10 +262,10 @@ def _add_chunk(chunk, s, shape, labels, starts, first, buffers):
     """The rows of field `s` (FieldStats) in `chunk` added to its moments: those of the
     chunk's structures, leaf j from structure starts[j] (see _leaf_runs), to leaves `first` on
     of s.moments, its rows in groups `labels` (uint8, or integers the moments in C check; for
-    a field grouped by element or by `s.by`), reduced block by block in `buffers` (_Buffers).
-    The moments in C merge each block into s.moments itself; the NumPy passes take the chunk's
-    moments, then merge them (_add_leaves). Returns those L leaves of s.moments, or None
-    where such a label is no group (the moments then left part-way)."""
+    a field grouped by element or by `s.by`), in C (`_native_moments`, in `buffers`) or, where
+    it was not built, by its NumPy twin (segcli.moments_twin): the same bits. Returns those L
+    leaves of s.moments, or None where such a label is no group (the moments then left
+    part-way)."""
     per_atom = s.per == "atom"
     array = (chunk.atoms if per_atom else chunk.structures)[s.name]
     keep = chunk.present.get(s.name)
@@ -299,46 +283,28 @@ def _add_chunk(chunk, s, shape, labels, starts, first, buffers):
         labels = labels[kept] if s.grouped else None
     values = as_rows(array)
     count = np.diff(np.concatenate([[0], np.cumsum(rows, dtype=np.int64)])[starts])
-    n_groups, k = len(s.moments.count[0]), len(s.components)
     into = s.moments[first:first + len(count)]  # a view: the chunk's leaves
+    grouped = labels if s.grouped else None
     native = _native_moments()
-    if native is not None:
-        grouped = labels if s.grouped else None
-        return into if native(values, bool(shape), count, grouped, into, buffers) else None
-    out = Moments.empty(n_groups, k, leaves=len(count))
-    offsets = np.concatenate([[0], np.cumsum(count)])
-    blocks = plan_chunks(count, BLOCK_ROWS)
-    for a, b in itertools.pairwise(blocks):
-        lo, hi = offsets[a], offsets[b]
-        block, runs = values[lo:hi], count[a:b]
-        if s.grouped:
-            block, runs = _by_group(block, labels[lo:hi], runs, n_groups, buffers)
-        part = Moments.of_runs(_columns(block, shape, buffers.get("columns", (k, hi - lo))),
-                               runs)
-        for key in MOMENT_NAMES:
-            value = getattr(part, key)
-            tail = value.shape[1:]
-            if s.grouped:  # group-major, as _by_group sorts them
-                value = value.reshape(n_groups, b - a, *tail).swapaxes(0, 1)
-            getattr(out, key)[a:b] = value.reshape(b - a, n_groups, *tail)
-    _add_leaves(s.moments, first, out)
-    return into
+    done = (native(values, bool(shape), count, grouped, into, buffers) if native is not None
+            else moments_twin.moments(values, bool(shape), count, grouped, into,
+                                      NATIVE_BLOCK_ROWS))
+    return into if done else None
 
 
 @functools.cache
 def _native_moments():
-    """The moments of a chunk's rows in C (`_moments.c`), several times faster than the NumPy
-    passes of Moments.of_runs: moments(rows (n, k), whether to add their norms, rows per leaf
+    """The moments of a chunk's rows in C (`_moments.c`), many times faster than its NumPy
+    twin (segcli.moments_twin): moments(rows (n, k), whether to add their norms, rows per leaf
     (L,), integer groups (n,) or None, Moments (L, G, K) to add them to, _Buffers) ->
     whether every group was one of the G (else the moments are left part-way). Each leaf
     is reduced in blocks of NATIVE_BLOCK_ROWS rows from its first, each sum in two chains, the
-    blocks merged by Chan's formulas. None where it cannot be built (see segcli.native) or
-    with SEGCLI_NATIVE_STATS=0: the NumPy passes then, which differ in the last bits. Either
-    gives the same bits in any split into shards."""
-    from segcli.native import library
+    blocks merged by Chan's formulas. None where it was not built (see segcli.native) or
+    with SEGCLI_NATIVE_STATS=0: its NumPy twin then, which gives the same bits. Either gives
+    the same bits in any split into shards."""
+    from segcli.native import MOMENTS, library
 
-    lib = library(Path(__file__).parents[1] / "_moments.c", MOMENTS_FLAGS, ["-lm"],
-                  "SEGCLI_NATIVE_STATS")
+    lib = library(MOMENTS)
     if lib is None:
         return None
     moments_library(lib)
@@ -399,23 +365,6 @@ def moments_library(lib):
     return lib
 
 
-MOMENTS_FLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off"]
-"""How `_moments.c` is built: no operation fused (the same bits on every machine), `sqrt`
-inlined."""
-
-
-def _by_group(rows, labels, count, n_groups, buffers):
-    """(`rows` sorted by group (uint8 `labels`, below `n_groups`), stably, in `buffers`, and the
-    number of rows (n_groups * L,) of each group in each leaf, group-major) for rows in leaves
-    of `count` (L,) rows."""
-    order = np.argsort(labels, kind="stable")  # a radix sort
-    cell = np.repeat(np.arange(0, len(count) * n_groups, n_groups), count) + labels
-    runs = np.bincount(cell, minlength=len(count) * n_groups)
-    rows = np.take(rows, order, axis=0, out=buffers.get("sorted", rows.shape, rows.dtype),
-                   mode="clip")  # not "raise", which takes a copy first
-    return rows, runs.reshape(len(count), n_groups).T.ravel()
-
-
 def _finite(chunk, s, part):
     """Whether field `s` holds only finite values in `chunk` where present: the means of its
     moments `part` are finite, and, per structure, so is the sum of its values (which `part`
@@ -424,15 +373,6 @@ def _finite(chunk, s, part):
         return np.isfinite(part.mean).all()
     values, keep = chunk.structures[s.name], chunk.present.get(s.name)
     return np.isfinite((values if keep is None else values[keep]).sum())
-
-
-def _add_leaves(moments, first, part):
-    """Moments stacked by leaf with those of `part` added from leaf `first` on: merged into the
-    first (which a chunk before may have begun), in place of the others."""
-    head = moments[first:first + 1].merge(part[:1])
-    for key in MOMENT_NAMES:
-        getattr(moments, key)[first] = getattr(head, key)[0]
-        getattr(moments, key)[first + 1:first + len(part.count)] = getattr(part, key)[1:]
 
 
 def field_stats(batch, names, *, structures=slice(None), **options):

@@ -8,7 +8,6 @@ import math
 import os
 import sys
 from collections.abc import Mapping
-from pathlib import Path
 from types import MappingProxyType
 from typing import NamedTuple
 
@@ -240,11 +239,11 @@ class Chunk(NamedTuple):
 
 @functools.cache
 def _native_rows():
-    """`_rows.c`, loaded; None where it cannot be built (see segcli.native) or with
+    """`_rows.c`, loaded; None where it was not built (see segcli.native) or with
     SEGCLI_NATIVE_ROWS=0."""
-    from segcli.native import library
+    from segcli.native import ROWS, library
 
-    lib = library(Path(__file__).with_name("_rows.c"), ["-O2"], [], "SEGCLI_NATIVE_ROWS")
+    lib = library(ROWS)
     if lib is None:
         return None
     pointer, size = ctypes.c_void_p, ctypes.c_int64

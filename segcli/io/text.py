@@ -8,10 +8,10 @@ Every number is written as Python writes it, so it reads back exactly: a float64
 shortest text reads back as, an integer as an integer; in CSV NaN (no value: a structure that
 lacks a field) as an empty cell and ±inf as `inf`, `-inf`, in JSON all three as `null` (it has
 no such numbers): a JSON line is what json.dumps writes for the row's dict, its non-finite
-numbers None (see finite_json). How: in C (`_text.c`, built on first use by segcli.native),
+numbers None (see finite_json). How: in C (`_text.c`, built at install, see segcli.native),
 which finds each float's shortest round-trip digits itself and writes repr's notation, blocks
 of rows made by the threads of segcli.threads side by side (the C lets go of Python's lock).
-Where no C compiler builds it (or with SEGCLI_NATIVE_TEXT=0), the same bytes from orjson and
+Where it was not built (or with SEGCLI_NATIVE_TEXT=0), the same bytes from orjson and
 NumPy passes: orjson writes a block's numbers, one flat float64 array (a block holding an
 integer of 2**53 or more, which float64 does not hold, goes by Python's repr of each number
 instead), with the shortest round-trip digits; its text differs from repr only in
@@ -27,7 +27,6 @@ import functools
 import io
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import orjson
@@ -280,11 +279,11 @@ class _Layout:
 
 @functools.cache
 def _native_text():
-    """segcli_text of `_text.c`, loaded; None where it cannot be built (see segcli.native) or
+    """segcli_text of `_text.c`, loaded; None where it was not built (see segcli.native) or
     with SEGCLI_NATIVE_TEXT=0."""
-    from segcli.native import library
+    from segcli.native import TEXT, library
 
-    lib = library(Path(__file__).with_name("_text.c"), ["-O2"], ["-lm"], "SEGCLI_NATIVE_TEXT")
+    lib = library(TEXT)
     if lib is None:
         return None
     function = lib.segcli_text

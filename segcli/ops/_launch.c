@@ -9,121 +9,15 @@
    entry point directly, on a GPU Warp's own `wp_cuda_launch_kernel` on XLA's stream. */
 
 #include <pthread.h>
-#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-/* The part of XLA's FFI C API (xla/ffi/api/c_api.h) used here: a stable ABI, whose structs
-   only ever grow at their end, declared here so that no header of a particular jaxlib is
-   needed. */
+#include "xla/ffi/api/c_api.h" /* from jax.ffi.include_dir() */
 
-#define STRUCT_SIZE(type, last) (offsetof(type, last) + sizeof(((type *)0)->last))
-
-typedef struct Extension {
-    size_t struct_size;
-    int type; /* 1: metadata */
-    struct Extension *next;
-} Extension;
-
-typedef struct {
-    size_t struct_size;
-    Extension *extension_start;
-    int major_version;
-    int minor_version;
-} ApiVersion;
-
-typedef struct {
-    size_t struct_size;
-    ApiVersion api_version;
-    uint32_t traits; /* 1: command buffer compatible */
-} Metadata;
-
-typedef struct {
-    Extension base;
-    Metadata *metadata;
-} MetadataExtension;
-
-typedef struct XLA_FFI_Error XLA_FFI_Error;
-
-typedef struct {
-    size_t struct_size;
-    Extension *extension_start;
-    const char *message;
-    int errc;
-} ErrorCreateArgs;
-
-typedef struct {
-    size_t struct_size;
-    Extension *extension_start;
-    void *ctx;
-    void *stream; /* out */
-} StreamGetArgs;
-
-typedef struct {
-    size_t struct_size;
-    Extension *extension_start;
-    void *ctx;
-    int32_t device_ordinal; /* out */
-} DeviceOrdinalGetArgs;
-
-typedef struct {
-    size_t struct_size;
-    Extension *extension_start;
-    ApiVersion api_version;
-    void *internal_api;
-    XLA_FFI_Error *(*error_create)(ErrorCreateArgs *);
-    void *error_get_message, *error_destroy, *handler_register;
-    XLA_FFI_Error *(*stream_get)(StreamGetArgs *);
-    void *type_id_register, *execution_context_get, *state_set, *state_get;
-    void *device_memory_allocate, *device_memory_free, *thread_pool_schedule;
-    void *thread_pool_num_threads, *future_create, *future_set_available, *future_set_error;
-    void *run_id_get;
-    XLA_FFI_Error *(*device_ordinal_get)(DeviceOrdinalGetArgs *);
-} Api;
-
-typedef struct {
-    size_t struct_size;
-    Extension *extension_start;
-    int dtype;
-    void *data;
-    int64_t rank;
-    int64_t *dims;
-} Buffer;
-
-typedef struct {
-    size_t struct_size;
-    Extension *extension_start;
-    int64_t size;
-    int *types;
-    void **items;
-} List; /* arguments, results or attributes (less their names) */
-
-typedef struct {
-    size_t struct_size;
-    Extension *extension_start;
-    int64_t size;
-    int *types; /* 3: scalar */
-    void **names;
-    void **attrs;
-} Attrs;
-
-typedef struct {
-    int dtype;
-    void *value;
-} Scalar;
-
-typedef struct {
-    size_t struct_size;
-    Extension *extension_start;
-    const Api *api;
-    void *ctx;
-    int stage;
-    List args;
-    List rets;
-    Attrs attrs;
-    void *future;
-} CallFrame;
+/* The oldest FFI API version whose structs and functions are used here, as answered to XLA's
+   metadata query: the handler runs on any jaxlib since. */
+#define API_MINOR 1
 
 #define CHUNK 1024
 #define CHUNKS 1024
@@ -219,34 +113,35 @@ int32_t segcli_set_entry(int64_t id, int32_t ordinal, void *context, void *funct
     return 0;
 }
 
-static XLA_FFI_Error *fail(const Api *api, const char *message) {
-    ErrorCreateArgs args = {STRUCT_SIZE(ErrorCreateArgs, errc), NULL, message, 13 /* internal */};
-    return api->error_create(&args);
+static XLA_FFI_Error *fail(const XLA_FFI_Api *api, const char *message) {
+    XLA_FFI_Error_Create_Args args = {XLA_FFI_Error_Create_Args_STRUCT_SIZE, NULL, message,
+                                      XLA_FFI_Error_Code_INTERNAL};
+    return api->XLA_FFI_Error_Create(&args);
 }
 
 /* Answers XLA's query for the API version and traits; true if that was the call. */
-static int answered_metadata(CallFrame *frame, uint32_t traits) {
-    Extension *extension = frame->extension_start;
-    if (!extension || extension->type != 1) return 0;
-    Metadata *metadata = ((MetadataExtension *)extension)->metadata;
-    metadata->api_version.major_version = 0;
-    metadata->api_version.minor_version = 1;
+static int answered_metadata(XLA_FFI_CallFrame *frame, XLA_FFI_Handler_Traits traits) {
+    XLA_FFI_Extension_Base *extension = frame->extension_start;
+    if (!extension || extension->type != XLA_FFI_Extension_Metadata) return 0;
+    XLA_FFI_Metadata *metadata = ((XLA_FFI_Metadata_Extension *)extension)->metadata;
+    metadata->api_version.major_version = XLA_FFI_API_MAJOR;
+    metadata->api_version.minor_version = API_MINOR;
     metadata->traits = traits;
     return 1;
 }
 
 /* The call's plan (its number in *id), its parameter block copied into `block` with the
    buffers' addresses. */
-static const Plan *prepare(CallFrame *frame, unsigned char *block, int64_t *id) {
-    if (frame->attrs.size != 1 || frame->attrs.types[0] != 3) return NULL;
-    *id = *(int64_t *)((Scalar *)frame->attrs.attrs[0])->value;
+static const Plan *prepare(XLA_FFI_CallFrame *frame, unsigned char *block, int64_t *id) {
+    if (frame->attrs.size != 1 || frame->attrs.types[0] != XLA_FFI_AttrType_SCALAR) return NULL;
+    *id = *(int64_t *)((XLA_FFI_Scalar *)frame->attrs.attrs[0])->value;
     const Plan *p = plan_at(*id);
     if (!p) return NULL;
     memcpy(block, p->block, p->block_size);
     for (int32_t h = 0; h < p->n_holes; h++) {
         const int32_t *hole = &p->holes[3 * h];
-        void **buffers = hole[1] ? frame->rets.items : frame->args.items;
-        void *data = ((Buffer *)buffers[hole[2]])->data;
+        void **buffers = hole[1] ? frame->rets.rets : frame->args.args;
+        void *data = ((XLA_FFI_Buffer *)buffers[hole[2]])->data;
         memcpy(block + hole[0], &data, sizeof data);
     }
     return p;
@@ -259,7 +154,7 @@ static const Entry *entry(const Plan *p, int64_t id, int32_t ordinal) {
     return __atomic_load_n(&e->function, __ATOMIC_ACQUIRE) ? e : NULL;
 }
 
-XLA_FFI_Error *segcli_launch_cpu(CallFrame *frame) {
+XLA_FFI_Error *segcli_launch_cpu(XLA_FFI_CallFrame *frame) {
     if (answered_metadata(frame, 0)) return NULL;
     unsigned char block[MAX_BLOCK] __attribute__((aligned(16)));
     int64_t id;
@@ -272,23 +167,24 @@ XLA_FFI_Error *segcli_launch_cpu(CallFrame *frame) {
     return NULL;
 }
 
-XLA_FFI_Error *segcli_launch_cuda(CallFrame *frame) {
-    if (answered_metadata(frame, 1 /* command buffer compatible */)) return NULL;
+XLA_FFI_Error *segcli_launch_cuda(XLA_FFI_CallFrame *frame) {
+    if (answered_metadata(frame, XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE)) return NULL;
     unsigned char block[MAX_BLOCK] __attribute__((aligned(16)));
     int64_t id;
     const Plan *p = prepare(frame, block, &id);
     if (!p) return fail(frame->api, "segcli: unknown kernel launch plan");
     if (!p->size) return NULL;
-    DeviceOrdinalGetArgs ordinal = {STRUCT_SIZE(DeviceOrdinalGetArgs, device_ordinal), NULL,
-                                    frame->ctx, 0};
-    XLA_FFI_Error *error = frame->api->device_ordinal_get(&ordinal);
+    XLA_FFI_DeviceOrdinal_Get_Args ordinal = {XLA_FFI_DeviceOrdinal_Get_Args_STRUCT_SIZE, NULL,
+                                              frame->ctx, 0};
+    XLA_FFI_Error *error = frame->api->XLA_FFI_DeviceOrdinal_Get(&ordinal);
     if (error) return error;
     if (ordinal.device_ordinal < 0 || ordinal.device_ordinal >= MAX_DEVICES)
         return fail(frame->api, "segcli: GPU ordinal out of range");
     const Entry *e = entry(p, id, ordinal.device_ordinal);
     if (!e || !cuda_launch) return fail(frame->api, "segcli: cannot load the kernel on this GPU");
-    StreamGetArgs stream = {STRUCT_SIZE(StreamGetArgs, stream), NULL, frame->ctx, NULL};
-    error = frame->api->stream_get(&stream);
+    XLA_FFI_Stream_Get_Args stream = {XLA_FFI_Stream_Get_Args_STRUCT_SIZE, NULL, frame->ctx,
+                                      NULL};
+    error = frame->api->XLA_FFI_Stream_Get(&stream);
     if (error) return error;
     void *params[MAX_PARAMS];
     for (int32_t i = 0; i < p->n_params; i++) params[i] = block + p->params[i];

@@ -4,37 +4,35 @@ Warp's own `jax_kernel` runs a Python callback each time XLA executes a launch (
 on a 2-core VM), unless XLA captured the launch into a CUDA graph, which by default it does
 only in programs of five kernels or more. Here each distinct launch becomes a plan,
 made once at trace time: the kernel's parameter block, complete but for its arrays' addresses
-(see `_launch.c`). The C handler is compiled on first use with the system's C compiler, into
-$XDG_CACHE_HOME/segcli (once per source, `segcli.native`); where that fails, `available()` is false,
-`unavailable()` says why, and the kernels go through Warp's `jax_kernel`, as they do with
-SEGCLI_NATIVE_LAUNCH=0.
+(see `_launch.c`). The C handler is built with the package (`segcli.native`); where it was not
+built, or the installed Warp changed the private API it needs (`_warp_private`), `available()`
+is false, `unavailable()` says why, and the kernels go through Warp's `jax_kernel`, as they do
+with SEGCLI_NATIVE_LAUNCH=0: the same kernels, the same bits.
 """
 
 import ctypes
 import functools
-import os
 import threading
-from pathlib import Path
 
 import jax
 import numpy as np
 import warp as wp
-from warp._src.context import _build_kernel_launch_bounds
-from warp._src.jax.ffi import FfiArg, _get_ffi_block_dim, _load_ffi_module, get_jax_output_type
-from warp._src.types import array_t, strides_from_shape, type_to_warp
 
-from segcli.native import Unavailable, compiled
+from segcli.native import LAUNCH, Unavailable, announce, load
+from segcli.ops import _warp_private as private
 
-_SOURCE = Path(__file__).with_name("_launch.c")
 _TARGET = "segcli_launch"
 _CPU_ORDINAL = -1
 
 
 def _load():
     """The handler library, loaded, with its FFI targets registered."""
-    if os.environ.get("SEGCLI_NATIVE_LAUNCH", "1") == "0":
-        raise Unavailable("SEGCLI_NATIVE_LAUNCH=0")
-    lib = ctypes.CDLL(str(compiled(_SOURCE, ["-O2"], ["-lpthread"])))
+    lib = load(LAUNCH)
+    changed = private.changed()
+    if changed:
+        why = f"Warp {wp.__version__} changed its private API: {changed[0]}"
+        announce(LAUNCH, why)
+        raise Unavailable(why)
     lib.segcli_add_plan.restype = ctypes.c_int64
     lib.segcli_add_plan.argtypes = [ctypes.c_uint64, ctypes.c_int32, ctypes.c_char_p,
                                     ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p,
@@ -44,8 +42,7 @@ def _load():
                                      ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32,
                                      ctypes.c_int32]
     if wp.is_cuda_available():
-        lib.segcli_set_cuda_launch(
-            ctypes.cast(wp._src.context.runtime.core.wp_cuda_launch_kernel, ctypes.c_void_p))
+        lib.segcli_set_cuda_launch(ctypes.c_void_p(private.cuda_launch_address()))
     for platform, handler in (("cpu", lib.segcli_launch_cpu), ("CUDA", lib.segcli_launch_cuda)):
         address = ctypes.cast(handler, ctypes.c_void_p).value
         jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(address), platform=platform)
@@ -78,7 +75,8 @@ class _Plan:
     def __init__(self, kernel, operands, dims, in_out, out, block_dim):
         self.dims = (dims,) if isinstance(dims, int) else tuple(dims)
         self.kernel, self.block_dim = kernel, block_dim
-        args = [FfiArg(a.label, a.type, a.label in in_out) for a in kernel.adj.args]
+        array_t = private.array_struct()
+        args = [private.ffi_arg(a.label, a.type, a.label in in_out) for a in kernel.adj.args]
         shapes = out if isinstance(out, dict) else {"out": out}
         pure = [arg for arg in args if arg.name in shapes and not arg.in_out]
         inputs = iter(operands)
@@ -86,12 +84,12 @@ class _Plan:
         fields, values, sources = [], {}, {}
         for arg in args:
             if arg in pure:
-                values[arg.name] = get_jax_output_type(arg, shapes[arg.name])
+                values[arg.name] = private.output_type(arg, shapes[arg.name])
                 fields.append((arg.name, array_t))
                 continue
             value = next(inputs)
             if not arg.is_array:
-                values[arg.name] = type_to_warp(arg.type)._type_(value)
+                values[arg.name] = private.scalar_type(arg.type)(value)
                 fields.append((arg.name, type(values[arg.name])))
                 continue
             if arg.in_out:
@@ -105,7 +103,7 @@ class _Plan:
             self.results.append(values[arg.name])
 
         kernel.module.get_module_hash(block_dim)  # analyses the kernel (its tid() dimensions)
-        bounds = _build_kernel_launch_bounds(self.dims, kernel, block_dim)
+        bounds = private.launch_bounds(self.dims, kernel, block_dim)
         args_struct = type("Args", (ctypes.Structure,), {"_fields_": fields})
         block_struct = type("Block", (ctypes.Structure,),
                             {"_fields_": [("bounds", type(bounds)), ("args", args_struct)]})
@@ -118,7 +116,7 @@ class _Plan:
             if arg.name in sources:
                 shape = values[arg.name].shape[: arg.warp_ndim]
                 setattr(block.args, arg.name, array_t(0, 0, arg.warp_ndim, shape,
-                                                      strides_from_shape(shape, arg.type.dtype)))
+                                                      private.strides(shape, arg.type.dtype)))
                 self.holes.extend((offset + array_t.data.offset, *sources[arg.name]))
             else:
                 setattr(block.args, arg.name, values[arg.name])
@@ -160,7 +158,7 @@ class _Registry:
 
     def _set_entry(self, plan_id, device):
         kernel, block_dim = self.kernels[plan_id]
-        module = _load_ffi_module(kernel.module, device, _get_ffi_block_dim(device, block_dim))
+        module = private.ffi_module(kernel.module, device, block_dim)
         hooks = module.get_kernel_hooks(kernel)
         function = ctypes.cast(hooks.forward, ctypes.c_void_p)
         if device.is_cpu:
