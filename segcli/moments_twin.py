@@ -25,7 +25,7 @@ def moments(rows, with_norm, count, labels, out, block):
     blocks of at most `block` rows. Returns whether every label was one of the G groups (if
     not, `out` is left as it was).
 
-    >>> out = segcli.stats.Moments.empty(1, 4, leaves=1)
+    >>> out = segcli.moments.Moments.empty(1, 4, leaves=1)
     >>> moments(np.ones((5, 3)), True, np.array([5]), None, out, 4096)
     True
     """

@@ -11,8 +11,9 @@ import pytest
 from batch_reference import write_batch
 from click.testing import CliRunner
 
-from segcli import cache_directory, moments_twin, native, stats
+from segcli import cache_directory, moments_twin, native
 from segcli.cli import main
+from segcli.curate import statistics as stats
 
 COMPILERS = ("cc", "gcc", "clang", "c++", "g++", "clang++", "ld")
 """The names a compiler is run by: traps on the PATH of a test, each logging its call."""
