@@ -36,6 +36,7 @@ def main():
 
     from segcli import engine, threads
     from segcli._jax import enable_x64
+    from segcli.engine import pipeline, program
     from segcli.io import open_batch
     from segcli.registry import OPS
 
@@ -52,22 +53,22 @@ def main():
                 chunks += 1
             runs.append((time.perf_counter() - start) / chunks)
         producer = []  # the prefetch thread's work per chunk: read, NaN check and pad
-        ring = engine._BufferRing(pinned=gpu)  # reused, as a run reuses its ring
+        ring = pipeline.BufferRing(pinned=gpu)  # reused, as a run reuses its ring
         for _ in range(4):
             start, chunks = time.perf_counter(), 0
-            for _ in engine._padded_chunks(batch, [job], engine.DEFAULT_CHUNK_ATOMS, slice(None),
-                                           ring, on_device=gpu):
+            for _ in pipeline.padded_chunks(batch, [job], engine.DEFAULT_CHUNK_ATOMS,
+                                            slice(None), ring, on_device=gpu):
                 chunks += 1
             producer.append((time.perf_counter() - start) / chunks)
         least = engine.padded_size(batch.n_atoms, engine.DEFAULT_CHUNK_ATOMS)
-        ring = engine._BufferRing(pinned=gpu)
-        function = engine._compiled((job.program(job.read),), gpu)
+        ring = pipeline.BufferRing(pinned=gpu)
+        function = program._compiled((job.program(job.read),), gpu)
         steps = {k: [] for k in ("read", "pad", "device_put", "kernels", "to host")}
         for k in range(5):
             t0 = time.perf_counter()
             chunk = next(batch.iter_chunks(list(job.read), chunk_atoms=engine.DEFAULT_CHUNK_ATOMS))
             t1 = time.perf_counter()
-            padded = engine._pad(engine.field_dtypes([job]), chunk, least, ring, gpu)
+            padded = pipeline._pad(engine.field_dtypes([job]), chunk, least, ring, gpu)
             t2 = time.perf_counter()
             with enable_x64(True):
                 forces, offsets = jax.block_until_ready(jax.device_put(

@@ -123,6 +123,7 @@ def bucketing(path, device, atoms, chunk_atoms):
     import jax
 
     from segcli import engine
+    from segcli.engine import pipeline, program
     from segcli.io import open_batch
     from segcli.registry import OPS
 
@@ -133,17 +134,17 @@ def bucketing(path, device, atoms, chunk_atoms):
         job = engine.plan(path, OPS["rms_norm"], ["forces"], batch.fields)
         for label, size in (("warm-up", engine.padded_size), ("padded", engine.padded_size),
                             ("exact", None)):
-            engine._compiled.cache_clear()
-            saved = engine.padded_size, engine.bucket
+            program._compiled.cache_clear()
+            saved = pipeline.padded_size, pipeline.bucket
             if size is None:
-                engine.padded_size, engine.bucket = (lambda *a: (0, 0)), (lambda n: n)
+                pipeline.padded_size, pipeline.bucket = (lambda *a: (0, 0)), (lambda n: n)
             try:
                 start = time.perf_counter()
                 chunks = sum(1 for _ in engine.run(batch, [job], target, chunk_atoms=chunk_atoms,
                                                    structures=slice(0, stop)))
                 out[label] = time.perf_counter() - start
             finally:
-                engine.padded_size, engine.bucket = saved
+                pipeline.padded_size, pipeline.bucket = saved
     return chunks, out
 
 

@@ -1,10 +1,10 @@
 """Where a whole `segcli reduce` or `grad` command's time goes, thread by thread: each run of
 the command in this process (after first runs that warm imports, compilation and buffers)
 records when each thread reads (`io.direct.Reader.window`, the file's pages mapped), pads
-(`engine._pad`), launches and waits for a chunk's program (`engine.launch`, `engine.finish`)
-and writes a block of results (`ResultWriter._write_block`); printed per thread and step,
-with how long the writing thread, from its first block to its last, was busy and what it
-waited for.
+(`engine.pipeline._pad`), launches and waits for a chunk's program (`engine.launch`,
+`engine.finish`) and writes a block of results (`ResultWriter._write_block`); printed per
+thread and step, with how long the writing thread, from its first block to its last, was busy
+and what it waited for.
 
     python benchmarks/timeline.py [--atoms 20000000] [--runs 3] [--device cpu|gpu]
                                   [--dir /dev/shm] [--show] grad sum forces
@@ -24,7 +24,7 @@ import time
 from steady import make_file
 
 STEPS = {"read": ("segcli.io.direct", "Reader", "window"),
-         "pad": ("segcli.engine", None, "_pad"),
+         "pad": ("segcli.engine.pipeline", None, "_pad"),
          "launch": ("segcli.engine", None, "launch"),
          "finish": ("segcli.engine", None, "finish"),
          "write": ("segcli.io.writers", "ResultWriter", "_write_block")}

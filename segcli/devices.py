@@ -99,7 +99,7 @@ def device(choice):
     runs, and XLA has a CPU device for each thread segcli uses (threads.count(): the cores,
     or SEGCLI_THREADS; up to engine.HOST_DEVICES), which a run's chunks take turns at."""
     from segcli import threads
-    from segcli.engine import HOST_DEVICES, runs_on
+    from segcli.engine.program import HOST_DEVICES, runs_on
 
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     flags = os.environ.get("XLA_FLAGS", "")

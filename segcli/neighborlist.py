@@ -355,7 +355,7 @@ def _pad(array, size, value=0):
 
 
 def _padded(buffers, name, array, size, value=0):
-    """`array` in a buffer `name` of `buffers` (see engine._BufferRing), padded with `value`
+    """`array` in a buffer `name` of `buffers` (see engine.pipeline.BufferRing), padded with `value`
     to `size` rows."""
     out = buffers.take(name, (size, *array.shape[1:]), array.dtype)
     out[:len(array)] = array
@@ -371,9 +371,9 @@ def prepare(path, chunk, cells, pbc, buffers=None, least=(0, 0), scale=1.0):
     sizes (one compilation over a run); positions times `scale` (to Å), and 0 for
     structures that lack them (no pair of theirs is counted, and their results are NaN, see
     run)."""
-    from segcli.engine import _BufferRing, bucket
+    from segcli.engine.pipeline import BufferRing, bucket
 
-    buffers = buffers or _BufferRing()
+    buffers = buffers or BufferRing()
     n_atoms = chunk.n_atoms
     s, n = len(n_atoms), int(n_atoms.sum())
     rows, segments = max(least[0], bucket(n)), max(least[1], bucket(s))

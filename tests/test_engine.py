@@ -19,6 +19,8 @@ from batch_reference import (
 )
 
 from segcli import engine, ops
+from segcli.engine import pipeline
+from segcli.engine import program as programs
 from segcli.errors import DataError
 from segcli.io import open_batch, open_inputs
 from segcli.io.core import Chunk, FieldInfo
@@ -141,12 +143,12 @@ def test_one_compilation_per_run_however_the_chunks_vary(tmp_path):
     sizes = {(engine.bucket(int(c.n_atoms.sum())), engine.bucket(len(c.n_atoms))) for c in chunks}
     assert len(chunks) > 4 and len(sizes) == 2  # chunks in two buckets: the last one is small
     assert engine.padded_size(n_atoms, 1500) == (2048, 1024)
-    engine._compiled.cache_clear()
+    programs._compiled.cache_clear()
     for chunk_atoms in (1500, 1400, 3000):
         assert_reduced(run_all(path, job, chunk_atoms=chunk_atoms)[""], "rms_norm", n_atoms, [x],
                        "float64")
-    program = engine._compiled((job.program(job.read),), DEVICE.platform != "cpu",
-                               engine._pinned_outputs(DEVICE))
+    program = programs._compiled((job.program(job.read),), DEVICE.platform != "cpu",
+                                programs._pinned_outputs(DEVICE))
     assert program._cache_size() == 2  # 2048 and 4096 rows
 
 
@@ -303,7 +305,7 @@ def test_outputs_of_each_op_and_order(batch_file):
 
 
 def test_pad_uses_a_read_buffer_only_for_exactly_the_rows_read_into_it():
-    ring = engine._BufferRing()
+    ring = pipeline.BufferRing()
     piece = ring.lend(("read", "x"), (8, 3), np.float64, 6)
     piece[:] = np.arange(18.0).reshape(6, 3)
     assert ring.holding(piece) is not None
@@ -311,7 +313,7 @@ def test_pad_uses_a_read_buffer_only_for_exactly_the_rows_read_into_it():
     head, tail = piece[:4], piece[4:]
     assert ring.holding(head) is None and ring.holding(tail) is None
     chunk = Chunk(0, np.array([4]), {"x": head}, {})
-    padded = engine._pad({"x": np.dtype(np.float64)}, chunk, (8, 1024), ring)
+    padded = pipeline._pad({"x": np.dtype(np.float64)}, chunk, (8, 1024), ring)
     assert padded.arrays["x"].ctypes.data != piece.ctypes.data
     np.testing.assert_array_equal(piece[4:], np.arange(12.0, 18.0).reshape(2, 3))  # untouched
     np.testing.assert_array_equal(padded.arrays["x"][:4], np.arange(12.0).reshape(4, 3))
@@ -401,7 +403,7 @@ def test_pad_takes_a_window_whole_and_puts_every_field_where_its_rows_are():
     """A field left in a window (see io.core.Window) is padded by the window's own rows; the
     chunk's rows of the others are copied to the same rows, `skip` on; offsets and ids follow,
     rows ahead in segment -1; a field the structures lack in part is copied."""
-    ring = engine._BufferRing()
+    ring = pipeline.BufferRing()
     n_atoms = np.array([2, 0, 3])
     window = ring.window(("read", "x"), (1024, 3), np.float64, 5)  # the least bucket
     window.array = np.arange(3072.0).reshape(1024, 3)
@@ -410,7 +412,7 @@ def test_pad_takes_a_window_whole_and_puts_every_field_where_its_rows_are():
     y = np.arange(5.0) + 100
     chunk = Chunk(0, n_atoms, {"x": window.array[2:7], "y": y}, {"w": np.ones(3)})
     dtypes = {name: np.dtype(np.float64) for name in ("x", "y", "w")}
-    padded = engine._pad(dtypes, chunk, (1024, 1024), ring)
+    padded = pipeline._pad(dtypes, chunk, (1024, 1024), ring)
     assert padded.arrays["x"] is window.array and padded.skip == 2
     np.testing.assert_array_equal(padded.arrays["y"], np.r_[0, 0, y, np.zeros(1017)])
     np.testing.assert_array_equal(padded.arrays["w"], np.r_[1, 1, 1, np.zeros(1021)])
@@ -418,7 +420,7 @@ def test_pad_takes_a_window_whole_and_puts_every_field_where_its_rows_are():
     np.testing.assert_array_equal(ops.segments_of_offsets(padded.offsets, padded.rows).ids,
                                   np.r_[-1, -1, 0, 0, 2, 2, 2, np.full(1017, 1024)])
     partial = chunk._replace(present={"x": np.array([True, True, False])})
-    padded = engine._pad(dtypes, partial, (1024, 1024), ring)
+    padded = pipeline._pad(dtypes, partial, (1024, 1024), ring)
     assert padded.skip == 0 and padded.arrays["x"] is not window.array
     np.testing.assert_array_equal(padded.arrays["x"][:5], np.r_[window.array[2:4],
                                                                 np.zeros((3, 3))])
@@ -460,7 +462,7 @@ def test_a_selection_computed_whole_or_taken_gives_the_same_results_and_errors(
     ops_ = ["rms_norm", "max_norm", "sum", "count"]
 
     def run(whole):
-        monkeypatch.setattr(engine, "WHOLE", whole)
+        monkeypatch.setattr(pipeline, "WHOLE", whole)
         with open_batch(path) as batch:
             jobs = [engine.plan(str(path), OPS[op], [] if op == "count" else ["x"],
                                 batch.fields) for op in ops_]
@@ -560,7 +562,7 @@ def test_the_ring_reuses_a_buffer_only_once_nothing_refers_to_it(pinned):
     on its way to a file hold one); it keeps its memory, alignment and contents."""
     import gc
 
-    ring = engine._BufferRing(pinned=pinned)
+    ring = pipeline.BufferRing(pinned=pinned)
     a = ring.take("x", (1000, 3), np.float64)
     a[:] = 7.0
     address = a.ctypes.data

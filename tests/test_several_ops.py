@@ -17,6 +17,7 @@ from test_engine import DEVICE
 
 from segcli import engine
 from segcli.cli import main
+from segcli.engine import program as programs
 from segcli.io import open_batch
 from segcli.registry import OPS
 
@@ -89,7 +90,7 @@ def test_reductions_of_one_field_go_together_with_each_jobs_bits(random_file, pr
         jobs = [engine.plan(str(path), OPS[op], fields, batch.fields, precision=precision)
                 for op, fields in ops]
         read = engine.reads(jobs)
-        function = engine._compiled(tuple(job.program(read) for job in jobs))
+        function = programs._compiled(tuple(job.program(read) for job in jobs))
         n = 16
         values = tuple(np.zeros((n, *batch.fields[name].shape), batch.fields[name].dtype)
                        for name in read)

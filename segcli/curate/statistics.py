@@ -97,7 +97,7 @@ def _finite_chunks(batch, energy, chunk_atoms, structures, keep):
     """The chunks of the selection (of the structures `keep` marks, if given) with `energy`
     and numbers, read ahead; DataError naming the first structure whose energy (where present)
     is NaN or infinite (see _refuse_non_finite)."""
-    from segcli.engine import prefetch
+    from segcli.engine.pipeline import prefetch
 
     chunks = batch.iter_chunks([energy, "numbers"], chunk_atoms=chunk_atoms,
                                structures=structures, keep=keep)
@@ -112,7 +112,7 @@ def _refuse_non_finite(path, chunk, rest, names, need):
     """DataError naming the first field of `names` that holds NaN (with the count over `chunk`
     and the chunks `rest`, see engine.nan_checked) or an infinity (saying what `need`s finite
     values) in `chunk` where present, and the structure; nothing if none does."""
-    from segcli.engine import nan_checked
+    from segcli.engine.checks import nan_checked
 
     for name in names:
         found = _first_non_finite(chunk, name)
@@ -187,7 +187,7 @@ def leaf_stats(batch, names, leaves, *, per_element=False, per_atom=False, by=No
     (Chunk.present), or with `per_element` numbers or with `by` that field, and those that
     `keep` ((S,) bool), if given, leaves out, are left out of it.
     `progress.update(n)` is called with the structures of each chunk done."""
-    from segcli.engine import prefetch
+    from segcli.engine.pipeline import prefetch
 
     if per_element and by is not None:
         raise ValueError("group by element or by a field, not both")

@@ -87,7 +87,7 @@ class Hdf5Sink:
         return self._writer.__exit__(*exc)
 
     def write(self, chunk, arrays):
-        from segcli.engine import check_float64
+        from segcli.engine.checks import check_float64
 
         numbers = chunk.structure_numbers - self._first
         lo, hi = int(numbers[0]), int(numbers[-1]) + 1
@@ -133,7 +133,7 @@ class Hdf5Sink:
 def _selected_outputs(outputs):
     """`outputs` (dataset -> (per, shape, dtype)) as stored for a selection: integer results
     as float64, so that the rows of structures not selected can hold NaN."""
-    from segcli.engine import nan_dtype
+    from segcli.engine.jobs import nan_dtype
 
     return {d: (per, shape, nan_dtype(dtype)) for d, (per, shape, dtype) in outputs.items()}
 
