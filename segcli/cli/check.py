@@ -95,7 +95,6 @@ def gradcheck(ctx, file, op_names, order, structures, field, random_size, device
       segcli gradcheck --random 256:16 --op rms_norm,max_norm --order 3 --json
     """
     from segcli.api.check import check_ops
-    from segcli.gradcheck import Report
     from segcli.io.text import finite_json
 
     with common.usage_errors(inputs="FILE", random="--random", field="--field", seed="--seed"):
@@ -108,6 +107,8 @@ def gradcheck(ctx, file, op_names, order, structures, field, random_size, device
     elif not quiet:
         click.echo(str(checked))
     elif not checked.summary.passed:
+        from segcli.gradcheck import Report
+
         note(str(Report(checked.summary.failures)))
     ctx.exit(0 if checked.passed else 1)
 
