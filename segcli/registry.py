@@ -38,9 +38,9 @@ class Op:
     (int32 from the library, as JAX's default integer; int64 in files and outputs, as every
     count there: n_atoms, integer sums, statistics).
     kinks: None, or the name of the rule in `KINKS` saying where the op is not differentiable
-    (see `at_kink`). integers: integer
-    data is reduced in its own dtype. takes_sorted: the function takes `indices_are_sorted`.
-    params: static keyword parameters with their defaults.
+    (see `at_kink`). integers: integer data is reduced in its own dtype. takes_sorted: the
+    function takes `indices_are_sorted`. params: static keyword parameters with their
+    defaults.
     """
 
     name: str

@@ -105,7 +105,7 @@ def check_ops(inputs=None, *, op=None, order=2, structures=None, field=None, ran
             skip_unfit, input_format)
         source = {"file": name, "structures": [start, start + len(n_atoms)]}
     else:
-        random = tuple(random or DEFAULT_RANDOM)
+        random = tuple(int(n) for n in random or DEFAULT_RANDOM)
         n_atoms, data = _random_inputs(random, specs, seed)
         skipped, source = {}, {"random": list(random)}
     target = devices.device(device)  # JAX loads only now, the inputs read and checked
@@ -115,8 +115,8 @@ def check_ops(inputs=None, *, op=None, order=2, structures=None, field=None, ran
 
     report = Report(())
     with jax.default_device(target), tracked(progress, "gradcheck", len(data), unit="op") as bar:
-        for name, (labels, arrays) in data.items():
-            report += _check_op(OPS[name], labels, arrays, n_atoms, order, seed)
+        for op_name, (labels, arrays) in data.items():
+            report += _check_op(OPS[op_name], labels, arrays, n_atoms, order, seed)
             if bar is not None:
                 bar.update(1)
     return OpsCheck(report, source, order, devices.device_label(target), int(n_atoms.sum()),
