@@ -15,6 +15,8 @@ _LAZY = {
     "merge": "segcli.api",
     "open": "segcli.api",
     "Batch": "segcli.api",
+    "check_ops": "segcli.api",
+    "OpsCheck": "segcli.api",
     "DataError": "segcli.errors",
     "ArgumentError": "segcli.errors",
 }

@@ -2,8 +2,9 @@
 
 Every consumer (the engine, the commands and their help, gradcheck, the benchmarks, the
 tests, the README's check) reads `OPS` and never restates the list of ops. Adding an op
-means its `segcli.ops` function, its `segcli.reference` function and its entry here.
-Imports neither jax nor warp, so the command line starts fast.
+means its `segcli.ops` function, its `segcli.reference` function and its entry here, with
+its kink rule (`KINKS`) if it is not differentiable everywhere. Imports neither numpy, jax
+nor warp, so the command line starts fast.
 """
 
 from dataclasses import dataclass, field
@@ -36,10 +37,10 @@ class Op:
     computing precision), "input" (the first input's: integer data stays integer) or "count"
     (int32 from the library, as JAX's default integer; int64 in files and outputs, as every
     count there: n_atoms, integer sums, statistics).
-    kinks: None, or the rule saying where the op is not differentiable ("zero_norm",
-    "norm_ties", "value_ties", "zero_spread"; gradcheck implements them). integers: integer
-    data is reduced in its own dtype. takes_sorted: the function takes `indices_are_sorted`.
-    params: static keyword parameters with their defaults.
+    kinks: None, or the name of the rule in `KINKS` saying where the op is not differentiable
+    (see `at_kink`). integers: integer data is reduced in its own dtype. takes_sorted: the
+    function takes `indices_are_sorted`. params: static keyword parameters with their
+    defaults.
     """
 
     name: str
@@ -80,12 +81,58 @@ class Op:
         tail = ("*F",) if self.output_shape is None else self.output_shape
         return f"({', '.join((rows, *map(str, tail)))}{',' if not tail else ''})"
 
+    def at_kink(self, rows):
+        """Whether one structure's rows (a NumPy array, atoms x components of the first input)
+        sit where the op is not differentiable, by its kink rule: False without a rule or
+        without rows.
+
+            OPS["rms_norm"].at_kink(np.zeros((2, 3)))  # True: the norm of 0 has no derivative
+        """
+        return self.kinks is not None and len(rows) > 0 and bool(KINKS[self.kinks](rows))
+
     def apply(self, *arrays, idx, num_segments, indices_are_sorted=False, **params):
         """Run the op on arrays (one per input) with segment ids `idx` and `num_segments`
         structures; `indices_are_sorted` promises sorted ids to the ops that take the promise;
         `params` override the op's static params."""
         promise = {"indices_are_sorted": indices_are_sorted} if self.takes_sorted else {}
         return self.function(*arrays, idx, num_segments, **{**self.params, **params}, **promise)
+
+
+TIE_GAP = 1e-3
+"""Relative gap below which two values tie (or a spread is zero) for the kink rules (the
+finite differences of gradcheck, which move each entry by ~1e-5 relative, could cross it)."""
+
+
+def _zero_norm(rows):
+    return not rows.any()
+
+
+def _norm_ties(rows):
+    norms = (rows * rows).sum(axis=1) ** 0.5
+    norms.sort()
+    return norms[-1] == 0 or (len(norms) > 1 and norms[-2] >= norms[-1] * (1 - TIE_GAP))
+
+
+def _value_ties(rows):
+    if len(rows) < 2:
+        return False
+    ordered = rows.copy()
+    ordered.sort(axis=0)
+    gap = TIE_GAP * abs(rows).max(axis=0)
+    return bool(((ordered[-1] - ordered[-2] <= gap) | (ordered[1] - ordered[0] <= gap)).any())
+
+
+def _zero_spread(rows):
+    return bool((rows.max(axis=0) - rows.min(axis=0) <= TIE_GAP * abs(rows).max(axis=0)).any())
+
+
+KINKS = {"zero_norm": _zero_norm, "norm_ties": _norm_ties, "value_ties": _value_ties,
+         "zero_spread": _zero_spread}
+"""Op.kinks -> whether a structure's rows (a NumPy array, atoms x components of the first
+input, at least one row) sit at a kink: all entries 0 (a norm at 0); the largest norm 0 or
+tied within TIE_GAP (the max of norms); a component's largest or smallest value tied (max,
+min); a component without spread (std). Written with array methods only, so that this
+module needs no NumPy until a rule runs."""
 
 
 _ATOMS = Arg("atom")
