@@ -354,7 +354,7 @@ def run_on_cluster(client, progress, batch, computation, target, lo, hi, task, r
     output, passed on in structure order as it comes, while the others compute. Returns (the
     first shard's device label, the arrays a memory target kept, else None)."""
     from segcli.io import sinks
-    from segcli.io.writers import scratch_directory
+    from segcli.io.outputs import scratch_directory
     from segcli.shards import shard_bounds
 
     into_file = target.sink.hdf5

@@ -22,7 +22,7 @@ from ase.calculators.singlepoint import SinglePointCalculator
 from batch_reference import write_batch
 
 from segcli.errors import DataError
-from segcli.io.writers import atomic_output, scratch_directory
+from segcli.io.outputs import atomic_output, scratch_directory
 
 ELEMENTS = np.array([1, 6, 8])
 

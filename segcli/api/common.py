@@ -49,7 +49,7 @@ def read_inputs(paths, name, in_place=False, input_format=None):
     given); with `in_place`, read under the lock of the file the results go into, so that no
     other writer replaces it between this read and that write."""
     from segcli.io import open_inputs
-    from segcli.io.writers import locked
+    from segcli.io.outputs import locked
 
     with (locked(paths[0]) if in_place else contextlib.nullcontext(),
           open_inputs(paths, name=name, input_format=input_format) as batch):

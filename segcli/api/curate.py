@@ -421,8 +421,9 @@ def selected(inputs, output, *, where=None, structures=None, structures_from=Non
     from segcli.io import open_inputs
     from segcli.io.core import path_text
     from segcli.io.export import export, export_format
+    from segcli.io.outputs import refuse_overwrite
     from segcli.io.subset import write_subset
-    from segcli.io.writers import FieldChoice, refuse_overwrite
+    from segcli.io.writers import FieldChoice
 
     where = where_conditions(where)
     if not where and structures is None and structures_from is None:

@@ -10,7 +10,8 @@ import numpy as np
 
 from segcli.errors import DataError, memory_shortage, raise_if_interrupted
 from segcli.io.core import N_ELEMENTS, are_elements, not_an_element
-from segcli.io.writers import FieldChoice, new_output
+from segcli.io.outputs import new_output
+from segcli.io.writers import FieldChoice
 
 HDF5_SUFFIXES = (".h5", ".hdf5")
 _COMPRESSED = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma"}

@@ -34,8 +34,8 @@ from segcli.io.hdf5 import (
     read_rows,
 )
 from segcli.io.heap import guarded
+from segcli.io.outputs import ensure_room, new_output
 from segcli.io.statsfile import STATS_ATTRIBUTE_BYTES, STATS_FORMAT
-from segcli.io.writers import ensure_room, new_output
 from segcli.moments import merge_stats
 
 BLOCK_BYTES = 8 << 20

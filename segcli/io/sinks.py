@@ -20,12 +20,13 @@ import numpy as np
 from segcli.errors import ArgumentError, DataError, literal
 from segcli.io import text
 from segcli.io.core import offsets_of, spread
-from segcli.io.writers import ResultWriter, RowsInto, new_output
+from segcli.io.outputs import new_output
+from segcli.io.writers import ResultWriter, RowsInto
 
 
 class IntoFile:
     """A table sink (TextSink, NpySink) that writes the new file `path` (see
-    writers.new_output): it appears only when complete."""
+    outputs.new_output): it appears only when complete."""
 
     def __init__(self, sink, path, force):
         self._sink, self._path, self._force = sink, path, force

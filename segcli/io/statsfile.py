@@ -7,7 +7,7 @@ import numpy as np
 from segcli.errors import DataError
 from segcli.io.core import N_ELEMENTS
 from segcli.io.hdf5 import plain
-from segcli.io.writers import new_output
+from segcli.io.outputs import new_output
 from segcli.moments import FieldStats, Moments
 
 STATS_FORMAT = "segcli-stats"

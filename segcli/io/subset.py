@@ -8,7 +8,8 @@ from segcli.errors import DataError
 from segcli.io.core import path_text
 from segcli.io.formats import capable
 from segcli.io.hdf5 import plain, read_rows
-from segcli.io.writers import BatchWriter, FieldChoice, ensure_room, new_output
+from segcli.io.outputs import ensure_room, new_output
+from segcli.io.writers import BatchWriter, FieldChoice
 
 BLOCK_BYTES = 8 << 20
 ROW_GROUPS = {"structures": "structure", "present": "structure", "atoms": "atom",
