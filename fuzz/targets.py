@@ -14,7 +14,7 @@ from typing import NamedTuple
 import ase.io
 import numpy as np
 
-import segcli.cli.data
+import segcli.api.data
 import segcli.io
 import segcli.io.asedb
 import segcli.io.asefiles
@@ -75,7 +75,7 @@ def read_through(batch):
     """What `segcli info` says of a batch (whose field names must be text), then every field
     streamed in small chunks: those that every structure has together, then each of the
     others alone (which a format without fill values refuses, with DataError)."""
-    segcli.cli.data.describe(batch)
+    segcli.api.data.described(batch)
     names = [name for name in batch.fields if not isinstance(name, str)]
     if names:
         raise WrongResult(f"field name {names[0]!r} is not text (info cannot print it)")

@@ -325,7 +325,7 @@ def leaf_stats_sharded(client, batch, names, leaves, progress=None, where=(), ke
     (and evaluate `where` over their structures); joined in leaf order. `progress.update(n)`
     is called as n more structures are done."""
     from segcli.curate.statistics import join_leaves, leaf_stats
-    from segcli.io.core import offsets_of
+    from segcli.memory import offsets_of
     from segcli.shards import even_cuts
 
     leaves = np.asarray(leaves, np.int64)

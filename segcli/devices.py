@@ -81,7 +81,7 @@ threads, rather than raise."""
 
 def _check_address_space():
     """DataError when the limit on address space leaves too little for JAX and Warp."""
-    from segcli.io.core import address_space_left
+    from segcli.memory import address_space_left
 
     left = address_space_left()
     if left is not None and left < BACKEND_ADDRESS_SPACE:

@@ -87,8 +87,8 @@ def test_rows_left_in_the_files_pages(tmp_path):
     first, at an address that is a multiple of 64 bytes, before the dataset's start and past
     its end where the file goes on; nothing for storage not contiguous as NumPy holds it, or
     a window past the file's end; read_rows reads into the fallback then."""
-    from segcli.io.core import Window
     from segcli.io.hdf5 import read_rows
+    from segcli.memory import Window
 
     rng = np.random.default_rng(3)
     layouts = {name: layout for name, layout in _layouts(rng).items()
@@ -141,7 +141,7 @@ def test_rows_left_in_the_files_pages(tmp_path):
 def test_a_windows_pages_stay_mapped_while_an_array_over_them_lives(tmp_path):
     """A Window's pages are mapped (Linux: /proc/self/maps names the file) from the read until
     the last array over them goes, a view of a view included, and then unmapped."""
-    from segcli.io.core import Window
+    from segcli.memory import Window
 
     path = tmp_path / "mapped.h5"
     data = np.random.default_rng(4).normal(size=(ROWS, 3))

@@ -323,7 +323,7 @@ def test_pad_uses_a_read_buffer_only_for_exactly_the_rows_read_into_it():
 @pytest.fixture(scope="module")
 def long_file(tmp_path_factory):
     """A file of about 7000 atoms, its fields contiguous (h5py's default): chunks of 500 atoms,
-    padded to 1024 rows, are mostly left in its pages (io.core.Window); the atoms of structure
+    padded to 1024 rows, are mostly left in its pages (segcli.memory.Window); the atoms of structure
     700 are 1e100 (which would show in any other structure whose result took them in)."""
     path = tmp_path_factory.mktemp("windows") / "long.h5"
     n_atoms, data = random_batch(path, seed=5, n_structures=1500)
@@ -400,7 +400,7 @@ def test_segments_of_offsets_put_padding_rows_out_of_range():
 
 
 def test_pad_takes_a_window_whole_and_puts_every_field_where_its_rows_are():
-    """A field left in a window (see io.core.Window) is padded by the window's own rows; the
+    """A field left in a window (see segcli.memory.Window) is padded by the window's own rows; the
     chunk's rows of the others are copied to the same rows, `skip` on; offsets and ids follow,
     rows ahead in segment -1; a field the structures lack in part is copied."""
     ring = pipeline.BufferRing()

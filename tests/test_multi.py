@@ -21,7 +21,7 @@ from click.testing import CliRunner
 from segcli.cli import main
 from segcli.errors import DataError
 from segcli.io import MultiBatch, expand_inputs, open_inputs
-from segcli.io.core import plan_chunks
+from segcli.memory import plan_chunks
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = {"a.h5": [3, 0, 5, 2, 7], "b.h5": [4, 1, 6], "c.h5": [], "d.h5": [2, 9, 0, 3]}

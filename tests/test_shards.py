@@ -401,7 +401,7 @@ def test_rechunk_of_any_pieces_gives_the_runs_of_plan_chunks(seed):
     pieces.insert(1, Chunk(int(cuts[1]) if len(cuts) > 1 else 0, n_atoms[:0], {"x": x[:0]}, {}))
     schema = {"x": FieldInfo("x", "atom", (), x.dtype)}
     chunks = [merge_pieces("f", group, schema) for group in rechunk(iter(pieces), chunk_atoms)]
-    from segcli.io.core import plan_chunks
+    from segcli.memory import plan_chunks
 
     bounds = plan_chunks(n_atoms, chunk_atoms)
     assert [c.start for c in chunks] == bounds[:-1]

@@ -445,7 +445,7 @@ def test_an_ase_file_read_directly_gives_the_bits_of_its_conversion(tmp_path, ma
 
 
 def test_rows_left_in_the_files_pages_give_the_bits_of_rows_read(tmp_path, both_paths):
-    """A file's contiguous per-atom fields are left in its pages (io.core.Window, read-only),
+    """A file's contiguous per-atom fields are left in its pages (segcli.memory.Window, read-only),
     and give the moments of the same rows read from a chunked copy, bit for bit."""
     path, _, _ = make_random_file(tmp_path)
     chunked = tmp_path / "chunked.h5"

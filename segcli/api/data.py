@@ -168,44 +168,47 @@ def describe(inputs, *, format=None):
 
         segcli.api.data.describe("sample_data/metals.h5")["fields"]["forces"]["shape"]
     """
+    with open(inputs, format=format) as opened:
+        return described(opened._batch)
+
+
+def described(batch):
+    """describe's dict of an open batch (a segcli.io Batch)."""
     from segcli.curate.statistics import census
     from segcli.errors import for_user
 
-    with open(inputs, format=format) as opened:
-        batch = opened._batch
+    def field(f):
+        present = batch.present(f.name)
+        out = {"per": f.per, "shape": list(f.shape),
+               "dtype": "str" if f.dtype == object else str(f.dtype), "units": f.units,
+               "derived": f.name in batch.derived, "result": f.name in batch.result_fields,
+               "present": batch.n_structures if present is None else int(present.sum())}
+        fill = batch.fill_value(f.name) if present is not None else None
+        if fill is not None:
+            fill = fill.item() if hasattr(fill, "item") else fill  # NumPy's as Python's
+            out["fill_value"] = "nan" if isinstance(fill, float) and math.isnan(fill) \
+                else fill
+        return out
 
-        def field(f):
-            present = batch.present(f.name)
-            out = {"per": f.per, "shape": list(f.shape),
-                   "dtype": "str" if f.dtype == object else str(f.dtype), "units": f.units,
-                   "derived": f.name in batch.derived, "result": f.name in batch.result_fields,
-                   "present": batch.n_structures if present is None else int(present.sum())}
-            fill = batch.fill_value(f.name) if present is not None else None
-            if fill is not None:
-                fill = fill.item() if hasattr(fill, "item") else fill  # NumPy's as Python's
-                out["fill_value"] = "nan" if isinstance(fill, float) and math.isnan(fill) \
-                    else fill
-            return out
-
-        fields = sorted(batch.fields.values(), key=lambda f: f.per != "atom")
-        elements, strings = census(batch)
-        members = [{**m, "path": for_user(m["path"])} for m in batch.members] \
-            if batch.format == "multi" else None
-        return {
-            "path": for_user(batch.path),
-            "format": batch.format,
-            "structures": batch.n_structures,
-            "atoms": int(batch.n_atoms.sum()),
-            "sources": [for_user(source) for source in batch.sources],
-            **({"members": members} if members else {}),
-            "fields": {f.name: field(f) for f in fields},
-            "conflicts": dict(batch.fields.conflicts),
-            "results": batch.results,
-            "elements": None if elements is None else _elements(elements),
-            "values": {name: {"distinct": len(counts), "most_common": dict(
-                sorted(counts.items(), key=lambda item: (-item[1], item[0]))[:MOST_COMMON])}
-                       for name, counts in strings.items()},
-        }
+    fields = sorted(batch.fields.values(), key=lambda f: f.per != "atom")
+    elements, strings = census(batch)
+    members = [{**m, "path": for_user(m["path"])} for m in batch.members] \
+        if batch.format == "multi" else None
+    return {
+        "path": for_user(batch.path),
+        "format": batch.format,
+        "structures": batch.n_structures,
+        "atoms": int(batch.n_atoms.sum()),
+        "sources": [for_user(source) for source in batch.sources],
+        **({"members": members} if members else {}),
+        "fields": {f.name: field(f) for f in fields},
+        "conflicts": dict(batch.fields.conflicts),
+        "results": batch.results,
+        "elements": None if elements is None else _elements(elements),
+        "values": {name: {"distinct": len(counts), "most_common": dict(
+            sorted(counts.items(), key=lambda item: (-item[1], item[0]))[:MOST_COMMON])}
+                   for name, counts in strings.items()},
+    }
 
 
 def _elements(counts):

@@ -21,7 +21,9 @@ import numpy as np
 
 from segcli import moments_twin, threads
 from segcli.errors import DataError
-from segcli.io.core import N_ELEMENTS, Window, are_elements, held, not_an_element
+from segcli.fields import held
+from segcli.io.core import N_ELEMENTS, are_elements, not_an_element
+from segcli.memory import Window
 from segcli.moments import (  # noqa: F401  (the statistics' types, for users of this module)
     MOMENT_NAMES,
     FieldStats,
@@ -253,7 +255,7 @@ def _leaf_runs(numbers, leaves):
 
 def _in_place(name, rows):
     """The `into` of the chunks whose moments are taken: their per-atom rows left in the
-    file's pages where its format can (io.core.Window), not copied, as the moments read them
+    file's pages where its format can (segcli.memory.Window), not copied, as the moments read them
     once and keep nothing."""
     return Window(rows, align=1)
 
@@ -310,7 +312,7 @@ def _native_moments():
     moments_library(lib)
 
     def moments(rows, with_norm, count, labels, out, buffers):
-        # rows left in the file's pages (read-only, io.core.Window) leave the reading thread
+        # rows left in the file's pages (read-only, segcli.memory.Window) leave the reading thread
         # little to do: every core takes a share; else one is left to it
         helpers = threads.count() if not rows.flags.writeable else max(1, threads.count() - 1)
         if rows.dtype not in (np.float32, np.float64):

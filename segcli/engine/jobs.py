@@ -12,7 +12,7 @@ from typing import NamedTuple
 import numpy as np
 
 from segcli.errors import DataError
-from segcli.io.core import unknown_field
+from segcli.fields import unknown_field
 from segcli.registry import Arg, Op
 
 PRECISIONS = ("float32", "float64")
@@ -38,7 +38,7 @@ def _field(path, name, wanted, fields, needs_float, role):
                    else ("f", "floating-point to be differentiated") if needs_float
                    else ("biuf", "real numbers"))
     if info.dtype.kind not in kinds:
-        from segcli.io.core import held
+        from segcli.fields import held
 
         raise DataError(f"{path}: field '{name}' holds {held(info.dtype)}, but {role} must be "
                         f"{what}")
@@ -227,7 +227,7 @@ def nan_dtype(dtype):
 def job_present(have, job):
     """(S,) bool, True where a structure has every field `job` reads, given `have(name)`
     (Batch.present, or a Chunk's present.get); None where all do."""
-    from segcli.io.core import all_of
+    from segcli.fields import all_of
 
     return all_of([have(name) for name in job.read])
 

@@ -121,7 +121,7 @@ class BufferRing:
     def __init__(self, pinned=False):
         self._buffers = {}  # (key, shape, dtype) -> [(buffer, owner, references when idle)]
         self._lent = {}  # buffer address -> rows lent to a reader
-        self._windows = collections.deque(maxlen=8)  # the last io.core.Windows asked for
+        self._windows = collections.deque(maxlen=8)  # the last memory.Windows asked for
         self.pinned = pinned
 
     def take(self, key, shape, dtype):
@@ -147,16 +147,16 @@ class BufferRing:
         return buffer[:rows]
 
     def window(self, key, shape, dtype, rows):
-        """An io.core.Window of `shape` for a reader to map, else to read `rows` rows into a
+        """An segcli.memory.Window of `shape` for a reader to map, else to read `rows` rows into a
         buffer `key` (see `lend`); found again by `windowed`."""
-        from segcli.io.core import Window
+        from segcli.memory import Window
 
         window = Window(shape[0], self.lend(key, shape, dtype, rows))
         self._windows.append(window)
         return window
 
     def windowed(self, array):
-        """The io.core.Window whose rows for its chunk `array` is (given once, then forgotten
+        """The segcli.memory.Window whose rows for its chunk `array` is (given once, then forgotten
         here), or None."""
         window = next((w for w in self._windows if w.holds(array)), None)
         if window is not None:
@@ -206,7 +206,7 @@ _SPARE_RINGS = {}
 class _Padded(NamedTuple):
     """A chunk's inputs on the host, cast and padded to bucket sizes: `segments` (S_b) rows per
     structure and `rows` (N_b) per atom, the chunk's atoms at rows [skip, skip + n_rows) (skip:
-    the rows ahead of them in a window of the file's pages, see io.core.Window), the rows
+    the rows ahead of them in a window of the file's pages, see segcli.memory.Window), the rows
     around them in segment -1 ahead and S_b after (out of range, so dropped by the ops).
     `offsets` (S_b + 1,) are the segments' CSR offsets, padding ones empty, which the device
     expands into ids itself (ops.segments_of_offsets). With `device_checks_nan` the device
@@ -273,7 +273,7 @@ def padded_size(n_atoms, chunk_atoms, structure_bytes=0):
     buckets of the largest chunk, so that a whole run compiles once; the structures only to the
     largest chunk's count where, at `structure_bytes` of outputs each, the bucket would take
     more than PADDING_BYTES."""
-    from segcli.io.core import plan_chunks
+    from segcli.memory import plan_chunks
 
     bounds = np.array(plan_chunks(n_atoms, chunk_atoms))
     atoms = np.diff(np.concatenate([[0], np.cumsum(n_atoms)])[bounds])
@@ -295,7 +295,7 @@ def _check_output_memory(jobs, structures):
     """DataError when the per-structure outputs of `jobs` for a chunk of `structures`
     (padded) cannot fit in the memory available, naming the op's params that make them wide
     (bincount's --length)."""
-    from segcli.io.core import available_memory
+    from segcli.memory import available_memory
 
     need, have = structures * _structure_bytes(jobs), available_memory()
     if need <= have:
@@ -312,7 +312,7 @@ def lending(buffers, dtypes, fields, least_rows, windows=False):
     """An `into` for Batch.iter_chunks: a buffer of `buffers` (a BufferRing), padded to at
     least `least_rows` rows (a bucket), to read the next piece of per-atom field `name`
     (fields[name] its FieldInfo) into as dtypes[name]; None for other fields. With `windows`,
-    a field stored as dtypes[name] is asked for as an io.core.Window of that many rows (left
+    a field stored as dtypes[name] is asked for as an segcli.memory.Window of that many rows (left
     in the file's pages where the reader can, else read into the buffer)."""
 
     def into(name, rows):
@@ -333,7 +333,7 @@ def padded_chunks(batch, jobs, chunk_atoms, structures, buffers, on_device=False
     read, in `buffers` (a BufferRing); DataError if one holds NaN, with the count over the
     whole selection and the first structure. With `on_device` the NaN check is left to the
     device (see program._compiled)."""
-    from segcli.io.core import check_memory
+    from segcli.memory import check_memory
 
     dtypes = field_dtypes(jobs)
     read = tuple(dtypes)

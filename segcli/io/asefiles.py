@@ -10,7 +10,8 @@ from functools import cached_property
 import numpy as np
 
 from segcli.errors import DataError
-from segcli.io.core import NUMERIC_KINDS, STRING, Batch, Chunk, Schema, integral_numbers, rechunk
+from segcli.fields import NUMERIC_KINDS, STRING
+from segcli.io.core import Batch, Chunk, Schema, integral_numbers, rechunk
 
 DECOMPRESSION_ERRORS = (EOFError, OSError, zlib.error, lzma.LZMAError)
 """What reading gzip, bzip2 or xz data that is cut short or corrupt raises (see

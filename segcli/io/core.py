@@ -1,6 +1,5 @@
 """What every reader shares: field descriptions, chunks of whole structures, derived fields."""
 
-import contextlib
 import ctypes
 import errno
 import functools
@@ -14,20 +13,11 @@ from typing import NamedTuple
 import numpy as np
 
 from segcli.errors import DataError, for_user
+from segcli.fields import STRING, all_of, unknown_field
+from segcli.memory import offsets_of, plan_chunks
 
 FORMAT = "segcli-batch"
 VERSION = 1
-NUMERIC_KINDS = "biufc"
-STRING = np.dtype(object)
-"""The dtype of a string field: an object array of Python str."""
-
-
-def held(dtype):
-    """What a field of `dtype` holds, for messages: "strings" or e.g. "int32 values"."""
-    return "strings" if dtype == STRING else f"{dtype} values"
-
-
-
 N_ELEMENTS = 119
 """Atomic numbers are 0 (ASE's X) to N_ELEMENTS - 1."""
 
@@ -69,48 +59,6 @@ def path_text(path):
     """A file's path as text that HDF5 stores (UTF-8): bytes of the name that are not UTF-8
     as backslash escapes, a stream's temporary copy by the stream's name (see for_user)."""
     return os.fsencode(for_user(os.fsdecode(path))).decode("utf-8", "backslashreplace")
-
-
-def available_memory():
-    """Bytes of memory this process can still take: the kernel's MemAvailable (Linux), else the
-    machine's physical memory; at most what the limit on its address space leaves (see
-    address_space_left)."""
-    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    with contextlib.suppress(OSError, ValueError, StopIteration):
-        with open("/proc/meminfo") as meminfo:
-            line = next(line for line in meminfo if line.startswith("MemAvailable:"))
-        have = int(line.split()[1]) * 1024
-    left = address_space_left()
-    return have if left is None else min(have, left)
-
-
-def address_space_left():
-    """Bytes of address space that the limit on it (RLIMIT_AS, ulimit -v) leaves this process,
-    or None where there is no limit (or the process's size cannot be read)."""
-    import resource
-
-    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
-    if limit == resource.RLIM_INFINITY:
-        return None
-    with contextlib.suppress(OSError, ValueError, StopIteration):
-        with open("/proc/self/status") as status:
-            line = next(line for line in status if line.startswith("VmSize:"))
-        return max(limit - int(line.split()[1]) * 1024, 0)
-    return None
-
-
-def check_memory(path, n_atoms, first, row_bytes):
-    """DataError naming the largest structure of `n_atoms` (structures numbered from `first`)
-    when its atoms, at `row_bytes` each, cannot fit in the memory available: a structure is
-    never split across chunks, whatever --chunk-atoms says."""
-    if not len(n_atoms):
-        return
-    largest = int(np.argmax(n_atoms))
-    need, have = int(n_atoms[largest]) * row_bytes, available_memory()
-    if need > have:
-        raise DataError(f"{path}: structure {first + largest} has {n_atoms[largest]} atoms, "
-                        f"which need {need} bytes at once, more than the {have} bytes of "
-                        "memory available")
 
 
 def standard_input():
@@ -177,27 +125,6 @@ class FieldInfo(NamedTuple):
     shape: tuple
     dtype: np.dtype
     units: str | None = None
-
-
-class Window:
-    """What an `into` of Batch.iter_chunks may return instead of an array: a request to leave a
-    chunk's rows of a per-atom field where the file stores them, in a read-only memory map of
-    its pages (populated at once), rather than copy them, where the format can. The window
-    holds `rows` rows, from one at most `align` rows ahead of the chunk's first (`skip` of
-    them) such that the window starts at an address that is a multiple of `align` bytes; the
-    reader sets `array` to the window, `skip` and `given` (the chunk's rows), and gives the
-    Chunk array[skip:skip + given]. Left unset where the rows cannot be mapped so: the reader
-    then reads them into `fallback` (an array, as `into` returns) or a new array."""
-
-    def __init__(self, rows, fallback=None, align=64):
-        self.rows, self.fallback, self.align = rows, fallback, align
-        self.array, self.skip, self.given = None, 0, 0
-
-    def holds(self, rows):
-        """Whether `rows` (a Chunk's field) are the rows the reader gave of this window."""
-        return (self.array is not None and len(rows) == self.given
-                and rows.ctypes.data == self.array[self.skip:].ctypes.data
-                and rows.shape[1:] == self.array.shape[1:] and rows.dtype == self.array.dtype)
 
 
 class Chunk(NamedTuple):
@@ -324,39 +251,6 @@ def common_dtype(path, name, index, known, dtype):
         raise DataError(f"{path}: field '{name}' holds {kinds[0]} in structure {index}, "
                         f"{kinds[1]} before")
     return np.result_type(known, dtype)
-
-
-def all_of(masks):
-    """Where every mask (None: everywhere) is True; None when that is everywhere."""
-    masks = [m for m in masks if m is not None]
-    if not masks:
-        return None
-    both = np.logical_and.reduce(masks)
-    return None if both.all() else both
-
-
-def offsets_of(counts):
-    """0, then the running sums of `counts` (int64), made in one new array: a file's structures
-    can number 10⁸, and on a VM the page faults of each fresh array of them cost more than the
-    sums."""
-    offsets = np.empty(len(counts) + 1, np.int64)
-    offsets[0] = 0
-    np.cumsum(counts, out=offsets[1:])
-    return offsets
-
-
-def plan_chunks(n_atoms, chunk_atoms):
-    """Bounds [b0, b1, ...] of runs of whole structures holding at most `chunk_atoms` atoms.
-
-    A structure bigger than the bound forms a run of its own.
-    """
-    cum = offsets_of(n_atoms)
-    bounds = [0]
-    while bounds[-1] < len(n_atoms):
-        a = bounds[-1]
-        b = int(np.searchsorted(cum, cum[a] + chunk_atoms, side="right")) - 1
-        bounds.append(max(b, a + 1))
-    return bounds
 
 
 def split_piece(piece, k):
@@ -621,15 +515,6 @@ class Fields(dict):
     def __init__(self, fields, conflicts=MappingProxyType({})):
         super().__init__(fields)
         self.conflicts = conflicts
-
-
-def unknown_field(path, name, fields):
-    """The DataError for `name`, which is not one of `fields` (a dict, or Fields saying why)."""
-    why = getattr(fields, "conflicts", {}).get(name)
-    if why is not None:
-        return DataError(f"{path}: {why}")
-    return DataError(f"{path}: no field '{name}'; its fields are: "
-                     f"{', '.join(sorted(fields)) or '(none)'}")
 
 
 def file_stamp(path):

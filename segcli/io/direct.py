@@ -62,13 +62,13 @@ class _Pages:
         address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED | _POPULATE, fd, offset)
         if address in (None, ctypes.c_void_p(-1).value):
             raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
-        self._address = address
+        self._address, self._unmap = address, libc.munmap  # kept: at exit _libc may be gone
         self.__array_interface__ = {"shape": (size,), "typestr": "|u1",
                                     "data": (address, True), "version": 3}
 
     def __del__(self):
         if self._address is not None:
-            _libc().munmap(self._address, self._size)
+            self._unmap(self._address, self._size)
 
 
 class _Storage:
@@ -189,10 +189,11 @@ class Reader:
         return out
 
     def window(self, ds, lo, hi, request):
-        """Rows [lo, hi) of `ds` left in the file's pages as `request` (a core.Window) asks: its
-        window set to a read-only map of them and of the bytes around them (the dataset's
-        other rows, or before its start and past its end whatever the file holds there: so
-        that its first rows too are mapped where they do not start at an aligned address),
+        """Rows [lo, hi) of `ds` left in the file's pages as `request` (a
+        segcli.memory.Window) asks: its window set to a read-only map of them and of the bytes
+        around them (the dataset's other rows, or before its start and past its end whatever
+        the file holds there: so that its first rows too are mapped where they do not start at
+        an aligned address),
         and the rows returned (a view of it); None where `ds` is not stored contiguously as
         NumPy holds it, or no such window lies within the file."""
         storage = self.storage(ds)

@@ -13,24 +13,12 @@ import h5py
 import numpy as np
 
 from segcli.errors import DataError
-from segcli.io.core import (
-    FORMAT,
-    NUMERIC_KINDS,
-    STRING,
-    VERSION,
-    Batch,
-    Chunk,
-    FieldInfo,
-    Schema,
-    Window,
-    check_memory,
-    integral_numbers,
-    offsets_of,
-    plan_chunks,
-)
+from segcli.fields import NUMERIC_KINDS, STRING
+from segcli.io.core import FORMAT, VERSION, Batch, Chunk, FieldInfo, Schema, integral_numbers
 from segcli.io.direct import Reader
-from segcli.io.heap import TextHeaps, address_space_capped, guarded
+from segcli.io.heap import TextHeaps, guarded
 from segcli.io.units import convention, stated
+from segcli.memory import Window, address_space_capped, check_memory, offsets_of, plan_chunks
 
 POSITION_NAMES = ("coordinates", "conformations", "positions")
 NUMBER_NAMES = ("atomic_numbers", "species")
@@ -236,8 +224,8 @@ def _read_strings(ds, rows=1 << 16):
 def read_rows(path, ds, lo, hi, out=None, reader=None):
     """Rows [lo, hi) of a dataset (of strings: an object array of str), read into `out` when it
     is an array of their shape and dtype (else a new array), or left in the file's pages where
-    `out` is a core.Window that they can fill, by `reader` (a direct.Reader of the file) where
-    it can; DataError if the file cannot give them."""
+    `out` is a segcli.memory.Window that they can fill, by `reader` (a direct.Reader of the
+    file) where it can; DataError if the file cannot give them."""
     if isinstance(out, Window):
         rows = reader.window(ds, lo, hi, out) if reader is not None else None
         if rows is not None:

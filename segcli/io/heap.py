@@ -11,7 +11,7 @@ before HDF5 does (see `hdf5.check_metadata`, run on every HDF5 input):
   file's bytes (faster than HDF5 reads the strings).
 A heap ID also says how long its string is, and HDF5 allocates that much before it reads the
 collection: an attribute's heap IDs lie in its object header, out of segcli's reach, so its
-text is read with the address space capped (`address_space_capped`).
+text is read with the address space capped (segcli.memory.address_space_capped).
 Once each is walked, the file reads safely through any handle.
 """
 
@@ -20,9 +20,7 @@ import errno
 import io
 import math
 import os
-import resource
 import struct
-import threading
 import zlib
 
 import h5py
@@ -34,34 +32,6 @@ SIGNATURE = b"\x89HDF\r\n\x1a\n"
 COLLECTION = b"GCOL"
 LOCAL_HEAP = b"HEAP"
 FREE_LIST_END = 1  # HDF5's H5HL_FREE_NULL
-
-
-_CAP = threading.Lock()
-
-
-@contextlib.contextmanager
-def address_space_capped(extra):
-    """Within, allocations that would grow the process's address space by more than `extra`
-    bytes fail (HDF5's with an OSError, Python's with MemoryError); nothing changes where the
-    address space cannot be measured (no /proc) or is limited more already. One cap at a time,
-    and the limit as it was afterwards."""
-    with _CAP:
-        try:
-            with open("/proc/self/statm") as statm:
-                mapped = int(statm.read().split()[0]) * resource.getpagesize()
-        except (OSError, ValueError, IndexError):
-            mapped = None
-        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-        cap = None if mapped is None else mapped + extra
-        if cap is None or (hard != resource.RLIM_INFINITY and cap >= hard) or \
-                (soft != resource.RLIM_INFINITY and cap >= soft):
-            yield
-            return
-        resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
-        try:
-            yield
-        finally:
-            resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
 class HeapGuard(io.FileIO):

@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 import numpy as np
 
 from segcli.errors import DataError
-from segcli.io.core import FORMAT, offsets_of, plan_chunks
+from segcli.io.core import FORMAT
 from segcli.io.coverage import (
     Span,
     check_spans,
@@ -36,6 +36,7 @@ from segcli.io.hdf5 import (
 from segcli.io.heap import guarded
 from segcli.io.outputs import ensure_room, new_output
 from segcli.io.statsfile import STATS_ATTRIBUTE_BYTES, STATS_FORMAT
+from segcli.memory import offsets_of, plan_chunks
 from segcli.moments import merge_stats
 
 BLOCK_BYTES = 8 << 20

@@ -21,10 +21,10 @@ from segcli.io.core import (
     file_stamp,
     fill_value,
     missing,
-    offsets_of,
     open_for_reading,
     standard_input,
 )
+from segcli.memory import offsets_of
 
 
 class Layout(NamedTuple):

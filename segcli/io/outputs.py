@@ -21,7 +21,7 @@ from contextlib import contextmanager, suppress
 import numpy as np
 
 from segcli.errors import DataError, hold_signals, raise_if_interrupted, release_signals
-from segcli.io.core import STRING
+from segcli.fields import STRING
 
 ROOM_MARGIN = 1 << 20
 """Bytes kept free beyond each write for HDF5's own records."""

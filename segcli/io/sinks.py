@@ -19,9 +19,10 @@ import numpy as np
 
 from segcli.errors import ArgumentError, DataError, literal
 from segcli.io import text
-from segcli.io.core import offsets_of, spread
+from segcli.io.core import spread
 from segcli.io.outputs import new_output
 from segcli.io.writers import ResultWriter, RowsInto
+from segcli.memory import offsets_of
 
 
 class IntoFile:

@@ -8,7 +8,7 @@ import re
 import numpy as np
 
 from segcli.errors import DataError
-from segcli.io.core import held
+from segcli.fields import held
 
 CONVENTIONS = {
     "conformations": (("conformations", "Bohr"), ("*_energy", "Hartree"),

@@ -12,9 +12,9 @@ import numpy as np
 
 from segcli import __version__
 from segcli.errors import DataError
+from segcli.fields import STRING
 from segcli.io.core import (
     FORMAT,
-    STRING,
     VERSION,
     FieldInfo,
     Schema,
