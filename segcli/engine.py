@@ -407,7 +407,7 @@ class _BufferRing:
 def _aligned(size, pinned):
     """`size` bytes (uint8) at an address that is a multiple of 64; page-locked if `pinned`."""
     if pinned:
-        from segcli.ops._kernels import pinned_bytes
+        from segcli.ops.kernels import pinned_bytes
 
         raw = pinned_bytes(size + 64)
     else:
@@ -683,9 +683,9 @@ def behind(consume):
 def runs_on(device):
     """Whether the kernels can run on `device` (a jax.Device): a Warp build without its CPU
     backend runs them on GPUs only."""
-    from segcli.ops import _kernels
+    from segcli.ops import kernels
 
-    return device.platform != "cpu" or _kernels.cpu_available()
+    return device.platform != "cpu" or kernels.cpu_available()
 
 
 @functools.cache
