@@ -17,7 +17,7 @@ kernels (one per dtype) at its first launch.
 >>> spec = kernels.pick(kernels.LAYOUT, "offsets", device="cpu")
 >>> ids = jnp.array([0, 0, 1, 3], jnp.int32)
 >>> kernels.launch(spec, ids, dims=(1,), out=(5,)).tolist()
-[0, 2, 3, 4, 4]
+[0, 2, 3, 3, 4]
 """
 
 from segcli.ops.kernels._common import LANES, lane_grid
