@@ -46,7 +46,7 @@ def lane_grid(groups, gpu, lanes=LANES):
 # itself: Warp's own (groups, lanes) launch unravels every index by a 64-bit division and
 # modulo. ncu on an H100 (max_norm_lanes, float32, N = 10⁷): 55.6 → 44.4 M instructions, 92 →
 # 78.5 µs (benchmarks/RESULTS.md).
-@wp.func_native(_c.body('lane_shift.cuh'))
+@wp.func_native(_c.body("lane_shift.cuh"))
 def _lane_shift(lanes: int) -> int:
     ...
 
@@ -57,33 +57,33 @@ def _lane_split(i: int, lanes: int):
     return i >> _lane_shift(lanes), i & (lanes - 1)
 
 
-@wp.func_native(_c.body('lanes_here.cuh'))
+@wp.func_native(_c.body("lanes_here.cuh"))
 def _lanes_here(lanes: int) -> int:
     ...
 
 
-@wp.func_native(_c.body('lane_xor.cuh'))
+@wp.func_native(_c.body("lane_xor.cuh"))
 def _lane_xor(v: wp.float32, offset: int, lanes: int) -> wp.float32:
     ...
 
 
-@wp.func_native(_c.body('lane_xor.cuh'))
+@wp.func_native(_c.body("lane_xor.cuh"))
 def _lane_xor(v: wp.float64, offset: int, lanes: int) -> wp.float64:
     ...
 
 
-@wp.func_native(_c.body('sync_lanes.cuh'))
+@wp.func_native(_c.body("sync_lanes.cuh"))
 def _sync_lanes(lanes: int):
     ...
 
 
-@wp.func_native(_c.body('lanes8.h', 'span_sum.cuh', dtype='float32'))
+@wp.func_native(_c.body("lanes8.h", "span_sum.cuh", dtype="float32"))
 def _span_sum(x: wp.array(dtype=wp.float32), y: wp.array(dtype=wp.float32), lo: int, hi: int,
               g: int, groups: int, k: int, lane: int, lanes: int, f: wp.float32) -> wp.float32:
     ...
 
 
-@wp.func_native(_c.body('lanes8.h', 'span_sum.cuh', dtype='float64'))
+@wp.func_native(_c.body("lanes8.h", "span_sum.cuh", dtype="float64"))
 def _span_sum(x: wp.array(dtype=wp.float64), y: wp.array(dtype=wp.float64), lo: int, hi: int,
               g: int, groups: int, k: int, lane: int, lanes: int, f: wp.float64) -> wp.float64:
     ...

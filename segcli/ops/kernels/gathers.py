@@ -156,14 +156,14 @@ def _matvec_kernel(
 
 
 # The rows lo:hi of a segment, scaled, on CPUs (see scale_rows.h)
-@wp.func_native(_c.body('scale_rows.h', dtype='float32'))
+@wp.func_native(_c.body("scale_rows.h", dtype="float32"))
 def _scale_rows(x: wp.array(dtype=wp.vec3f), b: wp.array(dtype=wp.vec3f),
                 out: wp.array(dtype=wp.vec3f), lo: int, hi: int, factor: wp.float32,
                 second: wp.float32, third: wp.float32, paired: int):
     ...
 
 
-@wp.func_native(_c.body('scale_rows.h', dtype='float64'))
+@wp.func_native(_c.body("scale_rows.h", dtype="float64"))
 def _scale_rows(x: wp.array(dtype=wp.vec3d), b: wp.array(dtype=wp.vec3d),
                 out: wp.array(dtype=wp.vec3d), lo: int, hi: int, factor: wp.float64,
                 second: wp.float64, third: wp.float64, paired: int):
@@ -171,13 +171,13 @@ def _scale_rows(x: wp.array(dtype=wp.vec3d), b: wp.array(dtype=wp.vec3d),
 
 
 # The rows lo:hi of out set to (a, b, c) on CPUs (see fill_rows.h)
-@wp.func_native(_c.body('fill_rows.h', dtype='float32'))
+@wp.func_native(_c.body("fill_rows.h", dtype="float32"))
 def _fill_rows(out: wp.array(dtype=wp.vec3f), lo: int, hi: int, a: wp.float32, b: wp.float32,
                c: wp.float32):
     ...
 
 
-@wp.func_native(_c.body('fill_rows.h', dtype='float64'))
+@wp.func_native(_c.body("fill_rows.h", dtype="float64"))
 def _fill_rows(out: wp.array(dtype=wp.vec3d), lo: int, hi: int, a: wp.float64, b: wp.float64,
                c: wp.float64):
     ...

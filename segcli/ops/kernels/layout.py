@@ -32,7 +32,7 @@ def _layout_kernel(idx: wp.array(dtype=wp.int32), out: wp.array(dtype=wp.int32))
 
 
 # CPUs: the offsets at the boundaries of a run of 4 ids (see layout_run.h).
-@wp.func_native(_c.body('layout_run.h'))
+@wp.func_native(_c.body("layout_run.h"))
 def _layout_run(idx: wp.array(dtype=wp.int32), out: wp.array(dtype=wp.int32), t: int) -> int:
     ...
 
@@ -42,7 +42,7 @@ def _layout_runs_kernel(idx: wp.array(dtype=wp.int32), out: wp.array(dtype=wp.in
     _layout_run(idx, out, wp.tid())
 
 
-@wp.func_native(_c.body('fill_ids.h'))
+@wp.func_native(_c.body("fill_ids.h"))
 def _fill_ids(out: wp.array(dtype=wp.int32), lo: int, hi: int, id: int):
     ...
 

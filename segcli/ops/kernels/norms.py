@@ -277,7 +277,7 @@ def _root_mean(x: wp.array3d(dtype=Any), lo: int, hi: int, g: int, total: Any):
 
 
 # out[e] = (x[e] · a) · b, plus (y[e] · a) · c if `paired` (see span_scaled.cuh)
-@wp.func_native(_c.body('span_scaled.cuh', dtype='float32'))
+@wp.func_native(_c.body("span_scaled.cuh", dtype="float32"))
 def _span_scaled(x: wp.array(dtype=wp.float32), y: wp.array(dtype=wp.float32),
                  out: wp.array(dtype=wp.float32), lo: int, hi: int, g: int, groups: int, k: int,
                  lane: int, lanes: int, a: wp.float32, b: wp.float32, c: wp.float32,
@@ -285,7 +285,7 @@ def _span_scaled(x: wp.array(dtype=wp.float32), y: wp.array(dtype=wp.float32),
     ...
 
 
-@wp.func_native(_c.body('span_scaled.cuh', dtype='float64'))
+@wp.func_native(_c.body("span_scaled.cuh", dtype="float64"))
 def _span_scaled(x: wp.array(dtype=wp.float64), y: wp.array(dtype=wp.float64),
                  out: wp.array(dtype=wp.float64), lo: int, hi: int, g: int, groups: int, k: int,
                  lane: int, lanes: int, a: wp.float64, b: wp.float64, c: wp.float64,

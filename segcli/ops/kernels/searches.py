@@ -350,25 +350,25 @@ def _squares_resolved(search, key):
 # (`largest` 1, max) or the smallest (0, min), by one pass of branch-free comparisons, or -1
 
 
-@wp.func_native(_c.body('plain_search.h', dtype='float32'))
+@wp.func_native(_c.body("plain_search.h", dtype="float32"))
 def _plain_search(x: wp.array3d(dtype=wp.float32), lo: int, hi: int, g: int, groups: int,
                   largest: int) -> int:
     ...
 
 
-@wp.func_native(_c.body('plain_search.h', dtype='float64'))
+@wp.func_native(_c.body("plain_search.h", dtype="float64"))
 def _plain_search(x: wp.array3d(dtype=wp.float64), lo: int, hi: int, g: int, groups: int,
                   largest: int) -> int:
     ...
 
 
-@wp.func_native(_c.body('plain_search.h', dtype='int32'))
+@wp.func_native(_c.body("plain_search.h", dtype="int32"))
 def _plain_search(x: wp.array3d(dtype=wp.int32), lo: int, hi: int, g: int, groups: int,
                   largest: int) -> int:
     ...
 
 
-@wp.func_native(_c.body('plain_search.h', dtype='int64'))
+@wp.func_native(_c.body("plain_search.h", dtype="int64"))
 def _plain_search(x: wp.array3d(dtype=wp.int64), lo: int, hi: int, g: int, groups: int,
                   largest: int) -> int:
     ...
@@ -399,22 +399,22 @@ def _first_by_plain_comparisons(largest):
 # lanes then give each entry's best value and its first row, or -1 where the entry has a NaN
 
 
-@wp.func_native(_c.body('lanes8.h', 'rows8.h', 'plain_search3.h', dtype='float32'))
+@wp.func_native(_c.body("lanes8.h", "rows8.h", "plain_search3.h", dtype="float32"))
 def _plain_search3(x: wp.array3d(dtype=wp.float32), lo: int, hi: int, largest: int) -> wp.vec3i:
     ...
 
 
-@wp.func_native(_c.body('lanes8.h', 'rows8.h', 'plain_search3.h', dtype='float64'))
+@wp.func_native(_c.body("lanes8.h", "rows8.h", "plain_search3.h", dtype="float64"))
 def _plain_search3(x: wp.array3d(dtype=wp.float64), lo: int, hi: int, largest: int) -> wp.vec3i:
     ...
 
 
-@wp.func_native(_c.body('lanes8.h', 'rows8.h', 'plain_search3.h', dtype='int32'))
+@wp.func_native(_c.body("lanes8.h", "rows8.h", "plain_search3.h", dtype="int32"))
 def _plain_search3(x: wp.array3d(dtype=wp.int32), lo: int, hi: int, largest: int) -> wp.vec3i:
     ...
 
 
-@wp.func_native(_c.body('lanes8.h', 'rows8.h', 'plain_search3.h', dtype='int64'))
+@wp.func_native(_c.body("lanes8.h", "rows8.h", "plain_search3.h", dtype="int64"))
 def _plain_search3(x: wp.array3d(dtype=wp.int64), lo: int, hi: int, largest: int) -> wp.vec3i:
     ...
 
