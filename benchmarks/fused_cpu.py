@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import warp as wp
 
-from segcli.ops import _kernels as K
+from segcli.ops.kernels import _common, norms, searches
 
 
 @wp.func
@@ -31,12 +31,12 @@ def _segment_rms_norm(x: wp.array3d(dtype=Any), lo: int, hi: int, g: int):
     other = x.dtype(0.0)
     i = lo
     while i + 1 < hi:
-        total += K._squared_norm(x, i, g)
-        other += K._squared_norm(x, i + 1, g)
+        total += norms._squared_norm(x, i, g)
+        other += norms._squared_norm(x, i + 1, g)
         i += 2
     if i < hi:
-        total += K._squared_norm(x, i, g)
-    return K._rms_of_squares(x, lo, hi, g, total + other)
+        total += norms._squared_norm(x, i, g)
+    return norms._rms_of_squares(x, lo, hi, g, total + other)
 
 
 @wp.func
@@ -44,7 +44,7 @@ def _no_fallback(x: wp.array3d(dtype=Any), lo: int, hi: int, g: int):
     return lo
 
 
-_first_of_largest = K._largest_square_first(_no_fallback, K._norm, K._above)
+_first_of_largest = searches._largest_square_first(_no_fallback, norms._norm, searches._above)
 
 
 @wp.func
@@ -71,7 +71,7 @@ def segment_kernel(name, rms=False, search=False, average=False):
                out: wp.array(dtype=wp.float64), first: wp.array(dtype=wp.int32),
                mean: wp.array2d(dtype=wp.float64)):
         s = wp.tid()
-        lo, hi = K._segment_range(offsets, s, x.shape[0])
+        lo, hi = _common._segment_range(offsets, s, x.shape[0])
         if lo < hi:
             if wp.static(rms):
                 out[s] = _segment_rms_norm(x, lo, hi, 0)

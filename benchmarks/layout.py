@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from segcli.ops._kernels import launch
+from segcli.ops.kernels import LAYOUT, launch, pick
 
 
 def main():
@@ -26,10 +26,11 @@ def main():
     idx = np.full(args.atoms, m, np.int32)  # padding rows, as the engine pads a chunk
     idx[:sizes.sum()] = np.repeat(np.arange(m, dtype=np.int32), sizes)
     idx = jnp.asarray(idx)
+    by_search, by_runs = (pick(LAYOUT, "offsets", device=device) for device in ("gpu", "cpu"))
     ways = {"binary search per segment":
-                jax.jit(lambda i: launch("layout", i, dims=(m + 1,), out=(m + 1,))),
+                jax.jit(lambda i: launch(by_search, i, dims=(m + 1,), out=(m + 1,))),
             "a thread per 4 ids": jax.jit(lambda i: launch(
-                "layout_runs", i, dims=(-(-i.shape[0] // 4),), out=(m + 1,)))}
+                by_runs, i, dims=(-(-i.shape[0] // 4),), out=(m + 1,)))}
     results = [np.asarray(f(idx)) for f in ways.values()]
     assert all((r == results[0]).all() for r in results)
     times = {name: [] for name in ways}

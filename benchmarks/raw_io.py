@@ -66,7 +66,9 @@ def write_h5py(path, chunks, data):
 def pinned():
     """A pinned buffer of CHUNK bytes where Warp sees a GPU, else None."""
     try:
-        from segcli.ops._kernels import pinned_bytes, wp
+        import warp as wp
+
+        from segcli.ops.kernels import pinned_bytes
     except ImportError:
         return None
     return pinned_bytes(CHUNK) if wp.is_cuda_available() else None

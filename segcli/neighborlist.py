@@ -295,7 +295,7 @@ def _pairs_program(n_cutoffs, rows, segments, n_bins, histogram_bins):
     import jax.numpy as jnp
 
     from segcli import ops
-    from segcli.ops._kernels import launch
+    from segcli.ops.kernels import NEIGHBOURS, launch, pick
 
     def program(wrapped, fractional, offsets, present, low, high, bins, reach, periodic,
                 first_bin, lattice, cutoffs, scale):
@@ -314,8 +314,9 @@ def _pairs_program(n_cutoffs, rows, segments, n_bins, histogram_bins):
         order = jnp.argsort(key, stable=True).astype(jnp.int32)
         bin_start = jnp.searchsorted(key[order], jnp.arange(n_bins + 1, dtype=key.dtype))
         counts, nearest, partner, histogram = launch(
-            "neighbors", wrapped[order], order, jnp.where(real, ids, -1)[order],
-            bin_xyz[order], bin_start.astype(jnp.int32), lattice, bins, reach,
+            pick(NEIGHBOURS, "neighbors"), wrapped[order], order,
+            jnp.where(real, ids, -1)[order], bin_xyz[order], bin_start.astype(jnp.int32),
+            lattice, bins, reach,
             periodic.astype(jnp.int32), first_bin, offsets[:-1], cutoffs, scale,
             jnp.zeros((rows, n_cutoffs), jnp.int64), jnp.zeros(rows, jnp.float64),
             jnp.zeros(rows, jnp.int32), jnp.zeros(histogram_bins, jnp.int32),

@@ -212,9 +212,9 @@ def test_device_choice():
 
 
 def test_a_warp_build_without_cpu_backend_refuses_the_cpu(monkeypatch):
-    from segcli.ops import _kernels
+    from segcli.ops import kernels
 
-    monkeypatch.setattr(_kernels, "cpu_available", lambda: False)
+    monkeypatch.setattr(kernels, "cpu_available", lambda: False)
     result = run("--random", "8:2", "--op", "count", "--device", "cpu")
     assert result.exit_code == 2 and "no CPU backend (warp-clang)" in result.output
     assert "Traceback" not in result.output

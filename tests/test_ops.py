@@ -14,7 +14,8 @@ import pytest
 from batch_reference import random_args
 
 from segcli import cache_directory, ops, reference
-from segcli.ops import _kernels, _primitives
+from segcli.ops import _primitives, kernels
+from segcli.ops.kernels import _registry, searches
 from segcli.registry import OPS
 
 pytestmark = pytest.mark.usefixtures("x64", "strict_numpy")
@@ -673,16 +674,16 @@ def rows_before_a_guard_page(rows):
 def test_flat_launches_of_lane_groups_stay_within_warps_int_thread_index():
     """Groups of lanes are launched flat (groups · lanes threads); where that would pass
     2³¹ - 1 threads a group takes fewer lanes, the most that fit."""
-    def lanes_for(groups, gpu, lanes=_kernels.LANES):
-        got, dims = _kernels.lane_grid(groups, gpu, lanes)
+    def lanes_for(groups, gpu, lanes=kernels.LANES):
+        got, dims = kernels.lane_grid(groups, gpu, lanes)
         assert dims == (groups * got,)
         return got
 
-    assert lanes_for(312_501, gpu=True) == _kernels.LANES == 8
+    assert lanes_for(312_501, gpu=True) == kernels.LANES == 8
     assert lanes_for(312_501, gpu=False) == 1
     assert lanes_for(2**28 - 1, gpu=True) == 8
     assert lanes_for(2**28, gpu=True) == 4
-    assert lanes_for(10**8, gpu=True, lanes=_kernels.BINCOUNT_LANES) == 16
+    assert lanes_for(10**8, gpu=True, lanes=kernels.BINCOUNT_LANES) == 16
     for groups in (1, 2**26 + 1, 2**28 + 5, 2**29, 2**30 + 3):
         for lanes in (8, 32):
             got = lanes_for(groups, gpu=True, lanes=lanes)
@@ -1588,10 +1589,10 @@ def test_gpu_kernels_compile_for_cuda(tmp_path):
     wherever the tests run, not first on a GPU."""
     import warp as wp
 
-    assert set(_kernels._SOURCES) >= CPU_KERNELS
+    assert set(kernels.KERNELS) >= CPU_KERNELS
     failed = {}
-    for name in sorted(set(_kernels._SOURCES) - CPU_KERNELS):
-        module = next(iter(_kernels._kernels(name).values())).module
+    for name in sorted(set(kernels.KERNELS) - CPU_KERNELS):
+        module = next(iter(_registry.warp_kernels(kernels.KERNELS[name]).values())).module
         try:
             wp.compile_aot_module(module, arch=90, module_dir=tmp_path, use_ptx=True)
         except Exception as err:  # noqa: BLE001 - name every kernel that fails
@@ -1662,7 +1663,7 @@ def test_lanes_search_blocks_find_the_rows_of_the_per_row_loop(tmp_path):
     lo:hi of 1 to 40 rows (blocks cut at both ends, the array's last rows), tied rows too; and
     no lane of a group of 2, 4 or 8 reads outside the array."""
     for dtype in ("float32", "float64"):
-        (tmp_path / f"{dtype}.inc").write_text(_kernels._lanes_squares_source(dtype))
+        (tmp_path / f"{dtype}.inc").write_text(searches._lanes_squares_source(dtype))
     (tmp_path / "search.cpp").write_text(_LANES_SEARCH_HOST)
     compiler = os.environ.get("CXX", "c++")
     subprocess.run([compiler, "-std=c++17", "-O1", "-fsanitize=address,undefined",
@@ -1802,12 +1803,13 @@ def test_softmax_of_rows_of_three_is_0_on_rows_in_no_segment(x64):
     # the kernel itself, into rows that held NaN: every row written (XLA's fresh output
     # buffers may hold zeros already)
     with jax.default_device(jax.devices("cpu")[0]):  # CPU kernels
-        written = _kernels.launch("softmax3", *jax.device_put((x, x, seg.offsets)),
-                                  jnp.ones(1, jnp.int32), jnp.full((11, 3), jnp.nan), dims=(4,),
-                                  in_out=("out",))
-        tangent = _kernels.launch("softmax3_tangent", *jax.device_put((x, x, seg.offsets)),
-                                  jnp.ones(1, jnp.int32), jnp.full((11, 3), jnp.nan), dims=(4,),
-                                  in_out=("out",))
+        operands = jax.device_put((x, x, seg.offsets))
+        written = kernels.launch(kernels.KERNELS["softmax3"], *operands,
+                                 jnp.ones(1, jnp.int32), jnp.full((11, 3), jnp.nan), dims=(4,),
+                                 in_out=("out",))
+        tangent = kernels.launch(kernels.KERNELS["softmax3_tangent"], *operands,
+                                 jnp.ones(1, jnp.int32), jnp.full((11, 3), jnp.nan), dims=(4,),
+                                 in_out=("out",))
     for value in (got, np.asarray(written)):
         np.testing.assert_allclose(value, expected, rtol=1e-14, atol=0)
         assert np.all(value[:2] == 0) and np.all(value[9:] == 0)

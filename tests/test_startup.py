@@ -98,15 +98,16 @@ def test_an_op_loads_only_the_kernels_it_launches():
     code = r"""
 import re, jax, numpy as np, warp as wp
 from segcli import ops
-from segcli.ops import _kernels, _native
-assert not _kernels._MADE
+from segcli.ops import _native
+from segcli.ops.kernels import _registry
+assert not _registry._MADE
 wp.config.log_level = wp.LOG_INFO
 f = jax.jit(lambda x, idx: ops.segmented_rms_norm(x, idx, 2, indices_are_sorted=True))
 program = f.lower(np.ones((4, 3), np.float32), np.array([0, 0, 1, 1], np.int32)).as_text()
 plans = {int(p) for p in re.findall(r"custom_call @segcli_launch.*plan = (\d+)", program)}
 kernels = {_native._registry().kernels[p][0].key for p in plans}
 print("launched", *sorted(k.removeprefix("_").removesuffix("_kernel") for k in kernels))
-print("made", *sorted(_kernels._MADE), "of", len(_kernels._SOURCES))
+print("made", *sorted(_registry._MADE), "of", len(_registry.KERNELS))
 """
     result = python("-c", code, JAX_PLATFORMS="cpu")
     assert result.returncode == 0, result.stderr

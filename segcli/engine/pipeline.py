@@ -178,7 +178,7 @@ class BufferRing:
 def _aligned(size, pinned):
     """`size` bytes (uint8) at an address that is a multiple of 64; page-locked if `pinned`."""
     if pinned:
-        from segcli.ops._kernels import pinned_bytes
+        from segcli.ops.kernels import pinned_bytes
 
         raw = pinned_bytes(size + 64)
     else:

@@ -16,9 +16,9 @@ from segcli.engine.jobs import reads, shows_nan
 def runs_on(device):
     """Whether the kernels can run on `device` (a jax.Device): a Warp build without its CPU
     backend runs them on GPUs only."""
-    from segcli.ops import _kernels
+    from segcli.ops import kernels
 
-    return device.platform != "cpu" or _kernels.cpu_available()
+    return device.platform != "cpu" or kernels.cpu_available()
 
 
 def peers(device):

@@ -62,7 +62,9 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from segcli.ops._kernels import (
+from segcli.ops import kernels
+from segcli.ops.kernels import (
+    ANY,
     BINCOUNT_LANES,
     MAX_NORM_LANES,
     PACKED_RUN,
@@ -71,8 +73,14 @@ from segcli.ops._kernels import (
     cpu_available,
     lane_grid,
     launch,
+    pick,
     stride,
 )
+
+
+def _device(gpu):
+    """The device a kernel table names: "gpu" or "cpu"."""
+    return "gpu" if gpu else "cpu"
 
 
 @functools.partial(jax.jit, static_argnames=("num_segments", "indices_are_sorted", "gpu"))
@@ -83,9 +91,9 @@ def _layout(idx, offsets, num_segments, indices_are_sorted, gpu):
     merges into one."""
     if offsets.shape[0]:
         return offsets, jnp.ones((1,), jnp.int32)
-    kernel, threads = (("layout", num_segments + 1) if gpu else
-                       ("layout_runs", max(1, -(-idx.shape[0] // 4))))
-    offsets = launch(kernel, idx, dims=(threads,), out=(num_segments + 1,))
+    threads = num_segments + 1 if gpu else max(1, -(-idx.shape[0] // 4))  # (see the kernels)
+    offsets = launch(pick(kernels.LAYOUT, "offsets", device=_device(gpu)), idx, dims=(threads,),
+                     out=(num_segments + 1,))
     if indices_are_sorted or idx.shape[0] < 2:
         return offsets, jnp.ones((1,), jnp.int32)
     return offsets, jnp.all(idx[1:] >= idx[:-1]).astype(jnp.int32).reshape(1)
@@ -101,7 +109,8 @@ def segment_ids_of(offsets, rows):
         return jnp.cumsum(jnp.zeros(rows, jnp.int32).at[offsets].add(1, mode="drop")) - 1
 
     def by_runs(offsets):
-        return launch("segment_ids", offsets, dims=(offsets.shape[0] + 1,), out=(rows,))
+        kernel = pick(kernels.LAYOUT, "ids", device="cpu")
+        return launch(kernel, offsets, dims=(offsets.shape[0] + 1,), out=(rows,))
 
     if not cpu_available():
         return by_sum(offsets)
@@ -113,16 +122,16 @@ def ids_known_sorted(offsets, indices_are_sorted):
     return bool(indices_are_sorted) or offsets.shape[0] > 0
 
 
-def _reduce(name, a, b, idx, layout, shape, dtype, gpu, known_sorted, vector=()):
-    """Reduction kernel `name` of rows a (N, ·) and b into (M, P) = `shape` elements of `dtype`
-    (each of shape `vector` for the vec3 kernels), over M × P threads where the ids are known
-    sorted, else max(M, stride) × P: a segment per thread for ordered ids (each writing its
-    own result, so the output is filled first only where the order is found at run time),
-    else atomics into zeros; `layout` is `_layout`'s. Ids known sorted are not passed (that
-    path reads none), so that XLA drops their making."""
+def _reduce(kernel, a, b, idx, layout, shape, dtype, gpu, known_sorted, vector=()):
+    """Reduction `kernel` (a table's Variant) of rows a (N, ·) and b into (M, P) = `shape`
+    elements of `dtype` (each of shape `vector` for the vec3 kernels), over M × P threads where
+    the ids are known sorted, else max(M, stride) × P: a segment per thread for ordered ids
+    (each writing its own result, so the output is filled first only where the order is found
+    at run time), else atomics into zeros; `layout` is `_layout`'s. Ids known sorted are not
+    passed (that path reads none), so that XLA drops their making."""
     threads = stride(gpu, idx.shape[0])
     dims = (_segment_threads(shape[0], threads, known_sorted), *shape[1:])
-    args = (name, a, b, idx[:0] if known_sorted else idx, *layout, threads)
+    args = (kernel, a, b, idx[:0] if known_sorted else idx, *layout, threads)
     if known_sorted:
         return launch(*args, dims=dims, out=shape, dtype=a.dtype)
     zeros = jnp.zeros((*shape, *vector), dtype)
@@ -131,7 +140,7 @@ def _reduce(name, a, b, idx, layout, shape, dtype, gpu, known_sorted, vector=())
 
 def _segment_threads(m, stride_threads, known_sorted):
     """Threads of a reduction over m segments: one a segment where the ids are known sorted,
-    else also the fallback's `stride_threads` (see _kernels.stride) where they are more."""
+    else also the fallback's `stride_threads` (see kernels.stride) where they are more."""
     return m if known_sorted else max(m, stride_threads)
 
 
@@ -142,7 +151,8 @@ def _row_counts(idx, layout, known_sorted, gpu):
         return jnp.diff(layout[0])
     rows = idx.reshape(-1, 1)
     shape = (layout[0].shape[0] - 1, 1)
-    return _reduce("count", rows, rows, idx, layout, shape, jnp.int32, gpu, False)[:, 0]
+    kernel = pick(kernels.REDUCTIONS, "count")
+    return _reduce(kernel, rows, rows, idx, layout, shape, jnp.int32, gpu, False)[:, 0]
 
 
 def _is_float_vec3(x):
@@ -150,16 +160,18 @@ def _is_float_vec3(x):
     return x.shape[1:] in ((3,), (1, 3)) and jnp.issubdtype(x.dtype, jnp.floating)
 
 
-def _rows3(name, *args, idx, offsets, segments, gpu):
-    """Kernel `name`'s (N,) vec3 output over the N rows of 3 of the ids `idx` (among `args`):
-    a row a thread, or on CPUs given the offsets its NAME_ordered variant, a segment (of
+def _rows3(op, *args, idx, offsets, segments, gpu):
+    """The (N,) vec3 output of GATHERS' kernel for `op` over the N rows of 3 of the ids `idx`
+    (among `args`): a row a thread, or on CPUs given the offsets its variant of a segment (of
     `segments`) a thread, which reads each segment's factors once (faster there:
     benchmarks/RESULTS.md) and no id (passed none, so that XLA drops their making)."""
-    by_segment = not gpu and offsets.shape[0] > 0
+    kernel = pick(kernels.GATHERS, op, device=_device(gpu),
+                  ordering="offsets" if offsets.shape[0] else "ids", size=3)
+    by_segment = kernel.ordering == "offsets"
     if by_segment:
         args = tuple(idx[:0] if a is idx else a for a in args)
-    return launch(name + "_ordered" * by_segment, *args,
-                  dims=(segments if by_segment else idx.shape[0],), out=(idx.shape[0],))
+    return launch(kernel, *args, dims=(segments if by_segment else idx.shape[0],),
+                  out=(idx.shape[0],))
 
 
 @dataclass(frozen=True)
@@ -392,15 +404,18 @@ def _empty(shape, *operands):
 # transposes refer to primitives defined further down.
 
 
-def _reduce_rows(name, x, b, idx, layout, num_segments, gpu, known_sorted):
-    """Reduction `name` of the rows x (N, K) with its second operand `b` (None: x itself), as
-    its vec3 kernel (NAME3) where a CPU reduces rows of 3 floats faster."""
-    if not gpu and _is_float_vec3(x):
+def _reduce_rows(op, x, b, idx, layout, num_segments, gpu, known_sorted):
+    """Reduction `op` of the rows x (N, K) with its second operand `b` (None: x itself), by
+    its variant over rows of vec3 where the table has one (a CPU reduces rows of 3 floats
+    faster so)."""
+    kernel = pick(kernels.REDUCTIONS, op, device=_device(gpu),
+                  size=3 if _is_float_vec3(x) else ANY)
+    if kernel.size == 3:
         rows = x.reshape(x.shape[0], 1, 3)
-        out = _reduce(f"{name}3", rows, rows if b is None else b, idx, layout, (num_segments, 1),
+        out = _reduce(kernel, rows, rows if b is None else b, idx, layout, (num_segments, 1),
                       x.dtype, gpu, known_sorted, vector=(3,))
         return out.reshape(num_segments, 3)
-    return _reduce(name, x, x if b is None else b, idx, layout, (num_segments, x.shape[1]),
+    return _reduce(kernel, x, x if b is None else b, idx, layout, (num_segments, x.shape[1]),
                    x.dtype, gpu, known_sorted)
 
 
@@ -449,9 +464,9 @@ def _gather(y, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     if gpu and (y.dtype != jnp.float64 or idx.shape[0] < XLA_GATHER_ROWS):
         return at_rows(y, idx)  # fused into the work that uses the rows
     if _is_float_vec3(y):
-        return _rows3("gather3", y, idx, offsets, idx=idx, offsets=offsets,
+        return _rows3("gather", y, idx, offsets, idx=idx, offsets=offsets,
                       segments=y.shape[0], gpu=gpu).reshape(shape)
-    return launch("gather", y, idx, dims=(idx.shape[0],), out=shape)
+    return launch(pick(kernels.GATHERS, "gather"), y, idx, dims=(idx.shape[0],), out=shape)
 
 
 def _mean(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
@@ -473,9 +488,11 @@ def _mean(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     n, k = x.shape
     threads = stride(gpu, n)
     weights = jnp.broadcast_to(1 / jnp.maximum(counts, 1).astype(x.dtype)[:, None], shape)
-    rescued = launch("mean_rescued", x.reshape(n, k, 1), idx, rescue, threads, out, weights,
+    kernel = pick(kernels.REDUCTIONS, "mean", "rescued")
+    rescued = launch(kernel, x.reshape(n, k, 1), idx, rescue, threads, out, weights,
                      jnp.zeros(shape, x.dtype), dims=(threads, k), in_out=("out",))
-    return launch("mean_of_sums", out, counts, ordered, rescued, dims=shape, out=shape)
+    kernel = pick(kernels.REDUCTIONS, "mean", "of_sums")
+    return launch(kernel, out, counts, ordered, rescued, dims=shape, out=shape)
 
 
 mean_p = _multilinear(_Rule(
@@ -501,12 +518,14 @@ def _dot(x, y, idx, offsets, *, num_segments, indices_are_sorted, gpu=False, w=N
     # the rows' products summed by lanes per segment (ordered ids), else by atomics
     factors = jnp.zeros((0, x.shape[1]), x.dtype) if w is None else w
     lanes, dims = lane_grid(shape[0] * shape[1], gpu)
-    out = launch("dot_span", x, x.reshape(-1), y.reshape(-1), factors, *layout, lanes,
+    kernel = pick(kernels.REDUCTIONS, "dot", "span")
+    out = launch(kernel, x, x.reshape(-1), y.reshape(-1), factors, *layout, lanes,
                  dims=dims, out=shape)
     if known_sorted:
         return out
     threads = stride(gpu, idx.shape[0])
-    return launch("dot_atomic", x, y, factors, idx, layout[1], threads, out,
+    kernel = pick(kernels.REDUCTIONS, "dot", "atomic")
+    return launch(kernel, x, y, factors, idx, layout[1], threads, out,
                   dims=(threads, shape[1]), in_out=("out",))
 
 
@@ -528,8 +547,8 @@ def _rescale2(x, b, y, z, w, idx, offsets, *, gpu=False, **_):
     return _scaled_rows("scale_pair", x, y, z, b, w, idx, offsets, gpu)
 
 
-def _scaled_rows(kernel, x, y, z, b, w, idx, offsets, gpu):
-    """x[i] · y[s] · z[s] (z empty: 1) by kernel "scale", or that + b[i] · y[s] · w[s] by
+def _scaled_rows(op, x, y, z, b, w, idx, offsets, gpu):
+    """x[i] · y[s] · z[s] (z empty: 1) by GATHERS' "scale", or that + b[i] · y[s] · w[s] by
     "scale_pair" (each as its vec3 variant for rows of 3 floats, see _rows3)."""
     if _empty(x.shape, x, y):
         return jnp.zeros(x.shape, x.dtype)
@@ -537,8 +556,9 @@ def _scaled_rows(kernel, x, y, z, b, w, idx, offsets, gpu):
         def vec3(a):
             return a.reshape(a.shape[0], 3)
 
-        return _rows3(f"{kernel}3", vec3(x), y, z, vec3(b), w, idx, offsets, idx=idx,
+        return _rows3(op, vec3(x), y, z, vec3(b), w, idx, offsets, idx=idx,
                       offsets=offsets, segments=y.shape[0], gpu=gpu).reshape(x.shape)
+    kernel = pick(kernels.GATHERS, op)
     return launch(kernel, x, y, z, b, w, idx, dims=(idx.shape[0],), out=x.shape)
 
 
@@ -590,10 +610,11 @@ def _matvec(v, m, idx, offsets, *, num_segments, indices_are_sorted, transpose, 
     if _empty(v.shape, v, m):
         return jnp.zeros(v.shape, v.dtype)
     if _is_float_vec3(v) and m.shape[1:] == (1, 3, 3):
-        return _rows3("matvec3", v.reshape(-1, 3), m.reshape(-1, 3, 3), idx, offsets,
+        return _rows3("matvec", v.reshape(-1, 3), m.reshape(-1, 3, 3), idx, offsets,
                       int(transpose), idx=idx, offsets=offsets, segments=m.shape[0],
                       gpu=gpu).reshape(v.shape)
-    return launch("matvec", v, m, idx, int(transpose), dims=(idx.shape[0],), out=v.shape)
+    kernel = pick(kernels.GATHERS, "matvec")
+    return launch(kernel, v, m, idx, int(transpose), dims=(idx.shape[0],), out=v.shape)
 
 
 matvec_p = _multilinear(_Rule(
@@ -610,7 +631,8 @@ def _outer(a, b, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     if _empty(shape, a, b):
         return jnp.zeros(shape, a.dtype)
     layout = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
-    out = _reduce("outer", a.reshape(n, groups * k), b.reshape(n, groups * l), idx, layout,
+    kernel = pick(kernels.REDUCTIONS, "outer")
+    out = _reduce(kernel, a.reshape(n, groups * k), b.reshape(n, groups * l), idx, layout,
                   (num_segments, groups * k * l), a.dtype, gpu,
                   ids_known_sorted(offsets, indices_are_sorted))
     return out.reshape(shape)
@@ -665,20 +687,24 @@ def _rms_norm(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
         # Σ x² per segment and feature by a thread each, then a thread per segment and group
         # adds its K sums (and sums again, scaled, where that overflowed or underflowed): 66 µs
         # on an H200 at N = 10⁷, where rms_norm_span takes 78 (benchmarks/RESULTS.md)
-        features = _reduce("sum_squares", x.reshape(n, groups * k), x.reshape(n, groups * k),
+        kernel = pick(kernels.NORMS, "rms_norm", "feature_squares", device="gpu")
+        features = _reduce(kernel, x.reshape(n, groups * k), x.reshape(n, groups * k),
                            idx, layout, (num_segments, groups * k), x.dtype, gpu, True)
-        return launch("rms_norm_of_squares", x, *layout, features, dims=shape, out=shape)
+        kernel = pick(kernels.NORMS, "rms_norm", "of_squares", device="gpu")
+        return launch(kernel, x, *layout, features, dims=shape, out=shape)
     # the norms by lanes per segment where the ids are ordered, else Σ|x|² by atomics
     lanes, dims = lane_grid(num_segments * groups, gpu)
     entries = x.reshape(-1)
-    out = launch("rms_norm_span", x, entries, entries, jnp.zeros((0, groups), x.dtype), *layout,
+    kernel = pick(kernels.NORMS, "rms_norm", "span")
+    out = launch(kernel, x, entries, entries, jnp.zeros((0, groups), x.dtype), *layout,
                  lanes, dims=dims, out=shape)
     if known_sorted:
         return out
     threads = stride(gpu, n)
     zeros = jnp.zeros(shape, x.dtype)
     rows = x.reshape(n, groups * k)
-    squares = _reduce("rms_norm_squares", rows, rows, idx, layout, shape, x.dtype, gpu, False)
+    kernel = pick(kernels.NORMS, "rms_norm", "squares")
+    squares = _reduce(kernel, rows, rows, idx, layout, shape, x.dtype, gpu, False)
     # Unordered ids: Σ|x|² came by atomics; the segments of rows where it overflowed or
     # underflowed are summed again, scaled by a power of two near their largest entry, by
     # kernels that return at once (their one-element flag 0) where none did.
@@ -686,10 +712,12 @@ def _rms_norm(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
     counts = _row_counts(idx, layout, False, gpu)[:, None]
     plain = (squares >= PLAIN_SQUARES[jnp.dtype(x.dtype).name]) & ~jnp.isinf(squares)
     overflowed = (~ordered & jnp.any(~plain & (counts > 0))).astype(jnp.int32).reshape(1)
-    top = launch("rms_norm_top", x, idx, overflowed, threads, squares, squares, zeros,
+    kernel = pick(kernels.NORMS, "rms_norm", "top")
+    top = launch(kernel, x, idx, overflowed, threads, squares, squares, zeros,
                  dims=(threads, groups), in_out=("out",))
     scale, inverse = power_of_two(top)
-    rescaled = launch("rms_norm_rescaled", x, idx, overflowed, threads, squares, inverse, zeros,
+    kernel = pick(kernels.NORMS, "rms_norm", "rescaled")
+    rescaled = launch(kernel, x, idx, overflowed, threads, squares, inverse, zeros,
                       dims=(threads, groups), in_out=("out",))
     counts = jnp.maximum(counts, 1).astype(x.dtype)
     unordered = jnp.where(plain, jnp.sqrt(squares / counts), scale * jnp.sqrt(rescaled / counts))
@@ -704,13 +732,15 @@ def _wide_rms_norm(x, idx, layout, num_segments):
     summed again: two launches after the layout, where the float32 sums need a rescue."""
     n, groups, k = x.shape
     threads = stride(True, n)
-    counts, squares = launch("wide_squares", x.reshape(n, groups * k), idx, *layout, threads,
+    kernel = pick(kernels.NORMS, "rms_norm", "wide_squares", device="gpu")
+    counts, squares = launch(kernel, x.reshape(n, groups * k), idx, *layout, threads,
                              jnp.zeros((num_segments,), jnp.int32),
                              jnp.zeros((num_segments, groups * k, 2), jnp.uint32),
                              dims=(max(num_segments, threads), groups * k),
                              in_out=("counts", "out"))
     shape = (num_segments, groups)
-    return launch("rms_norm_of_wide_squares", *layout, n, counts, squares, dims=shape,
+    kernel = pick(kernels.NORMS, "rms_norm", "of_wide_squares", device="gpu")
+    return launch(kernel, *layout, n, counts, squares, dims=shape,
                   out=shape, dtype=jnp.float32)
 
 
@@ -731,7 +761,8 @@ def _rms_norm_rows(g, c, idx, offsets, *, num_segments, indices_are_sorted, gpu=
         return jnp.zeros(g.shape, g.dtype)
     offsets, _ = _layout(idx, offsets, num_segments, True, gpu)
     entries, c = g.reshape(-1), c.astype(g.dtype)
-    kernel = "rms_norm_cotangent_span" if rows is None else "rms_norm_curvature_span"
+    kernel = pick(kernels.NORMS, "rms_norm", "cotangent" if rows is None else "curvature",
+                  ordering="offsets")
     rows, dc = (entries, c) if rows is None else (rows.reshape(-1), dc)  # (the former unread)
     lanes, dims = lane_grid(num_segments * g.shape[1], gpu)
     out = launch(kernel, g, entries, rows, dc, c, offsets, lanes, dims=dims, out=(g.size,))
@@ -793,14 +824,14 @@ def _search(x, idx, offsets, num_segments, indices_are_sorted, kind, gpu, norms=
     # threads), which writes every segment's row (N where empty): ids known sorted need no
     # `first` filled first. Otherwise: the atomic best of the keys, then the atomic min of the
     # rows attaining it. Each kernel returns at once when the flag says the other path applies.
+    search = (pick(kernels.SEARCHES, kind, "ordered", device=_device(gpu)), x, offsets, ordered)
     lanes = gpu and kind == "max_norm"
     if lanes:
         width, dims = lane_grid(first.size, gpu, MAX_NORM_LANES[jnp.dtype(x.dtype).name])
-        search = ("max_norm_lanes", x, offsets, ordered, width)
+        search += (width,)
     elif gpu:
-        search, dims = (f"{kind}_ordered", x, offsets, ordered), first.shape
+        dims = first.shape
     else:  # max and min: a thread per segment
-        search = (f"{kind}_cpu_ordered", x, offsets, ordered)
         dims = first.shape if kind == "max_norm" else first.shape[:1]
     if lanes and norms and known_sorted:  # the search writes every norm
         written, first = launch(*search, dims=dims, dtype=x.dtype,
@@ -817,9 +848,11 @@ def _search(x, idx, offsets, num_segments, indices_are_sorted, kind, gpu, norms=
     worst, nan_key = (jnp.full(shape, key, x.dtype) for shape, key in
                       zip((first.shape, (1,)), _worst_and_nan_keys(kind, x.dtype)))
     threads = stride(gpu, n)
-    best = launch(f"{kind}_best", x, idx, ordered, threads, nan_key, worst, dims=(threads, groups),
+    kernel = pick(kernels.SEARCHES, kind, "best")
+    best = launch(kernel, x, idx, ordered, threads, nan_key, worst, dims=(threads, groups),
                   in_out=("best",), dtype=x.dtype)
-    first = launch(f"{kind}_first", x, idx, ordered, threads, nan_key, best, first,
+    kernel = pick(kernels.SEARCHES, kind, "first")
+    first = launch(kernel, x, idx, ordered, threads, nan_key, best, first,
                    dims=(threads, groups), in_out=("first",), dtype=x.dtype)
     if not norms:
         return first, None
@@ -840,7 +873,8 @@ def _packed_keys(x, idx, num_segments):
     the same result in any order."""
     keys = jnp.zeros((num_segments, x.shape[1], 2), jnp.uint32)
     runs = -(-x.shape[0] // PACKED_RUN)
-    return launch("max_norm_packed", x, idx, keys, dims=(runs, x.shape[1]), in_out=("keys",))
+    kernel = pick(kernels.SEARCHES, "max_norm", "packed", device="gpu")
+    return launch(kernel, x, idx, keys, dims=(runs, x.shape[1]), in_out=("keys",))
 
 
 def _first_of_packed_keys(x, idx, num_segments):
@@ -879,9 +913,10 @@ def _put(ct, first, idx, offsets, *, num_segments, indices_are_sorted, gpu=False
     if gpu and ct.dtype == jnp.float64:  # each row written once (rows of 3 as whole vectors)
         n = idx.shape[0]
         if ct.shape[1] * ct.shape[2] == 3:
-            return launch("put3", ct.reshape(-1, 3), first, idx, dims=(n,), out=(n,)).reshape(
-                shape)
-        return launch("put", ct, first, idx, dims=(n,), out=shape)
+            put3 = pick(kernels.GATHERS, "put", device="gpu", size=3, dtype=ct.dtype)
+            return launch(put3, ct.reshape(-1, 3), first, idx, dims=(n,), out=(n,)).reshape(shape)
+        kernel = pick(kernels.GATHERS, "put", device="gpu")
+        return launch(kernel, ct, first, idx, dims=(n,), out=shape)
     # zeros, then the M chosen rows
     chosen = _flat_rows(jnp.zeros(shape, ct.dtype)).at[_flat_index(first, shape[0])].add(
         ct, mode="drop")
@@ -956,12 +991,12 @@ search compared.
 No derivative rule of its own (segcli.ops gives it one)."""
 
 
-def _launch_two_passes(name, after, start, found, x, idx, offsets, num_segments,
+def _launch_two_passes(table, op, start, found, x, idx, offsets, num_segments,
                        indices_are_sorted, gpu):
-    """(M, K, 2) of x (N, K) by kernel `name` (see _kernels._two_passes): where the ids are
-    ordered, both passes over each segment in one thread; where the ids are not known sorted,
-    also kernel `after`'s atomic pass (the first's output filled with `start` before), and
-    `found`(first, second) where the order is not found at run time."""
+    """(M, K, 2) of x (N, K) by `table`'s kernel for `op` (see kernels._common._two_passes):
+    where the ids are ordered, both passes over each segment in one thread; where the ids are
+    not known sorted, also its "atomic" step (the first's output filled with `start` before),
+    and `found`(first, second) where the order is not found at run time."""
     shape = (num_segments, x.shape[1], 2)
     if _empty(shape, x):
         return jnp.zeros(shape, x.dtype)
@@ -969,10 +1004,10 @@ def _launch_two_passes(name, after, start, found, x, idx, offsets, num_segments,
     offsets, ordered = _layout(idx, offsets, num_segments, indices_are_sorted, gpu)
     threads = stride(gpu, idx.shape[0])
     dims = (_segment_threads(num_segments, threads, known_sorted), x.shape[1])
-    name = name if gpu else f"{name}_cpu"
+    kernel, after = pick(table, op, device=_device(gpu)), pick(table, op, "atomic")
     if known_sorted:  # (ids not passed, so that XLA drops their making)
-        return launch(name, x, idx[:0], offsets, ordered, threads, dims=dims, out=shape)
-    first = launch(name, x, idx, offsets, ordered, threads, jnp.full(shape, start, x.dtype),
+        return launch(kernel, x, idx[:0], offsets, ordered, threads, dims=dims, out=shape)
+    first = launch(kernel, x, idx, offsets, ordered, threads, jnp.full(shape, start, x.dtype),
                    dims=dims, in_out=("out",))
     second = launch(after, x, first, idx, ordered, threads, jnp.zeros(shape[:2], x.dtype),
                     dims=dims, in_out=("out",))
@@ -984,7 +1019,7 @@ def _moments(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
         counts = jnp.maximum(sums[..., 1], 1)
         return jnp.stack([sums[..., 0] / counts, squares / counts], axis=-1)
 
-    return _launch_two_passes("moments", "centered_squares", 0, found, x, idx, offsets,
+    return _launch_two_passes(kernels.MOMENTS, "moments", 0, found, x, idx, offsets,
                               num_segments, indices_are_sorted, gpu)
 
 
@@ -1035,7 +1070,8 @@ def _variance_tangent(x, y, idx, offsets, *, num_segments, indices_are_sorted, g
         return _sum(deviations * y, idx, offsets, num_segments=num_segments,
                     indices_are_sorted=indices_are_sorted, gpu=gpu) * twice_inverse
 
-    return _by_segment_groups("variance_tangent", (x, y, y), shape, shape, formula, idx,
+    kernel = pick(kernels.MOMENTS, "var", "tangent")
+    return _by_segment_groups(kernel, (x, y, y), shape, shape, formula, idx,
                                offsets, num_segments, indices_are_sorted, gpu)
 
 
@@ -1046,7 +1082,8 @@ def _variance_cotangent(x, c, idx, offsets, *, num_segments, indices_are_sorted,
                                                 indices_are_sorted, gpu)
         return deviations * at_rows(c * twice_inverse, idx)
 
-    return _by_segment_groups("variance_cotangent", (x, c, c), (num_segments + 1, x.shape[1]),
+    kernel = pick(kernels.MOMENTS, "var", "cotangent")
+    return _by_segment_groups(kernel, (x, c, c), (num_segments + 1, x.shape[1]),
                                x.shape, formula, idx, offsets, num_segments,
                                indices_are_sorted, gpu)
 
@@ -1154,7 +1191,7 @@ std_tangent_p = custom_transposed(
                                                                            x.shape[1])),
     transpose=lambda ct, x, y, idx, offsets, **params: [
         None, std_cotangent_p.bind(x, ct, idx, offsets, **params), None, None],
-    impl=_std_impl("std_tangent", _std_tangent, rows=False))
+    impl=_std_impl(pick(kernels.MOMENTS, "std", "tangent"), _std_tangent, rows=False))
 """std's tangent map along y (see _std_tangent), transposed into std_cotangent; its JVP in x
 differentiates _std_tangent."""
 
@@ -1163,7 +1200,7 @@ std_cotangent_p = custom_transposed(
     "std_cotangent", _std_cotangent, linear=(1,), like=0,
     transpose=lambda ct, x, c, idx, offsets, **params: [
         None, std_tangent_p.bind(x, ct, idx, offsets, **params), None, None],
-    impl=_std_impl("std_cotangent", _std_cotangent, rows=True),
+    impl=_std_impl(pick(kernels.MOMENTS, "std", "cotangent"), _std_cotangent, rows=True),
     moving_jvp=lambda primals, tangents, **params: std_curvature_p.bind(
         primals[0], ad.instantiate_zeros(tangents[0]), *primals[1:], **params))
 """std's cotangent at x (see _std_cotangent), transposed into std_tangent; its JVP in x is
@@ -1180,8 +1217,8 @@ def _std_curvature_transpose(ct, x, a, c, idx, offsets, **params):
 
 std_curvature_p = custom_transposed(
     "std_curvature", _std_curvature, linear=(1, 2), like=0, multilinear=True,
-    transpose=_std_curvature_transpose, impl=_std_impl("std_curvature", _std_curvature,
-                                                       rows=True))
+    transpose=_std_curvature_transpose,
+    impl=_std_impl(pick(kernels.MOMENTS, "std", "curvature"), _std_curvature, rows=True))
 """std's weighted second derivative (see _std_curvature), bilinear; its JVP in x
 differentiates _std_curvature."""
 
@@ -1191,7 +1228,7 @@ def _exp_sums(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
         return jnp.stack([jnp.where(jnp.isfinite(tops[..., 0]), tops[..., 0], 0), totals],
                          axis=-1)
 
-    return _launch_two_passes("exp_sums", "shifted_exp_sums", -jnp.inf, found, x, idx,
+    return _launch_two_passes(kernels.SOFTMAX, "exp_sums", -jnp.inf, found, x, idx,
                               offsets, num_segments, indices_are_sorted, gpu)
 
 
@@ -1209,8 +1246,8 @@ otherwise the largest values by atomic max, then the sums. No derivative rule of
 def _by_rows3(kernel, operands, formula, x, idx, offsets, num_segments, indices_are_sorted,
               gpu):
     """formula(), an (N, K) result of x (N, K); or on CPUs, for rows of 3 where the ids are
-    ordered, kernel `kernel` over operands (x, dx; see _kernels._rows3_or_zeros), the same bits
-    whether the order is promised or found."""
+    ordered, kernel `kernel` over operands (x, dx; see kernels.softmax._rows3_or_zeros), the
+    same bits whether the order is promised or found."""
     if gpu or x.shape[1] != 3 or _empty(x.shape, x):
         return formula()
     return _ordered_or(kernel, operands, (num_segments + 1,), x.shape, formula, idx, offsets,
@@ -1239,7 +1276,8 @@ def _softmax(x, idx, offsets, *, num_segments, indices_are_sorted, gpu=False):
         some = totals != 0  # (NaN stays NaN)
         return jnp.where(some, exps / jnp.where(some, totals, 1), 0)
 
-    return _by_rows3("softmax3", (x, x), gathered, x, idx, offsets, gpu=gpu, **params)
+    kernel = pick(kernels.SOFTMAX, "softmax", device="cpu", size=3)
+    return _by_rows3(kernel, (x, x), gathered, x, idx, offsets, gpu=gpu, **params)
 
 
 def _exp_terms(x, idx, offsets, params):
@@ -1277,8 +1315,10 @@ def _softmax_tangent_rows(x, dx, idx, offsets, *, num_segments, indices_are_sort
         return _softmax_tangent(x, dx, idx, offsets, **params)
 
     if not gpu:
-        return _by_rows3("softmax3_tangent", (x, dx), formula, x, idx, offsets, gpu=gpu, **params)
-    return _by_segment_groups("softmax_tangent", (x, dx, dx), (num_segments + 1, x.shape[1]),
+        kernel = pick(kernels.SOFTMAX, "softmax", "tangent", device="cpu", size=3)
+        return _by_rows3(kernel, (x, dx), formula, x, idx, offsets, gpu=gpu, **params)
+    kernel = pick(kernels.SOFTMAX, "softmax", "tangent")
+    return _by_segment_groups(kernel, (x, dx, dx), (num_segments + 1, x.shape[1]),
                                x.shape, formula, idx, offsets, gpu=gpu, **params)
 
 
@@ -1315,7 +1355,8 @@ def _softmax_curvature_rows(x, a, b, idx, offsets, *, num_segments, indices_are_
     def formula():
         return _softmax_curvature(x, a, b, idx, offsets, **params)
 
-    return _by_segment_groups("softmax_curvature", (x, a, b), (num_segments + 1, x.shape[1]),
+    kernel = pick(kernels.SOFTMAX, "softmax", "curvature")
+    return _by_segment_groups(kernel, (x, a, b), (num_segments + 1, x.shape[1]),
                                x.shape, formula, idx, offsets, gpu=gpu, **params)
 
 
@@ -1370,14 +1411,15 @@ def _bincount(labels, idx, offsets, *, num_segments, indices_are_sorted, length,
     # on GPUs a warp per segment zeroes its row and adds its rows; with one lane (CPUs) a
     # thread per segment adds them into zeros (faster there than zeroing its row)
     lanes, dims = lane_grid(num_segments, gpu, BINCOUNT_LANES)
-    args = ("bincount", labels, offsets, ordered, lanes)
+    args = (pick(kernels.REDUCTIONS, "bincount"), labels, offsets, ordered, lanes)
     out = (launch(*args, dims=dims, out=shape, dtype=labels.dtype) if lanes > 1 else
            launch(*args, jnp.zeros(shape, jnp.int32), dims=dims, in_out=("out",),
                   dtype=labels.dtype))
     if known_sorted:
         return out
     threads = stride(gpu, idx.shape[0])
-    return launch("bincount_atomic", labels, idx, ordered, threads, out, dims=(threads,),
+    kernel = pick(kernels.REDUCTIONS, "bincount", "atomic")
+    return launch(kernel, labels, idx, ordered, threads, out, dims=(threads,),
                   in_out=("out",), dtype=labels.dtype)
 
 
@@ -1426,9 +1468,9 @@ def _reductions(x, idx, offsets, *, num_segments, indices_are_sorted, names, gpu
         if name not in names:  # not written: no rows
             given[label] = given[label][:0]
     want = sum(REDUCE_BITS[name] for name in set(names))
-    sums, means, rms, largest = launch("reductions3", x, offsets, want,
-                                       *given.values(), dims=(num_segments,),
-                                       in_out=tuple(given), dtype=x.dtype)
+    kernel = pick(kernels.REDUCTIONS, "reductions", device="cpu", ordering="offsets", size=3)
+    sums, means, rms, largest = launch(kernel, x, offsets, want, *given.values(),
+                                       dims=(num_segments,), in_out=tuple(given), dtype=x.dtype)
     out = {"sum": lambda: sums.reshape(num_segments, 3),
            "mean": lambda: means.reshape(num_segments, 3),
            "rms_norm": lambda: rms, "max_norm": lambda: largest}
