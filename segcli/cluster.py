@@ -1,22 +1,19 @@
-"""Jobs split into shards of whole structures, run one after another here or as tasks on a
-dask.distributed cluster: a job maps its shards to partial results and combines them once.
+"""The Dask side of segcli.executor: a dask.distributed client (of a scheduler, or of a
+cluster started here), its workers' setup, and units run as tasks.
 
 Each task opens the input itself (on a filesystem the workers share) and returns what is
 small: statistics' leaves, or the device it computed on, having written its results into
 their rows of the output's file or into a part file beside the output (results never go
-through the scheduler). The client combines the partial results in shard order, so a run
-gives the same result whichever worker ran which shard, and a task retried after its worker
-died is counted once (it writes the same rows, or replaces its part file whole). Dask is an
-optional extra: `pip install 'segcli[cluster]'`.
+through the scheduler). The executor joins the results in unit order, so a run gives the
+same result whichever worker ran which unit, and a task retried after its worker died is
+counted once (it writes the same rows, or replaces its part file whole). Dask is an optional
+extra: `pip install 'segcli[cluster]'`.
 """
 
 import contextlib
-import itertools
 import logging
 import os
 import subprocess
-
-import numpy as np
 
 from segcli.errors import DataError
 
@@ -24,8 +21,9 @@ SHARDS_PER_WORKER = 4
 CONNECT_SECONDS = 10
 """The longest a scheduler is waited for (less where Dask's distributed.comm.timeouts.connect
 says so): a server that is no Dask scheduler may never answer."""
-WORKER_MODULES = ("segcli.api.compute", "segcli.engine", "segcli.io.direct", "segcli.io.hdf5",
-                  "segcli.curate.selection", "segcli.shards", "segcli.curate.statistics")
+WORKER_MODULES = ("segcli.api.compute", "segcli.api.curate", "segcli.executor", "segcli.engine",
+                  "segcli.io.direct", "segcli.io.hdf5", "segcli.curate.selection",
+                  "segcli.shards", "segcli.curate.statistics")
 """What tasks import (with numpy and h5py): loaded once in the server that forks a local
 cluster's workers. Not segcli.ops, whose import starts threads that a fork would not carry
 over, nor JAX and Warp, which `stats` would wait for (each worker of `reduce` imports them)."""
@@ -194,10 +192,10 @@ def _check_scheduler(address, seconds):
         raise DataError(f"{address}: answers, but is no dask scheduler")
 
 
-def shard_count(client, n_structures):
-    """How many shards a job on `client`'s cluster is split into: a few per worker thread (so
-    that a slow or lost worker delays little), at most one per structure, at least one."""
-    return max(1, min(n_structures, SHARDS_PER_WORKER * sum(client.nthreads().values())))
+def shard_count(client, n_leaves):
+    """How many units a job on `client`'s cluster is split into: a few per worker thread (so
+    that a slow or lost worker delays little), at most one per leaf, at least one."""
+    return max(1, min(n_leaves, SHARDS_PER_WORKER * sum(client.nthreads().values())))
 
 
 def shared(client, value):
@@ -219,41 +217,24 @@ def shared(client, value):
         return client.submit(pickle.loads, blob, pure=False)
 
 
-def map_shards(client, function, calls, progress=None, sizes=None):
-    """[function(*call) for call in calls], in that order: on `client`'s cluster, one task per
-    call, or here one after another when `client` is None (see shards_as_done)."""
-    done = dict(shards_as_done(client, function, calls, progress, sizes))
-    return [done[k] for k in range(len(calls))]
-
-
-def shards_as_done(client, function, calls, progress=None, sizes=None):
-    """(k, function(*calls[k])) for each call as it finishes: on `client`'s cluster, one task
-    per call, in the order they end, or here one after another when `client` is None; so the
-    caller uses each result while the others compute. The first task to raise DataError
-    raises it here, and the tasks not yet done are cancelled when the caller stops early. As
-    call k finishes, `progress.update(sizes[k])` is called (1 without `sizes`; see
-    segcli.cli.common.progress)."""
-    sizes = [1] * len(calls) if sizes is None else [int(n) for n in sizes]
-    if client is None:
-        for k, call in enumerate(calls):
-            value = function(*call)
-            if progress is not None:
-                progress.update(sizes[k])
-            yield k, value
-        return
+def shards_as_done(client, function, calls, names=None):
+    """(k, function(*calls[k])) for each call as it finishes on `client`'s cluster, one task
+    per call, in the order they end (see segcli.executor.run, which orders them). The first
+    task to raise DataError raises it here, and the tasks not yet done are cancelled when
+    the caller stops early; a task the cluster loses is a DataError naming it (`names[k]`,
+    else shard k + 1 of all)."""
     from dask.distributed import as_completed
 
+    names = names or [f"shard {k + 1} of {len(calls)}" for k in range(len(calls))]
     futures = [client.submit(_task, function, *call, pure=False) for call in calls]
     index = {future.key: k for k, future in enumerate(futures)}
     try:
         # each result fetched by the client's own thread as its task ends, not one by one here
         for future, outcome in as_completed(futures, with_results=True, raise_errors=False):
             k = index[future.key]
-            value, error = _outcome(future, outcome, f"shard {k + 1} of {len(calls)}")
+            value, error = _outcome(future, outcome, names[k])
             if error is not None:
                 raise error
-            if progress is not None:
-                progress.update(sizes[k])
             yield k, value
     finally:
         pending = [future for future in futures if not future.done()]
@@ -282,17 +263,6 @@ def _outcome(future, outcome, name):
     raise DataError(f"{name} was not computed: the cluster cancelled it{because}") from None
 
 
-def in_order(done):
-    """The (k, value) pairs of `done`, which come in any order of k = 0, 1, ..., in that
-    order: each as soon as every pair before it has come."""
-    waiting, next_k = {}, 0
-    for k, value in done:
-        waiting[k] = value
-        while next_k in waiting:
-            yield next_k, waiting.pop(next_k)
-            next_k += 1
-
-
 def _task(function, *args):
     """(function(*args), None) on a worker, or (None, the DataError it raised): bad data is an
     outcome that the client reports in one line, not a failure for every worker to log."""
@@ -300,134 +270,3 @@ def _task(function, *args):
         return function(*args), None
     except DataError as error:
         return None, error
-
-
-def stats_part(layout, names, leaves, where, options):
-    """The leaf statistics (segcli.curate.statistics.leaf_stats) of the batch `layout`
-    describes (see segcli.io.open_inputs) over the structures between `leaves` where the
-    --where conditions `where` hold: one task."""
-    from segcli.curate.selection import where_mask
-    from segcli.curate.statistics import leaf_stats
-    from segcli.io import open_inputs
-
-    with open_inputs(layout) as batch:
-        keep = where_mask(batch, where, structures=slice(leaves[0], leaves[-1])) if where \
-            else None
-        return leaf_stats(batch, names, leaves, keep=keep, **options)
-
-
-def leaf_stats_sharded(client, batch, names, leaves, progress=None, where=(), keep=None,
-                       **options):
-    """segcli.curate.statistics.leaf_stats of `batch` over the structures between `leaves`
-    (leaf boundaries, see segcli.shards.leaf_bounds) where the --where conditions `where` hold
-    (`keep`: where they do, see segcli.curate.selection.where_mask): here in one piece
-    (`client` None), or as shards on `client`'s cluster, whose tasks open the file themselves
-    (and evaluate `where` over their structures); joined in leaf order. `progress.update(n)`
-    is called as n more structures are done."""
-    from segcli.curate.statistics import join_leaves, leaf_stats
-    from segcli.memory import offsets_of
-    from segcli.shards import even_cuts
-
-    leaves = np.asarray(leaves, np.int64)
-    if client is None:
-        return join_leaves([leaf_stats(batch, list(names), leaves, progress=progress,
-                                       keep=keep, **options)])
-    offsets = offsets_of(batch.n_atoms)
-    cuts = even_cuts(np.diff(offsets[leaves]), shard_count(client, len(leaves) - 1))
-    layout = shared(client, batch.layout)
-    calls = [(layout, list(names), leaves[a:b + 1].tolist(), where, options)
-             for a, b in itertools.pairwise(cuts)]
-    # progress counts the structures that the conditions keep, as it does without a cluster
-    sizes = [int(leaves[b] - leaves[a]) if keep is None else int(keep[leaves[a]:leaves[b]].sum())
-             for a, b in itertools.pairwise(cuts)]
-    return join_leaves(map_shards(client, stats_part, calls, progress, sizes))
-
-
-def run_on_cluster(client, progress, batch, computation, target, lo, hi, task, recipe, attrs,
-                   keep=None):
-    """A computation (segcli.api.compute.Computation) over structures [lo, hi) of `batch` as
-    shards on `client`'s cluster, into `target` (a segcli.io.sinks.Target) as one run writes
-    it: each shard a task `task(*recipe, lo, hi, place, attrs)` that opens the input itself
-    (recipe[0], its layout, is sent once) and returns the label of its device. Into an HDF5
-    file, this process makes the output and each task writes its rows straight into it; into
-    a stream (or memory), each task writes a part file into a temporary directory beside the
-    output, passed on in structure order as it comes, while the others compute. Returns (the
-    first shard's device label, the arrays a memory target kept, else None)."""
-    from segcli.io import sinks
-    from segcli.io.outputs import scratch_directory
-    from segcli.shards import shard_bounds
-
-    into_file = target.sink.hdf5
-    opened_streams = []
-    with contextlib.ExitStack() as opened:
-        if not into_file:
-            parts_dir = opened.enter_context(scratch_directory(
-                os.path.dirname(os.path.abspath(target.path)) if target.path else os.getcwd()))
-        n_atoms = batch.n_atoms[lo:hi]
-        bounds = shard_bounds(n_atoms, shard_count(client, len(n_atoms)))
-        if into_file:
-            sink = opened.enter_context(sinks.open_sink(target, computation, batch, lo, hi,
-                                                        attrs, keep, placed=True))
-            places = sink.rows_of_shards(bounds)
-        else:
-            places = [os.path.join(parts_dir, f"part-{k}.h5") for k in range(len(bounds) - 1)]
-
-            def open_stream(device):
-                opened_streams.append(opened.enter_context(sinks.open_sink(
-                    target, computation, batch, lo, hi, {**attrs, "device": device}, keep)))
-                return opened_streams[0]
-
-        recipe = (shared(client, recipe[0]), *recipe[1:])
-        calls = [(*recipe, lo + int(a), lo + int(b), place, attrs)
-                 for (a, b), place in zip(itertools.pairwise(bounds), places)]
-        sizes = [int(b - a) for a, b in itertools.pairwise(bounds)]
-        with contextlib.closing(shards_as_done(client, task, calls, progress, sizes)) as done:
-            device = (_rows_written(sink, bounds, done) if into_file else
-                      _parts_passed_on(places, computation.outputs, keep, open_stream, done))
-    kept = opened_streams[0] if opened_streams else None
-    return device, kept.arrays() if isinstance(kept, sinks.Collect) else None
-
-
-def _rows_written(sink, bounds, done):
-    """Each shard of `done` ((k, device label) as each ends) wrote its rows into the file of
-    `sink` (an Hdf5Sink): they get no fill; the results' attribute `device` is the first's,
-    which is returned."""
-    first = None
-    for n, (k, device) in enumerate(done):
-        if n == 0:
-            sink.add_attrs({"device": device})
-            first = device
-        sink.written_elsewhere(int(bounds[k]), int(bounds[k + 1]))
-    return first
-
-
-def _parts_passed_on(places, outputs, keep, open_stream, done):
-    """Each part file places[k] of `done` ((k, device label) as each ends), checked, written
-    in structure order into the stream `open_stream(device)` opens as the first comes, while
-    the others compute; the rows of structures `keep` leaves out dropped. Returns the first's
-    device label."""
-    from segcli.io.core import Chunk
-    from segcli.io.merge import check_cover, describe_part, part_rows
-
-    parts, stream, first = [None] * len(places), None, None
-    for k, device in in_order(done):
-        parts[k] = describe_part(places[k], like=parts[0])
-        if stream is None:
-            stream, first = open_stream(device), device
-        for start, counts, rows in part_rows([parts[k]], list(outputs)):
-            chunk = Chunk(start, counts, {}, {})
-            if keep is not None:
-                chunk, rows = _kept_rows(chunk, rows, outputs, keep)
-            if len(chunk.n_atoms):
-                stream.write(chunk, rows)
-    check_cover(parts)
-    return first
-
-
-def _kept_rows(chunk, rows, outputs, keep):
-    """(the chunk's structures that `keep` ((S,) bool) marks, their rows of each dataset of
-    `rows`, in its dtype of `outputs`): a part's NaN rows of structures not selected left out."""
-    mask = keep[chunk.start:chunk.start + len(chunk.n_atoms)]
-    atoms = np.repeat(mask, chunk.n_atoms)
-    return chunk.take(mask), {d: r[mask if outputs[d][0] == "structure" else atoms].astype(
-        outputs[d][2], copy=False) for d, r in rows.items()}

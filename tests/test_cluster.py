@@ -42,7 +42,7 @@ def test_shards_are_contiguous_whole_structures_of_nearly_equal_atoms(n_atoms, s
 def test_in_order_passes_each_shard_on_once_those_before_it_have_come(seed):
     """What a cluster's stream of results gets: shards done in any order, each passed on in
     shard order as soon as it can be, none held longer."""
-    from segcli.cluster import in_order
+    from segcli.executor import in_order
 
     done = np.random.default_rng(seed).permutation(9).tolist()
     events = []

@@ -4,7 +4,9 @@ commands of the same names run them, returning Results.
 A Computation says what a run gives (its datasets under /results: per structure or atom,
 trailing shape, dtype, attributes, table columns) and computes it chunk by chunk;
 `compute_into` runs one over a range of structures into a sink (segcli.io.sinks): ops
-through segcli.engine, neighbour statistics through segcli.neighborlist.
+through segcli.engine, neighbour statistics through segcli.neighborlist. A run is units of
+structures mapped by `compute_unit` here, or by `run_shard` as tasks of a cluster, their
+rows written in structure order by segcli.executor.write_rows.
 """
 
 import contextlib
@@ -15,12 +17,13 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from segcli import devices, engine, neighborlist
+from segcli import devices, engine, executor, neighborlist
 from segcli.api import common
 from segcli.errors import ArgumentError, DataError, literal
 from segcli.io import sinks
 from segcli.progress import tracked
 from segcli.registry import OPS
+from segcli.shards import shard_of
 
 DEVICES = ("auto", "cpu", "gpu")
 
@@ -394,21 +397,25 @@ def _run_ops(inputs, op, fields, *, order, weights, direction, output, in_place,
         if order:
             attrs.update(order=order, weights=weights, direction=direction)
         verb = "reducing" if not order else "differentiating"
-        if scheduler:
-            from segcli.cluster import run_on_cluster
+        if not scheduler:
+            return _run_here(batch, computation, target, leaves, keep, attrs, device,
+                             chunk_atoms, (progress, f"{verb} {label}"), notes, notify)
+        for message in notes:
+            notify(message)
+        recipe = ([(spec.name, list(f)) for spec, f in ops], names, plan, device, chunk_atoms)
+        with (common.on_cluster(scheduler) as client,
+              tracked(progress, f"{verb} {label} (shards)", _counted(keep, lo, hi)) as bar):
+            units = executor.plan(batch.n_atoms, leaves, client, keep)
+            ran_on, arrays = executor.write_rows(
+                units, run_shard, (batch, *recipe, keep, attrs), target, computation, batch,
+                attrs, keep, client, bar)
+        return Results(computation, target, batch, slice(lo, hi), keep,
+                       {**attrs, "device": ran_on}, arrays)
 
-            for message in notes:
-                notify(message)
-            recipe = (batch.layout, [(spec.name, list(f)) for spec, f in ops], names, plan,
-                      device, chunk_atoms, where)
-            with (common.on_cluster(scheduler) as client,
-                  tracked(progress, f"{verb} {label} (shards)", hi - lo) as bar):
-                ran_on, arrays = run_on_cluster(client, bar, batch, computation, target, lo, hi,
-                                                run_shard, recipe, attrs, keep)
-            return Results(computation, target, batch, slice(lo, hi), keep,
-                           {**attrs, "device": ran_on}, arrays)
-        return _run_here(batch, computation, target, slice(lo, hi), keep, attrs, device,
-                         chunk_atoms, (progress, f"{verb} {label}"), notes, notify)
+
+def _counted(keep, lo, hi):
+    """How many of the structures [lo, hi) are computed: those `keep` marks, if given."""
+    return hi - lo if keep is None else int(np.count_nonzero(keep[lo:hi]))
 
 
 def _destination(inputs, output, in_place, format, force, shard=None):
@@ -426,22 +433,35 @@ def _destination(inputs, output, in_place, format, force, shard=None):
     return target, paths, common.input_name(inputs)
 
 
-def _run_here(batch, computation, target, selected, keep, attrs, device, chunk_atoms, progress,
+def _run_here(batch, computation, target, leaves, keep, attrs, device, chunk_atoms, progress,
               notes, notify):
-    """Results of `computation` over the structures `selected` (a slice; those `keep` marks,
-    if given) of `batch`, computed in this process on `device` (a --device choice) into
-    `target`, their datasets' attributes `attrs` and the device's label; progress (how,
-    label) as `tracked` takes them."""
-    lo, hi = selected.start, selected.stop
+    """Results of `computation` over the structures between the leaf boundaries `leaves`
+    (those `keep` marks, if given) of `batch`, computed in this process on `device` (a
+    --device choice) into `target`, their datasets' attributes `attrs` and the device's
+    label; progress (how, label) as `tracked` takes them."""
+    lo, hi = int(leaves[0]), int(leaves[-1])
     placed = devices.device(device)  # JAX loads only now
     attrs = {**attrs, "device": devices.device_label(placed)}
-    sink = sinks.open_sink(target, computation, batch, lo, hi, attrs, keep)
-    total = hi - lo if keep is None else int(keep[lo:hi].sum())
-    with tracked(*progress, total) as bar:
-        compute_into(batch, computation, sink, placed, lo, hi, chunk_atoms, bar, notes, keep,
-                     notify)
-    return Results(computation, target, batch, selected, keep, attrs,
-                   sink.arrays() if isinstance(sink, sinks.Collect) else None)
+    with tracked(*progress, _counted(keep, lo, hi)) as bar:
+        _, arrays = executor.write_rows(
+            executor.plan(batch.n_atoms, leaves, keep=keep), compute_unit,
+            (batch, computation, placed, chunk_atoms, keep, notes, notify), target, computation,
+            batch, attrs, keep, progress=bar)
+    return Results(computation, target, batch, slice(lo, hi), keep, attrs, arrays)
+
+
+def compute_unit(batch, computation, device, chunk_atoms, keep, notes, notify, unit, progress):
+    """The work of reduce, grad and neighbors in this process: `computation` over the
+    structures of `unit` (a segcli.executor.Unit) of `batch` that `keep`, if given, marks, on
+    the placed `device`, into the sink `unit.into`; `notify` told the `notes` once the first
+    chunk is computed. Returns the device's label.
+
+        compute_unit(batch, computation, devices.device("cpu"), None, None, (), print,
+                     unit._replace(into=sink), None)
+    """
+    compute_into(batch, computation, unit.into, device, unit.lo, unit.hi, chunk_atoms,
+                 progress, notes, keep, notify)
+    return devices.device_label(device)
 
 
 def plan_ops(batch, name, ops, names, plan):
@@ -450,29 +470,32 @@ def plan_ops(batch, name, ops, names, plan):
                 for spec, fields in ops], names)
 
 
-def run_shard(layout, ops, names, plan, device, chunk_atoms, where, lo, hi, into, attrs):
-    """One shard of reduce or grad on a cluster (a task): structures [lo, hi) of the batch
-    `layout` describes (see segcli.io.open_inputs), those where the conditions `where` hold,
-    into the new part file `into` (replaced whole if a retried task wrote it before), or into
-    the output's own rows `into` (a RowsInto; rewritten alike). `ops` are (op name, fields)
-    pairs. Returns the label of the device it computed on."""
-    from segcli.curate.selection import where_mask
-    from segcli.io import open_inputs
+def run_shard(layout, ops, names, plan, device, chunk_atoms, keep, attrs, unit, progress):
+    """The work of reduce and grad on a cluster (a task): the structures of `unit` (a
+    segcli.executor.Unit) of the batch `layout` describes (see segcli.io.open_inputs), those
+    `keep` ((S,) bool), if given, marks, into the new part file `unit.into` (replaced whole
+    if a retried task wrote it before), or into the output's own rows `unit.into` (a
+    RowsInto; rewritten alike). `ops` are (op name, fields) pairs. Returns the label of the
+    device it computed on.
 
+        run_shard(batch.layout, [("sum", ["forces"])], ["sum_forces"], plan, "cpu", None,
+                  None, {}, unit._replace(into="part-0.h5"), None)
+    """
     target = devices.device(device)
     label = devices.device_label(target)
-    with open_inputs(layout) as batch:
+    lo, hi = unit.lo, unit.hi
+    with executor.reading(layout) as batch:
         computation = plan_ops(batch, batch.path, [(OPS[op], fields) for op, fields in ops],
                                names, plan)
-        keep = where_mask(batch, where, structures=slice(lo, hi)) if where else None
-        if isinstance(into, str):
-            sink = sinks.open_sink(sinks.Target(sinks.SINKS["hdf5"], into, force=True),
+        if isinstance(unit.into, str):
+            sink = sinks.open_sink(sinks.Target(sinks.SINKS["hdf5"], unit.into, force=True),
                                    computation, batch, lo, hi,
                                    {**attrs, "structures": f"{lo}:{hi}", "device": label}, keep)
         else:  # the client's file: n_atoms, sources and attributes are its own
-            sink = sinks.Hdf5Sink(into, computation.outputs, batch.n_atoms[lo:hi],
+            sink = sinks.Hdf5Sink(unit.into, computation.outputs, batch.n_atoms[lo:hi],
                                   computation.attrs(attrs), None, lo, keep is not None)
-        compute_into(batch, computation, sink, target, lo, hi, chunk_atoms, keep=keep)
+        compute_into(batch, computation, sink, target, lo, hi, chunk_atoms, progress,
+                     keep=keep)
     return label
 
 
@@ -512,5 +535,6 @@ def neighbors(inputs, cutoff, *, per_atom=False, histogram=None, output=None, in
         attrs = {"cutoffs": cutoffs}
         if where:
             attrs["where"] = [condition.text for condition in where]
-        return _run_here(batch, computation, target, selected, keep, attrs, device, chunk_atoms,
+        leaves = shard_of(batch.n_atoms[selected], selected.start)
+        return _run_here(batch, computation, target, leaves, keep, attrs, device, chunk_atoms,
                          (progress, f"neighbours of {label}"), (), notify)

@@ -200,8 +200,8 @@ def _field_stats(paths, file, fields, per_element, per_atom, by, where, structur
                  scheduler, chunk_atoms, input_format, progress):
     """(name -> FieldStats, summary, the leaves' statistics, the output's attributes) of the
     `fields` of the data files `paths` (named `file`), as `segcli stats` computes them."""
-    from segcli.cluster import leaf_stats_sharded
-    from segcli.curate.statistics import group_values, merge_stats, refuse_overflow
+    from segcli import executor
+    from segcli.curate.statistics import group_values, join_leaves, merge_stats, refuse_overflow
     from segcli.io import open_inputs
 
     options = {"per_element": per_element, "per_atom": per_atom, "chunk_atoms": chunk_atoms}
@@ -220,11 +220,26 @@ def _field_stats(paths, file, fields, per_element, per_atom, by, where, structur
         label = f"statistics of {file}" + " (shards)" * bool(scheduler)
         with on_cluster(scheduler) as client, \
                 tracked(progress, label, summary["structures"]) as bar:
-            parts = leaf_stats_sharded(client, batch, fields, leaves, progress=bar, where=where,
-                                       keep=keep, **options)
+            units = executor.plan(batch.n_atoms, leaves, client, keep)
+            parts = executor.run(units, stats_of_unit, (batch, list(fields), keep, options),
+                                 client=client, progress=bar, combine=join_leaves)
         result = merge_stats([parts])
         refuse_overflow(file, result)
     return result, summary, parts, attrs
+
+
+def stats_of_unit(source, names, keep, options, unit, progress):
+    """The leaf statistics (segcli.curate.statistics.leaf_stats) of the fields `names` over
+    the structures of `unit` (a segcli.executor.Unit) of `source` (a batch, or its layout)
+    that `keep` ((S,) bool), if given, marks: stats's work, here or as a task.
+
+        stats_of_unit(batch, ["energy"], None, {}, executor.plan(n_atoms, leaves)[0], None)
+    """
+    from segcli.curate.statistics import leaf_stats
+    from segcli.executor import reading
+
+    with reading(source) as batch, np.errstate(over="ignore", invalid="ignore"):
+        return leaf_stats(batch, names, unit.leaves, keep=keep, progress=progress, **options)
 
 
 def _check_grouping(batch, fields, per_element, per_atom):
