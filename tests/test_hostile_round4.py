@@ -80,3 +80,17 @@ def test_virtual_merge_of_gradients_reads_its_parts(tmp_path):
     with h5py.File(tmp_path / "v.h5") as v, h5py.File(tmp_path / "whole.h5") as w:
         name = "results/rms_norm_forces/d_forces"
         assert np.array_equal(v[name][()], w[name][()])
+
+
+@pytest.mark.parametrize("text", ["1_0", "\u0661"])
+def test_neighbors_cutoff_is_a_plain_number(tmp_path, text):
+    """--cutoff takes a plain decimal number: Python's float reads '1_0' as 10 and Arabic-Indic
+    digits as digits, which would give another cutoff's results with exit 0."""
+    write_batch(tmp_path / "d.h5", [2], {"positions": np.array([[0, 0, 0], [1.5, 0, 0.0]]),
+                                         "numbers": np.array([1, 1])})
+    result = run("neighbors", tmp_path / "d.h5", "--cutoff", text)
+    assert result.exit_code == 2, result.output
+    assert f"cutoff {text!r} is not a number" in result.output
+    ok("neighbors", tmp_path / "d.h5", "--cutoff", " 2.5", "-o", tmp_path / "n.h5", "-q")
+    with h5py.File(tmp_path / "n.h5") as f:
+        assert f["results/n_pairs"][()].tolist() == [2]
