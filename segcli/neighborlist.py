@@ -94,10 +94,25 @@ def cutoff_problem(cutoff):
     return None
 
 
+def _cutoff_number(cutoff):
+    """`cutoff` as a float; text (the command line's) only as a plain decimal number: not
+    with '_' or other than ASCII digits, which Python's float reads ('1_0' is 10, '١' is 1)."""
+    if not isinstance(cutoff, str):
+        return float(cutoff)
+    text = cutoff.strip()
+    try:
+        if not text.isascii() or "_" in text:
+            raise ValueError
+        return float(text)
+    except ValueError:
+        raise ValueError(f"cutoff {cutoff!r} is not a number") from None
+
+
 def checked_cutoffs(cutoffs):
-    """The `cutoffs` ascending as float64; ValueError naming the first that cutoff_problem
-    refuses, or one given twice."""
-    values = [float(c) for c in cutoffs]
+    """The `cutoffs` (numbers, or text as the command line gives them) ascending as float64;
+    ValueError naming the first that is not a plain number or that cutoff_problem refuses,
+    or one given twice."""
+    values = [_cutoff_number(c) for c in cutoffs]
     if not values:
         raise ValueError("no cutoff given")
     for cutoff in values:

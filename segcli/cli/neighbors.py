@@ -43,7 +43,7 @@ def _checked_cutoffs(ctx, param, cutoffs):
 @click.command(short_help="Neighbour statistics at cutoffs, per structure.")
 @click.argument("file")
 @common.input_format_option("--input-format")
-@click.option("--cutoff", "cutoffs", multiple=True, required=True, metavar="R", type=float,
+@click.option("--cutoff", "cutoffs", multiple=True, required=True, metavar="R",
               callback=_checked_cutoffs,
               help="Distance in Å below which two atoms are neighbours (at most 1e6); repeat "
                    "it for several cutoffs (results then named NAME_R, R as exactly as it "

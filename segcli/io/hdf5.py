@@ -271,6 +271,29 @@ def units_of(path, ds, default=None):
     return stated(units)
 
 
+PART_IDENTITY = ("op", "fields", "precision", "source_fingerprint")
+"""Attributes of a result that a virtual dataset over parts and each part it reads share."""
+
+
+def _identity(obj):
+    """The PART_IDENTITY attributes of a result dataset, or of the group holding it (a
+    gradient's /results/NAME/d_FIELD), as plain values."""
+    holder = obj if "op" in obj.attrs or obj.parent is None else obj.parent
+    return {key: plain(holder.attrs[key]) for key in PART_IDENTITY if key in holder.attrs}
+
+
+def _part_changed(virtual, read):
+    """How the result in the dataset `read` of a part differs from the one the virtual
+    dataset `virtual` took it for when it was made (another op, fields, precision or input),
+    or None: a part rewritten by another job would be read silently otherwise (one of
+    another length is refused as it is read)."""
+    mine, theirs = _identity(virtual), _identity(read)
+    for key in PART_IDENTITY:
+        if key in mine and key in theirs and mine[key] != theirs[key]:
+            return f"now holds {key} {theirs[key]!r}, not {mine[key]!r}"
+    return None
+
+
 VIRTUAL_READ = set()
 """The files whose virtual datasets this process reads: h5py objects of theirs left in
 reference cycles are collected before the segcli program exits (cli.common.as_program)."""
@@ -469,9 +492,15 @@ class SegcliBatch(Batch):
                                 "which is missing (keep the parts of `segcli merge --virtual` "
                                 "beside it)")
             with h5py.File(target, "r") as part:
-                if not isinstance(part.get(source.dset_name), h5py.Dataset):
+                read = part.get(source.dset_name)
+                if not isinstance(read, h5py.Dataset):
                     raise DataError(f"{self.path}: {where} is a virtual dataset reading "
                                     f"{source.dset_name} of {name}, which has no such dataset")
+                changed = _part_changed(ds, read)
+                if changed:
+                    raise DataError(f"{self.path}: {where} is a virtual dataset reading "
+                                    f"{source.dset_name} of {name}, which {changed}: the part "
+                                    "was replaced since the merge (merge the parts again)")
         if mapped < ds.size:
             raise DataError(f"{self.path}: {where} is a virtual dataset whose sources cover "
                             f"{mapped} of its {ds.size} elements (HDF5 would read zeros for "

@@ -1,0 +1,96 @@
+"""Hostile round 4 (merges, shards, integers, neighbours): what it found, kept found.
+
+A `merge --virtual` output reads its parts by path; a part rewritten since the merge by
+another job (another op under the same name, another input) is refused, not read silently."""
+
+import h5py
+import numpy as np
+import pytest
+from batch_reference import write_batch
+from click.testing import CliRunner
+
+from segcli.cli import main
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def ok(*args):
+    result = run(*args)
+    assert result.exit_code == 0, result.output
+    return result
+
+
+@pytest.fixture(scope="module")
+def virtual(tmp_path_factory):
+    """data.h5 (12 structures), other.h5 (the same sizes, other forces), the two parts of
+    `reduce rms_norm forces --shard I/2` of data.h5, and v.h5, their virtual merge."""
+    here = tmp_path_factory.mktemp("virtual")
+    rng = np.random.default_rng(4)
+    n_atoms = rng.integers(1, 6, 12)
+    n = int(n_atoms.sum())
+    write_batch(here / "data.h5", n_atoms, {"forces": rng.normal(size=(n, 3))})
+    write_batch(here / "other.h5", n_atoms, {"forces": rng.normal(size=(n, 3))})
+    for i in range(2):
+        ok("reduce", here / "data.h5", "rms_norm", "forces", "--shard", f"{i}/2", "-o",
+           here / "parts" / "r-{shard}.h5", "-q")
+    ok("merge", here / "parts" / "r-0.h5", here / "parts" / "r-1.h5", "-o", here / "v.h5",
+       "--virtual", "-q")
+    return here
+
+
+def rewrite_part(here, *args):
+    """Part 1 rewritten by another job, `reduce ARGS --shard 1/2 -o parts/r-1.h5 --force`."""
+    ok("reduce", *args, "--shard", "1/2", "-o", here / "parts" / "r-1.h5", "--force", "-q")
+
+
+@pytest.mark.parametrize("job, needle", [
+    (("max_norm", "forces", "--name", "rms_norm_forces"), "op 'max_norm'"),
+    (("rms_norm", "forces"), "source_fingerprint"),
+], ids=["other-op", "other-input"])
+def test_virtual_merge_refuses_a_rewritten_part(virtual, job, needle):
+    before = ok("stats", virtual / "v.h5", "rms_norm_forces", "--json").output
+    source = virtual / ("data.h5" if job[0] == "max_norm" else "other.h5")
+    try:
+        rewrite_part(virtual, source, *job)
+        result = run("stats", virtual / "v.h5", "rms_norm_forces", "--json")
+        assert result.exit_code == 1, result.output
+        lines = result.output.strip().splitlines()
+        assert len(lines) == 1 and "r-1.h5" in lines[0] and needle in lines[0], lines
+        assert "merge the parts again" in lines[0]
+    finally:  # the job's own part back: the virtual file reads it as before
+        rewrite_part(virtual, virtual / "data.h5", "rms_norm", "forces")
+    assert ok("stats", virtual / "v.h5", "rms_norm_forces", "--json").output == before
+
+
+def test_virtual_merge_of_gradients_reads_its_parts(tmp_path):
+    """Gradient parts keep their identity on the group /results/NAME: an intact virtual
+    merge reads them, bit for bit what one run writes."""
+    rng = np.random.default_rng(2)
+    n_atoms = np.array([2, 0, 3, 1])
+    write_batch(tmp_path / "d.h5", n_atoms, {"forces": rng.normal(size=(6, 3))})
+    for i in range(2):
+        ok("grad", tmp_path / "d.h5", "rms_norm", "forces", "--shard", f"{i}/2", "-o",
+           tmp_path / "p" / "g-{shard}.h5", "-q")
+    ok("merge", tmp_path / "p" / "g-0.h5", tmp_path / "p" / "g-1.h5", "-o", tmp_path / "v.h5",
+       "--virtual", "-q")
+    ok("grad", tmp_path / "d.h5", "rms_norm", "forces", "-o", tmp_path / "whole.h5", "-q")
+    ok("stats", tmp_path / "v.h5", "rms_norm_forces/d_forces", "-q")
+    with h5py.File(tmp_path / "v.h5") as v, h5py.File(tmp_path / "whole.h5") as w:
+        name = "results/rms_norm_forces/d_forces"
+        assert np.array_equal(v[name][()], w[name][()])
+
+
+@pytest.mark.parametrize("text", ["1_0", "\u0661"])
+def test_neighbors_cutoff_is_a_plain_number(tmp_path, text):
+    """--cutoff takes a plain decimal number: Python's float reads '1_0' as 10 and Arabic-Indic
+    digits as digits, which would give another cutoff's results with exit 0."""
+    write_batch(tmp_path / "d.h5", [2], {"positions": np.array([[0, 0, 0], [1.5, 0, 0.0]]),
+                                         "numbers": np.array([1, 1])})
+    result = run("neighbors", tmp_path / "d.h5", "--cutoff", text)
+    assert result.exit_code == 2, result.output
+    assert f"cutoff {text!r} is not a number" in result.output
+    ok("neighbors", tmp_path / "d.h5", "--cutoff", " 2.5", "-o", tmp_path / "n.h5", "-q")
+    with h5py.File(tmp_path / "n.h5") as f:
+        assert f["results/n_pairs"][()].tolist() == [2]
