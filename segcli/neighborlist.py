@@ -20,6 +20,7 @@ from typing import NamedTuple
 import numpy as np
 
 from segcli.errors import DataError
+from segcli.numbers import plain_number
 
 SLACK = 1e-9
 """Bins are this much (relatively) wider than the cutoff, so that a position's rounding in the
@@ -95,15 +96,12 @@ def cutoff_problem(cutoff):
 
 
 def _cutoff_number(cutoff):
-    """`cutoff` as a float; text (the command line's) only as a plain decimal number: not
-    with '_' or other than ASCII digits, which Python's float reads ('1_0' is 10, '١' is 1)."""
+    """`cutoff` as a float; text (the command line's) only as a plain number (see
+    segcli.numbers.plain_number)."""
     if not isinstance(cutoff, str):
         return float(cutoff)
-    text = cutoff.strip()
     try:
-        if not text.isascii() or "_" in text:
-            raise ValueError
-        return float(text)
+        return plain_number(cutoff)
     except ValueError:
         raise ValueError(f"cutoff {cutoff!r} is not a number") from None
 

@@ -3,6 +3,8 @@
 A `merge --virtual` output reads its parts by path; a part rewritten since the merge by
 another job (another op under the same name, another input) is refused, not read silently."""
 
+import json
+
 import h5py
 import numpy as np
 import pytest
@@ -94,3 +96,18 @@ def test_neighbors_cutoff_is_a_plain_number(tmp_path, text):
     ok("neighbors", tmp_path / "d.h5", "--cutoff", " 2.5", "-o", tmp_path / "n.h5", "-q")
     with h5py.File(tmp_path / "n.h5") as f:
         assert f["results/n_pairs"][()].tolist() == [2]
+
+
+@pytest.mark.parametrize("text", ["0_5", "\u0660.5"])
+def test_numbers_of_where_and_fixed_are_plain_numbers(tmp_path, text):
+    """--where VALUE and fit-e0 --fixed SYMBOL=VALUE take plain decimal numbers too: '0_5'
+    would be 5 and '٠.5' 0.5 to Python's float, fitting or choosing with another number."""
+    path = write_batch(tmp_path / "d.h5", [2, 1], {"numbers": np.array([1, 1, 8])},
+                       {"energy": np.array([-27.0, -75.0])})
+    result = run("select", path, "--where", f"energy < {text}", "-o", tmp_path / "s.h5")
+    assert result.exit_code == 2 and "is not one" in result.output, result.output
+    result = run("fit-e0", path, "--fixed", f"H={text}")
+    assert result.exit_code == 2 and f"'H={text}'" in result.output, result.output
+    assert not (tmp_path / "s.h5").exists()
+    fitted = json.loads(ok("fit-e0", path, "--fixed", "H=-13.5", "--json").stdout)
+    assert {row["element"]: row["e0"] for row in fitted["e0"]} == {"H": -13.5, "O": -75.0}

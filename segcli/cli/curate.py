@@ -119,12 +119,13 @@ def _fixed(ctx, param, values):
 
     from segcli.api.curate import fixed_numbers
     from segcli.errors import ArgumentError
+    from segcli.numbers import plain_number
 
     out = {}
     for text in values:
         symbol, _, value = text.partition("=")
         try:
-            (z, energy), = fixed_numbers({symbol: float(value)}).items()
+            (z, energy), = fixed_numbers({symbol: plain_number(value)}).items()
         except ValueError as err:
             reason = err.for_command().removeprefix("--fixed ") \
                 if isinstance(err, ArgumentError) else "expected SYMBOL=VALUE (e.g. H=-13.6)"

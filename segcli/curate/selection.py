@@ -29,7 +29,7 @@ _CONDITION = re.compile(
     rf"\s*(?P<name>{_WORD})\s*(?P<op><=|>=|==|!=|<|>)\s*"
     rf"(?:\"(?P<double>[^\"]*)\"|'(?P<single>[^']*)'|(?P<bare>{_WORD}))\s*")
 _NUMBER = re.compile(r"[+-]?(?:(?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?|inf|infinity|nan)",
-                     re.IGNORECASE)
+                     re.IGNORECASE | re.ASCII)
 _LINE_NUMBER = re.compile(rb"-?[0-9]+")
 
 
