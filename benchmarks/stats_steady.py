@@ -3,7 +3,7 @@ chunked h5py read of the same datasets, in one process: passes after a first one
 page cache and allocator warm; freed blocks kept for reuse, as in the segcli program), in
 turns, medians; the moments in C (segcli/_moments.c) and, beside them, by their NumPy twin
 (SEGCLI_NATIVE_STATS=0, the path taken where the C was not built at install). With
---before REV, also the statistics of `segcli/stats.py` as it was at git revision REV (loaded
+--before REV, also the statistics of `segcli/curate/statistics.py` as it was at git revision REV (loaded
 as a module of its own). On a shared machine, a pass during which other processes kept more
 than a tenth of a core busy (Linux /proc/stat) is left out and made again.
 
@@ -46,10 +46,17 @@ def bare_read(path, names):
 
 
 def module_at(revision, directory):
-    """segcli/stats.py as it was at git `revision`, imported as a module of its own."""
+    """The statistics module (segcli/curate/statistics.py, once segcli/stats.py) as it was at
+    git `revision`, imported as a module of its own."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    source = subprocess.run(["git", "-C", root, "show", f"{revision}:segcli/stats.py"],
-                            check=True, capture_output=True, text=True).stdout
+    for name in ("segcli/curate/statistics.py", "segcli/stats.py"):
+        shown = subprocess.run(["git", "-C", root, "show", f"{revision}:{name}"],
+                               capture_output=True, text=True)
+        if shown.returncode == 0:
+            break
+    else:
+        raise SystemExit(f"{revision}: no statistics module")
+    source = shown.stdout
     path = os.path.join(directory, "stats_before.py")
     with open(path, "w") as f:
         f.write(source)
@@ -60,7 +67,7 @@ def module_at(revision, directory):
 
 
 def with_native(value):
-    """SEGCLI_NATIVE_STATS set to `value` (unset for None) for segcli.stats from now on."""
+    """SEGCLI_NATIVE_STATS set to `value` (unset for None) for the statistics from now on."""
     if value is None:
         os.environ.pop("SEGCLI_NATIVE_STATS", None)
     else:
@@ -91,7 +98,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--atoms", type=int, default=10_000_000)
     parser.add_argument("--passes", type=int, default=7)
-    parser.add_argument("--before", metavar="REV", help="also time segcli/stats.py at REV")
+    parser.add_argument("--before", metavar="REV", help="also time the statistics module at REV")
     parser.add_argument("--dir", default=tempfile.gettempdir())
     args = parser.parse_args()
     keep_freed_buffers()  # as the segcli program does
