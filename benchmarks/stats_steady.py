@@ -3,8 +3,8 @@ chunked h5py read of the same datasets, in one process: passes after a first one
 page cache and allocator warm; freed blocks kept for reuse, as in the segcli program), in
 turns, medians; the moments in C (segcli/_moments.c) and, beside them, by their NumPy twin
 (SEGCLI_NATIVE_STATS=0, the path taken where the C was not built at install). With
---before REV, also the statistics of `segcli/curate/statistics.py` as it was at git revision REV (loaded
-as a module of its own). On a shared machine, a pass during which other processes kept more
+--before REV, also the statistics module as it was at git revision REV (loaded as a module
+of its own). On a shared machine, a pass during which other processes kept more
 than a tenth of a core busy (Linux /proc/stat) is left out and made again.
 
     python benchmarks/stats_steady.py [--atoms 10000000] [--passes 7] [--before REV] [--dir DIR]
@@ -51,7 +51,7 @@ def module_at(revision, directory):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for name in ("segcli/curate/statistics.py", "segcli/stats.py"):
         shown = subprocess.run(["git", "-C", root, "show", f"{revision}:{name}"],
-                               capture_output=True, text=True)
+                               capture_output=True, text=True, check=False)
         if shown.returncode == 0:
             break
     else:
