@@ -546,12 +546,16 @@ class Schema(dict):
 def derivable(stored):
     """Derived fields (name -> FieldInfo) that the stored fields allow and do not hold."""
     out = {}
-    if "velocities" not in stored and "momenta" in stored and (
-            "masses" in stored or "numbers" in stored):
+
+    def shaped(name, shape):  # only fields of the shapes ASE's are derive: not a cell (S, 3)
+        return name in stored and tuple(stored[name].shape) == shape
+
+    if "velocities" not in stored and shaped("momenta", (3,)) and (
+            shaped("masses", ()) or ("masses" not in stored and shaped("numbers", ()))):
         mass = stored["masses"].dtype if "masses" in stored else np.float64
         out["velocities"] = FieldInfo("velocities", "atom", stored["momenta"].shape,
                                       np.result_type(stored["momenta"].dtype, mass))
-    if "scaled_positions" not in stored and "positions" in stored and "cell" in stored:
+    if "scaled_positions" not in stored and shaped("positions", (3,)) and shaped("cell", (3, 3)):
         out["scaled_positions"] = FieldInfo("scaled_positions", "atom", (3,), np.dtype(np.float64))
     return out
 
