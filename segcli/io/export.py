@@ -1,6 +1,7 @@
 """Writing structures to the files ASE writes (extxyz, traj, db, ...), streamed a chunk at a
 time: the inverse of reading one (see segcli.io.asefiles.structure_piece)."""
 
+import functools
 import os
 import shutil
 import warnings
@@ -109,6 +110,8 @@ def export(inputs, output, fmt, *, chunk_atoms=100_000, fields=None, drop=None, 
             images = iter([_only_one(output, fmt, images)])
         if fmt in _NEEDS_CELL:
             images = _with_cells(output, fmt, images)
+        if fmt in ("extxyz", "xyz"):
+            images = _comment_safe(output, fmt, images)
         with _written_by_ase(output, fmt, tmp):
             if fmt in _DATABASES:
                 with _plain(tmp, output) as plain:
@@ -249,6 +252,46 @@ def _with_cells(output, fmt, images):
             raise DataError(f"{output}: the format {fmt} holds only structures with a cell of "
                             f"three vectors; structure {number} (counting those written) has "
                             f"{atoms.cell.rank}")
+        yield atoms
+
+
+_SPECIAL_KEYS = frozenset({"Lattice", "Properties", "pbc"})
+
+
+@functools.lru_cache(maxsize=4096)
+def _reads_back(key, value):
+    """Whether the comment line of extended XYZ that ASE writes for info `key`=`value` (a
+    string; "x" for a key of another value) reads back as that alone: not a value that
+    reads as a number or a boolean ("1.5", "T"), empty, or holding a tab, a newline or a
+    backslash, nor a key holding a space or "=", all of which ASE writes unquoted."""
+    from ase.io.extxyz import key_val_dict_to_str, key_val_str_to_dict
+
+    try:
+        back = key_val_str_to_dict(key_val_dict_to_str({key: value}))
+    except Exception:  # noqa: BLE001 - what ASE cannot parse does not read back
+        return False
+    return list(back) == [key] and isinstance(back[key], str) and back[key] == value
+
+
+def _comment_safe(output, fmt, images):
+    """The structures `images`, DataError for one whose per-structure info ASE would write
+    to the comment line of (extended) XYZ so that it reads back otherwise (a string value
+    lost or turned into a number, another key invented, the next key swallowed), or whose
+    per-atom field has a name that the Properties of the format cannot hold."""
+    for number, atoms in enumerate(images):
+        for key, value in atoms.info.items():
+            if key not in _SPECIAL_KEYS and not _reads_back(
+                    key, value if isinstance(value, str) else "x"):
+                what = f"its value {value!r}" if isinstance(value, str) else "its name"
+                raise DataError(f"{output}: the format {fmt} cannot hold field {key!r} of "
+                                f"structure {number} (counting those written): {what} would "
+                                "read back otherwise; write it to .h5, .traj or .db, or "
+                                "--drop it")
+        for key in atoms.arrays:
+            if not key or any(c.isspace() or c in ':="\\' for c in key):
+                raise DataError(f"{output}: the format {fmt} cannot hold per-atom field "
+                                f"{key!r} (of structure {number}, counting those written) in "
+                                "its Properties; --rename it or --drop it")
         yield atoms
 
 
