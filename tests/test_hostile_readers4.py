@@ -61,3 +61,58 @@ def test_fields_not_shaped_as_ase_s_derive_nothing(tmp_path):
         assert_one_line(run("reduce", path, "sum", field), path, field)
     info = run("info", "--json", path)
     assert info.exit_code == 0 and "scaled_positions" not in info.stdout, info.output
+
+
+def test_an_export_to_extxyz_refuses_what_its_comment_line_would_change(tmp_path):
+    """ASE writes string info unquoted where it holds a tab, a backslash or nothing, and
+    a number or a boolean as its text: the export was exit 0 and read back as other values
+    (an empty string swallowed the next key, the energy lost; 'T' read back True)."""
+    for value in ["", "tab\there", "back\\slash", "T", "1.5", "new\nline"]:
+        path = write_batch(tmp_path / "s.h5", [1, 1], {"positions": np.zeros((2, 3)),
+                                                       "numbers": np.ones(2, np.int64)},
+                           {"energy": np.arange(2.0)})
+        with h5py.File(path, "a") as f:
+            f.create_dataset("structures/config_type", data=np.array(["ok", value], object),
+                             dtype=h5py.string_dtype())
+        out = tmp_path / "out.extxyz"
+        result = run("convert", path, "-o", out)
+        assert_one_line(result, out, "config_type", "structure 1", repr(value))
+        assert not out.exists()
+    with h5py.File(path, "a") as f:  # what reads back is written
+        del f["structures/config_type"]
+        f.create_dataset("structures/config_type", data=np.array(['a "q" b', "x=y"], object),
+                         dtype=h5py.string_dtype())
+        f["atoms/a b"] = np.zeros(2)
+    assert_one_line(run("convert", path, "-o", out), out, "'a b'")
+    assert run("convert", path, "-o", out, "--drop", "a b").exit_code == 0
+    back = run("info", "--json", out)
+    values = json.loads(back.stdout)["values"]["config_type"]["most_common"]
+    assert values == {'a "q" b': 1, "x=y": 1}
+
+
+def test_a_data_array_per_atom_in_one_row_and_per_structure_in_another(tmp_path):
+    """An ASE database whose `data` array has as many rows as one row's atoms but not
+    another's: convert --fill-missing nan wrote it per atom with NaN for the other rows, their
+    values lost, exit 0; every other command refused the whole file. Now the name is a
+    conflict (no field), the other fields read, and what would copy it refuses."""
+    import ase.db
+    from ase import Atoms
+
+    path = tmp_path / "rows.db"
+    with ase.db.connect(path) as db:
+        for n in (3, 5):
+            db.write(Atoms(f"H{n}", positions=np.arange(3.0 * n).reshape(n, 3)),
+                     data={"arr": np.arange(3.0)})
+    got = sums(run("reduce", path, "sum", "positions", "--format", "json"), "sum_positions")
+    np.testing.assert_allclose(got, [np.arange(9.0).reshape(3, 3).sum(0),
+                                     np.arange(15.0).reshape(5, 3).sum(0)])
+    info = run("info", "--json", path)
+    assert info.exit_code == 0 and "arr" in json.loads(info.stdout)["conflicts"], info.output
+    assert_one_line(run("reduce", path, "sum", "arr"), path, "'arr'")
+    out = tmp_path / "out.h5"
+    for args in (("convert", path, "-o", out, "--fill-missing", "nan"),
+                 ("convert", path, "-o", out),
+                 ("select", path, "--where", "id > 0", "-o", out)):
+        assert_one_line(run(*args), path, "'arr'", "per structure")
+        assert not out.exists()
+    assert run("convert", path, "-o", out, "--drop", "arr").exit_code == 0

@@ -470,6 +470,12 @@ def merge_pieces(path, pieces, schema, fill=None):
             dtype = common_dtype(path, name, p.start, dtype, other)
         masks = [p.present.get(name) for p in pieces]
         for i in [i for i, part in enumerate(parts) if part is None]:
+            other = pieces[i].structures if info.per == "atom" else pieces[i].atoms
+            if name in other:  # not lacking it: holding it the other way, which no fill hides
+                raise DataError(f"{path}: field '{name}' is per "
+                                f"{'structure' if info.per == 'atom' else 'atom'} with shape "
+                                f"{other[name].shape[1:]} in structure {pieces[i].start}, per "
+                                f"{info.per} with shape {info.shape} elsewhere")
             check_fill(path, pieces[i].start, name, fill)
             rows = int(pieces[i].n_atoms.sum()) if info.per == "atom" else len(pieces[i].n_atoms)
             parts[i] = np.full((rows, *info.shape), fill_value(dtype, fill), dtype)
@@ -514,6 +520,10 @@ def check_name(path, index, name):
     raise DataError(f"{path}: structure {index}: field name {name!r} {problem}; {hint}")
 
 
+class FieldConflict(DataError):
+    """A field whose structures hold it per atom and per structure, or in different shapes."""
+
+
 class Schema(dict):
     """Fields seen so far (name -> FieldInfo); dtypes promote as NumPy does, shapes and units
     must agree (see segcli.io.units.join), names must be fields' (see check_name), but for
@@ -527,7 +537,7 @@ class Schema(dict):
                 check_name(path, index, info.name)
             self[info.name] = info
         elif (known.per, known.shape) != (info.per, info.shape):
-            raise DataError(
+            raise FieldConflict(
                 f"{path}: field '{info.name}' is per {info.per} with shape {info.shape} in "
                 f"structure {index}, per {known.per} with shape {known.shape} before")
         elif (known.dtype, known.units) != (info.dtype, info.units):
