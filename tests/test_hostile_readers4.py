@@ -116,3 +116,19 @@ def test_a_data_array_per_atom_in_one_row_and_per_structure_in_another(tmp_path)
         assert_one_line(run(*args), path, "'arr'", "per structure")
         assert not out.exists()
     assert run("convert", path, "-o", out, "--drop", "arr").exit_code == 0
+
+
+def test_a_compressed_json_database_that_convert_writes_reads_back(tmp_path):
+    """convert -o NAME.json.gz (or .bz2) wrote a file that ASE reads but segcli did not:
+    detected as JSON decompressed, then handed to ASE's JSON backend compressed."""
+    path = write_batch(tmp_path / "s.h5", N_ATOMS, {"positions": POSITIONS,
+                                                    "numbers": np.ones(9, np.int64)})
+    want = sums(run("reduce", path, "sum", "positions", "--format", "json"), "sum_positions")
+    for suffix in (".json.gz", ".json.bz2"):
+        out = tmp_path / f"out{suffix}"
+        assert run("convert", path, "-o", out).exit_code == 0
+        got = run("reduce", out, "sum", "positions", "--format", "json")
+        np.testing.assert_allclose(sums(got, "sum_positions"), want)
+    cut = tmp_path / "cut.json.gz"
+    cut.write_bytes((tmp_path / "out.json.gz").read_bytes()[:60])
+    assert_one_line(run("info", cut), cut, "truncated")
