@@ -132,3 +132,21 @@ def test_a_compressed_json_database_that_convert_writes_reads_back(tmp_path):
     cut = tmp_path / "cut.json.gz"
     cut.write_bytes((tmp_path / "out.json.gz").read_bytes()[:60])
     assert_one_line(run("info", cut), cut, "truncated")
+
+
+def test_an_export_to_a_database_keeps_per_atom_fields_a_row_has_no_column_for(tmp_path):
+    """ASE's rows keep only their own arrays, and its SQLite backend only some calculator
+    results: a per-atom field `q`, per-atom `energies` and `stresses` were lost from .db (q
+    from .json and .aselmdb too), exit 0. Now they go to each row's data."""
+    q = np.arange(9.0) * 1.5
+    path = write_batch(tmp_path / "s.h5", N_ATOMS, {
+        "positions": POSITIONS, "numbers": np.full(9, 29), "q": q, "energies": q + 1,
+        "stresses": np.ones((9, 6)), "forces": POSITIONS * 2}, {"energy": np.arange(3.0)})
+    want = {f: run("reduce", path, "sum", f, "--format", "json").stdout
+            for f in ("q", "energies", "stresses", "forces")}
+    for suffix in (".db", ".json"):
+        out = tmp_path / f"out{suffix}"
+        assert run("convert", path, "-o", out).exit_code == 0
+        for field, text in want.items():
+            got = run("reduce", out, "sum", field, "--format", "json")
+            assert got.exit_code == 0 and got.stdout == text, (suffix, field, got.output)

@@ -317,19 +317,35 @@ def _write_database(path, fmt, images):
         lmdb_backend(path)
         options = {}
     with ase.db.connect(path, type=fmt, append=False, **options) as db:
-        for atoms, pairs, data in _rows(images):
+        for atoms, pairs, data in _rows(images, sqlite=fmt == "db"):
             db.write(atoms, key_value_pairs=pairs, data=data)
 
 
-def _rows(images):
+_ROW_ARRAYS = frozenset({"numbers", "positions", "initial_magmoms", "initial_charges", "masses",
+                         "tags", "momenta"})
+"""The per-atom arrays an ASE database row holds (ase.db.row.atoms2dict): others go to data."""
+_SQLITE_RESULTS = frozenset({"energy", "free_energy", "forces", "stress", "dipole", "magmoms",
+                             "magmom", "charges"})
+"""The calculator results ASE's SQLite backend has columns for: the others (per-atom
+`energies`, `stresses`, ...) go to data, where it keeps them."""
+
+
+def _rows(images, sqlite=False):
     """(atoms, key-value pairs, data) of each structure as a database row holds it: its info's
     scalars under names a database allows as key-value pairs, the rest of its info as data;
     `id` and `unique_id` (a database's own, of the rows read) left out: the new database
-    numbers its rows itself."""
+    numbers its rows itself. Per-atom arrays that a row does not hold (and, with `sqlite`,
+    calculator results that ASE's SQLite backend drops) go to data too, which segcli reads
+    back per atom."""
     from ase.db.core import reserved_keys
 
     for atoms in images:
         pairs, data = {}, {}
+        for key in [k for k in atoms.arrays if k not in _ROW_ARRAYS]:
+            data[key] = atoms.arrays.pop(key)
+        if sqlite and atoms.calc is not None:
+            for key in [k for k in atoms.calc.results if k not in _SQLITE_RESULTS]:
+                data[key] = atoms.calc.results.pop(key)
         for key, value in atoms.info.items():
             if key in ("id", "unique_id"):
                 continue
