@@ -150,8 +150,3 @@ def test_an_export_to_a_database_keeps_per_atom_fields_a_row_has_no_column_for(t
         for field, text in want.items():
             got = run("reduce", out, "sum", field, "--format", "json")
             assert got.exit_code == 0 and got.stdout == text, (suffix, field, got.output)
-    out = tmp_path / "out.traj"  # ASE's trajectory has no place for q: refused, not lost
-    assert_one_line(run("convert", path, "-o", out), out, "'q'", "--drop")
-    assert not out.exists()
-    assert run("convert", path, "-o", out, "--drop", "q").exit_code == 0
-    assert run("reduce", out, "sum", "energies", "--format", "json").stdout == want["energies"]

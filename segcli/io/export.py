@@ -112,8 +112,6 @@ def export(inputs, output, fmt, *, chunk_atoms=100_000, fields=None, drop=None, 
             images = _with_cells(output, fmt, images)
         if fmt in ("extxyz", "xyz"):
             images = _comment_safe(output, fmt, images)
-        if fmt == "traj":
-            images = _traj_arrays(output, images)
         with _written_by_ase(output, fmt, tmp):
             if fmt in _DATABASES:
                 with _plain(tmp, output) as plain:
@@ -294,19 +292,6 @@ def _comment_safe(output, fmt, images):
                 raise DataError(f"{output}: the format {fmt} cannot hold per-atom field "
                                 f"{key!r} (of structure {number}, counting those written) in "
                                 "its Properties; --rename it or --drop it")
-        yield atoms
-
-
-def _traj_arrays(output, images):
-    """The structures `images`, DataError for one with a per-atom field that ASE's trajectory
-    writer leaves out (it keeps the arrays an ASE database row keeps, and the calculator's
-    results): written, the file would lack it."""
-    for number, atoms in enumerate(images):
-        lost = sorted(set(atoms.arrays) - _ROW_ARRAYS)
-        if lost:
-            raise DataError(f"{output}: the format traj holds no per-atom field {lost[0]!r} "
-                            f"(of structure {number}, counting those written; ASE keeps only "
-                            "its own arrays there); write .extxyz or .h5, or --drop it")
         yield atoms
 
 
