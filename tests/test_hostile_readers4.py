@@ -150,3 +150,24 @@ def test_an_export_to_a_database_keeps_per_atom_fields_a_row_has_no_column_for(t
         for field, text in want.items():
             got = run("reduce", out, "sum", field, "--format", "json")
             assert got.exit_code == 0 and got.stdout == text, (suffix, field, got.output)
+
+
+def test_extended_xyz_compressed_is_read_by_its_content_not_its_name(tmp_path):
+    """Detection decompressed a gzip file's head and said extended XYZ, but the reader chose
+    its decompression by the name: a compressed file piped to stdin or named .extxyz was
+    'line 1 is not UTF-8 text'."""
+    import gzip
+    import lzma
+
+    text = "2\nProperties=species:S:1:pos:R:3 energy=1.5\nH 0 0 0\nO 0.5 0 1\n" * 2
+    plain = tmp_path / "a.extxyz"
+    plain.write_text(text)
+    want = run("reduce", plain, "sum", "positions", "--format", "json").stdout
+    (tmp_path / "b.extxyz").write_bytes(gzip.compress(text.encode()))
+    (tmp_path / "c").write_bytes(lzma.compress(text.encode()))
+    for name in ("b.extxyz", "c"):
+        got = run("reduce", tmp_path / name, "sum", "positions", "--format", "json")
+        assert got.exit_code == 0 and got.stdout == want, (name, got.output)
+    piped = CliRunner().invoke(main, ["reduce", "-", "sum", "positions", "--format", "json"],
+                               input=gzip.compress(text.encode()))
+    assert piped.exit_code == 0 and piped.stdout == want, piped.output
