@@ -171,3 +171,23 @@ def test_extended_xyz_compressed_is_read_by_its_content_not_its_name(tmp_path):
     piped = CliRunner().invoke(main, ["reduce", "-", "sum", "positions", "--format", "json"],
                                input=gzip.compress(text.encode()))
     assert piped.exit_code == 0 and piped.stdout == want, piped.output
+
+
+def test_constraints_of_database_rows_are_kept_as_from_a_trajectory(tmp_path):
+    """A row's FixAtoms and FixCartesian were dropped by every database reader (convert wrote
+    no `fixed`, exit 0); a .traj of the same structures kept them."""
+    import ase.db
+    from ase import Atoms
+    from ase.constraints import FixAtoms, FixCartesian
+
+    atoms = Atoms("H3", positions=np.arange(9.0).reshape(3, 3))
+    atoms.set_constraint([FixAtoms([0]), FixCartesian(2, (True, False, True))])
+    path = tmp_path / "c.json"
+    with ase.db.connect(path) as db:
+        db.write(atoms)
+    out = tmp_path / "c.h5"
+    assert run("convert", path, "-o", out).exit_code == 0
+    with h5py.File(out) as f:
+        assert f["atoms/fixed"][()].tolist() == [True, False, False]
+        assert f["atoms/fixed_cartesian"][()].tolist() == [[False] * 3, [False] * 3,
+                                                           [True, False, True]]

@@ -265,7 +265,10 @@ def row_piece(path, index, row):
     info = {"id": row.id, "unique_id": row.unique_id, **row.key_value_pairs}
     return structure_piece(path, index, len(arrays["numbers"]), arrays,
                            np.array(row.cell, float).reshape(3, 3), np.array(row.pbc, bool),
-                           info, results, row.get("data", {}))
+                           info, results, row.get("data", {}),
+                           # FixAtoms and FixCartesian as `fixed` and `fixed_cartesian`,
+                           # as from a .traj; decoded only for a row that has any
+                           constraints=row.constraints if row._constraints else ())
 
 
 class DatabaseBatch(StreamedBatch):
