@@ -3,6 +3,7 @@ and ASE read from them, or one line naming the file and exit 1."""
 
 import json
 
+import ase.io
 import h5py
 import numpy as np
 from batch_reference import write_batch
@@ -83,8 +84,11 @@ def test_an_export_to_extxyz_refuses_what_its_comment_line_would_change(tmp_path
         f.create_dataset("structures/config_type", data=np.array(['a "q" b', "x=y"], object),
                          dtype=h5py.string_dtype())
         f["atoms/a b"] = np.zeros(2)
+        f["structures/virial"] = np.arange(18.0).reshape(2, 3, 3)  # ASE's own 3x3 key
     assert_one_line(run("convert", path, "-o", out), out, "'a b'")
     assert run("convert", path, "-o", out, "--drop", "a b").exit_code == 0
+    np.testing.assert_array_equal([a.info["virial"] for a in ase.io.read(out, ":")],
+                                  np.arange(18.0).reshape(2, 3, 3))
     back = run("info", "--json", out)
     values = json.loads(back.stdout)["values"]["config_type"]["most_common"]
     assert values == {'a "q" b': 1, "x=y": 1}

@@ -256,6 +256,9 @@ def _with_cells(output, fmt, images):
 
 
 _SPECIAL_KEYS = frozenset({"Lattice", "Properties", "pbc"})
+"""Keys of the comment line that ASE writes itself (not from info)."""
+_MATRIX_KEYS = frozenset({"virial", "stress"})
+"""Info keys that ASE's extended XYZ writes and reads as 3x3 matrices (SPECIAL_3_3_KEYS)."""
 
 
 @functools.lru_cache(maxsize=4096)
@@ -280,13 +283,20 @@ def _comment_safe(output, fmt, images):
     per-atom field has a name that the Properties of the format cannot hold."""
     for number, atoms in enumerate(images):
         for key, value in atoms.info.items():
-            if key not in _SPECIAL_KEYS and not _reads_back(
-                    key, value if isinstance(value, str) else "x"):
-                what = f"its value {value!r}" if isinstance(value, str) else "its name"
+            if isinstance(value, str):
+                fine = key not in _SPECIAL_KEYS | _MATRIX_KEYS and _reads_back(key, value)
+            elif key in _MATRIX_KEYS:
+                fine = np.shape(value) == (3, 3)  # read back as 3x3, or not at all
+            else:
+                fine = key in _SPECIAL_KEYS or _reads_back(key, "x")
+            if not fine:
+                why = (f"its value {value!r} would read back otherwise"
+                       if isinstance(value, str) else
+                       f"ASE reads it back only as a 3x3 matrix, not {np.shape(value)}"
+                       if key in _MATRIX_KEYS else "its name would read back otherwise")
                 raise DataError(f"{output}: the format {fmt} cannot hold field {key!r} of "
-                                f"structure {number} (counting those written): {what} would "
-                                "read back otherwise; write it to .h5, .traj or .db, or "
-                                "--drop it")
+                                f"structure {number} (counting those written): {why}; write "
+                                "it to .h5, .traj or .db, or --drop it")
         for key in atoms.arrays:
             if not key or any(c.isspace() or c in ':="\\' for c in key):
                 raise DataError(f"{output}: the format {fmt} cannot hold per-atom field "
