@@ -56,8 +56,34 @@ def connect(path, kind):
         check_lmdb(path)
     if kind == "db":
         return read_only_sqlite(path)
+    if kind == "json" and (text := _decompressed(path)) is not None:
+        from ase.db.jsondb import JSONDatabase
+
+        return JSONDatabase(text, serial=True, use_lock_file=False)
     return ase.db.connect(path, type=kind, serial=True, use_lock_file=False,
                           **CONNECT_OPTIONS[kind])
+
+
+def _decompressed(path):
+    """The text of a JSON database compressed as `segcli convert -o NAME.json.gz` writes it
+    (gzip, bzip2, xz: its content, detected decompressed, says JSON), as a file object that
+    ASE's JSON backend reads from; None for a file not compressed."""
+    import importlib
+    import io
+
+    from segcli.io.asefiles import DECOMPRESSION_ERRORS
+    from segcli.io.formats import COMPRESSIONS, decompression_error
+
+    with open(path, "rb") as f:
+        start = f.read(8)
+    module = next((m for magic, m in COMPRESSIONS.items() if start.startswith(magic)), None)
+    if module is None:
+        return None
+    try:
+        with importlib.import_module(module).open(path, "rt", encoding="utf-8") as f:
+            return io.StringIO(f.read())
+    except DECOMPRESSION_ERRORS as err:
+        raise decompression_error(path, err) from None
 
 
 def lmdb_backend(path):
@@ -239,7 +265,10 @@ def row_piece(path, index, row):
     info = {"id": row.id, "unique_id": row.unique_id, **row.key_value_pairs}
     return structure_piece(path, index, len(arrays["numbers"]), arrays,
                            np.array(row.cell, float).reshape(3, 3), np.array(row.pbc, bool),
-                           info, results, row.get("data", {}))
+                           info, results, row.get("data", {}),
+                           # FixAtoms and FixCartesian as `fixed` and `fixed_cartesian`,
+                           # as from a .traj; decoded only for a row that has any
+                           constraints=row.constraints if row._constraints else ())
 
 
 class DatabaseBatch(StreamedBatch):

@@ -11,7 +11,7 @@ import numpy as np
 
 from segcli.errors import DataError
 from segcli.fields import NUMERIC_KINDS, STRING
-from segcli.io.core import Batch, Chunk, Schema, integral_numbers, rechunk
+from segcli.io.core import Batch, Chunk, FieldConflict, FieldInfo, Schema, integral_numbers, rechunk
 
 DECOMPRESSION_ERRORS = (EOFError, OSError, zlib.error, lzma.LZMAError)
 """What reading gzip, bzip2 or xz data that is cut short or corrupt raises (see
@@ -156,15 +156,33 @@ class StreamedBatch(Batch):
 
     @cached_property
     def _scan(self):
-        """(n_atoms, schema, the distinct sets of field names, each structure's set's index)."""
+        """(n_atoms, schema, the distinct sets of field names, each structure's set's index,
+        conflicts): a name that structures hold per atom and per structure, or in different
+        shapes (a database row's `data` array as long as one row's atoms, not another's), is
+        no field but a conflict (see core.Fields), so that the other fields stay readable."""
         n_atoms, schema, name_sets, which = array("q"), Schema(), {}, array("q")
+        conflicts = {}
         for piece in self.structures(0, None):  # 8 bytes a structure, no Python object each
             n_atoms.append(int(piece.n_atoms[0]))
-            schema.add_piece(self.path, piece)
+            for per, data in (("atom", piece.atoms), ("structure", piece.structures)):
+                for name, values in data.items():
+                    if name in conflicts:
+                        continue
+                    try:
+                        schema.add(self.path, FieldInfo(name, per, values.shape[1:],
+                                                        values.dtype), piece.start)
+                    except FieldConflict as err:
+                        schema.pop(name)
+                        conflicts[name] = (f"{str(err).removeprefix(f'{self.path}: ')}, so the "
+                                           "file has no such field")
             names = frozenset(piece.atoms.keys() | piece.structures.keys())
             which.append(name_sets.setdefault(names, len(name_sets)))
         return (np.frombuffer(n_atoms, np.int64), dict(schema), list(name_sets),
-                np.frombuffer(which, np.int64))
+                np.frombuffer(which, np.int64), conflicts)
+
+    @property
+    def _conflicts(self):
+        return self._scan[4]
 
     @property
     def n_atoms(self):
@@ -179,7 +197,7 @@ class StreamedBatch(Batch):
         return self._scan[1]
 
     def _present(self, name):
-        _, _, name_sets, which = self._scan
+        _, _, name_sets, which, _ = self._scan
         have = np.isin(which, [i for i, names in enumerate(name_sets) if name in names])
         return None if have.all() else have
 

@@ -363,6 +363,12 @@ def merge_pieces(path, pieces, schema, fill=None):
             dtype = common_dtype(path, name, p.start, dtype, other)
         masks = [p.present.get(name) for p in pieces]
         for i in [i for i, part in enumerate(parts) if part is None]:
+            other = pieces[i].structures if info.per == "atom" else pieces[i].atoms
+            if name in other:  # not lacking it: holding it the other way, which no fill hides
+                raise DataError(f"{path}: field '{name}' is per "
+                                f"{'structure' if info.per == 'atom' else 'atom'} with shape "
+                                f"{other[name].shape[1:]} in structure {pieces[i].start}, per "
+                                f"{info.per} with shape {info.shape} elsewhere")
             check_fill(path, pieces[i].start, name, fill)
             rows = int(pieces[i].n_atoms.sum()) if info.per == "atom" else len(pieces[i].n_atoms)
             parts[i] = np.full((rows, *info.shape), fill_value(dtype, fill), dtype)
@@ -407,6 +413,10 @@ def check_name(path, index, name):
     raise DataError(f"{path}: structure {index}: field name {name!r} {problem}; {hint}")
 
 
+class FieldConflict(DataError):
+    """A field whose structures hold it per atom and per structure, or in different shapes."""
+
+
 class Schema(dict):
     """Fields seen so far (name -> FieldInfo); dtypes promote as NumPy does, shapes and units
     must agree (see segcli.io.units.join), names must be fields' (see check_name), but for
@@ -420,7 +430,7 @@ class Schema(dict):
                 check_name(path, index, info.name)
             self[info.name] = info
         elif (known.per, known.shape) != (info.per, info.shape):
-            raise DataError(
+            raise FieldConflict(
                 f"{path}: field '{info.name}' is per {info.per} with shape {info.shape} in "
                 f"structure {index}, per {known.per} with shape {known.shape} before")
         elif (known.dtype, known.units) != (info.dtype, info.units):
@@ -439,12 +449,16 @@ class Schema(dict):
 def derivable(stored):
     """Derived fields (name -> FieldInfo) that the stored fields allow and do not hold."""
     out = {}
-    if "velocities" not in stored and "momenta" in stored and (
-            "masses" in stored or "numbers" in stored):
+
+    def shaped(name, shape):  # only fields of the shapes ASE's are derive: not a cell (S, 3)
+        return name in stored and tuple(stored[name].shape) == shape
+
+    if "velocities" not in stored and shaped("momenta", (3,)) and (
+            shaped("masses", ()) or ("masses" not in stored and shaped("numbers", ()))):
         mass = stored["masses"].dtype if "masses" in stored else np.float64
         out["velocities"] = FieldInfo("velocities", "atom", stored["momenta"].shape,
                                       np.result_type(stored["momenta"].dtype, mass))
-    if "scaled_positions" not in stored and "positions" in stored and "cell" in stored:
+    if "scaled_positions" not in stored and shaped("positions", (3,)) and shaped("cell", (3, 3)):
         out["scaled_positions"] = FieldInfo("scaled_positions", "atom", (3,), np.dtype(np.float64))
     return out
 

@@ -145,6 +145,7 @@ class Reader:
         self.path = path
         self._storage = {}
         self._fd = None
+        self._fileno = h5.id.fileno
         if h5.driver != "sec2" or not hasattr(os, "preadv"):  # a file object or memory; Windows
             return
         try:
@@ -156,8 +157,8 @@ class Reader:
     def storage(self, ds):
         """The _Storage of `ds` (None: h5py reads it, and reports what it finds damaged),
         found once per dataset."""
-        if self._fd is None:
-            return None
+        if self._fd is None or ds.file.id.fileno != self._fileno:
+            return None  # a dataset reached through an external link lies in another file
         if ds.name not in self._storage:
             try:
                 storage = _Storage.of(ds)

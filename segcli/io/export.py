@@ -1,6 +1,7 @@
 """Writing structures to the files ASE writes (extxyz, traj, db, ...), streamed a chunk at a
 time: the inverse of reading one (see segcli.io.asefiles.structure_piece)."""
 
+import functools
 import os
 import shutil
 import warnings
@@ -110,6 +111,8 @@ def export(inputs, output, fmt, *, chunk_atoms=100_000, fields=None, drop=None, 
             images = iter([_only_one(output, fmt, images)])
         if fmt in _NEEDS_CELL:
             images = _with_cells(output, fmt, images)
+        if fmt in ("extxyz", "xyz"):
+            images = _comment_safe(output, fmt, images)
         with _written_by_ase(output, fmt, tmp):
             if fmt in _DATABASES:
                 with _plain(tmp, output) as plain:
@@ -253,6 +256,56 @@ def _with_cells(output, fmt, images):
         yield atoms
 
 
+_SPECIAL_KEYS = frozenset({"Lattice", "Properties", "pbc"})
+"""Keys of the comment line that ASE writes itself (not from info)."""
+_MATRIX_KEYS = frozenset({"virial", "stress"})
+"""Info keys that ASE's extended XYZ writes and reads as 3x3 matrices (SPECIAL_3_3_KEYS)."""
+
+
+@functools.lru_cache(maxsize=4096)
+def _reads_back(key, value):
+    """Whether the comment line of extended XYZ that ASE writes for info `key`=`value` (a
+    string; "x" for a key of another value) reads back as that alone: not a value that
+    reads as a number or a boolean ("1.5", "T"), empty, or holding a tab, a newline or a
+    backslash, nor a key holding a space or "=", all of which ASE writes unquoted."""
+    from ase.io.extxyz import key_val_dict_to_str, key_val_str_to_dict
+
+    try:
+        back = key_val_str_to_dict(key_val_dict_to_str({key: value}))
+    except Exception:  # noqa: BLE001 - what ASE cannot parse does not read back
+        return False
+    return list(back) == [key] and isinstance(back[key], str) and back[key] == value
+
+
+def _comment_safe(output, fmt, images):
+    """The structures `images`, DataError for one whose per-structure info ASE would write
+    to the comment line of (extended) XYZ so that it reads back otherwise (a string value
+    lost or turned into a number, another key invented, the next key swallowed), or whose
+    per-atom field has a name that the Properties of the format cannot hold."""
+    for number, atoms in enumerate(images):
+        for key, value in atoms.info.items():
+            if isinstance(value, str):
+                fine = key not in _SPECIAL_KEYS | _MATRIX_KEYS and _reads_back(key, value)
+            elif key in _MATRIX_KEYS:
+                fine = np.shape(value) == (3, 3)  # read back as 3x3, or not at all
+            else:
+                fine = key in _SPECIAL_KEYS or _reads_back(key, "x")
+            if not fine:
+                why = (f"its value {value!r} would read back otherwise"
+                       if isinstance(value, str) else
+                       f"ASE reads it back only as a 3x3 matrix, not {np.shape(value)}"
+                       if key in _MATRIX_KEYS else "its name would read back otherwise")
+                raise DataError(f"{output}: the format {fmt} cannot hold field {key!r} of "
+                                f"structure {number} (counting those written): {why}; write "
+                                "it to .h5, .traj or .db, or --drop it")
+        for key in atoms.arrays:
+            if not key or any(c.isspace() or c in ':="\\' for c in key):
+                raise DataError(f"{output}: the format {fmt} cannot hold per-atom field "
+                                f"{key!r} (of structure {number}, counting those written) in "
+                                "its Properties; --rename it or --drop it")
+        yield atoms
+
+
 def _only_one(output, fmt, images):
     first = next(images, None)
     if first is None or next(images, None) is not None:
@@ -275,19 +328,35 @@ def _write_database(path, fmt, images):
         lmdb_backend(path)
         options = {}
     with ase.db.connect(path, type=fmt, append=False, **options) as db:
-        for atoms, pairs, data in _rows(images):
+        for atoms, pairs, data in _rows(images, sqlite=fmt == "db"):
             db.write(atoms, key_value_pairs=pairs, data=data)
 
 
-def _rows(images):
+_ROW_ARRAYS = frozenset({"numbers", "positions", "initial_magmoms", "initial_charges", "masses",
+                         "tags", "momenta"})
+"""The per-atom arrays an ASE database row holds (ase.db.row.atoms2dict): others go to data."""
+_SQLITE_RESULTS = frozenset({"energy", "free_energy", "forces", "stress", "dipole", "magmoms",
+                             "magmom", "charges"})
+"""The calculator results ASE's SQLite backend has columns for: the others (per-atom
+`energies`, `stresses`, ...) go to data, where it keeps them."""
+
+
+def _rows(images, sqlite=False):
     """(atoms, key-value pairs, data) of each structure as a database row holds it: its info's
     scalars under names a database allows as key-value pairs, the rest of its info as data;
     `id` and `unique_id` (a database's own, of the rows read) left out: the new database
-    numbers its rows itself."""
+    numbers its rows itself. Per-atom arrays that a row does not hold (and, with `sqlite`,
+    calculator results that ASE's SQLite backend drops) go to data too, which segcli reads
+    back per atom."""
     from ase.db.core import reserved_keys
 
     for atoms in images:
         pairs, data = {}, {}
+        for key in [k for k in atoms.arrays if k not in _ROW_ARRAYS]:
+            data[key] = atoms.arrays.pop(key)
+        if sqlite and atoms.calc is not None:
+            for key in [k for k in atoms.calc.results if k not in _SQLITE_RESULTS]:
+                data[key] = atoms.calc.results.pop(key)
         for key, value in atoms.info.items():
             if key in ("id", "unique_id"):
                 continue

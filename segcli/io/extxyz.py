@@ -204,10 +204,8 @@ def pieces(path, start, stop):
     (or that it fails on) is read by ASE alone. Blank lines between structures are skipped
     (ASE's own reader ends the file at the first); anything else where an atom count belongs
     is a DataError naming the line."""
-    from ase.io.formats import open_with_compression
-
     species = {}
-    with open_with_compression(path, "r") as f:
+    with _open_text(path) as f:
         lines, index = _Lines(path, f), 0
         header = lines.header()
         while header and (stop is None or index < stop):
@@ -224,6 +222,22 @@ def pieces(path, start, stop):
                 yield _piece(path, index, n, [header, *frame, *vectors], species)
             header = following
             index += 1
+
+
+def _open_text(path):
+    """The file `path` open for reading text, decompressed as its content (not its name) says:
+    gzip, bzip2 or xz, as content detection reads it (a compressed file piped to stdin, or
+    named .extxyz, is extended XYZ too)."""
+    import importlib
+
+    from segcli.io.formats import COMPRESSIONS
+
+    with open(path, "rb") as f:
+        start = f.read(8)
+    module = next((m for magic, m in COMPRESSIONS.items() if start.startswith(magic)), None)
+    if module is None:
+        return open(path)
+    return importlib.import_module(module).open(path, "rt")
 
 
 _PROPERTIES = re.compile(r"""Properties=["']?([^\s"']+)""")

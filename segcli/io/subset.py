@@ -37,6 +37,11 @@ def write_subset(batch, keep, output, attrs=None, progress=None, force=False, ch
 
     keep = np.asarray(keep, bool)
     output = os.fspath(output)
+    for why in getattr(batch.fields, "conflicts", {}).values():
+        # a name held in ways that do not merge is no field: copying "every field" would
+        # leave it out, exit 0
+        raise DataError(f"{batch.path}: {why}; select copies every field (`segcli convert "
+                        "--drop NAME` first)")
     copies = choice is None and capable(batch, "copies_datasets")
     source = h5py.File(batch.path, "r") if copies else None
     try:
