@@ -6,10 +6,14 @@ import json
 import ase.io
 import h5py
 import numpy as np
+import pytest
+from ase.build import molecule
 from batch_reference import write_batch
 from click.testing import CliRunner
 
+import segcli
 from segcli.cli import main
+from segcli.errors import Note
 
 N_ATOMS = [3, 2, 4]
 POSITIONS = np.arange(27.0).reshape(9, 3) / 7
@@ -195,3 +199,24 @@ def test_constraints_of_database_rows_are_kept_as_from_a_trajectory(tmp_path):
         assert f["atoms/fixed"][()].tolist() == [True, False, False]
         assert f["atoms/fixed_cartesian"][()].tolist() == [[False] * 3, [False] * 3,
                                                            [True, False, True]]
+
+
+def test_a_per_atom_field_that_a_trajectory_cannot_hold_is_told_not_lost_unseen(tmp_path):
+    """ASE's trajectory writes its own per-atom arrays only: another field is left out with a
+    note naming it (none with --quiet; a Note warning to a Python caller), the rest exact."""
+    water = molecule("H2O")
+    water.arrays["charge_x"] = np.arange(3.0)
+    ase.io.write(tmp_path / "w.extxyz", [water, water])
+    told = CliRunner().invoke(main, ["convert", str(tmp_path / "w.extxyz"), "-o",
+                                     str(tmp_path / "w.traj")])
+    assert told.exit_code == 0, told.output
+    assert f"{tmp_path / 'w.traj'}: ASE's trajectory holds no per-atom field 'charge_x'" \
+        in told.stderr
+    back = ase.io.read(tmp_path / "w.traj", ":")
+    assert len(back) == 2 and "charge_x" not in back[0].arrays
+    np.testing.assert_array_equal(back[1].positions, water.positions)
+    quiet = CliRunner().invoke(main, ["convert", str(tmp_path / "w.extxyz"), "-o",
+                                      str(tmp_path / "q.traj"), "-q"])
+    assert quiet.exit_code == 0 and quiet.stderr == "", quiet.output
+    with pytest.warns(Note, match="'charge_x'"):
+        segcli.convert(tmp_path / "w.extxyz", tmp_path / "p.traj")

@@ -9,7 +9,7 @@ from contextlib import ExitStack, contextmanager, suppress
 
 import numpy as np
 
-from segcli.errors import DataError, memory_shortage, raise_if_interrupted
+from segcli.errors import DataError, Note, memory_shortage, raise_if_interrupted
 from segcli.io.core import N_ELEMENTS, are_elements, not_an_element
 from segcli.io.outputs import new_output
 from segcli.io.writers import FieldChoice
@@ -113,6 +113,8 @@ def export(inputs, output, fmt, *, chunk_atoms=100_000, fields=None, drop=None, 
             images = _with_cells(output, fmt, images)
         if fmt in ("extxyz", "xyz"):
             images = _comment_safe(output, fmt, images)
+        if fmt == "traj":
+            images = _told_what_traj_leaves_out(output, images)
         with _written_by_ase(output, fmt, tmp):
             if fmt in _DATABASES:
                 with _plain(tmp, output) as plain:
@@ -135,12 +137,13 @@ def _written_by_ase(output, fmt, tmp):
     `tmp` (and files beside it named tmp...), with its failures as one DataError naming both:
     a file that reached the file-size limit or filled its disk, an exception of ASE's writer, a
     float operation that gives NaN or infinity (a cell of zeros inverted); ASE's warnings are
-    not shown. DataError, OSError naming a file and running out of memory pass as they are
+    not shown, segcli's Notes are. DataError, OSError naming a file and running out of memory pass as they are
     (those of reading the inputs among them); what the writer left beside `tmp` is removed."""
     try:
         with warnings.catch_warnings(), np.errstate(divide="raise", over="raise",
                                                     invalid="raise"):
             warnings.simplefilter("ignore")
+            warnings.simplefilter("always", Note)  # segcli's own, told as they come
             yield
     except DataError:
         raise
@@ -275,6 +278,24 @@ def _reads_back(key, value):
     except Exception:  # noqa: BLE001 - what ASE cannot parse does not read back
         return False
     return list(back) == [key] and isinstance(back[key], str) and back[key] == value
+
+
+_TRAJ_ARRAYS = frozenset({"numbers", "positions", "masses", "tags", "momenta",
+                          "initial_magmoms", "initial_charges"})
+"""The per-atom arrays of an Atoms that ASE's trajectory writes (ase.io.trajectory)."""
+
+
+def _told_what_traj_leaves_out(output, images):
+    """The structures `images`, each per-atom field that ASE's trajectory does not write told
+    once, as a segcli.errors.Note: a field left out is said, never lost unseen."""
+    told = set()
+    for atoms in images:
+        for key in sorted(set(atoms.arrays).difference(_TRAJ_ARRAYS, told)):
+            told.add(key)
+            warnings.warn(f"{output}: ASE's trajectory holds no per-atom field {key!r}: it is "
+                          "left out (write .h5, .db or .extxyz to keep it, or --drop it)",
+                          Note, stacklevel=2)
+        yield atoms
 
 
 def _comment_safe(output, fmt, images):
