@@ -1,7 +1,7 @@
 """float32 rms_norm over a Segments on a GPU by its two paths, side by side in one process: the
 sums of squares per feature then the norms (two kernels), and rms_norm_span (one), by N, for
 the forward pass, the gradient and the second order (the modes of `benchmarks/ops.py`); the
-crossover sets `segcli.ops._primitives.SQUARES_ROWS`.
+crossover sets `segcli.ops._primitives.norms.SQUARES_ROWS`.
 
     python benchmarks/rms_norm_paths.py [--atoms 10000,100000,...] [--repeats 30]
 """
@@ -38,7 +38,7 @@ def main():
         call = (w, v, x, idx, offsets)
         compiled = {}
         for path, rows in PATHS.items():  # traced (and compiled) under each threshold
-            _primitives.SQUARES_ROWS = rows
+            _primitives.norms.SQUARES_ROWS = rows
             for mode, fn in functions(ops, OPS["rms_norm"], m, "segments").items():
                 jax.block_until_ready(fn(*call))
                 compiled[mode, path] = fn

@@ -63,7 +63,7 @@ for layout, promise in layouts:
         jax.block_until_ready(ops.segmented_reductions(x, layout, m, ops.REDUCTIONS,
                                                        indices_are_sorted=promise))
 if gpu:  # float32 norms over sorted ids by their two kernels, which long inputs take
-    _primitives.SQUARES_ROWS = 0
+    _primitives.norms.SQUARES_ROWS = 0
     jax.clear_caches()
     for layout, promise in layouts:
         check(OPS["rms_norm"], layout, promise, np.float32)

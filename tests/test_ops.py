@@ -1547,12 +1547,12 @@ def test_rms_norm_and_dot_over_any_features_and_layout(gpu_paths, features, dtyp
                "segments": (np.arange(n), segments_of(np.clip(ids, -1, m), m), {}),
                "sorted": (np.arange(n), ids, {}), "unsorted": (order, ids[order], {})}
     _primitives.lower_cpu_as_gpu(gpu_paths)
-    runs = [(squares_rows, *layout) for squares_rows in
-            ((_primitives.SQUARES_ROWS, 0) if gpu_paths else (_primitives.SQUARES_ROWS,))
+    default = _primitives.norms.SQUARES_ROWS
+    runs = [(squares_rows, *layout) for squares_rows in ((default, 0) if gpu_paths else (default,))
             for layout in layouts.values()]
     try:
         for squares_rows, rows, idx, kw in runs:
-            monkeypatch.setattr(_primitives, "SQUARES_ROWS", squares_rows)
+            monkeypatch.setattr(_primitives.norms, "SQUARES_ROWS", squares_rows)
             jax.clear_caches()
             a, b = jnp.asarray(x[rows], dtype), jnp.asarray(y[rows], dtype)
             big = jnp.asarray(x[rows] * huge[rows], dtype)
