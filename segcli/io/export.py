@@ -137,8 +137,9 @@ def _written_by_ase(output, fmt, tmp):
     `tmp` (and files beside it named tmp...), with its failures as one DataError naming both:
     a file that reached the file-size limit or filled its disk, an exception of ASE's writer, a
     float operation that gives NaN or infinity (a cell of zeros inverted); ASE's warnings are
-    not shown, segcli's Notes are. DataError, OSError naming a file and running out of memory pass as they are
-    (those of reading the inputs among them); what the writer left beside `tmp` is removed."""
+    not shown, segcli's Notes are. DataError, OSError naming a file and running out of memory
+    pass as they are (those of reading the inputs among them); what the writer left beside
+    `tmp` is removed."""
     try:
         with warnings.catch_warnings(), np.errstate(divide="raise", over="raise",
                                                     invalid="raise"):
