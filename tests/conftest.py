@@ -18,7 +18,7 @@ def compilation_cache_of_this_run(tmp_path_factory):
     xdist workers) share and no other run sees: a program compiled by one worker is loaded by
     the other instead of compiled again, and every run starts empty, so its time does not
     depend on an earlier run's. Programs run by `segcli` processes are not affected (their
-    cache is the program's own, set from their environment; tests/test_startup.py tests it);
+    cache is the program's own, set from their environment; tests/cli/test_startup.py tests it);
     a cache given by the caller (JAX_COMPILATION_CACHE_DIR) is kept."""
     import jax
 

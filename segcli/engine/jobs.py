@@ -130,8 +130,9 @@ def integer_result(stored):
 
 def shows_nan(op, order):
     """Whether a NaN in a per-atom input makes its structure's result NaN: so for the value
-    (order 0) of every op with a result per structure (tests/test_engine.py checks each), whose
-    inputs the engine then looks into for NaN only where a value is NaN (see shown_nan)."""
+    (order 0) of every op with a result per structure (tests/engine/test_engine.py checks
+    each), whose inputs the engine then looks into for NaN only where a value is NaN (see
+    shown_nan)."""
     return order == 0 and op.output_per == "structure"
 
 

@@ -4,7 +4,7 @@ module and launches it on a GPU.
 
 PRIVATE lists each name taken from `warp._src`, with its kind and the parameters (or ctypes
 fields) it is used with; `changed()` says which of them the installed Warp lacks or has
-changed. tests/test_warp_adapter.py fails on any; at run time the launches then go through
+changed. tests/ops/test_warp_adapter.py fails on any; at run time the launches then go through
 Warp's public `jax_kernel` instead (segcli.ops._native). pyproject.toml pins the Warp
 versions that were checked.
 

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from segcli.cli import main
 from segcli.registry import OPS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 OP_TABLE = "| OP | fields | result |\n| --- | --- | --- |\n"
 

@@ -29,7 +29,7 @@ from segcli import __version__
 from segcli.cli import main
 from segcli.registry import OPS
 
-SAMPLES = Path(__file__).resolve().parent.parent / "sample_data"
+SAMPLES = Path(__file__).resolve().parents[2] / "sample_data"
 METALS = SAMPLES / "metals.h5"
 METAL_CHOICES = {
     ("atom", None, "float"): [("forces", "velocities"), ("momenta", "forces")],

@@ -716,6 +716,7 @@ def test_cpu_kernels_read_no_row_past_the_end_of_x():
         print("read no row past x")
     """
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "read no row past x" in done.stdout, done.stderr[-2000:]
 
@@ -1676,11 +1677,12 @@ def test_lanes_search_blocks_find_the_rows_of_the_per_row_loop(tmp_path):
 @pytest.mark.parametrize("paths", ["gpu", pytest.param("cpu", marks=pytest.mark.slow)])
 def test_kernels_stay_in_bounds(paths):
     """Every op and gradient on the GPU's (or the CPU's) code paths with Warp's bounds checks
-    on (tests/bounds_check.py, its kernels built in a cache of their own, kept in segcli's
+    on (tests/support/bounds_check.py, its kernels built in a cache of their own, kept in segcli's
     cache directory from one run to the next): no kernel reads or writes outside an array,
     which a CPU survives silently and a GPU does not."""
     bounds_cache = os.path.join(cache_directory(), "warp-bounds-check")
-    result = subprocess.run([sys.executable, "bounds_check.py", paths], cwd=Path(__file__).parent,
+    result = subprocess.run([sys.executable, "bounds_check.py", paths],
+                            cwd=Path(__file__).parents[1] / "support",
                             env={**os.environ, "WARP_CACHE_PATH": bounds_cache},
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and "in bounds" in result.stdout, (

@@ -16,7 +16,7 @@ import pytest
 from fuzz.targets import TARGETS
 from segcli.errors import DataError
 
-FUZZ = Path(__file__).resolve().parents[1] / "fuzz"
+FUZZ = Path(__file__).resolve().parents[2] / "fuzz"
 TIME_LIMIT = 0.3
 """CPU seconds (not wall time: the machine may be busy) that an input of a few KB may take:
 segcli answers any file within seconds (SPEC §3d)."""

@@ -21,7 +21,7 @@ from click.testing import CliRunner
 
 from segcli.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RUN = {"segcli", "cp", "export"}  # the pages' other lines install, submit or comment
 CLUSTER_ADDRESS = "tcp://10.0.0.5:8786"
 PAGES = ["README.md"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md"))

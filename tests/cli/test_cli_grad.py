@@ -25,7 +25,7 @@ from segcli._jax import enable_x64
 from segcli.cli import main
 from segcli.registry import OPS
 
-SAMPLES = Path(__file__).resolve().parent.parent / "sample_data"
+SAMPLES = Path(__file__).resolve().parents[2] / "sample_data"
 CHOICES = {**RANDOM_FIELDS, ("atom", None, "float"): [("x", "y"), ("t", "t"), ("v", "v")]}
 FIELDS = {name: fields_for(op, CHOICES, k)
           for k, (name, op) in enumerate(OPS.items()) if op.differentiable}

@@ -24,7 +24,7 @@ from segcli.cli import main
 from segcli.errors import DataError
 from segcli.io import core, open_inputs
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run(*args, stdin=None):

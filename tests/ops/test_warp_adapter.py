@@ -11,7 +11,7 @@ from packaging.requirements import Requirement
 from segcli.ops import _native
 from segcli.ops import _warp_private as private
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_private_name_is_there_as_used():

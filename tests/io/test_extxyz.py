@@ -15,7 +15,7 @@ from segcli.io import open_batch
 from segcli.io.asefiles import AseBatch, ExtxyzBatch
 from segcli.io.extxyz import pieces
 
-SAMPLES = Path(__file__).resolve().parent.parent / "sample_data"
+SAMPLES = Path(__file__).resolve().parents[2] / "sample_data"
 
 
 def ase_pieces(path, start=0, stop=None):

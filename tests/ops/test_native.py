@@ -23,7 +23,7 @@ from segcli.ops import _native
 
 pytestmark = pytest.mark.usefixtures("x64")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 N, M, LENGTH, EMPTY = 40, 6, 5, 2
 """Rows, segments and bincount's labels of the inputs, and their segment without rows."""
 
@@ -148,7 +148,8 @@ def start(tmp_path, name, arrays, cases=(({}, tuple(CALLS)),), root=ROOT, **env)
         [sys.executable, "-c", SCRIPT, tmp_path / f"{name}-inputs.npz", tmp_path / name,
          json.dumps(list(cases))],
         cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**environ, "PYTHONPATH": os.pathsep.join([str(root), str(ROOT / "tests")]),
+        env={**environ, "PYTHONPATH": os.pathsep.join([str(root), str(Path(__file__).parent),
+                                                        str(ROOT / "tests" / "support")]),
              "JAX_PLATFORMS": "cpu",
              "WARP_CACHE_PATH": str(Path(wp.config.kernel_cache_dir).parent), **env})
 

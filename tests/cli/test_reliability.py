@@ -391,7 +391,7 @@ def test_a_closed_or_full_stderr_loses_messages_not_results(tmp_path, stderr):
     """convert, reduce (JAX and Warp loaded), select and stats -o, each run as a program with
     stderr closed (`2>&-`) or on a full device: exit 0 and the outputs of a plain run (in
     this process)."""
-    metals = os.path.join(os.path.dirname(__file__), "..", "sample_data", "metals")
+    metals = os.path.join(os.path.dirname(__file__), "..", "..", "sample_data", "metals")
     commands = {
         "converted.h5": ["convert", f"{metals}.extxyz", "-o"],
         "reduced.h5": ["reduce", f"{metals}.h5", "rms_norm", "forces", "--chunk-atoms", "500",
@@ -422,7 +422,7 @@ def test_closed_stdin_or_stdout_and_a_full_stdout_are_one_line(tmp_path):
     """Commands started with stdin or stdout closed (`<&-`, `>&-`), or printing --help and
     --version to a full device: one line naming the stream, exit 1, and no file written in
     the place of the closed one."""
-    metals = os.path.join(os.path.dirname(__file__), "..", "sample_data", "metals.h5")
+    metals = os.path.join(os.path.dirname(__file__), "..", "..", "sample_data", "metals.h5")
     closed_stdout = "Error: stdout: closed, nothing can be printed"
     closed_stdin = "Error: stdin: closed, nothing to read"
     cases = [
@@ -453,7 +453,7 @@ def test_an_output_name_of_250_bytes_is_written(tmp_path):
 
     from segcli.cli import main
 
-    metals = os.path.join(os.path.dirname(__file__), "..", "sample_data", "metals.h5")
+    metals = os.path.join(os.path.dirname(__file__), "..", "..", "sample_data", "metals.h5")
     written, copied = (tmp_path / (c * 123 + ".h5") for c in "éè")  # 249 bytes each
     assert len(os.fsencode(written.name)) == 249
     result = CliRunner().invoke(main, ["reduce", metals, "sum", "forces", "-o", str(written)])
@@ -470,7 +470,7 @@ def test_an_output_name_of_250_bytes_is_written(tmp_path):
 
 def test_a_cache_that_cannot_be_made_is_named_with_the_remedy(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "WARP_CACHE_PATH"}
-    metals = os.path.join(os.path.dirname(__file__), "..", "sample_data", "metals.h5")
+    metals = os.path.join(os.path.dirname(__file__), "..", "..", "sample_data", "metals.h5")
     done = subprocess.run([sys.executable, "-m", "segcli", "reduce", metals, "sum", "forces",
                            "-o", tmp_path / "out.h5"], capture_output=True, text=True,
                           env={**env, "XDG_CACHE_HOME": "/proc/nonexistent"})
@@ -501,7 +501,8 @@ def test_a_file_another_program_writes_is_busy_not_corrupt(tmp_path):
     from segcli.cli import main
 
     path = tmp_path / "held.h5"
-    shutil.copy(os.path.join(os.path.dirname(__file__), "..", "sample_data", "metals.h5"), path)
+    shutil.copy(os.path.join(os.path.dirname(__file__), "..", "..", "sample_data", "metals.h5"),
+                path)
     holder = subprocess.Popen([sys.executable, "-c", "import sys, h5py; f = h5py.File(sys.argv[1], "
                                "'r+'); print('open', flush=True); sys.stdin.read()", str(path)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

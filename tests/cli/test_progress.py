@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from terminal import BAR, final_screen, on_terminal
 
-SAMPLES = Path(__file__).resolve().parent.parent / "sample_data"
+SAMPLES = Path(__file__).resolve().parents[2] / "sample_data"
 METALS = SAMPLES / "metals.h5"
 
 
@@ -25,7 +25,7 @@ METALS = SAMPLES / "metals.h5"
     (("fit-e0", METALS), f"fitting E0 of {METALS} (2 passes)", 398, "structure"),
     (("select", METALS, "--where", "energy < 1", "-o", "out.h5"), "writing out.h5", 199,
      "structure"),
-    # gradcheck's bar (1 of 1 op): tests/test_cli_gradcheck.py, test_subprocess_entry_point_...
+    # gradcheck's bar (1 of 1 op): tests/cli/test_cli_gradcheck.py, test_subprocess_entry_point_...
 ])
 def test_every_long_command_shows_done_of_total_rate_and_eta(tmp_path, command, label, total,
                                                              unit):

@@ -11,7 +11,7 @@ import pytest
 from segcli.ops import kernels
 from segcli.ops.kernels import _c
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 HERE = ROOT / "segcli" / "ops" / "kernels"
 
 

@@ -293,7 +293,7 @@ def test_merge_refuses_gaps_overlaps_and_other_jobs_in_one_line(tmp_path, even):
         assert not (tmp_path / "out.h5").exists()
 
 
-def test_a_virtual_merge_opens_after_the_parts_move_beside_it(tmp_path, lumpy):
+def test_a_virtual_merge_opens_after_the_parts_move_beside_it(tmp_path, lumpy, monkeypatch):
     path, n_atoms, data = lumpy
     parts = tmp_path / "work"
     parts.mkdir()
@@ -302,7 +302,8 @@ def test_a_virtual_merge_opens_after_the_parts_move_beside_it(tmp_path, lumpy):
            parts / "r-{shard}.h5", "-q")
     ok("merge", parts / "r-*.h5", "-o", parts / "all.h5", "--virtual", "-q")
     moved = shutil.move(parts, tmp_path / "elsewhere")
-    os.chdir(tmp_path)  # relative paths resolve beside the file, not in the working directory
+    monkeypatch.chdir(tmp_path)  # relative paths resolve beside the file, not in the working
+    # directory (which is given back after the test)
     with open_batch(os.path.join(moved, "all.h5")) as batch:
         values = np.concatenate([c.structures["max_norm_forces"]
                                  for c in batch.iter_chunks(["max_norm_forces"])])

@@ -23,7 +23,7 @@ from segcli.errors import DataError
 from segcli.io import MultiBatch, expand_inputs, open_inputs
 from segcli.memory import plan_chunks
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SIZES = {"a.h5": [3, 0, 5, 2, 7], "b.h5": [4, 1, 6], "c.h5": [], "d.h5": [2, 9, 0, 3]}
 
 

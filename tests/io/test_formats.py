@@ -253,7 +253,7 @@ def test_by_name_when_content_cannot_tell(tmp_path, frames):
 def test_info_describes_every_format(tmp_path, extxyz, batch_h5, frames):
     """One file of each registered format, and `info`'s first line for it."""
     files = {"empty": tmp_path / "empty.xyz", "segcli": batch_h5,
-             "conformers": Path(__file__).parents[1] / "sample_data" / "conformers.h5",
+             "conformers": Path(__file__).parents[2] / "sample_data" / "conformers.h5",
              "extxyz": extxyz, "ase": tmp_path / "frames.traj"}
     files["empty"].touch()
     ase.io.write(files["ase"], frames)

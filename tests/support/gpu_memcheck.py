@@ -2,7 +2,7 @@
 2**31 - 1, sorted and unsorted, on rows of 3 (the vec3 kernels) and of 2 x 4 (the generic
 ones).
 
-Meant to run under `compute-sanitizer --tool memcheck python tests/gpu_memcheck.py` on a GPU
+Meant to run under `compute-sanitizer --tool memcheck python tests/support/gpu_memcheck.py` on a GPU
 (the sanitizer reports any read or write outside an array); prints OK when every op ran.
 """
 

@@ -14,7 +14,7 @@ from segcli import ops
 from segcli.cli import main
 from segcli.registry import OPS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 METALS = ROOT / "sample_data" / "metals.h5"
 
 
@@ -223,7 +223,7 @@ def test_a_warp_build_without_cpu_backend_refuses_the_cpu(monkeypatch):
 def test_subprocess_entry_point_and_its_progress_bar():
     """`python -m segcli gradcheck` as a program with its stderr on a terminal: the table on
     stdout, and on the terminal one finished bar of done of total ops, its rate and ETA (the
-    gradcheck case of tests/test_progress.py, in the same process)."""
+    gradcheck case of tests/cli/test_progress.py, in the same process)."""
     code, shown, stdout = on_terminal("gradcheck", "--random", "32:4", "--op", "sum", cwd=ROOT)
     assert code == 0, shown
     assert table_rows(stdout) == [("sum", 0, "pass"), ("sum", 1, "pass"), ("sum", 2, "pass")]

@@ -3,7 +3,7 @@ those launch kernels of their own, and segmented_reductions, with Warp's bounds 
 debug mode) and the GPU's (or the CPU's) code paths lowered on this CPU: ids out of range,
 unsorted, sorted and promised sorted, and a Segments; float32 and float64. A kernel reading or
 writing outside an array aborts here, where on a GPU it is an illegal address. Run by
-tests/test_ops.py::test_kernels_stay_in_bounds."""
+tests/ops/test_ops.py::test_kernels_stay_in_bounds."""
 
 import sys
 

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from segcli.cli import main
 from segcli.io import ResultWriter, convert, open_batch
 
-SAMPLES = Path(__file__).resolve().parent.parent / "sample_data"
+SAMPLES = Path(__file__).resolve().parents[2] / "sample_data"
 
 
 def run(*args):

@@ -20,7 +20,7 @@ from click.testing import CliRunner
 import segcli
 from segcli.cli import main
 
-SAMPLES = Path(__file__).resolve().parent.parent / "sample_data"
+SAMPLES = Path(__file__).resolve().parents[2] / "sample_data"
 METALS = SAMPLES / "metals.h5"
 
 

@@ -33,7 +33,7 @@ def test_closed_stdout_exits_141_quietly(command):
                                                      ("DASK_SCHEDULER_ADDRESS", "local:x",
                                                       "--scheduler")])
 def test_a_bad_value_from_the_environment_names_the_variable(variable, value, option):
-    sample = str(Path(__file__).parent.parent / "sample_data" / "metals.h5")
+    sample = str(Path(__file__).parents[2] / "sample_data" / "metals.h5")
     result = CliRunner().invoke(main, ["reduce", sample, "rms_norm", "forces"],
                                 env={variable: value})
     assert result.exit_code == 2

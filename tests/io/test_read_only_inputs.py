@@ -167,7 +167,7 @@ def test_an_lmdb_file_read_past_its_end_is_refused_before_it_is_mapped(tmp_path,
     data, message = damage(whole.read_bytes())
     cut.write_bytes(data)
     child = subprocess.run([sys.executable, "-m", "segcli", "info", cut], capture_output=True,
-                           text=True, timeout=120, cwd=Path(__file__).parents[1])
+                           text=True, timeout=120, cwd=Path(__file__).parents[2])
     assert child.returncode == 1, (child.returncode, child.stderr)
     assert len(child.stderr.splitlines()) == 1, child.stderr
     assert child.stderr.startswith(f"Error: {cut}: {message}"), child.stderr

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from segcli.cli import main
 
-METALS = Path(__file__).resolve().parent.parent / "sample_data" / "metals.h5"
+METALS = Path(__file__).resolve().parents[2] / "sample_data" / "metals.h5"
 REDUCE = ["reduce", METALS, "rms_norm", "forces"]
 
 

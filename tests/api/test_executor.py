@@ -9,12 +9,12 @@ import itertools
 import h5py
 import numpy as np
 import pytest
+from batch_reference import write_batch
 
 import segcli
 from segcli import executor
 from segcli.errors import DataError
 from segcli.progress import tracked
-from tests.batch_reference import write_batch
 
 N_STRUCTURES = 1500  # more than segcli.shards.LEAVES: leaves of several structures
 BAD = 1234  # the structure with a non-finite force in the broken file
