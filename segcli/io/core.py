@@ -492,10 +492,24 @@ def derive(path, name, chunk):
         return scaled_positions(atoms["positions"], chunk.structures["cell"], chunk.n_atoms)
     except np.linalg.LinAlgError as err:
         numbers = chunk.structure_numbers
-        s = int(np.argmax(np.linalg.slogdet(_completed(chunk.structures["cell"]))[0] == 0))
+        s = _first_singular(chunk.structures["cell"])
         raise DataError(f"{path}: structures {numbers[0]} to {numbers[-1]}: a cell that cannot "
                         f"be inverted (structure {numbers[s]}'s: {err}): scaled_positions need "
                         "cells of finite, independent vectors") from None
+
+
+def _first_singular(cells):
+    """The index of the first of `cells` (S, 3, 3) that cannot be inverted: one holding NaN or
+    infinity, else one whose vectors, completed as ASE does, are not independent (the first
+    where that cannot even be told)."""
+    cells = np.asarray(cells, np.float64)
+    broken = ~np.isfinite(cells).all(axis=(1, 2))
+    if broken.any():
+        return int(np.argmax(broken))
+    try:
+        return int(np.argmax(np.linalg.slogdet(_completed(cells))[0] == 0))
+    except np.linalg.LinAlgError:
+        return 0
 
 
 def _completed(cells):

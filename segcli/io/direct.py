@@ -162,7 +162,7 @@ class Reader:
         if ds.name not in self._storage:
             try:
                 storage = _Storage.of(ds)
-            except _H5PY_ERRORS:
+            except (*_H5PY_ERRORS, OverflowError):  # OverflowError: a chunk's address past 2^63
                 storage = None
             if storage is not None and storage.end() > self._size:
                 storage = None  # stored past the end of the file: h5py names the damage
