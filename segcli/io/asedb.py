@@ -21,8 +21,8 @@ CONNECT_OPTIONS = {"aselmdb": {"readonly": True}, "json": {}}
 """ase.db.connect's options for JSON and LMDB databases besides serial=True and
 use_lock_file=False (no parallel scheme, no lock file): LMDB read only and lock-free."""
 
-SQLITE_VERSIONS = slice(18, 20)  # the header's write and read versions: 2 and 2 in WAL mode
-SQLITE_WAL = b"\x02\x02"
+SQLITE_READ_VERSION = 19  # the header's byte of its read version: 2 has SQLite open the WAL
+SQLITE_WAL = 2
 LMDB_MAGICS = (b"\xde\xc0\xef\xbe", b"\xbe\xef\xc0\xde")  # 0xBEEFC0DE, either byte order
 LMDB_MAGIC_OFFSET = 16  # after the page header of LMDB's first meta page
 LMDB_MAGIC = 0xBEEFC0DE
@@ -119,10 +119,11 @@ def read_only_sqlite(path):
 def read_only_uri(path):
     """The URI that opens the SQLite file `path` read-only; also immutable where the file is in
     WAL mode with no WAL file beside it, for which SQLite would otherwise create an empty one
-    and its index."""
+    and its index (whatever the header's write version says)."""
     with open(path, "rb") as f:
-        versions = f.read(SQLITE_VERSIONS.stop)[SQLITE_VERSIONS]
-    immutable = versions == SQLITE_WAL and not os.path.exists(f"{path}-wal")
+        header = f.read(SQLITE_READ_VERSION + 1)
+    immutable = header[SQLITE_READ_VERSION:] == bytes([SQLITE_WAL]) and \
+        not os.path.exists(f"{path}-wal")
     return (f"file:{urllib.parse.quote(os.path.abspath(path))}?mode=ro"
             f"{'&immutable=1' if immutable else ''}")
 

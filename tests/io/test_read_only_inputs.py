@@ -81,6 +81,12 @@ def make_input(kind, directory):
             con.execute("INSERT INTO notes VALUES ('not molecules')")
         con.close()
         return directory / "other.db", None
+    if kind == "foreign-sqlite-read-version-2":  # a header that has SQLite look for a WAL file
+        path, _ = make_input("foreign-sqlite", directory)
+        data = bytearray(path.read_bytes())
+        data[19] = 2  # its read version; the write version (data[18]) left at 1 (fuzz finding)
+        path.write_bytes(bytes(data))
+        return path, None
     if kind == "foreign-sqlite-wal":
         con = sqlite3.connect(directory / "other.db")
         con.execute("PRAGMA journal_mode=wal")
@@ -111,7 +117,7 @@ def run(*args):
 
 PAGE = mmap.PAGESIZE  # LMDB's page size: the memory page size of the machine that wrote the file
 KINDS = ["segcli-hdf5", "conformers", "extxyz", "traj", "db", "json", "aselmdb",
-         "foreign-sqlite", "foreign-sqlite-wal", "directory"]
+         "foreign-sqlite", "foreign-sqlite-read-version-2", "foreign-sqlite-wal", "directory"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
