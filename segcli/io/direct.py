@@ -83,7 +83,8 @@ class _Storage:
         self.rows = dsid.shape[0]
         self.offset = dsid.get_offset()
         self.fill = np.zeros((), dtype)
-        plist.get_fill_value(self.fill)
+        plist.fill_value_defined()  # ValueError where the fill value's message is damaged, on
+        plist.get_fill_value(self.fill)  # which reading the value would crash HDF5 (SIGSEGV)
         self.filters = filters
         if self.offset is not None:
             return
