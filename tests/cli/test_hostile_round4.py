@@ -9,19 +9,7 @@ import h5py
 import numpy as np
 import pytest
 from batch_reference import write_batch
-from click.testing import CliRunner
-
-from segcli.cli import main
-
-
-def run(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def ok(*args):
-    result = run(*args)
-    assert result.exit_code == 0, result.output
-    return result
+from invoke import ok, run
 
 
 @pytest.fixture(scope="module")

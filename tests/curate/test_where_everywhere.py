@@ -13,21 +13,11 @@ import h5py
 import numpy as np
 import pytest
 from batch_reference import write_batch
-from click.testing import CliRunner
-
-from segcli.cli import main
+from invoke import ok, run
 
 KINDS = np.array(["bulk", "slab", "mol", "a b"], dtype=object)
 
 
-def run(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def ok(*args):
-    result = run(*args)
-    assert result.exit_code == 0, result.output
-    return result
 
 
 def random_file(path, seed, n_structures=60):

@@ -9,22 +9,12 @@ import h5py
 import numpy as np
 import pytest
 from batch_reference import write_batch
-from click.testing import CliRunner
-
-from segcli.cli import main
+from invoke import ok, run
 
 SHARDS = 4
 OPS = ["rms_norm", "forces", "+", "mul", "forces", "w"]
 
 
-def run(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def ok(*args):
-    result = run(*args)
-    assert result.exit_code == 0, result.output
-    return result
 
 
 def refused(tmp_path, args, *needles):
